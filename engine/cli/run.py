@@ -1,0 +1,65 @@
+"""``rackbed run SCENARIO``: simulate a scenario file (serving deployment or a kernel-figure study)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="simulate a scenario (YAML path or shipped name)",
+        description="Simulate a scenario and write metrics, plots and a Perfetto trace. "
+        "SCENARIO is a YAML file or the name of a shipped scenario (see `rackbed run --list`).",
+    )
+    p.add_argument("scenario", nargs="?", default="nvl72-default", help="YAML file or shipped name")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>)")
+    p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
+    p.set_defaults(func=_main)
+
+
+def load_yaml(path: Path) -> dict:
+    """Parse a YAML scenario; one-line errors naming the file and line."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ValueError(f"{path}{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _main(args: argparse.Namespace) -> int:
+    import scenarios
+    from rich.console import Console
+
+    console = Console()
+    if args.list:
+        for name in scenarios.available():
+            console.print(name)
+        return 0
+    path = scenarios.resolve(args.scenario)
+    data = load_yaml(path)
+    kind = data.get("kind", "serving")
+    out = args.out or Path("rackbed-out") / path.stem
+    if kind == "figure":
+        from sim.figures import run_figure
+
+        run_figure(path, out, console=console)
+        return 0
+    if kind == "serving":
+        from sim.scenario import run_serving
+
+        run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress)
+        return 0
+    raise ValueError(f"{path}: kind: expected 'serving' or 'figure', got {kind!r}")
