@@ -1,0 +1,485 @@
+"""Qwen3-MoE in torch, sharded the way the write-up shards it.
+
+Prefill (``forward_prefill``): attention heads split over the TP group (KV heads replicated when tp > KV heads),
+experts split over the same ranks (EP = TP), input replicated; attention output and MoE output are partial sums
+reduced with an all-reduce — "local select, local accumulate, all-reduce".
+
+Decode (``forward_decode``): data parallel attention (every rank holds all heads and its own requests' KV) and
+expert parallel MoE through a sparse all-to-all: each rank sends every token once to each rank owning one of its
+top-k experts (dispatch), the owner applies its experts, results come back to the source rank and are summed there
+(combine).
+
+The KV cache is paged and HND: per layer ``[pages, 2 (K|V), kv_heads, page_tokens, head_dim]`` — heads leading,
+tokens contiguous — the layout ``engine.core.kv`` plans transfers for.
+
+Shape legend: T = tokens in the step, B = sequences, D = hidden, Hq / Hkv = local query / KV heads, Dh = head dim,
+E = local experts, F = expert width (moe_intermediate), V = vocab, P = pages, S = tokens per page, L = layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F_
+
+from engine.real.comm import Comm
+
+
+@dataclass(frozen=True)
+class TorchModelConfig:
+    """What the torch model needs; built from an ``engine.core.model.ModelSpec`` or a Hugging Face config."""
+
+    hidden: int
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    moe_intermediate: int
+    vocab: int
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    norm_topk_prob: bool = True
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @classmethod
+    def from_spec(cls, spec, n_layers: int | None = None, **overrides) -> TorchModelConfig:
+        """From a ModelSpec (Qwen3-MoE family: full attention in every layer, MoE in every layer)."""
+        if any(t != "full" for t in spec.layer_types):
+            raise ValueError(f"model {spec.name}: the torch engine runs full-attention Qwen3-MoE models only "
+                             "(linear-attention layers are simulated, not run)")
+        if spec.n_shared_experts:
+            raise ValueError(f"model {spec.name}: shared experts are not supported by the torch engine yet")
+        kw = dict(hidden=spec.hidden, n_layers=n_layers or spec.n_layers, n_q_heads=spec.n_q_heads,
+                  n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, n_experts=spec.n_experts, top_k=spec.top_k,
+                  moe_intermediate=spec.moe_intermediate, vocab=spec.vocab, tie_embeddings=spec.tie_embeddings)
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def from_hf(cls, hf_config) -> TorchModelConfig:
+        """From a transformers ``Qwen3MoeConfig`` (object or dict)."""
+        get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, dict) else (
+            lambda k, d=None: getattr(hf_config, k, d))
+        rope = get("rope_parameters") or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        return cls(hidden=get("hidden_size"), n_layers=get("num_hidden_layers"),
+                   n_q_heads=get("num_attention_heads"), n_kv_heads=get("num_key_value_heads"),
+                   head_dim=get("head_dim") or get("hidden_size") // get("num_attention_heads"),
+                   n_experts=get("num_experts"), top_k=get("num_experts_per_tok"),
+                   moe_intermediate=get("moe_intermediate_size"), vocab=get("vocab_size"),
+                   rope_theta=float(theta or get("rope_theta", 1_000_000.0)), rms_eps=get("rms_norm_eps", 1e-6),
+                   norm_topk_prob=bool(get("norm_topk_prob", True)),
+                   tie_embeddings=bool(get("tie_word_embeddings", False)))
+
+    def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * elem_bytes
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which slice of the model one rank holds.
+
+    attn_tp / attn_rank: the attention TP group (1 for a DP decoder rank); ep / ep_rank: the expert group.
+    Query heads are split contiguously; each rank holds the KV heads its query heads read (so with tp > KV heads a
+    KV head is replicated on tp / KV-heads ranks). Experts are split contiguously.
+    """
+
+    attn_tp: int = 1
+    attn_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+
+    def q_heads(self, cfg: TorchModelConfig) -> range:
+        if cfg.n_q_heads % self.attn_tp:
+            raise ValueError(f"tp={self.attn_tp} does not divide {cfg.n_q_heads} query heads")
+        per = cfg.n_q_heads // self.attn_tp
+        return range(self.attn_rank * per, (self.attn_rank + 1) * per)
+
+    def kv_heads(self, cfg: TorchModelConfig) -> range:
+        group = cfg.n_q_heads // cfg.n_kv_heads
+        q = self.q_heads(cfg)
+        return range(q.start // group, (q.stop - 1) // group + 1)
+
+    def experts(self, cfg: TorchModelConfig) -> range:
+        if cfg.n_experts % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide {cfg.n_experts} experts")
+        per = cfg.n_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights
+
+
+def _randn(shape, gen: torch.Generator, std: float, device, dtype) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, device=gen.device, dtype=torch.float32) * std).to(device, dtype)
+
+
+def random_layer_weights(cfg: TorchModelConfig, layer: int, seed: int, device, dtype) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights of one decoder layer, drawn from a generator seeded by (seed, layer).
+
+    Drawn on ``device`` (a CUDA generator when the device is CUDA) so a Qwen3-235B-width layer (~4.8 GB bf16) is
+    not generated on the host. The same (seed, layer, device type) always gives the same tensors, so every sharding
+    of a model slices the same full weights.
+    """
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed * 1_000_003 + layer + 1)
+    D, Dh, E, Fw = cfg.hidden, cfg.head_dim, cfg.n_experts, cfg.moe_intermediate
+    s = cfg.init_std
+    return {
+        "q_proj": _randn((cfg.n_q_heads * Dh, D), gen, s, dev, dtype),
+        "k_proj": _randn((cfg.n_kv_heads * Dh, D), gen, s, dev, dtype),
+        "v_proj": _randn((cfg.n_kv_heads * Dh, D), gen, s, dev, dtype),
+        "o_proj": _randn((D, cfg.n_q_heads * Dh), gen, s, dev, dtype),
+        "q_norm": 1.0 + _randn((Dh,), gen, 0.1, dev, dtype),
+        "k_norm": 1.0 + _randn((Dh,), gen, 0.1, dev, dtype),
+        "input_norm": 1.0 + _randn((D,), gen, 0.1, dev, dtype),
+        "post_norm": 1.0 + _randn((D,), gen, 0.1, dev, dtype),
+        "router": _randn((E, D), gen, s, dev, dtype),
+        "gate_up": _randn((E, 2 * Fw, D), gen, s, dev, dtype),
+        "down": _randn((E, D, Fw), gen, s, dev, dtype),
+    }
+
+
+def random_global_weights(cfg: TorchModelConfig, seed: int, device, dtype) -> dict[str, torch.Tensor]:
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed * 1_000_003)
+    emb = _randn((cfg.vocab, cfg.hidden), gen, cfg.init_std, dev, dtype)
+    out = {"embed": emb, "final_norm": 1.0 + _randn((cfg.hidden,), gen, 0.1, dev, dtype)}
+    out["lm_head"] = emb if cfg.tie_embeddings else _randn((cfg.vocab, cfg.hidden), gen, cfg.init_std, dev, dtype)
+    return out
+
+
+def hf_layer_weights(state: dict[str, torch.Tensor], cfg: TorchModelConfig, layer: int) -> dict[str, torch.Tensor]:
+    """One layer's full weights from a Hugging Face Qwen3-MoE state dict.
+
+    Accepts both expert layouts: fused 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` (transformers >= 5) and
+    per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (the published safetensors checkpoints).
+    """
+    p = f"model.layers.{layer}."
+    g = state.get
+    out = {
+        "q_proj": state[p + "self_attn.q_proj.weight"], "k_proj": state[p + "self_attn.k_proj.weight"],
+        "v_proj": state[p + "self_attn.v_proj.weight"], "o_proj": state[p + "self_attn.o_proj.weight"],
+        "q_norm": state[p + "self_attn.q_norm.weight"], "k_norm": state[p + "self_attn.k_norm.weight"],
+        "input_norm": state[p + "input_layernorm.weight"], "post_norm": state[p + "post_attention_layernorm.weight"],
+        "router": state[p + "mlp.gate.weight"],
+    }
+    if g(p + "mlp.experts.gate_up_proj") is not None:
+        out["gate_up"] = state[p + "mlp.experts.gate_up_proj"]
+        out["down"] = state[p + "mlp.experts.down_proj"]
+    else:
+        e_range = range(cfg.n_experts)
+        out["gate_up"] = torch.stack([torch.cat([state[f"{p}mlp.experts.{e}.gate_proj.weight"],
+                                                 state[f"{p}mlp.experts.{e}.up_proj.weight"]], 0) for e in e_range])
+        out["down"] = torch.stack([state[f"{p}mlp.experts.{e}.down_proj.weight"] for e in e_range])
+    return out
+
+
+def hf_global_weights(state: dict[str, torch.Tensor], cfg: TorchModelConfig) -> dict[str, torch.Tensor]:
+    emb = state["model.embed_tokens.weight"]
+    lm = state.get("lm_head.weight", emb if cfg.tie_embeddings else None)
+    if lm is None:
+        raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+    return {"embed": emb, "final_norm": state["model.norm.weight"], "lm_head": lm}
+
+
+def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
+    """Slice a layer's full weights to what ``shard`` holds (copies, so the full tensors can be freed)."""
+    Dh = cfg.head_dim
+    q, kv, ex = shard.q_heads(cfg), shard.kv_heads(cfg), shard.experts(cfg)
+    return {
+        "q_proj": full["q_proj"][q.start * Dh:q.stop * Dh].clone(),
+        "k_proj": full["k_proj"][kv.start * Dh:kv.stop * Dh].clone(),
+        "v_proj": full["v_proj"][kv.start * Dh:kv.stop * Dh].clone(),
+        "o_proj": full["o_proj"][:, q.start * Dh:q.stop * Dh].clone(),
+        "q_norm": full["q_norm"], "k_norm": full["k_norm"],
+        "input_norm": full["input_norm"], "post_norm": full["post_norm"],
+        "router": full["router"],
+        "gate_up": full["gate_up"][ex.start:ex.stop].clone(),
+        "down": full["down"][ex.start:ex.stop].clone(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Paged HND KV cache
+
+
+@dataclass
+class PagedKvCache:
+    """Paged KV cache, HND: ``storage[layer]`` is ``[P, 2, Hkv, S, Dh]`` (K then V, heads leading, tokens
+    contiguous inside a page). Pages are handed out by the caller (the scheduler's block manager or a simple
+    free list here)."""
+
+    n_layers: int
+    n_pages: int
+    kv_heads: int
+    page_tokens: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    storage: torch.Tensor = field(init=False)
+    free_pages: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.storage = torch.zeros(self.n_layers, self.n_pages, 2, self.kv_heads, self.page_tokens, self.head_dim,
+                                   dtype=self.dtype, device=self.device)
+        self.free_pages = list(range(self.n_pages - 1, -1, -1))
+
+    def alloc(self, n_tokens: int) -> list[int]:
+        need = -(-n_tokens // self.page_tokens)
+        if need > len(self.free_pages):
+            raise MemoryError(f"KV cache full: need {need} pages, {len(self.free_pages)} free")
+        return [self.free_pages.pop() for _ in range(need)]
+
+    def grow(self, pages: list[int], n_tokens: int) -> None:
+        """Make ``pages`` long enough for ``n_tokens`` tokens."""
+        while len(pages) * self.page_tokens < n_tokens:
+            if not self.free_pages:
+                raise MemoryError("KV cache full")
+            pages.append(self.free_pages.pop())
+
+    def free(self, pages: list[int]) -> None:
+        self.free_pages.extend(reversed(pages))
+
+    def write(self, layer: int, pages: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K, V ``[Hkv, T, Dh]`` for token positions start..start+T-1 of one sequence."""
+        S = self.page_tokens
+        T = k.shape[1]
+        pos = torch.arange(start, start + T, device=k.device)
+        page_idx = torch.as_tensor(pages, device=k.device)[pos // S]
+        slot = pos % S
+        st = self.storage[layer]
+        st[page_idx, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
+        st[page_idx, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
+
+    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[B, Hkv, maxP*S, Dh]`` for a padded page table ``[B, maxP]`` (pad entries may be any page)."""
+        st = self.storage[layer][page_table]  # [B, maxP, 2, Hkv, S, Dh]
+        B, P_, _, H, S, Dh = st.shape
+        kv = st.permute(2, 0, 3, 1, 4, 5).reshape(2, B, H, P_ * S, Dh)
+        return kv[0], kv[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of ``x [..., T, Dh]`` at positions ``pos [T]`` (or broadcastable)."""
+    Dh = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, Dh, 2, device=x.device, dtype=torch.float32) / Dh))
+    f = pos.to(torch.float32)[..., None] * inv
+    emb = torch.cat((f, f), -1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : Dh // 2], x[..., Dh // 2:]
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+class ShardedQwen3Moe:
+    """The sharded model of one rank. Not an ``nn.Module``: weights are plain tensors (inference only).
+
+    ``comm`` provides the collectives (torch.distributed groups, or the peer-memory kernels on GPUs).
+    """
+
+    def __init__(self, cfg: TorchModelConfig, shard: Shard, comm: Comm, layers: list[dict[str, torch.Tensor]],
+                 glob: dict[str, torch.Tensor]) -> None:
+        self.cfg, self.shard, self.comm = cfg, shard, comm
+        self.layers, self.glob = layers, glob
+        self.q_heads, self.kv_heads, self.experts = shard.q_heads(cfg), shard.kv_heads(cfg), shard.experts(cfg)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    # -- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def random(cls, cfg: TorchModelConfig, shard: Shard, comm: Comm, *, seed: int = 0, device="cpu",
+               dtype=torch.float32) -> ShardedQwen3Moe:
+        layers = []
+        for i in range(cfg.n_layers):
+            full = random_layer_weights(cfg, i, seed, device, dtype)
+            layers.append(shard_layer(full, cfg, shard))
+            del full
+        return cls(cfg, shard, comm, layers, random_global_weights(cfg, seed, device, dtype))
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard, comm: Comm, *,
+                        device="cpu", dtype=torch.float32) -> ShardedQwen3Moe:
+        conv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+        layers = [{k: conv(v) for k, v in shard_layer(hf_layer_weights(state, cfg, i), cfg, shard).items()}
+                  for i in range(cfg.n_layers)]
+        glob = {k: conv(v) for k, v in hf_global_weights(state, cfg).items()}
+        return cls(cfg, shard, comm, layers, glob)
+
+    def new_cache(self, n_pages: int, page_tokens: int, *, device=None, dtype=None) -> PagedKvCache:
+        ref = self.glob["embed"]
+        return PagedKvCache(self.cfg.n_layers, n_pages, len(self.kv_heads), page_tokens, self.cfg.head_dim,
+                            dtype=dtype or ref.dtype, device=device or ref.device)
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+    def _qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
+        """h [T, D] -> q [Hq, T, Dh], k, v [Hkv, T, Dh] with qk-norm and RoPE applied."""
+        cfg, Dh = self.cfg, self.cfg.head_dim
+        T = h.shape[0]
+        q = (h @ w["q_proj"].T).view(T, -1, Dh).transpose(0, 1)
+        k = (h @ w["k_proj"].T).view(T, -1, Dh).transpose(0, 1)
+        v = (h @ w["v_proj"].T).view(T, -1, Dh).transpose(0, 1)
+        q = rope(rms_norm(q, w["q_norm"], cfg.rms_eps), pos, cfg.rope_theta)
+        k = rope(rms_norm(k, w["k_norm"], cfg.rms_eps), pos, cfg.rope_theta)
+        return q, k, v
+
+    def _gqa_map(self) -> torch.Tensor:
+        """For each local query head, the index of its KV head among the local KV heads."""
+        group = self.cfg.n_q_heads // self.cfg.n_kv_heads
+        return torch.tensor([h // group - self.kv_heads.start for h in self.q_heads])
+
+    def _route(self, w, h: torch.Tensor):
+        """Top-k routing (softmax over all experts, top-k, optional renormalisation), as Qwen3-MoE does."""
+        probs = torch.softmax((h @ w["router"].T).float(), dim=-1)
+        topw, topi = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            topw = topw / topw.sum(-1, keepdim=True)
+        return topi, topw.to(h.dtype)
+
+    def _local_experts(self, w, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """sum_j wts[t, j] * expert_{ids[t, j]}(x[t]) over the (t, j) whose expert is local; ids are global."""
+        e0 = self.experts.start
+        out = torch.zeros_like(x)
+        local = (ids >= e0) & (ids < self.experts.stop)
+        t_idx, j_idx = local.nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            return out
+        e_loc = ids[t_idx, j_idx] - e0
+        order = torch.argsort(e_loc, stable=True)
+        t_idx, j_idx, e_loc = t_idx[order], j_idx[order], e_loc[order]
+        xs = x[t_idx]                                                     # [R, D]
+        counts = torch.bincount(e_loc, minlength=len(self.experts))
+        y = grouped_swiglu(xs, w["gate_up"], w["down"], counts)           # [R, D]
+        out.index_add_(0, t_idx, y * wts[t_idx, j_idx, None])
+        return out
+
+    # -- prefill: TP attention + EP MoE on replicated input -------------------------------------------------------
+    def forward_prefill(self, seqs: list[torch.Tensor], cache: PagedKvCache, page_tables: list[list[int]]):
+        """Prefill whole prompts. ``seqs``: token ids ``[T_i]`` per sequence; KV written to ``page_tables``.
+        Returns the logits of each sequence's last position ``[B, V]``."""
+        cfg = self.cfg
+        lens = [int(s.numel()) for s in seqs]
+        ids = torch.cat(seqs)
+        pos = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        x = self.glob["embed"][ids]                                       # [T, D]
+        gmap = self._gqa_map().to(ids.device)
+        for li, w in enumerate(self.layers):
+            h = rms_norm(x, w["input_norm"], cfg.rms_eps)
+            q, k, v = self._qkv(w, h, pos)
+            outs, off = [], 0
+            for si, n in enumerate(lens):
+                qs, ks, vs = q[:, off:off + n], k[:, off:off + n], v[:, off:off + n]
+                cache.write(li, page_tables[si], 0, ks, vs)
+                o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], is_causal=True, scale=self.scale)
+                outs.append(o)
+                off += n
+            attn = torch.cat(outs, 1).transpose(0, 1).reshape(len(ids), -1)  # [T, Hq*Dh]
+            x = x + self.comm.tp_all_reduce(attn @ w["o_proj"].T)
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            topi, topw = self._route(w, h)
+            x = x + self.comm.ep_all_reduce(self._local_experts(w, h, topi, topw))
+        last = torch.tensor(lens, device=ids.device).cumsum(0) - 1
+        return self._logits(x[last])
+
+    # -- decode: DP attention + DP-EP MoE via sparse all-to-all ----------------------------------------------------
+    def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
+                       page_table: torch.Tensor) -> torch.Tensor:
+        """One decode step for this rank's batch. ``tokens [B]`` at ``positions [B]`` (0-based; the KV of earlier
+        positions is in the cache), ``page_table [B, maxP]``. Every rank of the EP group must call this in the same
+        step (B may be 0). Returns logits ``[B, V]``."""
+        cfg = self.cfg
+        B = tokens.shape[0]
+        x = self.glob["embed"][tokens]                                    # [B, D]
+        gmap = self._gqa_map().to(tokens.device)
+        S = cache.page_tokens
+        for li, w in enumerate(self.layers):
+            h = rms_norm(x, w["input_norm"], cfg.rms_eps)
+            if B:
+                q, k, v = self._qkv(w, h, positions)                     # q [Hq, B, Dh], k/v [Hkv, B, Dh]
+                st = cache.storage[li]
+                page = page_table.gather(1, (positions // S)[:, None])[:, 0]
+                st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
+                st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
+                K, V = cache.gather(li, page_table)                       # [B, Hkv, maxP*S, Dh]
+                ctx = torch.arange(K.shape[2], device=tokens.device)
+                mask = ctx[None, :] <= positions[:, None]                 # [B, ctx]
+                qb = q.transpose(0, 1)[:, :, None, :]                     # [B, Hq, 1, Dh]
+                o = F_.scaled_dot_product_attention(qb, K[:, gmap], V[:, gmap], attn_mask=mask[:, None, None, :],
+                                                    scale=self.scale)
+                x = x + o.reshape(B, -1) @ w["o_proj"].T
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            topi, topw = self._route(w, h) if B else (
+                torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device), torch.zeros(0, cfg.top_k, dtype=x.dtype,
+                                                                                          device=x.device))
+            x = x + self._moe_dp_ep(w, h, topi, topw)
+        return self._logits(x)
+
+    def _moe_dp_ep(self, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
+        """Sparse all-to-all MoE: dispatch each token once per destination rank, apply local experts, combine."""
+        ep = self.shard.ep
+        if ep == 1:
+            return self._local_experts(w, h, topi, topw)
+        per = self.cfg.n_experts // ep
+        k = self.cfg.top_k
+        dst = topi // per                                                  # [B, k] owning rank of each choice
+        B = h.shape[0]
+        # one row per (token, destination rank) pair: token index and, per top-k slot, expert id or -1
+        pair = torch.zeros(B, ep, dtype=torch.bool, device=h.device)
+        if B:
+            pair[torch.arange(B, device=h.device)[:, None].expand(B, k), dst] = True
+        rows_d, rows_t = pair.T.nonzero(as_tuple=True)                    # sorted by destination, then token
+        send_counts = torch.bincount(rows_d, minlength=ep)
+        meta_ids = torch.where(dst[rows_t] == rows_d[:, None], topi[rows_t], torch.full_like(topi[rows_t], -1))
+        meta_w = topw[rows_t]
+        recv_counts = self.comm.ep_exchange_counts(send_counts)
+        x_recv = self.comm.ep_all_to_all(h[rows_t], send_counts, recv_counts)
+        ids_recv = self.comm.ep_all_to_all(meta_ids, send_counts, recv_counts)
+        w_recv = self.comm.ep_all_to_all(meta_w, send_counts, recv_counts)
+        masked_w = torch.where(ids_recv >= 0, w_recv, torch.zeros_like(w_recv))
+        y_recv = self._local_experts(w, x_recv, ids_recv.clamp(min=0), masked_w)
+        y_back = self.comm.ep_all_to_all(y_recv, recv_counts, send_counts)
+        out = torch.zeros_like(h)
+        out.index_add_(0, rows_t, y_back)
+        return out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.glob["final_norm"], self.cfg.rms_eps) @ self.glob["lm_head"].T
+
+
+def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert: ``x [R, D]`` sorted by expert, ``counts [E]`` rows per expert,
+    ``gate_up [E, 2F, D]``, ``down [E, D, F]`` -> ``[R, D]``.
+
+    On CUDA with bf16 this is two ``torch._grouped_mm`` calls (the kernels issue swaps in its own kernel behind this
+    call); elsewhere a loop over the experts that have rows.
+    """
+    Fw = down.shape[-1]
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gu = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)     # [R, 2F]
+        a = F_.silu(gu[:, :Fw]) * gu[:, Fw:]
+        return torch._grouped_mm(a, down.transpose(1, 2), offs=offs)      # [R, D]
+    out = torch.empty(x.shape[0], down.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            xe = x[start:start + n]
+            gu = xe @ gate_up[e].T
+            out[start:start + n] = (F_.silu(gu[:, :Fw]) * gu[:, Fw:]) @ down[e].T
+            start += n
+    return out
