@@ -1,0 +1,202 @@
+"""Preset racks and clusters, and the builder that turns a :class:`ClusterSpec` into a :class:`Topology`.
+
+Presets (``topology.load(name)``):
+
+- ``gb200-nvl72``: 18 compute trays × (4 GPUs + 2 Grace, each Grace joined by NVLink-C2C to 2 GPUs), 18
+  NVLink-5 switch ASICs (9 switch trays × 2), every GPU one link to every ASIC (18 × 50 = 900 GB/s per
+  direction), one CX-7 per GPU on a Quantum-2 fabric (72 NICs > 64 ports: 3 leaves + 2 spines). Source:
+  NVIDIA GB200 NVL72 datasheet / DESIGN.md.
+- ``hgx-h200``: 8 H200 + 4 NVSwitch-3 (NVLS); the 18 links of each GPU go 5/4/4/5 to the four switches (HGX
+  H100/H200 baseboard), 2 x86 CPUs on PCIe, one CX-7 per GPU on a Quantum-2 leaf.
+- ``hgx-h200-efa``: the same node as AWS p5en: 16 EFA devices (2 per GPU, 200 Gb/s each = 3200 Gb/s per node),
+  no GPU-initiated RDMA.
+- ``hgx-b200``: 8 B200 + 2 NVLink-5 switch chips (9 links from every GPU to each), CX-7 per GPU (DGX B200).
+- ``h200x2``: the lab box — 2 H200 joined directly by 18 NVLink-4 links (NV18, 450 GB/s per direction line
+  rate, 385 GB/s measured), one x86 CPU, no scale-out NIC.
+- ``NAME*N``: N copies of a preset's rack joined by its fabric (e.g. ``hgx-h200*2``, ``gb200-nvl72*2``). GPU
+  ids run 0..N*g-1, hosts are numbered globally, fabric switches are rebuilt for all NICs.
+
+Numbering (every builder output): rack by rack, node by node; within a node GPUs, then CPUs, then NICs
+(NIC ``k`` of GPU ``i`` is ``nic:i*nics_per_gpu+k``), then in-node NVSwitches; rack-level NVSwitches after the
+rack's nodes; fabric leaves ``ibsw:0..L-1`` then spines.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import networkx as nx
+
+from topology.errors import UserError
+from topology.graph import Topology
+from topology.specs import (
+    B200_HGX,
+    C2C,
+    CX7_IB,
+    EFA_200,
+    EFA_FABRIC,
+    EFA_P5EN,
+    GB200_GPU,
+    GRACE,
+    H200_SXM,
+    IB_NDR,
+    NVLINK4,
+    NVLINK4_DIRECT,
+    NVLINK5,
+    NVLINK_SWITCH5,
+    NVSWITCH3,
+    PCIE5_X16,
+    QUANTUM2,
+    XEON_8480C,
+    ClusterSpec,
+    FabricSpec,
+    NodeSpec,
+    RackSpec,
+)
+
+IB_FABRIC = FabricSpec(switch=QUANTUM2, link=IB_NDR)
+EFA_NET = FabricSpec(switch=EFA_FABRIC, link=EFA_200)
+
+GB200_TRAY = NodeSpec(
+    name="GB200 compute tray", gpu=GB200_GPU, n_gpus=4, cpu=GRACE, n_cpus=2, cpu_link=C2C,
+    nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
+)
+HGX_H200 = NodeSpec(
+    name="HGX H200", gpu=H200_SXM, n_gpus=8, cpu=XEON_8480C, n_cpus=2, cpu_link=PCIE5_X16,
+    nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
+    nvlink=NVLINK4, nvswitch=NVSWITCH3, links_per_switch=(5, 4, 4, 5),
+)
+HGX_H200_EFA = HGX_H200.model_copy(update={"name": "HGX H200 (p5en, EFA)", "nic": EFA_P5EN, "nics_per_gpu": 2})
+HGX_B200 = NodeSpec(
+    name="HGX B200", gpu=B200_HGX, n_gpus=8, cpu=XEON_8480C, n_cpus=2, cpu_link=PCIE5_X16,
+    nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
+    nvlink=NVLINK5, nvswitch=NVLINK_SWITCH5, links_per_switch=(9, 9),
+)
+H200X2_BOX = NodeSpec(
+    name="h200x2 lab box", gpu=H200_SXM, n_gpus=2, cpu=XEON_8480C, n_cpus=1, cpu_link=PCIE5_X16,
+    nvlink=NVLINK4_DIRECT, direct_links=18,
+)
+
+PRESETS: dict[str, ClusterSpec] = {
+    "gb200-nvl72": ClusterSpec(
+        name="gb200-nvl72",
+        rack=RackSpec(name="GB200 NVL72", node=GB200_TRAY, n_nodes=18, nvswitch=NVLINK_SWITCH5, n_nvswitches=18,
+                      links_per_switch=1, nvlink=NVLINK5),
+        fabric=IB_FABRIC,
+    ),
+    "hgx-h200": ClusterSpec(name="hgx-h200", rack=RackSpec(name="HGX H200", node=HGX_H200, n_nodes=1),
+                            fabric=IB_FABRIC),
+    "hgx-h200-efa": ClusterSpec(name="hgx-h200-efa",
+                                rack=RackSpec(name="HGX H200 p5en", node=HGX_H200_EFA, n_nodes=1),
+                                fabric=EFA_NET),
+    "hgx-b200": ClusterSpec(name="hgx-b200", rack=RackSpec(name="HGX B200", node=HGX_B200, n_nodes=1),
+                            fabric=IB_FABRIC),
+    "h200x2": ClusterSpec(name="h200x2", rack=RackSpec(name="h200x2", node=H200X2_BOX, n_nodes=1)),
+}
+
+_MULTI = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)\s*\*\s*(?P<n>[^*]+)$")
+MAX_COPIES = 64
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def cluster_spec(name: str) -> ClusterSpec:
+    """The ClusterSpec of a preset name or ``NAME*N``; UserError for unknown names or bad N."""
+    m = _MULTI.match(name.strip())
+    base, n = (m.group("name"), m.group("n").strip()) if m else (name.strip(), None)
+    if base not in PRESETS:
+        raise UserError(f"unknown topology {name!r}: not a preset ({', '.join(PRESETS)}; NAME*N for N copies) "
+                        f"nor an existing file")
+    spec = PRESETS[base]
+    if n is None:
+        return spec
+    if not n.isdigit() or not 1 <= int(n) <= MAX_COPIES:
+        raise UserError(f"topology {name!r}: the copy count N in NAME*N must be an integer 1..{MAX_COPIES}")
+    copies = int(n)
+    if copies > 1 and spec.fabric is None:
+        raise UserError(f"topology {name!r}: {base} has no scale-out network to join copies with")
+    return spec.model_copy(update={"name": f"{base}*{copies}", "n_racks": spec.n_racks * copies})
+
+
+def preset(name: str) -> Topology:
+    """Build a preset (or ``NAME*N``) topology."""
+    return build(cluster_spec(name))
+
+
+def build(c: ClusterSpec) -> Topology:
+    """Expand a ClusterSpec into the graph described in ``topology.graph`` (numbering in the module doc)."""
+    g = nx.Graph()
+    count = {"gpu": 0, "nvsw": 0, "cpu": 0, "nic": 0, "ibsw": 0}
+
+    def add(kind: str, spec, host: int | None = None) -> str:
+        nid = f"{kind}:{count[kind]}"
+        count[kind] += 1
+        g.add_node(nid, kind=kind, spec=spec, host=host)
+        return nid
+
+    rack, node = c.rack, c.rack.node
+    nics: list[str] = []
+    host = 0
+    for _ in range(c.n_racks):
+        rack_gpus: list[str] = []
+        for _ in range(rack.n_nodes):
+            gpus = [add("gpu", node.gpu, host) for _ in range(node.n_gpus)]
+            cpus = [add("cpu", node.cpu, host) for _ in range(node.n_cpus)]
+            for i, gid in enumerate(gpus):
+                if cpus:
+                    g.add_edge(gid, cpus[i * len(cpus) // len(gpus)], link=node.cpu_link)
+            for gid in gpus:
+                for _ in range(node.nics_per_gpu):
+                    nic = add("nic", node.nic, host)
+                    g.add_edge(gid, nic, link=node.nic_link)
+                    nics.append(nic)
+            if node.nvswitch is not None:
+                switches = [add("nvsw", node.nvswitch) for _ in node.links_per_switch]
+                for gid in gpus:
+                    for sw, k in zip(switches, node.links_per_switch):
+                        g.add_edge(gid, sw, link=node.nvlink.bundle(k))
+            elif node.direct_links:
+                for i in range(len(gpus)):
+                    for j in range(i + 1, len(gpus)):
+                        g.add_edge(gpus[i], gpus[j], link=node.nvlink.bundle(node.direct_links))
+            rack_gpus += gpus
+            host += 1
+        if rack.nvswitch is not None:
+            switches = [add("nvsw", rack.nvswitch) for _ in range(rack.n_nvswitches)]
+            for gid in rack_gpus:
+                for sw in switches:
+                    g.add_edge(gid, sw, link=rack.nvlink.bundle(rack.links_per_switch))
+    if c.fabric is not None:
+        _add_fabric(g, c, nics, add)
+    return Topology(g, c.name)
+
+
+def _add_fabric(g: nx.Graph, c: ClusterSpec, nics: list[str], add) -> None:
+    """One switch when the NICs fit its ports; else a two-level fat tree: leaves with ``ports // 2`` NIC ports
+    and the rest up, ``ceil(leaves × up / ports)`` spines, each leaf–spine edge bundling ``up // spines``
+    links."""
+    sw, link = c.fabric.switch, c.fabric.link
+    ports = sw.ports
+    if len(nics) <= ports:
+        leaf = add("ibsw", sw)
+        for nic in nics:
+            g.add_edge(nic, leaf, link=link)
+        return
+    down = ports // 2
+    up = ports - down
+    n_leaves = math.ceil(len(nics) / down)
+    if down == 0 or n_leaves > ports:
+        raise UserError(f"{c.name}: {len(nics)} NICs exceed a two-level fat tree of {ports}-port "
+                        f"{sw.name or 'switches'} (at most {ports * down} NICs)")
+    n_spines = math.ceil(n_leaves * up / ports)
+    leaves = [add("ibsw", sw) for _ in range(n_leaves)]
+    spines = [add("ibsw", sw) for _ in range(n_spines)]
+    for k, nic in enumerate(nics):
+        g.add_edge(nic, leaves[k // down], link=link)
+    per_pair = up // n_spines
+    for leaf in leaves:
+        for spine in spines:
+            g.add_edge(leaf, spine, link=link.bundle(per_pair))
