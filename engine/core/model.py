@@ -1,0 +1,562 @@
+"""Model architecture specs and the quantities derived from them (parameters, bytes, FLOPs, KV / state sizes).
+
+A ``ModelSpec`` describes a decoder-only MoE transformer of the Qwen3 / Qwen3-Next / Qwen3.5 families:
+
+* token mixers per layer (``layer_types``): ``"full"`` = softmax attention with GQA (optionally *gated*:
+  q_proj also emits a per-channel sigmoid gate for the output, so it is 2x wide; optionally qk RMSNorm), or
+  ``"linear"`` = Gated DeltaNet (in_proj_qkvz: hidden -> 2*Hk*Dk + 2*Hv*Dv, in_proj_ba: hidden -> 2*Hv,
+  depthwise causal conv1d of width ``linear_conv`` over the 2*Hk*Dk + Hv*Dv q/k/v channels, A_log and dt_bias
+  [Hv], a gated RMSNorm over Dv, out_proj: Hv*Dv -> hidden);
+* an MLP per layer: MoE (``n_experts`` SwiGLU experts of width ``moe_intermediate``, ``top_k`` routed, router
+  hidden -> n_experts, plus ``n_shared_experts`` always-on SwiGLU experts of width ``shared_intermediate``,
+  each with a sigmoid gate hidden -> 1), or a dense SwiGLU of width ``dense_intermediate`` for layers listed
+  in ``dense_layers`` (all layers if ``n_experts == 0``);
+* two RMSNorms per layer, a final RMSNorm, embeddings and an lm_head (untied unless ``tie_embeddings``);
+* ``n_mtp_layers`` multi-token-prediction modules (Qwen3-Next/3.5 layout: RMSNorm of the embedding and of the
+  hidden state, fc: 2*hidden -> hidden, one full-attention decoder layer with the model's MLP, a final
+  RMSNorm; embeddings and lm_head shared with the main model).
+
+Counting conventions (all documented per method): ``total_params()`` and ``active_params()`` exclude MTP by
+default (published model sizes do); ``active_params`` counts embeddings and lm_head (as the published "A22B"
+does); ``flops_*`` count 2 FLOPs per multiply-accumulate.
+
+Presets (``get_model``), from the models' Hugging Face ``config.json`` files and DESIGN.md; computed totals
+vs the published names:
+
+=================  ===============  ==============  ======================================================
+preset             total (no MTP)   active          note
+=================  ===============  ==============  ======================================================
+qwen3-235b-a22b    235.09e9         22.19e9         published 235B / 22B
+qwen3-30b-a3b      30.53e9          3.35e9          published 30.5B / 3.3B
+qwen3.5-397b-a17b  396.35e9         17.35e9         published 397B / 17B: -0.16 %; the published total also
+                                                    counts the vision encoder (not modelled, text only);
+                                                    with the MTP layer the text model holds 402.94e9
+qwen3.5-122b-a10b  122.11e9         9.77e9          published 122B / 10B (active 2.3 % below the name)
+=================  ===============  ==============  ======================================================
+(exact integers are asserted in tests/test_model.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.core.formats import get_format
+from topology.errors import UserError, one_line
+
+LayerKind = Literal["full", "linear"]
+Phase = Literal["prefill", "decode"]
+
+#: FLOPs per recurrent-state element per token of a Gated DeltaNet head: decay (1), retrieval S^T k (2),
+#: rank-1 delta update (2), readout S^T q (2). Chunked prefill kernels do the same work in a different order
+#: (plus an intra-chunk term of order chunk_size * (Dk + Dv) per head that is ignored here).
+DELTANET_FLOPS_PER_STATE_ELEM = 7
+
+SUPPORTED_HF_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only (MoE) transformer, as far as serving cost is concerned. Sizes are element counts.
+
+    Field names follow docs/INTERFACES.md. Additions: ``dense_layers`` (indices of layers whose MLP is dense,
+    from HF ``mlp_only_layers`` / ``decoder_sparse_step``) and ``source`` (where the numbers come from).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    hidden: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    layer_types: tuple[LayerKind, ...]
+    n_q_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    qk_norm: bool = True
+    gated_attn: bool = False
+    linear_n_k_heads: int = Field(default=0, ge=0)
+    linear_n_v_heads: int = Field(default=0, ge=0)
+    linear_head_dim: int = Field(default=0, ge=0)
+    linear_conv: int = Field(default=0, ge=0)
+    n_experts: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0)
+    moe_intermediate: int = Field(default=0, ge=0)
+    n_shared_experts: int = Field(default=0, ge=0)
+    shared_intermediate: int = Field(default=0, ge=0)
+    dense_intermediate: int = Field(default=0, ge=0)
+    dense_layers: tuple[int, ...] = ()
+    vocab: int = Field(gt=0)
+    tie_embeddings: bool = False
+    n_mtp_layers: int = Field(default=0, ge=0)
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but n_layers is "
+                             f"{self.n_layers}")
+        if self.n_q_heads % self.n_kv_heads:
+            raise ValueError(f"n_q_heads ({self.n_q_heads}) must be a multiple of n_kv_heads "
+                             f"({self.n_kv_heads})")
+        if "linear" in self.layer_types:
+            for f in ("linear_n_k_heads", "linear_n_v_heads", "linear_head_dim", "linear_conv"):
+                if getattr(self, f) <= 0:
+                    raise ValueError(f"{f} must be > 0 when layer_types contains 'linear'")
+            if self.linear_n_v_heads % self.linear_n_k_heads:
+                raise ValueError(f"linear_n_v_heads ({self.linear_n_v_heads}) must be a multiple of "
+                                 f"linear_n_k_heads ({self.linear_n_k_heads})")
+        if self.n_experts > 0:
+            if not 1 <= self.top_k <= self.n_experts:
+                raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+            if self.moe_intermediate <= 0:
+                raise ValueError("moe_intermediate must be > 0 when n_experts > 0")
+        elif self.dense_intermediate <= 0:
+            raise ValueError("dense_intermediate must be > 0 when n_experts == 0 (every layer is dense)")
+        if list(self.dense_layers) != sorted(set(self.dense_layers)):
+            raise ValueError(f"dense_layers must be sorted and unique, got {list(self.dense_layers)}")
+        if self.dense_layers:
+            if self.dense_layers[0] < 0 or self.dense_layers[-1] >= self.n_layers:
+                raise ValueError(f"dense_layers entries must be in [0, {self.n_layers}), "
+                                 f"got {list(self.dense_layers)}")
+            if self.dense_intermediate <= 0:
+                raise ValueError("dense_intermediate must be > 0 when dense_layers is not empty")
+        if self.n_shared_experts > 0 and self.shared_intermediate <= 0:
+            raise ValueError("shared_intermediate must be > 0 when n_shared_experts > 0")
+        return self
+
+    # ---- layer structure -----------------------------------------------------------------------------------
+
+    @property
+    def n_full_layers(self) -> int:
+        return self.layer_types.count("full")
+
+    @property
+    def n_linear_layers(self) -> int:
+        return self.layer_types.count("linear")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """True if layer ``i`` (0-based) has an MoE MLP, False if its MLP is dense."""
+        if not 0 <= i < self.n_layers:
+            raise ValueError(f"{self.name}: layer index {i} out of range [0, {self.n_layers})")
+        return self.n_experts > 0 and i not in self.dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.n_layers - self.n_moe_layers
+
+    # ---- parameters (element counts) -----------------------------------------------------------------------
+
+    def _attn_matmul_params(self, kind: LayerKind) -> int:
+        """Projection weights of one token mixer (the part that is quantized)."""
+        h = self.hidden
+        if kind == "full":
+            q_out = self.n_q_heads * self.head_dim * (2 if self.gated_attn else 1)  # query (+ output gate)
+            kv_out = 2 * self.n_kv_heads * self.head_dim
+            o_in = self.n_q_heads * self.head_dim
+            return h * q_out + h * kv_out + o_in * h
+        if kind == "linear":
+            key_dim = self.linear_n_k_heads * self.linear_head_dim
+            value_dim = self.linear_n_v_heads * self.linear_head_dim
+            in_qkvz = h * (2 * key_dim + 2 * value_dim)
+            in_ba = h * 2 * self.linear_n_v_heads
+            return in_qkvz + in_ba + value_dim * h
+        raise ValueError(f"attention kind must be 'full' or 'linear', got {kind!r}")
+
+    def _attn_small_params(self, kind: LayerKind) -> int:
+        """Non-matmul parameters of one token mixer (kept in bf16): qk norms; conv1d, A_log, dt_bias, norm."""
+        if kind == "full":
+            return 2 * self.head_dim if self.qk_norm else 0
+        if kind == "linear":
+            conv = self.linear_conv_channels * self.linear_conv
+            return conv + 2 * self.linear_n_v_heads + self.linear_head_dim
+        raise ValueError(f"attention kind must be 'full' or 'linear', got {kind!r}")
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of the DeltaNet causal conv: q, k and v (2*Hk*Dk + Hv*Dv)."""
+        return (2 * self.linear_n_k_heads + self.linear_n_v_heads) * self.linear_head_dim
+
+    def params_attention_proj(self, kind: LayerKind) -> int:
+        """Projection (matmul) weights of one token mixer of ``kind``: full = q (+ gate), k, v, o;
+        linear = in_proj_qkvz, in_proj_ba, out_proj. ``weight_bytes`` stores these in the deployment
+        format."""
+        return self._attn_matmul_params(kind)
+
+    def params_attention_layer(self, kind: LayerKind) -> int:
+        """Parameters of one token mixer of ``kind`` ("full" | "linear"), norms inside it included, the
+        layer's input/post-attention RMSNorms excluded."""
+        return self._attn_matmul_params(kind) + self._attn_small_params(kind)
+
+    def params_expert(self) -> int:
+        """One routed SwiGLU expert: gate, up (hidden -> moe_intermediate) and down projections."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    def params_shared_experts(self) -> int:
+        """All shared experts of one MoE layer, each with its sigmoid gate (hidden -> 1)."""
+        return self.n_shared_experts * (3 * self.hidden * self.shared_intermediate + self.hidden)
+
+    def params_router(self) -> int:
+        return self.n_experts * self.hidden
+
+    def params_moe_layer(self) -> int:
+        """One MoE MLP: routed experts + router + shared experts (and their gates)."""
+        return self.n_experts * self.params_expert() + self.params_router() + self.params_shared_experts()
+
+    def params_dense_mlp(self) -> int:
+        return 3 * self.hidden * self.dense_intermediate
+
+    def params_mtp_layer(self) -> int:
+        """One MTP module (Qwen3-Next/3.5 layout; embeddings and lm_head shared, not counted)."""
+        h = self.hidden
+        mlp = self.params_moe_layer() if self.n_experts > 0 else self.params_dense_mlp()
+        return 2 * h * h + 3 * h + 2 * h + self.params_attention_layer("full") + mlp
+
+    def params_breakdown(self, include_mtp: bool = False) -> dict[str, int]:
+        """Parameter counts by group; the values sum to ``total_params(include_mtp)``.
+
+        Keys: embedding, lm_head, attn_full_proj, attn_linear_proj (quantizable projections), attn_small (qk
+        norms, conv1d, A_log, dt_bias, gated norm), moe_experts (routed), moe_shared (shared experts incl.
+        gates), router, dense_mlp, norms (layer RMSNorms + final norm), mtp.
+        """
+        moe = self.n_moe_layers
+        out = {
+            "embedding": self.vocab * self.hidden,
+            "lm_head": 0 if self.tie_embeddings else self.vocab * self.hidden,
+            "attn_full_proj": self.n_full_layers * self._attn_matmul_params("full"),
+            "attn_linear_proj": self.n_linear_layers * self._attn_matmul_params("linear")
+            if self.n_linear_layers else 0,
+            "attn_small": self.n_full_layers * self._attn_small_params("full")
+            + (self.n_linear_layers * self._attn_small_params("linear") if self.n_linear_layers else 0),
+            "moe_experts": moe * self.n_experts * self.params_expert(),
+            "moe_shared": moe * self.params_shared_experts(),
+            "router": moe * self.params_router(),
+            "dense_mlp": self.n_dense_layers * self.params_dense_mlp(),
+            "norms": 2 * self.hidden * self.n_layers + self.hidden,
+            "mtp": self.n_mtp_layers * self.params_mtp_layer() if include_mtp else 0,
+        }
+        return out
+
+    def total_params(self, include_mtp: bool = False) -> int:
+        """All parameters. MTP modules are excluded unless asked for (published sizes exclude them)."""
+        return sum(self.params_breakdown(include_mtp).values())
+
+    def active_params(self, include_mtp: bool = False) -> int:
+        """Parameters touched per token: everything except the routed experts not selected (top_k of n_experts
+        active). Embedding and lm_head are counted, as in the published "A22B"-style names."""
+        b = self.params_breakdown(include_mtp=False)
+        routed_active = self.n_moe_layers * self.top_k * self.params_expert()
+        n = sum(b.values()) - b["moe_experts"] + routed_active
+        if include_mtp and self.n_mtp_layers:
+            mtp_inactive = (self.n_experts - self.top_k) * self.params_expert() if self.n_experts else 0
+            n += self.n_mtp_layers * (self.params_mtp_layer() - mtp_inactive)
+        return n
+
+    def quantizable_params(self, include_mtp: bool = False) -> int:
+        """Matmul weights stored in the deployment format: attention / DeltaNet projections, routed and shared
+        experts, dense MLPs (and the MTP module's projections). The rest (embeddings, lm_head, norms, router,
+        shared-expert gates, conv1d, A_log, dt_bias) stays bf16."""
+        b = self.params_breakdown(include_mtp=False)
+        n = b["attn_full_proj"] + b["attn_linear_proj"] + b["moe_experts"] + b["dense_mlp"]
+        n += b["moe_shared"] - self.n_moe_layers * self.n_shared_experts * self.hidden  # minus sigmoid gates
+        if include_mtp and self.n_mtp_layers:
+            mlp = (self.n_experts * self.params_expert() + self.params_shared_experts()
+                   - self.n_shared_experts * self.hidden) if self.n_experts else self.params_dense_mlp()
+            n += self.n_mtp_layers * (2 * self.hidden * self.hidden + self._attn_matmul_params("full") + mlp)
+        return n
+
+    def weight_bytes(self, fmt: str = "bf16", include_mtp: bool = False) -> float:
+        """Bytes of all weights with the matmul weights (``quantizable_params``) in numeric format ``fmt``
+        (block scales included, per-tensor scales ignored) and everything else in bf16 (2 B)."""
+        bpe = get_format(fmt).bytes_per_element("weight")
+        q = self.quantizable_params(include_mtp)
+        return q * bpe + (self.total_params(include_mtp) - q) * 2
+
+    # ---- cache sizes ---------------------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self, elem_bytes: float = 2, include_mtp: bool = False) -> float:
+        """K and V bytes per token over all full-attention layers:
+        n_full * 2 * n_kv_heads * head_dim * elem_bytes (Qwen3-235B bf16: 94 * 2 * 4 * 128 * 2 = 192,512).
+        ``include_mtp`` adds the MTP layers' KV."""
+        layers = self.n_full_layers + (self.n_mtp_layers if include_mtp else 0)
+        return layers * 2 * self.n_kv_heads * self.head_dim * elem_bytes
+
+    def linear_state_bytes_per_seq(self, elem_bytes: float = 2,
+                                   conv_elem_bytes: float | None = None) -> float:
+        """Recurrent state per sequence over all Gated DeltaNet layers (independent of sequence length):
+        Hv * Dk * Dv state elements (``elem_bytes`` each; 4 for an fp32 state) plus (linear_conv - 1) *
+        conv channels of conv state (``conv_elem_bytes``, default ``elem_bytes``)."""
+        if not self.n_linear_layers:
+            return 0
+        cb = elem_bytes if conv_elem_bytes is None else conv_elem_bytes
+        state = self.linear_n_v_heads * self.linear_head_dim * self.linear_head_dim * elem_bytes
+        conv = (self.linear_conv - 1) * self.linear_conv_channels * cb
+        return self.n_linear_layers * (state + conv)
+
+    # ---- FLOPs ---------------------------------------------------------------------------------------------
+
+    def flops_breakdown(self, phase: Phase, context_len: int, prefix_len: int = 0) -> dict[str, float]:
+        """FLOPs per token by part (2 FLOPs per multiply-add), averaged over the tokens of the step.
+
+        phase="decode": one new token attending to ``context_len`` tokens (cache + itself).
+        phase="prefill": a prompt (chunk) of ``context_len`` tokens after ``prefix_len`` cached tokens;
+        attention uses the average causal context ``prefix_len + (context_len + 1) / 2``; logits are computed
+        for the last token only, so lm_head is divided by ``context_len``.
+
+        Keys: attn_proj (2 x full-attention projections), attn_core (4 * n_q_heads * head_dim * ctx per full
+        layer: QK^T and PV), linear_proj (2 x DeltaNet projections), linear_core (DeltaNet state update,
+        ``DELTANET_FLOPS_PER_STATE_ELEM`` * Hv * Dk * Dv, plus 2 * conv * channels), moe_experts (2 x top_k
+        routed experts), moe_shared, router (incl. shared-expert gates), dense_mlp, lm_head. MTP is not
+        included.
+        """
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
+        if int(context_len) != context_len or context_len < 1:
+            raise ValueError(f"context_len must be an integer >= 1, got {context_len!r}")
+        if int(prefix_len) != prefix_len or prefix_len < 0:
+            raise ValueError(f"prefix_len must be an integer >= 0, got {prefix_len!r}")
+        if phase == "decode" and prefix_len:
+            raise ValueError("prefix_len applies to prefill only (decode: pass the whole context as "
+                             "context_len)")
+        ctx = context_len if phase == "decode" else prefix_len + (context_len + 1) / 2
+        moe = self.n_moe_layers
+        lin = self.n_linear_layers
+        out = {
+            "attn_proj": 2.0 * self.n_full_layers * self._attn_matmul_params("full"),
+            "attn_core": 4.0 * self.n_full_layers * self.n_q_heads * self.head_dim * ctx,
+            "linear_proj": 2.0 * lin * self._attn_matmul_params("linear") if lin else 0.0,
+            "linear_core": float(lin * (
+                DELTANET_FLOPS_PER_STATE_ELEM * self.linear_n_v_heads * self.linear_head_dim ** 2
+                + 2 * self.linear_conv * self.linear_conv_channels)) if lin else 0.0,
+            "moe_experts": 2.0 * moe * self.top_k * self.params_expert(),
+            "moe_shared": 2.0 * moe * (self.params_shared_experts() - self.n_shared_experts * self.hidden),
+            "router": 2.0 * moe * (self.params_router() + self.n_shared_experts * self.hidden),
+            "dense_mlp": 2.0 * self.n_dense_layers * self.params_dense_mlp(),
+            "lm_head": 2.0 * self.vocab * self.hidden / (context_len if phase == "prefill" else 1),
+        }
+        return out
+
+    def flops_per_token(self, phase: Phase, context_len: int, prefix_len: int = 0) -> float:
+        """Total of ``flops_breakdown`` (FLOPs per token)."""
+        return sum(self.flops_breakdown(phase, context_len, prefix_len).values())
+
+    # ---- construction from Hugging Face configs ------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
+        """Read a Hugging Face ``config.json`` (model_type qwen3_moe, qwen3_next or qwen3_5_moe; Qwen3.5
+        keeps the text model under ``text_config``). Defaults for absent keys are those of transformers'
+        config classes (``save_pretrained`` omits keys equal to them); bad values, unsupported features and
+        other model types raise a one-line ValueError naming the file and key. ``name`` defaults to the
+        directory holding config.json (the file stem otherwise)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: expected a JSON object")
+        cfg = raw
+        mtype = raw.get("model_type")
+        if mtype == "qwen3_5_moe" and isinstance(raw.get("text_config"), dict):
+            cfg = {**raw["text_config"]}
+            cfg.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        elif mtype == "qwen3_5_moe_text":
+            mtype = "qwen3_5_moe"
+        if mtype not in SUPPORTED_HF_MODEL_TYPES:
+            raise UserError(f"{path}: model_type {mtype!r} is not supported; supported: "
+                            f"{', '.join(SUPPORTED_HF_MODEL_TYPES)}")
+        if name is None:
+            name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+        spec_kwargs = _hf_to_spec_kwargs(cfg, mtype, path)
+        try:
+            return cls(name=name, source=f"{path} (model_type {mtype})", **spec_kwargs)
+        except ValidationError as exc:
+            raise UserError(one_line(exc, path)) from None
+
+
+# Defaults of transformers' config classes (transformers 5.x configuration_qwen3_moe.py,
+# configuration_qwen3_next.py,
+# configuration_qwen3_5_moe.py: Qwen3_5MoeTextConfig). config.json files written by ``save_pretrained``
+# omit keys equal to these, so a reader must know them. head_dim None: hidden_size // num_attention_heads.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=None, tie_word_embeddings=False,
+        attention_bias=False,
+        decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
+        mlp_only_layers=[],
+    ),
+    "qwen3_next": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, tie_word_embeddings=False,
+        attention_bias=False,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts_per_tok=10, num_experts=512, mlp_only_layers=[],
+        full_attention_interval=4, mtp_num_hidden_layers=0,
+    ),
+    "qwen3_5_moe": dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, tie_word_embeddings=False, attention_bias=False,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts_per_tok=8, num_experts=256, full_attention_interval=4, mtp_num_hidden_layers=0,
+    ),
+}
+
+
+# Other spellings of a key (transformers' ``attribute_map``: Qwen3MoeConfig stores num_experts as
+# num_local_experts).
+_HF_ALIASES = {"num_experts": "num_local_experts"}
+
+
+def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str, Any]:
+    """Map HF config keys onto ModelSpec fields (see ``ModelSpec.from_hf_config``)."""
+    defaults = _HF_DEFAULTS[mtype]
+
+    def get(key: str) -> Any:
+        v = cfg.get(key)
+        if v is None and key in _HF_ALIASES:  # e.g. transformers 5 writes qwen3_moe's num_experts this way
+            v = cfg.get(_HF_ALIASES[key])
+        return defaults.get(key) if v is None else v
+
+    def get_int(key: str) -> int:
+        v = get(key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise UserError(f"{path}: {key} must be an integer, got {v!r}")
+        return v
+
+    if get("attention_bias"):
+        raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 models have no attention bias)")
+    hidden = get_int("hidden_size")
+    n_layers = get_int("num_hidden_layers")
+    n_q = get_int("num_attention_heads")
+    head_dim = get_int("head_dim") if get("head_dim") is not None else (hidden // n_q if n_q > 0 else 0)
+    n_experts = get_int("num_experts")
+    kw: dict[str, Any] = dict(
+        hidden=hidden, n_layers=n_layers, n_q_heads=n_q, n_kv_heads=get_int("num_key_value_heads"),
+        head_dim=head_dim, qk_norm=True, vocab=get_int("vocab_size"),
+        tie_embeddings=bool(get("tie_word_embeddings")),
+        n_experts=n_experts, top_k=get_int("num_experts_per_tok"),
+        moe_intermediate=get_int("moe_intermediate_size"),
+    )
+    # Which layers have a dense MLP (transformers: MoE iff i not in mlp_only_layers and num_experts > 0 and
+    # (i + 1) % decoder_sparse_step == 0). qwen3_5_moe has MoE in every layer.
+    if mtype == "qwen3_5_moe":
+        dense: list[int] = []
+    else:
+        step = get_int("decoder_sparse_step")
+        if step < 1:
+            raise UserError(f"{path}: decoder_sparse_step must be >= 1, got {step}")
+        mlp_only = get("mlp_only_layers")
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+            raise UserError(f"{path}: mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+        dense = [i for i in range(n_layers) if i in mlp_only or not (n_experts > 0 and (i + 1) % step == 0)]
+    kw["dense_layers"] = tuple(dense)
+    kw["dense_intermediate"] = get_int("intermediate_size") if dense else 0
+
+    if mtype == "qwen3_moe":
+        kw["layer_types"] = ("full",) * n_layers
+        return kw
+
+    # hybrid models: gated attention + Gated DeltaNet
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        interval = get_int("full_attention_interval")
+        if interval < 1:
+            raise UserError(f"{path}: full_attention_interval must be >= 1, got {interval}")
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                       for i in range(n_layers)]
+    kinds = {"full_attention": "full", "linear_attention": "linear"}
+    if not isinstance(layer_types, list) or any(t not in kinds for t in layer_types):
+        bad = (next((t for t in layer_types if t not in kinds), None) if isinstance(layer_types, list)
+               else layer_types)
+        raise UserError(f"{path}: layer_types entries must be 'full_attention' or 'linear_attention', "
+                        f"got {bad!r}")
+    kw["layer_types"] = tuple(kinds[t] for t in layer_types)
+    k_dim, v_dim = get_int("linear_key_head_dim"), get_int("linear_value_head_dim")
+    if k_dim != v_dim:
+        raise UserError(f"{path}: linear_key_head_dim ({k_dim}) != linear_value_head_dim ({v_dim}) "
+                        "is not supported")
+    shared = get_int("shared_expert_intermediate_size")
+    kw.update(
+        gated_attn=True,
+        linear_n_k_heads=get_int("linear_num_key_heads"),
+        linear_n_v_heads=get_int("linear_num_value_heads"),
+        linear_head_dim=k_dim,
+        linear_conv=get_int("linear_conv_kernel_dim"),
+        n_shared_experts=1 if shared > 0 else 0,
+        shared_intermediate=shared,
+        n_mtp_layers=get_int("mtp_num_hidden_layers"),
+    )
+    return kw
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Presets
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _hybrid(n_layers: int, interval: int = 4) -> tuple[LayerKind, ...]:
+    """(interval - 1) Gated DeltaNet layers then one gated-attention layer, repeated."""
+    return tuple("linear" if (i + 1) % interval else "full" for i in range(n_layers))
+
+
+_PRESETS: dict[str, ModelSpec] = {
+    "qwen3-235b-a22b": ModelSpec(
+        name="qwen3-235b-a22b", hidden=4096, n_layers=94, layer_types=("full",) * 94,
+        n_q_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True, gated_attn=False,
+        n_experts=128, top_k=8, moe_intermediate=1536, vocab=151936, tie_embeddings=False,
+        source="Qwen/Qwen3-235B-A22B config.json; DESIGN.md",
+    ),
+    "qwen3-30b-a3b": ModelSpec(
+        name="qwen3-30b-a3b", hidden=2048, n_layers=48, layer_types=("full",) * 48,
+        n_q_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True, gated_attn=False,
+        n_experts=128, top_k=8, moe_intermediate=768, vocab=151936, tie_embeddings=False,
+        source="Qwen/Qwen3-30B-A3B config.json; DESIGN.md",
+    ),
+    "qwen3.5-397b-a17b": ModelSpec(
+        name="qwen3.5-397b-a17b", hidden=4096, n_layers=60, layer_types=_hybrid(60),
+        n_q_heads=32, n_kv_heads=2, head_dim=256, qk_norm=True, gated_attn=True,
+        linear_n_k_heads=16, linear_n_v_heads=64, linear_head_dim=128, linear_conv=4,
+        n_experts=512, top_k=10, moe_intermediate=1024, n_shared_experts=1, shared_intermediate=1024,
+        vocab=248320, tie_embeddings=False, n_mtp_layers=1,
+        source="Qwen/Qwen3.5-397B-A17B config.json (text_config); DESIGN.md",
+    ),
+    "qwen3.5-122b-a10b": ModelSpec(
+        name="qwen3.5-122b-a10b", hidden=3072, n_layers=48, layer_types=_hybrid(48),
+        n_q_heads=32, n_kv_heads=2, head_dim=256, qk_norm=True, gated_attn=True,
+        linear_n_k_heads=16, linear_n_v_heads=64, linear_head_dim=128, linear_conv=4,
+        n_experts=256, top_k=8, moe_intermediate=1024, n_shared_experts=1, shared_intermediate=1024,
+        vocab=248320, tie_embeddings=False, n_mtp_layers=1,
+        source="Qwen/Qwen3.5-122B-A10B config.json (text_config); DESIGN.md",
+    ),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def get_model(name: str) -> ModelSpec:
+    """A preset (``PRESET_NAMES``) by name, or a Hugging Face config.json by path (anything ending in .json or
+    naming an existing file)."""
+    if name in _PRESETS:
+        return _PRESETS[name]
+    p = Path(name)
+    if name.endswith(".json") or p.is_file():
+        if not p.exists():
+            raise FileNotFoundError(f"{name}: no such file")
+        return ModelSpec.from_hf_config(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return ModelSpec.from_hf_config(p / "config.json")
+    raise UserError(f"unknown model {name!r}; presets: {', '.join(PRESET_NAMES)} "
+                    "(or a path to a config.json)")
+
+
+__all__ = ["DELTANET_FLOPS_PER_STATE_ELEM", "PRESET_NAMES", "SUPPORTED_HF_MODEL_TYPES", "LayerKind",
+           "ModelSpec", "Phase", "get_model"]
