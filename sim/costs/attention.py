@@ -1,0 +1,221 @@
+"""Token-mixer time per layer and rank: full (softmax, GQA) attention and Gated DeltaNet, prefill and decode.
+
+Sharding: ``tp`` ranks split the query heads (and DeltaNet heads) evenly; KV heads are split too but never below
+one per rank — with ``tp > n_kv_heads`` (Qwen3-235B has 4 KV heads, TP=8) the K/V projections and the KV cache
+are *replicated* on ``tp / n_kv_heads`` ranks each (the write-up's "KV-projection replication").
+
+Full attention (per layer, per rank; H = local query heads, D = head_dim, Hkv = local KV heads):
+
+* projections: fused QKV ``[T, hidden] @ [hidden, H*D*(2 if gated) + 2*Hkv*D]`` and O ``[T, H*D] @ [H*D, hidden]``
+  as GEMMs (:mod:`sim.costs.gemm`, in the deployment's weight format);
+* prefill core (flash attention, causal): ``4 * H * D * (q*c + q*(q+1)/2)`` FLOPs for a sequence of ``q`` new
+  tokens after ``c`` cached ones (QK^T and PV, 2 FLOPs per MAC, causal mask halves the square), at the bf16 peak
+  times a flash efficiency that rises with sequence length (``constants.FLASH_EFFICIENCY``,
+  ``FLASH_HALF_SEQ_TOKENS``; calibration kind ``flash_tflops`` replaces it);
+* decode core (paged): reads the KV cache — ``ceil(ctx / page) * page * 2 * Hkv * D * kv_elem_bytes`` per
+  sequence — at the achievable HBM rate times ``DECODE_ATTN_BW_EFFICIENCY``; compute (``4 * H * D * ctx`` per
+  query token, ``q_per_seq`` query tokens for MTP verification) is checked as a roofline leg.
+
+Gated DeltaNet (Qwen3.5 "linear" layers; Hv value heads, Dk = Dv = linear_head_dim, chunk C):
+
+* projections: in_proj_qkvz + in_proj_ba ``[T, hidden] @ [hidden, (2*Hk*Dk + 2*Hv*Dv + 2*Hv) / tp]`` and
+  out_proj ``[T, Hv*Dv/tp] @ [., hidden]`` as GEMMs;
+* prefill core (chunked delta rule): per token and value head ``2 * (2*C*Dk + C*Dv + 3*Dk*Dv)`` FLOPs (intra-chunk
+  K K^T and Q K^T, the chunk's attention-like A V, and the three state products Q S, K^T U, W S) plus the causal
+  conv, at ``GDN_EFFICIENCY`` of the bf16 peak; the final state of each sequence is written once;
+* decode core: the fp32 state ``Hv * Dk * Dv * 4`` B per sequence is read and written once per step
+  (memory-bound), plus the conv state.
+
+All functions return an :class:`AttentionCost` for ONE layer on ONE rank, in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sim.costs import constants as C
+from sim.costs.calibration import CalibrationTable, lookup
+from sim.costs.gemm import ZERO_GEMM, GemmCost, gemm_time, hbm_rate_Bps
+from topology.errors import UserError
+from topology.specs import GpuSpec
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCost:
+    """One token mixer layer on one rank: ``proj_s`` (projection GEMMs), ``core_s`` (attention / recurrence
+    kernel), ``total_s``; ``core_flops`` and ``core_bytes`` of the core kernel."""
+
+    proj_s: float
+    core_s: float
+    core_flops: float
+    core_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return self.proj_s + self.core_s
+
+
+def local_heads(n_heads: int, tp: int) -> int:
+    """Heads per rank when ``tp`` ranks share ``n_heads`` (at least 1: replication when tp > n_heads)."""
+    if tp < 1:
+        raise UserError(f"tp must be >= 1, got {tp}")
+    return max(1, math.ceil(n_heads / tp))
+
+
+def _check_seqs(seqs: Sequence[tuple[int, int]]) -> None:
+    for q, c in seqs:
+        if q < 0 or c < 0:
+            raise UserError(f"sequence (new_tokens={q}, cached={c}): counts must be >= 0")
+
+
+def flash_efficiency(gpu: GpuSpec, seq_tokens: float) -> float:
+    """Default flash-attention efficiency (fraction of bf16 peak) for a sequence of ``seq_tokens``."""
+    return C.FLASH_EFFICIENCY[gpu.arch] * seq_tokens / (seq_tokens + C.FLASH_HALF_SEQ_TOKENS)
+
+
+def full_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 1, fmt: str = "bf16",
+                               calib: CalibrationTable | None = None) -> GemmCost:
+    """QKV + O projection GEMMs of one full-attention layer on one rank for ``n_tokens`` tokens."""
+    if n_tokens <= 0:
+        return ZERO_GEMM
+    h, d = local_heads(model.n_q_heads, tp), model.head_dim
+    hkv = local_heads(model.n_kv_heads, tp)
+    qkv_n = h * d * (2 if model.gated_attn else 1) + 2 * hkv * d
+    return (gemm_time(gpu, n_tokens, qkv_n, model.hidden, fmt, calib=calib)
+            + gemm_time(gpu, n_tokens, model.hidden, h * d, fmt, calib=calib))
+
+
+def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
+                           fmt: str = "bf16", calib: CalibrationTable | None = None) -> AttentionCost:
+    """One full-attention layer on one rank for a prefill batch. ``seqs``: ``(new_tokens, cached_tokens)`` per
+    sequence (chunked prefill / prefix-cache hits have ``cached_tokens > 0``)."""
+    _check_seqs(seqs)
+    h, d = local_heads(model.n_q_heads, tp), model.head_dim
+    hkv = local_heads(model.n_kv_heads, tp)
+    peak = gpu.dense_tflops.bf16 * 1e12
+    flops, core_s, kv_bytes = 0.0, 0.0, 0.0
+    for q, c in seqs:
+        if not q:
+            continue
+        f = 4.0 * h * d * (q * c + q * (q + 1) / 2)
+        measured = lookup(calib, "flash_tflops", gpu.name, q + c, head_dim=d)
+        rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, q + c)
+        core_s += f / rate
+        flops += f
+        kv_bytes += (q + c) * 2 * hkv * d * 2
+    core_s += C.KERNEL_FIXED_US * 1e-6 if flops else 0.0
+    n_tokens = sum(q for q, _ in seqs)
+    proj = full_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib)
+    return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
+
+
+def full_attention_decode(gpu: GpuSpec, model, context_lens: Sequence[int], *, tp: int = 1,
+                          fmt: str = "bf16", q_per_seq: int = 1, kv_elem_bytes: float = 2.0,
+                          page_tokens: int = C.KV_PAGE_TOKENS,
+                          calib: CalibrationTable | None = None) -> AttentionCost:
+    """One full-attention layer on one rank for a decode step: ``context_lens[i]`` tokens of KV per sequence
+    (including the new ones), ``q_per_seq`` query tokens each (1; k+1 when verifying k MTP drafts). Pages are
+    rounded up exactly per sequence."""
+    pages = 0
+    for ctx in context_lens:
+        if ctx < 0:
+            raise UserError(f"context length must be >= 0, got {ctx}")
+        pages += -(-ctx // page_tokens)
+    return _full_decode(gpu, model, len(context_lens), pages * page_tokens, sum(context_lens), tp, fmt,
+                        q_per_seq, kv_elem_bytes, calib)
+
+
+def full_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_tokens: float, *, tp: int = 1,
+                                 fmt: str = "bf16", q_per_seq: int = 1, kv_elem_bytes: float = 2.0,
+                                 page_tokens: int = C.KV_PAGE_TOKENS,
+                                 calib: CalibrationTable | None = None) -> AttentionCost:
+    """As :func:`full_attention_decode` from totals (what ``DecodeStep`` carries): ``n_seqs`` sequences holding
+    ``context_tokens`` KV tokens together; the last page of each sequence is on average half empty, so
+    ``n_seqs * (page_tokens - 1) / 2`` padding tokens are read on top."""
+    if n_seqs < 0 or context_tokens < 0:
+        raise UserError(f"n_seqs and context_tokens must be >= 0, got {n_seqs}, {context_tokens}")
+    paged = context_tokens + n_seqs * (page_tokens - 1) / 2
+    return _full_decode(gpu, model, n_seqs, paged, context_tokens, tp, fmt, q_per_seq, kv_elem_bytes, calib)
+
+
+def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ctx: float, tp: int, fmt: str,
+                 q_per_seq: int, kv_elem_bytes: float, calib: CalibrationTable | None) -> AttentionCost:
+    if q_per_seq < 1:
+        raise UserError(f"q_per_seq must be >= 1, got {q_per_seq}")
+    if n_seqs <= 0:
+        return AttentionCost(0.0, 0.0, 0.0, 0.0)
+    h, d = local_heads(model.n_q_heads, tp), model.head_dim
+    hkv = local_heads(model.n_kv_heads, tp)
+    kv_bytes = paged_tokens * 2 * hkv * d * kv_elem_bytes
+    flops = 4.0 * h * d * total_ctx * q_per_seq
+    measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
+    bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY
+    memory_s = kv_bytes / bw
+    compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.FLASH_EFFICIENCY[gpu.arch])
+    core_s = max(memory_s, compute_s) + C.KERNEL_FIXED_US * 1e-6
+    proj = full_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
+    return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
+
+
+def linear_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 1, fmt: str = "bf16",
+                                 calib: CalibrationTable | None = None) -> GemmCost:
+    """in_proj_qkvz + in_proj_ba and out_proj GEMMs of one Gated DeltaNet layer on one rank."""
+    if n_tokens <= 0:
+        return ZERO_GEMM
+    dk = model.linear_head_dim
+    hk, hv = local_heads(model.linear_n_k_heads, tp), local_heads(model.linear_n_v_heads, tp)
+    in_n = 2 * hk * dk + 2 * hv * dk + 2 * hv
+    return (gemm_time(gpu, n_tokens, in_n, model.hidden, fmt, calib=calib)
+            + gemm_time(gpu, n_tokens, model.hidden, hv * dk, fmt, calib=calib))
+
+
+def _gdn_state_bytes(model, tp: int) -> float:
+    """fp32 recurrent state + conv state of one sequence in one DeltaNet layer on one rank."""
+    dk = model.linear_head_dim
+    hk, hv = local_heads(model.linear_n_k_heads, tp), local_heads(model.linear_n_v_heads, tp)
+    conv_channels = (2 * hk + hv) * dk
+    return hv * dk * dk * C.GDN_STATE_ELEM_BYTES + (model.linear_conv - 1) * conv_channels * 2
+
+
+def linear_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
+                             fmt: str = "bf16", calib: CalibrationTable | None = None) -> AttentionCost:
+    """One Gated DeltaNet layer on one rank for a prefill batch (``(new_tokens, cached_tokens)`` per sequence;
+    cached tokens only matter through the stored state, read once)."""
+    _check_seqs(seqs)
+    if not model.n_linear_layers:
+        raise UserError(f"{model.name} has no linear-attention layers")
+    dk = model.linear_head_dim
+    hk, hv = local_heads(model.linear_n_k_heads, tp), local_heads(model.linear_n_v_heads, tp)
+    ch = C.GDN_CHUNK_TOKENS
+    per_tok = hv * 2.0 * (2 * ch * dk + ch * dk + 3 * dk * dk) + 2.0 * model.linear_conv * (2 * hk + hv) * dk
+    n_tokens = sum(q for q, _ in seqs)
+    n_seqs = sum(1 for q, _ in seqs if q)
+    flops = per_tok * n_tokens
+    state_bytes = n_seqs * _gdn_state_bytes(model, tp) * 2  # read initial + write final state
+    act_bytes = n_tokens * (2 * hk + 2 * hv) * dk * 2  # q, k, v in; o out (bf16)
+    compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.GDN_EFFICIENCY)
+    memory_s = (state_bytes + act_bytes) / hbm_rate_Bps(gpu, state_bytes + act_bytes, calib)
+    core_s = (max(compute_s, memory_s) + C.KERNEL_FIXED_US * 1e-6) if n_tokens else 0.0
+    proj = linear_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib)
+    return AttentionCost(proj.total_s, core_s, flops, state_bytes + act_bytes)
+
+
+def linear_attention_decode(gpu: GpuSpec, model, n_seqs: int, *, tp: int = 1, fmt: str = "bf16",
+                            q_per_seq: int = 1, calib: CalibrationTable | None = None) -> AttentionCost:
+    """One Gated DeltaNet layer on one rank for a decode step of ``n_seqs`` sequences (``q_per_seq`` tokens each,
+    processed recurrently with the state held on chip): state read + written once per sequence."""
+    if not model.n_linear_layers:
+        raise UserError(f"{model.name} has no linear-attention layers")
+    if n_seqs <= 0:
+        return AttentionCost(0.0, 0.0, 0.0, 0.0)
+    dk = model.linear_head_dim
+    hv = local_heads(model.linear_n_v_heads, tp)
+    state = n_seqs * _gdn_state_bytes(model, tp) * 2
+    flops = n_seqs * q_per_seq * 7.0 * hv * dk * dk  # decay, S^T k, rank-1 update, S^T q (model.py's count)
+    memory_s = state / hbm_rate_Bps(gpu, state, calib)
+    compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.GDN_EFFICIENCY)
+    core_s = max(memory_s, compute_s) + C.KERNEL_FIXED_US * 1e-6
+    proj = linear_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
+    return AttentionCost(proj.total_s, core_s, flops, state)

@@ -1,0 +1,161 @@
+"""The calibration hook: measured tables that override the first-principles curves.
+
+A :class:`CalibrationTable` is a list of :class:`CalibrationEntry` — one measured curve ``y(x)`` for one
+``kind`` of quantity on one GPU model, for one *shape* given as ``key`` fields. Cost functions take an optional
+``calib: CalibrationTable | None`` and call :meth:`CalibrationTable.lookup`; when it returns a number the
+measured value replaces the default model's value, otherwise (no table, no matching entry) the default model is
+used. Nothing here is global: the table is passed in, so cost functions stay pure.
+
+Kinds (``x`` → ``y``; key fields a matching entry may pin; see ``KINDS``):
+
+======================  ================================  =========================  ================================
+kind                    x                                 y                          key fields
+======================  ================================  =========================  ================================
+``gemm_tflops``         tokens per expert (M)             achieved TFLOP/s           fmt, n, k
+``flash_tflops``        sequence length (tokens)          achieved TFLOP/s           head_dim
+``hbm_GBps``            bytes read per kernel             achieved GB/s              (none)
+``allreduce_us``        bytes per rank buffer             µs                         algo, n_ranks
+``dispatch_us``         tokens per rank                   µs                         n_ranks, hidden, phase
+``combine_us``          tokens per rank                   µs                         n_ranks, hidden, phase
+``nic_GBps``            chunk bytes                       achieved GB/s per NIC      nic
+======================  ================================  =========================  ================================
+
+Matching: ``entry.gpu`` equals the GPU model name (``GpuSpec.name``, e.g. ``H200-SXM``); every key field the
+entry gives must equal the query's value (fields the entry omits match anything); among matching entries the
+one pinning the most fields wins (ties: the first in the file). Interpolation is piecewise linear in
+``log(x)`` (values spread over decades), clamped to the end points outside the measured range.
+
+File format (YAML or JSON)::
+
+    version: 1
+    entries:
+      - kind: allreduce_us
+        gpu: H200-SXM
+        key: {algo: nvls, n_ranks: 4}
+        points: [[16384, 9.1], [1048576, 14.0], [134217728, 420.0]]
+        source: "rackbed bench allreduce, 2026-11-30, NCCL 2.28"
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from topology.errors import UserError, from_validation
+
+Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "allreduce_us", "dispatch_us", "combine_us", "nic_GBps"]
+
+#: kind -> the key fields an entry may pin (anything else is a user error).
+KINDS: dict[str, tuple[str, ...]] = {
+    "gemm_tflops": ("fmt", "n", "k"),
+    "flash_tflops": ("head_dim",),
+    "hbm_GBps": (),
+    "allreduce_us": ("algo", "n_ranks"),
+    "dispatch_us": ("n_ranks", "hidden", "phase"),
+    "combine_us": ("n_ranks", "hidden", "phase"),
+    "nic_GBps": ("nic",),
+}
+
+
+class CalibrationEntry(BaseModel):
+    """One measured curve: ``points`` are ``(x, y)`` pairs with strictly increasing ``x > 0`` and ``y > 0``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Kind
+    gpu: str
+    key: dict[str, str | int | float] = Field(default_factory=dict)
+    points: tuple[tuple[float, float], ...] = Field(min_length=1)
+    source: str = ""
+
+    @field_validator("points")
+    @classmethod
+    def _increasing(cls, pts: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        for i, (x, y) in enumerate(pts):
+            if not (x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)):
+                raise ValueError(f"point {i} ({x}, {y}): x and y must be finite and > 0")
+            if i and x <= pts[i - 1][0]:
+                raise ValueError(f"point {i}: x values must be strictly increasing")
+        return pts
+
+    def matches(self, gpu: str, key: dict) -> int:
+        """-1 if this entry does not apply to (gpu, key), else the number of key fields it pins."""
+        if self.gpu != gpu:
+            return -1
+        for f, v in self.key.items():
+            if f not in key or key[f] != v:
+                return -1
+        return len(self.key)
+
+    def interpolate(self, x: float) -> float:
+        """y at ``x``: piecewise linear in log(x), clamped to the end points."""
+        xs = [p[0] for p in self.points]
+        if x <= xs[0]:
+            return self.points[0][1]
+        if x >= xs[-1]:
+            return self.points[-1][1]
+        j = bisect.bisect_right(xs, x)
+        (x0, y0), (x1, y1) = self.points[j - 1], self.points[j]
+        t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + t * (y1 - y0)
+
+
+class CalibrationTable(BaseModel):
+    """A set of measured curves (see the module docstring); ``lookup`` finds and interpolates one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = 1
+    entries: tuple[CalibrationEntry, ...] = ()
+
+    @field_validator("entries")
+    @classmethod
+    def _known_keys(cls, entries: tuple[CalibrationEntry, ...]) -> tuple[CalibrationEntry, ...]:
+        for i, e in enumerate(entries):
+            bad = sorted(set(e.key) - set(KINDS[e.kind]))
+            if bad:
+                raise ValueError(f"entries[{i}].key: field {bad[0]!r} is not a key of kind {e.kind!r} "
+                                 f"(allowed: {', '.join(KINDS[e.kind]) or 'none'})")
+        return entries
+
+    def lookup(self, kind: str, gpu: str, x: float, **key) -> float | None:
+        """The measured ``y(x)`` of the most specific entry of ``kind`` for ``gpu`` and ``key``; None if none
+        matches (the caller then uses its default model)."""
+        if kind not in KINDS:
+            raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        best, best_score = None, -1
+        for e in self.entries:
+            if e.kind != kind:
+                continue
+            s = e.matches(gpu, key)
+            if s > best_score:
+                best, best_score = e, s
+        return None if best is None else best.interpolate(max(float(x), 1e-30))
+
+
+def lookup(calib: CalibrationTable | None, kind: str, gpu: str, x: float, **key) -> float | None:
+    """``calib.lookup(...)`` or None when there is no table."""
+    return None if calib is None else calib.lookup(kind, gpu, x, **key)
+
+
+def load_calibration(path: str | Path) -> CalibrationTable:
+    """Read a calibration table from YAML or JSON; one-line UserError naming the file and field on mistakes."""
+    p = Path(path)
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
+                        f"{' '.join(str(exc).split())}") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: a calibration file must be a mapping with 'entries'")
+    try:
+        return CalibrationTable.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc, p) from exc

@@ -1,0 +1,272 @@
+"""MoE dispatch / combine time: EP prefill (replicated input, local select + all-reduce) and DP-EP decode
+(sparse all-to-all over NVLink, or NICs across NVLink domains).
+
+**EP prefill** (the write-up's prefillers, TP = EP inside one node): after the attention all-reduce every EP rank
+holds all ``T`` tokens, so
+
+* *dispatch* is local: one kernel aggregates the routing (``T * top_k`` expert ids → per-expert counts/offsets),
+  one gathers the ``A`` token copies routed to this rank's experts into the grouped-GEMM input buffer (reads
+  ``A * hidden * 2`` B of bf16 hidden state, writes ``A * hidden * act_bytes`` in the GEMM's activation format);
+* *combine* accumulates locally over this rank's experts (reads ``A * hidden * 2``, writes a ``T * hidden`` bf16
+  partial sum) and then **all-reduces** the partial sums over the EP group (:func:`sim.costs.collective.
+  allreduce_time`, NVLS where available).
+``A`` defaults to its expectation ``T * top_k / ep``; pass the busiest rank's count from an ``EpPrefillPlan`` to
+model imbalanced routing.
+
+**DP-EP decode** (one fused kernel each for dispatch and combine, pplx-kernels / DeepEP style): every rank owns
+``b`` tokens; a token is sent once to each *rank* holding at least one of its ``top_k`` experts (dedupe) —
+expected ``d = R * (1 - C(E - E/R, k) / C(E, k))`` ranks for uniform routing (:func:`expected_dest_ranks`).
+The time is latency-dominated at decode sizes:
+
+    fixed (KERNEL_FIXED_US + GRID_SYNC_US)
+    + sync rounds x (SIGNAL_US[arch] + link latency + PER_PEER_US x peers)      dispatch: counts + done = 2 rounds;
+                                                                                  combine: done = 1 round
+    + bytes over NVLink / bandwidth   (+ bytes over NICs / NIC bandwidth for peers outside the NVLink domain,
+                                       NIC_POST_US per message batch, CPU_PROXY_US per message without
+                                       GPU-initiated RDMA, i.e. EFA)
+    + local packing / accumulation bytes / HBM bandwidth.
+
+Dispatch carries activations in the GEMM's activation format (``bytes_per_element(fmt, "activation")``) plus
+routing metadata (``top_k`` x (4 B id + 4 B weight) + 4 B index per copy); combine returns bf16 expert outputs,
+already summed over the destination's local experts. A calibration table (kinds ``dispatch_us`` /
+``combine_us``, key n_ranks / hidden / phase, x = tokens per rank) replaces the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sim.costs import constants as C
+from sim.costs.calibration import CalibrationTable, lookup
+from sim.costs.collective import CollectiveCost, allreduce_time, group_links
+from sim.costs.gemm import _bpe, format_execution, hbm_rate_Bps
+from topology.errors import UserError
+
+#: Routing metadata per token copy: 4 B token index (the expert ids and weights ride along: top_k x (4 + 4) B).
+META_BYTES_PER_COPY = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CommCost:
+    """One dispatch or combine on the busiest rank, in seconds by term:
+    ``fixed_s`` (kernel launches, grid barriers), ``sync_s`` (signalling rounds, per-peer and per-message costs),
+    ``transfer_s`` (bytes over NVLink / NICs), ``local_s`` (HBM work: pack, unpack, accumulate), ``allreduce_s``
+    (EP prefill combine's all-reduce). ``calibrated_s``: a measured total that replaces the sum (None: model)."""
+
+    fixed_s: float = 0.0
+    sync_s: float = 0.0
+    transfer_s: float = 0.0
+    local_s: float = 0.0
+    allreduce_s: float = 0.0
+    calibrated_s: float | None = None
+    allreduce: CollectiveCost | None = None
+
+    @property
+    def total_s(self) -> float:
+        if self.calibrated_s is not None:
+            return self.calibrated_s
+        return self.fixed_s + self.sync_s + self.transfer_s + self.local_s + self.allreduce_s
+
+
+@lru_cache(maxsize=1024)
+def expected_dest_ranks(n_experts: int, top_k: int, ep: int) -> float:
+    """Expected number of distinct EP ranks a token's ``top_k`` experts (uniform, without replacement) fall on,
+    with ``n_experts / ep`` contiguous experts per rank: ``ep * (1 - C(E - E/ep, k) / C(E, k))``."""
+    if ep < 1 or n_experts % ep or not 0 < top_k <= n_experts:
+        raise UserError(f"need 0 < top_k <= n_experts and ep dividing n_experts (E={n_experts}, k={top_k}, "
+                        f"ep={ep})")
+    per = n_experts // ep
+    miss = math.comb(n_experts - per, top_k) / math.comb(n_experts, top_k)
+    return ep * (1.0 - miss)
+
+
+def _act_bpe(gpu, fmt: str) -> float:
+    return _bpe(format_execution(gpu, fmt).act_format, "activation")
+
+
+# ------------------------------------------------------------------------------------------------ EP prefill
+
+
+def ep_prefill_dispatch(topo, gpus: Sequence[int], n_tokens: int, model, fmt: str = "bf16", *,
+                        local_copies: float | None = None, calib: CalibrationTable | None = None) -> CommCost:
+    """EP prefill dispatch on the busiest rank: routing aggregation + local gather of ``local_copies`` token
+    copies (default ``n_tokens * top_k / ep``) into the grouped-GEMM input (module docstring)."""
+    g = group_links(topo, gpus)
+    ep = g.n_ranks
+    if n_tokens <= 0:
+        return CommCost()
+    a = n_tokens * model.top_k / ep if local_copies is None else float(local_copies)
+    measured = lookup(calib, "dispatch_us", g.gpu.name, n_tokens, n_ranks=ep, hidden=model.hidden,
+                      phase="prefill")
+    routing_bytes = n_tokens * model.top_k * 8 * 2  # read ids + weights, write offsets / permutation
+    pack_bytes = a * model.hidden * (2 + _act_bpe(g.gpu, fmt))
+    local = (routing_bytes + pack_bytes) / hbm_rate_Bps(g.gpu, pack_bytes, calib)
+    return CommCost(fixed_s=2 * C.KERNEL_FIXED_US * 1e-6, local_s=local,
+                    calibrated_s=None if measured is None else measured * 1e-6)
+
+
+def ep_prefill_combine(topo, gpus: Sequence[int], n_tokens: int, model, *, local_copies: float | None = None,
+                       algo: str = "auto", calib: CalibrationTable | None = None) -> CommCost:
+    """EP prefill combine on the busiest rank: local weighted accumulation over this rank's experts, then an
+    all-reduce of the ``n_tokens x hidden`` bf16 partial sums over the EP group (``algo`` as in
+    :func:`sim.costs.collective.allreduce_time`)."""
+    g = group_links(topo, gpus)
+    ep = g.n_ranks
+    if n_tokens <= 0:
+        return CommCost()
+    a = n_tokens * model.top_k / ep if local_copies is None else float(local_copies)
+    acc_bytes = a * model.hidden * 2 + n_tokens * model.hidden * 2
+    local = acc_bytes / hbm_rate_Bps(g.gpu, acc_bytes, calib)
+    ar = allreduce_time(topo, gpus, n_tokens * model.hidden * 2, algo=algo, calib=calib)
+    measured = lookup(calib, "combine_us", g.gpu.name, n_tokens, n_ranks=ep, hidden=model.hidden,
+                      phase="prefill")
+    return CommCost(fixed_s=C.KERNEL_FIXED_US * 1e-6, local_s=local, allreduce_s=ar.total_s, allreduce=ar,
+                    calibrated_s=None if measured is None else measured * 1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ DP-EP decode
+
+
+@dataclass(frozen=True, slots=True)
+class A2aVolume:
+    """Token copies the busiest rank sends to / receives from remote ranks, split by path, and how many peers
+    it exchanges with over each path."""
+
+    send_nvlink: float
+    recv_nvlink: float
+    send_net: float
+    recv_net: float
+    peers_nvlink: int
+    peers_net: int
+    local_copies: float
+
+    @property
+    def send(self) -> float:
+        return self.send_nvlink + self.send_net
+
+    @property
+    def recv(self) -> float:
+        return self.recv_nvlink + self.recv_net
+
+
+def a2a_volume(topo, gpus: Sequence[int], tokens_per_rank: float, model, *,
+               send_matrix: Sequence[Sequence[float]] | None = None) -> A2aVolume:
+    """Token copies for one DP-EP dispatch (combine is the reverse). ``send_matrix[s][d]``: copies rank ``s``
+    (``gpus[s]``) sends to rank ``d`` after dedupe (e.g. from a ``DpEpDecodePlan``); None = uniform-routing
+    expectation with ``tokens_per_rank`` tokens on every rank. Returns the busiest rank's volumes."""
+    ranks = list(gpus)
+    r = len(ranks)
+    if send_matrix is None:
+        nv, net = _worst_peer_split(topo, tuple(ranks))
+        d = expected_dest_ranks(model.n_experts, model.top_k, r)
+        per_peer = tokens_per_rank * d / r
+        return A2aVolume(per_peer * nv, per_peer * nv, per_peer * net, per_peer * net, nv, net, per_peer)
+    dom = [topo.nvlink_domain(x) for x in ranks]
+    if len(send_matrix) != r or any(len(row) != r for row in send_matrix):
+        raise UserError(f"send_matrix must be {r}x{r} (one row and column per EP rank)")
+    best, best_key = None, None
+    for i in range(r):
+        sn = rn = snet = rnet = 0.0
+        pn = pnet = 0
+        for j in range(r):
+            if j == i:
+                continue
+            if ranks[j] in dom[i]:
+                sn += send_matrix[i][j]
+                rn += send_matrix[j][i]
+                pn += 1
+            else:
+                snet += send_matrix[i][j]
+                rnet += send_matrix[j][i]
+                pnet += 1
+        v = A2aVolume(sn, rn, snet, rnet, pn, pnet, float(send_matrix[i][i]))
+        key = (v.send_net + v.recv_net, max(v.send, v.recv))
+        if best_key is None or key > best_key:
+            best, best_key = v, key
+    return best
+
+
+_PEER_CACHE: dict[tuple[int, tuple[int, ...]], tuple[object, tuple[int, int]]] = {}
+
+
+def _worst_peer_split(topo, ranks: tuple[int, ...]) -> tuple[int, int]:
+    """(NVLink peers, network peers) of the rank with the most network peers (cached per topology object)."""
+    key = (id(topo), ranks)
+    hit = _PEER_CACHE.get(key)
+    if hit is not None and hit[0] is topo:
+        return hit[1]
+    best = (0, -1)
+    for i, a in enumerate(ranks):
+        dom = topo.nvlink_domain(a)
+        nv = sum(1 for j, b in enumerate(ranks) if j != i and b in dom)
+        net = len(ranks) - 1 - nv
+        if net > best[1]:
+            best = (nv, net)
+    if len(_PEER_CACHE) > 4096:
+        _PEER_CACHE.clear()
+    _PEER_CACHE[key] = (topo, best)
+    return best
+
+
+def _a2a(topo, gpus, tokens_per_rank, model, copy_bytes_out: float, copy_bytes_back: float, rounds: int,
+         local_bytes: float, send_matrix, calib) -> CommCost:
+    g = group_links(topo, gpus)
+    v = a2a_volume(topo, gpus, tokens_per_rank, model, send_matrix=send_matrix)
+    sig = C.SIGNAL_US[g.arch]
+    sync_us = 0.0
+    if v.peers_nvlink:
+        sync_us += rounds * (sig + g.latency_us + C.PER_PEER_US * v.peers_nvlink)
+    transfer = 0.0
+    nv_bytes = max(v.send_nvlink * copy_bytes_out, v.recv_nvlink * copy_bytes_back)
+    if nv_bytes:
+        transfer += nv_bytes / (g.nvlink_bw_GBps * 1e9)
+    if v.peers_net:
+        per_msg = C.NIC_POST_US * math.ceil(v.peers_net / C.NIC_PARALLEL_POSTS)
+        if not g.gpu_initiated:
+            per_msg += C.CPU_PROXY_US * v.peers_net  # one proxy thread posts every message
+        sync_us += rounds * (g.net_latency_us + per_msg + sig)
+        net_bytes = max(v.send_net * copy_bytes_out, v.recv_net * copy_bytes_back)
+        transfer += net_bytes / (g.net_bw_GBps * 1e9)
+    local = local_bytes / hbm_rate_Bps(g.gpu, local_bytes, calib) if local_bytes else 0.0
+    fixed = (C.KERNEL_FIXED_US + C.GRID_SYNC_US) * 1e-6
+    return CommCost(fixed_s=fixed, sync_s=sync_us * 1e-6, transfer_s=transfer, local_s=local)
+
+
+def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, model, fmt: str = "bf16", *,
+                         send_matrix: Sequence[Sequence[float]] | None = None,
+                         calib: CalibrationTable | None = None) -> CommCost:
+    """DP-EP decode dispatch on the busiest rank (module docstring): ``tokens_per_rank`` tokens per rank, each
+    sent once to every rank holding one of its experts; activations in ``fmt``'s activation format."""
+    g = group_links(topo, gpus)
+    if g.n_ranks < 2 or tokens_per_rank <= 0:
+        return CommCost()
+    measured = lookup(calib, "dispatch_us", g.gpu.name, tokens_per_rank, n_ranks=g.n_ranks, hidden=model.hidden,
+                      phase="decode")
+    if measured is not None:
+        return CommCost(calibrated_s=measured * 1e-6)
+    copy = model.hidden * _act_bpe(g.gpu, fmt) + model.top_k * 8 + META_BYTES_PER_COPY
+    v_recv = tokens_per_rank * model.top_k  # expert assignments landing on a rank (expected)
+    local = tokens_per_rank * model.hidden * 2 + v_recv * model.hidden * _act_bpe(g.gpu, fmt) * 2
+    return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 2, local, send_matrix, calib)
+
+
+def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model, *,
+                        send_matrix: Sequence[Sequence[float]] | None = None,
+                        calib: CalibrationTable | None = None) -> CommCost:
+    """DP-EP decode combine on the busiest rank: bf16 expert outputs (summed over the destination's local experts)
+    return to the token's rank, which accumulates them with the routing weights."""
+    g = group_links(topo, gpus)
+    if g.n_ranks < 2 or tokens_per_rank <= 0:
+        return CommCost()
+    measured = lookup(calib, "combine_us", g.gpu.name, tokens_per_rank, n_ranks=g.n_ranks, hidden=model.hidden,
+                      phase="decode")
+    if measured is not None:
+        return CommCost(calibrated_s=measured * 1e-6)
+    copy = model.hidden * 2
+    d = expected_dest_ranks(model.n_experts, model.top_k, g.n_ranks)
+    local = (tokens_per_rank * model.top_k * model.hidden * 2  # local accumulation over local experts
+             + tokens_per_rank * d * model.hidden * 2 + tokens_per_rank * model.hidden * 2)  # weighted sum
+    return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 1, local, send_matrix, calib)

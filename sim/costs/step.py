@@ -1,0 +1,309 @@
+"""Step time of a whole model under a ``ParallelPlan``: a prefill batch, a decode step (with MTP draft + verify).
+
+Both functions are pure and O(ranks) per call: layers of one kind are identical, so a per-layer cost is computed
+once and multiplied by the layer count (costs are exactly linear in layer counts); GEMM costs are memoised per
+shape (``sim.costs.gemm``). They return ``StepTime`` (``*_step_time``) or the term-by-term
+:class:`~sim.costs.breakdown.StepBreakdown` (``*_step_breakdown``) whose categories sum to it.
+
+**Prefill** (``plan.dp == 1``: the write-up's TP = EP prefillers; the batch is replicated over the EP group after
+each attention all-reduce). Per layer, on one rank:
+
+    attention (QKV/O projections split tp ways, K/V replicated beyond n_kv_heads; flash core over local heads)
+    + TP all-reduce of the attention output: tokens x hidden x 2 B over the TP group
+    + MoE: router, dispatch (local select + pack), routed grouped GEMM over this rank's experts (per-expert token
+      counts: binomial from uniform top-k routing, or given), shared expert (split tp ways), combine (local
+      accumulate) and the EP combine all-reduce: tokens x hidden x 2 B over the EP group
+      (dense-MLP layers instead: the MLP split tp ways + an all-reduce)
+    + two fused residual-add + RMSNorm kernels
+  and once per step: embeddings, lm_head for the last token of every sequence, host step overhead, and — when
+  the TP group spans hosts — the cross-node host synchronisation (``CROSS_NODE_HOST_SYNC_US``: the write-up's
+  "host code split over two nodes").
+
+**Decode** (``plan.tp == 1``: DP + EP decoders; every rank owns ``rank_batch[r]`` sequences holding
+``rank_context_tokens[r]`` KV tokens). A step with ``draft_k`` MTP drafts is *draft + verify*:
+
+* verify: the main model on ``draft_k + 1`` query tokens per sequence — per layer the slowest rank's attention
+  (KV read once, ``q_per_seq = draft_k + 1``), DP-EP dispatch, the grouped GEMM on a rank's experts (tokens per
+  expert ~ Binomial(all tokens of all ranks, top_k / n_experts) — the *activated* local experts' weights are
+  streamed), combine, shared expert, norms; then the lm_head on every token;
+* draft: ``draft_k`` sequential passes of the MTP module(s) on one token per sequence: fc (2*hidden -> hidden),
+  one full-attention decoder layer with the model's MoE (dispatch, GEMM, combine), norms and the lm_head.
+  Models without MTP layers in their config (Qwen3-235B) use ``n_mtp_layers=1`` (the write-up's in-house MTP
+  layer) unless told otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sim.costs import constants as C
+from sim.costs.attention import (
+    full_attention_decode_totals,
+    full_attention_prefill,
+    linear_attention_decode,
+    linear_attention_prefill,
+)
+from sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
+from sim.costs.calibration import CalibrationTable
+from sim.costs.collective import allreduce_time, group_links
+from sim.costs.gemm import ExpertHistogram, binomial_histogram, expert_mlp_time, gemm_time, hbm_rate_Bps
+from sim.costs.moe_comm import (
+    dpep_decode_combine,
+    dpep_decode_dispatch,
+    ep_prefill_combine,
+    ep_prefill_dispatch,
+)
+from topology.errors import UserError
+
+US = 1e-6
+
+
+def _norms_s(gpu, model, n_tokens: float, calib) -> float:
+    """Fused residual-add + RMSNorm kernels of one layer (``ELEMENTWISE_PASSES_PER_LAYER`` read+write passes
+    over the hidden state, two kernels)."""
+    if n_tokens <= 0:
+        return 0.0
+    nbytes = C.ELEMENTWISE_PASSES_PER_LAYER * n_tokens * model.hidden * 2 * 2
+    return nbytes / hbm_rate_Bps(gpu, nbytes, calib) + 2 * C.KERNEL_FIXED_US * US
+
+
+def _embed_s(gpu, model, n_tokens: float, calib) -> float:
+    if n_tokens <= 0:
+        return 0.0
+    nbytes = n_tokens * model.hidden * 2 * 2
+    return nbytes / hbm_rate_Bps(gpu, nbytes, calib) + C.KERNEL_FIXED_US * US
+
+
+def _shared_expert_s(gpu, model, n_tokens: int, tp: int, fmt: str, calib) -> float:
+    if not model.n_shared_experts or n_tokens <= 0:
+        return 0.0
+    inter = max(1, model.n_shared_experts * model.shared_intermediate // tp)
+    return (gemm_time(gpu, n_tokens, 2 * inter, model.hidden, fmt, calib=calib).total_s
+            + gemm_time(gpu, n_tokens, model.hidden, inter, fmt, calib=calib).total_s)
+
+
+def _dense_mlp_s(gpu, model, n_tokens: int, tp: int, fmt: str, calib) -> float:
+    if n_tokens <= 0 or not model.dense_intermediate:
+        return 0.0
+    inter = max(1, model.dense_intermediate // tp)
+    return (gemm_time(gpu, n_tokens, 2 * inter, model.hidden, fmt, calib=calib).total_s
+            + gemm_time(gpu, n_tokens, model.hidden, inter, fmt, calib=calib).total_s)
+
+
+def _plan_gpu(plan, topo):
+    return topo.gpu_spec(plan.gpus[0])
+
+
+_COUNTS: dict[int, tuple[object, tuple[int, int, int, int]]] = {}
+
+
+def layer_counts(model) -> tuple[int, int, int, int]:
+    """(full-attention, linear-attention, MoE, dense-MLP) layer counts, cached per model object."""
+    hit = _COUNTS.get(id(model))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    out = (model.n_full_layers, model.n_linear_layers, model.n_moe_layers, model.n_dense_layers)
+    if len(_COUNTS) > 256:
+        _COUNTS.clear()
+    _COUNTS[id(model)] = (model, out)
+    return out
+
+
+def pareto_ranks(batch: Sequence[float], context: Sequence[float]) -> list[tuple[float, float]]:
+    """Distinct (batch, context) pairs not dominated by another rank's pair: the only candidates for the slowest
+    rank, since per-rank attention time grows with both."""
+    pairs = sorted(set(zip(batch, context)), key=lambda p: (-p[0], -p[1]))
+    out, best_ctx = [], -1.0
+    for n, ctx in pairs:
+        if ctx > best_ctx:
+            out.append((n, ctx))
+            best_ctx = ctx
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+
+
+def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *,
+                           tokens_per_expert: Sequence[int] | ExpertHistogram | None = None,
+                           allreduce_algo: str = "auto", calib: CalibrationTable | None = None) -> StepBreakdown:
+    """Term-by-term prefill step (module docstring). ``seqs``: ``(new_tokens, cached_tokens)`` per sequence.
+    ``tokens_per_expert``: the busiest rank's per-local-expert token counts (e.g. from ``EpPrefillPlan.gemm_rows``);
+    None = expected counts under uniform routing. ``allreduce_algo``: see ``collective.allreduce_time``."""
+    if plan.dp != 1:
+        raise UserError(f"prefill cost model needs dp=1 (TP=EP prefillers with a replicated batch), got dp={plan.dp}")
+    gpu = _plan_gpu(plan, topo)
+    fmt, tp = plan.weight_format, plan.tp
+    n_tokens = sum(q for q, _ in seqs)
+    n_seqs = sum(1 for q, _ in seqs if q)
+    b = BreakdownBuilder()
+    if n_tokens <= 0:
+        return b.build()
+    nf, nl, n_moe, n_dense = layer_counts(model)
+    if nf:
+        a = full_attention_prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
+        b.add("attn_proj", "attn_s", nf * a.proj_s)
+        b.add("attn_core", "attn_s", nf * a.core_s)
+    if nl:
+        a = linear_attention_prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
+        b.add("linear_attn_proj", "attn_s", nl * a.proj_s)
+        b.add("linear_attn_core", "attn_s", nl * a.core_s)
+    tp_group = plan.tp_group(0)
+    act_bytes = n_tokens * model.hidden * 2
+    ar = allreduce_time(topo, tp_group, act_bytes, algo=allreduce_algo, calib=calib)
+    b.add("attn_allreduce", "allreduce_s", model.n_layers * ar.total_s)
+    if n_moe:
+        ep = plan.ep
+        if tokens_per_expert is None:
+            hist = binomial_histogram(n_tokens, model.top_k / model.n_experts, model.n_experts // ep)
+            local = None
+        else:
+            hist = tokens_per_expert
+            local = sum(m * c for m, c in hist) if hist and isinstance(next(iter(hist)), tuple) \
+                else sum(hist)  # type: ignore[arg-type]
+        b.add("router", "other_s", n_moe * gemm_time(gpu, n_tokens, model.n_experts, model.hidden, "bf16",
+                                                     calib=calib).total_s)
+        disp = ep_prefill_dispatch(topo, plan.gpus, n_tokens, model, fmt, local_copies=local, calib=calib)
+        b.add("moe_dispatch", "a2a_s", n_moe * disp.total_s)
+        inter = model.moe_intermediate // plan.expert_tp
+        mlp = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib)
+        b.add("moe_gemm", "moe_gemm_s", n_moe * mlp.total_s)
+        b.add("shared_expert", "moe_gemm_s", n_moe * _shared_expert_s(gpu, model, n_tokens, tp, fmt, calib))
+        comb = ep_prefill_combine(topo, plan.gpus, n_tokens, model, local_copies=local, algo=allreduce_algo,
+                                  calib=calib)
+        if comb.calibrated_s is not None:
+            b.add("moe_combine", "a2a_s", n_moe * comb.total_s)
+        else:
+            b.add("moe_combine_local", "a2a_s", n_moe * (comb.fixed_s + comb.local_s))
+            b.add("moe_combine_allreduce", "allreduce_s", n_moe * comb.allreduce_s)
+    if n_dense:
+        b.add("dense_mlp", "moe_gemm_s", n_dense * _dense_mlp_s(gpu, model, n_tokens, tp, fmt, calib))
+        b.add("dense_allreduce", "allreduce_s", n_dense * ar.total_s)
+    b.add("norms", "other_s", model.n_layers * _norms_s(gpu, model, n_tokens, calib))
+    b.add("embed", "other_s", _embed_s(gpu, model, n_tokens, calib))
+    b.add("lm_head", "other_s", gemm_time(gpu, n_seqs, model.vocab, model.hidden, "bf16", calib=calib).total_s)
+    b.add("host", "other_s", C.HOST_STEP_US * US)
+    if group_links(topo, tp_group).n_hosts > 1:
+        b.add("cross_node_host", "other_s", C.CROSS_NODE_HOST_SYNC_US * US)
+    return b.build()
+
+
+def prefill_step_time(model, plan, topo, seqs: Sequence[tuple[int, int]], **kw) -> StepTime:
+    """``prefill_step_breakdown(...).to_steptime()``."""
+    return prefill_step_breakdown(model, plan, topo, seqs, **kw).to_steptime()
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+
+def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, model, plan, topo,
+                      tokens_per_rank: Sequence[int], tokens_per_expert, send_matrix, fmt: str, calib) -> None:
+    """One MoE layer of a decode pass on the slowest rank, times ``n_layers``, into ``b``."""
+    t_max = max(tokens_per_rank)
+    t_all = sum(tokens_per_rank)
+    if t_all <= 0 or n_layers <= 0:
+        return
+    b.add(f"{prefix}router", "other_s",
+          n_layers * gemm_time(gpu, t_max, model.n_experts, model.hidden, "bf16", calib=calib).total_s)
+    disp = dpep_decode_dispatch(topo, plan.gpus, t_max, model, fmt, send_matrix=send_matrix, calib=calib)
+    comb = dpep_decode_combine(topo, plan.gpus, t_max, model, send_matrix=send_matrix, calib=calib)
+    b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
+    hist = tokens_per_expert if tokens_per_expert is not None else \
+        binomial_histogram(t_all, model.top_k / model.n_experts, model.n_experts // plan.ep)
+    inter = model.moe_intermediate // plan.expert_tp
+    b.add(f"{prefix}moe_gemm", "moe_gemm_s",
+          n_layers * expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s)
+    b.add(f"{prefix}shared_expert", "moe_gemm_s",
+          n_layers * _shared_expert_s(gpu, model, t_max, 1, fmt, calib))
+    b.add(f"{prefix}moe_combine", "a2a_s", n_layers * comb.total_s)
+
+
+def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float], *,
+                          draft_k: int = 0, n_mtp_layers: int | None = None,
+                          tokens_per_expert: Sequence[int] | ExpertHistogram | None = None,
+                          send_matrix: Sequence[Sequence[float]] | None = None,
+                          calib: CalibrationTable | None = None) -> StepBreakdown:
+    """Term-by-term decode step = MTP draft (``draft_k`` passes) + verify (module docstring).
+
+    ``rank_batch[r]`` / ``rank_context_tokens[r]``: sequences and KV tokens of DP rank ``r`` (``plan.gpus[r]``).
+    ``tokens_per_expert``: the busiest rank's per-local-expert token counts of the verify pass (e.g. from a
+    ``DpEpDecodePlan``); ``send_matrix``: its ``tokens`` matrix; None = uniform-routing expectations."""
+    if plan.tp != 1:
+        raise UserError(f"decode cost model covers DP+EP decoders (tp=1), got tp={plan.tp}")
+    r = plan.world
+    if len(rank_batch) != r or len(rank_context_tokens) != r:
+        raise UserError(f"rank_batch and rank_context_tokens need one entry per rank ({r}), got "
+                        f"{len(rank_batch)} and {len(rank_context_tokens)}")
+    if draft_k < 0:
+        raise UserError(f"draft_k must be >= 0, got {draft_k}")
+    gpu = _plan_gpu(plan, topo)
+    fmt = plan.weight_format
+    q = draft_k + 1
+    b = BreakdownBuilder()
+    if sum(rank_batch) <= 0:
+        return b.build()
+    kw = {"fmt": fmt, "q_per_seq": q, "kv_elem_bytes": plan.kv_elem_bytes, "page_tokens": plan.page_tokens,
+          "calib": calib}
+    nf, nl, n_moe, n_dense = layer_counts(model)
+    front = pareto_ranks(rank_batch, rank_context_tokens)
+    # verify pass: slowest rank's attention per layer kind
+    if nf:
+        worst = max((full_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
+                    key=lambda a: a.total_s)
+        b.add("attn_proj", "attn_s", nf * worst.proj_s)
+        b.add("attn_core", "attn_s", nf * worst.core_s)
+    if nl:
+        worst = linear_attention_decode(gpu, model, max(rank_batch), fmt=fmt, q_per_seq=q, calib=calib)
+        b.add("linear_attn_proj", "attn_s", nl * worst.proj_s)
+        b.add("linear_attn_core", "attn_s", nl * worst.core_s)
+    tokens = [n * q for n in rank_batch]
+    _moe_decode_layer(b, "", n_moe, gpu, model, plan, topo, tokens, tokens_per_expert, send_matrix, fmt, calib)
+    if n_dense:
+        b.add("dense_mlp", "moe_gemm_s", n_dense * _dense_mlp_s(gpu, model, max(tokens), 1, fmt, calib))
+    b.add("norms", "other_s", model.n_layers * _norms_s(gpu, model, max(tokens), calib))
+    b.add("embed", "other_s", _embed_s(gpu, model, max(tokens), calib))
+    b.add("lm_head", "other_s", gemm_time(gpu, max(tokens), model.vocab, model.hidden, "bf16",
+                                          calib=calib).total_s)
+    # MTP draft: draft_k sequential passes, one token per sequence
+    if draft_k:
+        n_mtp = n_mtp_layers if n_mtp_layers is not None else (model.n_mtp_layers or 1)
+        passes = draft_k * n_mtp
+        one = list(rank_batch)
+        t1 = max(one)
+        dkw = {**kw, "q_per_seq": 1}
+        # the MTP layer keeps its own KV cache, as long as the sequence's
+        worst = max((full_attention_decode_totals(gpu, model, n, ctx, **dkw) for n, ctx in front),
+                    key=lambda a: a.total_s)
+        b.add("mtp_fc", "other_s", passes * gemm_time(gpu, t1, model.hidden, 2 * model.hidden, fmt,
+                                                      calib=calib).total_s)
+        b.add("mtp_attn", "attn_s", passes * worst.total_s)
+        if model.n_experts:
+            _moe_decode_layer(b, "mtp_", passes, gpu, model, plan, topo, one, None, None, fmt, calib)
+        else:
+            b.add("mtp_dense_mlp", "moe_gemm_s", passes * _dense_mlp_s(gpu, model, t1, 1, fmt, calib))
+        b.add("mtp_norms", "other_s", passes * _norms_s(gpu, model, t1, calib))
+        b.add("mtp_lm_head", "other_s", draft_k * gemm_time(gpu, t1, model.vocab, model.hidden, "bf16",
+                                                            calib=calib).total_s)
+    b.add("host", "other_s", C.HOST_STEP_US * US)
+    return b.build()
+
+
+def decode_step_time(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float],
+                     **kw) -> StepTime:
+    """``decode_step_breakdown(...).to_steptime()``."""
+    return decode_step_breakdown(model, plan, topo, rank_batch, rank_context_tokens, **kw).to_steptime()
+
+
+# ------------------------------------------------------------------------------------------------ plan adapters
+
+
+def prefill_batch_time(model, plan, topo, batch, **kw) -> StepTime:
+    """StepTime of an ``engine.core.plans.PrefillBatch`` (items ``(request_id, start_token, n_tokens)``)."""
+    seqs = [(n, start) for _, start, n in batch.items]
+    return prefill_step_time(model, plan, topo, seqs, **kw)
+
+
+def decode_plan_time(model, plan, topo, step, **kw) -> StepTime:
+    """StepTime of an ``engine.core.plans.DecodeStep`` (rank_batch, rank_context_tokens, draft_k)."""
+    return decode_step_time(model, plan, topo, step.rank_batch, step.rank_context_tokens, draft_k=step.draft_k,
+                            **kw)

@@ -1,0 +1,633 @@
+"""``kind: figure`` scenarios: the write-up's kernel figures, recomputed from the cost models.
+
+``run_figure(path, out_dir, console=...)`` validates the YAML (:data:`FigureScenario`, one-line errors naming the
+file and field), computes a table from ``sim.costs``, prints it, writes ``<out_dir>/<name>.json`` and
+``<out_dir>/<name>.png`` (matplotlib Agg), and prints the write-up's claim next to what the simulation shows.
+Nothing is fitted to the write-up: the claims are printed for comparison only.
+
+Figure types (the ``figure`` field):
+
+==================  ===============================================================================================
+``allreduce_nvls``  TP all-reduce of ``tokens x hidden`` at ``elem_bytes``: best NVLink algorithm vs NVLS per
+                    topology, a size sweep, and the end-to-end prefill effect (step model with / without NVLS).
+``ep_prefill_comm`` EP prefill dispatch + combine (local + all-reduce) for each EP degree and topology.
+``decode_a2a``      DP-EP decode dispatch / combine latency vs tokens per rank for each EP degree.
+``grouped_gemm``    routed-expert grouped GEMM (gate_up + down) per rank vs EP and format, every expert activated
+                    by ``tokens_per_expert`` tokens.
+``prefill_parallelism``  prefill step breakdown of TP/EP configurations for a batch of prompts; latency and
+                    tokens/s per GPU.
+``decode_ep_trade`` EP_a -> EP_b decode: dispatch/combine added vs grouped GEMM removed per MoE layer, and the
+                    whole decode step (draft + verify) per configuration.
+==================  ===============================================================================================
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from topology.errors import UserError, from_validation
+
+# ------------------------------------------------------------------------------------------------ schema
+
+
+class _F(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Hardware(_F):
+    """One hardware column of a figure: a topology (preset or file) and the weight format deployed on it."""
+
+    topology: str
+    weight_format: str = "bf16"
+    label: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.label or self.topology
+
+
+class _Base(_F):
+    kind: Literal["figure"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    title: str = ""
+    claim: str = Field(min_length=1, description="the write-up's claim, printed beside the simulated result")
+    model: str = "qwen3-235b-a22b"
+
+
+class AllreduceFigure(_Base):
+    figure: Literal["allreduce_nvls"]
+    hardware: tuple[Hardware, ...] = Field(min_length=1)
+    tp: int = Field(ge=2)
+    tokens: int = Field(ge=1)
+    elem_bytes: int = Field(2, ge=1)
+    sweep_min_bytes: int = Field(16 * 1024, ge=1)
+    sweep_max_bytes: int = Field(256 * 1024 * 1024, ge=1)
+
+    @model_validator(mode="after")
+    def _sweep(self):
+        if self.sweep_max_bytes < self.sweep_min_bytes:
+            raise ValueError("sweep_max_bytes must be >= sweep_min_bytes")
+        return self
+
+
+class EpPrefillFigure(_Base):
+    figure: Literal["ep_prefill_comm"]
+    hardware: tuple[Hardware, ...] = Field(min_length=1)
+    eps: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=1)
+    tokens: int = Field(ge=1)
+
+
+class DecodeA2aFigure(_Base):
+    figure: Literal["decode_a2a"]
+    hardware: tuple[Hardware, ...] = Field(min_length=1)
+    eps: tuple[Annotated[int, Field(ge=2)], ...] = Field(min_length=1)
+    tokens_per_rank: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=1)
+
+
+class GroupedGemmFigure(_Base):
+    figure: Literal["grouped_gemm"]
+    hardware: tuple[Hardware, ...] = Field(min_length=1)
+    eps: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=1)
+    formats: tuple[str, ...] = Field(min_length=1)
+    tokens_per_expert: int = Field(1, ge=1)
+
+
+class ParallelConfig(_F):
+    tp: int = Field(ge=1)
+    ep: int = Field(ge=1)
+    label: str | None = None
+
+
+class PrefillParallelismFigure(_Base):
+    figure: Literal["prefill_parallelism"]
+    hardware: tuple[Hardware, ...] = Field(min_length=1)
+    configs: tuple[ParallelConfig, ...] = Field(min_length=2)
+    prompt_tokens: int = Field(ge=1)
+    n_prompts: int = Field(1, ge=1)
+
+
+class DecodeEpTradeFigure(_Base):
+    figure: Literal["decode_ep_trade"]
+    hardware: Hardware
+    eps: tuple[Annotated[int, Field(ge=2)], Annotated[int, Field(ge=2)]]
+    tokens_per_rank: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=1)
+    step_batch_per_rank: int = Field(32, ge=1)
+    step_context_tokens: int = Field(4000, ge=1)
+    draft_k: int = Field(1, ge=0)
+
+
+FigureScenario = Annotated[
+    AllreduceFigure | EpPrefillFigure | DecodeA2aFigure | GroupedGemmFigure | PrefillParallelismFigure | DecodeEpTradeFigure,
+    Field(discriminator="figure"),
+]
+_ADAPTER = TypeAdapter(FigureScenario)
+
+
+def load_figure(path: str | Path) -> Any:
+    """Parse and validate a figure scenario file; one-line UserError naming the file and the field."""
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{p}{where}: {getattr(exc, 'problem', None) or 'not valid YAML'}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: expected a mapping at the top level")
+    try:
+        return _ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        raise from_validation(exc, p) from None
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+_TOPOS: dict[str, Any] = {}
+
+
+def _topo(name: str):
+    """Load a topology once per process (topologies are immutable)."""
+    import topology
+
+    if name not in _TOPOS:
+        _TOPOS[name] = topology.load(name)
+    return _TOPOS[name]
+
+
+def _model(name: str):
+    from engine.core.model import get_model
+
+    return get_model(name)
+
+
+def _check_gpus(topo, n: int, where: str) -> tuple[int, ...]:
+    if n > topo.n_gpus:
+        raise UserError(f"{where}: needs {n} GPUs but topology {topo.name} has {topo.n_gpus}")
+    return tuple(range(n))
+
+
+def _us(s: float) -> float:
+    return round(s * 1e6, 3)
+
+
+def _pct(new: float, old: float) -> float:
+    return round(100.0 * (old - new) / old, 2) if old > 0 else 0.0
+
+
+class Result:
+    """What a figure builder returns: a table (columns + rows), claims, a plot callback, and a summary dict."""
+
+    def __init__(self, columns: list[str], rows: list[dict], claims: list[tuple[str, str]],
+                 plot: Callable, summary: dict, extra: dict | None = None):
+        self.columns, self.rows, self.claims, self.plot, self.summary = columns, rows, claims, plot, summary
+        self.extra = extra or {}
+
+
+# ------------------------------------------------------------------------------------------------ (a)
+
+
+def _fig_allreduce(sc: AllreduceFigure) -> Result:
+    from engine.core.collectives import sharp_cut, sharp_cut_per_direction
+    from engine.core.sharding import ParallelPlan
+    from sim.costs.collective import allreduce_time
+    from sim.costs.constants import NVLS_EFFICIENCY
+    from sim.costs.step import prefill_step_time
+
+    model = _model(sc.model)
+    n_bytes = sc.tokens * model.hidden * sc.elem_bytes
+    rows, summary, sweep = [], {}, {}
+    sizes = []
+    s = sc.sweep_min_bytes
+    while s <= sc.sweep_max_bytes:
+        sizes.append(s)
+        s *= 2
+    for hw in sc.hardware:
+        topo = _topo(hw.topology)
+        gpus = _check_gpus(topo, sc.tp, f"hardware {hw.name}")
+        base = allreduce_time(topo, gpus, n_bytes, algo="auto_no_nvls")
+        try:
+            nvls = allreduce_time(topo, gpus, n_bytes, algo="nvls")
+        except UserError:
+            nvls = None
+        plan = ParallelPlan(role="prefill", tp=sc.tp, ep=sc.tp, dp=1, gpus=gpus, weight_format=hw.weight_format)
+        step_with = prefill_step_time(model, plan, topo, [(sc.tokens, 0)],
+                                      allreduce_algo="nvls" if nvls else "auto_no_nvls").total_s
+        step_without = prefill_step_time(model, plan, topo, [(sc.tokens, 0)],
+                                         allreduce_algo="auto_no_nvls").total_s
+        arch = topo.gpu_spec(0).arch
+        row = {"hardware": hw.name, "bytes": n_bytes, "nvlink_algo": f"{base.algo}/{base.protocol}",
+               "nvlink_us": _us(base.total_s), "nvls_us": _us(nvls.total_s) if nvls else None,
+               "nvls_cut_pct": _pct(nvls.total_s, base.total_s) if nvls else None,
+               "prefill_step_ms_nvlink": round(step_without * 1e3, 3),
+               "prefill_step_ms_nvls": round(step_with * 1e3, 3),
+               "prefill_cut_pct": _pct(step_with, step_without),
+               "nvls_efficiency": NVLS_EFFICIENCY[arch]}
+        rows.append(row)
+        summary[hw.name] = row
+        sweep[hw.name] = {
+            "bytes": sizes,
+            "nvlink_us": [_us(allreduce_time(topo, gpus, b, algo="auto_no_nvls").total_s) for b in sizes],
+            "nvls_us": [_us(allreduce_time(topo, gpus, b, algo="nvls").total_s) for b in sizes] if nvls else None,
+        }
+    n = sc.tp
+    breakeven = round(1 - sharp_cut_per_direction(n), 4)  # (N+1)/(2(N-1)): NVLS efficiency to break even
+    sim = "; ".join(
+        f"{r['hardware']}: NVLS {'n/a' if r['nvls_cut_pct'] is None else format(r['nvls_cut_pct'], '+.1f') + ' %'}"
+        f" on the all-reduce ({r['nvlink_us']:.0f} -> {r['nvls_us'] or float('nan'):.0f} µs), "
+        f"{r['prefill_cut_pct']:+.1f} % on the prefill step" for r in rows)
+    claims = [
+        (sc.claim, sim),
+        (f"traffic bound: GPU transactions B vs 2(N-1)B/N -> {100 * sharp_cut(n):.0f} % cut at N={n}",
+         (f"per-direction port bytes B(1+1/N) vs 2(N-1)B/N -> {100 * sharp_cut_per_direction(n):.1f} % bound; "
+          f"NVLS wins at large sizes only if its link efficiency exceeds {breakeven:.3f} "
+          f"(model: Hopper {NVLS_EFFICIENCY['hopper']}, Blackwell {NVLS_EFFICIENCY['blackwell']}, NCCL tuning)")),
+    ]
+
+    def plot(ax):
+        for hw_name, sw in sweep.items():
+            line, = ax.loglog(sw["bytes"], sw["nvlink_us"], marker="o", ms=3, label=f"{hw_name} NVLink")
+            if sw["nvls_us"]:
+                ax.loglog(sw["bytes"], sw["nvls_us"], marker="s", ms=3, ls="--", color=line.get_color(),
+                          label=f"{hw_name} NVLS")
+        ax.axvline(n_bytes, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("all-reduce time (µs)")
+        ax.legend(fontsize=7)
+
+    cols = ["hardware", "nvlink_algo", "nvlink_us", "nvls_us", "nvls_cut_pct", "prefill_step_ms_nvlink",
+            "prefill_step_ms_nvls", "prefill_cut_pct"]
+    return Result(cols, rows, claims, plot, summary, {"sweep": sweep})
+
+
+# ------------------------------------------------------------------------------------------------ (b)
+
+
+def _fig_ep_prefill(sc: EpPrefillFigure) -> Result:
+    from sim.costs.moe_comm import ep_prefill_combine, ep_prefill_dispatch
+
+    model = _model(sc.model)
+    rows = []
+    for hw in sc.hardware:
+        topo = _topo(hw.topology)
+        for ep in sc.eps:
+            gpus = _check_gpus(topo, ep, f"hardware {hw.name}, ep={ep}")
+            d = ep_prefill_dispatch(topo, gpus, sc.tokens, model, hw.weight_format)
+            c = ep_prefill_combine(topo, gpus, sc.tokens, model)
+            hosts = len({topo.host_of(g) for g in gpus})
+            rows.append({"hardware": hw.name, "ep": ep, "hosts": hosts, "dispatch_us": _us(d.total_s),
+                         "combine_local_us": _us(c.fixed_s + c.local_s),
+                         "combine_allreduce_us": _us(c.allreduce_s),
+                         "allreduce_algo": c.allreduce.algo if c.allreduce else "none",
+                         "total_us": _us(d.total_s + c.total_s)})
+    summary = {f"{r['hardware']}/ep{r['ep']}": r["total_us"] for r in rows}
+    parts = []
+    for hw in sc.hardware:
+        mine = [r for r in rows if r["hardware"] == hw.name]
+        parts.append(", ".join(f"EP{r['ep']} {r['total_us']:.0f} µs" for r in mine) + f" on {hw.name}")
+    claims = [(sc.claim, "; ".join(parts))]
+
+    def plot(ax):
+        width = 0.8 / max(len(sc.hardware), 1)
+        for i, hw in enumerate(sc.hardware):
+            mine = [r for r in rows if r["hardware"] == hw.name]
+            xs = [j + i * width for j in range(len(mine))]
+            bottom = [0.0] * len(mine)
+            for key, hatch in (("dispatch_us", ""), ("combine_local_us", "//"), ("combine_allreduce_us", "..")):
+                vals = [r[key] for r in mine]
+                ax.bar(xs, vals, width, bottom=bottom, hatch=hatch, label=f"{hw.name} {key[:-3]}",
+                       color=f"C{i}", alpha=0.5 + 0.2 * (hatch == ""), edgecolor="black", lw=0.3)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sc.eps))], [f"EP={e}" for e in sc.eps])
+        ax.set_ylabel(f"µs per MoE layer ({sc.tokens} tokens)")
+        ax.legend(fontsize=6)
+
+    return Result(["hardware", "ep", "hosts", "dispatch_us", "combine_local_us", "combine_allreduce_us",
+                   "allreduce_algo", "total_us"], rows, claims, plot, summary)
+
+
+# ------------------------------------------------------------------------------------------------ (c)
+
+
+def _fig_decode_a2a(sc: DecodeA2aFigure) -> Result:
+    from sim.costs.moe_comm import dpep_decode_combine, dpep_decode_dispatch
+
+    model = _model(sc.model)
+    rows = []
+    for hw in sc.hardware:
+        topo = _topo(hw.topology)
+        for ep in sc.eps:
+            gpus = _check_gpus(topo, ep, f"hardware {hw.name}, ep={ep}")
+            route = "nvlink" if len({topo.nvlink_domain(g) for g in gpus}) == 1 else "net"
+            for t in sc.tokens_per_rank:
+                d = dpep_decode_dispatch(topo, gpus, t, model, hw.weight_format)
+                c = dpep_decode_combine(topo, gpus, t, model)
+                rows.append({"hardware": hw.name, "ep": ep, "route": route, "tokens_per_rank": t,
+                             "dispatch_us": _us(d.total_s), "combine_us": _us(c.total_s),
+                             "total_us": _us(d.total_s + c.total_s)})
+    summary = {f"{r['hardware']}/ep{r['ep']}/t{r['tokens_per_rank']}": [r["dispatch_us"], r["combine_us"]]
+               for r in rows}
+    parts = []
+    for hw in sc.hardware:
+        mine = [r for r in rows if r["hardware"] == hw.name]
+        tot = [r["total_us"] for r in mine]
+        tmax = max(sc.tokens_per_rank)
+        at = [r for r in mine if r["tokens_per_rank"] == tmax]
+        lo, hi = min(at, key=lambda r: r["ep"]), max(at, key=lambda r: r["ep"])
+        parts.append(f"{hw.name}: dispatch+combine {min(tot):.0f}-{max(tot):.0f} µs over all points; at {tmax} "
+                     f"tokens/rank EP{lo['ep']} {lo['total_us']:.0f} µs -> EP{hi['ep']} {hi['total_us']:.0f} µs "
+                     f"(x{hi['total_us'] / lo['total_us']:.2f} for x{hi['ep'] // lo['ep']} peers)")
+    claims = [(sc.claim, "; ".join(parts)),
+              (("sanity anchors (published, other hardware/hidden sizes; not fit targets): pplx-kernels NVLink "
+                "EP8 hidden 7168 41.6/41.7 µs at 1 token, 83.6/102.3 µs at 128; pplx-garden CX7 EP8 128 tokens "
+                "50.5/65.3 µs"),
+               "; ".join(f"{r['hardware']} EP{r['ep']} t={r['tokens_per_rank']}: {r['dispatch_us']:.1f}/"
+                         f"{r['combine_us']:.1f} µs" for r in rows
+                         if r["ep"] == 8 and r["tokens_per_rank"] in (1, 128)))]
+
+    def plot(ax):
+        for i, hw in enumerate(sc.hardware):
+            for j, ep in enumerate(sc.eps):
+                mine = [r for r in rows if r["hardware"] == hw.name and r["ep"] == ep]
+                ts = [r["tokens_per_rank"] for r in mine]
+                ax.semilogx(ts, [r["dispatch_us"] for r in mine], marker="o", ms=3, color=f"C{j}",
+                            ls=["-", "-."][i % 2], label=f"{hw.name} EP{ep} dispatch")
+                ax.semilogx(ts, [r["combine_us"] for r in mine], marker="s", ms=3, color=f"C{j}", ls=":")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("µs (solid: dispatch, dotted: combine)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6)
+
+    return Result(["hardware", "ep", "route", "tokens_per_rank", "dispatch_us", "combine_us", "total_us"], rows,
+                  claims, plot, summary)
+
+
+# ------------------------------------------------------------------------------------------------ (d)
+
+
+def _fig_grouped_gemm(sc: GroupedGemmFigure) -> Result:
+    from sim.costs.gemm import expert_mlp_time, format_execution
+
+    model = _model(sc.model)
+    rows, notes = [], {}
+    for hw in sc.hardware:
+        gpu = _topo(hw.topology).gpu_spec(0)
+        for fmt in sc.formats:
+            fe = format_execution(gpu, fmt)
+            if fe.note != "native":
+                notes[f"{hw.name}/{fmt}"] = fe.note
+            for ep in sc.eps:
+                if model.n_experts % ep:
+                    raise UserError(f"eps: {ep} does not divide the {model.n_experts} experts of {model.name}")
+                n_local = model.n_experts // ep
+                c = expert_mlp_time(gpu, model.hidden, model.moe_intermediate, [sc.tokens_per_expert] * n_local,
+                                    fmt)
+                rows.append({"hardware": hw.name, "format": fmt, "exec_format": fe.exec_format, "ep": ep,
+                             "local_experts": n_local, "gemm_us": _us(c.total_s),
+                             "weight_MB": round(c.hbm_bytes / 1e6, 2),
+                             "fixed_us": _us(c.gate_up.fixed_s + c.down.fixed_s)})
+    summary = {f"{r['hardware']}/{r['format']}/ep{r['ep']}": r["gemm_us"] for r in rows}
+
+    def t(hw, fmt, ep):
+        return next(r["gemm_us"] for r in rows if r["hardware"] == hw and r["format"] == fmt and r["ep"] == ep)
+
+    parts = []
+    eps = sorted(sc.eps)
+    for hw in sc.hardware:
+        fmt = "mxfp8" if "mxfp8" in sc.formats else sc.formats[0]
+        steps = [f"EP{a}->{b}: -{t(hw.name, fmt, a) - t(hw.name, fmt, b):.1f} µs "
+                 f"(x{t(hw.name, fmt, a) / t(hw.name, fmt, b):.2f})" for a, b in itertools.pairwise(eps)]
+        parts.append(f"{hw.name} {fmt}: " + ", ".join(steps))
+    e16 = 16 if 16 in sc.eps else eps[-1]
+    if len(sc.hardware) >= 2:
+        a, b = sc.hardware[0].name, sc.hardware[1].name
+        parts.append(f"at EP{e16} {b} / {a} time: " + ", ".join(f"{f} {t(b, f, e16) / t(a, f, e16):.2f}x"
+                                                              for f in sc.formats))
+    if "mxfp8" in sc.formats and "fp8_block" in sc.formats:
+        parts.append(f"mxfp8 / fp8_block time at EP{eps[0]} and EP{e16}: " + ", ".join(
+            f"{hw.name} {t(hw.name, 'mxfp8', eps[0]) / t(hw.name, 'fp8_block', eps[0]):.2f}x and "
+            f"{t(hw.name, 'mxfp8', e16) / t(hw.name, 'fp8_block', e16):.2f}x" for hw in sc.hardware)
+            + " (1 token per expert is memory-bound: block-scale handling only shows when compute matters)")
+    claims = [(sc.claim, "; ".join(parts))] + [(f"format note ({k})", v) for k, v in notes.items()]
+
+    def plot(ax):
+        for i, hw in enumerate(sc.hardware):
+            for j, fmt in enumerate(sc.formats):
+                ys = [t(hw.name, fmt, e) for e in sc.eps]
+                ax.semilogx(sc.eps, ys, marker="o", ms=3, color=f"C{j}", ls=["-", "--"][i % 2],
+                            label=f"{hw.name} {fmt}", base=2)
+        ax.set_xlabel("EP ranks (experts per rank = n_experts / EP)")
+        ax.set_ylabel(f"grouped GEMM µs ({sc.tokens_per_expert} token/expert)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=6, ncol=2)
+
+    return Result(["hardware", "format", "exec_format", "ep", "local_experts", "gemm_us", "weight_MB",
+                   "fixed_us"], rows, claims, plot, summary, {"notes": notes})
+
+
+# ------------------------------------------------------------------------------------------------ (e)
+
+
+def _fig_prefill_parallelism(sc: PrefillParallelismFigure) -> Result:
+    from engine.core.sharding import ParallelPlan
+    from sim.costs.step import prefill_step_breakdown
+
+    model = _model(sc.model)
+    rows, terms = [], {}
+    seqs = [(sc.prompt_tokens, 0)] * sc.n_prompts
+    n_tok = sc.prompt_tokens * sc.n_prompts
+    for hw in sc.hardware:
+        topo = _topo(hw.topology)
+        for cfg in sc.configs:
+            world = cfg.tp
+            gpus = _check_gpus(topo, world, f"hardware {hw.name}, tp={cfg.tp}")
+            plan = ParallelPlan(role="prefill", tp=cfg.tp, ep=cfg.ep, dp=1, gpus=gpus,
+                                weight_format=hw.weight_format, kv_replication=max(1, cfg.tp // model.n_kv_heads))
+            bd = prefill_step_breakdown(model, plan, topo, seqs)
+            label = cfg.label or f"TP={cfg.tp}/EP={cfg.ep}"
+            cats = bd.by_category()
+            row = {"hardware": hw.name, "config": label, "gpus": world,
+                   "hosts": len({topo.host_of(g) for g in gpus}),
+                   **{k.replace("_s", "_ms"): round(v * 1e3, 3) for k, v in cats.items()},
+                   "step_ms": round(bd.total_s * 1e3, 3),
+                   "tokens_per_s_per_gpu": round(n_tok / bd.total_s / world, 1)}
+            rows.append(row)
+            terms[f"{hw.name}/{label}"] = {k: round(v * 1e3, 4) for k, v in bd.seconds().items()}
+    summary = {f"{r['hardware']}/{r['config']}": [r["step_ms"], r["tokens_per_s_per_gpu"]] for r in rows}
+    parts = []
+    for hw in sc.hardware:
+        mine = [r for r in rows if r["hardware"] == hw.name]
+        best = max(mine, key=lambda r: r["tokens_per_s_per_gpu"])
+        fastest = min(mine, key=lambda r: r["step_ms"])
+        desc = ", ".join(f"{r['config']} {r['step_ms']:.1f} ms / {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU"
+                         for r in mine)
+        parts.append(f"{hw.name}: {desc}; per GPU {best['config']} wins, lowest latency {fastest['config']}")
+    a = terms[f"{sc.hardware[0].name}/{sc.configs[0].label or f'TP={sc.configs[0].tp}/EP={sc.configs[0].ep}'}"]
+    b = terms[f"{sc.hardware[0].name}/{sc.configs[1].label or f'TP={sc.configs[1].tp}/EP={sc.configs[1].ep}'}"]
+    shrink = {k: round(a[k] - b.get(k, 0.0), 2) for k in a}
+    grow = {k: round(b[k] - a.get(k, 0.0), 2) for k in b if b[k] - a.get(k, 0.0) > 0}
+    claims = [(sc.claim, "; ".join(parts)),
+              ("where the time goes (first hardware, config 1 -> config 2, ms per step)",
+               "saved: " + ", ".join(f"{k} {v}" for k, v in sorted(shrink.items(), key=lambda kv: -kv[1])
+                                     if v > 0.05)
+               + "; added: " + (", ".join(f"{k} +{v}" for k, v in grow.items()) or "none"))]
+
+    def plot(ax):
+        cats = ["attn_ms", "moe_gemm_ms", "a2a_ms", "allreduce_ms", "other_ms"]
+        labels = [f"{r['hardware']}\n{r['config']}" for r in rows]
+        bottom = [0.0] * len(rows)
+        for i, c in enumerate(cats):
+            vals = [r[c] for r in rows]
+            ax.bar(labels, vals, bottom=bottom, label=c[:-3], color=f"C{i}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel(f"prefill step ms ({sc.n_prompts} x {sc.prompt_tokens} tokens)")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
+
+    cols = ["hardware", "config", "gpus", "hosts", "attn_ms", "moe_gemm_ms", "a2a_ms", "allreduce_ms", "other_ms",
+            "step_ms", "tokens_per_s_per_gpu"]
+    return Result(cols, rows, claims, plot, summary, {"terms_ms": terms})
+
+
+# ------------------------------------------------------------------------------------------------ (f)
+
+
+def _fig_decode_ep_trade(sc: DecodeEpTradeFigure) -> Result:
+    from engine.core.sharding import ParallelPlan
+    from sim.costs.gemm import binomial_histogram, expert_mlp_time
+    from sim.costs.moe_comm import dpep_decode_combine, dpep_decode_dispatch
+    from sim.costs.step import decode_step_breakdown
+
+    model = _model(sc.model)
+    hw = sc.hardware
+    topo = _topo(hw.topology)
+    gpu = topo.gpu_spec(0)
+    ea, eb = sc.eps
+    rows = []
+    for t in sc.tokens_per_rank:
+        vals = {}
+        for ep in (ea, eb):
+            gpus = _check_gpus(topo, ep, f"hardware {hw.name}, ep={ep}")
+            comm = (dpep_decode_dispatch(topo, gpus, t, model, hw.weight_format).total_s
+                    + dpep_decode_combine(topo, gpus, t, model).total_s)
+            hist = binomial_histogram(t * ep, model.top_k / model.n_experts, model.n_experts // ep)
+            gemm = expert_mlp_time(gpu, model.hidden, model.moe_intermediate, hist, hw.weight_format).total_s
+            vals[ep] = (comm, gemm)
+        rows.append({"tokens_per_rank": t, f"comm_ep{ea}_us": _us(vals[ea][0]), f"comm_ep{eb}_us": _us(vals[eb][0]),
+                     f"gemm_ep{ea}_us": _us(vals[ea][1]), f"gemm_ep{eb}_us": _us(vals[eb][1]),
+                     "comm_added_us": _us(vals[eb][0] - vals[ea][0]),
+                     "gemm_removed_us": _us(vals[ea][1] - vals[eb][1]),
+                     "net_gain_us": _us((vals[ea][0] + vals[ea][1]) - (vals[eb][0] + vals[eb][1]))})
+    steps = {}
+    for ep in (ea, eb):
+        gpus = _check_gpus(topo, ep, f"hardware {hw.name}, ep={ep}")
+        plan = ParallelPlan(role="decode", tp=1, ep=ep, dp=ep, gpus=gpus, weight_format=hw.weight_format)
+        bd = decode_step_breakdown(model, plan, topo, [sc.step_batch_per_rank] * ep,
+                                   [sc.step_batch_per_rank * sc.step_context_tokens] * ep, draft_k=sc.draft_k)
+        steps[ep] = {k: round(v * 1e3, 4) for k, v in bd.by_category().items()}
+        steps[ep]["step_ms"] = round(bd.total_s * 1e3, 4)
+    summary = {"rows": {r["tokens_per_rank"]: [r["comm_added_us"], r["gemm_removed_us"]] for r in rows},
+               "step_ms": {ep: steps[ep]["step_ms"] for ep in steps}}
+    sim = "; ".join(f"{r['tokens_per_rank']} tok/rank: +{r['comm_added_us']:.1f} µs comm, "
+                    f"-{r['gemm_removed_us']:.1f} µs GEMM (net {r['net_gain_us']:+.1f} µs/layer)" for r in rows)
+    st = (f"whole decode step at {sc.step_batch_per_rank} seqs/rank x {sc.step_context_tokens} ctx, "
+          f"draft_k={sc.draft_k}: EP{ea} {steps[ea]['step_ms']:.2f} ms vs EP{eb} {steps[eb]['step_ms']:.2f} ms "
+          f"(same per-rank batch, so EP{eb} serves {eb // ea}x the users)")
+    claims = [(sc.claim, sim), ("end to end (write-up: EP16 decoders confirmed faster on GB200)", st)]
+
+    def plot(ax):
+        ts = [r["tokens_per_rank"] for r in rows]
+        ax.semilogx(ts, [r["comm_added_us"] for r in rows], marker="o", label=f"dispatch+combine added (EP{ea}->{eb})")
+        ax.semilogx(ts, [r["gemm_removed_us"] for r in rows], marker="s", label="grouped GEMM removed")
+        ax.semilogx(ts, [r["net_gain_us"] for r in rows], marker="^", ls="--", label="net gain per MoE layer")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("µs per MoE layer")
+        ax.legend(fontsize=7)
+
+    cols = ["tokens_per_rank", f"comm_ep{ea}_us", f"comm_ep{eb}_us", f"gemm_ep{ea}_us", f"gemm_ep{eb}_us",
+            "comm_added_us", "gemm_removed_us", "net_gain_us"]
+    return Result(cols, rows, claims, plot, summary, {"decode_step_ms": steps})
+
+
+_BUILDERS: dict[type, Callable] = {
+    AllreduceFigure: _fig_allreduce, EpPrefillFigure: _fig_ep_prefill, DecodeA2aFigure: _fig_decode_a2a,
+    GroupedGemmFigure: _fig_grouped_gemm, PrefillParallelismFigure: _fig_prefill_parallelism,
+    DecodeEpTradeFigure: _fig_decode_ep_trade,
+}
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+def compute_figure(sc) -> Result:
+    """The table, claims and plot of a validated figure scenario (no I/O)."""
+    return _BUILDERS[type(sc)](sc)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 1000 else f"{v:,.1f}"
+    return "—" if v is None else str(v)
+
+
+def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
+    """Run a ``kind: figure`` scenario: print the table and the claim-vs-simulation lines, write
+    ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.png``. Returns the JSON document (plus the two paths)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    path = Path(path)
+    sc = load_figure(path)
+    res = compute_figure(sc)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    table = Table(title=sc.title or sc.name, show_lines=False)
+    for c in res.columns:
+        table.add_column(c, justify="left" if c in ("hardware", "config", "format", "exec_format", "route",
+                                                    "nvlink_algo", "allreduce_algo") else "right")
+    for r in res.rows:
+        table.add_row(*(_fmt(r.get(c)) for c in res.columns))
+    console.print(table)
+    for claim, sim in res.claims:
+        console.print(f"[bold]write-up:[/bold] {claim}")
+        console.print(f"[bold]simulated:[/bold] {sim}")
+
+    png = out_dir / f"{sc.name}.png"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    res.plot(ax)
+    ax.set_title(sc.title or sc.name, fontsize=9)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+    doc = {"name": sc.name, "figure": sc.figure, "title": sc.title, "scenario": str(path),
+           "scenario_config": json.loads(sc.model_dump_json()), "columns": res.columns, "rows": res.rows,
+           "claims": [{"write_up": c, "simulated": s} for c, s in res.claims], "summary": res.summary,
+           **res.extra}
+    js = out_dir / f"{sc.name}.json"
+    js.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    console.print(f"wrote {js} and {png}")
+    return {**doc, "json": str(js), "png": str(png)}
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
