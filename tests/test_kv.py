@@ -1,0 +1,396 @@
+"""KV layout addressing and the resharding planner: property tests (hypothesis) + mutation checks.
+
+The checker ``check_plan`` is independent of the planner: it places a random logical KV tensor
+X[layer, K/V, head, token, dim] into the source buffers with ``KvLayout.offset`` alone, executes the plan with
+numpy, and compares with the destination buffers built the same way. The tests at the bottom break correct plans
+on purpose (swap offsets, split a chunk, read a replica twice, ...) and require ``check_plan`` to notice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.core.kv import (
+    KvLayout,
+    TransferPlan,
+    chunk_stats,
+    execute_plan,
+    hnd_vs_nhd,
+    merge_chunks,
+    pages_needed,
+    reshard_plan,
+    source_rank,
+    transfer_stats,
+)
+from engine.core.sharding import tp_kv_head_shards
+
+N_EXAMPLES = 300
+SETTINGS = settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def valid_tps(n_heads: int) -> list[int]:
+    return [t for t in range(1, 9) if (t <= n_heads and n_heads % t == 0) or (t > n_heads and t % n_heads == 0)]
+
+
+@st.composite
+def shards_st(draw, n_heads: int, allow_arbitrary: bool = True):
+    """TP shards (split / replicated) or an arbitrary covering assignment (any order, replicas allowed)."""
+    if allow_arbitrary and draw(st.booleans()):
+        n_ranks = draw(st.integers(1, 4))
+        shards = [list(draw(st.permutations(range(n_heads))))[:draw(st.integers(1, n_heads))]
+                  for _ in range(n_ranks)]
+        held = {h for s in shards for h in s}
+        for h in range(n_heads):  # cover every head
+            if h not in held:
+                shards[draw(st.integers(0, n_ranks - 1))].append(h)
+                held.add(h)
+        return tuple(tuple(s) for s in shards)
+    return tp_kv_head_shards(n_heads, draw(st.sampled_from(valid_tps(n_heads))))
+
+
+@st.composite
+def page_tables(draw, n_ranks: int, need: int, n_pages: int, rng_seed: int):
+    rng = np.random.default_rng(rng_seed)
+    if draw(st.booleans()):  # one table for all ranks
+        return rng.permutation(n_pages)[:need]
+    return [rng.permutation(n_pages)[:need] for _ in range(n_ranks)]
+
+
+@st.composite
+def transfers(draw, orders=("HND",)):
+    """(src, dst, seq_len, src_pages, dst_pages, seed)."""
+    n_heads = draw(st.sampled_from([1, 2, 4, 8]))
+    L = draw(st.integers(1, 3))
+    D = draw(st.sampled_from([1, 2, 4]))
+    e = draw(st.sampled_from([1, 2]))
+    seq_len = draw(st.integers(1, 80))
+    ps, pd = draw(st.integers(1, 16)), draw(st.integers(1, 16))
+    src_order, dst_order = draw(st.sampled_from(orders)), draw(st.sampled_from(orders))
+    src_shards = draw(shards_st(n_heads))
+    kind = draw(st.sampled_from(["dp", "tp", "any"]))
+    if kind == "dp":
+        dst_shards = (tuple(range(n_heads)),)
+    else:
+        dst_shards = draw(shards_st(n_heads, allow_arbitrary=kind == "any"))
+    ns, nd = pages_needed(seq_len, ps), pages_needed(seq_len, pd)
+    src = KvLayout(L, n_heads, D, e, ps, src_shards, ns + draw(st.integers(0, 3)), src_order)
+    dst = KvLayout(L, n_heads, D, e, pd, dst_shards, nd + draw(st.integers(0, 3)), dst_order)
+    seed = draw(st.integers(0, 2**32 - 1))
+    sp = draw(page_tables(src.n_ranks, ns, src.n_pages, seed))
+    dp = draw(page_tables(dst.n_ranks, nd, dst.n_pages, seed + 1))
+    return src, dst, seq_len, sp, dp, seed
+
+
+def element_offsets(layout: KvLayout, rank: int, seq_len: int, pages) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offsets [n_elem, e], logical byte ids [n_elem, e]) of every element of the sequence on ``rank``."""
+    heads = np.array(layout.shards[rank])
+    L, H, D, e = layout.n_layers, layout.n_kv_heads, layout.head_dim, layout.elem_bytes
+    l, kv, h, t, d = np.meshgrid(np.arange(L), np.arange(2), heads, np.arange(seq_len), np.arange(D),
+                                 indexing="ij")
+    off = layout.offset(rank, l, h, t, kv, d, pages).ravel()
+    elem_id = ((((l * 2 + kv) * H + h) * seq_len + t) * D + d).ravel()
+    b = np.arange(e)
+    return off[:, None] + b, elem_id[:, None] * e + b
+
+
+def build_buffers(layout: KvLayout, seq_len: int, pages, logical: np.ndarray, rng):
+    """Random-garbage buffers with the sequence's bytes placed; also the logical-id map and validity mask."""
+    bufs, ids = [], []
+    for r in range(layout.n_ranks):
+        buf = rng.integers(0, 256, layout.rank_nbytes(r), dtype=np.uint8)
+        idmap = np.full(layout.rank_nbytes(r), -1, dtype=np.int64)
+        off, lid = element_offsets(layout, r, seq_len, pages)
+        assert np.unique(off).size == off.size, "offset() maps two elements to one byte"
+        buf[off] = logical[lid]
+        idmap[off] = lid
+        bufs.append(buf)
+        ids.append(idmap)
+    return bufs, ids
+
+
+def check_plan(plan: TransferPlan, src, dst, seq_len, sp, dp, seed) -> None:
+    """Assert every property the planner guarantees (AssertionError names the broken one)."""
+    rng = np.random.default_rng(seed)
+    n_logical = src.n_layers * 2 * src.n_kv_heads * seq_len * src.head_dim * src.elem_bytes
+    logical = rng.integers(0, 256, n_logical, dtype=np.uint8)
+    src_bufs, src_ids = build_buffers(src, seq_len, sp, logical, rng)
+    dst_init, dst_ids = build_buffers(dst, seq_len, dp, logical, rng)  # expected result: garbage + sequence
+    dst_bufs = [rng.integers(0, 256, b.shape[0], dtype=np.uint8) for b in dst_init]
+    for exp, got, idm in zip(dst_init, dst_bufs, dst_ids):  # same garbage outside the sequence
+        exp[idm < 0] = got[idm < 0]
+    src_before = [b.copy() for b in src_bufs]
+    execute_plan(plan, src_bufs, dst_bufs)
+    # 1. exact reproduction of the destination layout (and nothing else written)
+    for r, (exp, got) in enumerate(zip(dst_init, dst_bufs)):
+        assert np.array_equal(exp, got), f"destination rank {r} differs from the expected layout"
+    assert all(np.array_equal(a, b) for a, b in zip(src_before, src_bufs)), "source modified"
+    # 2. every destination byte of the sequence written exactly once, no other byte written
+    for r in range(dst.n_ranks):
+        cnt = np.zeros(dst.rank_nbytes(r) + 1, dtype=np.int64)
+        m = plan.dst_rank == r
+        np.add.at(cnt, plan.dst_offset[m], 1)
+        np.add.at(cnt, plan.dst_offset[m] + plan.nbytes[m], -1)
+        writes = np.cumsum(cnt)[:-1]
+        assert np.array_equal(writes, (dst_ids[r] >= 0).astype(np.int64)), \
+            f"destination rank {r}: bytes written {writes.max()} times / sequence bytes not written"
+    # 3. every source byte read exists (is part of the sequence); 4. each logical byte read once per
+    #    destination copy (replicated source heads are not read N times)
+    reads = [src_ids[c.src_rank][c.src_offset:c.src_offset + c.nbytes] for c in plan]
+    reads = np.concatenate(reads) if reads else np.zeros(0, dtype=np.int64)
+    assert (reads >= 0).all(), "plan reads source bytes that are not part of the sequence"
+    per_head_copies = np.bincount(np.concatenate([np.array(s) for s in dst.shards]), minlength=dst.n_kv_heads)
+    L, H, S, D, e = src.n_layers, src.n_kv_heads, seq_len, src.head_dim, src.elem_bytes
+    expected_reads = np.broadcast_to(per_head_copies[None, None, :, None, None, None],
+                                     (L, 2, H, S, D, e)).ravel()
+    assert np.array_equal(np.bincount(reads, minlength=n_logical), expected_reads), \
+        "a logical KV byte is read more (or less) often than destinations hold it"
+    assert plan.total_bytes == sum(int((i >= 0).sum()) for i in dst_ids), "bytes moved != bytes needed"
+    # 5. adjacent chunks merged: no two chunks of one (src, dst) pair continue each other on both sides
+    ends = set(zip(plan.src_rank.tolist(), plan.dst_rank.tolist(), (plan.src_offset + plan.nbytes).tolist(),
+                   (plan.dst_offset + plan.nbytes).tolist()))
+    starts = set(zip(plan.src_rank.tolist(), plan.dst_rank.tolist(), plan.src_offset.tolist(),
+                     plan.dst_offset.tolist()))
+    assert not (ends & starts), "two chunks are contiguous on both sides but not merged"
+    assert (plan.nbytes > 0).all(), "empty chunk"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# properties
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(transfers())
+def test_hnd_reshard_reproduces_destination(t):
+    src, dst, seq_len, sp, dp, seed = t
+    check_plan(reshard_plan(src, dst, seq_len, sp, dp), src, dst, seq_len, sp, dp, seed)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(transfers(orders=("HND", "NHD")))
+def test_any_order_reshard_reproduces_destination(t):
+    """NHD and mixed HND/NHD layouts obey the same properties."""
+    src, dst, seq_len, sp, dp, seed = t
+    check_plan(reshard_plan(src, dst, seq_len, sp, dp), src, dst, seq_len, sp, dp, seed)
+
+
+def n_token_runs(seq_len: int, ps: int, pd: int) -> int:
+    """Token runs that stay inside one source page and one destination page (computed independently)."""
+    return len(set(range(0, seq_len, ps)) | set(range(0, seq_len, pd)))
+
+
+@SETTINGS
+@given(transfers(), st.integers(1, 6))
+def test_hnd_needs_no_more_chunks_than_nhd_with_equal_full_pages(t, n_pages):
+    """Same page size on both sides and whole pages: HND never needs more chunks than NHD (any shards, any page
+    tables)."""
+    src, dst, _, _, _, seed = t
+    dst = KvLayout(dst.n_layers, dst.n_kv_heads, dst.head_dim, dst.elem_bytes, src.page_tokens, dst.shards,
+                   n_pages + 2)
+    src = src.with_pages(n_pages + 2)
+    rng = np.random.default_rng(seed)
+    sp = [rng.permutation(n_pages + 2)[:n_pages] for _ in range(src.n_ranks)]
+    dp = rng.permutation(n_pages + 2)[:n_pages]
+    hnd, nhd = hnd_vs_nhd(src, dst, n_pages * src.page_tokens, sp, dp)
+    assert hnd <= nhd, (hnd, nhd)
+
+
+@SETTINGS
+@given(transfers(), st.sampled_from([1, 2, 4]))
+def test_hnd_far_fewer_chunks_for_head_sharded_sources(t, n_heads):
+    """Source ranks holding one head each (TP >= KV heads), any page sizes, partial pages, any destination:
+    HND needs no more chunks than NHD, and where a destination rank gathers >= 2 heads NHD needs at least
+    seq_len / n_runs times more (~ the page size: one chunk per token and head instead of per page and head)."""
+    _, dst, seq_len, _, _, seed = t
+    rng = np.random.default_rng(seed)
+    n_heads = min(n_heads, dst.n_kv_heads)
+    shards = tuple(tuple(h for h in s if h < n_heads) or (0,) for s in dst.shards)
+    dst = KvLayout(dst.n_layers, n_heads, dst.head_dim, dst.elem_bytes, dst.page_tokens, shards, dst.n_pages)
+    tp = int(rng.choice([t for t in valid_tps(n_heads) if t >= n_heads]))
+    src = KvLayout.tp_sharded(dst.n_layers, n_heads, dst.head_dim, dst.elem_bytes, int(rng.integers(1, 17)), tp,
+                              seq_len)
+    sp = rng.permutation(src.n_pages)[:pages_needed(seq_len, src.page_tokens)]
+    dp = rng.permutation(dst.n_pages)[:pages_needed(seq_len, dst.page_tokens)]
+    hnd = reshard_plan(src, dst, seq_len, sp, dp)
+    nhd = reshard_plan(src.with_order("NHD"), dst.with_order("NHD"), seq_len, sp, dp)
+    assert len(hnd) <= len(nhd), (len(hnd), len(nhd))
+    runs = n_token_runs(seq_len, src.page_tokens, dst.page_tokens)
+    for d in range(dst.n_ranks):  # per destination rank that gathers >= 2 heads
+        if len(dst.shards[d]) >= 2:
+            h_d, n_d = int((hnd.dst_rank == d).sum()), int((nhd.dst_rank == d).sum())
+            assert n_d * runs >= h_d * seq_len, (d, h_d, n_d)
+
+
+def test_nhd_wins_when_heads_stay_together_and_page_sizes_differ():
+    """The exception: a source rank holding the same heads as the destination (no head resharding) with
+    different page sizes. NHD keeps each token's heads contiguous and merges whole token runs; HND splits every
+    run per head, so it needs n_heads times more chunks. Equal page sizes remove the difference."""
+    src = KvLayout.tp_sharded(2, 4, 8, 2, 16, 1, 8)
+    dst = KvLayout.tp_sharded(2, 4, 8, 2, 32, 1, 8)
+    hnd, nhd = hnd_vs_nhd(src, dst, 100, np.arange(7), np.arange(4) * 2)
+    assert hnd == 4 * nhd
+    same = KvLayout.tp_sharded(2, 4, 8, 2, 16, 1, 8)
+    assert hnd_vs_nhd(src, same, 96) == (2, 2)  # contiguous whole pages: one chunk per layer either way
+
+
+def test_writeup_case_counts():
+    """Qwen3-235B (94 layers, 4 KV heads), TP=4 prefiller -> DP decode rank, 64-token pages, 6000 tokens:
+    HND = 94 layers x K/V x 4 heads x 94 pages chunks; NHD = one chunk per (layer, K/V, token, head)."""
+    src = KvLayout.tp_sharded(94, 4, 128, 2, 64, 4, 100)
+    dst = KvLayout.tp_sharded(94, 4, 128, 2, 64, 1, 100)
+    plan = reshard_plan(src, dst, 6000)
+    assert len(plan) == 94 * 2 * 4 * 94
+    assert plan.total_bytes == 6000 * 192_512
+    assert plan.nbytes.max() == 64 * 128 * 2  # one head's page of K or V
+    two = KvLayout.tp_sharded(2, 4, 128, 2, 64, 4, 100)  # NHD on 2 layers (94 would take seconds)
+    assert hnd_vs_nhd(two, KvLayout.tp_sharded(2, 4, 128, 2, 64, 1, 100), 6000) == \
+        (2 * 2 * 4 * 94, 2 * 2 * 6000 * 4)
+
+
+def test_replicas_spread_round_robin_by_layer():
+    """TP=8 over 4 KV heads: each head is read once, layers alternating between its two replicas."""
+    src = KvLayout.tp_sharded(6, 4, 8, 2, 16, 8, 8)
+    dst = KvLayout.tp_sharded(6, 4, 8, 2, 16, 1, 8)
+    stats = chunk_stats(reshard_plan(src, dst, 100))
+    per_head_layer = 2 * 100 * 8 * 2  # K+V, tokens, dim, bytes
+    assert stats.bytes_by_src == {r: 3 * per_head_layer for r in range(8)}
+    assert stats.total_bytes == 4 * 6 * per_head_layer
+    assert [int(source_rank(src, 0, layer)) for layer in range(4)] == [0, 1, 0, 1]
+    assert [int(source_rank(src, 1, layer)) for layer in range(4)] == [3, 2, 3, 2]
+
+
+def test_same_layout_contiguous_pages_is_one_chunk_per_layer_and_rank():
+    """Identical TP layouts with identical contiguous page tables and full pages: one chunk per (rank, layer)
+    region (the layer regions are n_pages apart, so they do not merge unless the cache is exactly full)."""
+    lay = KvLayout.tp_sharded(3, 4, 8, 2, 16, 2, 10)
+    plan = reshard_plan(lay, lay, 64)
+    assert len(plan) == 2 * 3
+    full = lay.with_pages(4)  # exactly full: the whole buffer is one chunk per rank
+    assert len(reshard_plan(full, full, 64)) == 2
+
+
+def test_transfer_stats_cached_and_fragmented():
+    src = KvLayout.tp_sharded(2, 4, 8, 2, 16, 1, 10)
+    a = transfer_stats(src, src, 64)
+    assert transfer_stats(src, src, 64) is a
+    assert a.n_chunks == 2 * 4  # fragmented pages: one chunk per (layer, page), K/V and heads merged in a page
+    assert a.total_bytes == 2 * 2 * 4 * 64 * 8 * 2
+
+
+def test_offset_hand_computed():
+    """HND: ((((layer*n_pages + page)*2 + kv)*Hr + head_local)*P + slot)*D + dim) * e; NHD swaps head and slot."""
+    lay = KvLayout(2, 4, 8, 2, 16, ((2, 3), (0, 1)), 5)
+    pages = [[4, 1], [3, 0]]
+    # rank 0 holds heads (2, 3): head 3 is local 1; token 20 -> page index 1 -> page id 1, slot 4
+    assert int(lay.offset(0, 1, 3, 20, 1, 5, pages)) == (((((1 * 5 + 1) * 2 + 1) * 2 + 1) * 16 + 4) * 8 + 5) * 2
+    nhd = lay.with_order("NHD")
+    assert int(nhd.offset(0, 1, 3, 20, 1, 5, pages)) == (((((1 * 5 + 1) * 2 + 1) * 16 + 4) * 2 + 1) * 8 + 5) * 2
+    with pytest.raises(ValueError, match="does not hold head"):
+        lay.offset(0, 0, 0, 0, 0, 0, pages)
+
+
+def test_invalid_inputs_raise_one_line():
+    lay = KvLayout.tp_sharded(1, 4, 8, 2, 16, 2, 4)
+    with pytest.raises(ValueError, match="held by no rank"):
+        KvLayout(1, 4, 8, 2, 16, ((0, 1), (1, 2)), 4)
+    with pytest.raises(ValueError, match="twice"):
+        KvLayout(1, 4, 8, 2, 16, ((0, 1, 1), (2, 3)), 4)
+    with pytest.raises(ValueError, match="page ids must be in 0..3"):
+        reshard_plan(lay, lay, 80)  # 5 pages, capacity 4
+    with pytest.raises(ValueError, match="needs 2"):
+        reshard_plan(lay, lay, 20, [0], None)
+    with pytest.raises(ValueError, match="differs"):
+        reshard_plan(lay, KvLayout.tp_sharded(2, 4, 8, 2, 16, 2, 4), 10)
+    with pytest.raises(ValueError, match="page twice"):
+        reshard_plan(lay, lay, 20, [0, 0], None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the checker catches broken plans (each mutation must trip a named property)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _example(kind: str):
+    """'replicated': TP=8 over 4 heads (replicas on ranks 2h, 2h+1) -> DP rank, mismatched pages, scattered page
+    tables. 'mergeable': TP=2 -> DP rank, equal pages, whole pages (head pairs and pages merge)."""
+    rng = np.random.default_rng(7)
+    if kind == "replicated":
+        src = KvLayout(2, 4, 4, 2, 8, tp_kv_head_shards(4, 8), 6)
+        dst = KvLayout(2, 4, 4, 2, 4, ((0, 1, 2, 3),), 12)
+        seq_len, sp, dp = 37, [rng.permutation(6)[:5] for _ in range(8)], rng.permutation(12)[:10]
+    else:
+        src = KvLayout(2, 4, 4, 2, 8, tp_kv_head_shards(4, 2), 6)
+        dst = KvLayout(2, 4, 4, 2, 8, ((0, 1, 2, 3),), 6)
+        seq_len, sp, dp = 32, np.arange(4), np.array([1, 2, 3, 5])
+    plan = reshard_plan(src, dst, seq_len, sp, dp)
+    check_plan(plan, src, dst, seq_len, sp, dp, 1)  # the unmutated plan passes
+    return plan, (src, dst, seq_len, sp, dp, 1)
+
+
+def _cols(plan):
+    return [a.copy() for a in (plan.src_rank, plan.src_offset, plan.dst_rank, plan.dst_offset, plan.nbytes)]
+
+
+def _mut_swap_offsets(plan, args):
+    c = _cols(plan)
+    c[1], c[3] = c[3], c[1]
+    return TransferPlan(*c)
+
+
+def _mut_unmerged(plan, args):
+    src, dst, seq_len, sp, dp, _ = args
+    bad = reshard_plan(src, dst, seq_len, sp, dp, merge=False)
+    assert len(bad) > len(plan)
+    return bad
+
+
+def _mut_split_chunk(plan, args):
+    c = _cols(plan)
+    i = int(np.argmax(c[4]))
+    half = c[4][i] // 2
+    extra = [c[0][i], c[1][i] + half, c[2][i], c[3][i] + half, c[4][i] - half]
+    c[4][i] = half
+    return TransferPlan(*(np.append(a, x) for a, x in zip(c, extra)))
+
+
+def _mut_read_both_replicas(plan, args):
+    """Also read chunk 0 again from the other replica of its head (into the same destination bytes)."""
+    src = args[0]
+    c = _cols(plan)
+    r = int(c[0][0])
+    other = r ^ 1  # replicas sit on ranks (2h, 2h+1)
+    assert src.shards[other] == src.shards[r]
+    extra = [other, c[1][0], c[2][0], c[3][0], c[4][0]]
+    return TransferPlan(*(np.append(a, x) for a, x in zip(c, extra)))
+
+
+def _mut_drop_chunk(plan, args):
+    return TransferPlan(*(a[1:] for a in _cols(plan)))
+
+
+def _mut_off_by_one_element(plan, args):
+    c = _cols(plan)
+    c[1] = c[1] + 8  # one element (4 dims x 2 B) later in the source
+    return TransferPlan(*c)
+
+
+MUTATIONS = [(m, k) for m in (_mut_swap_offsets, _mut_split_chunk, _mut_drop_chunk, _mut_off_by_one_element)
+             for k in ("replicated", "mergeable")] + [(_mut_read_both_replicas, "replicated"),
+                                                      (_mut_unmerged, "mergeable")]
+
+
+@pytest.mark.parametrize("mutate, kind", MUTATIONS, ids=[f"{m.__name__[5:]}-{k}" for m, k in MUTATIONS])
+def test_checker_catches_broken_plans(mutate, kind):
+    plan, args = _example(kind)
+    bad = mutate(plan, args)
+    with pytest.raises((AssertionError, ValueError)):
+        check_plan(bad, *args)
+
+
+def test_merge_chunks_merges_only_double_contiguity():
+    p = merge_chunks([0, 0, 0, 1], [0, 10, 30, 20], [0, 0, 0, 0], [100, 110, 120, 130], [10, 10, 5, 5])
+    assert [(c.src_rank, c.src_offset, c.dst_offset, c.nbytes) for c in p] == \
+        [(0, 0, 100, 20), (0, 30, 120, 5), (1, 20, 130, 5)]
