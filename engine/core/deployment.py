@@ -1,0 +1,267 @@
+"""The serving side of a scenario as pure data: prefiller groups, decoder groups, their GPUs, NICs and capacities.
+
+A :class:`Deployment` is what the scheduler serves with. It carries no behaviour beyond validation and a builder
+(:func:`place`) that lays groups out on a topology:
+
+- a **prefiller group** is ``tp × ep`` GPUs in one node (the write-up: TP=4/EP=4 in one GB200 tray); it prefills a
+  batch of prompts per step within ``max_batch_tokens``, keeps their KV (at most ``kv_capacity_tokens``) until it
+  has been shipped, and ships it over the node's NICs with ``kv_streams`` concurrent transfers;
+- a **decoder group** is one DP-EP deployment of ``ep`` GPUs; each GPU is a DP rank with its own batch
+  (``max_batch_per_rank``) and KV cache (``kv_capacity_tokens_per_rank`` tokens, allocated in pages of
+  ``kv_page_tokens``); KV arrives at a rank through that GPU's NIC;
+- ``spare_gpus`` is the pool the autoscaler may grow into, using ``prefiller_template`` / ``decoder_template``.
+
+GPU ids are the topology's global ints; NIC ids its strings (``"nic:<k>"``). ``gpu_host``, ``gpu_nic``,
+``gpu_domain`` (NVLink domain index) and ``nic_GBps`` (per direction, 1e9 B/s) are the slice of the topology
+the scheduler and network model need, copied so that ``engine.core`` stays free of graph lookups in hot paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from topology.errors import UserError
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise UserError(msg)
+
+
+@dataclass(frozen=True)
+class PrefillerTemplate:
+    """Shape of one prefiller group (also used by the autoscaler to create new ones).
+
+    max_batch_tokens:   token budget of one prefill batch.
+    kv_capacity_tokens: prompt KV the group can hold while it waits to be shipped (tokens).
+    max_queue_requests: queued requests beyond which new arrivals are not routed here (None = unbounded).
+    kv_streams:         concurrent KV transfers out of the node (each a worker ``P<i>.kv<j>``).
+    """
+
+    tp: int = 4
+    ep: int = 4
+    max_batch_tokens: int = 16384
+    kv_capacity_tokens: int = 1_000_000
+    max_queue_requests: int | None = None
+    kv_streams: int = 1
+
+    @property
+    def n_gpus(self) -> int:
+        """GPUs of the group: attention TP and expert EP span the same GPUs (TP=4/EP=4 is 4 GPUs)."""
+        return max(self.tp, self.ep)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "max_batch_tokens", "kv_capacity_tokens", "kv_streams"):
+            _need(getattr(self, name) >= 1, f"prefiller.{name}: must be >= 1, got {getattr(self, name)}")
+        _need(self.max_queue_requests is None or self.max_queue_requests >= 1,
+              f"prefiller.max_queue_requests: must be >= 1 or null, got {self.max_queue_requests}")
+
+
+@dataclass(frozen=True)
+class DecoderTemplate:
+    """Shape of one decoder group: ``ep`` DP ranks (one GPU each) with a batch cap and a KV capacity per rank."""
+
+    ep: int = 16
+    max_batch_per_rank: int = 64
+    kv_capacity_tokens_per_rank: int = 400_000
+    kv_page_tokens: int = 1
+
+    @property
+    def n_gpus(self) -> int:
+        return self.ep
+
+    def __post_init__(self) -> None:
+        for name in ("ep", "max_batch_per_rank", "kv_capacity_tokens_per_rank", "kv_page_tokens"):
+            _need(getattr(self, name) >= 1, f"decoder.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class PrefillerGroup:
+    """One placed prefiller group. ``gpus`` are in one node (``host``); ``nics`` are that node's NICs used for KV."""
+
+    id: str
+    gpus: tuple[int, ...]
+    host: int
+    nics: tuple[str, ...]
+    template: PrefillerTemplate = field(default_factory=PrefillerTemplate)
+
+    def __post_init__(self) -> None:
+        _need(len(self.gpus) >= 1, f"prefiller {self.id}: needs at least one GPU")
+        _need(len(set(self.gpus)) == len(self.gpus), f"prefiller {self.id}: repeated GPU in {self.gpus}")
+        _need(len(self.nics) >= 1, f"prefiller {self.id}: needs at least one NIC for KV transfer")
+
+
+@dataclass(frozen=True)
+class DecoderGroup:
+    """One placed decoder group: rank ``r`` is GPU ``gpus[r]`` receiving KV through ``rank_nics[r]``."""
+
+    id: str
+    gpus: tuple[int, ...]
+    rank_nics: tuple[str, ...]
+    template: DecoderTemplate = field(default_factory=DecoderTemplate)
+
+    def __post_init__(self) -> None:
+        _need(len(self.gpus) >= 1, f"decoder {self.id}: needs at least one GPU")
+        _need(len(set(self.gpus)) == len(self.gpus), f"decoder {self.id}: repeated GPU in {self.gpus}")
+        _need(len(self.rank_nics) == len(self.gpus),
+              f"decoder {self.id}: rank_nics has {len(self.rank_nics)} entries for {len(self.gpus)} ranks")
+
+    @property
+    def ep(self) -> int:
+        return len(self.gpus)
+
+
+@dataclass(frozen=True)
+class MtpSpec:
+    """MTP speculative decoding: ``draft_k`` drafted tokens per step, each accepted with probability
+    ``accept_p`` given all earlier ones were (the write-up assumes 0.8). ``draft_k = 0`` disables it."""
+
+    draft_k: int = 0
+    accept_p: float = 0.8
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.draft_k <= 16, f"mtp.draft_k: must be in [0, 16], got {self.draft_k}")
+        _need(0.0 <= self.accept_p <= 1.0, f"mtp.accept_p: must be in [0, 1], got {self.accept_p}")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything the scheduler needs to know about the serving system (see module docstring).
+
+    kv_bytes_per_token: KV bytes per token over all full-attention layers (``ModelSpec.kv_bytes_per_token``).
+    chunked_prefill:    split prompts across prefill batches to fill the token budget exactly.
+    shed_ttft_s:        if set, reject at arrival a request whose estimated TTFT already exceeds this bound.
+    """
+
+    prefillers: tuple[PrefillerGroup, ...]
+    decoders: tuple[DecoderGroup, ...]
+    kv_bytes_per_token: int
+    gpu_host: dict[int, int]
+    gpu_nic: dict[int, str]
+    nic_GBps: dict[str, float]
+    gpu_domain: dict[int, int] = field(default_factory=dict)
+    mtp: MtpSpec = field(default_factory=MtpSpec)
+    chunked_prefill: bool = False
+    shed_ttft_s: float | None = None
+    spare_gpus: tuple[int, ...] = ()
+    prefiller_template: PrefillerTemplate = field(default_factory=PrefillerTemplate)
+    decoder_template: DecoderTemplate = field(default_factory=DecoderTemplate)
+    name: str = "deployment"
+
+    def __post_init__(self) -> None:
+        _need(self.kv_bytes_per_token >= 1, f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}")
+        _need(self.shed_ttft_s is None or self.shed_ttft_s > 0,
+              f"shed_ttft_s: must be > 0 or null, got {self.shed_ttft_s}")
+        ids = [g.id for g in self.prefillers] + [g.id for g in self.decoders]
+        _need(len(set(ids)) == len(ids), f"deployment: duplicate group id in {ids}")
+        seen: dict[int, str] = {}
+        for g in (*self.prefillers, *self.decoders):
+            for gpu in g.gpus:
+                _need(gpu not in seen, f"deployment: GPU {gpu} is in both {seen.get(gpu)} and {g.id}")
+                seen[gpu] = g.id
+                _need(gpu in self.gpu_host, f"deployment: GPU {gpu} of {g.id} has no gpu_host entry")
+        for gpu in self.spare_gpus:
+            _need(gpu not in seen, f"deployment.spare_gpus: GPU {gpu} is already used by {seen.get(gpu)}")
+            _need(gpu in self.gpu_host, f"deployment.spare_gpus: GPU {gpu} has no gpu_host entry")
+        for g in self.prefillers:
+            for nic in g.nics:
+                _need(nic in self.nic_GBps, f"prefiller {g.id}: NIC {nic} has no nic_GBps entry")
+        for g in self.decoders:
+            for nic in g.rank_nics:
+                _need(nic in self.nic_GBps, f"decoder {g.id}: NIC {nic} has no nic_GBps entry")
+
+    @property
+    def n_gpus(self) -> int:
+        """GPUs in use at the start plus the spare pool."""
+        return sum(len(g.gpus) for g in (*self.prefillers, *self.decoders)) + len(self.spare_gpus)
+
+    def host_nics(self, host: int) -> tuple[str, ...]:
+        """The NICs of a host (those of its GPUs), sorted, deduplicated."""
+        return tuple(sorted({self.gpu_nic[g] for g, h in self.gpu_host.items() if h == host and g in self.gpu_nic}))
+
+
+class TopologyView(Protocol):
+    """The part of ``topology.graph.Topology`` :func:`place` needs."""
+
+    @property
+    def gpu_ids(self) -> list[int]: ...
+
+    def host_of(self, i: int) -> int: ...
+
+    def nic_of_gpu(self, i: int) -> str: ...
+
+    def nic_spec(self, nic_id: str): ...  # -> NicSpec with .GBps
+
+    def nvlink_domain(self, i: int) -> frozenset[int]: ...
+
+
+def place(
+    topo: TopologyView,
+    *,
+    n_prefillers: int,
+    n_decoders: int,
+    kv_bytes_per_token: int,
+    prefiller: PrefillerTemplate | None = None,
+    decoder: DecoderTemplate | None = None,
+    mtp: MtpSpec | None = None,
+    chunked_prefill: bool = False,
+    shed_ttft_s: float | None = None,
+    spare: str = "rest",
+    name: str = "deployment",
+) -> Deployment:
+    """Lay out ``n_prefillers`` and ``n_decoders`` groups on ``topo`` and return the :class:`Deployment`.
+
+    Prefillers take whole hosts first (lowest host index first, each group's GPUs on one host); decoders then
+    take the lowest free GPUs of one NVLink domain each. ``spare="rest"`` puts every GPU left into the spare
+    pool, ``spare="none"`` leaves it out. Raises a one-line ``UserError`` when the layout does not fit.
+    """
+    ptpl = prefiller or PrefillerTemplate()
+    dtpl = decoder or DecoderTemplate()
+    gpus = sorted(topo.gpu_ids)
+    gpu_host = {g: topo.host_of(g) for g in gpus}
+    gpu_nic = {g: topo.nic_of_gpu(g) for g in gpus}
+    nic_GBps = {n: float(topo.nic_spec(n).GBps) for n in sorted(set(gpu_nic.values()))}
+    domains: dict[frozenset[int], int] = {}
+    gpu_domain: dict[int, int] = {}
+    for g in gpus:
+        d = topo.nvlink_domain(g)
+        gpu_domain[g] = domains.setdefault(d, len(domains))
+    free = list(gpus)
+    hosts = sorted(set(gpu_host.values()))
+    pgroups = []
+    for i in range(n_prefillers):
+        for h in hosts:
+            cand = [g for g in free if gpu_host[g] == h]
+            if len(cand) >= ptpl.n_gpus:
+                mine = tuple(cand[: ptpl.n_gpus])
+                break
+        else:
+            raise UserError(
+                f"deployment: prefiller {i} needs {ptpl.n_gpus} free GPUs in one node; none left "
+                f"(n_prefillers={n_prefillers}, {len(gpus)} GPUs)")
+        free = [g for g in free if g not in mine]
+        nics = tuple(sorted({gpu_nic[g] for g in mine}))
+        pgroups.append(PrefillerGroup(id=f"P{i}", gpus=mine, host=gpu_host[mine[0]], nics=nics, template=ptpl))
+    dgroups = []
+    for i in range(n_decoders):
+        for d in sorted(set(gpu_domain.values())):
+            cand = [g for g in free if gpu_domain[g] == d]
+            if len(cand) >= dtpl.ep:
+                mine = tuple(cand[: dtpl.ep])
+                break
+        else:
+            raise UserError(
+                f"deployment: decoder {i} needs {dtpl.ep} free GPUs in one NVLink domain; none left "
+                f"(n_decoders={n_decoders}, {len(gpus)} GPUs)")
+        free = [g for g in free if g not in mine]
+        dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=tuple(gpu_nic[g] for g in mine),
+                                    template=dtpl))
+    if spare not in ("rest", "none"):
+        raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
+    return Deployment(
+        prefillers=tuple(pgroups), decoders=tuple(dgroups), kv_bytes_per_token=int(kv_bytes_per_token),
+        gpu_host=gpu_host, gpu_nic=gpu_nic, nic_GBps=nic_GBps, gpu_domain=gpu_domain, mtp=mtp or MtpSpec(),
+        chunked_prefill=chunked_prefill, shed_ttft_s=shed_ttft_s,
+        spare_gpus=tuple(free) if spare == "rest" else (), prefiller_template=ptpl, decoder_template=dtpl,
+        name=name)

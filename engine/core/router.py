@@ -1,0 +1,70 @@
+"""Routing: which prefiller takes a new request, which decoder rank receives its KV.
+
+Both choices are deterministic with explicit tie-breaks — candidates are scanned in worker creation order (and
+rank order inside a decoder group) and only a *strictly* better key replaces the current best, so ties go to the
+earliest worker, then the lowest rank:
+
+- prefiller: least queued tokens (tokens routed to it and not yet prefilled, the running batch included),
+  skipping those whose queue is full (``n_queued >= max_queue``);
+- decoder rank: among ranks whose NIC is up and whose free KV (tokens) covers the reservation, the fewest
+  requests holding KV there (decoding + queued for decode + KV in flight), then the most free KV.
+
+The functions read a few attributes of the scheduler's worker states (see the Protocols) so that routing costs no
+intermediate lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+
+class PrefillerLoad(Protocol):
+    queued_tokens: int
+    n_queued: int
+    max_queue: int | None
+
+
+class DecoderLoad(Protocol):
+    rank_nreq: list[int]       # requests holding KV on each rank
+    rank_free_kv: list[int]    # free KV tokens on each rank
+    rank_up: list[bool]        # rank can receive KV (its NIC is up)
+
+
+P = TypeVar("P", bound=PrefillerLoad)
+D = TypeVar("D", bound=DecoderLoad)
+
+
+def choose_prefiller(candidates: Iterable[P]) -> P | None:
+    """The candidate with the least queued tokens whose queue has room; ties → earliest. None if all full."""
+    best = None
+    best_tokens = 0
+    for p in candidates:
+        if p.max_queue is not None and p.n_queued >= p.max_queue:
+            continue
+        if best is None or p.queued_tokens < best_tokens:
+            best, best_tokens = p, p.queued_tokens
+    return best
+
+
+def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, int] | None:
+    """``(group, rank)`` minimising ``(requests on rank, -free KV)`` among ranks with ``free KV >= need_tokens``
+    and an up NIC; ties → earliest group, then lowest rank. None when no rank can take it now."""
+    best = None
+    best_rank = -1
+    best_n = 0
+    best_free = 0
+    for g in candidates:
+        nreq = g.rank_nreq
+        free = g.rank_free_kv
+        up = g.rank_up
+        for r in range(len(nreq)):
+            f = free[r]
+            if f < need_tokens or not up[r]:
+                continue
+            n = nreq[r]
+            if best is None or n < best_n or (n == best_n and f > best_free):
+                best, best_rank, best_n, best_free = g, r, n, f
+    if best is None:
+        return None
+    return best, best_rank

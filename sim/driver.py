@@ -1,0 +1,321 @@
+"""The SimPy driver: one process per worker running the shared worker loop, an arrival process, a fault process.
+
+    result = simulate(deployment, requests, cost_model, seed=0)
+    sim.outputs.write_all(result, "out/")
+
+Each worker process runs :func:`engine.core.worker_loop.worker_loop` (the generator the real driver runs too) and
+resolves what it yields: a work plan becomes ``env.timeout(executor.duration(plan, now))`` (interrupted by a
+fault), an :class:`~engine.core.plans.Idle` becomes a wait on the worker's wake-up event with an optional timer.
+After every resumption the driver hands the scheduler's wake-ups to the idle workers named and starts a process
+for every new (scaled-up) worker. SimPy orders simultaneous events by (time, priority, insertion), so a run is a
+deterministic function of (deployment, requests, cost model, seed, faults).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from engine.core.autoscaler import AutoscalerConfig
+from engine.core.decision_log import DecisionLog
+from engine.core.deployment import Deployment, PrefillerGroup
+from engine.core.metrics import Slo, summarize
+from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result
+from engine.core.request import Request
+from engine.core.scheduler import ROW_FIELDS, KvChunks, Sample, Scheduler
+from engine.core.worker_loop import worker_loop
+from sim.executor import CostModel, Executor
+from sim.faults import Fault, parse_faults
+from sim.network import Network
+
+#: span kinds in ``SimResult.spans``
+SPAN_PREFILL, SPAN_KV, SPAN_DECODE = 0, 1, 2
+SPAN_NAMES = ("prefill", "kv_transfer", "decode")
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced. ``metrics`` is deterministic for a seed; ``perf`` (wall time) is not.
+
+    rows:    one tuple per request (fields :data:`engine.core.scheduler.ROW_FIELDS`), in resolution order.
+    spans:   ``(worker, kind, start_s, dur_s, arg, failed)`` per executed plan (kind: SPAN_*; arg: tokens for
+             prefill, request id for KV, step number for decode), in completion order.
+    samples: timeline (GPUs per role, requests per stage).
+    groups:  ``(id, role, n_gpus, created_s, ended_s, status)`` of every group.
+    """
+
+    deployment: Deployment
+    seed: int
+    sim_end_s: float
+    rows: list[tuple]
+    row_fields: tuple[str, ...]
+    log: DecisionLog
+    samples: list[Sample]
+    spans: list[tuple]
+    groups: list[tuple]
+    metrics: dict
+    breakdown_s: dict
+    nic_utilisation: dict
+    perf: dict = field(default_factory=dict)
+
+
+class _Env(simpy.Environment):
+    """A SimPy environment the driver can move to an arrival time between events (never backwards)."""
+
+    def advance(self, t: float) -> None:
+        self._now = max(self._now, t)
+
+
+def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) -> float:
+    """Sustained prefill tokens/s of a group: full token-budget batches of mean-length prompts."""
+    budget = group.template.max_batch_tokens
+    per = max(1, min(mean_prompt, budget))
+    n = max(1, budget // per)
+    items = tuple((-1 - i, 0, per) for i in range(n))
+    st = cm.prefill(PrefillBatch(group.id, 0, items, n * per), group)
+    return n * per / max(st.total_s, 1e-12)
+
+
+def simulate(
+    deployment: Deployment,
+    requests: Iterable[Request],
+    cost_model: CostModel,
+    *,
+    seed: int,
+    faults: Iterable[Fault | dict] = (),
+    autoscaler: AutoscalerConfig | None = None,
+    until_s: float | None = None,
+    progress: bool = True,
+    slo: Slo | None = None,
+    kv_chunks: KvChunks | None = None,
+    prefill_tokens_per_s: float | None = None,
+    sample_interval_s: float | None = None,
+    debug_checks: bool = False,
+    decision_log: bool = True,
+) -> SimResult:
+    """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
+
+    seed:      seeds the scheduler's RNG (MTP acceptance draws).
+    faults:    :class:`~sim.faults.Fault` or ``{at_s, target, duration_s?}`` dicts.
+    until_s:   stop the clock there (requests still open are rejected with reason ``horizon``); None runs until
+               every request is resolved.
+    progress:  show a rich progress bar once the run has taken more than a second of wall time.
+    prefill_tokens_per_s: one prefiller's capacity for the autoscaler / TTFT shedding; default from the cost
+               model (full budget batches of the mean prompt of the first 1000 requests, or 4096 tokens).
+    debug_checks: assert the scheduler's invariants after every scheduling call (slow; for tests).
+    decision_log: keep the decision log (False for long benchmark runs; decisions are the same).
+    """
+    t_wall0 = time.perf_counter()
+    fault_list = parse_faults(faults)
+    if until_s is not None and not until_s > 0:
+        raise ValueError(f"until_s: must be > 0, got {until_s}")
+    if isinstance(requests, Sequence):
+        head = requests[:1000]
+        n_total: int | None = len(requests)
+    else:
+        head = []
+        n_total = None
+    mean_prompt = round(float(np.mean([r.prompt_tokens for r in head]))) if head else 4096
+    if prefill_tokens_per_s is None and deployment.prefillers:
+        caps: dict[int, float] = {}
+
+        def cap_of(g: PrefillerGroup) -> float:
+            key = id(g.template)
+            if key not in caps:
+                caps[key] = _prefill_capacity(cost_model, g, mean_prompt)
+            return caps[key]
+
+        ptps = cap_of
+    else:
+        ptps = prefill_tokens_per_s
+    if sample_interval_s is None:
+        horizon = until_s if until_s is not None else (head[-1].arrival_s if head else 60.0)
+        sample_interval_s = max(horizon / 400.0, 0.01)
+
+    rng = np.random.default_rng(seed)
+    sched = Scheduler(deployment, rng, prefill_tokens_per_s=ptps, kv_chunks=kv_chunks, autoscaler=autoscaler,
+                      sample_interval_s=sample_interval_s, log=DecisionLog(enabled=decision_log))
+    for f in fault_list:
+        sched.check_target(f.target)
+    env = _Env()
+    net = Network(deployment.nic_GBps)
+    ex = Executor(cost_model, net, sched.group)
+    duration = ex.duration
+    spans: list[tuple] = []
+    add_span = spans.append
+    wake_ev: dict[str, simpy.Event] = {}
+    procs: dict[str, simpy.Process] = {}
+    clock = lambda: env.now
+    timeout = env.timeout
+    event = env.event
+
+    def flush() -> None:
+        if debug_checks:
+            sched.check_invariants()
+        if sched.wakeups:
+            for wid in sched.take_wakeups():
+                ev = wake_ev.pop(wid, None)
+                if ev is not None and not ev.triggered:
+                    ev.succeed(True)
+        if sched.new_workers:
+            for wid in sched.take_new_workers():
+                procs[wid] = env.process(run_worker(wid))
+
+    def run_worker(wid: str):
+        gen = worker_loop(sched, wid, clock)
+        try:
+            plan = next(gen)
+        except StopIteration:
+            return
+        flush()
+        send = gen.send
+        while True:
+            tp = type(plan)
+            if tp is Idle:
+                t0 = env.now
+                ev = event()
+                wake_ev[wid] = ev
+                if plan.until_s is not None:
+                    tmo = timeout(max(plan.until_s - t0, 0.0))
+                    tmo.callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed(False))
+                woken = yield ev
+                if wake_ev.get(wid) is ev:
+                    del wake_ev[wid]
+                result = Result(env.now - t0, woken=bool(woken))
+            else:
+                t0 = env.now
+                dur = duration(plan, t0)
+                try:
+                    yield timeout(dur)
+                    result = Result(dur)
+                    failed = False
+                except simpy.Interrupt as intr:
+                    result = Result(env.now - t0, failed=str(intr.cause))
+                    failed = True
+                if tp is DecodeStep:
+                    add_span((wid, SPAN_DECODE, t0, result.duration_s, plan.step, failed))
+                elif tp is PrefillBatch:
+                    add_span((wid, SPAN_PREFILL, t0, result.duration_s, plan.n_tokens, failed))
+                elif tp is KvTransfer:
+                    add_span((wid, SPAN_KV, t0, result.duration_s, plan.request_id, failed))
+            try:
+                plan = send(result)
+            except StopIteration:
+                return
+            if sched.wakeups or sched.new_workers or debug_checks:
+                flush()
+
+    def recover_later(f: Fault):
+        yield timeout(f.duration_s)
+        sched.recover(f.target, env.now)
+        flush()
+
+    def fault_proc():
+        for f in fault_list:
+            if until_s is not None and f.at_s > until_s:
+                break
+            if f.at_s > env.now:
+                yield timeout(f.at_s - env.now)
+            if sched.finished:
+                return
+            aborted = sched.fail(f.target, env.now, permanent=f.duration_s is None)
+            seen = set()
+            for wid in aborted:
+                if wid in seen:
+                    continue
+                seen.add(wid)
+                p = procs.get(wid)
+                if p is not None and p.is_alive and wid not in wake_ev:
+                    p.interrupt(f.target)
+            flush()
+            if f.duration_s is not None:
+                env.process(recover_later(f))
+
+    for wid in sched.worker_ids():
+        procs[wid] = env.process(run_worker(wid))
+    if fault_list:
+        env.process(fault_proc())
+
+    # ---- run, with a progress bar once it takes more than a second
+    # Arrivals are merged into the event loop instead of being a process: before the next event, every
+    # request arriving no later is handed to the scheduler at its arrival time (one SimPy event less per request;
+    # arrivals at time t go before the other events at t).
+    n_events = 0
+    bar = None
+    task = None
+    step = env.step
+    peek = env.peek
+    end = float("inf") if until_s is None else until_s
+    next_check = 4096
+    arrival_iter = iter(requests)
+    nxt = next(arrival_iter, None)
+    last_arrival = 0.0
+    arrive = sched.arrive
+    try:
+        while True:
+            t = peek()
+            while nxt is not None and nxt.arrival_s <= t:
+                ta = nxt.arrival_s
+                if ta < last_arrival:
+                    raise ValueError(
+                        f"requests: not sorted by arrival_s (request {nxt.id} at {ta} after {last_arrival})")
+                if ta > end:
+                    nxt = None
+                    break
+                last_arrival = ta
+                env.advance(ta)
+                arrive(nxt, ta)
+                flush()
+                nxt = next(arrival_iter, None)
+                t = peek()
+            if nxt is None and not sched.closed:
+                sched.close_arrivals(env.now)
+                flush()
+                t = peek()
+            if t > end or t == float("inf"):
+                break
+            step()
+            n_events += 1
+            if n_events >= next_check:
+                next_check += 4096
+                if progress:
+                    el = time.perf_counter() - t_wall0
+                    if bar is None and el > 1.0:
+                        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+                        bar = Progress(TextColumn("[bold]simulating"), BarColumn(),
+                                       TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
+                                       TextColumn("sim t={task.fields[t]:.1f}s"), TimeElapsedColumn(),
+                                       transient=True)
+                        bar.start()
+                        if n_total is not None:
+                            task = bar.add_task("sim", total=n_total, unit="requests", t=env.now)
+                        else:
+                            task = bar.add_task("sim", total=until_s or 0.0, unit="sim-s", t=env.now)
+                    if bar is not None:
+                        done_n = len(sched.rows) if n_total is not None else env.now
+                        bar.update(task, completed=done_n, t=env.now)
+    finally:
+        if bar is not None:
+            bar.stop()
+    sim_end = until_s if until_s is not None else env.now
+    if until_s is not None:
+        sched.finalize(until_s)
+    else:  # open requests with nothing left to happen would be a scheduler bug: made visible as "stalled"
+        sched.finalize(env.now, reason="stalled")
+    metrics = summarize(
+        sched.rows, ROW_FIELDS, duration_s=sim_end, slo=slo, groups=sched.groups(),
+        busy_gpu_s=sched.busy_gpu_s, step_durations=sched.step_durations, decode_tokens=sched.decode_tokens,
+        draft_k=deployment.mtp.draft_k, accept_p=deployment.mtp.accept_p)
+    wall = time.perf_counter() - t_wall0
+    perf = {"wall_s": wall, "events": n_events, "events_per_s": n_events / max(wall, 1e-9),
+            "sim_s_per_wall_s": sim_end / max(wall, 1e-9), "decode_steps": sched.decode_steps,
+            "decode_steps_per_wall_s": sched.decode_steps / max(wall, 1e-9), "decisions": len(sched.log)}
+    return SimResult(
+        deployment=deployment, seed=seed, sim_end_s=sim_end, rows=sched.rows, row_fields=ROW_FIELDS,
+        log=sched.log, samples=sched.samples, spans=spans, groups=sched.groups(), metrics=metrics,
+        breakdown_s=ex.breakdown(), nic_utilisation=net.utilisation(sim_end), perf=perf)
