@@ -1,0 +1,434 @@
+"""Serving scenarios: the YAML schema, building a deployment from it, and running it.
+
+A serving scenario names a topology, a model, the prefill and decode parallelism and replica counts, the workload,
+SLOs, MTP, the autoscaler and faults. ``load_scenario`` validates it (one-line errors naming the file and field);
+``build`` turns it into what the SimPy driver needs (a placed ``Deployment``, validated ``ParallelPlan``s whose
+memory budgets set the KV capacities, a cost model over ``sim.costs``); ``run_serving`` simulates and writes
+metrics (JSON, CSV), plots and a Perfetto trace, and prints a summary table.
+
+The decode cost is evaluated at the slowest rank's (batch, context tokens) — a DP-EP step is synchronous, so the
+slowest rank sets its time — memoised at 1-sequence and ~1 % context resolution, which makes the hot loop a dict
+lookup; the prefill cost is evaluated exactly per batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.core.workload import WorkloadSpec
+from topology.errors import UserError, from_validation
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrefillSection(_Strict):
+    """Prefiller groups: ``tp`` x ``ep`` GPUs in one node (TP attention + EP experts on the same GPUs)."""
+
+    tp: int = Field(4, ge=1)
+    ep: int = Field(4, ge=1)
+    replicas: int = Field(1, ge=0)
+    max_batch_tokens: int = Field(16384, ge=1)
+    kv_streams: int = Field(2, ge=1)
+    max_queue_requests: int | None = Field(None, ge=1)
+    kv_replication: int | None = Field(None, ge=1)
+
+
+class DecodeSection(_Strict):
+    """Decoder groups: DP-EP over ``ep`` GPUs of one NVLink domain, one DP rank per GPU."""
+
+    ep: int = Field(16, ge=1)
+    replicas: int = Field(1, ge=0)
+    max_batch_per_rank: int = Field(64, ge=1)
+    page_tokens: int = Field(64, ge=1)
+
+
+class MtpSection(_Strict):
+    draft_k: int = Field(1, ge=0, le=16)
+    accept_p: float = Field(0.8, ge=0.0, le=1.0)
+
+
+class SloSection(_Strict):
+    ttft_s: float | None = Field(None, gt=0)
+    tpot_s: float | None = Field(None, gt=0)
+
+
+class AutoscalerSection(_Strict):
+    enabled: bool = True
+    interval_s: float = Field(5.0, gt=0)
+    scale_up_delay_s: float = Field(30.0, ge=0)
+    prefill_headroom: float = Field(1.2, gt=0)
+    backlog_s: float = Field(10.0, gt=0)
+    decode_batch_threshold: float = Field(48.0, gt=0)
+    scale_down_frac: float = Field(0.5, ge=0, le=1)
+    min_prefillers: int = Field(1, ge=0)
+    max_prefillers: int | None = Field(None, ge=0)
+    min_decoders: int = Field(1, ge=0)
+    max_decoders: int | None = Field(None, ge=0)
+
+
+class FaultSection(_Strict):
+    """A GPU (``gpu:12``), a node (``node:3``) or a NIC/link (``nic:5``) goes down at ``at_s``."""
+
+    at_s: float = Field(ge=0)
+    target: str
+    duration_s: float | None = Field(None, gt=0)
+
+
+class SimSection(_Strict):
+    until_s: float | None = Field(None, gt=0)
+    sample_interval_s: float | None = Field(None, gt=0)
+    decision_log: bool = True
+    chunked_prefill: bool = False
+    shed_ttft_s: float | None = Field(None, gt=0)
+
+
+class ServingScenario(_Strict):
+    """A whole serving deployment under a workload (see the module docstring)."""
+
+    kind: Literal["serving"] = "serving"
+    name: str = "scenario"
+    description: str = ""
+    claim: str = ""
+    seed: int = 0
+    topology: str
+    model: str
+    weight_format: str = "fp8_block"
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    calibration: str = "auto"
+    prefill: PrefillSection = PrefillSection()
+    decode: DecodeSection = DecodeSection()
+    mtp: MtpSection = MtpSection()
+    workload: WorkloadSpec
+    slo: SloSection = SloSection()
+    autoscaler: AutoscalerSection | None = None
+    faults: tuple[FaultSection, ...] = ()
+    sim: SimSection = SimSection()
+
+    @field_validator("weight_format")
+    @classmethod
+    def _fmt(cls, v: str) -> str:
+        from engine.core.formats import FORMAT_NAMES
+
+        if v not in FORMAT_NAMES:
+            raise ValueError(f"unknown format {v!r}; one of {', '.join(FORMAT_NAMES)}")
+        return v
+
+
+def parse_scenario(data: dict, source: str | Path | None = None) -> ServingScenario:
+    try:
+        return ServingScenario.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc, source) from None
+
+
+def load_scenario(path: str | Path) -> ServingScenario:
+    from engine.cli.run import load_yaml
+
+    path = Path(path)
+    sc = parse_scenario(load_yaml(path), path)
+    return _resolve_paths(sc, path.parent)
+
+
+def _resolve_paths(sc: ServingScenario, base: Path) -> ServingScenario:
+    """Relative topology / trace / calibration paths are relative to the scenario file."""
+    upd = {}
+    topo = Path(sc.topology)
+    if topo.suffix in (".yaml", ".yml", ".json") and not topo.is_absolute() and (base / topo).exists():
+        upd["topology"] = str(base / topo)
+    wl = sc.workload
+    if getattr(wl, "kind", None) == "trace" and getattr(wl, "path", None):
+        p = Path(wl.path)
+        if not p.is_absolute() and (base / p).exists():
+            upd["workload"] = wl.model_copy(update={"path": str(base / p)})
+    if sc.calibration not in ("auto", "none") and not Path(sc.calibration).is_absolute():
+        if (base / sc.calibration).exists():
+            upd["calibration"] = str(base / sc.calibration)
+    return sc.model_copy(update=upd) if upd else sc
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Building
+
+
+@dataclass
+class Built:
+    """Everything a run needs, derived from a scenario."""
+
+    scenario: ServingScenario
+    topology: object
+    model: object
+    deployment: object
+    prefill_plan: object            # ParallelPlan of prefiller group 0 (the template)
+    decode_plan: object             # ParallelPlan of decoder group 0
+    prefill_budget: object
+    decode_budget: object
+    cost_model: ScenarioCostModel
+    calibration: object | None
+    calibration_note: str
+    caveats: list[str] = field(default_factory=list)
+
+
+def _load_calibration(sc: ServingScenario, gpu_name: str):
+    if sc.calibration == "none":
+        return None, "uncalibrated: first-principles cost models (calibration: none)"
+    if sc.calibration != "auto":
+        from sim.costs.calibration import load_calibration
+
+        return load_calibration(sc.calibration), f"calibrated: {gpu_name} from {sc.calibration}"
+    try:
+        from sim.calibrate import default_calibration_for, describe_calibration
+    except ImportError:
+        return None, "uncalibrated: first-principles cost models"
+    table = default_calibration_for(gpu_name)
+    if table is None:
+        return None, f"uncalibrated: no shipped calibration for {gpu_name}; first-principles cost models"
+    return table, describe_calibration(table)
+
+
+def build(sc: ServingScenario) -> Built:
+    """Validate the scenario against the hardware and the model, and lay out the deployment."""
+    import topology as topo_mod
+    from engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
+    from engine.core.model import get_model
+    from engine.core.sharding import ParallelPlan
+
+    topo = topo_mod.load(sc.topology)
+    model = get_model(sc.model)
+    p, d = sc.prefill, sc.decode
+    n_p, n_d = p.replicas, d.replicas
+    if sc.autoscaler is not None and sc.autoscaler.enabled:
+        n_p, n_d = max(n_p, sc.autoscaler.min_prefillers), max(n_d, sc.autoscaler.min_decoders)
+    if n_p + n_d == 0:
+        raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
+    kv_elem = 2 if sc.kv_dtype == "bf16" else 1
+    # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
+    ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
+                              max_queue_requests=p.max_queue_requests)
+    dtpl0 = DecoderTemplate(ep=d.ep, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
+    dep0 = place(topo, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
+                 kv_bytes_per_token=model.kv_bytes_per_token(kv_elem), prefiller=ptpl0, decoder=dtpl0,
+                 spare="none", name=sc.name)
+    pg, dg = dep0.prefillers[0], dep0.decoders[0]
+    kv_rep = p.kv_replication or (max(1, p.tp // model.n_kv_heads) if p.tp > model.n_kv_heads else 1)
+    pplan = ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, ptpl0.n_gpus // p.tp), kv_replication=kv_rep,
+                         gpus=tuple(pg.gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
+                         page_tokens=d.page_tokens, max_batch_tokens=p.max_batch_tokens)
+    dplan = ParallelPlan(role="decode", tp=1, ep=d.ep, dp=d.ep, gpus=tuple(dg.gpus), weight_format=sc.weight_format,
+                         kv_dtype=sc.kv_dtype, page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
+    pbud = pplan.validate(model, topo)
+    dbud = dplan.validate(model, topo)
+    ptpl = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens,
+                             kv_capacity_tokens=max(p.max_batch_tokens, pbud.kv_capacity_tokens),
+                             max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
+    dtpl = DecoderTemplate(ep=d.ep, max_batch_per_rank=d.max_batch_per_rank,
+                           kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
+    dep = place(topo, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
+                prefiller=ptpl, decoder=dtpl, mtp=MtpSpec(draft_k=sc.mtp.draft_k, accept_p=sc.mtp.accept_p),
+                chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
+                spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
+    gpu_name = topo.gpu_spec(pg.gpus[0]).name
+    calib, note = _load_calibration(sc, gpu_name)
+    caveats = []
+    arch = topo.gpu_spec(pg.gpus[0]).arch
+    if arch == "blackwell":
+        caveats.append("Blackwell figures extrapolate: GPU rates and NVLink/NVLS parameters come from datasheets "
+                       "and NCCL's tuning tables, not from measurements (see calibration/README.md)")
+    cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=pplan, decode_plan=dplan, calib=calib)
+    return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The cost model the SimPy executor calls
+
+
+class ScenarioCostModel:
+    """``sim.executor.CostModel`` over ``sim.costs``: per-group ParallelPlans (same shape as the templates, the
+    group's own GPUs), decode memoised at the slowest rank's (batch, context) point (module docstring)."""
+
+    CTX_RES = 0.01  # relative resolution of the decode memo on context tokens
+
+    def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None) -> None:
+        self.model, self.topo, self.calib = model, topo, calib
+        self.pplan0, self.dplan0 = prefill_plan, decode_plan
+        self._plans: dict[str, object] = {}
+        self._decode_memo: dict[tuple, object] = {}
+        self._chunk_memo: dict[tuple, float] = {}
+
+    def _plan_for(self, group) -> object:
+        pl = self._plans.get(group.id)
+        if pl is None:
+            base = self.pplan0 if group.id.startswith("P") else self.dplan0
+            pl = self._plans[group.id] = base.model_copy(update={"gpus": tuple(group.gpus)})
+        return pl
+
+    def prefill(self, plan, group):
+        from sim.costs.step import prefill_batch_time
+
+        return prefill_batch_time(self.model, self._plan_for(group), self.topo, plan, calib=self.calib)
+
+    def decode(self, plan, group):
+        from sim.costs.step import decode_step_time
+
+        b = max(plan.rank_batch)
+        ctx = max(plan.rank_context_tokens)
+        if b == 0:
+            ctx_q = 0
+        else:
+            step = max(1.0, ctx * self.CTX_RES)
+            ctx_q = int(round(ctx / step) * step)
+        key = (group.id, b, ctx_q, plan.draft_k)
+        st = self._decode_memo.get(key)
+        if st is None:
+            pl = self._plan_for(group)
+            n = pl.world
+            st = decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=plan.draft_k,
+                                  calib=self.calib)
+            self._decode_memo[key] = st
+        return st
+
+    def kv_transfer(self, plan):
+        from sim.costs import constants as C
+        from sim.executor import TransferCost
+
+        nic = plan.flows[0][0] if plan.flows else None
+        kind = self.topo.nic_spec(nic).kind if nic else "ib"
+        over = plan.n_chunks * C.KV_CHUNK_OVERHEAD_US[kind] * 1e-6 / C.KV_CHUNK_PIPELINE
+        lat = self._latency_s(plan)
+        return TransferCost(overhead_s=over, latency_s=lat, n_bytes=plan.n_bytes)
+
+    def _latency_s(self, plan) -> float:
+        key = ("lat", plan.src, plan.dst, plan.dst_rank)
+        v = self._chunk_memo.get(key)
+        if v is None:
+            src = self._plans.get(plan.src)
+            dst = self._plans.get(plan.dst)
+            if src is None or dst is None:
+                v = 5e-6
+            else:
+                v = self.topo.p2p_latency_us(src.gpus[0], dst.gpus[plan.dst_rank], via="net") * 1e-6
+            self._chunk_memo[key] = v
+        return v
+
+    def kv_chunks(self, prefiller, decoder, tokens: int) -> int:
+        """Chunks of the resharding plan (prefill TP layout -> one DP decode rank, HND, fragmented pages)."""
+        from engine.core.kv import KvLayout, transfer_stats
+
+        key = ("per_page", prefiller.template.tp, decoder.template.kv_page_tokens)
+        per_page = self._chunk_memo.get(key)
+        if per_page is None:
+            pl, dl = self.pplan0, self.dplan0
+            src = KvLayout.for_plan(pl, self.model, 1)
+            dst = KvLayout.for_plan(dl, self.model, 1)
+            pages = 4
+            st = transfer_stats(src, dst, pages * dl.page_tokens)
+            per_page = self._chunk_memo[key] = st.n_chunks / pages
+        return max(1, int(math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens))))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def simulate_scenario(sc: ServingScenario, *, progress: bool = False, built: Built | None = None):
+    """Build and simulate; returns (Built, SimResult)."""
+    from engine.core.autoscaler import AutoscalerConfig
+    from engine.core.metrics import Slo
+    from engine.core.workload import iter_requests
+    from sim.driver import simulate
+
+    b = built or build(sc)
+    auto = None
+    if sc.autoscaler is not None and sc.autoscaler.enabled:
+        a = sc.autoscaler.model_dump(exclude={"enabled"})
+        auto = AutoscalerConfig(**a)
+    reqs = list(iter_requests(sc.workload, sc.seed))
+    if not reqs:
+        raise UserError(f"{sc.name}: the workload produced no requests")
+    faults = [f.model_dump(exclude_none=True) for f in sc.faults]
+    res = simulate(b.deployment, reqs, b.cost_model, seed=sc.seed, faults=faults, autoscaler=auto,
+                   until_s=sc.sim.until_s, progress=progress, slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s),
+                   kv_chunks=b.cost_model.kv_chunks, sample_interval_s=sc.sim.sample_interval_s,
+                   decision_log=sc.sim.decision_log)
+    return b, res
+
+
+def run_serving(path: Path, out: Path, *, console, seed: int | None = None, progress: bool = True) -> dict:
+    """``rackbed run`` for a serving scenario: simulate, write outputs, print the summary."""
+    from sim.outputs import write_all
+
+    sc = load_scenario(path)
+    if seed is not None:
+        sc = sc.model_copy(update={"seed": seed})
+    b, res = simulate_scenario(sc, progress=progress)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_all(res, out)
+    print_summary(console, b, res)
+    console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]" if files else f"wrote {out}")
+    return res.metrics
+
+
+def print_summary(console, b: Built, res) -> None:
+    from rich.table import Table
+
+    m = res.metrics
+    sc = b.scenario
+    console.print(f"[bold]{sc.name}[/bold] — {sc.model} ({sc.weight_format}) on {sc.topology}: "
+                  f"prefill TP={sc.prefill.tp}/EP={sc.prefill.ep}, decode DP-EP={sc.decode.ep}, "
+                  f"MTP k={sc.mtp.draft_k} p={sc.mtp.accept_p}")
+    console.print(f"[dim]{b.calibration_note}[/dim]")
+    for c in b.caveats:
+        console.print(f"[yellow]caveat:[/yellow] {c}")
+    t = Table(title="latency (done requests)")
+    t.add_column("metric")
+    for q in ("p50", "p90", "p99"):
+        t.add_column(q, justify="right")
+    lat, qs = m.get("latency_s", {}), m.get("queueing_s", {})
+    for d, label, scale, unit in ((lat.get("ttft"), "TTFT", 1.0, "s"), (lat.get("tpot"), "TPOT", 1e3, "ms"),
+                                  (lat.get("itl"), "decode step (ITL)", 1e3, "ms"),
+                                  (lat.get("e2e"), "end-to-end", 1.0, "s"),
+                                  (qs.get("prefill_queue"), "prefill queue", 1.0, "s"),
+                                  (qs.get("kv_transfer"), "KV transfer", 1e3, "ms"),
+                                  (qs.get("decode_queue"), "decode queue", 1e3, "ms")):
+        if not d or not d.get("n"):
+            continue
+        t.add_row(f"{label} ({unit})", *(_num((d.get(q) or 0) * scale) for q in ("p50", "p90", "p99")))
+    console.print(t)
+    r, th, gp, ut = m.get("requests", {}), m.get("throughput", {}), m.get("goodput", {}), m.get("utilisation", {})
+    t2 = Table(title="throughput and goodput")
+    t2.add_column("metric")
+    t2.add_column("value", justify="right")
+    rows = [
+        ("requests done / total", f"{r.get('done')} / {r.get('total')}"),
+        ("rejected (by reason)", f"{r.get('rejected')} {r.get('rejected_by_reason') or ''}"),
+        ("requeued after a failure", r.get("requeued")),
+        ("simulated duration (s)", _num(th.get("duration_s"))),
+        ("mean GPUs in use", _num(th.get("mean_gpus"))),
+        ("output tokens/s", _num(th.get("output_tokens_per_s"))),
+        ("output tokens/s per GPU", _num(th.get("output_tokens_per_s_per_gpu"))),
+        ("output tokens/s per decode GPU", _num(th.get("output_tokens_per_s_per_decode_gpu"))),
+        ("input tokens/s per prefill GPU", _num(th.get("input_tokens_per_s_per_prefill_gpu"))),
+        ("tokens/s per user (p50)", _num((th.get("tokens_per_s_per_user") or {}).get("p50"))),
+        ("utilisation prefill / decode", f"{_num(ut.get('prefill'))} / {_num(ut.get('decode'))}"),
+        (f"goodput (TTFT<={gp.get('slo_ttft_s')} s, TPOT<={gp.get('slo_tpot_s')} s)",
+         f"{_num(gp.get('fraction'))} of requests, {_num(gp.get('tokens_per_s'))} tok/s"),
+    ]
+    for k, v in rows:
+        t2.add_row(k, str(v))
+    console.print(t2)
+    if sc.claim:
+        console.print(f"[bold]write-up:[/bold] {sc.claim}")
+
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
