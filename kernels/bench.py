@@ -119,7 +119,11 @@ def run_allreduce(cfg: BenchConfig) -> dict:
 
 
 def _load_suites() -> None:
-    """Import modules that register more suites (none yet besides this module's own)."""
+    """Import modules that register more suites (the MoE kernels: moe_gemm, moe_a2a, mx)."""
+    import importlib
+
+    if "moe_gemm" not in SUITES:
+        importlib.import_module("kernels.bench_moe")
 
 
 def run_suites(names: list[str], cfg: BenchConfig, out: str | Path | None = None, echo=print) -> dict:

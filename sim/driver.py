@@ -96,6 +96,8 @@ def simulate(
     sample_interval_s: float | None = None,
     debug_checks: bool = False,
     decision_log: bool = True,
+    env: simpy.Environment | None = None,
+    executor_factory=None,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
 
@@ -141,9 +143,9 @@ def simulate(
                       sample_interval_s=sample_interval_s, log=DecisionLog(enabled=decision_log))
     for f in fault_list:
         sched.check_target(f.target)
-    env = _Env()
+    env = env if env is not None else _Env()
     net = Network(deployment.nic_GBps)
-    ex = Executor(cost_model, net, sched.group)
+    ex = (executor_factory or Executor)(cost_model, net, sched.group)
     duration = ex.duration
     spans: list[tuple] = []
     add_span = spans.append
@@ -190,8 +192,13 @@ def simulate(
                 t0 = env.now
                 dur = duration(plan, t0)
                 try:
-                    yield timeout(dur)
-                    result = Result(dur)
+                    if type(dur) is float:
+                        yield timeout(dur)
+                        result = Result(dur)
+                    else:  # a real executor's completion event: its value is the measured duration
+                        done_value = yield dur
+                        dur, accepted = done_value if type(done_value) is tuple else (done_value, None)
+                        result = Result(dur, accepted=accepted)
                     failed = False
                 except simpy.Interrupt as intr:
                     result = Result(env.now - t0, failed=str(intr.cause))
@@ -213,6 +220,18 @@ def simulate(
         yield timeout(f.duration_s)
         sched.recover(f.target, env.now)
         flush()
+
+    def inject_fault(target: str) -> None:
+        """Fail ``target`` now (used for faults detected at run time, e.g. a dead worker process)."""
+        aborted = sched.fail(target, env.now, permanent=True)
+        for wid in dict.fromkeys(aborted):
+            p = procs.get(wid)
+            if p is not None and p.is_alive and wid not in wake_ev:
+                p.interrupt(target)
+        flush()
+
+    if hasattr(env, "on_fault"):
+        env.on_fault = inject_fault
 
     def fault_proc():
         for f in fault_list:

@@ -89,6 +89,29 @@ class SimSection(_Strict):
     shed_ttft_s: float | None = Field(None, gt=0)
 
 
+class KillSection(_Strict):
+    """Real mode failure drill: kill the rank process of ``gpu`` at clock time ``at_s``."""
+
+    at_s: float = Field(ge=0)
+    gpu: int = Field(ge=0)
+
+
+class RealSection(_Strict):
+    """How ``rackbed real`` runs this scenario on local devices (ignored by the simulator).
+
+    weights: a Hugging Face checkpoint directory (config.json + *.safetensors) or null for seeded random weights
+    with the model's real shapes. Pages are per rank, of ``decode.page_tokens`` tokens.
+    """
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    weights: str | None = None
+    weights_seed: int = 0
+    prefill_pages: int = Field(4096, ge=1)
+    decode_pages: int = Field(4096, ge=1)
+    kill: tuple[KillSection, ...] = ()
+
+
 class ServingScenario(_Strict):
     """A whole serving deployment under a workload (see the module docstring)."""
 
@@ -99,6 +122,7 @@ class ServingScenario(_Strict):
     seed: int = 0
     topology: str
     model: str
+    model_layers: int | None = Field(None, ge=1)
     weight_format: str = "fp8_block"
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     calibration: str = "auto"
@@ -110,6 +134,7 @@ class ServingScenario(_Strict):
     autoscaler: AutoscalerSection | None = None
     faults: tuple[FaultSection, ...] = ()
     sim: SimSection = SimSection()
+    real: RealSection = RealSection()
 
     @field_validator("weight_format")
     @classmethod
@@ -147,6 +172,8 @@ def _resolve_paths(sc: ServingScenario, base: Path) -> ServingScenario:
         p = Path(wl.path)
         if not p.is_absolute() and (base / p).exists():
             upd["workload"] = wl.model_copy(update={"path": str(base / p)})
+    if sc.real.weights and not Path(sc.real.weights).is_absolute() and (base / sc.real.weights).exists():
+        upd["real"] = sc.real.model_copy(update={"weights": str(base / sc.real.weights)})
     if sc.calibration not in ("auto", "none") and not Path(sc.calibration).is_absolute():
         if (base / sc.calibration).exists():
             upd["calibration"] = str(base / sc.calibration)
@@ -192,6 +219,44 @@ def _load_calibration(sc: ServingScenario, gpu_name: str):
     return table, describe_calibration(table)
 
 
+class _KvPathView:
+    """The topology as the KV path sees it: a GPU without a scale-out NIC (the h200x2 lab box) ships KV over
+    NVLink peer copies, represented as a pseudo-NIC ``nvlink:<gpu>`` with the GPU's NVLink bandwidth."""
+
+    def __init__(self, topo) -> None:
+        self.topo = topo
+
+    def __getattr__(self, name):
+        return getattr(self.topo, name)
+
+    def nic_of_gpu(self, i: int) -> str:
+        try:
+            return self.topo.nic_of_gpu(i)
+        except ValueError:
+            return f"nvlink:{i}"
+
+    def nic_spec(self, nic: str):
+        if nic.startswith("nvlink:"):
+            from types import SimpleNamespace
+
+            g = int(nic.split(":")[1])
+            peers = [x for x in self.topo.nvlink_domain(g) if x != g]
+            bw = self.topo.p2p_GBps(g, peers[0]) if peers else self.topo.gpu_spec(g).nvlink_GBps_per_dir
+            return SimpleNamespace(GBps=bw, kind="nvlink", name="NVLink P2P")
+        return self.topo.nic_spec(nic)
+
+
+def truncate_model(model, n_layers: int):
+    """The model's first ``n_layers`` layers (a full-width model that fits a lab box; simulated the same way)."""
+    if n_layers > model.n_layers:
+        raise UserError(f"model_layers: {n_layers} exceeds the {model.n_layers} layers of {model.name}")
+    upd = {"n_layers": n_layers, "layer_types": tuple(model.layer_types[:n_layers]),
+           "name": f"{model.name}[:{n_layers}]"}
+    if hasattr(model, "dense_layers"):
+        upd["dense_layers"] = tuple(i for i in model.dense_layers if i < n_layers)
+    return model.model_validate({**model.model_dump(), **upd})
+
+
 def build(sc: ServingScenario) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     import topology as topo_mod
@@ -201,6 +266,8 @@ def build(sc: ServingScenario) -> Built:
 
     topo = topo_mod.load(sc.topology)
     model = get_model(sc.model)
+    if sc.model_layers is not None:
+        model = truncate_model(model, sc.model_layers)
     p, d = sc.prefill, sc.decode
     n_p, n_d = p.replicas, d.replicas
     if sc.autoscaler is not None and sc.autoscaler.enabled:
@@ -212,7 +279,8 @@ def build(sc: ServingScenario) -> Built:
     ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
                               max_queue_requests=p.max_queue_requests)
     dtpl0 = DecoderTemplate(ep=d.ep, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
-    dep0 = place(topo, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
+    kv_view = _KvPathView(topo)
+    dep0 = place(kv_view, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
                  kv_bytes_per_token=model.kv_bytes_per_token(kv_elem), prefiller=ptpl0, decoder=dtpl0,
                  spare="none", name=sc.name)
     pg, dg = dep0.prefillers[0], dep0.decoders[0]
@@ -229,7 +297,7 @@ def build(sc: ServingScenario) -> Built:
                              max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
     dtpl = DecoderTemplate(ep=d.ep, max_batch_per_rank=d.max_batch_per_rank,
                            kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
-    dep = place(topo, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
+    dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
                 prefiller=ptpl, decoder=dtpl, mtp=MtpSpec(draft_k=sc.mtp.draft_k, accept_p=sc.mtp.accept_p),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
@@ -298,7 +366,7 @@ class ScenarioCostModel:
         from sim.executor import TransferCost
 
         nic = plan.flows[0][0] if plan.flows else None
-        kind = self.topo.nic_spec(nic).kind if nic else "ib"
+        kind = "ib" if nic is None or nic.startswith("nvlink:") else self.topo.nic_spec(nic).kind
         over = plan.n_chunks * C.KV_CHUNK_OVERHEAD_US[kind] * 1e-6 / C.KV_CHUNK_PIPELINE
         lat = self._latency_s(plan)
         return TransferCost(overhead_s=over, latency_s=lat, n_bytes=plan.n_bytes)
@@ -312,7 +380,11 @@ class ScenarioCostModel:
             if src is None or dst is None:
                 v = 5e-6
             else:
-                v = self.topo.p2p_latency_us(src.gpus[0], dst.gpus[plan.dst_rank], via="net") * 1e-6
+                a, b = src.gpus[0], dst.gpus[plan.dst_rank]
+                try:
+                    v = self.topo.p2p_latency_us(a, b, via="net") * 1e-6
+                except ValueError:  # no scale-out network (lab box): NVLink peer copy
+                    v = self.topo.p2p_latency_us(a, b) * 1e-6
             self._chunk_memo[key] = v
         return v
 

@@ -19,6 +19,7 @@ E = local experts, F = expert width (moe_intermediate), V = vocab, P = pages, S 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -461,19 +462,24 @@ class ShardedQwen3Moe:
         return rms_norm(x, self.glob["final_norm"], self.cfg.rms_eps) @ self.glob["lm_head"].T
 
 
+#: which grouped-GEMM implementation the experts use on CUDA: "auto" (the CuTe DSL decode kernel where it measured
+#: faster, else torch._grouped_mm), "torch", or "cute_gemv". Set by RACKBED_GROUPED_IMPL or by benchmarks.
+GROUPED_IMPL = os.environ.get("RACKBED_GROUPED_IMPL", "auto")
+
+
 def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over rows grouped by expert: ``x [R, D]`` sorted by expert, ``counts [E]`` rows per expert,
     ``gate_up [E, 2F, D]``, ``down [E, D, F]`` -> ``[R, D]``.
 
-    On CUDA with bf16 this is two ``torch._grouped_mm`` calls (the kernels issue swaps in its own kernel behind this
-    call); elsewhere a loop over the experts that have rows.
+    On CUDA: ``kernels.grouped_gemm.grouped_swiglu`` (the CuTe DSL weight-streaming kernel at decode shapes,
+    ``torch._grouped_mm`` otherwise; it falls back to torch without CuTe DSL). Elsewhere a loop over the experts
+    that have rows.
     """
+    if x.is_cuda:
+        from kernels.grouped_gemm import grouped_swiglu as kernel
+
+        return kernel(x, gate_up, down, counts, impl=GROUPED_IMPL)
     Fw = down.shape[-1]
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        gu = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)     # [R, 2F]
-        a = F_.silu(gu[:, :Fw]) * gu[:, Fw:]
-        return torch._grouped_mm(a, down.transpose(1, 2), offs=offs)      # [R, D]
     out = torch.empty(x.shape[0], down.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts.tolist()):

@@ -1,0 +1,444 @@
+"""The real (wall-clock) driver: the simulator's own loop, with GPUs instead of cost models.
+
+``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker loop, the same arrival and
+fault handling — and swaps two things, as STYLE.md asks ("the clock is swapped, the model code is not"):
+
+- the executor: :class:`RealExecutor` sends each plan to the rank processes that own its GPUs
+  (``engine.real.worker``) and returns a SimPy event that fires when all of them have replied; its value is the
+  **measured** duration (wall time from dispatch to the last reply, so IPC and host overheads are included);
+- the environment: :class:`MeasuredClockEnv` advances the clock by measured durations. Before it processes an event
+  at time ``t`` it makes sure no plan still running could finish earlier: a plan dispatched at clock time ``s``
+  and wall time ``w`` finishes no earlier than ``s + (wall_now - w)``, so the loop waits for replies until that
+  bound passes ``t``. Events are therefore processed in the order of their measured times, exactly as the
+  simulator would process them given the same durations — which is what the cross-mode identity test checks
+  (``replay``: the simulator with an executor that returns the recorded durations gives the same decision log).
+
+Worker processes that die are detected (exit code) and turned into a fault of their GPU at the current time: the
+scheduler re-queues their requests; the group's other ranks are stopped.
+
+Limits (documented, not hidden): one command loop per rank, so a KV transfer waits for the compute command in
+front of it on either side (a one-sided RDMA backend would overlap them); random-weight runs draw MTP acceptance
+from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
+and chunked prefill are simulated only.
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import simpy
+
+from engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
+from sim.driver import _Env
+from topology.errors import UserError
+
+
+class RankDied(RuntimeError):
+    pass
+
+
+@dataclass
+class _Inflight:
+    ev: simpy.Event
+    start_v: float
+    start_w: float
+    waiting: set[int]
+    worker: str
+    kind: str
+    key: int
+    replies: dict[int, object] = field(default_factory=dict)
+    worker_s: float = 0.0
+
+
+class RankPool:
+    """The rank processes, their command queues and the shared reply queue."""
+
+    def __init__(self, procs, cmd_qs, res_q, rank_gpu: dict[int, int]) -> None:
+        self.procs, self.cmd_qs, self.res_q = procs, cmd_qs, res_q
+        self.rank_gpu = rank_gpu
+        self.inflight: dict[int, _Inflight] = {}
+        self._tok = 0
+        self.dead: set[int] = set()
+        self.sync_replies: dict[int, dict] = {}
+        self.errors: list[str] = []
+
+    def token(self) -> int:
+        self._tok += 1
+        return self._tok
+
+    def send(self, rank: int, op: str, token: int, **args) -> None:
+        if rank in self.dead:
+            raise RankDied(f"rank {rank} is dead")
+        self.cmd_qs[rank].put((op, token, args))
+
+    def poll(self, timeout_s: float) -> list[tuple]:
+        """Replies received within ``timeout_s`` (at least one wait), plus liveness checks."""
+        out = []
+        try:
+            out.append(self.res_q.get(timeout=max(timeout_s, 0.0)) if timeout_s > 0 else self.res_q.get_nowait())
+            while True:
+                out.append(self.res_q.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def newly_dead(self) -> list[int]:
+        died = [r for r, p in enumerate(self.procs) if r not in self.dead and p.exitcode is not None]
+        self.dead.update(died)
+        return died
+
+    def stop(self) -> None:
+        for r, q in enumerate(self.cmd_qs):
+            if r not in self.dead and self.procs[r].is_alive():
+                q.put(("stop", 0, {}))
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+
+
+class MeasuredClockEnv(_Env):
+    """SimPy environment whose clock advances by measured durations (module docstring)."""
+
+    def __init__(self, pool: RankPool, on_reply) -> None:
+        super().__init__()
+        self.pool = pool
+        self.on_reply = on_reply          # (token, rank, status, payload, wall) -> None
+        self.on_fault = None              # set by sim.driver.simulate: inject_fault(target)
+        self.on_death = None              # (rank) -> None, set by the executor
+
+    def _drain(self, timeout_s: float) -> None:
+        for token, rank, status, payload in self.pool.poll(timeout_s):
+            self.on_reply(token, rank, status, payload, time.perf_counter())
+        for r in self.pool.newly_dead():
+            if self.on_death is not None:
+                self.on_death(r)
+
+    def peek(self) -> float:
+        self._drain(0.0)
+        while True:
+            t = super().peek()
+            if not self.pool.inflight:
+                return t
+            now_w = time.perf_counter()
+            lb = min(f.start_v + (now_w - f.start_w) for f in self.pool.inflight.values())
+            if t <= lb:
+                return t
+            self._drain(min(t - lb, 0.05) if t != float("inf") else 0.05)
+
+
+class RealExecutor:
+    """``duration(plan, now)`` -> a SimPy event fired with the measured duration when the ranks are done."""
+
+    def __init__(self, run: RealRun, sched_group) -> None:
+        self.run = run
+        self.env = run.env
+        self.pool = run.pool
+        self.group_of = sched_group
+        self.breakdown_s = {"prefill": {}, "decode": {}}
+        self.env.on_death = self._on_death
+
+    # the sim.executor.Executor interface the driver also reads
+    def breakdown(self) -> dict:
+        return self.breakdown_s
+
+    def _dispatch(self, plan, kind: str, key: int, sends: list[tuple[int, str, dict]], now_v: float,
+                  start_w: float | None = None) -> simpy.Event:
+        ev = self.env.event()
+        tok = self.pool.token()
+        ranks = {r for r, _, _ in sends}
+        fl = _Inflight(ev=ev, start_v=now_v, start_w=start_w if start_w is not None else time.perf_counter(),
+                       waiting=set(ranks), worker=plan.worker, kind=kind, key=key)
+        self.pool.inflight[tok] = fl
+        try:
+            for r, op, args in sends:
+                self.pool.send(r, op, tok, **args)
+        except RankDied:
+            pass  # the death handler fails this plan's worker
+        return ev
+
+    def duration(self, plan, now_s: float):
+        tp = type(plan)
+        run = self.run
+        if tp is PrefillBatch:
+            g = self.group_of(plan.worker)
+            items = []
+            for rid, start, n in plan.items:
+                if start != 0:
+                    raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
+                items.append((rid, run.token_ids(rid, n)))
+                run.prefill_n[rid] = n
+            ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
+            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", {"items": items}) for r in ranks],
+                                  now_s)
+        if tp is KvTransfer:
+            start_w = time.perf_counter()
+            src = self.group_of(plan.src)
+            dst = self.group_of(plan.dst)
+            src_ranks = [run.gpu_rank[gpu] for gpu in src.gpus]
+            dst_rank = run.gpu_rank[dst.gpus[plan.dst_rank]]
+            rid = plan.request_id
+            pages = run.sync_call(dst_rank, "kv_alloc", rid=rid, n_tokens=plan.tokens)
+            src_pages = run.src_pages.get(rid)
+            gen = run.generated.get(rid, [])
+            n_prompt = run.prompt_len[rid]
+            last = gen[plan.tokens - n_prompt] if gen and plan.tokens - n_prompt < len(gen) else gen[-1]
+            sends = [(r, "kv_send", {"rid": rid, "dst_global": dst_rank, "seq_len": plan.tokens,
+                                     "dst_pages": pages}) for r in src_ranks]
+            sends.append((dst_rank, "kv_recv", {"rid": rid, "src_globals": src_ranks, "seq_len": plan.tokens,
+                                                "src_pages": src_pages, "last_token": last,
+                                                "tokens": gen[:plan.tokens - n_prompt]}))
+            return self._dispatch(plan, "kv", rid, sends, now_s, start_w)
+        if tp is DecodeStep:
+            g = self.group_of(plan.worker)
+            ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
+            args = {"joined": list(plan.joined), "left": list(plan.left)}
+            return self._dispatch(plan, "decode", plan.step, [(r, "decode", args) for r in ranks], now_s)
+        raise TypeError(f"real executor cannot run {tp.__name__}")
+
+    def _on_death(self, rank: int) -> None:
+        run = self.run
+        gpu = run.rank_gpu[rank]
+        run.deaths.append((self.env.now, rank, gpu))
+        # every rank of the dead rank's group is lost with it (its collectives cannot complete)
+        group_ranks = next(rs for rs in run.group_ranks.values() if rank in rs)
+        for r in group_ranks:
+            if r != rank and run.pool.procs[r].is_alive():
+                run.pool.procs[r].kill()
+        run.pool.dead.update(group_ranks)
+        for tok in [t for t, f in self.pool.inflight.items() if f.waiting & set(group_ranks)]:
+            f = self.pool.inflight.pop(tok)
+            # never completes: a replay gives it an infinite duration, so the same fault interrupts it there too
+            run.records.append((f.worker, f.kind, f.key, float("inf"), 0.0))
+        if self.env.on_fault is not None:
+            self.env.on_fault(f"gpu:{gpu}")
+
+
+class RealRun:
+    """Spawns the ranks for a built scenario and runs it through the simulator's loop (module docstring)."""
+
+    def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
+                 prefill_pages: int, decode_pages: int, tiny_cfg=None) -> None:
+        import torch
+        import torch.multiprocessing as mp
+
+        from engine.real.model import TorchModelConfig
+        from engine.real.worker import RankSpec, rank_main
+
+        self.built = built
+        dep = built.deployment
+        if dep.spare_gpus:
+            raise UserError("real mode: autoscaling is simulated only (set autoscaler.enabled: false)")
+        if dep.chunked_prefill:
+            raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
+        cfg = tiny_cfg or TorchModelConfig.from_spec(built.model, n_layers=n_layers)
+        self.cfg = cfg
+        groups = [(g.id, g.gpus, "prefill") for g in dep.prefillers] + [(g.id, g.gpus, "decode") for g in dep.decoders]
+        gpus = [gpu for _, gs, _ in groups for gpu in gs]
+        self.gpu_rank = {gpu: r for r, gpu in enumerate(gpus)}
+        self.rank_gpu = {r: gpu for gpu, r in self.gpu_rank.items()}
+        self.group_ranks = {gid: tuple(self.gpu_rank[x] for x in gs) for gid, gs, _ in groups}
+        world = len(gpus)
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if use_cuda and torch.cuda.device_count() < world:
+            raise UserError(f"real mode: the deployment needs {world} GPUs, {torch.cuda.device_count()} visible")
+        backend = "nccl" if use_cuda else "gloo"
+        self.tmp = tempfile.TemporaryDirectory()
+        init_file = str(Path(self.tmp.name) / "rdzv")
+        ctx = mp.get_context("spawn")
+        res_q = ctx.Queue()
+        cmd_qs = [ctx.Queue() for _ in range(world)]
+        all_groups = tuple((gid, self.group_ranks[gid]) for gid, _, _ in groups)
+        ptp = dep.prefillers[0].template.tp if dep.prefillers else 1
+        procs = []
+        for gid, gs, role in groups:
+            tpl = dep.prefillers[0].template if role == "prefill" else dep.decoders[0].template
+            for gpu in gs:
+                r = self.gpu_rank[gpu]
+                spec = RankSpec(rank=r, world=world, role=role, group_id=gid, group_ranks=self.group_ranks[gid],
+                                all_groups=all_groups, device=f"cuda:{gpu % max(torch.cuda.device_count(), 1)}"
+                                if use_cuda else "cpu", dtype=dtype, cfg=cfg,
+                                tp=tpl.tp if role == "prefill" else 1, ep=tpl.ep,
+                                n_pages=prefill_pages if role == "prefill" else decode_pages,
+                                page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
+                                prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
+                                init_file=init_file, backend=backend)
+                p = ctx.Process(target=rank_main, args=(spec, cmd_qs[r], res_q), daemon=True)
+                p.start()
+                procs.append(p)
+        self.pool = RankPool(procs, cmd_qs, res_q, self.rank_gpu)
+        self.env = MeasuredClockEnv(self.pool, self._on_reply)
+        self.seed = seed
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.prompt_len: dict[int, int] = {}
+        self.generated: dict[int, list[int]] = {}
+        self.src_pages: dict[int, list[int]] = {}
+        self.prefill_n: dict[int, int] = {}
+        self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
+        self.deaths: list[tuple] = []
+        self._wait_ready(world)
+
+    def _wait_ready(self, world: int, timeout_s: float = 600.0) -> None:
+        ready, t0 = set(), time.perf_counter()
+        while len(ready) < world:
+            for token, rank, status, payload in self.pool.poll(1.0):
+                if status == "ready":
+                    ready.add(rank)
+                elif status == "error":
+                    self.pool.stop()
+                    raise RuntimeError(f"rank {rank} failed to start: {payload}")
+            if self.pool.newly_dead() or time.perf_counter() - t0 > timeout_s:
+                self.pool.stop()
+                raise RuntimeError("a rank died or timed out while starting")
+
+    # -- token bookkeeping ---------------------------------------------------------------------------------------
+    def register(self, requests) -> None:
+        import numpy as np
+
+        for r in requests:
+            rng = np.random.default_rng([self.seed, r.id])
+            ids = rng.integers(0, self.cfg.vocab, size=r.prompt_tokens).tolist()
+            self.prompt_ids[r.id] = ids
+            self.prompt_len[r.id] = r.prompt_tokens
+
+    def token_ids(self, rid: int, n: int) -> list[int]:
+        ids = self.prompt_ids[rid] + self.generated.get(rid, [])
+        return ids[:n]
+
+    def sync_call(self, rank: int, op: str, **args):
+        """A blocking round trip to one rank (other replies arriving meanwhile are handled normally)."""
+        tok = self.pool.token()
+        self.pool.send(rank, op, tok, **args)
+        while tok not in self.pool.sync_replies:
+            self.env._drain(0.05)
+            if rank in self.pool.dead:
+                raise RankDied(f"rank {rank} died during {op}")
+        status, payload = self.pool.sync_replies.pop(tok)
+        if status != "ok":
+            raise RuntimeError(f"rank {rank} {op}: {payload}")
+        return payload[0]
+
+    def _on_reply(self, token, rank, status, payload, wall) -> None:
+        fl = self.pool.inflight.get(token)
+        if fl is None:
+            if token is not None:
+                self.pool.sync_replies[token] = (status, payload)
+            if status == "error":
+                self.pool.errors.append(f"rank {rank}: {payload}")
+            return
+        if status != "ok":
+            self.pool.errors.append(f"rank {rank} {fl.kind}: {payload}")
+            fl.replies[rank] = None
+        else:
+            fl.replies[rank] = payload[0]
+            fl.worker_s = max(fl.worker_s, payload[1])
+        fl.waiting.discard(rank)
+        if fl.waiting:
+            return
+        del self.pool.inflight[token]
+        measured = wall - fl.start_w
+        if any(v is None for v in fl.replies.values()):
+            # a rank failed this plan: only a dead peer may cause that; the death handler fails the workers
+            time.sleep(0.2)
+            for r in self.pool.newly_dead():
+                self.env.on_death(r)
+            if not self.deaths:
+                raise RuntimeError("real run: " + "; ".join(self.pool.errors[-3:]))
+            return
+        self._absorb(fl)
+        self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
+        ev = fl.ev
+        ev._ok = True
+        ev._value = measured
+        self.env.schedule(ev, delay=max(fl.start_v + measured - self.env.now, 0.0))
+
+    def _absorb(self, fl: _Inflight) -> None:
+        if fl.kind == "prefill":
+            first = next(v for v in fl.replies.values() if v is not None)
+            for rid, (tok, pages) in first.items():
+                self.src_pages[rid] = pages
+                gen = self.generated.setdefault(rid, [])
+                # a re-prefill covers the prompt and the first g generated tokens; its output is token g+1
+                del gen[self.prefill_n[rid] - self.prompt_len[rid]:]
+                gen.append(tok)
+        elif fl.kind == "decode":
+            for v in fl.replies.values():
+                if v:
+                    for rid, tok in v.items():
+                        self.generated.setdefault(rid, []).append(tok)
+
+
+def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
+             prefill_pages=4096, decode_pages=4096, kill=(), progress=False, tiny_cfg=None):
+    """Run ``built`` (``sim.scenario.build``) for real on ``requests``. ``kill``: ``[(at_s, gpu)]`` kills that GPU's
+    rank process at clock time ``at_s`` (failure drill). Returns ``(SimResult, RealRun)``."""
+    from engine.core.metrics import Slo
+    from sim.driver import simulate
+
+    run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
+                  prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg)
+    run.register(requests)
+    env = run.env
+
+    def killer(at_s: float, gpu: int):
+        yield env.timeout(at_s)
+        p = run.pool.procs[run.gpu_rank[gpu]]
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+
+    for at_s, gpu in kill:
+        env.process(killer(at_s, gpu))
+    sc = built.scenario
+    try:
+        res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed if seed is None else sc.seed,
+                       slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
+                       kv_chunks=built.cost_model.kv_chunks, env=env,
+                       executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
+    finally:
+        run.pool.stop()
+        run.tmp.cleanup()
+    return res, run
+
+
+class ReplayExecutor:
+    """The simulator's executor for the cross-mode identity test: returns a real run's measured durations."""
+
+    def __init__(self, records) -> None:
+        self.table: dict[tuple, list[float]] = {}
+        for w, k, key, m, _ in records:           # a key can repeat (a KV shipped again after a failure)
+            self.table.setdefault((w, k, key), []).append(m)
+        self.breakdown_s = {"prefill": {}, "decode": {}}
+
+    def breakdown(self) -> dict:
+        return self.breakdown_s
+
+    def duration(self, plan, now_s: float) -> float:
+        tp = type(plan)
+        if tp is PrefillBatch:
+            k = (plan.worker, "prefill", plan.batch)
+        elif tp is KvTransfer:
+            k = (plan.worker, "kv", plan.request_id)
+        else:
+            k = (plan.worker, "decode", plan.step)
+        if not self.table.get(k):
+            raise KeyError(f"replay: the real run has no duration for {k} (decisions diverged)")
+        return float(self.table[k].pop(0))
+
+
+def replay(built, requests, records, *, seed: int, deaths=()):
+    """Simulate ``built`` with the recorded durations of a real run (same scheduler, simulated clock); ``deaths``
+    (``RealRun.deaths``: ``(t, rank, gpu)``) become faults at the same times."""
+    from engine.core.metrics import Slo
+    from sim.driver import simulate
+
+    sc = built.scenario
+    faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in deaths]
+    return simulate(built.deployment, requests, built.cost_model, seed=seed, progress=False, faults=faults,
+                    slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
+                    executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
+

@@ -1,0 +1,103 @@
+"""TransferEngine: executes ``engine.core.kv``'s resharding plan between real KV caches.
+
+Both sides compute the same plan (a pure function of the two layouts, the sequence length and both page lists),
+so only payload crosses the wire: each source rank gathers the byte ranges of its chunks into one contiguous buffer
+(one gather kernel), sends it to the destination rank, which scatters it to its chunks' offsets (one scatter).
+Chunks are addressed in bytes of the rank's whole cache (``PagedKvCache.storage``, HND ``[L, P, 2, H, S, Dh]``), so
+the gather/scatter works on ``storage`` viewed as rows of ``unit`` bytes, ``unit`` the gcd of every offset and size.
+
+Backends: ``torch.distributed`` point-to-point (gloo on CPU, NCCL on GPUs — NCCL rides NVLink inside a node and
+InfiniBand across nodes). A NIXL/RDMA backend would implement :class:`KvBackend` with one-sided writes: register
+each rank's ``storage`` once, then post one RDMA write per chunk (or per merged run of chunks) from the source's
+registered region to the destination's, with no receiver-side scatter and no matching ``recv``; the plan is the
+same.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.core.kv import KvLayout, reshard_plan
+
+
+def _unit(offsets: np.ndarray, sizes: np.ndarray, total: int) -> int:
+    g = reduce(math.gcd, (int(x) for x in np.unique(np.concatenate([offsets, sizes]))), int(total))
+    return max(g, 1)
+
+
+def _row_index(offsets: np.ndarray, sizes: np.ndarray, unit: int) -> torch.Tensor:
+    """Row ids (rows of ``unit`` bytes) covering each chunk in order."""
+    starts = offsets // unit
+    counts = sizes // unit
+    if counts.sum() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    base = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return torch.from_numpy(base + np.arange(int(counts.sum())))
+
+
+def _rows(storage: torch.Tensor, unit: int) -> torch.Tensor:
+    return storage.view(-1).view(torch.uint8).view(-1, unit)
+
+
+class KvBackend:
+    """How bytes move: ``send(buf, dst_rank)`` / ``recv(buf, src_rank)`` (global ranks)."""
+
+    def send(self, buf: torch.Tensor, dst: int) -> None:
+        dist.send(buf, dst)
+
+    def recv(self, buf: torch.Tensor, src: int) -> None:
+        dist.recv(buf, src)
+
+
+class TransferEngine:
+    """Ships one sequence's KV from a TP-sharded prefiller to one DP decoder rank along the core plan.
+
+    ``src_layout`` / ``dst_layout`` describe the two sides' per-rank caches (``n_pages`` = pages per rank).
+    ``src_ranks`` are the global ranks of the prefiller's TP ranks (index = TP rank), ``dst_rank`` the decoder's.
+    """
+
+    def __init__(self, src_layout: KvLayout, dst_layout: KvLayout, backend: KvBackend | None = None) -> None:
+        self.src_layout, self.dst_layout = src_layout, dst_layout
+        self.backend = backend or KvBackend()
+
+    def plan(self, seq_len: int, src_pages, dst_pages):
+        return reshard_plan(self.src_layout, self.dst_layout, seq_len, np.asarray(src_pages),
+                            np.asarray(dst_pages))
+
+    def send(self, storage: torch.Tensor, my_tp_rank: int, dst_global: int, seq_len: int, src_pages,
+             dst_pages) -> int:
+        """Called on each source rank; returns bytes sent."""
+        p = self.plan(seq_len, src_pages, dst_pages)
+        sel = np.asarray(p.src_rank) == my_tp_rank
+        offs, sizes = np.asarray(p.src_offset)[sel], np.asarray(p.nbytes)[sel]
+        if sizes.sum() == 0:
+            return 0
+        unit = _unit(offs, sizes, storage.numel() * storage.element_size())
+        idx = _row_index(offs, sizes, unit).to(storage.device)
+        buf = _rows(storage, unit)[idx].reshape(-1).contiguous()
+        self.backend.send(buf, dst_global)
+        return int(buf.numel())
+
+    def recv(self, storage: torch.Tensor, src_globals: list[int], seq_len: int, src_pages, dst_pages) -> int:
+        """Called on the destination rank; returns bytes received."""
+        p = self.plan(seq_len, src_pages, dst_pages)
+        total = 0
+        src_rank = np.asarray(p.src_rank)
+        for r, g in enumerate(src_globals):
+            sel = src_rank == r
+            offs, sizes = np.asarray(p.dst_offset)[sel], np.asarray(p.nbytes)[sel]
+            n = int(sizes.sum())
+            if n == 0:
+                continue
+            buf = torch.empty(n, dtype=torch.uint8, device=storage.device)
+            self.backend.recv(buf, g)
+            unit = _unit(offs, sizes, storage.numel() * storage.element_size())
+            idx = _row_index(offs, sizes, unit).to(storage.device)
+            _rows(storage, unit)[idx] = buf.view(-1, unit)
+            total += n
+        return total
