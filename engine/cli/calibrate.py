@@ -1,0 +1,114 @@
+"""``rackbed calibrate``: measure the local GPUs, fit the cost-model curves, write a calibration file.
+
+    rackbed calibrate [--out calibration/h200.yaml] [--quick] [--measurements-out results/h200x2/measure.json]
+                      [--from-measurements FILE] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
+
+Runs ``kernels/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``),
+adds rows from ``rackbed bench kernels --out FILE`` JSON (``--from-bench``: NCCL all-reduce rows, decode
+dispatch/combine rows), fits (``sim.calibrate``: every third point of each curve and whole GEMM shapes are held
+out for ``rackbed validate``) and writes the calibration file (versioned ``meta``: device, driver, torch / CUDA /
+NCCL versions, date). ``--dry-run`` measures tiny sizes on the CPU (plumbing only; the file is tagged
+``CPU-DRY-RUN`` and never matches a real GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from topology.errors import UserError
+
+
+def bench_rows(doc: dict, source: str) -> list[dict]:
+    """Measurement rows from a ``rackbed bench kernels`` JSON (``{"suites": {name: result}}``): NCCL all-reduce
+    rows (bf16, CUDA-graph replayed: device time without the host launch, as a graph-captured engine sees it)
+    and decode dispatch / combine rows of ``moe_a2a`` (graph-replayed times)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("suites"), dict):
+        raise UserError(f"{source}: not a 'rackbed bench kernels' JSON (no 'suites' mapping)")
+    rows: list[dict] = []
+    ar = doc["suites"].get("allreduce") or {}
+    world = ar.get("world") or ar.get("world_size") or ar.get("n_ranks")
+    for r in ar.get("rows", []):
+        if r.get("impl") == "nccl" and r.get("dtype", "bf16") == "bf16" and r.get("graph") and r.get("median_us"):
+            if not world:
+                raise UserError(f"{source}: suites.allreduce has no 'world' (number of ranks)")
+            rows.append({"bench": "allreduce", "algo": "ring", "impl": "nccl", "n_ranks": int(world),
+                         "size_bytes": int(r["size_bytes"]), "median_us": float(r["median_us"]), "from": source})
+    a2a = doc["suites"].get("moe_a2a") or {}
+    world = a2a.get("world") or a2a.get("world_size") or a2a.get("n_ranks")
+    hidden = a2a.get("hidden") or a2a.get("D")
+    for r in a2a.get("rows", []):
+        if "T" not in r:
+            continue
+        if not (world and hidden):
+            raise UserError(f"{source}: suites.moe_a2a needs 'world' and 'hidden' to key its rows")
+        for phase_name, col in (("dispatch", "dispatch_graph_us"), ("combine", "combine_graph_us")):
+            if r.get(col):
+                rows.append({"bench": phase_name, "n_ranks": int(world), "hidden": int(hidden), "phase": "decode",
+                             "tokens": int(r["T"]), "median_us": float(r[col]), "from": source})
+    return rows
+
+
+def _run(args: argparse.Namespace) -> int:
+    from sim.calibrate import Holdout, calibrate, describe_calibration, dump_calibration, load_calibration_file
+
+    if args.from_measurements:
+        p = Path(args.from_measurements)
+        try:
+            meas = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+        # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw file stays
+        mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else str(p))
+    else:
+        from kernels.measure import run
+
+        mpath = args.measurements_out or str(Path(args.out).with_suffix("").as_posix() + "_measure.json")
+        meas = run(quick=args.quick, dry_run=args.dry_run, only=args.only, partial_out=mpath)
+    for f in args.from_bench or []:
+        try:
+            meas.setdefault("rows", []).extend(bench_rows(json.loads(Path(f).read_text()), f))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{f}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    if not args.from_measurements or args.from_bench:
+        Path(mpath).parent.mkdir(parents=True, exist_ok=True)
+        Path(mpath).write_text(json.dumps(meas, indent=1))
+        print(f"measurements: {mpath} ({len(meas.get('rows', []))} rows)")
+    shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.holdout_shape) if args.holdout_shape else \
+        Holdout().shapes
+    doc = calibrate(meas, gpu=args.gpu, holdout=Holdout(every=args.holdout_every, shapes=shapes),
+                    measurements_path=mpath)
+    dump_calibration(doc, args.out)
+    table = load_calibration_file(args.out)
+    print(describe_calibration(table))
+    m = doc["meta"]
+    print(f"fit rows: {m['n_fit']}; held out: {len(m['holdout'])} ({m['holdout_rule']}); "
+          f"not calibrated (no kind): {len(m['not_calibrated'])}; errors: {len(m['errors'])}")
+    for e in m["errors"]:
+        print(f"  measurement error: {e}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="measure the local GPUs and write a calibration file",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="calibration/h200.yaml", help="calibration file to write (.yaml or .json)")
+    p.add_argument("--quick", action="store_true", help="every other size, fewer repeats")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
+    p.add_argument("--only", nargs="+", help="subset of kernels/measure.py benchmarks")
+    p.add_argument("--measurements-out", help="where to write the raw measurements JSON")
+    p.add_argument("--from-measurements", help="fit earlier kernels/measure.py JSON instead of measuring")
+    p.add_argument("--from-bench", action="append", help="add rows from 'rackbed bench kernels --out' JSON")
+    p.add_argument("--gpu", help="GPU model name for the entries (default: from the device name)")
+    p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth point of each curve (0: none)")
+    p.add_argument("--holdout-shape", nargs="*", help="GEMM shapes NxK held out entirely (default 4096x8192)")
+    p.set_defaults(func=_run)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from engine.cli.main import main
+
+    sys.exit(main(["calibrate", *sys.argv[1:]]))

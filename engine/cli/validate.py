@@ -1,0 +1,152 @@
+"""``rackbed validate``: the simulator vs measurements on the same hardware, per row, with relative errors.
+
+    rackbed validate [--measurements FILE] [--calibration FILE] [--topology h200x2] [--all]
+                     [--out results/h200x2/validation_kernels.json]
+
+**Kernel level** (:func:`validate_kernels`): for every measured row of ``kernels/measure.py`` that the
+calibration did *not* fit (its ``meta.holdout`` ids: every third point of each curve, whole held-out GEMM
+shapes), the simulator's prediction — the cost function the simulator calls (``gemm_time``,
+``grouped_gemm_time``, ``full_attention_prefill`` / ``_decode``, ``hbm_rate_Bps``, ``allreduce_time``) evaluated
+with the calibration table, i.e. the fitted curve interpolated at that shape — against the measured time:
+``rel_error = (predicted - measured) / measured``; median and max of ``|rel_error|`` against the targets (median
+<= 3 %, max <= 10 %). Rows of benchmarks no calibration kind covers (decode attention, P2P copies) are reported
+separately (model without calibration). ``--all`` also lists the fitted rows (their error is ~0 by
+construction: a check of the fit / lookup plumbing).
+
+**Engine level** (:func:`validate_engine`): the extension point for real-engine step timings vs
+``sim.costs.step`` (prefill batches, decode steps across batch and context); not implemented yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from topology.errors import UserError
+
+#: kernel-level targets (issue 9): |relative error| on held-out rows
+TARGET_MEDIAN, TARGET_MAX = 0.03, 0.10
+
+
+def _group(pred) -> str:
+    rid = pred.row_id
+    if rid.startswith("gemm/"):
+        _, op, fmt, nk, _ = rid.split("/")
+        return f"gemm {op} {fmt} {nk}"
+    return rid.split("/")[0]
+
+
+def _stats(errs: list[float]) -> dict:
+    a = [abs(e) for e in errs]
+    return {"n": len(a), "median_abs": statistics.median(a) if a else None, "max_abs": max(a) if a else None}
+
+
+def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = False) -> dict:
+    """Kernel-level comparison (module docstring). Returns ``{"rows": [...], "summary": {...}}``; each row has
+    ``row_id, bench, role (holdout | fit | uncalibrated), measured_us, predicted_us, rel_error, model``."""
+    from sim.calibrate import curve_of, predict_row, row_id
+
+    meta = getattr(calib, "meta", {}) or {}
+    held = set(meta.get("holdout", []))
+    if not held:
+        raise UserError("validate: the calibration file lists no held-out rows (meta.holdout); refit it with "
+                        "'rackbed calibrate' (hold-outs are on by default)")
+    out, groups = [], {}
+    for r in measurements.get("rows", []):
+        if r.get("error") or not r.get("median_us"):
+            continue
+        rid = row_id(r)
+        role = "holdout" if rid in held else ("uncalibrated" if curve_of(r) is None else "fit")
+        if role == "fit" and not include_fit:
+            continue
+        p = predict_row(r, calib, topo)
+        if p is None:
+            continue
+        p0 = predict_row(r, None, topo)  # the first-principles model alone, for comparison
+        row = {"row_id": rid, "bench": r["bench"], "group": _group(p), "role": role,
+               "measured_us": p.measured_s * 1e6, "predicted_us": p.predicted_s * 1e6, "rel_error": p.rel_error,
+               "uncalibrated_us": p0.predicted_s * 1e6, "uncalibrated_rel_error": p0.rel_error, "model": p.model}
+        out.append(row)
+        groups.setdefault((role, row["group"]), []).append(p.rel_error)
+    hold = [r["rel_error"] for r in out if r["role"] == "holdout"]
+    s = _stats(hold)
+    summary = {"holdout": s, "targets": {"median_abs": TARGET_MEDIAN, "max_abs": TARGET_MAX},
+               "median_ok": s["median_abs"] is not None and s["median_abs"] <= TARGET_MEDIAN,
+               "max_ok": s["max_abs"] is not None and s["max_abs"] <= TARGET_MAX,
+               "by_group": {f"{role}: {g}": _stats(v) for (role, g), v in sorted(groups.items())},
+               "holdout_without_calibration": _stats([r["uncalibrated_rel_error"] for r in out
+                                                      if r["role"] == "holdout"]),
+               "uncalibrated": _stats([r["rel_error"] for r in out if r["role"] == "uncalibrated"])}
+    return {"rows": out, "summary": summary}
+
+
+def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
+    """Engine-level validation: extension point (the lead adds it). Intended contract: run a fixed suite of
+    real-engine steps (engine/real: prefill batches, decode steps across batch sizes and context lengths) on the
+    local GPUs, predict each with ``sim.costs.step`` (``prefill_step_time`` / ``decode_step_time``) under
+    ``calib``, and return ``{"rows": [{"metric", "measured_s", "predicted_s", "rel_error"}], "summary": {...}}``
+    like :func:`validate_kernels`. Returns None while not implemented."""
+    return None
+
+
+def print_table(res: dict, echo=print) -> None:
+    echo(f"{'row':44s} {'role':12s} {'measured_us':>12s} {'sim_us':>10s} {'error':>8s} {'uncal_err':>9s}")
+    for r in res["rows"]:
+        echo(f"{r['row_id'][:44]:44s} {r['role']:12s} {r['measured_us']:12.2f} {r['predicted_us']:10.2f} "
+             f"{r['rel_error'] * 100:+7.1f}% {r['uncalibrated_rel_error'] * 100:+8.1f}%")
+    echo("")
+    echo(f"{'group':52s} {'n':>4s} {'median|e|':>10s} {'max|e|':>8s}")
+    for g, s in res["summary"]["by_group"].items():
+        echo(f"{g[:52]:52s} {s['n']:4d} {s['median_abs'] * 100:9.1f}% {s['max_abs'] * 100:7.1f}%")
+    s = res["summary"]["holdout"]
+    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
+    if s["n"]:
+        echo(f"held-out rows: {s['n']}; median |error| {s['median_abs'] * 100:.1f}% (target <= "
+             f"{TARGET_MEDIAN * 100:.0f}%: {ok(res['summary']['median_ok'])}), max {s['max_abs'] * 100:.1f}% "
+             f"(target <= {TARGET_MAX * 100:.0f}%: {ok(res['summary']['max_ok'])})")
+        u = res["summary"]["holdout_without_calibration"]
+        echo(f"same rows, first-principles model without calibration: median |error| "
+             f"{u['median_abs'] * 100:.1f}%, max {u['max_abs'] * 100:.1f}%")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import topology
+    from sim.calibrate import CALIBRATION_DIR, calibration_for_topology, describe_calibration, load_calibration_file
+
+    topo = topology.load(args.topology)
+    calib = load_calibration_file(args.calibration) if args.calibration else calibration_for_topology(topo)
+    if calib is None:
+        raise UserError(f"validate: no calibration for {topo.gpu_spec(topo.gpu_ids[0]).name}; pass --calibration")
+    print(describe_calibration(calib))
+    mpath = args.measurements or (getattr(calib, "meta", {}) or {}).get("measurements")
+    if not mpath:
+        raise UserError("validate: no --measurements and the calibration names none (meta.measurements)")
+    p = Path(mpath)
+    if not p.is_absolute() and not p.exists() and (CALIBRATION_DIR.parent / p).exists():
+        p = CALIBRATION_DIR.parent / p  # meta paths are relative to the repository root
+    try:
+        meas = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    res = validate_kernels(meas, calib, topo, include_fit=args.all)
+    print_table(res)
+    doc = {"schema": "rackbed.validation/1", "calibration": getattr(calib, "path", ""), "measurements": str(p),
+           "topology": args.topology, "kernel": res, "engine": validate_engine(calib, topo, args)}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("validate", help="simulator vs measurements (kernel level; engine level later)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--measurements", help="kernels/measure.py JSON (default: the calibration's meta.measurements)")
+    p.add_argument("--calibration", help="calibration file (default: the shipped one for the topology's GPU)")
+    p.add_argument("--topology", default="h200x2", help="topology the measurements were taken on")
+    p.add_argument("--all", action="store_true", help="also list the fitted rows")
+    p.add_argument("--out", help="write the validation JSON here")
+    p.set_defaults(func=_run)
