@@ -36,6 +36,38 @@ def hbm_copy_GBps(device, n_bytes: int = 4 << 30, reps: int = 10) -> float:
     return 2 * n_bytes / statistics.median(ts) / 1e9
 
 
+def profile_step(model, cache, cfg, dev, b: int, context: int, pages_per: int) -> dict:
+    """CUDA time per decode step by kernel (torch.profiler over 3 eager steps): the gap to the roofline, term by
+    term. Never raises: a failed profile is reported, the timings are kept."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        table = torch.arange(8, 8 + b * pages_per, device=dev).view(b, pages_per)
+        tok = torch.randint(0, cfg.vocab, (b,), device=dev)
+        pos = torch.full((b,), context, device=dev)
+        model.forward_decode(tok, pos, cache, table)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                model.forward_decode(tok, pos, cache, table)
+            torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
+            if "CUDA" in str(getattr(ev, "device_type", "")) and dev_us > 0:
+                rows.append({"kernel": ev.key[:120], "calls_per_step": ev.count / 3, "us_per_step": dev_us / 3})
+        rows.sort(key=lambda r: -r["us_per_step"])
+        busy = sum(r["us_per_step"] for r in rows)
+        n = sum(r["calls_per_step"] for r in rows)
+        print(f"profile b={b}: GPU busy {busy / 1e3:.2f} ms/step over {n:.0f} kernels", flush=True)
+        for r in rows[:6]:
+            print(f"   {r['us_per_step'] / 1e3:7.2f} ms  x{r['calls_per_step']:5.0f}  {r['kernel'][:70]}", flush=True)
+        return {"gpu_busy_us_per_step": busy, "kernels_per_step": n, "top": rows[:15]}
+    except Exception as exc:
+        print(f"profile b={b} failed: {type(exc).__name__}: {exc}", flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def main(argv=None) -> int:
     import engine.real.model as M
     from engine.core.model import get_model
@@ -48,7 +80,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--impls", nargs="+", default=["torch", "auto"])
+    ap.add_argument("--modes", nargs="+", default=["eager:torch", "graph:torch", "graph:auto"],
+                    help="execution:grouped-GEMM impl, execution in eager|graph (CUDA graph of the static step)")
+    ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
+                    help="eager steps to profile with torch.profiler: CUDA time by kernel, the term-by-term gap")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dev = torch.device("cuda:0")
@@ -59,7 +94,7 @@ def main(argv=None) -> int:
     S = 64
     max_b = max(a.batches)
     pages_per = -(-(a.context + 1) // S)
-    cache = model.new_cache(max_b * pages_per + 1, S)
+    cache = model.new_cache(max_b * pages_per + 8, S)   # pages 0..7: graph runners' scratch pages
     touched: list[int] = []
     orig_route = model._route
 
@@ -75,37 +110,52 @@ def main(argv=None) -> int:
     router_b = E * D * 2
     head_b = cfg.vocab * D * 2 + D * 2
     rows = []
-    for impl in a.impls:
+    runner = None
+    for mode in a.modes:
+        execution, impl = mode.split(":")
         M.GROUPED_IMPL = impl
+        if execution == "graph":
+            runner = M.DecodeGraphRunner(model, cache)   # fresh graphs for this impl
+            step = lambda tok, pos, table: runner(tok, pos, table)  # noqa: E731
+        else:
+            step = lambda tok, pos, table: model.forward_decode(tok, pos, cache, table)  # noqa: E731
         for b in a.batches:
-            table = torch.arange(b * pages_per, device=dev).view(b, pages_per)
+            table = torch.arange(8, 8 + b * pages_per, device=dev).view(b, pages_per)
             tok = torch.randint(0, cfg.vocab, (b,), device=dev)
             pos = torch.full((b,), a.context, device=dev)
+            model._route = orig_route          # graph capture must not see the counting hook
             for _ in range(3):
-                model.forward_decode(tok, pos, cache, table)
+                step(tok, pos, table)
             torch.cuda.synchronize()
             touched.clear()
+            model._route = route
+            model.forward_decode(tok, pos, cache, table)   # one eager step counts the experts touched
+            torch.cuda.synchronize()
+            model._route = orig_route
             ts = []
             for _ in range(a.reps):
                 t0 = time.perf_counter()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                model.forward_decode(tok, pos, cache, table)
+                step(tok, pos, table)
                 e1.record()
                 torch.cuda.synchronize()
                 ts.append(e0.elapsed_time(e1) / 1e3)
             step_s = statistics.median(ts)
-            experts = statistics.mean(touched)  # distinct experts per layer per step
+            experts = statistics.mean(touched) if touched else float("nan")  # distinct experts per layer
             kv_b = b * (a.context + 1) * cfg.kv_bytes_per_token(2)
             w_b = cfg.n_layers * (attn_b + router_b + experts * expert_b) + head_b
             total = w_b + kv_b
             roof = total / (bw * 1e9)
-            rows.append({"impl": impl, "batch": b, "context": a.context, "step_ms": step_s * 1e3,
+            rows.append({"mode": mode, "graph_mode": runner.mode if execution == "graph" else "eager",
+                         "graph_fallback_reason": runner.why if execution == "graph" else "", "batch": b, "context": a.context, "step_ms": step_s * 1e3,
                          "experts_touched_per_layer": experts, "weight_bytes": w_b, "kv_bytes": kv_b,
                          "roofline_ms": roof * 1e3, "ratio_to_roofline": step_s / roof})
-            print(f"{impl:6s} b={b:3d} step {step_s * 1e3:7.2f} ms  roofline {roof * 1e3:7.2f} ms  "
+            print(f"{mode:12s} b={b:3d} step {step_s * 1e3:7.2f} ms  roofline {roof * 1e3:7.2f} ms  "
                   f"x{step_s / roof:4.2f}  experts/layer {experts:5.1f}", flush=True)
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+    M.GROUPED_IMPL = "auto"
+    profiles = {str(b): profile_step(model, cache, cfg, dev, b, a.context, pages_per) for b in a.profile_batches}
+    doc = {"profiles": profiles, "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": time.strftime("%Y-%m-%d"), "model": spec.name, "hbm_copy_GBps_rw": bw, "rows": rows,
            "bytes_model": "weights of every layer's attention/router + touched experts + LM head + KV read "
                           "(batch x (context+1) x KV bytes/token); roofline = bytes / measured copy bandwidth"}

@@ -406,7 +406,6 @@ class ShardedQwen3Moe:
         cfg = self.cfg
         B = tokens.shape[0]
         x = self.glob["embed"][tokens]                                    # [B, D]
-        gmap = self._gqa_map().to(tokens.device)
         S = cache.page_tokens
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
@@ -416,18 +415,66 @@ class ShardedQwen3Moe:
                 page = page_table.gather(1, (positions // S)[:, None])[:, 0]
                 st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
                 st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
-                K, V = cache.gather(li, page_table)                       # [B, Hkv, maxP*S, Dh]
-                ctx = torch.arange(K.shape[2], device=tokens.device)
-                mask = ctx[None, :] <= positions[:, None]                 # [B, ctx]
-                qb = q.transpose(0, 1)[:, :, None, :]                     # [B, Hq, 1, Dh]
-                o = F_.scaled_dot_product_attention(qb, K[:, gmap], V[:, gmap], attn_mask=mask[:, None, None, :],
-                                                    scale=self.scale)
-                x = x + o.reshape(B, -1) @ w["o_proj"].T
+                ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)
+                o = self._paged_attention(q, st[page_table], ctx[None, :] <= positions[:, None])
+                x = x + o @ w["o_proj"].T
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             topi, topw = self._route(w, h) if B else (
                 torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device), torch.zeros(0, cfg.top_k, dtype=x.dtype,
                                                                                           device=x.device))
             x = x + self._moe_dp_ep(w, h, topi, topw)
+        return self._logits(x)
+
+    def _paged_attention(self, q: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Decode attention read straight from gathered pages, without expanding KV heads for GQA.
+
+        q ``[Hq, B, Dh]``; pages ``[B, P, 2, Hkv, S, Dh]`` (the sequences' pages of one layer); mask ``[B, P*S]``
+        (True = attend). Query heads of one KV head are contiguous, so q is viewed ``[B, Hkv, G, Dh]`` and each KV
+        byte is read once. Returns ``[B, Hq*Dh]``.
+        """
+        B, P, _, Hkv, S, Dh = pages.shape
+        G = q.shape[0] // Hkv
+        qg = q.transpose(0, 1).reshape(B, Hkv, G, Dh)
+        K = pages[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, Hkv, P * S, Dh)
+        V = pages[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, Hkv, P * S, Dh)
+        scores = torch.matmul(qg, K.transpose(-1, -2)).float() * self.scale          # [B, Hkv, G, P*S]
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(V.dtype)
+        return torch.matmul(probs, V).reshape(B, Hkv * G * Dh)
+
+    def forward_decode_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
+                              page_table: torch.Tensor) -> torch.Tensor:
+        """``forward_decode`` for a single-rank expert group without any host synchronisation or data-dependent
+        shape, so the whole step can be captured in a CUDA graph (:class:`DecodeGraphRunner`). Same math: the
+        MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones."""
+        if self.shard.ep != 1:
+            raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
+        cfg = self.cfg
+        B = tokens.shape[0]
+        x = self.glob["embed"][tokens]
+        S = cache.page_tokens
+        ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)
+        mask = ctx[None, :] <= positions[:, None]
+        page = page_table.gather(1, (positions // S)[:, None])[:, 0]
+        slot = positions % S
+        k = cfg.top_k
+        for li, w in enumerate(self.layers):
+            h = rms_norm(x, w["input_norm"], cfg.rms_eps)
+            q, kk, v = self._qkv(w, h, positions)
+            st = cache.storage[li]
+            st[page, 0, :, slot] = kk.transpose(0, 1).to(st.dtype)
+            st[page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
+            o = self._paged_attention(q, st[page_table], mask)
+            x = x + o @ w["o_proj"].T
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            topi, topw = self._route(w, h)
+            ids = topi.reshape(-1)
+            order = torch.argsort(ids, stable=True)
+            tok = order // k
+            counts = torch.zeros(cfg.n_experts, dtype=torch.int64, device=h.device).scatter_add_(
+                0, ids, torch.ones_like(ids))
+            y = grouped_swiglu(h[tok], w["gate_up"], w["down"], counts)
+            x = x + torch.zeros_like(h).index_add_(0, tok, y * topw.reshape(-1)[order, None])
         return self._logits(x)
 
     def _moe_dp_ep(self, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
@@ -489,3 +536,72 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
             out[start:start + n] = (F_.silu(gu[:, :Fw]) * gu[:, Fw:]) @ down[e].T
             start += n
     return out
+
+
+class DecodeGraphRunner:
+    """Replays CUDA graphs of ``forward_decode_static``, one per (batch bucket, page-table-width bucket).
+
+    Batches are padded to the next bucket: padded rows read and write only a scratch page reserved here, and their
+    logits are dropped. Page tables are padded with each row's first page (the mask hides them). If capture fails
+    (a kernel that is not capturable), the runner falls back to the eager static step and says why (``mode``).
+    """
+
+    BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+    def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache) -> None:
+        self.model, self.cache = model, cache
+        self.scratch = cache.alloc(1)[0]
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.mode = "graph"
+        self.why = ""
+
+    @staticmethod
+    def _bucket(n: int, buckets) -> int:
+        for b in buckets:
+            if b >= n:
+                return b
+        return n
+
+    def _capture(self, B: int, P: int):
+        dev = self.cache.storage.device
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, dtype=torch.long, device=dev)
+        table = torch.full((B, P), self.scratch, dtype=torch.long, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.model.forward_decode_static(tok, pos, self.cache, table)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = self.model.forward_decode_static(tok, pos, self.cache, table)
+        return g, tok, pos, table, out
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+        B, P = tokens.shape[0], page_table.shape[1]
+        Bb = self._bucket(B, self.BATCH_BUCKETS)
+        Pb = -(-P // 8) * 8
+        tab = torch.full((Bb, Pb), self.scratch, dtype=torch.long, device=page_table.device)
+        tab[:B, :P] = page_table
+        if Pb > P:
+            tab[:B, P:] = page_table[:, :1]
+        tk = torch.zeros(Bb, dtype=torch.long, device=tokens.device)
+        ps = torch.zeros(Bb, dtype=torch.long, device=tokens.device)
+        tk[:B], ps[:B] = tokens, positions
+        if self.mode == "graph":
+            key = (Bb, Pb)
+            if key not in self.graphs:
+                try:
+                    self.graphs[key] = self._capture(Bb, Pb)
+                except Exception as exc:  # fall back, once, and say why
+                    self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
+            if self.mode == "graph":
+                g, tok_b, pos_b, tab_b, out = self.graphs[key]
+                tok_b.copy_(tk)
+                pos_b.copy_(ps)
+                tab_b.copy_(tab)
+                g.replay()
+                return out[:B]
+        return self.model.forward_decode_static(tk, ps, self.cache, tab)[:B]

@@ -138,6 +138,11 @@ class Rank:
         self.seqs: dict[int, _Seq] = {}        # prefiller: KV awaiting shipment; decoder: received / running
         self.running: list[int] = []           # decoder: request ids in the batch, in join order
         self.dev = dev
+        self.graphs = None
+        if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
+            from engine.real.model import DecodeGraphRunner
+
+            self.graphs = DecodeGraphRunner(self.model, self.cache)
         self._warm_up()
 
     @torch.inference_mode()
@@ -148,9 +153,10 @@ class Rank:
         if self.spec.role == "prefill":
             self.model.forward_prefill([torch.zeros(16, dtype=torch.long, device=self.dev)], self.cache, [pages])
         else:
-            self.model.forward_decode(torch.zeros(1, dtype=torch.long, device=self.dev),
-                                      torch.zeros(1, dtype=torch.long, device=self.dev), self.cache,
-                                      torch.tensor([pages[:1]], device=self.dev))
+            args = (torch.zeros(1, dtype=torch.long, device=self.dev), torch.zeros(1, dtype=torch.long, device=self.dev))
+            self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev))
+            if self.graphs is not None:
+                self.graphs(*args, torch.tensor([pages[:1]], device=self.dev))
         self.cache.free(pages)
         self._sync()
 
@@ -246,7 +252,10 @@ class Rank:
             toks = torch.zeros(0, dtype=torch.long, device=self.dev)
             pos = torch.zeros(0, dtype=torch.long, device=self.dev)
         del S
-        logits = self.model.forward_decode(toks, pos, self.cache, table)
+        if self.graphs is not None and batch:
+            logits = self.graphs(toks, pos, table)
+        else:
+            logits = self.model.forward_decode(toks, pos, self.cache, table)
         nxt = logits.argmax(-1).tolist() if batch else []
         out = {}
         for rid, tok in zip(batch, nxt):
