@@ -63,7 +63,16 @@ class TorchModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> TorchModelConfig:
-        """From a transformers ``Qwen3MoeConfig`` (object or dict)."""
+        """From a transformers ``Qwen3MoeConfig`` (object or config.json dict; keys a saved config omits take
+        transformers' defaults)."""
+        if isinstance(hf_config, dict):
+            try:
+                from transformers import Qwen3MoeConfig
+
+                hf_config = Qwen3MoeConfig.from_dict(hf_config)
+            except ImportError:
+                hf_config = {**hf_config, "num_experts": hf_config.get("num_experts",
+                                                                       hf_config.get("num_local_experts"))}
         get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, dict) else (
             lambda k, d=None: getattr(hf_config, k, d))
         rope = get("rope_parameters") or {}
@@ -71,7 +80,7 @@ class TorchModelConfig:
         return cls(hidden=get("hidden_size"), n_layers=get("num_hidden_layers"),
                    n_q_heads=get("num_attention_heads"), n_kv_heads=get("num_key_value_heads"),
                    head_dim=get("head_dim") or get("hidden_size") // get("num_attention_heads"),
-                   n_experts=get("num_experts"), top_k=get("num_experts_per_tok"),
+                   n_experts=get("num_experts") or get("num_local_experts"), top_k=get("num_experts_per_tok"),
                    moe_intermediate=get("moe_intermediate_size"), vocab=get("vocab_size"),
                    rope_theta=float(theta or get("rope_theta", 1_000_000.0)), rms_eps=get("rms_norm_eps", 1e-6),
                    norm_topk_prob=bool(get("norm_topk_prob", True)),
