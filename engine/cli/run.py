@@ -57,9 +57,14 @@ def _main(args: argparse.Namespace) -> int:
 
         run_figure(path, out, console=console)
         return 0
+    if kind == "serving_study":
+        from sim.serving_figures import run_serving_study
+
+        run_serving_study(path, out, console=console, progress=not args.no_progress)
+        return 0
     if kind == "serving":
         from sim.scenario import run_serving
 
         run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress)
         return 0
-    raise ValueError(f"{path}: kind: expected 'serving' or 'figure', got {kind!r}")
+    raise ValueError(f"{path}: kind: expected 'serving', 'figure' or 'serving_study', got {kind!r}")
