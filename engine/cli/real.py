@@ -75,6 +75,7 @@ def _main(args: argparse.Namespace) -> int:
         "mtp": ("random weights: MTP acceptance drawn from the scenario's model (seeded), one forward per decode "
                 "step" if not rs.weights else "checkpoint weights: no MTP head is run; acceptance drawn (seeded)"),
         "model": {"name": b.model.name, "layers": run.cfg.n_layers, "hidden": run.cfg.hidden, "dtype": rs.dtype},
+        "kv_bytes_per_token": b.deployment.kv_bytes_per_token,
         "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
         "replay_identical_decisions": same,
         "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}

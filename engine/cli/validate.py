@@ -83,12 +83,30 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
 
 
 def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
-    """Engine-level validation: extension point (the lead adds it). Intended contract: run a fixed suite of
-    real-engine steps (engine/real: prefill batches, decode steps across batch sizes and context lengths) on the
-    local GPUs, predict each with ``sim.costs.step`` (``prefill_step_time`` / ``decode_step_time``) under
-    ``calib``, and return ``{"rows": [{"metric", "measured_s", "predicted_s", "rel_error"}], "summary": {...}}``
-    like :func:`validate_kernels`. Returns None while not implemented."""
-    return None
+    """Engine level, from a real run folder (``--engine DIR``: real.json + decisions.csv + metrics.json written by
+    ``rackbed real``): fit the engine's step curves on the plans not held out (every ``--holdout-every``-th plan of
+    each kind is held out), report per-plan errors on the held-out ones and the re-simulated TTFT/TPOT/ITL p50/p90
+    against the real run (``sim.engine_calibration``). ``--write-engine-calibration FILE`` writes the fitted file
+    the simulator then uses automatically for that model and GPU."""
+    if not getattr(args, "engine", None):
+        return None
+    from sim.engine_calibration import validate_engine_run
+
+    wc = Path(args.write_engine_calibration) if getattr(args, "write_engine_calibration", None) else None
+    res = validate_engine_run(args.engine, holdout_every=args.holdout_every, write_calibration=wc)
+    print(f"engine level: {res['model']} on {res['gpu']} from {res['run']} "
+          f"({res['calibration']['n_plans']['fit']} plans fitted, {len(res['held_out_plans'])} held out)")
+    for kind, st in res["per_plan"].items():
+        if st["n"]:
+            print(f"  held-out {kind:8s} n={st['n']:4d}  median |error| {st['median_abs'] * 100:6.1f}%  "
+                  f"max {st['max_abs'] * 100:7.1f}%")
+    print(f"  {'metric':10s} {'real':>10s} {'sim':>10s} {'error':>8s} {'uncalibrated sim':>17s}")
+    for r in res["serving"]:
+        print(f"  {r['metric']:10s} {r['real_s'] * 1e3:9.2f}ms {r['sim_s'] * 1e3:9.2f}ms {r['rel_error'] * 100:+7.1f}%"
+              f" {r['uncalibrated_sim_s'] * 1e3:15.2f}ms")
+    if wc:
+        print(f"  wrote {wc}")
+    return res
 
 
 def print_table(res: dict, echo=print) -> None:
@@ -132,6 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
     res = validate_kernels(meas, calib, topo, include_fit=args.all)
     print_table(res)
+    print()
     doc = {"schema": "rackbed.validation/1", "calibration": getattr(calib, "path", ""), "measurements": str(p),
            "topology": args.topology, "kernel": res, "engine": validate_engine(calib, topo, args)}
     if args.out:
@@ -149,4 +168,7 @@ def register(subparsers) -> None:
     p.add_argument("--topology", default="h200x2", help="topology the measurements were taken on")
     p.add_argument("--all", action="store_true", help="also list the fitted rows")
     p.add_argument("--out", help="write the validation JSON here")
+    p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
+    p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
+    p.add_argument("--write-engine-calibration", metavar="FILE", help="engine level: write the fitted curves here")
     p.set_defaults(func=_run)
