@@ -1,0 +1,719 @@
+"""``rackbed search``: capacity planning — the Pareto front of tokens/s per GPU vs tokens/s per user.
+
+For a model, candidate hardware, a workload and SLOs, the search
+
+1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget) x decode
+   (DP-EP degree, per-rank batch cap, MTP draft length), with replica counts derived from the load (or given);
+2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model
+   (``sim.costs.step``), recording why:
+
+   * prefill: the TTFT floor — the p90 prompt prefilled alone — must meet the TTFT SLO; a replica's capacity is
+     ``tokens of a full batch of mean prompts / its step time``, and ``replicas = ceil(input tokens/s x headroom /
+     capacity)``;
+   * decode: with per-sequence context ``c = mean prompt + mean output / 2`` the batch a rank can hold is
+     ``b_max = min(batch cap, KV capacity / c)``; the TPOT at ``b_max`` (step time / expected tokens per step,
+     ``engine.core.specdec``) must meet the TPOT SLO; decoders are sized by Little's law,
+     ``replicas = ceil(rate x mean output x TPOT(b_max) / (ep x b_max))``, and the operating batch per rank ``b``
+     is the fixed point of ``b = rate x mean output x TPOT(b) / (replicas x ep)``;
+   * the whole deployment must fit the topology's GPUs;
+
+3. keeps at most ``max_simulations`` survivors, taking whole layers of the *analytic* Pareto front (non-dominated
+   sorting on estimated tokens/s per GPU and per user), and **simulates** them through ``sim.sweep`` (parallel,
+   resumable);
+4. computes the **Pareto front** of the simulated points that meet the SLOs (TTFT and TPOT at the SLO percentile,
+   every request completed) — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)
+   — and the **cost per million output tokens** ``$/GPU-hour / (3600 x tokens/s per GPU) x 1e6``;
+5. prints the best few with **why**: their prefill and decode ``StepBreakdown`` at the operating point (the
+   simulated mean batch per rank), i.e. where the step time goes.
+
+The spec (YAML ``kind: search``, or CLI flags) is :class:`SearchSpec`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.core.workload import WorkloadSpec
+from sim.pareto import pareto_indices, pareto_layers
+from topology.errors import UserError, from_validation, one_line
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SearchSpace(_Strict):
+    """The candidate values of each knob (every combination is a candidate before pruning)."""
+
+    topology: tuple[str, ...] = ("gb200-nvl72",)
+    weight_format: tuple[str, ...] = ("mxfp8",)
+    prefill_tp: tuple[int, ...] = (2, 4, 8)
+    prefill_ep: tuple[int, ...] | None = None  # None: ep = tp (the write-up's TP=EP prefillers)
+    prefill_max_batch_tokens: tuple[int, ...] = (16384,)
+    prefill_replicas: tuple[int, ...] | None = None  # None: derived from the input-token rate
+    decode_ep: tuple[int, ...] = (4, 8, 16, 32)
+    max_batch_per_rank: tuple[int, ...] = (8, 16, 32, 64, 128)
+    draft_k: tuple[int, ...] = (0, 1, 2)
+    decode_replicas: tuple[int, ...] | None = None  # None: derived by Little's law
+
+    @field_validator("prefill_tp", "prefill_ep", "prefill_max_batch_tokens", "prefill_replicas", "decode_ep",
+                     "max_batch_per_rank", "draft_k", "decode_replicas")
+    @classmethod
+    def _ints(cls, v):
+        if v is not None and (not v or any(x < 0 for x in v)):
+            raise ValueError("expected a non-empty list of non-negative integers")
+        return v
+
+
+class SearchSlo(_Strict):
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+    percentile: Literal["p50", "p90", "p99"] = "p90"
+
+
+class SearchSpec(_Strict):
+    """What to plan for (module docstring). ``scenario`` holds extra scenario fields applied to every simulated
+    point (e.g. ``sim``, ``calibration``, ``decode.page_tokens``); ``gpu_hour_usd`` is one price or a price per
+    topology name."""
+
+    kind: Literal["search"] = "search"
+    name: str = "search"
+    description: str = ""
+    model: str
+    workload: WorkloadSpec
+    slo: SearchSlo
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    mtp_accept_p: float = Field(0.8, ge=0, le=1)
+    gpu_hour_usd: float | dict[str, float] = 0.0
+    space: SearchSpace = SearchSpace()
+    prefill_headroom: float = Field(1.25, gt=0)
+    max_simulations: int = Field(60, ge=0)
+    top: int = Field(5, ge=1)
+    seed: int = 0
+    scenario: dict[str, Any] = Field(default_factory=dict)
+
+    def price(self, topology: str) -> float:
+        p = self.gpu_hour_usd
+        if isinstance(p, dict):
+            return float(p.get(topology, p.get("default", 0.0)))
+        return float(p)
+
+
+def parse_search(data: Mapping, source: str | Path | None = None) -> SearchSpec:
+    try:
+        return SearchSpec.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc, source) from None
+
+
+def load_search(path: str | Path) -> SearchSpec:
+    from engine.cli.run import load_yaml
+    from sim.sweep import SWEEPS_DIR
+
+    p = Path(path)
+    if not p.exists() and p.suffix not in (".yaml", ".yml") and (SWEEPS_DIR / f"{path}.yaml").exists():
+        p = SWEEPS_DIR / f"{path}.yaml"
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such search spec")
+    return parse_search(load_yaml(p), p)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Analytic stage
+
+
+@dataclass
+class Load:
+    """The workload's demand: request rate (1/s), mean and p90 prompt tokens, mean output tokens."""
+
+    rate_per_s: float
+    prompt_mean: float
+    prompt_p90: float
+    output_mean: float
+    n_requests: int
+
+    @property
+    def input_tokens_per_s(self) -> float:
+        return self.rate_per_s * self.prompt_mean
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.rate_per_s * self.output_mean
+
+
+def workload_load(workload, seed: int = 0) -> Load:
+    from engine.core.workload import WorkloadStats, generate
+
+    st = WorkloadStats.from_requests(generate(workload, seed))
+    if st.count < 2 or st.mean_rate_per_s <= 0:
+        raise UserError("search: workload: needs at least two requests at distinct arrival times")
+    return Load(st.mean_rate_per_s, st.prompt_tokens_mean, st.prompt_tokens_p90, st.output_tokens_mean, st.count)
+
+
+@dataclass
+class PrefillOption:
+    topology: str
+    weight_format: str
+    tp: int
+    ep: int
+    max_batch_tokens: int
+    ttft_floor_s: float = math.nan
+    capacity_tokens_per_s: float = math.nan  # one replica
+    replicas: int = 0
+    batch: tuple[int, int] = (0, 0)  # (sequences, tokens each) of the full batch used for the capacity
+    breakdown: object = None
+    pruned: str | None = None
+
+
+@dataclass
+class DecodeOption:
+    topology: str
+    weight_format: str
+    ep: int
+    max_batch_per_rank: int
+    draft_k: int
+    kv_capacity_tokens: int = 0
+    b_max: int = 0
+    tpot_at_cap_s: float = math.nan
+    replicas: int = 0
+    b_op: float = math.nan
+    tpot_s: float = math.nan
+    context_tokens: float = 0.0
+    breakdown: object = None          # at the operating batch b_op
+    breakdown_at_cap: object = None   # at b_max (what the TPOT pruning used)
+    pruned: str | None = None
+
+
+@dataclass
+class Candidate:
+    prefill: PrefillOption
+    decode: DecodeOption
+    n_gpus: int
+    est_tokens_per_s_per_gpu: float
+    est_tokens_per_s_per_user: float
+    est_cost_per_mtok_usd: float | None
+    pruned: str | None = None
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        p, d = self.prefill, self.decode
+        return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep} "
+                f"D{d.replicas}xEP{d.ep} b<={d.max_batch_per_rank} k={d.draft_k}")
+
+
+def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
+    """The lowest ``n`` GPUs — what the first group of a role gets when it fits one node (prefill) or one NVLink
+    domain (decode). Wider groups span nodes / domains: the analytic model prices them (cross-node host sync,
+    all-to-all over the network), while the simulator's placement refuses them, so such candidates end up as
+    invalid simulation points with the placement's reason."""
+    if n > topo.n_gpus:
+        raise UserError(f"{role} group of {n} GPUs exceeds the topology's {topo.n_gpus} GPUs")
+    return tuple(sorted(topo.gpu_ids)[:n])
+
+
+def _cache_get(cache: dict, name: str, fn):
+    v = cache.get(name)
+    if v is None:
+        v = cache[name] = fn(name)
+    return v
+
+
+def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[PrefillOption]:
+    """Prefill options with their analytic figures, pruned ones included (``pruned`` says why)."""
+    from engine.core.sharding import ParallelPlan
+    from sim.costs.step import prefill_step_breakdown
+
+    sp = spec.space
+    out = []
+    prompt = max(1, round(load.prompt_mean))
+    p90 = max(1, round(load.prompt_p90))
+    for tname in sp.topology:
+        topo = topos[tname]
+        for fmt in sp.weight_format:
+            for tp in sp.prefill_tp:
+                for ep in (sp.prefill_ep or (tp,)):
+                    for mbt in sp.prefill_max_batch_tokens:
+                        o = PrefillOption(tname, fmt, tp, ep, mbt)
+                        out.append(o)
+                        try:
+                            n = max(tp, ep)
+                            kv_rep = max(1, tp // model.n_kv_heads) if tp > model.n_kv_heads else 1
+                            plan = ParallelPlan(role="prefill", tp=tp, ep=ep, dp=max(1, n // tp),
+                                                kv_replication=kv_rep, gpus=_plan_gpus(topo, n, "prefill"),
+                                                weight_format=fmt, kv_dtype=spec.kv_dtype, max_batch_tokens=mbt)
+                            plan.validate(model, topo)
+                            floor = prefill_step_breakdown(model, plan, topo, [(min(p90, mbt), 0)]).total_s
+                            o.ttft_floor_s = floor
+                            if floor > spec.slo.ttft_s:
+                                o.pruned = (f"TTFT floor {floor * 1e3:.0f} ms (p90 prompt {p90} tokens alone) > "
+                                            f"SLO {spec.slo.ttft_s * 1e3:.0f} ms")
+                                continue
+                            each = min(prompt, mbt)
+                            n_seqs = max(1, mbt // each)
+                            bd = prefill_step_breakdown(model, plan, topo, [(each, 0)] * n_seqs)
+                            o.breakdown, o.batch = bd, (n_seqs, each)
+                            o.capacity_tokens_per_s = n_seqs * each / bd.total_s
+                            o.replicas = max(1, math.ceil(load.input_tokens_per_s * spec.prefill_headroom
+                                                          / o.capacity_tokens_per_s))
+                        except (ValueError, FileNotFoundError) as exc:
+                            o.pruned = one_line(exc)
+    return out
+
+
+def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
+    """Decode options with their analytic figures (module docstring), pruned ones included."""
+    from engine.core.sharding import ParallelPlan
+    from engine.core.specdec import expected_tokens_per_step
+
+    sp = spec.space
+    page = int(_get(spec.scenario, "decode.page_tokens", 64))
+    ctx = load.prompt_mean + load.output_mean / 2
+    out = []
+    for tname in sp.topology:
+        topo = topos[tname]
+        for fmt in sp.weight_format:
+            for ep in sp.decode_ep:
+                for cap in sp.max_batch_per_rank:
+                    for k in sp.draft_k:
+                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx)
+                        out.append(o)
+                        try:
+                            plan = ParallelPlan(role="decode", tp=1, ep=ep, dp=ep,
+                                                gpus=_plan_gpus(topo, ep, "decode"), weight_format=fmt,
+                                                kv_dtype=spec.kv_dtype, page_tokens=page, max_batch_seqs=cap)
+                            bud = plan.validate(model, topo)
+                            o.kv_capacity_tokens = bud.kv_capacity_tokens
+                            o.b_max = min(cap, int(bud.kv_capacity_tokens // max(1.0, ctx)))
+                            if o.b_max < 1:
+                                o.pruned = (f"KV capacity {bud.kv_capacity_tokens} tokens/rank holds no sequence "
+                                            f"of {ctx:.0f} tokens")
+                                continue
+                            e_tok = expected_tokens_per_step(k, spec.mtp_accept_p)
+                            tpot = functools.partial(_decode_tpot, model, plan, topo, ctx, k, e_tok)
+                            t_cap, bd = tpot(o.b_max)
+                            o.tpot_at_cap_s, o.breakdown_at_cap = t_cap, bd
+                            if t_cap > spec.slo.tpot_s:
+                                o.pruned = (f"TPOT at batch {o.b_max}/rank {t_cap * 1e3:.1f} ms > SLO "
+                                            f"{spec.slo.tpot_s * 1e3:.1f} ms")
+                                continue
+                            conc = load.rate_per_s * load.output_mean * t_cap  # sequences in flight (Little)
+                            o.replicas = max(1, math.ceil(conc / (ep * o.b_max)))
+                            b = float(o.b_max)
+                            for _ in range(8):  # fixed point b = rate * out * TPOT(b) / (replicas * ep), from above
+                                t_b, bd = tpot(b)
+                                nb = min(float(o.b_max), load.rate_per_s * load.output_mean * t_b / (o.replicas * ep))
+                                if abs(nb - b) < 0.05:
+                                    b = nb
+                                    break
+                                b = nb
+                            o.b_op = b
+                            o.tpot_s, o.breakdown = tpot(b)
+                        except (ValueError, FileNotFoundError) as exc:
+                            o.pruned = one_line(exc)
+    return out
+
+
+def _decode_tpot(model, plan, topo, ctx: float, draft_k: int, tokens_per_step: float,
+                 b: float) -> tuple[float, object]:
+    """(TPOT seconds, StepBreakdown) of a decode step with ``ceil(b)`` sequences of ``ctx`` tokens on every rank."""
+    from sim.costs.step import decode_step_breakdown
+
+    bi = max(1, math.ceil(b - 1e-9))
+    n = plan.world
+    bd = decode_step_breakdown(model, plan, topo, [bi] * n, [bi * ctx] * n, draft_k=draft_k)
+    return bd.total_s / tokens_per_step, bd
+
+
+def _get(d: Mapping, dotted: str, default=None):
+    from sim.sweep import get_path
+
+    v = get_path(d, dotted)
+    return default if v is None else v
+
+
+def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
+               pre: Sequence[PrefillOption], dec: Sequence[DecodeOption]) -> list[Candidate]:
+    """Every (prefill option x decode option) of the same topology and format, with replica variants when the
+    spec lists replica counts; a candidate is pruned when a part is or when it needs more GPUs than there are."""
+    sp = spec.space
+    out = []
+    for p in pre:
+        for d in dec:
+            if (p.topology, p.weight_format) != (d.topology, d.weight_format):
+                continue
+            n_topo = topos[p.topology].n_gpus
+            for pr in (sp.prefill_replicas or (p.replicas,)):
+                for dr in (sp.decode_replicas or (d.replicas,)):
+                    pp = _with(p, replicas=pr)
+                    dd = _with(d, replicas=dr)
+                    n = pr * max(p.tp, p.ep) + dr * d.ep
+                    pruned = p.pruned or d.pruned
+                    if pruned is None and (pr < 1 or dr < 1):
+                        pruned = "needs at least one prefiller and one decoder"
+                    if pruned is None and n > n_topo:
+                        pruned = f"needs {n} GPUs ({pr} x {max(p.tp, p.ep)} + {dr} x {d.ep}); {p.topology} has {n_topo}"
+                    tpg = load.output_tokens_per_s / n if n and pruned is None else math.nan
+                    tpu = 1.0 / d.tpot_s if pruned is None and d.tpot_s > 0 else math.nan
+                    price = spec.price(p.topology)
+                    cost = cost_per_mtok_usd(price, tpg) if price and pruned is None else None
+                    c = Candidate(pp, dd, n, tpg, tpu, cost, pruned)
+                    c.overrides = scenario_overrides(spec, c)
+                    out.append(c)
+    _mark_duplicates(out)
+    return out
+
+
+def _mark_duplicates(cands: Sequence[Candidate]) -> None:
+    """Candidates that differ only in a batch cap that does not bind at the estimated operating point (same
+    replicas, same operating batch) behave alike: keep the one with the smallest cap, prune the rest."""
+    seen: dict[tuple, Candidate] = {}
+    for c in sorted(cands, key=lambda c: c.decode.max_batch_per_rank):
+        if c.pruned is not None:
+            continue
+        ov = dict(c.overrides)
+        ov.pop("decode.max_batch_per_rank")
+        key = (tuple(sorted(ov.items())), round(c.decode.b_op, 3))
+        first = seen.get(key)
+        if first is None:
+            seen[key] = c
+        else:
+            c.pruned = (f"same operating point as batch cap {first.decode.max_batch_per_rank} "
+                        f"(estimated batch {c.decode.b_op:.1f}/rank)")
+
+
+def _with(o, **kw):
+    import dataclasses
+
+    return dataclasses.replace(o, **kw)
+
+
+def cost_per_mtok_usd(gpu_hour_usd: float, tokens_per_s_per_gpu: float | None) -> float | None:
+    """Dollars per million output tokens at ``gpu_hour_usd`` per GPU-hour."""
+    if not tokens_per_s_per_gpu or tokens_per_s_per_gpu <= 0 or math.isnan(tokens_per_s_per_gpu):
+        return None
+    return gpu_hour_usd / (3600.0 * tokens_per_s_per_gpu) * 1e6
+
+
+def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
+    """Dotted scenario overrides of a candidate (the keys ``sim.sweep`` points use)."""
+    p, d = c.prefill, c.decode
+    return {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
+            "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
+            "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
+            "mtp.draft_k": d.draft_k}
+
+
+def base_scenario(spec: SearchSpec) -> dict:
+    """The scenario every candidate's overrides are applied to."""
+    from sim.sweep import deep_merge
+
+    base = {"kind": "serving", "name": spec.name, "seed": spec.seed, "topology": spec.space.topology[0],
+            "model": spec.model, "kv_dtype": spec.kv_dtype, "weight_format": spec.space.weight_format[0],
+            "mtp": {"accept_p": spec.mtp_accept_p},
+            "workload": spec.workload.model_dump(mode="json", exclude_none=True),
+            "slo": {"ttft_s": spec.slo.ttft_s, "tpot_s": spec.slo.tpot_s},
+            "sim": {"decision_log": False}}
+    return deep_merge(base, spec.scenario)
+
+
+def select_for_simulation(cands: Sequence[Candidate], budget: int) -> list[Candidate]:
+    """Surviving candidates, whole analytic-Pareto layers at a time, at most ``budget`` (the last layer is cut
+    by estimated tokens/s per GPU when it overflows)."""
+    alive = [c for c in cands if c.pruned is None]
+    vals = [(c.est_tokens_per_s_per_gpu, c.est_tokens_per_s_per_user) for c in alive]
+    chosen: list[Candidate] = []
+    for layer in pareto_layers(vals):
+        room = budget - len(chosen)
+        if room <= 0:
+            break
+        layer_c = sorted((alive[i] for i in layer), key=lambda c: -c.est_tokens_per_s_per_gpu)
+        chosen.extend(layer_c[:room])
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# After simulation: eligibility, front, explanations
+
+
+def meets_slo(rec: Mapping, ttft_s: float | None, tpot_s: float | None, percentile: str = "p90") -> bool:
+    """An ``ok`` record whose every request completed and whose TTFT / TPOT at ``percentile`` meet the bounds
+    (a None bound always holds; a run with no multi-token request has no TPOT and passes it)."""
+    if rec.get("status") != "ok":
+        return False
+    s = rec["summary"]
+    if not s.get("done") or s.get("done") != s.get("requests"):
+        return False
+    ttft = s.get(f"ttft_{percentile}_s")
+    tpot = s.get(f"tpot_{percentile}_s")
+    if ttft_s is not None and (ttft is None or ttft > ttft_s):
+        return False
+    if tpot_s is not None and tpot is not None and tpot > tpot_s:
+        return False
+    return s.get("tokens_per_s_per_gpu") is not None and s.get("tokens_per_s_per_user") is not None
+
+
+def record_slo(rec: Mapping) -> tuple[float | None, float | None]:
+    """The SLO bounds a record's own scenario had (from its metrics' goodput section)."""
+    g = (rec.get("metrics") or {}).get("goodput") or {}
+    return g.get("slo_ttft_s"), g.get("slo_tpot_s")
+
+
+def front_of(records: Sequence[Mapping]) -> list[Mapping]:
+    """Records on the Pareto front of (tokens/s per GPU, tokens/s per user), both maximised."""
+    vals = [(r["summary"]["tokens_per_s_per_gpu"], r["summary"]["tokens_per_s_per_user"]) for r in records]
+    return [records[i] for i in pareto_indices(vals)]
+
+
+def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
+    """Where time goes for a point: its prefill step (a full batch of the mean prompt) and decode step (at the
+    simulated mean batch per rank when ``rec`` has metrics, else at the batch cap) as StepBreakdowns in a JSON-able
+    dict ``{"prefill": {...}, "decode": {...}}`` with ``at`` (the step evaluated), ``total_s``, ``by_category``
+    (StepTime fields) and ``terms`` (seconds per named term)."""
+    from sim.costs.step import decode_step_breakdown, prefill_step_breakdown
+    from sim.scenario import build, parse_scenario
+
+    sc = parse_scenario(dict(scenario))
+    b = build(sc)
+    m = (rec or {}).get("metrics") or {}
+    th = m.get("throughput") or {}
+    rps = th.get("requests_per_s") or 0
+    prompt = (th.get("input_tokens_per_s") or 0) / rps if rps else 0
+    output = (th.get("output_tokens_per_s") or 0) / rps if rps else 0
+    if not prompt:
+        from engine.core.workload import WorkloadStats, generate
+
+        st = WorkloadStats.from_requests(generate(sc.workload, sc.seed))
+        prompt, output = st.prompt_tokens_mean, st.output_tokens_mean
+    out: dict[str, Any] = {}
+    mbt = sc.prefill.max_batch_tokens
+    each = max(1, min(round(prompt), mbt))
+    n_seqs = max(1, mbt // each)
+    pb = prefill_step_breakdown(b.model, b.prefill_plan, b.topology, [(each, 0)] * n_seqs, calib=b.calibration)
+    out["prefill"] = _bd_dict(pb, f"{n_seqs} x {each}-token prompts (TP={sc.prefill.tp}, EP={sc.prefill.ep})")
+    dec = m.get("decode") or {}
+    ep = sc.decode.ep
+    n_groups = max(1, sc.decode.replicas)
+    if dec.get("steps"):
+        per_group_step = dec["sequence_steps"] / dec["steps"]
+        bsz = max(1, round(per_group_step / ep))
+        how = "simulated mean"
+    else:
+        bsz, how = sc.decode.max_batch_per_rank, "batch cap"
+    _ = n_groups
+    ctx = prompt + output / 2
+    db = decode_step_breakdown(b.model, b.decode_plan, b.topology, [bsz] * ep, [bsz * ctx] * ep,
+                               draft_k=sc.mtp.draft_k, calib=b.calibration)
+    out["decode"] = _bd_dict(db, f"{bsz} seqs/rank ({how}) x {ctx:.0f} ctx tokens, EP={ep}, MTP k={sc.mtp.draft_k}")
+    return out
+
+
+def _bd_dict(bd, at: str) -> dict:
+    return {"at": at, "total_s": bd.total_s, "by_category": bd.by_category(), "terms": bd.seconds()}
+
+
+def where_time_goes(bd: Mapping, n_terms: int = 3) -> str:
+    """One line: the categories' shares and the biggest terms of a breakdown dict from :func:`explain`."""
+    tot = bd["total_s"] or 1e-30
+    cats = sorted(bd["by_category"].items(), key=lambda kv: -kv[1])
+    terms = sorted(bd["terms"].items(), key=lambda kv: -kv[1])[:n_terms]
+    c = ", ".join(f"{k[:-2]} {v / tot:.0%}" for k, v in cats if v > 0)
+    t = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in terms)
+    return f"{bd['total_s'] * 1e3:.2f} ms: {c} (top: {t})"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The whole search
+
+
+@dataclass
+class SearchResult:
+    spec: SearchSpec
+    load: Load
+    prefill: list[PrefillOption]
+    decode: list[DecodeOption]
+    candidates: list[Candidate]
+    simulated: list[Candidate]
+    records: list[dict]          # sweep records of the simulated candidates (same order)
+    eligible: list[dict]
+    front: list[dict]
+    best: list[dict]             # front sorted by tokens/s per GPU, the first ``top``
+    explanations: dict[str, dict]  # record key -> explain()
+    scenarios: dict[str, dict]     # record key -> scenario dict
+    wall_s: float = 0.0
+
+
+def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_address: str | None = None,
+               progress: bool = True, console=None) -> SearchResult:
+    """The whole search (module docstring); simulations go to ``out_dir/results.jsonl`` (resumable)."""
+    import time
+
+    import topology as topo_mod
+    from engine.core.model import get_model
+    from sim.sweep import SweepSpec, expand, run_points
+
+    t0 = time.perf_counter()
+    model = get_model(spec.model)
+    topos: dict[str, object] = {}
+    for t in spec.space.topology:
+        _cache_get(topos, t, topo_mod.load)
+    load = workload_load(spec.workload, spec.seed)
+    pre = prefill_options(spec, load, model, topos)
+    dec = decode_options(spec, load, model, topos)
+    cands = candidates(spec, load, model, topos, pre, dec)
+    chosen = select_for_simulation(cands, spec.max_simulations)
+    sweep = SweepSpec(name=spec.name, base=base_scenario(spec), points=[c.overrides for c in chosen],
+                      source=f"search {spec.name}")
+    points = expand(sweep)
+    run = run_points(points, Path(out_dir) / "results.jsonl", jobs=jobs, ray_address=ray_address,
+                     progress=progress, console=console)
+    by_key = {r["key"]: r for r in run.records}
+    recs = [by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label}) for p in points]
+    for r, c in zip(recs, chosen):
+        r["candidate"] = c.label
+        r["est"] = {"tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
+                    "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "n_gpus": c.n_gpus}
+    scen = {p.key: p.scenario for p in points}
+    price = {p.key: spec.price(p.scenario.get("topology", "")) for p in points}
+    for r in recs:
+        if r.get("status") == "ok":
+            r["summary"]["cost_per_mtok_usd"] = cost_per_mtok_usd(price[r["key"]], r["summary"]["tokens_per_s_per_gpu"]) \
+                if price[r["key"]] else None
+    elig = [r for r in recs if meets_slo(r, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)]
+    front = front_of(elig)
+    best = sorted(front, key=lambda r: -r["summary"]["tokens_per_s_per_gpu"])[: spec.top]
+    expl = {}
+    for r in best:
+        try:
+            expl[r["key"]] = explain(scen[r["key"]], r)
+        except (ValueError, FileNotFoundError) as exc:
+            expl[r["key"]] = {"error": one_line(exc)}
+    return SearchResult(spec, load, pre, dec, cands, chosen, recs, elig, front, best, expl, scen,
+                        wall_s=time.perf_counter() - t0)
+
+
+def axis_table(res: SearchResult) -> list[dict]:
+    """For each knob with more than one candidate value: per value, the analytic best and the simulated best
+    eligible point (tokens/s per GPU, and at tokens/s per user >= the median of all eligible points) — the numbers
+    behind comparisons like "TP=4 beats TP=8" or "EP16 beats EP8"."""
+    import statistics
+
+    axes = {"topology": "topology", "weight_format": "weight_format", "prefill TP/EP": None,
+            "decode.ep": "decode.ep", "decode.max_batch_per_rank": "decode.max_batch_per_rank",
+            "mtp.draft_k": "mtp.draft_k"}
+    elig_keys = {r["key"] for r in res.eligible}
+    u_med = statistics.median([r["summary"]["tokens_per_s_per_user"] for r in res.eligible]) if res.eligible else None
+    rows = []
+    for axis, path in axes.items():
+        def val(ov, path=path):
+            return f"TP={ov['prefill.tp']}/EP={ov['prefill.ep']}" if path is None else ov[path]
+
+        values = sorted({val(c.overrides) for c in res.candidates}, key=str)
+        if len(values) < 2:
+            continue
+        for v in values:
+            cs = [c for c in res.candidates if val(c.overrides) == v]
+            alive = [c for c in cs if c.pruned is None]
+            sim = [r for r, c in zip(res.records, res.simulated) if val(c.overrides) == v and r["key"] in elig_keys]
+            row = {"axis": axis, "value": v, "candidates": len(cs), "pruned": len(cs) - len(alive),
+                   "simulated": sum(1 for c in res.simulated if val(c.overrides) == v), "eligible": len(sim)}
+            if axis == "prefill TP/EP" and alive:
+                po = max((c.prefill for c in alive), key=lambda o: o.capacity_tokens_per_s)
+                row["est_prefill_input_tokens_per_s_per_gpu"] = po.capacity_tokens_per_s / max(po.tp, po.ep)
+                row["est_ttft_floor_s"] = po.ttft_floor_s
+            if alive:
+                a = max(alive, key=lambda c: c.est_tokens_per_s_per_gpu)
+                row["est_best_tokens_per_s_per_gpu"] = a.est_tokens_per_s_per_gpu
+                row["est_best_tokens_per_s_per_user"] = a.est_tokens_per_s_per_user
+            else:
+                reasons = sorted({c.pruned for c in cs if c.pruned})
+                row["pruned_because"] = reasons[0] if reasons else ""
+            if sim:
+                s = max(sim, key=lambda r: r["summary"]["tokens_per_s_per_gpu"])
+                row["sim_best_tokens_per_s_per_gpu"] = s["summary"]["tokens_per_s_per_gpu"]
+                row["sim_best_tokens_per_s_per_user"] = s["summary"]["tokens_per_s_per_user"]
+                row["sim_best_label"] = s.get("candidate")
+                if u_med is not None:
+                    fast = [r for r in sim if r["summary"]["tokens_per_s_per_user"] >= u_med]
+                    if fast:
+                        row["sim_best_tokens_per_s_per_gpu_at_median_user"] = max(
+                            r["summary"]["tokens_per_s_per_gpu"] for r in fast)
+                row["median_user_tokens_per_s"] = u_med
+            rows.append(row)
+    return rows
+
+
+def prefill_table(res: SearchResult) -> list[dict]:
+    """Per prefill option: the analytic TTFT floor, capacity per GPU and the step's split — the numbers behind
+    "TP=4/EP=4 beats TP=8/EP=8" (input tokens/s per GPU at the same batch)."""
+    rows = []
+    for o in res.prefill:
+        row = {"topology": o.topology, "weight_format": o.weight_format, "tp": o.tp, "ep": o.ep,
+               "max_batch_tokens": o.max_batch_tokens, "ttft_floor_s": o.ttft_floor_s, "pruned": o.pruned or ""}
+        if o.breakdown is not None:
+            n = max(o.tp, o.ep)
+            row.update(step_s=o.breakdown.total_s, batch=f"{o.batch[0]} x {o.batch[1]}",
+                       input_tokens_per_s_per_gpu=o.capacity_tokens_per_s / n, replicas=o.replicas,
+                       **{k: v for k, v in o.breakdown.by_category().items()})
+        rows.append(row)
+    return rows
+
+
+def decode_table(res: SearchResult) -> list[dict]:
+    """Per decode option at its batch cap (equal batch per rank across EP degrees): step time, TPOT, tokens/s per
+    user and per decode GPU, and the step's split — the numbers behind "EP16 beats EP8 on GB200" and "EP16 over
+    EFA loses to EP8 on H200"."""
+    from engine.core.specdec import expected_tokens_per_step
+
+    rows = []
+    for o in res.decode:
+        row = {"topology": o.topology, "weight_format": o.weight_format, "ep": o.ep, "cap": o.max_batch_per_rank,
+               "draft_k": o.draft_k, "b": o.b_max, "pruned": o.pruned or ""}
+        bd = o.breakdown_at_cap
+        if bd is not None:
+            e = expected_tokens_per_step(o.draft_k, res.spec.mtp_accept_p)
+            tpot = bd.total_s / e
+            row.update(step_s=bd.total_s, tpot_s=tpot, tokens_per_s_per_user=1.0 / tpot,
+                       tokens_per_s_per_decode_gpu=o.b_max / tpot, **bd.by_category())
+        rows.append(row)
+    return rows
+
+
+def prune_summary(res: SearchResult) -> dict[str, int]:
+    """How many candidates each pruning reason removed (reasons with numbers stripped to group alike ones)."""
+    import re
+
+    out: dict[str, int] = {}
+    for c in res.candidates:
+        if c.pruned:
+            k = re.sub(r"[0-9][0-9.,]*", "N", c.pruned)
+            out[k] = out.get(k, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Sequence[str], rate_per_s: float,
+                    prompt_tokens: int, output_tokens: int, duration_s: float, ttft_s: float, tpot_s: float,
+                    gpu_hour_usd: float = 0.0, prefill_tp: Sequence[int] | None = None,
+                    decode_ep: Sequence[int] | None = None, max_batch_per_rank: Sequence[int] | None = None,
+                    draft_k: Sequence[int] | None = None, max_simulations: int = 60, top: int = 5,
+                    name: str = "search") -> SearchSpec:
+    """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths)."""
+    space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
+    for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
+                 ("draft_k", draft_k)):
+        if v:
+            space[k] = tuple(v)
+    data = {"name": name, "model": model,
+            "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": rate_per_s},
+                         "prompt": {"kind": "fixed", "tokens": prompt_tokens},
+                         "output": {"kind": "fixed", "tokens": output_tokens}, "duration_s": duration_s},
+            "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s}, "gpu_hour_usd": gpu_hour_usd, "space": space,
+            "max_simulations": max_simulations, "top": top}
+    return parse_search(data, "rackbed search flags")
