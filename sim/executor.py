@@ -5,6 +5,12 @@
 - ``prefill(plan: PrefillBatch, group: PrefillerGroup) -> StepTime``
 - ``decode(plan: DecodeStep, group: DecoderGroup) -> StepTime`` (the slowest rank sets a synchronous step:
   ``plan.rank_batch`` / ``plan.rank_context_tokens`` carry every rank's load)
+- optional ``decode_point(group, max_batch, max_context_tokens, draft_k) -> (StepTime, ctx_hi)``: for a cost model
+  whose decode step depends on the plan only through ``max(rank_batch)``, ``max(rank_context_tokens)`` and
+  ``draft_k`` — the same StepTime as ``decode`` for any such plan, and the same for every ``max_context_tokens``
+  up to ``ctx_hi``; with it the driver fast-forwards decode steps (``sim/driver.py``). It must be defined on the
+  cost model's class: a wrapper that changes ``decode`` defines its own (one delegating through ``__getattr__``
+  is not used)
 - ``kv_transfer(plan: KvTransfer) -> TransferCost``: the fixed part (per-chunk overhead × ``plan.n_chunks``,
   path latency); the bytes go through :class:`sim.network.Network`, which adds NIC bandwidth and contention.
 
@@ -78,6 +84,15 @@ class Executor:
         b[3] += st.allreduce_s
         b[4] += st.other_s
         return st.total_s
+
+    def acc_decode(self, st: StepTime) -> None:
+        """Account a decode step priced outside :meth:`duration` (the driver's fast-forward of plain steps)."""
+        b = self.breakdown_s["decode"]
+        b[0] += st.attn_s
+        b[1] += st.moe_gemm_s
+        b[2] += st.a2a_s
+        b[3] += st.allreduce_s
+        b[4] += st.other_s
 
     def duration(self, plan: Plan, now_s: float) -> float:
         tp = type(plan)

@@ -40,6 +40,7 @@ class Network:
         end = now_s
         rate = self.nic_Bps
         tx, rx = self.tx_free_s, self.rx_free_s
+        tx_busy, rx_busy, sent = self.tx_busy_s, self.rx_busy_s, self.bytes_sent
         for src, dst, n_bytes in flows:
             if n_bytes <= 0:
                 continue
@@ -48,9 +49,9 @@ class Network:
             fin = start + busy
             tx[src] = fin
             rx[dst] = fin
-            self.tx_busy_s[src] = self.tx_busy_s.get(src, 0.0) + busy
-            self.rx_busy_s[dst] = self.rx_busy_s.get(dst, 0.0) + busy
-            self.bytes_sent[src] = self.bytes_sent.get(src, 0) + n_bytes
+            tx_busy[src] = tx_busy.get(src, 0.0) + busy
+            rx_busy[dst] = rx_busy.get(dst, 0.0) + busy
+            sent[src] = sent.get(src, 0) + n_bytes
             end = max(end, fin)
         return end
 

@@ -1,8 +1,10 @@
 """Simulator speed: a fully loaded GB200 NVL72 (8 TP=4 prefillers, 2 EP=16 decoders, 8 spare GPUs).
 
-``python tests/test_sim_driver_perf.py [sim_seconds]`` runs the benchmark (default one simulated hour) and prints
-events/s, decode steps/s and simulated seconds per wall second; the test runs 20 simulated seconds and checks the
-simulator keeps a (generous, machine-independent-ish) minimum speed.
+``python tests/test_sim_driver_perf.py [sim_seconds] [nolog]`` runs the benchmark (default one simulated hour) and
+prints events/s, decode steps/s and simulated seconds per wall second; the test runs 20 simulated seconds and checks
+the simulator keeps a (generous, machine-independent-ish) minimum speed. The cost model is the tests' analytic one,
+given a ``decode_point`` (exact: the same numbers) so that the driver fast-forwards decode steps as it does with
+the real cost model; ``rackbed bench sim`` (sim/bench.py) is the benchmark with ``sim.costs``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_sim_driver_models import AnalyticCost
+from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost
 
 from engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
 from engine.core.request import Request
+from sim.costs.steptime import StepTime
 from sim.driver import simulate
+
+
+class PointCost(AnalyticCost):
+    """:class:`AnalyticCost` with ``decode_point`` (``sim.executor``): the same step times, priced from the busiest
+    rank; exact in the context, so ``ctx_hi`` is the context itself."""
+
+    def decode_point(self, group, max_batch: int, max_ctx: int, draft_k: int) -> tuple[StepTime, int]:
+        return StepTime(attn_s=max_ctx * KV_BYTES_PER_TOKEN / self.hbm_Bps,
+                        moe_gemm_s=max_batch * (draft_k + 1) * self.decode_per_seq_token_s,
+                        other_s=self.decode_fixed_s), max_ctx
 
 
 class _Nvl72View:
@@ -78,7 +91,7 @@ def bench(sim_s: float, rate_per_s: float = 50.0, progress: bool = False, decisi
     dep = nvl72_deployment()
     t0 = time.perf_counter()
     c0 = time.process_time()
-    res = simulate(dep, LazyPoisson(rate_per_s, sim_s, 1), AnalyticCost(), seed=0, until_s=sim_s,
+    res = simulate(dep, LazyPoisson(rate_per_s, sim_s, 1), PointCost(), seed=0, until_s=sim_s,
                    progress=progress, prefill_tokens_per_s=50_000.0, decision_log=decision_log)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
@@ -97,6 +110,15 @@ def test_nvl72_layout_matches_topology_preset():
     assert [g.gpus for g in real.decoders] == [g.gpus for g in light.decoders]
     assert real.spare_gpus == light.spare_gpus == tuple(range(64, 72))
     assert real.nic_GBps[real.decoders[0].rank_nics[0]] == 50.0
+
+
+def test_point_cost_is_analytic_cost():
+    from engine.core.plans import DecodeStep
+
+    a, p = AnalyticCost(), PointCost()
+    for plan in (DecodeStep("D0", 0, (3, 5), (1000, 200), 2), DecodeStep("D0", 0, (64, 1), (7, 900_001), 0)):
+        assert p.decode_point(None, max(plan.rank_batch), max(plan.rank_context_tokens), plan.draft_k)[0] == \
+            a.decode(plan, None)
 
 
 def test_simulator_speed_floor():

@@ -1,9 +1,12 @@
 """``rackbed bench TARGET``: benchmarks. Targets are a table (name -> runner); add one with a function below.
 
     rackbed bench kernels [--suite allreduce] [--sizes 8K 1M 128M] [--dtypes bf16 fp32] [--out results/x.json]
+    rackbed bench sim [--sim-s 3600] [--rate 20] [--out results/bench_sim.json]
 
 ``kernels`` runs kernel suites (kernels/bench.py) on the local GPUs, prints a table with the baseline ratios
-and writes a results JSON. Heavy imports (torch) happen inside the runner.
+and writes a results JSON. ``sim`` times the simulator on a fully loaded GB200 NVL72 (sim/bench.py) and prints
+simulated seconds per wall second, events/s and decode steps/s as JSON. Heavy imports (torch) happen inside the
+runner.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ def _run_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-# target name -> (help, runner); another target (e.g. "sim") adds an entry here and its options in register()
+def _run_sim(args: argparse.Namespace) -> int:
+    from sim.bench import run_cli
+
+    return run_cli(args)
+
+
+# target name -> (help, runner); another target adds an entry here and its options in register()
 TARGETS = {
     "kernels": ("device kernel benchmarks (all-reduce, ...) on the local GPUs", _run_kernels),
+    "sim": ("simulator speed: one simulated hour of a loaded GB200 NVL72 (Qwen3-235B, Mooncake trace)", _run_sim),
 }
 
 
@@ -42,5 +52,9 @@ def register(subparsers) -> None:
     g.add_argument("--impls", nargs="+", help="subset of implementations to time (default: all)")
     g.add_argument("--reps", type=int, default=15, help="timed repetitions per point (median reported)")
     g.add_argument("--no-check", action="store_true", help="skip the device correctness check")
+    g = p.add_argument_group("sim")
+    g.add_argument("--sim-s", type=float, default=3600.0, help="simulated seconds (default: one hour)")
+    g.add_argument("--rate", type=float, default=None,
+                   help="requests/s of the looped Mooncake trace (default: sim.bench.DEFAULT_RATE_PER_S)")
     p.add_argument("--out", help="write the results JSON here (e.g. results/h200x2/allreduce.json)")
     p.set_defaults(func=_run)

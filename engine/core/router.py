@@ -55,15 +55,15 @@ def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, i
     best_n = 0
     best_free = 0
     for g in candidates:
-        nreq = g.rank_nreq
         free = g.rank_free_kv
         up = g.rank_up
-        for r in range(len(nreq)):
+        for r, n in enumerate(g.rank_nreq):
+            if best is not None and n > best_n:  # cannot win: the cheap test first
+                continue
             f = free[r]
             if f < need_tokens or not up[r]:
                 continue
-            n = nreq[r]
-            if best is None or n < best_n or (n == best_n and f > best_free):
+            if best is None or n < best_n or f > best_free:
                 best, best_rank, best_n, best_free = g, r, n, f
     if best is None:
         return None

@@ -2,7 +2,9 @@
 
 It is told the time and what finished; it answers what each worker does next, as frozen plans
 (:mod:`engine.core.plans`). It never reads a clock, sleeps, or touches a device; both the SimPy driver and the
-real driver call it through :func:`engine.core.worker_loop.worker_loop`.
+real driver call it through :func:`engine.core.worker_loop.worker_loop`. The SimPy driver also fast-forwards decode
+steps through :meth:`Scheduler.ff_decode_step` (``done`` + ``next`` of a decoder in one call, without plan objects;
+the same state changes).
 
 Request lifecycle (``RequestState``)::
 
@@ -86,6 +88,10 @@ STATUS_NAMES = ("starting", "active", "draining", "dead", "retired")
 
 AUTOSCALER = "autoscaler"
 _FP = 16  # fixed-point bits of the per-step context growth rate (exact integer running sums, no float drift)
+
+#: ``_Decoder.plan`` of a step started by ``Scheduler.ff_decode_step`` (no plan object built yet)
+_IN_FLIGHT = object()
+_STEPPING = (ACTIVE, DRAINING)  # decoder statuses that keep stepping
 
 #: per-request metric row, appended when a request resolves (see :data:`ROW_FIELDS`)
 ROW_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "status", "reason", "first_token_s",
@@ -241,6 +247,11 @@ class _Decoder:
         self.left: list[int] = []
         self.plan = None
         self.idle = False
+        self.ff_left = 0                 # fast-forward: steps the cached step cost stays valid for
+        self.ff_cost = 0.0
+        self.ff_tag = None
+        self.ff_delta = None             # (joined, left) of a step ff_decode_step started
+        self.admit_blocked = False       # requests queue for decode only on full ranks (set by _admit)
 
     @property
     def nreq(self) -> int:
@@ -663,7 +674,7 @@ class Scheduler:
             return
         self.busy_gpu_s["prefill"] += result.duration_s * pf.n_gpus
         partial = []
-        woke_streams = False
+        n_new = 0
         for r, item in zip(pf.running, plan.items):
             n = item[2]
             if r.owner is not plan:
@@ -687,16 +698,19 @@ class Scheduler:
                 continue
             r.state = KV_PENDING
             pf.pending.append(r)
-            woke_streams = True
+            n_new += 1
         pf.running = []
         for r in reversed(partial):
             pf.queue.appendleft(r)
             pf.n_queued += 1
-        if woke_streams:
+        if n_new:  # one idle stream per new pending request (the others would find nothing and idle again)
             for s in pf.streams:
                 if s.idle and not s.blocked:
                     s.idle = False
                     self.wakeups.append(s.id)
+                    n_new -= 1
+                    if not n_new:
+                        break
 
     def _requeue_running_prefill(self, pf: _Prefiller, now: float, why: str) -> None:
         """A failed batch on a live prefiller: its chunks are dropped, its prompts go back to the queue head."""
@@ -801,6 +815,7 @@ class Scheduler:
         r.state = QUEUED_DECODE
         d.rank_queue[r.rank].append(r)
         d.n_qdec += 1
+        d.admit_blocked = False
         if d.idle:
             d.idle = False
             self.wakeups.append(d.id)
@@ -828,7 +843,7 @@ class Scheduler:
                 self._wake_blocked_streams()
             elif st in (DEAD, RETIRED):
                 return self._stop(d, now, STATUS_NAMES[st])
-        if d.n_qdec:
+        if d.n_qdec and not d.admit_blocked:
             self._admit(d, now)
         if d.n_running == 0:
             if self.finished:
@@ -837,21 +852,22 @@ class Scheduler:
                 self._retire(d, now)
                 return self._stop(d, now, "drained")
             return self._idle(d, now, WAIT_WORK)
+        plan = d.plan = self._decode_plan(d)
+        d.ff_left = 0
+        self._add((now, "decode", d.id, -1, plan.step, d.n_running, ""))
+        return plan
+
+    @staticmethod
+    def _decode_plan(d: _Decoder, consume: bool = True) -> DecodeStep:
         s = d.step
-        base = d.rank_base
-        rate = d.rank_rate
-        rs0 = d.rank_rs0
-        ctx = tuple([b + ((s * q - q0) >> _FP) for b, q, q0 in zip(base, rate, rs0)])
+        ctx = tuple([b + ((s * q - q0) >> _FP) for b, q, q0 in zip(d.rank_base, d.rank_rate, d.rank_rs0)])
         joined = tuple(d.joined) if d.joined else ()
         left = tuple(d.left) if d.left else ()
-        if joined:
+        if consume and joined:
             d.joined.clear()
-        if left:
+        if consume and left:
             d.left.clear()
-        plan = DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, joined, left)
-        d.plan = plan
-        self._add((now, "decode", d.id, -1, s, d.n_running, ""))
-        return plan
+        return DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, joined, left)
 
     def _admit(self, d: _Decoder, now: float) -> None:
         cap = d.cap
@@ -879,6 +895,7 @@ class Scheduler:
                 heappush(d.heap, (r.finish_step, r.id))
                 d.joined.append((r.id, rank))
                 self._add((now, "admit", d.id, r.id, rank, n, ""))
+        d.admit_blocked = d.n_qdec > 0  # whoever still waits is on a full rank: _admit is a no-op until that changes
 
     def _done_decode(self, plan: DecodeStep, result: Result, now: float) -> None:
         d = self.workers[plan.worker]
@@ -909,6 +926,105 @@ class Scheduler:
         if freed and self._blocked:
             self._wake_blocked_streams()
 
+    def ff_decode_step(self, worker: str, now_s: float, dur_s: float,
+                       step_cost: Callable[[int, int], tuple[float, int, object]]) -> tuple[float, object] | None:
+        """Fast-forward: complete the decode step of ``worker`` in flight (it ended at ``now_s`` after ``dur_s``)
+        and start the next one — exactly ``done(plan, Result(dur_s), now_s)`` then ``next(worker, now_s)`` —
+        without plan objects; or return None and change nothing when the decoder would not step again (no running
+        request left and nobody to admit: ``next`` would idle or stop it), so the driver goes the usual way.
+
+        The step started here gets its :class:`DecodeStep` only if :meth:`decode_plan_in_flight` asks for it (the
+        driver does on an interruption); its ``joined`` / ``left`` are kept for that. Wake-ups the completion
+        causes are in :attr:`wakeups` as after ``done``.
+
+        ``step_cost(max_batch, max_context_tokens) -> (dur_s, ctx_hi, tag)`` prices a step from its busiest ranks
+        and says up to which context the price holds (a cost model memoised on a context grid returns its
+        bucket's end), so the contexts are recomputed only when the batch changed or they may have left the
+        bucket. Returns ``(dur_s, tag)`` of the step started.
+        """
+        d = self.workers[worker]
+        if d.plan is None or d.status not in _STEPPING or self._real_accept:
+            return None
+        s = d.step
+        heap = d.heap
+        ending = None
+        if heap and heap[0][0] <= s:
+            running = d.running
+            ending = []
+            while heap and heap[0][0] <= s:
+                ending.append(heappop(heap))
+            n_fin = 0
+            fin_rank = [0] * d.ep
+            for fs, rid in ending:
+                r = running.get(rid)
+                if r is not None and r.finish_step == fs:
+                    n_fin += 1
+                    fin_rank[r.rank] += 1
+            if n_fin >= d.n_running and not (d.n_qdec and any(
+                    q and d.rank_batch[rank] - fin_rank[rank] < d.cap for rank, q in enumerate(d.rank_queue))):
+                for e in ending:  # next() would idle or stop the decoder: leave it to done()/next()
+                    heappush(heap, e)
+                return None
+        # complete step s: _done_decode (d.plan is set below)
+        self.now_s = now_s
+        d.step = s + 1
+        self.busy_gpu_s["decode"] += dur_s * d.n_gpus
+        self.decode_steps += 1
+        self.step_durations.append(dur_s)
+        if ending:
+            running = d.running
+            freed = False
+            for fs, rid in ending:
+                r = running.get(rid)
+                if r is None or r.finish_step != fs:
+                    continue
+                self._finish_decode(d, r, now_s, s - r.s0 + 1, r.out - r.generated)
+                freed = True
+            if freed and self._blocked:
+                self._wake_blocked_streams()
+            d.ff_left = 0
+        # start step s + 1: next() / _next_decode, with running requests
+        s += 1
+        if now_s >= self._next_sample:
+            self._sample(now_s)
+        if d.n_qdec and not d.admit_blocked:
+            n0 = d.n_running
+            self._admit(d, now_s)
+            if d.n_running != n0:
+                d.ff_left = 0
+        if d.joined or d.left:  # the step's plan deltas, for decode_plan_in_flight
+            d.ff_delta = (tuple(d.joined), tuple(d.left))
+            d.joined.clear()
+            d.left.clear()
+        elif d.ff_delta is not None:
+            d.ff_delta = None
+        if d.ff_left <= 0:
+            rate = d.rank_rate
+            m = max([x + ((s * q - q0) >> _FP) for x, q, q0 in zip(d.rank_base, rate, d.rank_rs0)])
+            d.ff_cost, hi, d.ff_tag = step_cost(max(d.rank_batch), m)
+            # every rank's context after j more steps is <= m + j * max(rate) / 2**_FP + 1
+            qmax = max(rate)
+            d.ff_left = ((max(hi - m - 1, 0) << _FP) // qmax + 1) if qmax else 1 << 62
+        d.ff_left -= 1
+        d.plan = _IN_FLIGHT
+        self._add((now_s, "decode", d.id, -1, s, d.n_running, ""))
+        return d.ff_cost, d.ff_tag
+
+    def decode_plan_in_flight(self, worker: str) -> DecodeStep:
+        """The :class:`DecodeStep` of the step :meth:`ff_decode_step` started (built now as ``next`` would have
+        built it then: nothing it depends on changes while a step runs). Any other plan in flight is returned
+        as is; after a failure (no plan in flight) a detached plan the scheduler will ignore."""
+        d = self.workers[worker]
+        plan = d.plan
+        if plan is _IN_FLIGHT:
+            plan = self._decode_plan(d, consume=False)
+            if d.ff_delta is not None:
+                plan = plan._replace(joined=d.ff_delta[0], left=d.ff_delta[1])
+            d.plan = plan
+        elif plan is None:
+            plan = self._decode_plan(d, consume=False)
+        return plan
+
     def _apply_real_acceptance(self, d: _Decoder, plan: DecodeStep, accepted, now: float) -> None:
         s = plan.step
         heap = d.heap
@@ -931,6 +1047,7 @@ class Scheduler:
     def _finish_decode(self, d: _Decoder, r: _Req, now: float, steps: int, gained: int) -> None:
         rank = r.rank
         del d.running[r.id]
+        d.admit_blocked = False
         d.n_running -= 1
         d.rank_batch[rank] -= 1
         d.rank_base[rank] -= r.ctx0
