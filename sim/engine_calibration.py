@@ -103,6 +103,11 @@ class EngineCalibratedCostModel:
     def decode(self, plan, group):
         return self._scaled(self.base.decode(plan, group), self.cal.decode(max(plan.rank_batch)))
 
+    def decode_point(self, group, max_batch, max_context_tokens, draft_k):
+        """The driver's fast-forward entry (see ``ScenarioCostModel.decode_point``), rescaled like ``decode``."""
+        st, hi = self.base.decode_point(group, max_batch, max_context_tokens, draft_k)
+        return self._scaled(st, self.cal.decode(max_batch)), hi
+
     def kv_transfer(self, plan):
         tc = self.base.kv_transfer(plan)
         return type(tc)(overhead_s=self.cal.kv(plan.tokens), latency_s=0.0, n_bytes=tc.n_bytes)

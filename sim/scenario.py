@@ -257,7 +257,7 @@ def truncate_model(model, n_layers: int):
     return model.model_validate({**model.model_dump(), **upd})
 
 
-def build(sc: ServingScenario) -> Built:
+def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     import topology as topo_mod
     from engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
@@ -309,6 +309,15 @@ def build(sc: ServingScenario) -> Built:
         caveats.append("Blackwell figures extrapolate: GPU rates and NVLink/NVLS parameters come from datasheets "
                        "and NCCL's tuning tables, not from measurements (see calibration/README.md)")
     cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=pplan, decode_plan=dplan, calib=calib)
+    if engine_calibration and sc.calibration != "none":
+        from sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
+
+        found = find_engine_calibration(gpu_name, model.name)
+        if found is not None:
+            path, ecal = found
+            cm = EngineCalibratedCostModel(cm, ecal)
+            note += (f"; engine-calibrated: step times of the rackbed torch engine for {model.name} from "
+                     f"{path.name} ({ecal.n_plans.get('fit', 0)} measured plans)")
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
 
 
@@ -318,15 +327,38 @@ def build(sc: ServingScenario) -> Built:
 
 class ScenarioCostModel:
     """``sim.executor.CostModel`` over ``sim.costs``: per-group ParallelPlans (same shape as the templates, the
-    group's own GPUs), decode memoised at the slowest rank's (batch, context) point (module docstring)."""
+    group's own GPUs), decode memoised at the slowest rank's (batch, context) point (module docstring).
 
-    CTX_RES = 0.01  # relative resolution of the decode memo on context tokens
+    Fast paths, all giving ``sim.costs``' own numbers: decode is memoised per (group, busiest rank's batch, context
+    bucket of ``CTX_BITS`` significant bits, draft_k) and priced at the bucket's middle; ``decode_point`` also
+    returns the bucket's end, so the driver fast-forwards decode steps (``sim/driver.py``). A memo miss assembles
+    the step from its context-free terms (per group, batch, draft_k) and two attention evaluations (checked
+    against ``decode_step_time``). Prefill is exact per batch, memoised on its (tokens, start) items per group
+    class: groups whose GPU model and :class:`~sim.costs.collective.GroupLinks` (EP group, TP group) agree share
+    entries, the first ``PREFILL_SPOT_CHECKS`` shared hits of each group are checked, and a mismatch gives the
+    group its own class. A looped trace repeats its batches, so an hour of the NVL72 benchmark evaluates a few
+    thousand prefill batches instead of ~50 000.
+    """
+
+    from sim.executor import TransferCost as _TransferCost
+
+    CTX_BITS = 7  # decode memo resolution: contexts that agree in their top 7 bits share a step (<= 1.6 % apart)
 
     def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None) -> None:
         self.model, self.topo, self.calib = model, topo, calib
         self.pplan0, self.dplan0 = prefill_plan, decode_plan
         self._plans: dict[str, object] = {}
         self._decode_memo: dict[tuple, object] = {}
+        self._decode_base: dict[tuple, tuple] = {}
+        self._attn_memo: dict[tuple, object] = {}
+        self._prefill_memo: dict[tuple, tuple] = {}
+        self._pclass: dict[str, tuple] = {}
+        self._pclass_ids: dict[tuple, tuple[int]] = {}
+        self._kv_chunk_us: dict[str | None, float] = {}
+        self._kv_pipeline = 1
+        self._lat_memo: dict[tuple, float] = {}
+        self._pchecks: dict[str, int] = {}
+        self._split_ok = True  # False once the split failed its check (then: direct evaluation)
         self._chunk_memo: dict[tuple, float] = {}
 
     def _plan_for(self, group) -> object:
@@ -337,39 +369,144 @@ class ScenarioCostModel:
         return pl
 
     def prefill(self, plan, group):
+        """Exact per batch, memoised on the batch's ``(n_tokens, start_token)`` sequence per group class (groups
+        whose GPU groups look the same to ``sim.costs`` share entries: looped traces repeat batches)."""
+        cls = self._pclass.get(group.id)
+        if cls is None:
+            cls = self._pclass[group.id] = self._prefill_class(group)
+        key = (cls, tuple([(n, start) for _, start, n in plan.items]))
+        hit = self._prefill_memo.get(key)
+        if hit is not None:
+            owner, st = hit
+            if owner == group.id or self._pchecks.get(group.id, 0) >= self.PREFILL_SPOT_CHECKS:
+                return st
+            # the first few entries a group takes from another group of its class are checked
+            self._pchecks[group.id] = self._pchecks.get(group.id, 0) + 1
+            mine = self._prefill_direct(plan, group)
+            if mine != st:
+                self._pclass[group.id] = (group.id,)  # not like the others after all: own class from now on
+                self._prefill_memo[((group.id,), key[1])] = (group.id, mine)
+            return mine
+        st = self._prefill_direct(plan, group)
+        self._prefill_memo[key] = (group.id, st)
+        return st
+
+    PREFILL_SPOT_CHECKS = 2
+
+    def _prefill_direct(self, plan, group):
         from sim.costs.step import prefill_batch_time
 
         return prefill_batch_time(self.model, self._plan_for(group), self.topo, plan, calib=self.calib)
 
+    def _prefill_class(self, group) -> tuple[int] | tuple[str]:
+        """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU
+        model and the :class:`~sim.costs.collective.GroupLinks` of its EP group and of its first TP group."""
+        from sim.costs.collective import group_links
+
+        pl = self._plan_for(group)
+        fp = (self.topo.gpu_spec(pl.gpus[0]).name, group_links(self.topo, pl.gpus),
+              group_links(self.topo, pl.tp_group(0)))
+        return self._pclass_ids.setdefault(fp, (len(self._pclass_ids),))  # a small key, cheap to hash
+
     def decode(self, plan, group):
+        return self.decode_point(group, max(plan.rank_batch), max(plan.rank_context_tokens), plan.draft_k)[0]
+
+    def decode_point(self, group, max_batch: int, max_context_tokens, draft_k: int):
+        """``(StepTime, ctx_hi)`` of a decode step whose busiest ranks hold ``max_batch`` sequences and
+        ``max_context_tokens`` KV tokens: the step at the middle of the context's grid bucket (the top
+        ``CTX_BITS`` bits of the token count, so buckets are 1/2**(CTX_BITS-1)..1/2**CTX_BITS of the count wide;
+        exact below 2**CTX_BITS tokens), the same for every context up to ``ctx_hi``, the bucket's end."""
+        ctx = int(max_context_tokens)
+        if max_batch <= 0:
+            ctx, hi, mid = 0, 1 << 62, 0
+        else:
+            shift = ctx.bit_length() - self.CTX_BITS
+            if shift > 0:
+                ctx = (ctx >> shift) << shift
+                hi = ctx + (1 << shift) - 1
+                mid = ctx + (1 << (shift - 1))
+            else:
+                hi = mid = ctx
+        key = (group.id, max_batch, ctx, draft_k)
+        hit = self._decode_memo.get(key)
+        if hit is None:
+            hit = self._decode_memo[key] = (self._decode_at(group, max_batch, mid, draft_k), hi)
+        return hit
+
+    # The decode step at a memo point, split into what depends on the context (the full-attention terms of the
+    # verify and draft passes) and what does not (everything else, memoised per (group, batch, draft_k)): a miss
+    # then costs two attention evaluations instead of a whole step breakdown. The split is exact — the StepTime is
+    # summed term by term in ``StepBreakdown.by_category`` order — and checked against the direct
+    # ``decode_step_time`` at a second context for every (group, batch, draft_k); should ``sim.costs.step`` ever
+    # change shape, the check fails and the model falls back to direct evaluation (same numbers, slower).
+
+    def _decode_at(self, group, b: int, ctx_q: int, k: int):
         from sim.costs.step import decode_step_time
 
-        b = max(plan.rank_batch)
-        ctx = max(plan.rank_context_tokens)
-        if b == 0:
-            ctx_q = 0
-        else:
-            step = max(1.0, ctx * self.CTX_RES)
-            ctx_q = int(round(ctx / step) * step)
-        key = (group.id, b, ctx_q, plan.draft_k)
-        st = self._decode_memo.get(key)
-        if st is None:
-            pl = self._plan_for(group)
-            n = pl.world
-            st = decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=plan.draft_k,
-                                  calib=self.calib)
-            self._decode_memo[key] = st
-        return st
+        pl = self._plan_for(group)
+        n = pl.world
+        if not self._split_ok or b == 0:
+            return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib)
+        base = self._decode_base.get((group.id, b, k))
+        if base is None:
+            from sim.costs.step import decode_step_breakdown, layer_counts
+
+            bd = decode_step_breakdown(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
+                                       calib=self.calib)
+            passes = k * (self.model.n_mtp_layers or 1)
+            base = (tuple(bd.terms.items()), layer_counts(self.model)[0], passes, self.topo.gpu_spec(pl.gpus[0]))
+            # the split must reproduce the direct evaluation at another context too
+            ctx2 = 2 * ctx_q + 4099
+            if self._assemble(base, pl, b, ctx2, k) != decode_step_time(
+                    self.model, pl, self.topo, [b] * n, [ctx2] * n, draft_k=k, calib=self.calib):
+                self._split_ok = False
+            else:
+                self._decode_base[(group.id, b, k)] = base
+            return bd.to_steptime()
+        return self._assemble(base, pl, b, ctx_q, k)
+
+    def _assemble(self, base, pl, b: int, ctx_q: int, k: int):
+        from sim.costs.steptime import StepTime
+
+        terms, nf, passes, gpu = base
+        kw = {"fmt": pl.weight_format, "kv_elem_bytes": pl.kv_elem_bytes, "page_tokens": pl.page_tokens,
+              "calib": self.calib}
+        over = {}
+        if nf:
+            a = self._attn(gpu, b, ctx_q, k + 1, kw)
+            over["attn_proj"] = nf * a.proj_s
+            over["attn_core"] = nf * a.core_s
+        if k:
+            over["mtp_attn"] = passes * self._attn(gpu, b, ctx_q, 1, kw).total_s
+        cats = {"attn_s": 0.0, "moe_gemm_s": 0.0, "a2a_s": 0.0, "allreduce_s": 0.0, "other_s": 0.0}
+        for name, (cat, s) in terms:
+            cats[cat] += over.get(name, s)
+        return StepTime(**cats)
+
+    def _attn(self, gpu, b: int, ctx_q: int, q: int, kw: dict):
+        from sim.costs.attention import full_attention_decode_totals
+
+        key = (gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], b, ctx_q, q)
+        a = self._attn_memo.get(key)
+        if a is None:
+            a = self._attn_memo[key] = full_attention_decode_totals(gpu, self.model, b, ctx_q, q_per_seq=q, **kw)
+        return a
 
     def kv_transfer(self, plan):
-        from sim.costs import constants as C
-        from sim.executor import TransferCost
-
         nic = plan.flows[0][0] if plan.flows else None
-        kind = "ib" if nic is None or nic.startswith("nvlink:") else self.topo.nic_spec(nic).kind
-        over = plan.n_chunks * C.KV_CHUNK_OVERHEAD_US[kind] * 1e-6 / C.KV_CHUNK_PIPELINE
-        lat = self._latency_s(plan)
-        return TransferCost(overhead_s=over, latency_s=lat, n_bytes=plan.n_bytes)
+        per_chunk_us = self._kv_chunk_us.get(nic)
+        if per_chunk_us is None:
+            from sim.costs import constants as C
+
+            kind = "ib" if nic is None or nic.startswith("nvlink:") else self.topo.nic_spec(nic).kind
+            per_chunk_us = self._kv_chunk_us[nic] = C.KV_CHUNK_OVERHEAD_US[kind]
+            self._kv_pipeline = C.KV_CHUNK_PIPELINE
+        over = plan.n_chunks * per_chunk_us * 1e-6 / self._kv_pipeline
+        key = (plan.src, plan.dst, plan.dst_rank)
+        lat = self._lat_memo.get(key)
+        if lat is None:
+            lat = self._lat_memo[key] = self._latency_s(plan)
+        return self._TransferCost(overhead_s=over, latency_s=lat, n_bytes=plan.n_bytes)
 
     def _latency_s(self, plan) -> float:
         key = ("lat", plan.src, plan.dst, plan.dst_rank)
@@ -390,11 +527,11 @@ class ScenarioCostModel:
 
     def kv_chunks(self, prefiller, decoder, tokens: int) -> int:
         """Chunks of the resharding plan (prefill TP layout -> one DP decode rank, HND, fragmented pages)."""
-        from engine.core.kv import KvLayout, transfer_stats
-
         key = ("per_page", prefiller.template.tp, decoder.template.kv_page_tokens)
         per_page = self._chunk_memo.get(key)
         if per_page is None:
+            from engine.core.kv import KvLayout, transfer_stats
+
             pl, dl = self.pplan0, self.dplan0
             src = KvLayout.for_plan(pl, self.model, 1)
             dst = KvLayout.for_plan(dl, self.model, 1)
@@ -438,7 +575,12 @@ def run_serving(path: Path, out: Path, *, console, seed: int | None = None, prog
     sc = load_scenario(path)
     if seed is not None:
         sc = sc.model_copy(update={"seed": seed})
-    b, res = simulate_scenario(sc, progress=progress)
+    try:
+        b = build(sc)
+    except ValueError as exc:       # name the file: the messages name the field and the rule
+        msg = str(exc)
+        raise UserError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    b, res = simulate_scenario(sc, progress=progress, built=b)
     out.mkdir(parents=True, exist_ok=True)
     files = write_all(res, out)
     print_summary(console, b, res)

@@ -81,7 +81,7 @@ def test_killed_decoder_rank_is_detected_and_no_request_is_lost(ckpt):
     reqs = generate(sc.workload, sc.seed)
     gpu_d0 = b.deployment.decoders[0].gpus[0]
     res, run = run_real(b, reqs, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256, decode_pages=256,
-                        kill=[(0.25, gpu_d0)],
+                        kill_after_steps=[(5, gpu_d0)],
                         tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
     m = res.metrics["requests"]
     assert [g for _, _, g in run.deaths] == [gpu_d0]

@@ -151,6 +151,9 @@ class RealExecutor:
         ev = self.env.event()
         tok = self.pool.token()
         ranks = {r for r, _, _ in sends}
+        if ranks & self.pool.dead:   # dispatched to a lost group before its fault lands: never completes
+            self.run.records.append((plan.worker, kind, key, float("inf"), 0.0))
+            return ev
         fl = _Inflight(ev=ev, start_v=now_v, start_w=start_w if start_w is not None else time.perf_counter(),
                        waiting=set(ranks), worker=plan.worker, kind=kind, key=key)
         self.pool.inflight[tok] = fl
@@ -182,7 +185,12 @@ class RealExecutor:
             src_ranks = [run.gpu_rank[gpu] for gpu in src.gpus]
             dst_rank = run.gpu_rank[dst.gpus[plan.dst_rank]]
             rid = plan.request_id
-            pages = run.sync_call(dst_rank, "kv_alloc", rid=rid, n_tokens=plan.tokens)
+            if ({dst_rank, *src_ranks} & self.pool.dead):
+                return self._dispatch(plan, "kv", rid, [(dst_rank, "kv_recv", {})], now_s, start_w)
+            try:
+                pages = run.sync_call(dst_rank, "kv_alloc", rid=rid, n_tokens=plan.tokens)
+            except RankDied:
+                return self._dispatch(plan, "kv", rid, [(dst_rank, "kv_recv", {})], now_s, start_w)
             src_pages = run.src_pages.get(rid)
             gen = run.generated.get(rid, [])
             n_prompt = run.prompt_len[rid]
@@ -197,13 +205,25 @@ class RealExecutor:
             g = self.group_of(plan.worker)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
             args = {"joined": list(plan.joined), "left": list(plan.left)}
-            return self._dispatch(plan, "decode", plan.step, [(r, "decode", args) for r in ranks], now_s)
+            ev = self._dispatch(plan, "decode", plan.step, [(r, "decode", args) for r in ranks], now_s)
+            for n, gpu in run.kill_after_steps:          # failure drill: kill mid-step, deterministically
+                if gpu in g.gpus and plan.step + 1 == n and sum(plan.rank_batch) > 0:
+                    p = run.pool.procs[run.gpu_rank[gpu]]
+                    if p.is_alive():
+                        p.kill()
+            return ev
         raise TypeError(f"real executor cannot run {tp.__name__}")
 
     def _on_death(self, rank: int) -> None:
+        """A rank process exited. Its group is lost; the scheduler hears of it as a fault of that GPU one ULP after
+        the current time — after every event already due now — which is also where a replay puts the fault, so the
+        two runs order it identically."""
+        import math
+
         run = self.run
         gpu = run.rank_gpu[rank]
-        run.deaths.append((self.env.now, rank, gpu))
+        at = math.nextafter(self.env.now, math.inf)
+        run.deaths.append((at, rank, gpu))
         # every rank of the dead rank's group is lost with it (its collectives cannot complete)
         group_ranks = next(rs for rs in run.group_ranks.values() if rank in rs)
         for r in group_ranks:
@@ -215,7 +235,10 @@ class RealExecutor:
             # never completes: a replay gives it an infinite duration, so the same fault interrupts it there too
             run.records.append((f.worker, f.kind, f.key, float("inf"), 0.0))
         if self.env.on_fault is not None:
-            self.env.on_fault(f"gpu:{gpu}")
+            ev = self.env.event()
+            ev.callbacks.append(lambda _e, t=f"gpu:{gpu}": self.env.on_fault(t))
+            ev._ok, ev._value = True, None
+            self.env.schedule(ev, delay=at - self.env.now)
 
 
 class RealRun:
@@ -279,6 +302,7 @@ class RealRun:
         self.src_pages: dict[int, list[int]] = {}
         self.prefill_n: dict[int, int] = {}
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
+        self.kill_after_steps: list[tuple[int, int]] = []
         self.deaths: list[tuple] = []
         self._wait_ready(world)
 
@@ -348,6 +372,7 @@ class RealRun:
                 self.env.on_death(r)
             if not self.deaths:
                 raise RuntimeError("real run: " + "; ".join(self.pool.errors[-3:]))
+            self.records.append((fl.worker, fl.kind, fl.key, float("inf"), 0.0))   # the fault interrupts it
             return
         self._absorb(fl)
         self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
@@ -373,15 +398,17 @@ class RealRun:
 
 
 def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
-             prefill_pages=4096, decode_pages=4096, kill=(), progress=False, tiny_cfg=None):
-    """Run ``built`` (``sim.scenario.build``) for real on ``requests``. ``kill``: ``[(at_s, gpu)]`` kills that GPU's
-    rank process at clock time ``at_s`` (failure drill). Returns ``(SimResult, RealRun)``."""
+             prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None):
+    """Run ``built`` (``sim.scenario.build``) for real on ``requests``. Failure drills: ``kill`` ``[(at_s, gpu)]``
+    kills that GPU's rank process at clock time ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its
+    decoder's n-th step (with a non-empty batch) is in flight. Returns ``(SimResult, RealRun)``."""
     from engine.core.metrics import Slo
     from sim.driver import simulate
 
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg)
     run.register(requests)
+    run.kill_after_steps = list(kill_after_steps)
     env = run.env
 
     def killer(at_s: float, gpu: int):
