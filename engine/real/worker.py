@@ -62,6 +62,11 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
 
 
+def _nccl_all_reduce(x, group):
+    dist.all_reduce(x, group=group)
+    return x
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
@@ -119,6 +124,13 @@ class Rank:
         if spec.role == "prefill":
             shard = Shard(attn_tp=spec.tp, attn_rank=me, ep=spec.ep, ep_rank=me % spec.ep)
             comm = Comm(tp_group=group if spec.tp > 1 else None, ep_group=group if spec.ep > 1 else None)
+            if dev.type == "cuda" and spec.tp > 1 and os.environ.get("RACKBED_PEER_ALLREDUCE", "1") == "1":
+                # the TP all-reduce and the prefill MoE combine through the peer-memory kernels (NCCL fallback)
+                from kernels.allreduce import PeerAllReduce
+
+                ar = PeerAllReduce(group, max_bytes=64 << 20, dtype=dt)
+                comm.tp_allreduce_impl = lambda x, ar=ar: ar.all_reduce(x, out=x) if \
+                    x.numel() * x.element_size() <= (64 << 20) else _nccl_all_reduce(x, group)
         else:
             shard = Shard(attn_tp=1, attn_rank=0, ep=spec.ep, ep_rank=me)
             comm = Comm(ep_group=group if spec.ep > 1 else None)
