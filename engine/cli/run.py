@@ -43,7 +43,10 @@ def _main(args: argparse.Namespace) -> int:
     import scenarios
     from rich.console import Console
 
-    console = Console()
+    import sys
+
+    # piped output (CI logs, files) gets wide tables instead of rich's 80-column default
+    console = Console(width=None if sys.stdout.isatty() else 140)
     if args.list:
         for name in scenarios.available():
             console.print(name)
