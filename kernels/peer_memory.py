@@ -27,7 +27,7 @@ ranges, release the handles, close descriptors. A peer's memory stays alive whil
 rank must still stop using the buffers (kernels done) before closing: ``close()`` synchronizes the device and,
 when ``barrier=True``, the group first.
 
-No NVLink multicast (``cuMulticastCreate``) is used anywhere here.
+No NVLink multicast object is created anywhere here (multicast stays off on shared hosts).
 """
 
 from __future__ import annotations
