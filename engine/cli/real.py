@@ -44,7 +44,6 @@ def _main(args: argparse.Namespace) -> int:
 
     from engine.core.workload import generate
     from engine.real.driver import replay, run_real
-    from engine.real.model import TorchModelConfig
     from sim.outputs import write_all
     from sim.scenario import build, load_scenario, print_summary
 
@@ -57,11 +56,6 @@ def _main(args: argparse.Namespace) -> int:
         reqs = reqs[: args.max_requests]
     rs = sc.real
     tiny = None
-    if rs.weights:
-        cfg_path = Path(rs.weights) / "config.json"
-        if not cfg_path.exists():
-            raise FileNotFoundError(f"{cfg_path}: real.weights needs a Hugging Face checkpoint directory")
-        tiny = TorchModelConfig.from_hf(json.loads(cfg_path.read_text()))
     res, run = run_real(b, reqs, device=args.device or rs.device, dtype=rs.dtype, weights=rs.weights,
                         seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
                         kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny)

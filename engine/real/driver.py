@@ -241,59 +241,103 @@ class RealExecutor:
             self.env.schedule(ev, delay=at - self.env.now)
 
 
+def deployment_groups(dep) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(group id, GPUs, role)`` of every group, prefillers first — the order every rank creates groups in."""
+    return [(g.id, tuple(g.gpus), "prefill") for g in dep.prefillers] + \
+        [(g.id, tuple(g.gpus), "decode") for g in dep.decoders]
+
+
+def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
+               weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
+               backend: str = "gloo", local_device=None) -> dict:
+    """Every rank's ``RankSpec``, a pure function of the scenario and the GPU -> rank map (so each torchrun process
+    computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank."""
+    from engine.real.worker import RankSpec
+
+    dep = built.deployment
+    groups = deployment_groups(dep)
+    group_ranks = {gid: tuple(gpu_rank[x] for x in gs) for gid, gs, _ in groups}
+    all_groups = tuple((gid, group_ranks[gid]) for gid, _, _ in groups)
+    ptp = dep.prefillers[0].template.tp if dep.prefillers else 1
+    out = {}
+    for gid, gs, role in groups:
+        tpl = dep.prefillers[0].template if role == "prefill" else dep.decoders[0].template
+        for gpu in gs:
+            r = gpu_rank[gpu]
+            dev = local_device(gpu) if local_device else ("cuda:0" if use_cuda else "cpu")
+            out[r] = RankSpec(rank=r, world=world, role=role, group_id=gid, group_ranks=group_ranks[gid],
+                              all_groups=all_groups, device=dev, dtype=dtype, cfg=cfg,
+                              tp=tpl.tp if role == "prefill" else 1, ep=tpl.ep,
+                              n_pages=prefill_pages if role == "prefill" else decode_pages,
+                              page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
+                              prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
+                              init_file=init_file, backend=backend)
+    return out
+
+
+def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None = None):
+    """The torch model's config: a checkpoint's own config.json when ``weights`` is given (RoPE theta, norms),
+    else derived from the scenario's ModelSpec."""
+    import json
+
+    from engine.real.model import TorchModelConfig
+
+    dep = built.deployment
+    if dep.spare_gpus:
+        raise UserError("real mode: autoscaling is simulated only (set autoscaler.enabled: false)")
+    if dep.chunked_prefill:
+        raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
+    if tiny_cfg is None and weights:
+        cfg_path = Path(weights) / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{cfg_path}: real.weights needs a Hugging Face checkpoint directory")
+        tiny_cfg = TorchModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    return tiny_cfg or TorchModelConfig.from_spec(built.model, n_layers=n_layers)
+
+
 class RealRun:
-    """Spawns the ranks for a built scenario and runs it through the simulator's loop (module docstring)."""
+    """Spawns the ranks for a built scenario (or takes a pool of ranks started by torchrun) and runs it through the
+    simulator's loop (module docstring)."""
 
     def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
-                 prefill_pages: int, decode_pages: int, tiny_cfg=None) -> None:
+                 prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None) -> None:
         import torch
         import torch.multiprocessing as mp
 
-        from engine.real.model import TorchModelConfig
-        from engine.real.worker import RankSpec, rank_main
+        from engine.real.worker import rank_main
 
         self.built = built
         dep = built.deployment
-        if dep.spare_gpus:
-            raise UserError("real mode: autoscaling is simulated only (set autoscaler.enabled: false)")
-        if dep.chunked_prefill:
-            raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
-        cfg = tiny_cfg or TorchModelConfig.from_spec(built.model, n_layers=n_layers)
+        cfg = real_model_config(built, n_layers, tiny_cfg, weights)
         self.cfg = cfg
-        groups = [(g.id, g.gpus, "prefill") for g in dep.prefillers] + [(g.id, g.gpus, "decode") for g in dep.decoders]
+        groups = deployment_groups(dep)
         gpus = [gpu for _, gs, _ in groups for gpu in gs]
-        self.gpu_rank = {gpu: r for r, gpu in enumerate(gpus)}
-        self.rank_gpu = {r: gpu for gpu, r in self.gpu_rank.items()}
-        self.group_ranks = {gid: tuple(self.gpu_rank[x] for x in gs) for gid, gs, _ in groups}
-        world = len(gpus)
-        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        if use_cuda and torch.cuda.device_count() < world:
-            raise UserError(f"real mode: the deployment needs {world} GPUs, {torch.cuda.device_count()} visible")
-        backend = "nccl" if use_cuda else "gloo"
         self.tmp = tempfile.TemporaryDirectory()
-        init_file = str(Path(self.tmp.name) / "rdzv")
-        ctx = mp.get_context("spawn")
-        res_q = ctx.Queue()
-        cmd_qs = [ctx.Queue() for _ in range(world)]
-        all_groups = tuple((gid, self.group_ranks[gid]) for gid, _, _ in groups)
-        ptp = dep.prefillers[0].template.tp if dep.prefillers else 1
-        procs = []
-        for gid, gs, role in groups:
-            tpl = dep.prefillers[0].template if role == "prefill" else dep.decoders[0].template
-            for gpu in gs:
-                r = self.gpu_rank[gpu]
-                spec = RankSpec(rank=r, world=world, role=role, group_id=gid, group_ranks=self.group_ranks[gid],
-                                all_groups=all_groups, device=f"cuda:{gpu % max(torch.cuda.device_count(), 1)}"
-                                if use_cuda else "cpu", dtype=dtype, cfg=cfg,
-                                tp=tpl.tp if role == "prefill" else 1, ep=tpl.ep,
-                                n_pages=prefill_pages if role == "prefill" else decode_pages,
-                                page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
-                                prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
-                                init_file=init_file, backend=backend)
-                p = ctx.Process(target=rank_main, args=(spec, cmd_qs[r], res_q), daemon=True)
+        if pool is None:
+            self.gpu_rank = {gpu: r for r, gpu in enumerate(gpus)}
+            world = len(gpus)
+            use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+            if use_cuda and torch.cuda.device_count() < world:
+                raise UserError(f"real mode: the deployment needs {world} GPUs, {torch.cuda.device_count()} visible")
+            n_cuda = max(torch.cuda.device_count(), 1)
+            specs = rank_specs(built, cfg, self.gpu_rank, world, use_cuda=use_cuda, dtype=dtype, seed=seed,
+                               weights=weights, prefill_pages=prefill_pages, decode_pages=decode_pages,
+                               init_file=str(Path(self.tmp.name) / "rdzv"), backend="nccl" if use_cuda else "gloo",
+                               local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu")
+            ctx = mp.get_context("spawn")
+            res_q = ctx.Queue()
+            cmd_qs = [ctx.Queue() for _ in range(world)]
+            procs = []
+            for r in range(world):
+                p = ctx.Process(target=rank_main, args=(specs[r], cmd_qs[r], res_q), daemon=True)
                 p.start()
                 procs.append(p)
-        self.pool = RankPool(procs, cmd_qs, res_q, self.rank_gpu)
+            pool = RankPool(procs, cmd_qs, res_q, {r: g for g, r in self.gpu_rank.items()})
+        else:  # torchrun: global rank = topology GPU id, the ranks are already running
+            self.gpu_rank = {gpu: gpu for gpu in gpus}
+        self.rank_gpu = {r: gpu for gpu, r in self.gpu_rank.items()}
+        self.group_ranks = {gid: tuple(self.gpu_rank[x] for x in gs) for gid, gs, _ in groups}
+        self.pool = pool
         self.env = MeasuredClockEnv(self.pool, self._on_reply)
         self.seed = seed
         self.prompt_ids: dict[int, list[int]] = {}
@@ -304,7 +348,7 @@ class RealRun:
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
         self.kill_after_steps: list[tuple[int, int]] = []
         self.deaths: list[tuple] = []
-        self._wait_ready(world)
+        self._wait_ready(len(gpus))
 
     def _wait_ready(self, world: int, timeout_s: float = 600.0) -> None:
         ready, t0 = set(), time.perf_counter()
@@ -398,7 +442,8 @@ class RealRun:
 
 
 def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
-             prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None):
+             prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None,
+             pool=None):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests``. Failure drills: ``kill`` ``[(at_s, gpu)]``
     kills that GPU's rank process at clock time ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its
     decoder's n-th step (with a non-empty batch) is in flight. Returns ``(SimResult, RealRun)``."""
@@ -406,7 +451,7 @@ def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, wei
     from sim.driver import simulate
 
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
-                  prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg)
+                  prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool)
     run.register(requests)
     run.kill_after_steps = list(kill_after_steps)
     env = run.env
