@@ -13,8 +13,9 @@ with the calibration table, i.e. the fitted curve interpolated at that shape —
 separately (model without calibration). ``--all`` also lists the fitted rows (their error is ~0 by
 construction: a check of the fit / lookup plumbing).
 
-**Engine level** (:func:`validate_engine`): the extension point for real-engine step timings vs
-``sim.costs.step`` (prefill batches, decode steps across batch and context); not implemented yet.
+**Engine level** (:func:`validate_engine`, ``--engine DIR``): a ``rackbed real`` run's measured plan times fitted on
+the plans not held out (``sim.engine_calibration``), errors on the held-out plans, and the run's TTFT/TPOT/ITL
+p50/p90 against a re-simulation with the fitted engine calibration.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("validate", help="simulator vs measurements (kernel level; engine level later)",
+    p = subparsers.add_parser("validate", help="simulator vs measurements: kernel level, and engine level with --engine DIR",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--measurements", help="kernels/measure.py JSON (default: the calibration's meta.measurements)")
     p.add_argument("--calibration", help="calibration file (default: the shipped one for the topology's GPU)")
