@@ -15,26 +15,12 @@ from engine.core.workload import generate  # noqa: E402
 from engine.real.driver import replay, run_real  # noqa: E402
 from engine.real.model import TorchModelConfig  # noqa: E402
 from sim.scenario import build, parse_scenario  # noqa: E402
+from tiny_qwen3moe import save_checkpoint, tiny_hf_model  # noqa: E402
 
 
 def _tiny_checkpoint(tmp_path):
-    from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    hc = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        intermediate_size=128, vocab_size=128, norm_topk_prob=True, max_position_embeddings=512,
-                        tie_word_embeddings=False)
-    hf = Qwen3MoeForCausalLM(hc).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    d = tmp_path / "ckpt"
-    d.mkdir()
-    hc.save_pretrained(d)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(d / "model.safetensors"))
-    return hc, hf, d
+    hc, hf = tiny_hf_model()
+    return hc, hf, save_checkpoint(hc, hf, tmp_path / "ckpt")
 
 
 def _scenario(ckpt, **over):

@@ -12,24 +12,14 @@ import torch.distributed as dist  # noqa: E402
 from engine.real.comm import Comm  # noqa: E402
 from engine.real.launch import spawn_local  # noqa: E402
 from engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig  # noqa: E402
+from tiny_qwen3moe import tiny_hf_model  # noqa: E402
 
 CFG = TorchModelConfig(hidden=64, n_layers=2, n_q_heads=8, n_kv_heads=2, head_dim=16, n_experts=8, top_k=2,
                        moe_intermediate=32, vocab=128, rope_theta=10000.0)
 
 
 def _hf_model(seed: int = 0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    hc = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        intermediate_size=128, vocab_size=128, norm_topk_prob=True, max_position_embeddings=256,
-                        tie_word_embeddings=False)
-    hf = Qwen3MoeForCausalLM(hc).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    return hc, hf
+    return tiny_hf_model(seed)
 
 
 def test_matches_transformers_logits_and_greedy_tokens():

@@ -29,21 +29,10 @@ def _free_port() -> int:
 
 
 def test_two_torchrun_nodes_serve_a_scenario_with_cross_node_kv(tmp_path):
-    from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 
-    torch.manual_seed(0)
-    hc = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        intermediate_size=128, vocab_size=128, norm_topk_prob=True, max_position_embeddings=512)
-    hf = Qwen3MoeForCausalLM(hc).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    ck = tmp_path / "ckpt"
-    ck.mkdir()
-    hc.save_pretrained(ck)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(ck / "model.safetensors"))
+    hc, hf = tiny_hf_model()
+    ck = save_checkpoint(hc, hf, tmp_path / "ckpt")
     scen = tmp_path / "s.yaml"
     scen.write_text(f"""kind: serving
 name: tiny-torchrun
