@@ -11,11 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.core.workload import generate  # noqa: E402
-from engine.real.driver import replay, run_real  # noqa: E402
-from engine.real.model import TorchModelConfig  # noqa: E402
-from sim.scenario import build, parse_scenario  # noqa: E402
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model  # noqa: E402
+from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+
+from engine.core.workload import generate
+from engine.real.driver import replay, run_real
+from engine.real.model import TorchModelConfig
+from sim.scenario import build, parse_scenario
 
 
 def _tiny_checkpoint(tmp_path):
@@ -41,7 +42,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckpt):
-    hc, hf, d = ckpt
+    _, hf, d = ckpt
     sc = _scenario(d)
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)

@@ -25,7 +25,7 @@ def _versions() -> dict:
 
     import torch
 
-    v = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    v = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
          "python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
     if torch.cuda.is_available():
         v["device"] = torch.cuda.get_device_name(0)
@@ -39,9 +39,9 @@ def _versions() -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
-    import scenarios
     from rich.console import Console
 
+    import scenarios
     from engine.core.workload import generate
     from engine.real.driver import replay, run_real
     from sim.outputs import write_all

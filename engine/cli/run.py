@@ -40,10 +40,11 @@ def load_yaml(path: Path) -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
-    import scenarios
+    import sys
+
     from rich.console import Console
 
-    import sys
+    import scenarios
 
     # piped output (CI logs, files) gets wide tables instead of rich's 80-column default
     console = Console(width=None if sys.stdout.isatty() else 140)

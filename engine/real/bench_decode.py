@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         M.GROUPED_IMPL = impl
         if execution == "graph":
             runner = M.DecodeGraphRunner(model, cache)   # fresh graphs for this impl
-            step = lambda tok, pos, table: runner(tok, pos, table)  # noqa: E731
+            step = runner  # the graph runner takes (tokens, positions, page_table)
         else:
             step = lambda tok, pos, table: model.forward_decode(tok, pos, cache, table)  # noqa: E731
         for b in a.batches:
@@ -134,7 +134,6 @@ def main(argv=None) -> int:
             model._route = orig_route
             ts = []
             for _ in range(a.reps):
-                t0 = time.perf_counter()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
                 step(tok, pos, table)

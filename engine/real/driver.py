@@ -467,7 +467,7 @@ def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, wei
         env.process(killer(at_s, gpu))
     sc = built.scenario
     try:
-        res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed if seed is None else sc.seed,
+        res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
                        kv_chunks=built.cost_model.kv_chunks, env=env,
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))

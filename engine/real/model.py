@@ -270,13 +270,6 @@ class PagedKvCache:
         st[page_idx, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
         st[page_idx, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
 
-    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V ``[B, Hkv, maxP*S, Dh]`` for a padded page table ``[B, maxP]`` (pad entries may be any page)."""
-        st = self.storage[layer][page_table]  # [B, maxP, 2, Hkv, S, Dh]
-        B, P_, _, H, S, Dh = st.shape
-        kv = st.permute(2, 0, 3, 1, 4, 5).reshape(2, B, H, P_ * S, Dh)
-        return kv[0], kv[1]
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model
@@ -325,7 +318,7 @@ class ShardedQwen3Moe:
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard, comm: Comm, *,
                         device="cpu", dtype=torch.float32) -> ShardedQwen3Moe:
-        conv = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+        conv = lambda t: t.to(device=device, dtype=dtype)
         layers = [{k: conv(v) for k, v in shard_layer(hf_layer_weights(state, cfg, i), cfg, shard).items()}
                   for i in range(cfg.n_layers)]
         glob = {k: conv(v) for k, v in hf_global_weights(state, cfg).items()}
@@ -459,7 +452,6 @@ class ShardedQwen3Moe:
         if self.shard.ep != 1:
             raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
         cfg = self.cfg
-        B = tokens.shape[0]
         x = self.glob["embed"][tokens]
         S = cache.page_tokens
         ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)

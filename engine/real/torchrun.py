@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     sc = load_scenario(a.scenario)
     rs = sc.real
     device = a.device or rs.device

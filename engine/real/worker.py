@@ -249,7 +249,6 @@ class Rank:
             if rank == self.me:
                 self.running.append(rid)
         batch = [rid for rid in self.running if rid in self.seqs]
-        S = self.cache.page_tokens
         if batch:
             for rid in batch:
                 s = self.seqs[rid]
@@ -263,7 +262,6 @@ class Rank:
             table = torch.zeros(0, 1, dtype=torch.long, device=self.dev)
             toks = torch.zeros(0, dtype=torch.long, device=self.dev)
             pos = torch.zeros(0, dtype=torch.long, device=self.dev)
-        del S
         if self.graphs is not None and batch:
             logits = self.graphs(toks, pos, table)
         else:
