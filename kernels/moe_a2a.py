@@ -16,7 +16,9 @@ sum, one rounding to bf16). Each dispatch must be followed by exactly one combin
 
 Send and receive halves are separate launches (overlap work between them); all four run on
 ``torch.cuda.current_stream()``, need no host synchronisation and are CUDA-graph capturable (epochs live in
-device memory; T is a launch argument, fixed inside a captured graph). Backends: "cute" (kernels/moe_a2a_cute.py
+device memory; T is a launch argument, fixed inside a captured graph). The torch backend is capturable too (fixed
+slot shapes, no data-dependent sizes). Waits are bounded: a kernel that waits longer than ``spin_timeout_s`` for a
+peer gives up, flags the error on every rank (all later waits return at once) and ``check_error()`` raises. Backends: "cute" (kernels/moe_a2a_cute.py
 over kernels.peer_memory.PeerBuffer) and "torch" (``all_to_all_single`` on fixed-size slots; same outputs).
 Payloads: "bf16" rows (D*2 bytes) or "fp8" rows (D E4M3 bytes + D/128 fp32 scales, 1x128 blocks, from
 :func:`pack_fp8_rows`). No NVLink multicast anywhere.
@@ -209,7 +211,7 @@ def pack_fp8_rows(x, exact: bool = False):
     else:
         q = torch.where(s > 0, xb / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xb))
         codes = q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).reshape(T, D)
-    return torch.cat([codes, s.reshape(T, -1).contiguous().view(torch.uint8)], dim=1)
+    return torch.cat([codes, s.reshape(T, D // FP8_BLOCK).contiguous().view(torch.uint8)], dim=1)  # T may be 0
 
 
 def unpack_fp8_rows(rows, hidden: int):
@@ -217,8 +219,8 @@ def unpack_fp8_rows(rows, hidden: int):
     import torch
 
     T = rows.shape[0]
-    q = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn).float().reshape(T, -1, FP8_BLOCK)
-    s = rows[:, hidden:].contiguous().view(torch.float32).reshape(T, -1, 1)
+    q = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn).float().reshape(T, hidden // FP8_BLOCK, FP8_BLOCK)
+    s = rows[:, hidden:].contiguous().view(torch.float32).reshape(T, hidden // FP8_BLOCK, 1)
     return (q * s).reshape(T, hidden)
 
 
@@ -229,11 +231,11 @@ class PeerMoeAllToAll:
     """Dispatch/combine for decode DP-EP over ``group`` (one GPU per rank; dp == ep == group size).
 
     Args: max_tokens (Tmax, tokens per rank per call, multiple of 32), hidden (D), top_k, n_experts (E % ep == 0),
-    payload "bf16" | "fp8", backend "auto" | "cute" | "torch".
+    payload "bf16" | "fp8", backend "auto" | "cute" | "torch", spin_timeout_s (device-side bound of every wait).
     """
 
     def __init__(self, group=None, *, max_tokens: int, hidden: int, top_k: int, n_experts: int,
-                 payload: str = "bf16", backend: str = "auto"):
+                 payload: str = "bf16", backend: str = "auto", spin_timeout_s: float = 5.0):
         import torch
         import torch.distributed as dist
 
@@ -246,8 +248,13 @@ class PeerMoeAllToAll:
         self.n = dist.get_world_size(group)
         if n_experts % self.n:
             raise ValueError(f"PeerMoeAllToAll: n_experts={n_experts} must divide by ep={self.n}")
+        if payload not in PAYLOADS:
+            raise ValueError(f"PeerMoeAllToAll: payload={payload!r} must be one of {PAYLOADS}")
+        if not 0 < spin_timeout_s <= 60:
+            raise ValueError(f"PeerMoeAllToAll: spin_timeout_s={spin_timeout_s} must be in (0, 60]")
         self.payload = payload
         self.hidden = hidden
+        self._last_T = None
         self.lay = A2aLayout(self.n, max_tokens, hidden, top_k, n_experts // self.n, row_bytes_for(hidden, payload))
         self.fallback_reason = None
         self._buf = None
@@ -280,8 +287,11 @@ class PeerMoeAllToAll:
                 self._table = self._buf.local_ptr + self.lay.table_off
                 from kernels import moe_a2a_cute
 
-                self._k = {kind: moe_a2a_cute.compiled(kind, self.n, self.lay) for kind in moe_a2a_cute.KINDS}
-                self._cuda = moe_a2a_cute.cuda
+                tns = int(spin_timeout_s * 1e9)
+                self._k = {kind: moe_a2a_cute.compiled(kind, self.n, self.lay, 128, tns)
+                           for kind in moe_a2a_cute.KINDS}
+                self.direct_launch = all(f.direct for f in self._k.values())
+                self.direct_launch_reason = next((f.reason for f in self._k.values() if f.reason), None)
                 self.backend = "cute"
                 dist.barrier(group=group)
         self._state = {}
@@ -319,14 +329,16 @@ class PeerMoeAllToAll:
         if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous():
             raise ValueError("PeerMoeAllToAll: topk_weights must be contiguous float32 like topk_ids")
 
-    def _stream(self):
+    @staticmethod
+    def _stream() -> int:
         import torch
 
-        return self._cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        return torch.cuda.current_stream().cuda_stream
 
     # -- the four halves ----------------------------------------------------------------------------------------
     def dispatch_send(self, x, topk_ids, topk_weights) -> None:
         self._check_send(x, topk_ids, topk_weights)
+        self._last_T = x.shape[0]
         if self.backend == "cute":
             self._k["dispatch_send"](x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), 0, self._table,
                                      x.shape[0], self._stream())
@@ -357,6 +369,9 @@ class PeerMoeAllToAll:
         if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[0] < n_tokens or out.shape[1] != self.hidden \
                 or not out.is_contiguous():
             raise ValueError(f"PeerMoeAllToAll.combine_recv: out must be contiguous bf16 [>= {n_tokens}, {self.hidden}]")
+        if n_tokens != self._last_T:
+            raise ValueError(f"PeerMoeAllToAll.combine_recv: n_tokens={n_tokens} must equal the token count of the "
+                             f"last dispatch ({self._last_T})")
         if self.backend == "cute":
             self._k["combine_recv"](out.data_ptr(), 0, 0, 0, self._table, n_tokens, self._stream())
         else:
@@ -374,6 +389,8 @@ class PeerMoeAllToAll:
 
     # -- torch backend (same outputs, NCCL/gloo all_to_all_single on fixed-size slots) --------------------------
     def _torch_dispatch(self, out_x, out_ids, out_w, out_counts):
+        """Fixed-size slots and index_copy_ into a dump row instead of data-dependent selections: no host sync,
+        so this path is CUDA-graph capturable like the kernels."""
         import torch
         import torch.distributed as dist
 
@@ -381,23 +398,22 @@ class PeerMoeAllToAll:
         n, tm, k = self.n, self.lay.max_tokens, self.lay.top_k
         T = x.shape[0]
         dev = x.device
-        per = self.lay.experts_per_rank
-        goes = torch.zeros(T, n, dtype=torch.bool, device=dev)
+        goes = torch.zeros(T, n, dtype=torch.int32, device=dev)
         if T:
-            goes[torch.arange(T, device=dev)[:, None].expand(T, k), (ids.long() // per)] = True
-        before = torch.cumsum(goes.int(), 0) - goes.int()
-        rowof = torch.where(goes, before, torch.full_like(before, -1))
-        sx = torch.zeros(n, tm, x.shape[1], dtype=x.dtype, device=dev)
-        si = torch.full((n, tm, k), -1, dtype=torch.int32, device=dev)
-        sw = torch.zeros(n, tm, k, dtype=torch.float32, device=dev)
-        t_idx, j_idx = goes.nonzero(as_tuple=True)
-        r_idx = before[t_idx, j_idx]
-        sx[j_idx, r_idx] = x[t_idx]
-        si[j_idx, r_idx] = ids[t_idx]
-        sw[j_idx, r_idx] = w[t_idx]
-        cnt = goes.sum(0).to(torch.int32)
-        for src, dst in ((sx, out_x), (si, out_ids), (sw, out_w), (cnt, out_counts)):
-            dist.all_to_all_single(dst.view(-1), src.reshape(-1).contiguous(), group=self.group)
+            goes.scatter_(1, ids.long() // self.lay.experts_per_rank, 1)
+        before = torch.cumsum(goes, 0, dtype=torch.int32) - goes
+        rowof = torch.where(goes > 0, before, torch.full_like(before, -1))
+        dump = n * tm  # the extra row every (token, rank) pair that is not sent is copied to
+        dest = torch.where(goes > 0, before + torch.arange(n, device=dev, dtype=torch.int32) * tm,
+                           torch.full_like(before, dump)).reshape(-1).long()
+        sx = torch.zeros(dump + 1, x.shape[1], dtype=x.dtype, device=dev)
+        si = torch.full((dump + 1, k), -1, dtype=torch.int32, device=dev)
+        sw = torch.zeros(dump + 1, k, dtype=torch.float32, device=dev)
+        for buf, src in ((sx, x), (si, ids), (sw, w)):
+            buf.index_copy_(0, dest, src[:, None].expand(T, n, src.shape[1]).reshape(T * n, src.shape[1]))
+        cnt = goes.sum(0, dtype=torch.int32)
+        for src, dst in ((sx[:dump], out_x), (si[:dump], out_ids), (sw[:dump], out_w), (cnt, out_counts)):
+            dist.all_to_all_single(dst.view(-1), src.reshape(-1), group=self.group)
         self._state["rowof"] = rowof
 
     def _torch_combine(self, out, n_tokens):
@@ -406,14 +422,13 @@ class PeerMoeAllToAll:
 
         y = self._state.pop("y")
         rowof = self._state.pop("rowof")
-        back = torch.empty_like(y)
-        dist.all_to_all_single(back.view(-1), y.reshape(-1).contiguous(), group=self.group)  # [n src][Tmax] rows
-        tm = self.lay.max_tokens
+        tm, nt = self.lay.max_tokens, self.n * self.lay.max_tokens
+        back = torch.zeros(nt + 1, self.hidden, dtype=y.dtype, device=y.device)  # row nt stays zero
+        dist.all_to_all_single(back[:nt].view(-1), y.reshape(-1).contiguous(), group=self.group)
         acc = torch.zeros(n_tokens, self.hidden, dtype=torch.float32, device=y.device)
-        for j in range(self.n):
+        for j in range(self.n):  # fp32 sum in rank order, one rounding (what combine_recv does)
             r = rowof[:n_tokens, j]
-            m = r >= 0
-            acc[m] += back[j * tm + r[m]].float()
+            acc += back[torch.where(r >= 0, r + j * tm, torch.full_like(r, nt)).long()].float()
         out[:n_tokens] = acc.to(out.dtype)
 
     def check_error(self) -> None:
@@ -428,7 +443,26 @@ class PeerMoeAllToAll:
         err = np.zeros(1, dtype=np.int32)
         check(self._buf._drv.cuMemcpyDtoH(err.ctypes.data, self._buf.local_ptr + self.lay.err_off, 4), "cuMemcpyDtoH")
         if int(err[0]):
-            raise RuntimeError(f"PeerMoeAllToAll: rank {self.rank}: a peer did not answer within the spin timeout")
+            raise RuntimeError(f"PeerMoeAllToAll: rank {self.rank}: a wait timed out (here or on a peer; the "
+                               "protocol state is lost, make a new object)")
+
+    def error_to(self, t) -> None:
+        """Copy the error word (int32; nonzero = a wait timed out here or on a peer) into ``t[0]`` (an int32 CUDA
+        tensor) on the current stream, without a host synchronisation (fold it into a collective you do anyway)."""
+        import torch
+
+        if t.dtype != torch.int32 or t.numel() < 1:
+            raise ValueError("PeerMoeAllToAll.error_to: t must be an int32 tensor")
+        if self.backend != "cute":  # the torch backend has no device-side waits
+            t[:1].zero_()
+            return
+        if not t.is_cuda:
+            raise ValueError("PeerMoeAllToAll.error_to: t must be on the GPU")
+        from kernels.peer_memory import check
+
+        drv = self._buf._drv
+        check(drv.cuMemcpyDtoDAsync(t.data_ptr(), self._buf.local_ptr + self.lay.err_off, 4,
+                                    drv.CUstream(self._stream())), "cuMemcpyDtoDAsync")
 
     def close(self) -> None:
         if self._buf is not None:

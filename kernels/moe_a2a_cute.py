@@ -12,19 +12,43 @@ Four kernels, each one launch, grid = ``max_tokens`` blocks (fixed, so the arriv
 The byte layout (offsets, parity double buffering, per-block epoch counters) is ``kernels.moe_a2a.A2aLayout``;
 the CPU emulation ``kernels.moe_a2a.emulate`` runs the same index arithmetic for the tests.
 Arguments are device addresses (plain integers) like kernels/allreduce_cute.py; ``lay`` is a Constexpr.
+
+Protocol invariants (the review of issue 8; compare kernels/allreduce_schedule.py, the same epoch/flag scheme):
+  * No kernel waits for anything on its own GPU: the sends never wait, the receives wait only for the peers' sends
+    of the same call. Launch order between ranks, grid size and co-residency therefore cannot deadlock.
+  * Every send block signals every destination, also blocks past n_tok and destinations that get zero rows, so
+    the arrival target (epoch * max_tokens per source) never depends on routing.
+  * Epochs live in device memory (advanced by each block), so graph replays advance them; nothing is reset.
+  * The parity of a call is the parity of the *dispatch* epoch; both combine kernels take it from the dispatch
+    kernels' counters (combine_send from dispatch_recv's, combine_recv from dispatch_send's), so extra
+    dispatch-only calls (benchmarks) cannot make combine read the other half's counts.
+  * Publishing: all threads write, ``bar.sync``, then thread 0 does ``fence.acq_rel.sys`` and the release atomics
+    (the allreduce pattern). Waiting: thread 0 spins with ``ld.acquire.sys``, then ``bar.sync``, then the block
+    reads the data with ``ld.global.cg``.
+  * Bounded waits: a spin gives up after ``timeout_ns`` (globaltimer) and writes the error word of its own rank
+    *and of every peer*; every spin also polls its own error word, so after one failure all later waits on all
+    ranks return at once (no minutes of 5 s timeouts). ``PeerMoeAllToAll.check_error`` reads the word.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import re
+import tempfile
 
-import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
-from cutlass._mlir import ir
-from cuda.bindings import driver as cuda
+# the cubin/PTX are kept to launch through the driver; keep the dumped files out of the working dir
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), f"rackbed-cute-{os.getpid()}"))
+os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 
-_SPIN_TIMEOUT_NS = 5_000_000_000
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cuda.bindings import driver as cuda  # noqa: E402
+from cutlass import Float32, Int32, Int64  # noqa: E402
+from cutlass._mlir import ir  # noqa: E402
+
+SPIN_TIMEOUT_NS = 5_000_000_000  # default: a peer that does not answer within 5 s is reported, not waited for
 
 
 def _p(dtype, addr, align):
@@ -56,18 +80,24 @@ def _epoch(addr: Int64) -> Int32:
 
 
 @cute.jit
-def _wait_ge(addr: Int64, target: Int32, err_addr: Int64):
-    """Spin (acquire, sys) until the counter at addr reaches target (wrap-safe); on timeout set the error word."""
+def _wait_ge(addr: Int64, target: Int32, me: Int64, bases, n: cutlass.Constexpr, lay: cutlass.Constexpr,
+             timeout_ns: cutlass.Constexpr):
+    """Spin (acquire, sys) until the counter at addr reaches target (wrap-safe). Gives up when this rank's error
+    word is set (an earlier failure, here or reported by a peer) or after timeout_ns; on a timeout it sets the
+    error word of this rank and of every peer, so every later wait everywhere returns at once."""
     t0 = cute.arch.globaltimer()
     state = Int32(0)
     while state == 0:
         f = cute.arch.load(_p(Int32, addr, 4), Int32, sem="acquire", scope="sys")
         if f - target >= 0:
             state = Int32(1)
-        elif cute.arch.globaltimer() - t0 > _SPIN_TIMEOUT_NS:
+        elif cute.arch.load(_p(Int32, me + lay.err_off, 4), Int32, sem="relaxed", scope="sys") != 0:
+            state = Int32(3)
+        elif cute.arch.globaltimer() - t0 > timeout_ns:
             state = Int32(2)
     if state == 2:
-        cute.arch.store(_p(Int32, err_addr, 4), Int32(1))
+        for j in cutlass.range_constexpr(n):
+            cute.arch.store(_p(Int32, bases[j] + lay.err_off, 4), Int32(1), sem="relaxed", scope="sys")
 
 
 @cute.jit
@@ -138,9 +168,9 @@ def _dispatch_send(x_addr: Int64, ids_addr: Int64, w_addr: Int64, table: Int64, 
         if tid == 0:
             for j in cutlass.range_constexpr(n):
                 cute.arch.store(_p(Int32, bases[j] + lay.count_off(par, rank), 4), Int32(0))
-    cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
     if tid == 0:
+        cute.arch.fence_acq_rel_sys()
         for j in cutlass.range_constexpr(n):
             cute.arch.atomic_add(_p(Int32, bases[j] + lay.arrive_off(0, rank), 4), Int32(1), sem="release",
                                  scope="sys")
@@ -149,10 +179,11 @@ def _dispatch_send(x_addr: Int64, ids_addr: Int64, w_addr: Int64, table: Int64, 
 
 @cute.kernel
 def _dispatch_recv(ox_addr: Int64, oids_addr: Int64, ow_addr: Int64, ocnt_addr: Int64, table: Int64,
-                   n: cutlass.Constexpr, lay: cutlass.Constexpr):
+                   n: cutlass.Constexpr, lay: cutlass.Constexpr, timeout_ns: cutlass.Constexpr):
     tid, _, _ = cute.arch.thread_idx()
     b, _, _ = cute.arch.block_idx()
     nthr, _, _ = cute.arch.block_dim()
+    bases = _bases(table, n)
     me = _ld_i64(table + 8 * (n + 1))
     ep_addr = me + lay.ep_off(1, b)
     epoch = _epoch(ep_addr)
@@ -160,7 +191,7 @@ def _dispatch_recv(ox_addr: Int64, oids_addr: Int64, ow_addr: Int64, ocnt_addr: 
     k = lay.top_k
     if tid == 0:
         for s in cutlass.range_constexpr(n):
-            _wait_ge(me + lay.arrive_off(0, s), epoch * lay.max_tokens, me + lay.err_off)
+            _wait_ge(me + lay.arrive_off(0, s), epoch * lay.max_tokens, me, bases, n, lay, timeout_ns)
     cute.arch.sync_threads()
     for s in cutlass.range_constexpr(n):
         cnt = _ld_i32(me + lay.count_off(par, s), "cg")
@@ -196,16 +227,16 @@ def _combine_send(y_addr: Int64, table: Int64, n: cutlass.Constexpr, lay: cutlas
     me = _ld_i64(table + 8 * (n + 1))
     ep_addr = me + lay.ep_off(2, b)
     epoch = _epoch(ep_addr)
-    par = epoch & 1
+    par = _ld_i32(me + lay.ep_off(1, b), "cg") & 1  # the parity of the dispatch this combine answers
     for s in cutlass.range_constexpr(n):
         cnt = _ld_i32(me + lay.count_off(par, s), "cg")
         if b < cnt:
             src = y_addr + (Int64(s * lay.max_tokens) + Int64(b)) * lay.y_row_bytes
             dst = bases[s] + lay.y_off + (Int64(par * n + rank) * lay.max_tokens + Int64(b)) * lay.y_row_bytes
             _copy_row(dst, src, Int32(lay.y_row_bytes // 16), tid, nthr, None)
-    cute.arch.fence_acq_rel_sys()
     cute.arch.sync_threads()
     if tid == 0:
+        cute.arch.fence_acq_rel_sys()
         for s in cutlass.range_constexpr(n):
             cute.arch.atomic_add(_p(Int32, bases[s] + lay.arrive_off(1, rank), 4), Int32(1), sem="release",
                                  scope="sys")
@@ -213,17 +244,19 @@ def _combine_send(y_addr: Int64, table: Int64, n: cutlass.Constexpr, lay: cutlas
 
 
 @cute.kernel
-def _combine_recv(out_addr: Int64, table: Int64, n_tok: Int32, n: cutlass.Constexpr, lay: cutlass.Constexpr):
+def _combine_recv(out_addr: Int64, table: Int64, n_tok: Int32, n: cutlass.Constexpr, lay: cutlass.Constexpr,
+                  timeout_ns: cutlass.Constexpr):
     tid, _, _ = cute.arch.thread_idx()
     t, _, _ = cute.arch.block_idx()
     nthr, _, _ = cute.arch.block_dim()
+    bases = _bases(table, n)
     me = _ld_i64(table + 8 * (n + 1))
     ep_addr = me + lay.ep_off(3, t)
     epoch = _epoch(ep_addr)
-    par = epoch & 1
+    par = _ld_i32(me + lay.ep_off(0, t), "cg") & 1  # the parity of the dispatch (dispatch_send's epoch)
     if tid == 0:
         for s in cutlass.range_constexpr(n):
-            _wait_ge(me + lay.arrive_off(1, s), epoch * lay.max_tokens, me + lay.err_off)
+            _wait_ge(me + lay.arrive_off(1, s), epoch * lay.max_tokens, me, bases, n, lay, timeout_ns)
     cute.arch.sync_threads()
     if t < n_tok:
         rows = []
@@ -247,24 +280,102 @@ def _combine_recv(out_addr: Int64, table: Int64, n_tok: Int32, n: cutlass.Conste
 
 @cute.jit
 def _launch(kind: cutlass.Constexpr, a0: Int64, a1: Int64, a2: Int64, a3: Int64, table: Int64, n_tok: Int32,
-            stream: cuda.CUstream, n: cutlass.Constexpr, lay: cutlass.Constexpr, threads: cutlass.Constexpr):
+            stream: cuda.CUstream, n: cutlass.Constexpr, lay: cutlass.Constexpr, threads: cutlass.Constexpr,
+            timeout_ns: cutlass.Constexpr):
     grid = [lay.max_tokens, 1, 1]
     block = [threads, 1, 1]
     if cutlass.const_expr(kind == "dispatch_send"):
         _dispatch_send(a0, a1, a2, table, n_tok, n, lay).launch(grid=grid, block=block, stream=stream)
     elif cutlass.const_expr(kind == "dispatch_recv"):
-        _dispatch_recv(a0, a1, a2, a3, table, n, lay).launch(grid=grid, block=block, stream=stream)
+        _dispatch_recv(a0, a1, a2, a3, table, n, lay, timeout_ns).launch(grid=grid, block=block, stream=stream)
     elif cutlass.const_expr(kind == "combine_send"):
         _combine_send(a0, table, n, lay).launch(grid=grid, block=block, stream=stream)
     else:
-        _combine_recv(a0, table, n_tok, n, lay).launch(grid=grid, block=block, stream=stream)
+        _combine_recv(a0, table, n_tok, n, lay, timeout_ns).launch(grid=grid, block=block, stream=stream)
 
 
 KINDS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+#: the kernel parameters of each kind, in order (names of ``Launcher.__call__``'s arguments); "n_tok" is 32-bit
+PARAMS = {"dispatch_send": ("a0", "a1", "a2", "table", "n_tok"),
+          "dispatch_recv": ("a0", "a1", "a2", "a3", "table"),
+          "combine_send": ("a0", "table"),
+          "combine_recv": ("a0", "table", "n_tok")}
 
 
-@functools.lru_cache(maxsize=32)
-def compiled(kind: str, n: int, lay, threads: int = 128):
-    """Compile one of KINDS; returns ``f(a0, a1, a2, a3, table, n_tok, stream)`` (unused addresses: 0)."""
-    return cute.compile(_launch, kind, Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0),
-                        cuda.CUstream(0), n, lay, threads)
+def ptx_param_bits(ptx: str) -> list[int]:
+    """Bit widths of the parameters of the (single) ``.entry`` in a PTX text, in order."""
+    m = re.search(r"\.entry\s+\S+\s*\((.*?)\)", ptx, re.S)
+    if not m:
+        raise ValueError("no .entry in the PTX")
+    return [int(b) for b in re.findall(r"\.param\s+\.[usb](\d+)\s", m.group(1))]
+
+
+def _read_artifact(x, suffix: str) -> bytes:
+    if isinstance(x, (bytes, bytearray)):
+        return bytes(x)
+    if isinstance(x, str) and (x.endswith(suffix) or os.path.sep in x) and len(x) < 4096:
+        path = x if os.path.isabs(x) else os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], x)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                return f.read()
+    return x.encode() if isinstance(x, str) else b""
+
+
+class Launcher:
+    """One kind, launched with a single ``cuLaunchKernel`` from the cubin CuTe DSL produced (as
+    kernels/allreduce_cute.Launcher does: CuTe DSL's own call path converts every argument in Python, tens of µs
+    per call, which would dominate a ~10 µs dispatch outside CUDA graphs). The parameter list is checked against
+    the PTX; on any mismatch ``direct`` is False and calls go through the CuTe DSL callable (``jit``)."""
+
+    def __init__(self, kind: str, jit, grid: int, threads: int):
+        self.kind, self.jit, self.grid, self.threads = kind, jit, grid, threads
+        self.direct, self.reason = False, None
+        try:
+            bits = ptx_param_bits(_read_artifact(jit.__ptx__, ".ptx").decode())
+            want = [32 if p == "n_tok" else 64 for p in PARAMS[kind]]
+            if bits != want:
+                raise ValueError(f"kernel parameters {bits} != expected {want}")
+            cubin = _read_artifact(jit.__cubin__, ".cubin")
+            if not cubin:
+                raise ValueError("CuTe DSL produced no cubin")
+            err, self.module = cuda.cuModuleLoadData(cubin)
+            if err != cuda.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuModuleLoadData: {err}")
+            err, count = cuda.cuModuleGetFunctionCount(self.module)
+            err2, funcs = cuda.cuModuleEnumerateFunctions(count, self.module)
+            if err != cuda.CUresult.CUDA_SUCCESS or err2 != cuda.CUresult.CUDA_SUCCESS or count != 1:
+                raise RuntimeError(f"expected one kernel in the cubin, found {count}")
+            self.func = funcs[0]
+        except Exception as exc:  # the CuTe DSL call path still works
+            self.reason = f"{type(exc).__name__}: {exc}"
+            return
+        self._vals = [ctypes.c_int32() if p == "n_tok" else ctypes.c_uint64() for p in PARAMS[kind]]
+        self._ptrs = (ctypes.c_void_p * len(self._vals))(*[ctypes.addressof(v) for v in self._vals])
+        self._params = ctypes.addressof(self._ptrs)
+        self.direct = True
+
+    def __call__(self, a0: int, a1: int, a2: int, a3: int, table: int, n_tok: int, stream: int,
+                 use_jit: bool = False) -> None:
+        if use_jit or not self.direct:
+            self.jit(a0, a1, a2, a3, table, n_tok, cuda.CUstream(stream))
+            return
+        args = {"a0": a0, "a1": a1, "a2": a2, "a3": a3, "table": table, "n_tok": n_tok}
+        for v, p in zip(self._vals, PARAMS[self.kind]):
+            v.value = args[p]
+        (err,) = cuda.cuLaunchKernel(self.func, self.grid, 1, 1, self.threads, 1, 1, 0, stream, self._params, 0)
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel({self.kind}) failed: {err}")
+
+
+def compile_jit(kind: str, n: int, lay, threads: int = 128, timeout_ns: int = SPIN_TIMEOUT_NS):
+    """The CuTe DSL callable ``f(a0, a1, a2, a3, table, n_tok, stream)`` of one of KINDS (cubin and PTX kept)."""
+    return cute.compile[cute.KeepCUBIN, cute.KeepPTX](
+        _launch, kind, Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0), cuda.CUstream(0), n, lay,
+        threads, int(timeout_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(kind: str, n: int, lay, threads: int = 128, timeout_ns: int = SPIN_TIMEOUT_NS) -> Launcher:
+    """Compile one of KINDS (once per configuration, in the current CUDA context); returns its ``Launcher``,
+    called as ``f(a0, a1, a2, a3, table, n_tok, stream_handle)`` (unused addresses: 0)."""
+    return Launcher(kind, compile_jit(kind, n, lay, threads, timeout_ns), lay.max_tokens, threads)
