@@ -16,8 +16,13 @@ fault handling — and swaps two things, as STYLE.md asks ("the clock is swapped
 Worker processes that die are detected (exit code) and turned into a fault of their GPU at the current time: the
 scheduler re-queues their requests; the group's other ranks are stopped.
 
-Limits (documented, not hidden): one command loop per rank, so a KV transfer waits for the compute command in
-front of it on either side (a one-sided RDMA backend would overlap them); random-weight runs draw MTP acceptance
+KV transfers are asynchronous on both ends (``engine.real.worker``: a transfer thread, CUDA stream and process
+group per rank, beside the compute loop): the driver sends ``kv_send`` to the prefiller's ranks and ``kv_recv`` to
+the decoder rank in one go — the decoder reserves its pages and offers them to the sources itself — and the plan
+completes when the last of them replies, while the decoder keeps stepping and the prefiller keeps prefilling. A
+rank runs its transfers one at a time, in dispatch order (several KV streams of one prefiller share its lane).
+
+Limits (documented, not hidden): random-weight runs draw MTP acceptance
 from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
 and chunked prefill are simulated only.
 """
@@ -63,7 +68,6 @@ class RankPool:
         self.inflight: dict[int, _Inflight] = {}
         self._tok = 0
         self.dead: set[int] = set()
-        self.sync_replies: dict[int, dict] = {}
         self.errors: list[str] = []
 
     def token(self) -> int:
@@ -187,16 +191,12 @@ class RealExecutor:
             rid = plan.request_id
             if ({dst_rank, *src_ranks} & self.pool.dead):
                 return self._dispatch(plan, "kv", rid, [(dst_rank, "kv_recv", {})], now_s, start_w)
-            try:
-                pages = run.sync_call(dst_rank, "kv_alloc", rid=rid, n_tokens=plan.tokens)
-            except RankDied:
-                return self._dispatch(plan, "kv", rid, [(dst_rank, "kv_recv", {})], now_s, start_w)
             src_pages = run.src_pages.get(rid)
             gen = run.generated.get(rid, [])
             n_prompt = run.prompt_len[rid]
             last = gen[plan.tokens - n_prompt] if gen and plan.tokens - n_prompt < len(gen) else gen[-1]
-            sends = [(r, "kv_send", {"rid": rid, "dst_global": dst_rank, "seq_len": plan.tokens,
-                                     "dst_pages": pages}) for r in src_ranks]
+            sends = [(r, "kv_send", {"rid": rid, "dst_global": dst_rank, "seq_len": plan.tokens})
+                     for r in src_ranks]
             sends.append((dst_rank, "kv_recv", {"rid": rid, "src_globals": src_ranks, "seq_len": plan.tokens,
                                                 "src_pages": src_pages, "last_token": last,
                                                 "tokens": gen[:plan.tokens - n_prompt]}))
@@ -247,11 +247,22 @@ def deployment_groups(dep) -> list[tuple[str, tuple[int, ...], str]]:
         [(g.id, tuple(g.gpus), "decode") for g in dep.decoders]
 
 
+def graph_pages(requests, page_tokens: int, draft_k: int = 0) -> tuple[int, int]:
+    """Page-table widths (lo, hi) a decoder's steps can have for ``requests``: from the shortest prompt plus its
+    first token to the longest prompt plus output plus a draft."""
+    if not requests:
+        return (0, 0)
+    lo = min(-(-(r.prompt_tokens + 1) // page_tokens) for r in requests)
+    hi = max(-(-(r.prompt_tokens + r.output_tokens + draft_k + 1) // page_tokens) for r in requests)
+    return (lo, hi)
+
+
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
                weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
-               backend: str = "gloo", local_device=None) -> dict:
+               backend: str = "gloo", local_device=None, requests=None) -> dict:
     """Every rank's ``RankSpec``, a pure function of the scenario and the GPU -> rank map (so each torchrun process
-    computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank."""
+    computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank; ``requests`` (the
+    run's) size the decode CUDA-graph buckets captured at warm-up."""
     from engine.real.worker import RankSpec
 
     dep = built.deployment
@@ -259,6 +270,13 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     group_ranks = {gid: tuple(gpu_rank[x] for x in gs) for gid, gs, _ in groups}
     all_groups = tuple((gid, group_ranks[gid]) for gid, _, _ in groups)
     ptp = dep.prefillers[0].template.tp if dep.prefillers else 1
+    p_ranks = sorted(gpu_rank[x] for gid, gs, role in groups if role == "prefill" for x in gs)
+    d_ranks = sorted(gpu_rank[x] for gid, gs, role in groups if role == "decode" for x in gs)
+    peers = tuple((p, d) for p in p_ranks for d in d_ranks)
+    if len(peers) > 64:     # start-up cost grows with P x D: connect lazily, on first use, beyond that
+        peers = ()
+    gmax = dep.decoders[0].template.max_batch_per_rank if dep.decoders and requests else 0
+    gpages = graph_pages(requests, built.decode_plan.page_tokens, dep.mtp.draft_k) if gmax else (0, 0)
     out = {}
     for gid, gs, role in groups:
         tpl = dep.prefillers[0].template if role == "prefill" else dep.decoders[0].template
@@ -271,7 +289,9 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               n_pages=prefill_pages if role == "prefill" else decode_pages,
                               page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
                               prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
-                              init_file=init_file, backend=backend)
+                              init_file=init_file, backend=backend, kv_peers=peers,
+                              graph_max_batch=gmax if role == "decode" else 0,
+                              graph_pages=gpages if role == "decode" else (0, 0))
     return out
 
 
@@ -300,7 +320,8 @@ class RealRun:
     simulator's loop (module docstring)."""
 
     def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
-                 prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None) -> None:
+                 prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None,
+                 requests=None) -> None:
         import torch
         import torch.multiprocessing as mp
 
@@ -323,7 +344,8 @@ class RealRun:
             specs = rank_specs(built, cfg, self.gpu_rank, world, use_cuda=use_cuda, dtype=dtype, seed=seed,
                                weights=weights, prefill_pages=prefill_pages, decode_pages=decode_pages,
                                init_file=str(Path(self.tmp.name) / "rdzv"), backend="nccl" if use_cuda else "gloo",
-                               local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu")
+                               local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu",
+                               requests=requests)
             ctx = mp.get_context("spawn")
             res_q = ctx.Queue()
             cmd_qs = [ctx.Queue() for _ in range(world)]
@@ -377,24 +399,9 @@ class RealRun:
         ids = self.prompt_ids[rid] + self.generated.get(rid, [])
         return ids[:n]
 
-    def sync_call(self, rank: int, op: str, **args):
-        """A blocking round trip to one rank (other replies arriving meanwhile are handled normally)."""
-        tok = self.pool.token()
-        self.pool.send(rank, op, tok, **args)
-        while tok not in self.pool.sync_replies:
-            self.env._drain(0.05)
-            if rank in self.pool.dead:
-                raise RankDied(f"rank {rank} died during {op}")
-        status, payload = self.pool.sync_replies.pop(tok)
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} {op}: {payload}")
-        return payload[0]
-
     def _on_reply(self, token, rank, status, payload, wall) -> None:
         fl = self.pool.inflight.get(token)
-        if fl is None:
-            if token is not None:
-                self.pool.sync_replies[token] = (status, payload)
+        if fl is None:     # a late reply of a plan already failed by a death (e.g. a send to the dead rank)
             if status == "error":
                 self.pool.errors.append(f"rank {rank}: {payload}")
             return
@@ -451,7 +458,8 @@ def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, wei
     from sim.driver import simulate
 
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
-                  prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool)
+                  prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
+                  requests=requests)
     run.register(requests)
     run.kill_after_steps = list(kill_after_steps)
     env = run.env

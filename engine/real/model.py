@@ -483,6 +483,9 @@ class ShardedQwen3Moe:
         ep = self.shard.ep
         if ep == 1:
             return self._local_experts(w, h, topi, topw)
+        a2a = self._peer_a2a(h)
+        if a2a is not None:
+            return self._moe_dp_ep_peer(a2a, w, h, topi, topw)
         per = self.cfg.n_experts // ep
         k = self.cfg.top_k
         dst = topi // per                                                  # [B, k] owning rank of each choice
@@ -504,6 +507,58 @@ class ShardedQwen3Moe:
         y_back = self.comm.ep_all_to_all(y_recv, recv_counts, send_counts)
         out = torch.zeros_like(h)
         out.index_add_(0, rows_t, y_back)
+        return out
+
+    # -- decode MoE communication over peer memory (kernels/moe_a2a.py) ---------------------------------------------
+    def _peer_a2a(self, h: torch.Tensor):
+        """The peer-memory dispatch/combine (``kernels.moe_a2a.PeerMoeAllToAll``, CuTe DSL kernels) for this EP
+        group, made on first use, or None for the torch all-to-all path above. Used when the activations are bf16
+        on CUDA, EP > 1 and RACKBED_PEER_A2A is not "0"; the object itself falls back (-> None here) when CuTe DSL
+        or peer access is missing on any rank. Every rank of the group reaches the first call in the same step
+        (forward_decode's contract), so the collective construction is matched. Capacity per call:
+        RACKBED_A2A_MAX_TOKENS tokens per rank (default 256); larger batches go in agreed chunks."""
+        a2a = getattr(self, "_a2a", None)
+        if a2a is not None:
+            return a2a or None
+        self._a2a = False
+        if (h.is_cuda and h.dtype == torch.bfloat16 and self.comm.ep_group is not None and
+                os.environ.get("RACKBED_PEER_A2A", "1") != "0" and self.cfg.hidden % 128 == 0):
+            from kernels.moe_a2a import PeerMoeAllToAll
+
+            tm = -(-int(os.environ.get("RACKBED_A2A_MAX_TOKENS", "256")) // 32) * 32
+            obj = PeerMoeAllToAll(self.comm.ep_group, max_tokens=tm, hidden=self.cfg.hidden, top_k=self.cfg.top_k,
+                                  n_experts=self.cfg.n_experts, payload="bf16", backend="auto")
+            if obj.backend == "cute":
+                self._a2a, self._a2a_out, self._a2a_chunks = obj, obj.alloc_outputs(), 1
+            else:
+                obj.close()
+        return self._a2a or None
+
+    def _moe_dp_ep_peer(self, a2a, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
+        """``_moe_dp_ep`` through the peer kernels: dispatch (rows land in fixed per-source slots, ids -1 past each
+        source's count), the local experts on the slots, combine (fp32 sum per token over its destination ranks).
+        The number of chunks of ``max_tokens`` is agreed once per decode step (at the first layer: one tiny
+        all-reduce, which also surfaces a kernel timeout of the previous step)."""
+        import torch.distributed as dist
+
+        B = h.shape[0]
+        tm = a2a.lay.max_tokens
+        if w is self.layers[0]:
+            nc = torch.tensor([-(-B // tm), 0], dtype=torch.int32, device=h.device)
+            a2a.error_to(nc[1:])
+            dist.all_reduce(nc, op=dist.ReduceOp.MAX, group=self.comm.ep_group)
+            chunks, err = nc.tolist()
+            if err:
+                raise RuntimeError("peer MoE all-to-all: a kernel wait timed out on a rank of this EP group")
+            self._a2a_chunks = max(1, chunks)
+        out = torch.empty_like(h)
+        o = self._a2a_out
+        for c in range(self._a2a_chunks):
+            lo, hi = min(c * tm, B), min((c + 1) * tm, B)
+            a2a.dispatch(h[lo:hi].contiguous(), topi[lo:hi].to(torch.int32).contiguous(),
+                         topw[lo:hi].float().contiguous(), o)
+            y = self._local_experts(w, o["x"], o["ids"].long(), o["weights"].to(h.dtype))
+            a2a.combine(y.contiguous(), out[lo:hi], hi - lo)
         return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -549,12 +604,59 @@ class DecodeGraphRunner:
 
     BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+    PAGE_ROUND = 8      # page-table widths are padded to a multiple of this
+
     def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache) -> None:
         self.model, self.cache = model, cache
         self.scratch = cache.alloc(1)[0]
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.mode = "graph"
         self.why = ""
+        self.pool = None            # one memory pool shared by every graph (they never replay concurrently)
+        self.n_captured_late = 0    # captures that happened inside a decode step (not at warm-up)
+
+    @classmethod
+    def buckets(cls, max_batch: int, min_pages: int, max_pages: int) -> list[tuple[int, int]]:
+        """The (batch bucket, padded page width) keys a run with at most ``max_batch`` sequences per step and
+        page tables ``min_pages``..``max_pages`` wide can hit, largest first."""
+        top = cls._bucket(max(max_batch, 1), cls.BATCH_BUCKETS)
+        bs = [b for b in cls.BATCH_BUCKETS if b < top] + [top]
+        r = cls.PAGE_ROUND
+        ps = list(range(-(-max(min_pages, 1) // r) * r, -(-max(max_pages, 1) // r) * r + 1, r))
+        return sorted(((b, p) for b in bs for p in ps), key=lambda k: (k[0] * k[1], k), reverse=True)
+
+    @torch.inference_mode()
+    def warm(self, max_batch: int, min_pages: int, max_pages: int, *, reserve_bytes: int = 8 << 30,
+             budget_s: float = 90.0) -> dict:
+        """Capture the likely buckets now (largest first, so the shared pool is sized once), while more than
+        ``reserve_bytes`` of device memory stay free and within ``budget_s`` seconds. Returns what was done."""
+        import time
+
+        t0 = time.perf_counter()
+        keys = self.buckets(max_batch, min_pages, max_pages)
+        done, why = 0, "all"
+        for key in keys:
+            if self.mode != "graph":
+                why = "capture failed: " + self.why
+                break
+            if time.perf_counter() - t0 > budget_s:
+                why = f"time budget {budget_s:.0f} s"
+                break
+            free, _ = torch.cuda.mem_get_info(self.cache.storage.device)
+            if free < reserve_bytes:
+                why = f"memory reserve ({free / 2**30:.1f} GiB free)"
+                break
+            if key not in self.graphs:
+                try:
+                    self.graphs[key] = self._capture(*key)
+                except Exception as exc:  # fall back, once, and say why
+                    self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
+                    continue
+            done += 1
+        torch.cuda.synchronize()
+        return {"captured": done, "wanted": len(keys), "stopped_by": why,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "free_gib": round(torch.cuda.mem_get_info(self.cache.storage.device)[0] / 2**30, 1)}
 
     @staticmethod
     def _bucket(n: int, buckets) -> int:
@@ -574,8 +676,11 @@ class DecodeGraphRunner:
             for _ in range(2):
                 self.model.forward_decode_static(tok, pos, self.cache, table)
         torch.cuda.current_stream().wait_stream(s)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # thread_local: the rank's KV-transfer thread may be allocating and launching on its own stream meanwhile
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self.model.forward_decode_static(tok, pos, self.cache, table)
         return g, tok, pos, table, out
 
@@ -583,7 +688,7 @@ class DecodeGraphRunner:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         B, P = tokens.shape[0], page_table.shape[1]
         Bb = self._bucket(B, self.BATCH_BUCKETS)
-        Pb = -(-P // 8) * 8
+        Pb = -(-P // self.PAGE_ROUND) * self.PAGE_ROUND
         tab = torch.full((Bb, Pb), self.scratch, dtype=torch.long, device=page_table.device)
         tab[:B, :P] = page_table
         if Pb > P:
@@ -594,6 +699,7 @@ class DecodeGraphRunner:
         if self.mode == "graph":
             key = (Bb, Pb)
             if key not in self.graphs:
+                self.n_captured_late += 1
                 try:
                     self.graphs[key] = self._capture(Bb, Pb)
                 except Exception as exc:  # fall back, once, and say why

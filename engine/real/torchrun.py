@@ -114,7 +114,7 @@ def main(argv=None) -> int:
 
     from engine.core.workload import generate
     from engine.real.driver import rank_specs, real_model_config, run_real
-    from engine.real.worker import Rank
+    from engine.real.worker import Rank, make_groups
     from sim.scenario import build, load_scenario
 
     ap = argparse.ArgumentParser(description="a rackbed real run under torchrun (see the module docstring)")
@@ -143,20 +143,20 @@ def main(argv=None) -> int:
         raise SystemExit(f"rackbed: error: {a.scenario}: torchrun started {world} processes but topology "
                          f"{sc.topology} has {b.topology.n_gpus} GPUs (one process per GPU)")
     cfg = real_model_config(b, weights=rs.weights)
+    reqs = generate(sc.workload, sc.seed)
     specs = rank_specs(b, cfg, {g: g for g in range(world)}, world, use_cuda=use_cuda, dtype=rs.dtype,
                        seed=rs.weights_seed, weights=rs.weights, prefill_pages=rs.prefill_pages,
                        decode_pages=rs.decode_pages, backend="nccl" if use_cuda else "gloo",
-                       local_device=lambda g: f"cuda:{local}" if use_cuda else "cpu")
-    groups = {}
+                       local_device=lambda g: f"cuda:{local}" if use_cuda else "cpu", requests=reqs)
     any_spec = next(iter(specs.values()))
-    for gid, ranks in any_spec.all_groups:          # every process creates every group, in the same order
-        groups[gid] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+    # every process creates every group, then the KV group, in the same order
+    groups, kv_group = make_groups(any_spec.all_groups, world)
 
     def serve() -> None:
         cmd_q = StoreQueue(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120)), f"cmd/{rank}")
         res_q = StoreQueue(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120)), "res")
         if rank in specs:
-            worker = Rank(specs[rank], groups[specs[rank].group_id])
+            worker = Rank(specs[rank], groups[specs[rank].group_id], kv_group)
             res_q.put((None, rank, "ready", None))
             worker.serve(cmd_q, res_q)
         else:
@@ -172,7 +172,6 @@ def main(argv=None) -> int:
 
         from sim.outputs import write_all
 
-        reqs = generate(sc.workload, sc.seed)
         pool = _store_pool(store, world)
         try:
             res, run = run_real(b, reqs, device=device, dtype=rs.dtype, weights=rs.weights, seed=rs.weights_seed,

@@ -6,8 +6,14 @@ so only payload crosses the wire: each source rank gathers the byte ranges of it
 Chunks are addressed in bytes of the rank's whole cache (``PagedKvCache.storage``, HND ``[L, P, 2, H, S, Dh]``), so
 the gather/scatter works on ``storage`` viewed as rows of ``unit`` bytes, ``unit`` the gcd of every offset and size.
 
+The destination allocates its pages itself (:meth:`TransferEngine.offer`): it sends the page list to every source
+rank, which waits for it (:meth:`TransferEngine.await_offer`) before shipping — the pull-style handshake of
+production engines, so neither side needs a round trip through the driver. The worker runs all of this on a
+dedicated transfer thread, CUDA stream and process group (``engine.real.worker``), beside its compute loop.
+
 Backends: ``torch.distributed`` point-to-point (gloo on CPU, NCCL on GPUs — NCCL rides NVLink inside a node and
-InfiniBand across nodes). A NIXL/RDMA backend would implement :class:`KvBackend` with one-sided writes: register
+InfiniBand across nodes), over the process group given to :class:`KvBackend` (the worker's KV-only group, so KV
+traffic never shares a communicator with the compute loop's collectives). A NIXL/RDMA backend would implement :class:`KvBackend` with one-sided writes: register
 each rank's ``storage`` once, then post one RDMA write per chunk (or per merged run of chunks) from the source's
 registered region to the destination's, with no receiver-side scatter and no matching ``recv``; the plan is the
 same.
@@ -45,13 +51,17 @@ def _rows(storage: torch.Tensor, unit: int) -> torch.Tensor:
 
 
 class KvBackend:
-    """How bytes move: ``send(buf, dst_rank)`` / ``recv(buf, src_rank)`` (global ranks)."""
+    """How bytes move: ``send(buf, dst_rank)`` / ``recv(buf, src_rank)`` (global ranks) over ``group`` (None: the
+    default group)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
 
     def send(self, buf: torch.Tensor, dst: int) -> None:
-        dist.send(buf, dst)
+        dist.send(buf, dst, group=self.group)
 
     def recv(self, buf: torch.Tensor, src: int) -> None:
-        dist.recv(buf, src)
+        dist.recv(buf, src, group=self.group)
 
 
 class TransferEngine:
@@ -64,6 +74,27 @@ class TransferEngine:
     def __init__(self, src_layout: KvLayout, dst_layout: KvLayout, backend: KvBackend | None = None) -> None:
         self.src_layout, self.dst_layout = src_layout, dst_layout
         self.backend = backend or KvBackend()
+
+    def dst_pages_for(self, seq_len: int) -> int:
+        """Pages the destination reserves for a ``seq_len``-token sequence: its KV plus the first decoded token."""
+        return -(-(seq_len + 1) // self.dst_layout.page_tokens)
+
+    def offer(self, dst_pages: list[int] | None, seq_len: int, src_globals: list[int], device) -> None:
+        """Destination side: send the reserved page list to every source rank (all ``-1`` = refused, e.g. the
+        cache is full: the sources then fail the transfer instead of waiting forever)."""
+        n = self.dst_pages_for(seq_len)
+        if dst_pages is not None and len(dst_pages) != n:
+            raise ValueError(f"offer: {len(dst_pages)} pages for a {seq_len}-token sequence, expected {n}")
+        t = torch.tensor(dst_pages if dst_pages is not None else [-1] * n, dtype=torch.long, device=device)
+        for g in src_globals:
+            self.backend.send(t, g)
+
+    def await_offer(self, dst_global: int, seq_len: int, device) -> list[int] | None:
+        """Source side: the destination's page list (None if it refused)."""
+        t = torch.empty(self.dst_pages_for(seq_len), dtype=torch.long, device=device)
+        self.backend.recv(t, dst_global)
+        pages = t.tolist()
+        return None if pages and pages[0] < 0 else pages
 
     def plan(self, seq_len: int, src_pages, dst_pages):
         return reshard_plan(self.src_layout, self.dst_layout, seq_len, np.asarray(src_pages),

@@ -5,16 +5,30 @@ command and runs it together (collectives inside the group), then replies on the
 ``(token, rank, status, payload)``. Commands:
 
 - ``prefill``  items ``[(rid, token_ids)]`` -> KV kept in this rank's cache; reply ``{rid: (first_token, pages)}``
-- ``kv_alloc`` (decoder rank) reserve pages for ``n_tokens`` -> reply ``pages``
-- ``kv_send``  (prefiller ranks) ship ``rid``'s KV along the resharding plan, free it -> reply bytes
-- ``kv_recv``  (decoder rank) receive it into the reserved pages -> reply bytes
+- ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan,
+  free it -> reply bytes
+- ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
 - ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
+
+Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
+(``prefill``, ``decode``, ``drop``) to the compute loop (the main thread) and KV commands (``kv_send``,
+``kv_recv``) to a transfer thread. The transfer thread has its own CUDA stream and its own process group (the KV
+group, over every rank, created after the compute groups), so a transfer never waits for the compute command in
+front of it on either side and never interleaves with the TP/EP collectives of the compute loop: the decoder keeps
+stepping while a new request's KV lands, and a prefiller ships a batch's KV while it computes the next batch.
+Transfers run one at a time per rank, in command order; since the driver puts every command on every queue in one
+global order, each rank meets the transfers it takes part in in that order and they cannot deadlock. Shared state
+(the page allocator, the sequences) is guarded by one lock; a sequence's pages are touched by one lane at a time
+(the driver dispatches a KV transfer after its prefill has replied, and lets a request join a decode step only
+after its transfer has replied; both lanes synchronise their own stream before replying).
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -25,7 +39,7 @@ import torch.distributed as dist
 from engine.core.kv import KvLayout
 from engine.real.comm import Comm
 from engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, TorchModelConfig
-from engine.real.transfer import TransferEngine
+from engine.real.transfer import KvBackend, TransferEngine
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,11 @@ class RankSpec:
     weights: str | None = None      # HF safetensors directory, or None for seeded random weights
     init_file: str = ""
     backend: str = "gloo"
+    # decoder: CUDA-graph buckets captured at warm-up (batch up to ``graph_max_batch``, page-table widths
+    # ``graph_pages`` = (lo, hi)); (0, 0) = none, capture on first use only
+    graph_max_batch: int = 0
+    graph_pages: tuple[int, int] = (0, 0)
+    kv_peers: tuple[tuple[int, int], ...] = ()   # (prefill rank, decode rank) pairs connected at start-up
 
 
 @dataclass
@@ -60,6 +79,8 @@ class _Seq:
     length: int                     # tokens whose KV is in the cache
     last_token: int                 # next input token
     tokens: list[int] = field(default_factory=list)
+    busy: bool = False              # prefiller: the transfer lane is shipping it
+    stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
 
 
 def _nccl_all_reduce(x, group):
@@ -85,6 +106,16 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def make_groups(all_groups, world: int):
+    """Every group's process group (None for a single rank), then the KV group over all ``world`` ranks. Every
+    process of the job calls this with the same arguments (``new_group`` is collective, in creation order)."""
+    groups = {}
+    for gid, ranks in all_groups:
+        groups[gid] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+    kv_group = dist.new_group(list(range(world)))
+    return groups, kv_group
+
+
 def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
     """Process entry point."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # never NVLink multicast on shared hosts
@@ -98,10 +129,8 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
 
         dist.init_process_group(spec.backend, init_method=f"file://{spec.init_file}", rank=spec.rank,
                                 world_size=spec.world, timeout=timedelta(seconds=60))
-        groups = {}
-        for gid, ranks in spec.all_groups:            # every rank creates every group, in the same order
-            groups[gid] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-        r = Rank(spec, groups[spec.group_id])
+        groups, kv_group = make_groups(spec.all_groups, spec.world)
+        r = Rank(spec, groups[spec.group_id], kv_group)
         res_q.put((None, spec.rank, "ready", None))
         r.serve(cmd_q, res_q)
     except BaseException as exc:  # the driver sees the error and the process exit
@@ -115,8 +144,12 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
                 pass
 
 
+COMPUTE_OPS = frozenset({"prefill", "decode", "drop"})
+TRANSFER_OPS = frozenset({"kv_send", "kv_recv"})
+
+
 class Rank:
-    def __init__(self, spec: RankSpec, group) -> None:
+    def __init__(self, spec: RankSpec, group, kv_group=None) -> None:
         self.spec = spec
         me = spec.group_ranks.index(spec.rank)
         self.me = me
@@ -146,16 +179,21 @@ class Rank:
                                   spec.prefill_pages)
         dst = KvLayout.tp_sharded(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, eb, spec.page_tokens, 1,
                                   spec.decode_pages)
-        self.transfer = TransferEngine(src, dst)
+        self.transfer = TransferEngine(src, dst, KvBackend(kv_group))
         self.seqs: dict[int, _Seq] = {}        # prefiller: KV awaiting shipment; decoder: received / running
         self.running: list[int] = []           # decoder: request ids in the batch, in join order
+        self.lock = threading.Lock()           # guards seqs, running and the cache's page allocator
         self.dev = dev
+        # the transfer lane's stream (CUDA); the compute lane uses the thread's default stream
+        self.kv_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs = None
+        self.graph_info: dict = {}
         if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
             from engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
         self._warm_up()
+        self._connect_kv_peers()
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -170,66 +208,166 @@ class Rank:
             if self.graphs is not None:
                 self.graphs(*args, torch.tensor([pages[:1]], device=self.dev))
         self.cache.free(pages)
-        self._sync()
-
-    def _sync(self) -> None:
+        if self.graphs is not None and self.spec.graph_max_batch > 0 and self.spec.graph_pages[1] > 0:
+            # capture the buckets the run will likely meet now, not inside a measured decode step
+            self.graph_info = self.graphs.warm(self.spec.graph_max_batch, *self.spec.graph_pages,
+                                               reserve_bytes=int(float(os.environ.get("RACKBED_GRAPH_RESERVE_GB", "8"))
+                                                                 * (1 << 30)),
+                                               budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
+            print(f"rank {self.spec.rank}: decode graphs at warm-up: {self.graph_info}", flush=True)
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def serve(self, cmd_q, res_q) -> None:
+    def _connect_kv_peers(self) -> None:
+        """One tiny message per (prefill rank, decode rank) pair over the KV group, in the same sorted order on
+        every rank, so the point-to-point connections (NCCL communicators) exist before the first measured
+        transfer."""
+        me = self.spec.rank
+        t = torch.zeros(1, dtype=torch.long, device=self.dev)
+        for p, d in sorted(self.spec.kv_peers):
+            if me == p:
+                self.transfer.backend.send(t, d)
+            elif me == d:
+                self.transfer.backend.recv(t, p)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _sync(self) -> None:
+        """Wait for this thread's current stream (not the device: the other lane's work runs on)."""
+        if self.dev.type == "cuda":
+            torch.cuda.current_stream(self.dev).synchronize()
+
+    def _run(self, op: str, token, args: dict, res_q) -> None:
+        try:
+            t0 = time.perf_counter()
+            out = getattr(self, f"_op_{op}")(**args)
+            self._sync()
+            res_q.put((token, self.spec.rank, "ok", (out, time.perf_counter() - t0)))
+        except Exception as exc:
+            res_q.put((token, self.spec.rank, "error", f"{type(exc).__name__}: {exc}"))
+
+    def _transfer_loop(self, xfer_q: queue.Queue, res_q) -> None:
+        if self.kv_stream is not None:
+            torch.cuda.set_device(self.dev)
+            torch.cuda.set_stream(self.kv_stream)
+        torch.set_num_threads(1)
+        while True:
+            op, token, args = xfer_q.get()
+            if op == "stop":
+                return
+            self._run(op, token, args, res_q)
+
+    def _route(self, cmd_q, comp_q: queue.Queue, xfer_q: queue.Queue) -> None:
         while True:
             msg = cmd_q.get()
-            op, token, args = msg
+            op = msg[0]
+            if op in TRANSFER_OPS:
+                xfer_q.put(msg)
+            else:
+                comp_q.put(msg)
             if op == "stop":
+                xfer_q.put(msg)
+                return
+
+    def serve(self, cmd_q, res_q) -> None:
+        comp_q: queue.Queue = queue.Queue()
+        xfer_q: queue.Queue = queue.Queue()
+        xfer = threading.Thread(target=self._transfer_loop, args=(xfer_q, res_q), name="kv-transfer", daemon=True)
+        router = threading.Thread(target=self._route, args=(cmd_q, comp_q, xfer_q), name="router", daemon=True)
+        xfer.start()
+        router.start()
+        while True:
+            op, token, args = comp_q.get()
+            if op == "stop":
+                xfer.join(timeout=10)   # a transfer stuck on a dead peer does not hold the stop up for long
+                if self.graphs is not None:
+                    print(f"rank {self.spec.rank}: decode graphs captured inside measured steps: "
+                          f"{self.graphs.n_captured_late} (at warm-up: {self.graph_info.get('captured', 0)})",
+                          flush=True)
                 res_q.put((token, self.spec.rank, "ok", None))
                 return
-            try:
-                t0 = time.perf_counter()
-                out = getattr(self, f"_op_{op}")(**args)
-                self._sync()
-                res_q.put((token, self.spec.rank, "ok", (out, time.perf_counter() - t0)))
-            except Exception as exc:
-                res_q.put((token, self.spec.rank, "error", f"{type(exc).__name__}: {exc}"))
+            if op not in COMPUTE_OPS:
+                res_q.put((token, self.spec.rank, "error", f"unknown op {op!r}"))
+                continue
+            self._run(op, token, args, res_q)
 
     # -- prefill side ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _op_prefill(self, items):
         seqs, pts = [], []
-        for rid, ids in items:
-            if rid in self.seqs:                          # a stale copy (re-prefill after a failure)
-                self.cache.free(self.seqs.pop(rid).pages)
-            pages = self.cache.alloc(len(ids))
-            pts.append(pages)
-            seqs.append(torch.tensor(ids, dtype=torch.long, device=self.dev))
+        with self.lock:
+            for rid, ids in items:
+                old = self.seqs.pop(rid, None)
+                if old is not None and not old.busy:      # a stale copy (re-prefill after a failure)
+                    self.cache.free(old.pages)
+                elif old is not None:                     # still being shipped: the sender frees it
+                    old.stale = True
+                pages = self.cache.alloc(len(ids))
+                pts.append(pages)
+                seqs.append(torch.tensor(ids, dtype=torch.long, device=self.dev))
         logits = self.model.forward_prefill(seqs, self.cache, pts)
         first = logits.argmax(-1).tolist()
         out = {}
-        for (rid, ids), pages, tok in zip(items, pts, first):
-            self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
-            out[rid] = (tok, pages)
+        with self.lock:
+            for (rid, ids), pages, tok in zip(items, pts, first):
+                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
+                out[rid] = (tok, pages)
         return out
 
-    def _op_kv_send(self, rid, dst_global, seq_len, dst_pages):
-        s = self.seqs.pop(rid)
-        n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
-        self.cache.free(s.pages)
-        return n
+    def _op_kv_send(self, rid, dst_global, seq_len):
+        """Transfer lane: wait for the decoder's pages, ship, free. On failure (a dead decoder) the KV stays here,
+        so the scheduler's retry to another decoder can ship it again."""
+        with self.lock:
+            s = self.seqs[rid]
+            s.busy = True
+        ok = False
+        try:
+            dst_pages = self.transfer.await_offer(dst_global, seq_len, self.dev)
+            if dst_pages is None:
+                raise MemoryError(f"decoder rank {dst_global} has no room for request {rid}")
+            n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
+            self._sync()                              # the gather has read the pages before they are freed
+            ok = True
+            return n
+        finally:
+            with self.lock:
+                s.busy = False
+                if ok or s.stale:
+                    if self.seqs.get(rid) is s:
+                        del self.seqs[rid]
+                    self.cache.free(s.pages)
 
     # -- decode side -------------------------------------------------------------------------------------------
-    def _op_kv_alloc(self, rid, n_tokens):
-        if rid in self.seqs:
-            self._drop(rid)
-        pages = self.cache.alloc(n_tokens + 1)
-        self.seqs[rid] = _Seq(pages=pages, length=0, last_token=-1)
-        return pages
-
     def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens):
-        s = self.seqs[rid]
-        n = self.transfer.recv(self.cache.storage, list(src_globals), seq_len, src_pages, s.pages)
-        s.length, s.last_token, s.tokens = seq_len, last_token, list(tokens)
+        """Transfer lane: reserve pages, offer them to the sources, receive the KV into them. The request is not
+        in the running batch until a later decode step's ``joined`` names it."""
+        pages = None
+        with self.lock:
+            if rid in self.seqs:
+                self._drop(rid)                       # a stale copy from before a failure
+            try:
+                pages = self.cache.alloc(seq_len + 1)
+            except MemoryError:
+                pass
+            if pages is not None:
+                s = _Seq(pages=pages, length=0, last_token=-1)
+                self.seqs[rid] = s
+        self.transfer.offer(pages, seq_len, list(src_globals), self.dev)
+        if pages is None:
+            raise MemoryError(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
+        try:
+            n = self.transfer.recv(self.cache.storage, list(src_globals), seq_len, src_pages, pages)
+        except BaseException:
+            with self.lock:
+                if self.seqs.get(rid) is s:
+                    self._drop(rid)
+            raise
+        with self.lock:
+            s.length, s.last_token, s.tokens = seq_len, last_token, list(tokens)
         return n
 
     def _drop(self, rid):
+        """Free a request's pages (the caller holds the lock)."""
         s = self.seqs.pop(rid, None)
         if s is not None:
             self.cache.free(s.pages)
@@ -237,27 +375,29 @@ class Rank:
             self.running.remove(rid)
 
     def _op_drop(self, rids):
-        for rid in rids:
-            self._drop(rid)
+        with self.lock:
+            for rid in rids:
+                self._drop(rid)
         return len(rids)
 
     @torch.inference_mode()
     def _op_decode(self, joined, left):
-        for rid in left:
-            self._drop(rid)
-        for rid, rank in joined:
-            if rank == self.me:
-                self.running.append(rid)
-        batch = [rid for rid in self.running if rid in self.seqs]
-        if batch:
-            for rid in batch:
-                s = self.seqs[rid]
+        with self.lock:
+            for rid in left:
+                self._drop(rid)
+            for rid, rank in joined:
+                if rank == self.me:
+                    self.running.append(rid)
+            batch = [rid for rid in self.running if rid in self.seqs]
+            seqs = [self.seqs[rid] for rid in batch]
+            for s in seqs:
                 self.cache.grow(s.pages, s.length + 1)
-            width = max(len(self.seqs[r].pages) for r in batch)
-            table = torch.tensor([self.seqs[r].pages + [self.seqs[r].pages[0]] * (width - len(self.seqs[r].pages))
-                                  for r in batch], device=self.dev)
-            toks = torch.tensor([self.seqs[r].last_token for r in batch], device=self.dev)
-            pos = torch.tensor([self.seqs[r].length for r in batch], device=self.dev)
+            rows = [list(s.pages) for s in seqs]
+        if batch:
+            width = max(len(p) for p in rows)
+            table = torch.tensor([p + [p[0]] * (width - len(p)) for p in rows], device=self.dev)
+            toks = torch.tensor([s.last_token for s in seqs], device=self.dev)
+            pos = torch.tensor([s.length for s in seqs], device=self.dev)
         else:
             table = torch.zeros(0, 1, dtype=torch.long, device=self.dev)
             toks = torch.zeros(0, dtype=torch.long, device=self.dev)
@@ -268,8 +408,7 @@ class Rank:
             logits = self.model.forward_decode(toks, pos, self.cache, table)
         nxt = logits.argmax(-1).tolist() if batch else []
         out = {}
-        for rid, tok in zip(batch, nxt):
-            s = self.seqs[rid]
+        for rid, s, tok in zip(batch, seqs, nxt):
             s.tokens.append(s.last_token)
             s.length += 1
             s.last_token = tok
