@@ -2,12 +2,19 @@
 
 The kernel calibration (``calibration/h200.yaml``) makes the first-principles cost models match the *kernels*;
 the real engine adds what those models do not describe — Python and launch overheads, its own attention and MoE
-glue, the KV transfer waiting behind compute in one command loop per rank. A real run (``rackbed real``) records
-every plan's measured time; :func:`fit_engine` fits, from every plan not held out:
+glue, and its KV transfers, which run on each rank's transfer lane (own thread, CUDA stream and process group)
+beside the compute loop, so their time depends on what the two ends compute meanwhile. A real run
+(``rackbed real``) records every plan's measured time; :func:`fit_engine` replays the run through the simulator
+with those times (the same scheduler, so the same plans: each prefill batch's sequences, each KV's tokens) and
+fits, from every plan not held out:
 
 - ``decode_step_s(batch)``: robust line in the total batch (tabulated at the measured batch sizes);
-- ``prefill_s(tokens)``: least-squares line ``a + b * tokens`` over prefill batches;
-- ``kv_transfer_s(tokens)``: least-squares line over KV transfers (measured from dispatch to completion).
+- ``prefill_s`` + ``prefill_attn_s``: ``a + b * tokens + c * pairs``, where ``pairs`` is the batch's causal
+  attention work, the query-key pairs ``sum(n * start + n * (n + 1) / 2)`` over its sequences — attention is
+  quadratic in each sequence's length, so two 1500-token prompts cost less than one 3000-token prompt (robust
+  non-negative least squares);
+- ``kv_transfer_s(tokens)``: robust line over KV transfers (measured from dispatch to completion, waits for the
+  ends' compute included).
 
 The file (``calibration/engine-<gpu>-<model>.yaml``) is used automatically by ``sim.scenario.build`` when the
 scenario's model name (truncation included) and GPU match: :class:`EngineCalibratedCostModel` rescales the cost
@@ -33,6 +40,12 @@ from topology.errors import UserError, from_validation
 ENGINE_DIR = Path(__file__).resolve().parents[1] / "calibration"
 
 
+def attn_pairs(items) -> float:
+    """Causal attention work of a prefill batch: query-key pairs over its ``(request_id, start, n)`` items (a chunk
+    of ``n`` tokens after ``start`` already prefilled attends to ``start`` earlier tokens and causally to itself)."""
+    return float(sum(n * start + n * (n + 1) / 2 for _, start, n in items))
+
+
 class EngineCalibration(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -45,6 +58,7 @@ class EngineCalibration(BaseModel):
     holdout_every: int = 3
     decode_step_s: tuple[tuple[float, float], ...] = Field(min_length=1)   # (batch, seconds)
     prefill_s: tuple[float, float]                                          # (a, b): a + b * tokens
+    prefill_attn_s: float = 0.0                                             # + c * causal attention pairs
     kv_transfer_s: tuple[float, float]                                      # (a, b): a + b * tokens
     n_plans: dict[str, int] = Field(default_factory=dict)
 
@@ -52,8 +66,10 @@ class EngineCalibration(BaseModel):
         xs, ys = zip(*self.decode_step_s)
         return float(np.interp(batch, xs, ys))
 
-    def prefill(self, tokens: float) -> float:
-        return max(self.prefill_s[0] + self.prefill_s[1] * tokens, 0.0)
+    def prefill(self, tokens: float, pairs: float = 0.0) -> float:
+        """A prefill batch of ``tokens`` tokens whose attention covers ``pairs`` query-key pairs
+        (:func:`attn_pairs`)."""
+        return max(self.prefill_s[0] + self.prefill_s[1] * tokens + self.prefill_attn_s * pairs, 0.0)
 
     def kv(self, tokens: float) -> float:
         return max(self.kv_transfer_s[0] + self.kv_transfer_s[1] * tokens, 0.0)
@@ -98,7 +114,7 @@ class EngineCalibratedCostModel:
                         allreduce_s=st.allreduce_s * f, other_s=st.other_s * f)
 
     def prefill(self, plan, group):
-        return self._scaled(self.base.prefill(plan, group), self.cal.prefill(plan.n_tokens))
+        return self._scaled(self.base.prefill(plan, group), self.cal.prefill(plan.n_tokens, attn_pairs(plan.items)))
 
     def decode(self, plan, group):
         return self._scaled(self.base.decode(plan, group), self.cal.decode(max(plan.rank_batch)))
@@ -120,8 +136,51 @@ class EngineCalibratedCostModel:
 # Fitting and validation from a real run's files
 
 
-def _plans(run_dir: Path, kv_bytes_per_token: int | None = None) -> list[dict]:
-    """Each measured plan of a real run with its size: decode -> batch, prefill -> tokens, kv -> tokens."""
+class _Replayed:
+    """Executor for :func:`_replay_plans`: each plan's recorded duration, and the plan kept."""
+
+    def __init__(self, records) -> None:
+        self.table: dict[tuple, list[float]] = {}
+        for p in records:           # a key can repeat (a KV shipped again after a failure)
+            self.table.setdefault((p["worker"], p["kind"], p["key"]), []).append(p["measured_s"])
+        self.plans: dict[tuple, list] = {}
+        self.breakdown_s = {"prefill": {}, "decode": {}}
+
+    def breakdown(self) -> dict:
+        return self.breakdown_s
+
+    def duration(self, plan, now_s: float) -> float:
+        from engine.core.plans import KvTransfer, PrefillBatch
+
+        tp = type(plan)
+        k = (plan.worker, "prefill", plan.batch) if tp is PrefillBatch else \
+            (plan.worker, "kv", plan.request_id) if tp is KvTransfer else (plan.worker, "decode", plan.step)
+        if not self.table.get(k):
+            raise UserError(f"engine calibration: replaying the real run diverged (no measured time for {k})")
+        self.plans.setdefault(k, []).append(plan)
+        d = self.table[k].pop(0)
+        return float(d) if np.isfinite(d) else 1e9
+
+
+def _replay_plans(real: dict, built) -> dict[tuple, list]:
+    """The real run's plans, rebuilt by replaying it through the simulator with its measured times (the scheduler
+    is the same, so the decisions are: ``tests/test_real_driver.py``): ``(worker, kind, key) -> [plan, ...]``."""
+    from engine.core.metrics import Slo
+    from engine.core.workload import generate
+    from sim.driver import simulate
+
+    sc = built.scenario
+    ex = _Replayed(real["plans"])
+    faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in real.get("deaths") or ()]
+    simulate(built.deployment, generate(sc.workload, sc.seed), built.cost_model, seed=sc.seed, progress=False,
+             faults=faults, slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
+             decision_log=False, executor_factory=lambda cm, net, group_of: ex)
+    return ex.plans
+
+
+def _plans(run_dir: Path, built, kv_bytes_per_token: int | None = None) -> list[dict]:
+    """Each measured plan of a real run with its size: decode -> batch, prefill -> tokens (and ``pairs``, its
+    causal attention work), kv -> tokens; in the run's completion order."""
     real = json.loads((run_dir / "real.json").read_text())
     dec, pre, kv = {}, {}, {}
     with open(run_dir / "decisions.csv") as f:
@@ -132,16 +191,21 @@ def _plans(run_dir: Path, kv_bytes_per_token: int | None = None) -> list[dict]:
                 pre[(row["worker"], int(row["a"]))] = int(row["b"])
             elif row["kind"] == "kv_transfer":
                 kv[(row["worker"], int(row["request_id"]))] = int(row["a"])
+    replayed = _replay_plans(real, built)
     kv_bpt = real.get("kv_bytes_per_token") or kv_bytes_per_token
     out = []
+    seen: dict[tuple, int] = {}
     for p in real["plans"]:
+        k3 = (p["worker"], p["kind"], p["key"])
+        i = seen[k3] = seen.get(k3, -1) + 1
         if p["measured_s"] is None or not np.isfinite(p["measured_s"]):
             continue
         k = (p["worker"], p["key"])
         if p["kind"] == "decode" and k in dec:
             out.append({**p, "x": dec[k]})
         elif p["kind"] == "prefill" and k in pre:
-            out.append({**p, "x": pre[k]})
+            items = replayed[k3][i].items
+            out.append({**p, "x": pre[k], "pairs": attn_pairs(items), "n_seqs": len(items)})
         elif p["kind"] == "kv" and k in kv:
             out.append({**p, "x": kv[k] / kv_bpt if kv_bpt else kv[k]})
     return out
@@ -177,13 +241,44 @@ def _line(xs, ys) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _lstsq_nonneg(cols, ys) -> tuple[float, ...]:
+    """Robust non-negative least squares ``y ~ sum(c_i * col_i)`` (the first column is the intercept's ones): fit,
+    drop points beyond 3 MADs of the residuals (a warm-up batch), refit. Falls back to :func:`_line` in the first
+    real column when there are too few points to determine every coefficient."""
+    from scipy.optimize import nnls
+
+    X, y = np.column_stack([np.asarray(c, float) for c in cols]), np.asarray(ys, float)
+    if len(y) < X.shape[1] + 2 or np.linalg.matrix_rank(X) < X.shape[1]:
+        a, b = _line(X[:, 1], y)
+        return (a, b) + (0.0,) * (X.shape[1] - 2)
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    keep = np.ones(len(y), bool)
+    for _ in range(3):
+        c = nnls(X[keep] / scale, y[keep])[0] / scale
+        r = y - X @ c
+        rk = r[keep]
+        mad = float(np.median(np.abs(rk - np.median(rk)))) or 1e-12
+        new = np.abs(r - np.median(rk)) <= 3 * 1.4826 * mad
+        if (new == keep).all() or new.sum() < X.shape[1] + 2:
+            break
+        keep = new
+    return tuple(float(v) for v in nnls(X[keep] / scale, y[keep])[0] / scale)
+
+
 def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int = 3,
-               kv_bytes_per_token: int | None = None) -> tuple[EngineCalibration, list[dict]]:
+               kv_bytes_per_token: int | None = None, built=None) -> tuple[EngineCalibration, list[dict]]:
     """Fit the engine curves from a real run folder (real.json + decisions.csv); return them and the held-out
-    plans. Decode uses the time the ranks measured (``worker_s``, the step itself); prefill and KV transfer use
-    the driver's dispatch-to-completion time (``measured_s``), which includes waiting behind other commands."""
+    plans. Every time is the driver's dispatch-to-completion time (``measured_s``: what the simulated clock
+    advances by). ``built``: the run's scenario, built without engine calibration (default: built from
+    ``real.json``), to replay the run for each prefill batch's sequences."""
     run_dir = Path(run_dir)
-    plans = _plans(run_dir, kv_bytes_per_token)
+    real = json.loads((run_dir / "real.json").read_text())
+    if built is None:
+        from sim.scenario import build, load_scenario
+
+        built = build(load_scenario(real["scenario"]), engine_calibration=False)
+    plans = _plans(run_dir, built, kv_bytes_per_token)
     if not plans:
         raise UserError(f"{run_dir}: no measured plans to fit (need real.json and decisions.csv)")
     fit, hold = _split(plans, holdout_every)
@@ -192,12 +287,15 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
         raise UserError(f"{run_dir}: no decode steps among the fitted plans")
     da, db = _line(*zip(*dpts))
     dec = tuple((float(b), da + db * b) for b in sorted({int(x) for x, _ in dpts}))
-    pre = [(p["x"], p["measured_s"]) for p in fit if p["kind"] == "prefill"]
+    pre = [p for p in fit if p["kind"] == "prefill"]
+    if pre:
+        pa, pb, pc = _lstsq_nonneg([[1.0] * len(pre), [p["x"] for p in pre], [p["pairs"] for p in pre]],
+                                   [p["measured_s"] for p in pre])
+    else:
+        pa = pb = pc = 0.0
     kvs = [(p["x"], p["measured_s"]) for p in fit if p["kind"] == "kv"]
-    real = json.loads((run_dir / "real.json").read_text())
     cal = EngineCalibration(gpu=gpu, model=model, source=str(run_dir), date=real.get("versions", {}).get("date", ""),
-                            holdout_every=holdout_every, decode_step_s=dec,
-                            prefill_s=_line(*zip(*pre)) if pre else (0.0, 0.0),
+                            holdout_every=holdout_every, decode_step_s=dec, prefill_s=(pa, pb), prefill_attn_s=pc,
                             kv_transfer_s=_line(*zip(*kvs)) if kvs else (0.0, 0.0),
                             n_plans={"fit": len(fit), "held_out": len(hold)})
     return cal, hold
@@ -222,11 +320,11 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
     b = build(sc, engine_calibration=False)
     gpu = b.topology.gpu_spec(b.deployment.decoders[0].gpus[0]).name
     cal, hold = fit_engine(run_dir, gpu=gpu, model=b.model.name, holdout_every=holdout_every,
-                           kv_bytes_per_token=b.deployment.kv_bytes_per_token)
+                           kv_bytes_per_token=b.deployment.kv_bytes_per_token, built=b)
     rows = []
     for p in hold:
-        pred = cal.decode(p["x"]) if p["kind"] == "decode" else cal.prefill(p["x"]) if p["kind"] == "prefill" \
-            else cal.kv(p["x"])
+        pred = cal.decode(p["x"]) if p["kind"] == "decode" else cal.prefill(p["x"], p["pairs"]) \
+            if p["kind"] == "prefill" else cal.kv(p["x"])
         rows.append({"plan": f"{p['worker']}/{p['kind']}/{p['key']}", "kind": p["kind"], "x": p["x"],
                      "measured_s": p["measured_s"], "predicted_s": pred,
                      "rel_error": (pred - p["measured_s"]) / p["measured_s"]})

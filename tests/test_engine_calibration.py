@@ -1,0 +1,93 @@
+"""Engine calibration (sim.engine_calibration): the prefill form a + b*tokens + c*attention pairs."""
+
+import os
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.core.plans import PrefillBatch
+from sim.costs.steptime import StepTime
+from sim.engine_calibration import (
+    EngineCalibratedCostModel,
+    EngineCalibration,
+    _lstsq_nonneg,
+    attn_pairs,
+    load_engine_calibration,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@given(n=st.integers(1, 5000), cuts=st.lists(st.integers(1, 4999), max_size=6))
+def test_attn_pairs_chunking_adds_up(n, cuts):
+    """Prefilling a prompt in chunks does the same causal attention work as in one go."""
+    bounds = sorted({c for c in cuts if c < n} | {0, n})
+    chunks = [(0, a, b - a) for a, b in pairwise(bounds)]
+    assert sum(attn_pairs([c]) for c in chunks) == pytest.approx(attn_pairs([(0, 0, n)]))
+    assert attn_pairs([(0, 0, n)]) == n * (n + 1) / 2
+
+
+def test_fit_recovers_quadratic_prefill_and_drops_warmup():
+    rng = np.random.default_rng(1)
+    batches = [[int(x) for x in rng.integers(500, 3000, size=rng.integers(1, 3))] for _ in range(20)]
+    N = [sum(b) for b in batches]
+    Q = [attn_pairs([(0, 0, n) for n in b]) for b in batches]
+    y = [0.03 + 3e-5 * n + 5e-8 * q + rng.normal(0, 2e-3) for n, q in zip(N, Q)]
+    y[0] += 0.08                                      # a warm-up batch
+    _, b, c = _lstsq_nonneg([[1.0] * len(y), N, Q], y)
+    assert c == pytest.approx(5e-8, rel=0.15) and b == pytest.approx(3e-5, rel=0.5)
+    # coefficients never go negative, even when the data pull one down
+    a2, b2, c2 = _lstsq_nonneg([[1.0] * 20, N, Q], [0.3 - 1e-9 * q for q in Q])
+    assert min(a2, b2, c2) >= 0.0
+
+
+def test_cost_model_prices_two_halves_below_one_whole():
+    """With an attention term, two 1500-token prompts prefill faster than one 3000-token prompt (the line alone
+    prices them the same)."""
+    cal = EngineCalibration(gpu="g", model="m", decode_step_s=((1.0, 0.01),), prefill_s=(0.03, 3e-5),
+                            prefill_attn_s=5e-8, kv_transfer_s=(0.01, 0.0))
+
+    class Base:
+        def prefill(self, plan, group):
+            return StepTime(attn_s=1.0, moe_gemm_s=1.0, a2a_s=0.0, allreduce_s=0.0, other_s=0.0)
+
+    cm = EngineCalibratedCostModel(Base(), cal)
+    one = cm.prefill(PrefillBatch("P0", 0, ((0, 0, 3000),), 3000), None).total_s
+    two = cm.prefill(PrefillBatch("P0", 0, ((0, 0, 1500), (1, 0, 1500)), 3000), None).total_s
+    assert two < one
+    assert one == pytest.approx(0.03 + 3e-5 * 3000 + 5e-8 * 3000 * 3001 / 2)
+    flat = EngineCalibratedCostModel(Base(), cal.model_copy(update={"prefill_attn_s": 0.0}))
+    assert flat.prefill(PrefillBatch("P0", 0, ((0, 0, 1500), (1, 0, 1500)), 3000), None).total_s == \
+        pytest.approx(flat.prefill(PrefillBatch("P0", 0, ((0, 0, 3000),), 3000), None).total_s)
+
+
+def test_old_file_without_attention_term_loads(tmp_path):
+    d = yaml.safe_load((ROOT / "calibration/engine-H200-SXM-qwen3-235b-a22b-16l.yaml").read_text())
+    assert d["prefill_attn_s"] > 0
+    del d["prefill_attn_s"]
+    p = tmp_path / "engine-old.yaml"
+    p.write_text(yaml.safe_dump(d))
+    assert load_engine_calibration(p).prefill_attn_s == 0.0
+
+
+RUN = ROOT / "results/h200x2/real_lab"
+
+
+@pytest.mark.skipif(not (RUN / "real.json").exists(), reason="no committed real run")
+def test_held_out_prefills_of_the_h200_run():
+    """The committed 2xH200 run: the attention term predicts held-out prefill batches within 10 %."""
+    from sim.engine_calibration import validate_engine_run
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        res = validate_engine_run("results/h200x2/real_lab")
+    finally:
+        os.chdir(cwd)
+    assert res["calibration"]["prefill_attn_s"] > 0
+    assert res["per_plan"]["prefill"]["max_abs"] <= 0.10
