@@ -94,7 +94,125 @@ def _gemm_cases():
     return cases
 
 
+# Tensor-core kernel variants swept by run_gemm (name -> config as grouped_gemm.MMA_V2); "v2" is the measured v2.
+def _mma_variants() -> dict:
+    def c(rb, warps, ctas, depth, hint, tn=1):
+        return {"rb": rb, "warps": warps, "ctas": ctas, "depth": depth, "hint": hint, "tn": tn}
+
+    gu = {"v2": c(1, 8, 2, 0, 0), "h1": c(1, 8, 2, 0, 1), "d4h1": c(1, 8, 2, 4, 1), "d4h2": c(1, 8, 2, 4, 2),
+          "d8h1c1": c(1, 8, 1, 8, 1), "d2h1c4": c(1, 8, 4, 2, 1), "d4h1c3": c(1, 8, 3, 4, 1),
+          "w4d4h1c4": c(1, 4, 4, 4, 1), "w16d4h1c1": c(1, 16, 1, 4, 1), "rb2d2h1": c(2, 8, 2, 2, 1),
+          "d4h1tn2": c(1, 8, 2, 4, 1, 2), "w4d8h1c2": c(1, 4, 2, 8, 1)}
+    dn = {"v2": c(2, 8, 2, 0, 0), "h1": c(2, 8, 2, 0, 1), "d3h1": c(2, 8, 2, 3, 1), "d6h1": c(2, 8, 2, 6, 1),
+          "d3h2": c(2, 8, 2, 3, 2), "rb1d3h1c4": c(1, 8, 4, 3, 1), "w4d4h1c4": c(2, 4, 4, 4, 1),
+          "rb4d2h1": c(4, 8, 2, 2, 1), "d3h1c3": c(2, 8, 3, 3, 1), "rb1w4d6h1c4": c(1, 4, 4, 6, 1),
+          "d3h1tn2": c(2, 8, 2, 3, 1, 2)}
+    only = os.environ.get("RACKBED_MMA_VARIANTS")  # optional comma list of names to keep (v2 always kept)
+    if only:
+        keep = set(only.split(",")) | {"v2"}
+        gu = {k: v for k, v in gu.items() if k in keep}
+        dn = {k: v for k, v in dn.items() if k in keep}
+    return {"gate_up": gu, "down": dn}
+
+
+_GRAPH_FALLBACKS: list[str] = []
+
+
+def _time_graph_us(fns, reps: int = 8, budget_us: float = 4000.0) -> float:
+    """Kernel time without host launch overhead: ``fns`` (a list, called round-robin, e.g. one per weight rotation)
+    captured back to back into one CUDA graph, replayed ``reps`` times; median per call. The number of calls per
+    graph is chosen from one eager call so that a replay takes about ``budget_us``."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fns[0]()
+        b.record()
+    torch.cuda.synchronize()
+    est = max(a.elapsed_time(b) * 1e3, 1.0)
+    n = max(len(fns), min(40, int(budget_us / est)))
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n):
+                fns[i % len(fns)]()
+        g.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # not capturable: back-to-back eager calls (host overhead may show), noted in the JSON
+        torch.cuda.synchronize()
+        _GRAPH_FALLBACKS.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        return _time_us(lambda: [f() for f in fns], reps=reps, iters=max(1, n // len(fns))) / len(fns)
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / n)
+    del g
+    return statistics.median(ts)
+
+
+def _ref_act(x, gate_up, counts_l, F):
+    """fp32 silu(x Wg^T) * (x Wu^T) per expert -> [R, F] fp32."""
+    import torch
+
+    out = torch.zeros(x.shape[0], F, dtype=torch.float32, device=x.device)
+    s0 = 0
+    for e, n in enumerate(counts_l):
+        if n:
+            y = x[s0:s0 + n].float() @ gate_up[e].float().T
+            out[s0:s0 + n] = torch.nn.functional.silu(y[:, :F]) * y[:, F:]
+            s0 += n
+    return out
+
+
+def _ref_down(a, down, counts_l):
+    import torch
+
+    out = torch.zeros(a.shape[0], down.shape[1], dtype=torch.float32, device=a.device)
+    s0 = 0
+    for e, n in enumerate(counts_l):
+        if n:
+            out[s0:s0 + n] = a[s0:s0 + n].float() @ down[e].float().T
+            s0 += n
+    return out
+
+
+def _suggest_tuned(rows: list[dict], variants: dict) -> list:
+    """MMA_TUNED rules from the sweep: for each measured mean rows per expert (ascending), the gate_up and the down
+    variant with the least summed kernel time over that mean's cases; consecutive equal choices merged."""
+    by_mean: dict[float, list[dict]] = {}
+    for r in rows:
+        by_mean.setdefault(r["rows"] / r["experts"], []).append(r)
+    rules: list = []
+    for mean in sorted(by_mean):
+        pick = []
+        for part in ("gate_up", "down"):
+            tot: dict[str, float] = {}
+            for r in by_mean[mean]:
+                for name, t in r.get(f"sweep_{part}_us", {}).items():
+                    tot[name] = tot.get(name, 0.0) + t
+            ok = [n for n in tot if all(n in r.get(f"sweep_{part}_us", {}) for r in by_mean[mean])]
+            pick.append(min(ok, key=tot.get) if ok else "v2")
+        if rules and rules[-1][2:] == tuple(pick):
+            rules[-1] = (mean, 1, *pick)
+        else:
+            rules.append((mean, 1, *pick))
+    return [(m, e, variants["gate_up"][g], variants["down"][d], g, d) for m, e, g, d in rules]
+
+
 def run_gemm(cfg=None) -> dict:
+    """Decode grouped SwiGLU: torch._grouped_mm, the CuTe GEMV, and a sweep of tensor-core kernel variants (each
+    checked on NaN-poisoned outputs before it is timed; compile or check failures are reported and skipped).
+    Times: eager CUDA events (host launch overhead included, as v1/v2 measured) and CUDA-graph replay (kernel time;
+    weights rotated over experts so a case never runs out of L2)."""
     import torch
 
     from kernels import grouped_gemm as gg
@@ -112,38 +230,148 @@ def run_gemm(cfg=None) -> dict:
     t = _time_us(lambda: big2.copy_(big), reps=10)
     res["hbm_copy_GBps_rw"] = 2 * big.numel() / t / 1e3
     del big, big2
+    partial = os.environ.get("RACKBED_MOE_PARTIAL")  # optional: JSON rewritten after every case (survives timeout)
+    mma_why = None
+    if res["cute_unavailable"] is None:
+        mma_why = gg.mma_unsupported(torch.empty(1, D, dtype=torch.bfloat16, device=dev), gate_up, down)
+    res["mma_unavailable"] = res["cute_unavailable"] or mma_why
+    t_start = time.time()
+    variants = _mma_variants()
+    res["mma_variants"] = variants
+    ok_var = {"gate_up": {}, "down": {}}
+    if res["mma_unavailable"] is None:  # compile every variant up front (bounded: each ~1-10 s), failures skipped
+        from kernels import grouped_gemm_mma as gm
+
+        for part, (n_w, k, fuse) in (("gate_up", (2 * F, D, True)), ("down", (D, F, False))):
+            for name, c in variants[part].items():
+                t0 = time.time()
+                try:
+                    gm.compiled(E, n_w, k, fuse, c["rb"], c["warps"], c["ctas"], c["depth"], c["hint"], c["tn"])
+                    ok_var[part][name] = c
+                except Exception as exc:
+                    res["errors"].append(f"compile {part}/{name}: {type(exc).__name__}: {str(exc)[:300]}")
+                print(f"[moe_gemm {time.time() - t_start:5.0f} s] compiled {part}/{name} in {time.time() - t0:.1f} s"
+                      f"{'' if name in ok_var[part] else ' FAILED'}", flush=True)
     for name, counts_l in _gemm_cases():
+        R = sum(counts_l)
+        row = {"case": name, "rows": R, "experts": E, "active_experts": sum(1 for c in counts_l if c),
+               "max_rows_per_expert": max(counts_l),
+               "bytes": gg.swiglu_weight_bytes(counts_l, D, F) + R * (2 * D + 2 * F) * 2,
+               "flops": gg.swiglu_flops(R, D, F)}
+        # rotations: the same case on disjoint expert sets, called round-robin in the graph so that consecutive calls
+        # never find their weights in L2 (50 MB) when one call's weights would fit there
+        wbytes = max(gg.swiglu_weight_bytes(counts_l, D, F), 1)
+        n_rot = min(8, -(-150_000_000 // wbytes))
+        rots = [torch.tensor(list(np.roll(counts_l, 5 * i)), device=dev, dtype=torch.int64) for i in range(n_rot)]
+        offs_r = [gg.expert_offsets(c) for c in rots]
         try:
-            R = sum(counts_l)
-            counts = torch.tensor(counts_l, device=dev, dtype=torch.int64)
+            counts = rots[0]
             x = torch.randn(R, D, device=dev, generator=g).to(torch.bfloat16)
             ref = gg.grouped_swiglu_reference(x, gate_up, down, counts)
-            row = {"case": name, "rows": R, "active_experts": sum(1 for c in counts_l if c),
-                   "max_rows_per_expert": max(counts_l),
-                   "bytes": gg.swiglu_weight_bytes(counts_l, D, F) + R * (2 * D + 2 * F) * 2,
-                   "flops": gg.swiglu_flops(R, D, F)}
             row["torch_us"] = _time_us(lambda: gg.grouped_swiglu_torch(x, gate_up, down, counts))
             row["torch_relerr"] = _relerr(gg.grouped_swiglu_torch(x, gate_up, down, counts), ref)
-            if res["cute_unavailable"] is None:
-                act = torch.full((R, F), float("nan"), dtype=torch.bfloat16, device=dev)
-                out = torch.full((R, D), float("nan"), dtype=torch.bfloat16, device=dev)
-                gg.grouped_swiglu_cute(x, gate_up, down, counts, act_out=act, out=out)
-                torch.cuda.synchronize()
-                row["cute_relerr"] = _relerr(out, ref)
-                row["cute_us"] = _time_us(lambda: gg.grouped_swiglu_cute(x, gate_up, down, counts, act_out=act,
-                                                                          out=out))
-                # phases: gate_up alone (torch grouped_mm vs fused kernel)
-                offs = torch.cumsum(counts, 0).to(torch.int32)
-                offs1 = gg.expert_offsets(counts)
-                row["torch_gate_up_us"] = _time_us(lambda: torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs))
-                row["cute_gate_up_us"] = _time_us(lambda: gg.gemv_launch(x, gate_up, offs1, act, True))
-                row["speedup"] = row["torch_us"] / row["cute_us"]
-                row["cute_GBps"] = row["bytes"] / row["cute_us"] / 1e3
             row["torch_GBps"] = row["bytes"] / row["torch_us"] / 1e3
-            res["rows"].append(row)
         except Exception as exc:
-            res["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+            res["errors"].append(f"{name} torch: {type(exc).__name__}: {exc}")
             traceback.print_exc()
+            res["rows"].append(row)
+            continue
+        try:
+            row["torch_graph_us"] = _time_graph_us([lambda c=c: gg.grouped_swiglu_torch(x, gate_up, down, c)
+                                                    for c in rots])
+            row["torch_graph_GBps"] = row["bytes"] / row["torch_graph_us"] / 1e3
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            row["torch_gate_up_us"] = _time_graph_us([lambda: torch._grouped_mm(x, gate_up.transpose(1, 2),
+                                                                                offs=offs)])
+        except Exception as exc:
+            res["errors"].append(f"{name} torch graph: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        act = torch.empty(R, F, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(R, D, dtype=torch.bfloat16, device=dev)
+        full = []
+        if res["cute_unavailable"] is None:
+            full.append(("cute", lambda c, o, **kw: gg.grouped_swiglu_cute(x, gate_up, down, c, act_out=act, out=o)))
+        # kernel sweep: each variant checked (NaN-poisoned output vs fp32 reference) before it is timed (graph)
+        if ok_var["gate_up"]:
+            ref_a = _ref_act(x, gate_up, counts_l, F)
+            a_in = ref_a.to(torch.bfloat16)
+            ref_d = _ref_down(a_in, down, counts_l)
+            for part, n_w_ref in (("gate_up", ref_a), ("down", ref_d)):
+                times, errs = {}, {}
+                for vname, c in ok_var[part].items():
+                    try:
+                        if part == "gate_up":
+                            dst, launch = act, (lambda o, c=c, of=offs_r[0]: gg.mma_launch(x, gate_up, of, o, True, R, c))
+                            fns = [lambda c=c, of=of: gg.mma_launch(x, gate_up, of, act, True, R, c) for of in offs_r]
+                        else:
+                            dst, launch = out, (lambda o, c=c, of=offs_r[0]: gg.mma_launch(a_in, down, of, o, False, R, c))
+                            fns = [lambda c=c, of=of: gg.mma_launch(a_in, down, of, out, False, R, c) for of in offs_r]
+                        dst.fill_(float("nan"))
+                        launch(dst)
+                        torch.cuda.synchronize()
+                        errs[vname] = _relerr(dst, n_w_ref)
+                        if not errs[vname] < 2e-2:
+                            res["errors"].append(f"{name} {part}/{vname}: relerr {errs[vname]}")
+                            continue
+                        times[vname] = _time_graph_us(fns)
+                    except Exception as exc:
+                        res["errors"].append(f"{name} {part}/{vname}: {type(exc).__name__}: {str(exc)[:300]}")
+                row[f"sweep_{part}_us"], row[f"sweep_{part}_relerr"] = times, errs
+                if times:
+                    row[f"best_{part}"] = min(times, key=times.get)
+            if row.get("best_gate_up") and row.get("best_down"):
+                bg, bd = ok_var["gate_up"][row["best_gate_up"]], ok_var["down"][row["best_down"]]
+                full.append(("mma_best", lambda c, o, of=None, bg=bg, bd=bd: gg.grouped_swiglu_mma(
+                    x, gate_up, down, c, act_out=act, out=o, gu_cfg=bg, dn_cfg=bd, offs=of)))
+            if "v2" in ok_var["gate_up"] and "v2" in ok_var["down"]:
+                v2g, v2d = ok_var["gate_up"]["v2"], ok_var["down"]["v2"]
+                full.append(("mma", lambda c, o, of=None: gg.grouped_swiglu_mma(
+                    x, gate_up, down, c, act_out=act, out=o, gu_cfg=v2g, dn_cfg=v2d, offs=of)))
+        for tag, fn in full:  # full SwiGLU: checked, then eager and graph timings
+            try:
+                out.fill_(float("nan"))
+                fn(counts, out)
+                torch.cuda.synchronize()
+                row[f"{tag}_relerr"] = _relerr(out, ref)
+                if not row[f"{tag}_relerr"] < 2e-2:
+                    res["errors"].append(f"{name} {tag}: relerr {row[f'{tag}_relerr']}")
+                    continue
+                row[f"{tag}_us"] = _time_us(lambda: fn(counts, out))
+                row[f"{tag}_speedup"] = row["torch_us"] / row[f"{tag}_us"]
+                row[f"{tag}_GBps"] = row["bytes"] / row[f"{tag}_us"] / 1e3
+                # each impl computes its own expert offsets inside (as in use), so no precomputed ``of`` here
+                row[f"{tag}_graph_us"] = _time_graph_us([lambda c=c: fn(c, out) for c in rots])
+                if row.get("torch_graph_us"):
+                    row[f"{tag}_graph_speedup"] = row["torch_graph_us"] / row[f"{tag}_graph_us"]
+                row[f"{tag}_graph_GBps"] = row["bytes"] / row[f"{tag}_graph_us"] / 1e3
+            except Exception as exc:
+                res["errors"].append(f"{name} {tag}: {type(exc).__name__}: {str(exc)[:300]}")
+                traceback.print_exc()
+        if "cute_speedup" in row:
+            row["speedup"] = row["cute_speedup"]
+        res["rows"].append(row)
+        nan = float("nan")
+        print(f"[moe_gemm {time.time() - t_start:5.0f} s] {name}: graph us: torch {row.get('torch_graph_us', nan):.1f}"
+              f" gemv {row.get('cute_graph_us', nan):.1f} mma_v2 {row.get('mma_graph_us', nan):.1f} best "
+              f"{row.get('mma_best_graph_us', nan):.1f} ({row.get('best_gate_up')}+{row.get('best_down')}, "
+              f"{row.get('mma_best_graph_speedup', nan):.2f}x); eager: torch {row.get('torch_us', nan):.1f} "
+              f"v2 {row.get('mma_us', nan):.1f} best {row.get('mma_best_us', nan):.1f}", flush=True)
+        if partial:
+            with open(partial, "w") as f:
+                json.dump(res, f)
+    # rules for grouped_gemm.DECODE_DISPATCH, by the host-known mean rows per expert, from the graph (kernel) times
+    alias = (("cute", "cute_gemv"), ("mma_best", "cute_mma"))
+    rows_alias = [{**r, "torch_us": r.get("torch_graph_us"),
+                   **{f"{k2}_us": r.get(f"{k1}_graph_us") for k1, k2 in alias},
+                   **{f"{k2}_relerr": r.get(f"{k1}_relerr", 1.0) for k1, k2 in alias}} for r in res["rows"]]
+    res["suggested_dispatch"] = gg.suggest_dispatch(rows_alias)
+    res["suggested_dispatch_1p25"] = gg.suggest_dispatch(rows_alias, min_gain=1.25)
+    res["suggested_mma_tuned"] = _suggest_tuned(res["rows"], variants)
+    print(f"suggested DECODE_DISPATCH = {tuple(res['suggested_dispatch'])}", flush=True)
+    print("suggested MMA_TUNED = (" + "".join(f"\n    ({m}, {e}, {gcfg}, {dcfg}),  # {gn} + {dn_}"
+                                              for m, e, gcfg, dcfg, gn, dn_ in res["suggested_mma_tuned"]) + ")",
+          flush=True)
+    res["graph_fallbacks"] = list(_GRAPH_FALLBACKS)
     res["prefill"] = _prefill_baselines(gate_up, dev, g)
     res["mx"] = _mx_check(dev)
     return res
@@ -218,15 +446,36 @@ def _mx_check(dev) -> dict:
 
 def gemm_table(res: dict) -> str:
     f = (lambda v, s=".1f": "-" if v is None else format(v, s))
-    lines = [f"HBM copy {f(res.get('hbm_copy_GBps_rw'), '.0f')} GB/s (r+w); cute: "
-             f"{res.get('cute_unavailable') or 'ok'}; errors={len(res.get('errors', []))}",
-             f"{'case':12s} {'rows':>5s} {'act_e':>5s} {'torch_us':>9s} {'cute_us':>8s} {'x':>5s} {'torchGB/s':>9s} "
-             f"{'cuteGB/s':>8s} {'gu_t_us':>8s} {'gu_c_us':>8s} {'err_c':>8s}"]
+    lines = [f"HBM copy {f(res.get('hbm_copy_GBps_rw'), '.0f')} GB/s (r+w); gemv: "
+             f"{res.get('cute_unavailable') or 'ok'}; mma: {res.get('mma_unavailable') or 'ok'}; "
+             f"errors={len(res.get('errors', []))}; graph fallbacks={len(res.get('graph_fallbacks', []))}",
+             "full SwiGLU, CUDA-graph replay (kernel time) | eager events (host launch overhead included); "
+             "x = torch / impl",
+             f"{'case':12s} {'rows':>5s} {'act_e':>5s} {'torch_g':>8s} {'gemv_g':>8s} {'x':>5s} {'v2_g':>8s} "
+             f"{'x':>5s} {'best_g':>8s} {'x':>5s} {'bestGB/s':>8s} | {'torch_e':>8s} {'v2_e':>8s} {'best_e':>8s} "
+             f"{'x':>5s} {'err':>8s}  best gate_up + down"]
     for r in res.get("rows", []):
-        lines.append(f"{r['case']:12s} {r['rows']:5d} {r['active_experts']:5d} {f(r.get('torch_us')):>9s} "
-                     f"{f(r.get('cute_us')):>8s} {f(r.get('speedup'), '.2f'):>5s} {f(r.get('torch_GBps'), '.0f'):>9s} "
-                     f"{f(r.get('cute_GBps'), '.0f'):>8s} {f(r.get('torch_gate_up_us')):>8s} "
-                     f"{f(r.get('cute_gate_up_us')):>8s} {f(r.get('cute_relerr'), '.1e'):>8s}")
+        lines.append(f"{r['case']:12s} {r['rows']:5d} {r['active_experts']:5d} {f(r.get('torch_graph_us')):>8s} "
+                     f"{f(r.get('cute_graph_us')):>8s} {f(r.get('cute_graph_speedup'), '.2f'):>5s} "
+                     f"{f(r.get('mma_graph_us')):>8s} {f(r.get('mma_graph_speedup'), '.2f'):>5s} "
+                     f"{f(r.get('mma_best_graph_us')):>8s} {f(r.get('mma_best_graph_speedup'), '.2f'):>5s} "
+                     f"{f(r.get('mma_best_graph_GBps'), '.0f'):>8s} | {f(r.get('torch_us')):>8s} "
+                     f"{f(r.get('mma_us')):>8s} {f(r.get('mma_best_us')):>8s} {f(r.get('mma_best_speedup'), '.2f'):>5s} "
+                     f"{f(r.get('mma_best_relerr'), '.1e'):>8s}  {r.get('best_gate_up')} + {r.get('best_down')}")
+    for part in ("gate_up", "down"):
+        names = list(res.get("mma_variants", {}).get(part, {}))
+        lines.append(f"{part} kernel sweep, graph us per call (torch gate_up alone in the first column):")
+        lines.append(f"{'case':12s} {'torch':>7s} " + " ".join(f"{n[:9]:>9s}" for n in names))
+        for r in res.get("rows", []):
+            sw = r.get(f"sweep_{part}_us", {})
+            lines.append(f"{r['case']:12s} {f(r.get('torch_gate_up_us') if part == 'gate_up' else None):>7s} "
+                         + " ".join(f"{f(sw.get(n)):>9s}" for n in names))
+    lines.append(f"suggested DECODE_DISPATCH (graph times, fastest > torch): {res.get('suggested_dispatch')}; "
+                 f"(>= 1.25x): {res.get('suggested_dispatch_1p25')}")
+    for m, e, gcfg, dcfg, gn, dn_ in res.get("suggested_mma_tuned", []):
+        lines.append(f"suggested MMA_TUNED rule: ({m}, {e}, {gcfg}, {dcfg})  # {gn} + {dn_}")
+    for e in res.get("errors", []):
+        lines.append(f"error: {e}")
     p = res.get("prefill", {})
     lines.append(f"prefill gate_up 375 rows/expert: bf16 grouped_mm {f(p.get('bf16_TFLOPs'))} TFLOP/s; fp8 rowwise "
                  f"scaled_grouped_mm {f(p.get('fp8_rowwise_TFLOPs'))} TFLOP/s {p.get('fp8_error', '')}")
@@ -236,191 +485,34 @@ def gemm_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-register_suite("moe_gemm", "MoE grouped SwiGLU (CuTe decode kernel vs torch._grouped_mm), prefill baselines, MX",
+register_suite("moe_gemm", "MoE grouped SwiGLU (CuTe GEMV + tensor-core decode kernels vs torch._grouped_mm), "
+               "prefill baselines, MX",
                gemm_table, min_gpus=1)(run_gemm)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch/combine
 
 
-def _a2a_worker(rank: int, world: int, port: int, path: str, tokens: list[int]) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from engine.core.moe import route
-    from kernels.moe_a2a import PeerMoeAllToAll, emulate
-
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=dev)
-    res = {"rows": [], "errors": [], "checks": []}
-    D, k, E, TM = D_MODEL, TOP_K, N_EXPERTS, 128
-    try:
-        a2a = PeerMoeAllToAll(None, max_tokens=TM, hidden=D, top_k=k, n_experts=E, backend="auto")
-        ref_a2a = PeerMoeAllToAll(None, max_tokens=TM, hidden=D, top_k=k, n_experts=E, backend="torch")
-        res["backend"], res["fallback_reason"] = a2a.backend, a2a.fallback_reason
-        print(f"[rank {rank}] a2a backend {a2a.backend} ({a2a.fallback_reason})", flush=True)
-        o1, o2 = a2a.alloc_outputs(), ref_a2a.alloc_outputs()
-        for T in tokens:
-            for trial, dist_kind in enumerate(("uniform", "zipf", "one")):
-                rng = np.random.default_rng(100 * T + 10 * trial + rank)
-                if dist_kind == "one":  # every token on experts 0..7 (all on rank 0)
-                    ids = np.tile(np.arange(k), (T, 1))
-                    w = np.full((T, k), 1 / k)
-                else:
-                    r = route(T, E, k, dist=dist_kind, zipf_s=1.2, rng=rng)
-                    ids, w = r.topk_ids, r.topk_weights
-                x = torch.randn(T, D, device=dev).to(torch.bfloat16)
-                ti = torch.tensor(ids, dtype=torch.int32, device=dev).reshape(T, k)
-                tw = torch.tensor(w, dtype=torch.float32, device=dev).reshape(T, k)
-                for o in (o1, o2):
-                    o["x"].fill_(float("nan"))
-                    o["ids"].fill_(-7)
-                a2a.dispatch(x, ti, tw, o1)
-                ref_a2a.dispatch(x, ti, tw, o2)
-                torch.cuda.synchronize()
-                cnt = o2["counts"].cpu().tolist()
-                ok = o1["counts"].cpu().tolist() == cnt and torch.equal(o1["ids"], o2["ids"]) \
-                    and torch.equal(o1["weights"], o2["weights"])
-                for s in range(world):
-                    a, b = s * TM, s * TM + cnt[s]
-                    ok = ok and torch.equal(o1["x"][a:b], o2["x"][a:b])
-                # experts stand-in: y = x * (sum of the row's weights on local experts) (weighted, like the engine)
-                per = E // world
-                lw = torch.where((o2["ids"] >= rank * per) & (o2["ids"] < (rank + 1) * per), o2["weights"], 0).sum(1)
-                xr = torch.nan_to_num(o2["x"].float(), nan=0.0)
-                y = (xr * lw[:, None]).to(torch.bfloat16).contiguous()
-                out1 = torch.full((T, D), float("nan"), dtype=torch.bfloat16, device=dev)
-                out2 = torch.empty_like(out1)
-                a2a.combine(y, out1, T)
-                ref_a2a.combine(y, out2, T)
-                torch.cuda.synchronize()
-                ok_c = torch.equal(out1, out2)
-                # the CPU emulation / engine reference on gathered inputs
-                xs = [torch.empty(T, D, dtype=torch.bfloat16, device=dev) for _ in range(world)]
-                dist.all_gather(xs, x)
-                rel = _relerr(out2.float(), (x.float() * torch.tensor(w.sum(1), device=dev, dtype=torch.float32)[:, None]))
-                print(f"[rank {rank}] check T={T} {dist_kind}: dispatch {ok} combine {ok_c} rel {rel:.1e}", flush=True)
-                res["checks"].append({"T": T, "routing": dist_kind, "dispatch_equal_torch": bool(ok),
-                                      "combine_equal_torch": bool(ok_c), "relerr_vs_x_times_wsum": rel})
-        a2a.check_error()
-        # timing: graphs of ITERS calls; dispatch-only and dispatch+combine; NCCL all_to_all_single baseline
-        ITERS = 20
-        for T in tokens:
-            rng = np.random.default_rng(7 + rank)
-            r = route(T, E, k, rng=rng)
-            x = torch.randn(T, D, device=dev).to(torch.bfloat16)
-            ti = torch.tensor(r.topk_ids, dtype=torch.int32, device=dev)
-            tw = torch.tensor(r.topk_weights, dtype=torch.float32, device=dev)
-            y = torch.randn(world * TM, D, device=dev).to(torch.bfloat16)
-            outc = torch.empty(T, D, dtype=torch.bfloat16, device=dev)
-            row = {"T": T}
-
-            def disp():
-                a2a.dispatch(x, ti, tw, o1)
-
-            def both():
-                a2a.dispatch(x, ti, tw, o1)
-                a2a.combine(y, outc, T)
-
-            for name, fn in (("dispatch", disp), ("dispatch_combine", both)):
-                for _ in range(2):
-                    fn()
-                torch.cuda.synchronize()
-                dist.barrier()
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    for _ in range(ITERS):
-                        fn()
-                dist.barrier()
-                row[f"{name}_graph_us"] = _time_us(gr.replay, reps=10, warmup=2) / ITERS
-                dist.barrier()
-                row[f"{name}_eager_us"] = _time_us(fn, reps=10, warmup=2, iters=ITERS)
-            row["combine_graph_us"] = row["dispatch_combine_graph_us"] - row["dispatch_graph_us"]
-            # NCCL: the same x rows (dispatch payload bytes) with real splits, host counts known in advance
-            from kernels.moe_a2a import destinations
-
-            goes = destinations(r.topk_ids, world, E // world)
-            send = [int(goes[:, j].sum()) for j in range(world)]
-            sc = torch.tensor(send, device=dev)
-            rc = torch.empty_like(sc)
-            dist.all_to_all_single(rc, sc)
-            recv = rc.cpu().tolist()
-            rows_t = torch.tensor(np.concatenate([np.flatnonzero(goes[:, j]) for j in range(world)]), device=dev,
-                                  dtype=torch.long)
-            sendx = x[rows_t].contiguous()
-            recvx = torch.empty(sum(recv), D, dtype=torch.bfloat16, device=dev)
-            nccl = lambda: dist.all_to_all_single(recvx, sendx, recv, send)  # noqa: E731
-            for _ in range(3):
-                nccl()
-            torch.cuda.synchronize()
-            dist.barrier()
-            row["nccl_a2a_eager_us"] = _time_us(nccl, reps=10, warmup=2, iters=ITERS)
-            try:
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    for _ in range(ITERS):
-                        nccl()
-                dist.barrier()
-                row["nccl_a2a_graph_us"] = _time_us(gr.replay, reps=10, warmup=2) / ITERS
-            except Exception as exc:
-                row["nccl_graph_error"] = str(exc)[:200]
-            row["dispatch_bytes_per_rank"] = int(goes.sum()) * D * 2
-            print(f"[rank {rank}] timed T={T}: {row}", flush=True)
-            res["rows"].append(row)
-        a2a.check_error()
-    except Exception as exc:
-        res["errors"].append(f"rank {rank}: {type(exc).__name__}: {exc}")
-        traceback.print_exc()
-    allres = [None] * world
-    dist.all_gather_object(allres, res)
-    if rank == 0:
-        out = allres[0]
-        out["meta"] = _meta()
-        out["errors"] = sum((r["errors"] for r in allres), [])
-        out["checks_ok"] = all(c["dispatch_equal_torch"] and c["combine_equal_torch"]
-                               for r in allres for c in r["checks"]) and bool(allres[0]["checks"])
-        for i, row in enumerate(out["rows"]):  # max over ranks
-            for key in list(row):
-                if key.endswith("_us"):
-                    row[key] = max(r["rows"][i][key] for r in allres if i < len(r["rows"]) and key in r["rows"][i])
-        with open(path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def run_a2a(cfg=None) -> dict:
-    import torch
-    import torch.multiprocessing as mp
+    """The dispatch/combine suite: kernels/moe_a2a_bench.py (watchdog parent, bounded waits, one JSON per case).
+    Case files go to $RACKBED_A2A_OUT (default: a fresh temporary directory); returns the summary."""
+    from kernels import moe_a2a_bench
 
-    from kernels.bench import _free_port
-
-    world = min(torch.cuda.device_count(), 2)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "a2a.json")
-        mp.spawn(_a2a_worker, args=(world, _free_port(), path, [1, 8, 32, 64, 128]), nprocs=world, join=True)
-        with open(path) as f:
-            return json.load(f)
+    out = os.environ.get("RACKBED_A2A_OUT") or tempfile.mkdtemp(prefix="rackbed-a2a-")
+    return moe_a2a_bench.run(out, echo=lambda *a, **k: print(*a, flush=True))
 
 
 def a2a_table(res: dict) -> str:
-    f = (lambda v, s=".1f": "-" if v is None else format(v, s))
-    lines = [f"backend {res.get('backend')} ({res.get('fallback_reason') or 'ok'}); checks_ok={res.get('checks_ok')}; "
-             f"errors={len(res.get('errors', []))}",
-             f"{'T':>4s} {'disp_g_us':>9s} {'comb_g_us':>9s} {'d+c_g_us':>9s} {'d+c_e_us':>9s} {'nccl_g_us':>9s} "
-             f"{'nccl_e_us':>9s} {'bytes':>8s}"]
-    for r in res.get("rows", []):
-        lines.append(f"{r['T']:4d} {f(r.get('dispatch_graph_us')):>9s} {f(r.get('combine_graph_us')):>9s} "
-                     f"{f(r.get('dispatch_combine_graph_us')):>9s} {f(r.get('dispatch_combine_eager_us')):>9s} "
-                     f"{f(r.get('nccl_a2a_graph_us')):>9s} {f(r.get('nccl_a2a_eager_us')):>9s} "
-                     f"{r.get('dispatch_bytes_per_rank', 0):8d}")
-    return "\n".join(lines)
+    return res.get("table", "")
 
 
 register_suite("moe_a2a", "decode DP-EP dispatch/combine over peer memory vs NCCL all_to_all_single", a2a_table,
                min_gpus=2)(run_a2a)
+
+from kernels.bench import SUITES  # noqa: E402
+
+if "moe_prefill_gemm" not in SUITES:  # kernels/bench_moe_prefill.py registers it (unless it is __main__)
+    import kernels.bench_moe_prefill  # noqa: E402,F401
 
 
 def main(argv=None) -> int:
@@ -428,7 +520,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--suite", action="append", choices=["moe_gemm", "moe_a2a"])
+    p.add_argument("--suite", action="append", choices=["moe_gemm", "moe_a2a", "moe_prefill_gemm"])
     a = p.parse_args(argv)
     from kernels.bench import BenchConfig, run_suites
 
