@@ -11,18 +11,26 @@ conventions are the simulator's (``sim/costs``), so that a fitted rate reproduce
   ``engine/real/model.py``'s ``grouped_swiglu`` calls); FLOPs ``2*m*E*n*k``.
 * ``flash_prefill``: causal SDPA, one sequence of ``seq`` tokens, ``n_q_heads`` / ``n_kv_heads`` / ``head_dim``;
   FLOPs ``4*H*D*seq*(seq+1)/2`` (``sim.costs.attention``'s causal count).
-* ``attn_decode``: SDPA with one query token per sequence over ``ctx`` cached tokens, ``batch`` sequences; KV
-  bytes ``batch*ctx*2*Hkv*D*2`` (bf16), reported as ``GBps`` of KV read.
-* ``allreduce``: NCCL ``all_reduce`` (bf16 sum) of ``size_bytes`` per rank over all local GPUs, one process per
-  GPU; the median per rank, max over ranks.
+* ``attn_decode``: SDPA (flash-decode style) with one query token per sequence over ``ctx`` cached tokens,
+  ``batch`` sequences; KV bytes ``batch*ctx*2*Hkv*D*2`` (bf16), reported as ``GBps`` of KV read.
+* ``allreduce``: NCCL ``all_reduce`` (bf16 avg) of ``size_bytes`` per rank over all local GPUs, one process per
+  GPU; per round the max over ranks.
 * ``p2p_copy``: ``dst_on_gpu1.copy_(src_on_gpu0)`` of ``size_bytes`` (NVLink peer copy).
 
-Timing (METHOD.md): CUDA events around ``inner`` back-to-back calls (so that tiny kernels are not timed with
-an idle GPU waiting on the host), warm-up first, the median over ``reps`` repetitions; fresh random data per
-shape (never zeros) and ``ceil(3 * L2 / set_bytes)`` rotating input sets so repeated calls do not hit L2.
+Timing (schema ``rackbed.measure/2``): per case, ``inner`` back-to-back calls (rotating over
+``ceil(3 * L2 / set_bytes)`` input sets of fresh random data, so repeated calls do not hit L2) are captured in a
+**CUDA graph**; a *round* is a spin kernel (``torch.cuda._sleep``: the host enqueues the round while the GPU is
+still busy, so no launch gap is timed), one untimed replay, then CUDA events around ``replays`` replays. The
+``rounds`` rounds of all cases of a curve are **interleaved** (round 1 of every size, then round 2, … alternating
+direction), so a slow period of the GPU (clocks, a neighbour) spreads over the curve instead of biasing one size.
+Each row reports ``median_us`` (median of the rounds), ``min_us`` / ``max_us`` / ``q1_us`` / ``q3_us`` and all
+``rounds_us``, and ``timing``: ``graph``, ``events`` (CUDA events around eager calls after the same spin kernel:
+used when capture fails, and for cross-device copies, whose stream hand-off cannot be captured) or ``host`` (CPU
+dry run). Every device wait polls with a deadline (no unbounded synchronize); ``--budget-s`` skips what does not
+fit; the JSON is rewritten after every curve, so a time-out keeps what was measured.
 ``--dry-run`` runs tiny sizes on CPU tensors (host clock) to test the plumbing; its numbers mean nothing.
 
-Usage: ``python -m kernels.measure --out measure.json [--quick] [--dry-run]``.
+Usage: ``python -m kernels.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``.
 """
 
 from __future__ import annotations
@@ -39,16 +47,57 @@ import time
 from datetime import date
 from pathlib import Path
 
+SCHEMA = "rackbed.measure/2"
 #: Qwen3-235B-A22B shapes (hidden 4096, 64 query heads / 4 KV heads of 128, experts 1536 wide, 128 experts)
 HIDDEN, N_Q_HEADS, N_KV_HEADS, HEAD_DIM, MOE_INTER = 4096, 64, 4, 128, 1536
 #: (name, n, k): grouped expert GEMMs (gate+up, down)
 GROUPED_SHAPES = (("gate_up", 2 * MOE_INTER, HIDDEN), ("down", HIDDEN, MOE_INTER))
-#: (name, n, k): dense GEMMs — attention projections at TP=1 (QKV, O) and TP=2 (QKV), shared-size square
+#: (name, n, k): dense GEMMs — attention projections at TP=1 (QKV, O) and TP=2 (QKV)
 DENSE_SHAPES = (("qkv_tp1", N_Q_HEADS * HEAD_DIM + 2 * N_KV_HEADS * HEAD_DIM, HIDDEN),
                 ("o_tp1", HIDDEN, N_Q_HEADS * HEAD_DIM),
                 ("qkv_tp2", N_Q_HEADS // 2 * HEAD_DIM + 2 * N_KV_HEADS // 2 * HEAD_DIM, HIDDEN))
 GROUPED_EXPERTS = 32
 L2_BYTES = 50 * 2**20  # H200 L2 (60 MB per torch; 50 MiB in topology.specs) — rotation target is 3x this
+#: decode attention batches (sequences); the KV read per case is capped at DECODE_MAX_KV_BYTES
+DECODE_BATCHES = (1, 4, 16, 64, 256)
+DECODE_MAX_KV_BYTES = 2**31
+#: all-reduce workers: how long the final barrier may take before a worker exits anyway, and how long the parent
+#: waits for the workers to exit once the rows file exists before terminating them (s)
+EXIT_BARRIER_S, EXIT_GRACE_S = 10.0, 20.0
+#: the longest a single device wait may take before the case is abandoned (s)
+WAIT_S = 60.0
+#: GPU clock used to convert a spin length into torch.cuda._sleep cycles (H200 boost ~1.98 GHz)
+SPIN_CYCLES_PER_US = 2000
+
+
+def pow2(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` to ``hi`` inclusive."""
+    return [2**p for p in range(int(math.log2(lo)), int(math.log2(hi)) + 1)]
+
+
+def sqrt2(lo: int, hi: int, mult: int = 1) -> list[int]:
+    """Sizes from ``lo`` to ``hi`` spaced by sqrt(2), rounded to multiples of ``mult`` (used where curves have
+    knees or kernel / protocol switches)."""
+    out, k = [], 0
+    while lo * 2 ** (k / 2) <= hi * 1.0001:
+        out.append(int(max(mult, round(lo * 2 ** (k / 2) / mult) * mult)))
+        k += 1
+    return sorted(set(out))
+
+
+def grid(*parts: list[int]) -> list[int]:
+    return sorted({x for p in parts for x in p})
+
+
+#: the measured grids (full run); ``--quick`` takes every other point
+GEMM_M = grid(pow2(1, 32), sqrt2(64, 1024, 16), pow2(2048, 16384))
+GROUPED_M = grid(pow2(1, 16), sqrt2(32, 512, 8), pow2(1024, 2048))
+FLASH_SEQ = grid([256, 512], sqrt2(1024, 16384, 128))
+DECODE_CTX = grid(pow2(256, 65536))
+#: copies: √2-spaced through the small-copy regime change (2-8 MiB moved under graph replay), doubling above
+HBM_SIZES = grid(sqrt2(2**18, 2**26, 4096), pow2(2**27, 2**32))
+P2P_SIZES = [2**p for p in range(12, 31, 2)]
+ALLREDUCE_SIZES = grid(pow2(4096, 16384), sqrt2(32768, 8 * 2**20, 256), pow2(16 * 2**20, 256 * 2**20))
 
 
 def _sizes(full: list, quick: bool, dry: bool, dry_list: list):
@@ -57,55 +106,198 @@ def _sizes(full: list, quick: bool, dry: bool, dry_list: list):
     return full[::2] if quick else full
 
 
+class Budget:
+    """Wall-clock budget of the whole run: benchmarks check ``left()`` and skip what would not fit."""
+
+    def __init__(self, seconds: float | None):
+        self.t0, self.s = time.time(), seconds
+
+    def left(self) -> float:
+        return math.inf if self.s is None else self.s - (time.time() - self.t0)
+
+
+def wait_event(ev, what: str = "", limit_s: float = WAIT_S) -> None:
+    """Poll a CUDA event until it completes; TimeoutError after ``limit_s`` (never an unbounded wait)."""
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > limit_s:
+            raise TimeoutError(f"device wait over {limit_s:.0f} s ({what})")
+        time.sleep(2e-5)
+
+
+def sync(device: str | int | None = None, limit_s: float = WAIT_S) -> None:
+    """A bounded ``torch.cuda.synchronize`` of the current stream of ``device`` (event + poll)."""
+    import torch
+
+    if isinstance(device, str) and not device.startswith("cuda"):
+        return
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        ev = torch.cuda.Event()
+        ev.record()
+        wait_event(ev, "sync", limit_s)
+
+
+class Prepared:
+    """One case ready to time: ``fns`` (rotated), ``inner`` calls per graph / timed block, ``replays``."""
+
+    def __init__(self, fns, inner, replays, graph, mode, est_us):
+        self.fns, self.inner, self.replays, self.graph, self.mode, self.est_us = fns, inner, replays, graph, mode, est_us
+
+
 class Timer:
-    """Median time per call (µs) of ``fns`` (a list of zero-arg callables, rotated) on ``device``."""
+    """Graph-replay / event / host timing of a list of zero-arg callables (see the module docstring).
 
-    def __init__(self, device: str, reps: int, warmup: int, host_sync_devices: tuple[int, ...] = ()):
-        self.device, self.reps, self.warmup = device, reps, warmup
-        #: when set: host clock around the calls, synchronising these devices (cross-device copies)
-        self.host_sync = host_sync_devices
+    ``prepare(fns)`` warms up, probes the time per call, picks ``inner`` (one graph ~ ``graph_us`` of work, at
+    most 64 calls) and ``replays`` (one round ~ ``round_us``) and captures the graph; ``round(p)`` returns the
+    time per call (µs) of one round."""
 
-    def __call__(self, fns: list, target_us: float = 300.0) -> tuple[float, int]:
+    def __init__(self, device: str, rounds: int = 9, warmup: int = 3, graph_us: float = 250.0,
+                 round_us: float = 1500.0, graphs: bool = True):
+        self.device, self.rounds, self.warmup = device, rounds, warmup
+        self.graph_us, self.round_us, self.graphs = graph_us, round_us, graphs
+        self.cuda = device.startswith("cuda")
+
+    # ------------------------------------------------------------------ preparation
+    def prepare(self, fns: list, *, graph: bool | None = None, inner: int | None = None,
+                replays: int | None = None) -> Prepared:
         import torch
 
-        cuda = self.device.startswith("cuda") and not self.host_sync
         n = len(fns)
-        for i in range(self.warmup):
+        for i in range(max(self.warmup, n)):
             fns[i % n]()
         self._sync()
-        # one timed probe to choose how many back-to-back calls one repetition holds
-        t0 = self._elapsed_us(fns, 0, 1, cuda)
-        inner = max(1, min(64, math.ceil(target_us / max(t0, 1e-3))))
-        times = [self._elapsed_us(fns, r * inner, inner, cuda) / inner for r in range(self.reps)]
-        return statistics.median(times), inner
+        if inner is None or replays is None:
+            est = self._eager(fns, 0, n) / n  # probe: one pass over the sets
+            est = min(est, self._eager(fns, 0, n) / n)
+        else:
+            est = 0.0
+        if inner is None:
+            inner = max(1, min(64, math.ceil(self.graph_us / max(est, 1e-3))))
+        if replays is None:
+            replays = max(1, min(50, math.ceil(self.round_us / max(inner * est, 1e-3))))
+        g, mode = None, ("events" if self.cuda else "host")
+        capture = self.cuda and self.graphs and graph is not False
+        if not capture and self.cuda and inner * replays > 256:  # eager rounds: keep the host ahead of the spin
+            replays = max(1, 256 // inner)
+        if capture:
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for i in range(n):
+                        fns[i]()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i in range(inner):
+                        fns[i % n]()
+                g.replay()
+                self._sync()
+                mode = "graph"
+            except Exception:  # noqa: BLE001 — not capturable: time eager calls after the spin kernel instead
+                g = None
+                self._sync()
+        return Prepared(fns, inner, replays, g, mode, est)
 
-    def _sync(self) -> None:
+    # ------------------------------------------------------------------ timing
+    def round(self, p: Prepared) -> float:
+        """Time per call (µs) of one round of ``p``."""
         import torch
 
-        if self.host_sync:
-            for d in self.host_sync:
-                torch.cuda.synchronize(d)
-        elif self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        if not self.cuda:
+            return self._eager(p.fns, 0, p.inner * p.replays) / (p.inner * p.replays)
+        launches = p.replays + 1 if p.graph is not None else (p.replays + 1) * p.inner
+        torch.cuda._sleep(int(SPIN_CYCLES_PER_US * min(20000.0, 50.0 + 25.0 * launches)))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if p.graph is not None:
+            p.graph.replay()  # untimed: lines up collectives' ranks, settles the first replay
+            a.record()
+            for _ in range(p.replays):
+                p.graph.replay()
+            b.record()
+        else:
+            n = len(p.fns)
+            for i in range(p.inner):
+                p.fns[i % n]()
+            a.record()
+            for r in range(p.replays):
+                for i in range(p.inner):
+                    p.fns[i % n]()
+            b.record()
+        wait_event(b, "timed round")
+        return a.elapsed_time(b) * 1e3 / (p.inner * p.replays)
 
-    def _elapsed_us(self, fns, start: int, inner: int, cuda: bool) -> float:
+    def _sync(self) -> None:
+        if self.cuda:
+            sync(self.device)
+
+    def _eager(self, fns, start: int, calls: int) -> float:
         import torch
 
         n = len(fns)
-        if cuda:
+        if self.cuda:
+            torch.cuda._sleep(int(SPIN_CYCLES_PER_US * min(20000.0, 50.0 + 12.0 * calls)))
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            for i in range(inner):
+            for i in range(calls):
                 fns[(start + i) % n]()
             b.record()
-            b.synchronize()
+            wait_event(b, "probe")
             return a.elapsed_time(b) * 1e3
-        self._sync()
         t = time.perf_counter()
-        for i in range(inner):
+        for i in range(calls):
             fns[(start + i) % n]()
-        self._sync()
         return (time.perf_counter() - t) * 1e6
+
+
+def round_stats(times: list[float]) -> dict:
+    """Median of the rounds and their spread (min / max / quartiles), µs."""
+    s = sorted(times)
+    q = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else [s[0]] * 3
+    return {"median_us": statistics.median(s), "min_us": s[0], "max_us": s[-1], "q1_us": q[0], "q3_us": q[2],
+            "rounds": len(s), "rounds_us": [round(t, 4) for t in times]}
+
+
+def measure_curve(timer: Timer, cases: list[tuple[dict, list]], echo=print, label: str = "",
+                  budget: Budget | None = None, graph: bool | None = None) -> list[dict]:
+    """Time every ``(row, fns)`` case of one curve with interleaved rounds; returns the rows with the timing
+    fields filled in (rows whose case failed carry ``error``)."""
+    preps: list[Prepared | None] = []
+    out = []
+    for row, fns in cases:
+        try:
+            preps.append(timer.prepare(fns, graph=graph))
+        except Exception as exc:
+            if not timer.cuda:
+                raise
+            preps.append(None)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(timer.rounds):
+        if budget is not None and budget.left() < 5 and r >= 3:
+            echo(f"measure: {label}: budget nearly spent, stopping after {r} rounds")
+            break
+        order = range(len(cases)) if r % 2 == 0 else range(len(cases) - 1, -1, -1)
+        for i in order:
+            if preps[i] is None:
+                continue
+            try:
+                times[i].append(timer.round(preps[i]))
+            except Exception as exc:
+                if not timer.cuda:
+                    raise
+                preps[i] = None
+                cases[i][0]["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for (row, _), p, ts in zip(cases, preps, times):
+        if p is not None and ts:
+            row.update(round_stats(ts))
+            row.update(inner=p.inner, replays=p.replays, timing=p.mode)
+        out.append(row)
+    ok = [r for r in out if "median_us" in r]
+    spread = [(r["max_us"] - r["min_us"]) / r["median_us"] for r in ok]
+    echo(f"measure: {label}: {len(ok)}/{len(out)} cases, {timer.rounds} rounds, max round spread "
+         f"{max(spread) * 100 if spread else 0:.1f}% ({ok[0]['timing'] if ok else '-'})")
+    return out
 
 
 def _n_sets(set_bytes: float) -> int:
@@ -118,45 +310,57 @@ def _randn(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
-def bench_hbm(device, timer, quick, dry, gen) -> list[dict]:
+def _rates(row: dict, work: float | None = None, rate: str = "GBps") -> dict:
+    """Add the derived rate (``GBps`` or ``tflops``) of ``work`` bytes / FLOPs to a timed row."""
+    if "median_us" in row and work is not None:
+        row[rate] = work / row["median_us"] / (1e6 if rate == "tflops" else 1e3)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks
+
+def bench_hbm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import torch
 
-    rows = []
-    sizes = _sizes([2**p for p in range(20, 33)], quick, dry, [2**12, 2**16])
-    for sz in sizes:
+    cases = []
+    for sz in _sizes(HBM_SIZES, quick, dry, [2**12, 2**16]):
         n = sz // 2
-        sets = _n_sets(2 * sz)
-        src = [_randn((n,), torch.bfloat16, device, gen) for _ in range(sets)]
+        src = [_randn((n,), torch.bfloat16, device, gen) for _ in range(_n_sets(2 * sz))]
         dst = [torch.empty_like(s) for s in src]
         fns = [(lambda s=s, d=d: d.copy_(s)) for s, d in zip(src, dst)]
-        us, inner = timer(fns)
+        fns[0]()
         assert torch.equal(dst[0], src[0])
-        rows.append({"bench": "hbm_copy", "size_bytes": sz, "bytes": 2 * sz, "median_us": us, "inner": inner,
-                     "GBps": 2 * sz / us / 1e3})
-        del src, dst
-    return rows
+        cases.append(({"bench": "hbm_copy", "size_bytes": sz, "bytes": 2 * sz}, fns))
+    rows = measure_curve(timer, cases, echo, "hbm_copy", budget)
+    return [_rates(r, work=r["bytes"]) for r in rows]
 
 
-def bench_gemm(device, timer, quick, dry, gen) -> list[dict]:
+def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import torch
 
     rows = []
-    ms = _sizes([2**p for p in range(0, 15)], quick, dry, [1, 2, 4, 8])
+    ms = _sizes(GEMM_M, quick, dry, [1, 2, 4, 8])
     shapes = DENSE_SHAPES if not dry else (("tiny_a", 48, 32), ("tiny_b", 32, 64))
     for name, n, k in shapes:
-        w_sets = _n_sets(n * k * 2)
-        ws = [_randn((n, k), torch.bfloat16, device, gen) for _ in range(w_sets)]
+        if budget.left() < 10:
+            rows.append({"bench": "gemm", "op": "dense", "shape": name, "error": "skipped: time budget"})
+            continue
+        ws = [_randn((n, k), torch.bfloat16, device, gen) for _ in range(_n_sets(n * k * 2))]
+        cases = []
         for m in ms:
             xs = [_randn((m, k), torch.bfloat16, device, gen) for _ in range(len(ws))]
             fns = [(lambda x=x, w=w: torch.matmul(x, w.t())) for x, w in zip(xs, ws)]
-            us, inner = timer(fns)
-            rows.append({"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
-                         "n_experts": 1, "median_us": us, "inner": inner, "tflops": 2 * m * n * k / us / 1e6})
+            cases.append(({"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
+                           "n_experts": 1}, fns))
+        for r in measure_curve(timer, cases, echo, f"gemm bf16 {name}", budget):
+            rows.append(_rates(r, work=2.0 * r["m"] * n * k, rate="tflops"))
+        del cases
         # FP8 E4M3, row-wise scales (torch._scaled_mm needs CUDA and dims divisible by 16)
         if device.startswith("cuda") and hasattr(torch, "_scaled_mm"):
             try:
                 wq = [(w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn) for w in ws]
                 sw = [(w.float().abs().amax(1) / 448)[None, :].contiguous() for w in ws]  # [1, n]
+                cases = []
                 for m in [x for x in ms if x >= 16]:
                     xs = [_randn((m, k), torch.bfloat16, device, gen) for _ in range(len(ws))]
                     sx = [(x.float().abs().amax(1, keepdim=True) / 448).contiguous() for x in xs]  # [m, 1]
@@ -164,76 +368,94 @@ def bench_gemm(device, timer, quick, dry, gen) -> list[dict]:
                     fns = [(lambda a=a, sa=sa, b=b, sb=sb: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
                                                                               out_dtype=torch.bfloat16))
                            for a, sa, b, sb in zip(xq, sx, wq, sw)]
-                    ref = (xs[0].float() @ ws[0].float().t())
-                    got = fns[0]().float()
-                    rel = ((got - ref).norm() / ref.norm()).item()
-                    us, inner = timer(fns)
-                    rows.append({"bench": "gemm", "op": "dense", "fmt": "fp8", "shape": name, "m": m, "n": n, "k": k,
-                                 "n_experts": 1, "median_us": us, "inner": inner,
-                                 "tflops": 2 * m * n * k / us / 1e6, "relerr": rel})
+                    ref = xs[0].float() @ ws[0].float().t()
+                    rel = ((fns[0]().float() - ref).norm() / ref.norm()).item()
+                    cases.append(({"bench": "gemm", "op": "dense", "fmt": "fp8", "shape": name, "m": m, "n": n,
+                                   "k": k, "n_experts": 1, "relerr": rel}, fns))
+                for r in measure_curve(timer, cases, echo, f"gemm fp8 {name}", budget):
+                    rows.append(_rates(r, work=2.0 * r["m"] * n * k, rate="tflops"))
+                del cases
             except Exception as exc:  # noqa: BLE001 — recorded, not fatal
                 rows.append({"bench": "gemm", "op": "dense", "fmt": "fp8", "shape": name,
                              "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
         del ws
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
-def bench_grouped(device, timer, quick, dry, gen) -> list[dict]:
+def bench_grouped(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import torch
 
     rows = []
     E = GROUPED_EXPERTS if not dry else 4
-    ms = _sizes([2**p for p in range(0, 12)], quick, dry, [1, 2, 4, 8])
+    ms = _sizes(GROUPED_M, quick, dry, [1, 2, 4, 8])
     shapes = GROUPED_SHAPES if not dry else (("tiny_gu", 48, 32), ("tiny_dn", 32, 24))
     for name, n, k in shapes:
-        w_sets = _n_sets(E * n * k * 2)
-        ws = [_randn((E, n, k), torch.bfloat16, device, gen) for _ in range(w_sets)]
+        if budget.left() < 10:
+            rows.append({"bench": "gemm", "op": "grouped", "shape": name, "error": "skipped: time budget"})
+            continue
+        ws = [_randn((E, n, k), torch.bfloat16, device, gen) for _ in range(_n_sets(E * n * k * 2))]
+        cases = []
         for m in ms:
             offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * m
             xs = [_randn((m * E, k), torch.bfloat16, device, gen) for _ in range(len(ws))]
-            fns = [(lambda x=x, w=w: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)) for x, w in zip(xs, ws)]
+            fns = [(lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.transpose(1, 2), offs=o)) for x, w in zip(xs, ws)]
+            row = {"bench": "gemm", "op": "grouped", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
+                   "n_experts": E}
             try:
                 got = fns[0]()
                 ref = torch.cat([xs[0][e * m:(e + 1) * m].float() @ ws[0][e].float().t() for e in range(E)])
-                rel = ((got.float() - ref).norm() / ref.norm()).item()
-                us, inner = timer(fns)
-            except Exception as exc:  # noqa: BLE001 — recorded, the other sizes still run
+                row["relerr"] = ((got.float() - ref).norm() / ref.norm()).item()
+            except Exception as exc:
                 if dry:
                     raise
-                rows.append({"bench": "gemm", "op": "grouped", "fmt": "bf16", "shape": name, "m": m,
-                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 continue
-            rows.append({"bench": "gemm", "op": "grouped", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
-                         "n_experts": E, "median_us": us, "inner": inner,
-                         "tflops": 2 * m * E * n * k / us / 1e6, "relerr": rel})
-        del ws
+            cases.append((row, fns))
+        for r in measure_curve(timer, cases, echo, f"grouped bf16 {name}", budget):
+            rows.append(_rates(r, work=2.0 * r["m"] * E * n * k, rate="tflops"))
+        del ws, cases
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
-def bench_flash(device, timer, quick, dry, gen) -> list[dict]:
+def bench_flash(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    rows = []
     H, Hkv, D = (N_Q_HEADS, N_KV_HEADS, HEAD_DIM) if not dry else (4, 2, 16)
-    seqs = _sizes([2**p for p in range(8, 15)], quick, dry, [32, 64])
-    for s in seqs:
+    cases = []
+    for s in _sizes(FLASH_SEQ, quick, dry, [32, 64]):
         sets = _n_sets(s * (H + 2 * Hkv) * D * 2)
         qs = [_randn((1, H, s, D), torch.bfloat16, device, gen) for _ in range(sets)]
         ks = [_randn((1, Hkv, s, D), torch.bfloat16, device, gen) for _ in range(sets)]
         vs = [_randn((1, Hkv, s, D), torch.bfloat16, device, gen) for _ in range(sets)]
         fns = [(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
                for q, k, v in zip(qs, ks, vs)]
-        us, inner = timer(fns)
-        flops = 4.0 * H * D * s * (s + 1) / 2
-        rows.append({"bench": "flash_prefill", "seq": s, "n_q_heads": H, "n_kv_heads": Hkv, "head_dim": D,
-                     "median_us": us, "inner": inner, "flops": flops, "tflops": flops / us / 1e6})
-    # decode: one query token per sequence over ctx cached tokens
-    ctxs = _sizes([2**p for p in range(8, 17)], quick, dry, [32, 128])
-    for batch in ((16, 64) if not dry else (2,)):
-        for c in ctxs:
+        cases.append(({"bench": "flash_prefill", "seq": s, "n_q_heads": H, "n_kv_heads": Hkv, "head_dim": D,
+                       "flops": 4.0 * H * D * s * (s + 1) / 2}, fns))
+    rows = measure_curve(timer, cases, echo, "flash_prefill", budget)
+    return [_rates(r, work=r["flops"], rate="tflops") for r in rows]
+
+
+def bench_decode(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
+    """Decode attention: one query token per sequence over ``ctx`` cached tokens, ``batch`` sequences (one curve
+    over ``ctx`` per batch)."""
+    import torch
+    import torch.nn.functional as F
+
+    H, Hkv, D = (N_Q_HEADS, N_KV_HEADS, HEAD_DIM) if not dry else (4, 2, 16)
+    rows = []
+    for batch in (DECODE_BATCHES if not dry else (2,)):
+        if budget.left() < 10:
+            rows.append({"bench": "attn_decode", "batch": batch, "error": "skipped: time budget"})
+            continue
+        cases = []
+        for c in _sizes(DECODE_CTX, quick, dry, [32, 128]):
             kv_bytes = batch * c * 2 * Hkv * D * 2
-            if kv_bytes > 2**31:
+            if kv_bytes > DECODE_MAX_KV_BYTES:
                 continue
             sets = _n_sets(kv_bytes)
             qs = [_randn((batch, H, 1, D), torch.bfloat16, device, gen) for _ in range(sets)]
@@ -241,49 +463,65 @@ def bench_flash(device, timer, quick, dry, gen) -> list[dict]:
             vs = [_randn((batch, Hkv, c, D), torch.bfloat16, device, gen) for _ in range(sets)]
             fns = [(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
                    for q, k, v in zip(qs, ks, vs)]
-            us, inner = timer(fns)
-            rows.append({"bench": "attn_decode", "batch": batch, "ctx": c, "n_q_heads": H, "n_kv_heads": Hkv,
-                         "head_dim": D, "kv_bytes": kv_bytes, "median_us": us, "inner": inner,
-                         "GBps": kv_bytes / us / 1e3})
-            del qs, ks, vs
+            cases.append(({"bench": "attn_decode", "batch": batch, "ctx": c, "n_q_heads": H, "n_kv_heads": Hkv,
+                           "head_dim": D, "kv_bytes": kv_bytes}, fns))
+        rows += [_rates(r, work=r["kv_bytes"]) for r in measure_curve(timer, cases, echo, f"attn_decode b{batch}",
+                                                                      budget)]
+        del cases
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
-def bench_p2p(timer, quick, dry, gen) -> list[dict]:
+def bench_p2p(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
+    """Peer copies GPU 0 -> GPU 1: CUDA events on GPU 0's stream around eager copies after the spin kernel (the
+    copy's cross-device stream hand-off is not capturable)."""
     import torch
 
-    rows = []
     if dry or torch.cuda.device_count() < 2:
-        return rows
-    timer = Timer("cuda:0", timer.reps, timer.warmup, host_sync_devices=(0, 1))
-    for sz in _sizes([2**p for p in range(12, 31, 2)], quick, False, []):
+        return []
+    cases = []
+    g1 = torch.Generator(device="cuda:0").manual_seed(7)
+    for sz in _sizes(P2P_SIZES, quick, False, []):
         n = sz // 2
         sets = _n_sets(sz)
-        src = [_randn((n,), torch.bfloat16, "cuda:0", gen) for _ in range(sets)]
+        src = [_randn((n,), torch.bfloat16, "cuda:0", g1) for _ in range(sets)]
         dst = [torch.empty(n, dtype=torch.bfloat16, device="cuda:1") for _ in range(sets)]
         fns = [(lambda s=s, d=d: d.copy_(s, non_blocking=True)) for s, d in zip(src, dst)]
-        us, inner = timer(fns)
-        torch.cuda.synchronize()
+        fns[0]()
+        sync("cuda:0")
+        sync("cuda:1")
         assert torch.equal(dst[0].cpu(), src[0].cpu())
-        rows.append({"bench": "p2p_copy", "src": 0, "dst": 1, "size_bytes": sz, "median_us": us, "inner": inner,
-                     "GBps": sz / us / 1e3})
-    return rows
+        cases.append(({"bench": "p2p_copy", "src": 0, "dst": 1, "size_bytes": sz}, fns))
+    rows = measure_curve(timer, cases, echo, "p2p_copy", budget, graph=False)
+    sync("cuda:1")
+    return [_rates(r, work=r["size_bytes"]) for r in rows]
 
 
-def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, path: str) -> None:
+def _ar_plan(sz: int) -> tuple[int, int]:
+    """``(inner, replays)`` of an all-reduce size — deterministic, so that every rank captures the same graph."""
+    est = 12.0 + sz / 150e3  # µs: latency + bytes at ~150 GB/s algorithm bandwidth
+    inner = max(1, min(64, math.ceil(250.0 / est)))
+    return inner, max(1, min(50, math.ceil(1500.0 / (inner * est))))
+
+
+def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], rounds: int, path: str,
+                      deadline: float) -> None:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device(f"cuda:{rank}"))
+                            device_id=torch.device(f"cuda:{rank}"), timeout=timedelta(seconds=60))
     gen = torch.Generator(device=f"cuda:{rank}").manual_seed(100 + rank)
-    timer = Timer(f"cuda:{rank}", reps, 5)
-    rows = []
+    timer = Timer(f"cuda:{rank}", rounds=rounds)
+    say = (lambda *m: print("measure: allreduce:", *m, flush=True)) if rank == 0 else (lambda *m: None)
+    cases, rows = [], []
     for sz in sizes:
         n = sz // 2
-        sets = _n_sets(sz)
-        bufs = [_randn((n,), torch.bfloat16, f"cuda:{rank}", gen) for _ in range(sets)]
+        bufs = [_randn((n,), torch.bfloat16, f"cuda:{rank}", gen) for _ in range(_n_sets(sz))]
         # AVG keeps values bounded over thousands of calls (SUM would overflow bf16 to inf)
         ref = bufs[0].float().clone()
         dist.all_reduce(ref, op=dist.ReduceOp.AVG)
@@ -291,21 +529,85 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], reps: 
         dist.all_reduce(probe, op=dist.ReduceOp.AVG)
         rel = ((probe.float() - ref).norm() / ref.norm()).item()
         fns = [(lambda b=b: dist.all_reduce(b, op=dist.ReduceOp.AVG)) for b in bufs]
-        dist.barrier()
-        us, inner = timer(fns, target_us=200.0)
+        inner, replays = _ar_plan(sz)
+        p = timer.prepare(fns, inner=inner, replays=replays)
+        modes = [None] * world
+        dist.all_gather_object(modes, p.mode)
+        if len(set(modes)) != 1:
+            raise RuntimeError(f"allreduce {sz}: ranks disagree on graph capture: {modes}")
+        cases.append((sz, p, rel))
+    say(f"{len(cases)} sizes prepared ({cases[0][1].mode if cases else '-'})")
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(rounds):
+        if time.time() > deadline and r >= 3:
+            say(f"deadline: stopping after {r} rounds")
+            break
+        order = range(len(cases)) if r % 2 == 0 else range(len(cases) - 1, -1, -1)
+        for i in order:
+            dist.barrier()
+            times[i].append(timer.round(cases[i][1]))
+        say(f"round {r + 1}/{rounds} done")
+    for (sz, p, rel), ts in zip(cases, times):
         allv = [None] * world
-        dist.all_gather_object(allv, us)
+        dist.all_gather_object(allv, ts)
+        per_round = [max(v[j] for v in allv) for j in range(len(ts))]  # a round is as slow as its slowest rank
+        st = round_stats(per_round)
         rows.append({"bench": "allreduce", "algo": "ring", "impl": "nccl", "n_ranks": world, "size_bytes": sz,
-                     "median_us": max(allv), "inner": inner, "GBps": sz / max(allv) / 1e3,
-                     "busbw_GBps": 2 * (world - 1) / world * sz / max(allv) / 1e3, "relerr": rel})
+                     **st, "inner": p.inner, "replays": p.replays, "timing": p.mode,
+                     "GBps": sz / st["median_us"] / 1e3,
+                     "busbw_GBps": 2 * (world - 1) / world * sz / st["median_us"] / 1e3, "relerr": rel})
     if rank == 0:
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
+        os.replace(path + ".tmp", path)
+        say(f"{len(rows)} rows written")
+    _worker_exit(dist, cases)
 
 
-def bench_allreduce(quick, dry, reps) -> list[dict]:
+def _worker_exit(dist, cases: list) -> None:
+    """End an all-reduce worker without NCCL tear-down: drop the captured graphs (they hold NCCL work), sync,
+    meet the other ranks once more, then ``os._exit(0)``. ``destroy_process_group`` (and the interpreter's own
+    exit, which finalises NCCL communicators still referenced by graphs) hung for the whole 120 s limit on 2xH200
+    after every row was written; nothing is left to communicate, so the process skips it. Bounded: the barrier
+    runs on a side thread and the worker exits after ``EXIT_BARRIER_S`` either way."""
+    import contextlib
+    import gc
+    import threading
+
+    import torch
+
+    cases.clear()
+    gc.collect()
+    with contextlib.suppress(Exception):  # exiting anyway
+        torch.cuda.synchronize()
+    done = threading.Event()
+
+    def _barrier() -> None:
+        try:
+            dist.barrier()
+        finally:
+            done.set()
+
+    threading.Thread(target=_barrier, daemon=True).start()
+    done.wait(EXIT_BARRIER_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _stop(procs) -> None:
+    """Terminate (then kill) the worker processes this module started that are still alive; bounded."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+
+
+def bench_allreduce(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import socket
 
     import torch
@@ -316,18 +618,44 @@ def bench_allreduce(quick, dry, reps) -> list[dict]:
         return []
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[k] = v  # never NVLink multicast (KINDS.md)
-    sizes = _sizes([2**p for p in range(12, 30)], quick, False, [])
+    sizes = _sizes(ALLREDUCE_SIZES, quick, False, [])
+    limit = min(120.0, max(20.0, budget.left() - 5))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ar.json")
-        mp.spawn(_allreduce_worker, args=(world, port, sizes, reps, path), nprocs=world, join=True)
+        # by its importable name (not __main__'s), so spawned children find it under `python -m kernels.measure`
+        from kernels.measure import _allreduce_worker as worker
+
+        ctx = mp.start_processes(worker, args=(world, port, sizes, timer.rounds, path,
+                                                          time.time() + limit - 25),
+                                 nprocs=world, join=False, start_method="spawn")
+        t0, written = time.time(), None
+        while not ctx.join(timeout=2):
+            if written is None and os.path.exists(path):
+                written = time.time()
+            if written is not None and time.time() - written > EXIT_GRACE_S:
+                # the rows are on disk: a worker stuck in tear-down must not cost the rest of the limit
+                _stop(ctx.processes)
+                echo(f"measure: allreduce: workers still exiting {EXIT_GRACE_S:.0f} s after writing their rows; "
+                     "terminated")
+                with open(path) as f:
+                    return json.load(f)
+            if time.time() - t0 > limit:
+                _stop(ctx.processes)
+                if os.path.exists(path):  # rows were written; a hang at tear-down must not lose them
+                    echo(f"measure: allreduce: workers hung after writing their rows ({limit:.0f} s); terminated")
+                    with open(path) as f:
+                        return json.load(f)
+                raise TimeoutError(f"all-reduce workers still running after {limit:.0f} s; terminated")
         with open(path) as f:
             return json.load(f)
 
 
-BENCHES = ("hbm", "gemm", "grouped", "flash", "p2p", "allreduce")
+BENCHES = ("allreduce", "gemm", "grouped", "flash", "decode", "hbm", "p2p")
+_FUNCS = {"allreduce": bench_allreduce, "gemm": bench_gemm, "grouped": bench_grouped, "flash": bench_flash,
+          "decode": bench_decode, "hbm": bench_hbm, "p2p": bench_p2p}
 
 
 def environment(device: str) -> dict:
@@ -356,9 +684,21 @@ def environment(device: str) -> dict:
     return env
 
 
+def _warm_clocks(device: str, seconds: float = 0.5) -> None:
+    """A short burst of large matmuls so the first curve is not timed at idle clocks."""
+    import torch
+
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        sync(device)
+
+
 def run(quick: bool = False, dry_run: bool = False, only: list[str] | None = None, echo=print,
-        partial_out: str | Path | None = None) -> dict:
-    """Run the benchmarks; returns ``{"schema": "rackbed.measure/1", "env": {...}, "rows": [...]}``."""
+        partial_out: str | Path | None = None, budget_s: float | None = None, rounds: int | None = None) -> dict:
+    """Run the benchmarks; returns ``{"schema": "rackbed.measure/2", "env": {...}, "rows": [...]}``."""
     import torch
 
     device = "cpu" if dry_run or not torch.cuda.is_available() else "cuda:0"
@@ -368,55 +708,73 @@ def run(quick: bool = False, dry_run: bool = False, only: list[str] | None = Non
     for b in only:
         if b not in BENCHES:
             raise ValueError(f"measure: unknown benchmark {b!r}; choose from {', '.join(BENCHES)}")
-    reps = 3 if dry_run else (15 if quick else 30)
-    timer = Timer(device, reps, 2 if dry_run else 5)
+    only = [b for b in BENCHES if b in only]  # all-reduce first: it needs both GPUs before GPU 0 fills up
+    rounds = rounds or (3 if dry_run else (5 if quick else 9))
+    budget = Budget(budget_s)
+    timer = Timer(device, rounds=rounds, warmup=2 if dry_run else 3)
     gen = torch.Generator(device=device).manual_seed(0)
-    doc = {"schema": "rackbed.measure/1", "env": environment(device), "rows": [], "quick": quick,
-           "dry_run": dry_run, "timings_s": {}}
+    doc = {"schema": SCHEMA, "env": environment(device), "rows": [], "quick": quick, "dry_run": dry_run,
+           "timing": {"method": "graph replay" if device != "cpu" else "host clock", "rounds": rounds,
+                      "interleaved": True, "statistic": "median of rounds"},
+           "timings_s": {}, "complete": False}
+    if device != "cpu":
+        with torch.cuda.device(0):
+            _warm_clocks(device)
+
+    def flush():
+        if partial_out:  # what is done survives a time-out
+            Path(partial_out).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(str(partial_out) + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(partial_out)
+
+    flush()
     for b in only:
         t0 = time.time()
+        if budget.left() < 10:
+            doc["rows"].append({"bench": b, "error": "skipped: time budget"})
+            echo(f"measure: {b}: skipped (budget)")
+            continue
+        echo(f"measure: {b}: start ({budget.left():.0f} s left)")
         try:
-            rows = _run_one(b, device, timer, quick, dry_run, gen, reps)
-        except Exception as exc:  # noqa: BLE001 — one broken benchmark must not lose the others
+            with torch.cuda.device(0) if device != "cpu" else _null():
+                rows = _FUNCS[b](device, timer, quick, dry_run, gen, echo, budget)
+        except Exception as exc:
             if dry_run:
                 raise
             rows = [{"bench": b, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}]
         doc["rows"].extend(rows)
         doc["timings_s"][b] = round(time.time() - t0, 2)
         echo(f"measure: {b}: {len(rows)} rows in {time.time() - t0:.1f} s")
-        if partial_out:  # what is done survives a time-out
-            Path(partial_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(partial_out).write_text(json.dumps(doc, indent=1))
+        flush()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    doc["complete"] = True
+    flush()
     return doc
 
 
-def _run_one(b, device, timer, quick, dry_run, gen, reps) -> list[dict]:
-    if b == "hbm":
-        return bench_hbm(device, timer, quick, dry_run, gen)
-    if b == "gemm":
-        return bench_gemm(device, timer, quick, dry_run, gen)
-    if b == "grouped":
-        return bench_grouped(device, timer, quick, dry_run, gen)
-    if b == "flash":
-        return bench_flash(device, timer, quick, dry_run, gen)
-    if b == "p2p":
-        return bench_p2p(timer, quick, dry_run, gen)
-    return bench_allreduce(quick, dry_run, reps)
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="measure.json")
-    ap.add_argument("--quick", action="store_true", help="every other size, fewer repeats")
+    ap.add_argument("--quick", action="store_true", help="every other size, fewer rounds")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
     ap.add_argument("--only", nargs="*", choices=BENCHES)
+    ap.add_argument("--rounds", type=int, help="timed rounds per case (default 9; quick 5)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget: later curves are skipped / cut short to fit (default: none)")
     a = ap.parse_args(argv)
-    doc = run(a.quick, a.dry_run, a.only, partial_out=a.out)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(doc, indent=1))
-    print(f"wrote {a.out} ({len(doc['rows'])} rows)")
+    echo = lambda *m: print(*m, flush=True)
+    doc = run(a.quick, a.dry_run, a.only, echo=echo, partial_out=a.out, budget_s=a.budget_s, rounds=a.rounds)
+    print(f"wrote {a.out} ({len(doc['rows'])} rows)", flush=True)
     return 0
 
 

@@ -8,9 +8,14 @@ docstring for the FLOP / byte conventions, which are the cost models'). Fitting 
   the measured time (the calibrated GEMM path has no fixed cost); ``flash_tflops`` per head_dim, x = sequence
   length, y = causal FLOPs / (time - ``KERNEL_FIXED_US``) (the model adds that fixed cost to the core); ``hbm_GBps``,
   x = bytes moved (read + write), y = bytes / (time - ``KERNEL_FIXED_US``) from ``hbm_copy``; ``allreduce_us`` per
-  (algo, n_ranks), x = bytes per rank, y = µs; ``dispatch_us`` / ``combine_us`` from ``rackbed bench`` JSON.
-* **fit** (:func:`fit_curve`) = log-log interpolation of the implied time through the curve's *fit* points,
-  tabulated densely for ``CalibrationEntry.interpolate``; medians of >= 15 repeats, no further smoothing.
+  (algo, n_ranks), x = bytes per rank, y = µs; ``decode_attn_GBps`` per (head_dim, seq_heads = batch x KV heads),
+  x = context tokens per sequence, y = KV bytes / (time - ``KERNEL_FIXED_US``) from ``attn_decode``;
+  ``dispatch_us`` / ``combine_us`` from ``rackbed bench`` JSON.
+* **fit** (:func:`fit_curve`): a physical base form of the implied time times the interpolated fit-point
+  residual, tabulated densely for ``CalibrationEntry.interpolate``.
+* **measurement formats**: ``rackbed.measure/1`` (a median of repeats per row) and ``rackbed.measure/2`` (CUDA-graph
+  replay, interleaved rounds: ``median_us`` is the median of the rounds, with ``min_us`` / ``max_us`` /
+  ``q1_us`` / ``q3_us``, which :func:`row_noise` turns into the row's measurement spread for ``rackbed validate``).
 * **hold-out** (:class:`Holdout`): within each curve every third point (indices 1, 4, 7, ... — never an end
   point, so held-out points are interpolated, not extrapolated) and, for GEMMs, entire (n, k) shapes
   (default: the O projection ``n=4096, k=8192``). A held-out shape is predicted by a per-format *fallback* entry
@@ -26,10 +31,11 @@ torch / CUDA / NCCL versions, date, the measurement file, the hold-out rule and 
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -47,6 +53,8 @@ CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
 #: torch device name -> topology GpuSpec.name
 DEVICE_TO_GPU = {"NVIDIA H200": "H200-SXM", "NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA B200": "B200-HGX"}
 FIXED_S = C.KERNEL_FIXED_US * 1e-6
+#: measurement document schemas ``calibrate`` reads (``kernels/measure.py``; documents without a schema are /1)
+MEASURE_SCHEMAS = ("rackbed.measure/1", "rackbed.measure/2")
 
 
 class CalibrationFile(CalibrationTable):
@@ -64,7 +72,7 @@ class Holdout:
 
     every: int = 3
     offset: int = 1
-    shapes: tuple[tuple[int, int], ...] = ((4096, 8192),)
+    shapes: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
         sh = ", ".join(f"n={n} k={k}" for n, k in self.shapes) or "none"
@@ -106,7 +114,7 @@ def row_id(r: dict) -> str:
 
 def curve_of(r: dict) -> tuple[str, tuple[tuple[str, object], ...], float, float] | None:
     """``(kind, key, x, y)`` of the calibration point a measured row gives, or None if no calibration kind
-    covers it (p2p copies, decode attention — see calibration/README.md — and rows with errors)."""
+    covers it (p2p copies — see calibration/README.md — and rows with errors)."""
     if r.get("error") or not r.get("median_us") or r["median_us"] <= 0:
         return None
     t = r["median_us"] * 1e-6
@@ -119,6 +127,10 @@ def curve_of(r: dict) -> tuple[str, tuple[tuple[str, object], ...], float, float
         return "flash_tflops", (("head_dim", r["head_dim"]),), float(r["seq"]), flops / _net(t) / 1e12
     if b == "hbm_copy":
         return "hbm_GBps", (), float(r["bytes"]), r["bytes"] / _net(t) / 1e9
+    if b == "attn_decode":
+        kv = r.get("kv_bytes") or r["batch"] * r["ctx"] * 2 * r["n_kv_heads"] * r["head_dim"] * 2
+        return ("decode_attn_GBps", (("head_dim", r["head_dim"]), ("seq_heads", r["batch"] * r["n_kv_heads"])),
+                float(r["ctx"]), kv / _net(t) / 1e9)
     if b == "allreduce":
         return ("allreduce_us", (("algo", r["algo"]), ("n_ranks", r["n_ranks"])), float(r["size_bytes"]),
                 r["median_us"])
@@ -133,8 +145,31 @@ def _net(t_s: float) -> float:
     return max(t_s - FIXED_S, 0.5 * t_s)
 
 
+def row_noise(r: dict) -> float | None:
+    """The row's measurement spread as a fraction of its median: half the range of its timed rounds
+    (``(max_us - min_us) / 2 / median_us``, ``rackbed.measure/2``), or None when the row has no rounds (older
+    files, ``rackbed bench`` rows)."""
+    lo, hi, med = r.get("min_us"), r.get("max_us"), r.get("median_us")
+    if lo is None or hi is None or not med:
+        return None
+    return (float(hi) - float(lo)) / 2 / float(med)
+
+
+def check_measurements(measurements: dict, source: str = "measurements") -> None:
+    """One-line UserError unless ``measurements`` is a ``kernels/measure.py`` document of a known schema."""
+    if not isinstance(measurements, dict) or not isinstance(measurements.get("rows", []), list):
+        raise UserError(f"{source}: not a kernels/measure.py document (a mapping with a 'rows' list)")
+    sch = measurements.get("schema", MEASURE_SCHEMAS[0])
+    if sch not in MEASURE_SCHEMAS:
+        raise UserError(f"{source}: schema must be one of {', '.join(MEASURE_SCHEMAS)}, got {sch!r}")
+    for i, r in enumerate(measurements.get("rows", [])):
+        if not isinstance(r, dict) or "bench" not in r:
+            raise UserError(f"{source}: rows[{i}] has no 'bench' field")
+
+
 def split_rows(rows: list[dict], holdout: Holdout) -> tuple[set[str], set[str]]:
-    """``(fit_ids, holdout_ids)`` over the rows that give calibration points (module docstring)."""
+    """``(fit_ids, holdout_ids)`` over the rows that give calibration points (module docstring). Points are the
+    curve's distinct ``x`` values (rows repeating an ``x``, e.g. a merged second measurement, share its role)."""
     curves: dict[tuple, list[tuple[float, str]]] = defaultdict(list)
     fit, held = set(), set()
     for r in rows:
@@ -147,9 +182,11 @@ def split_rows(rows: list[dict], holdout: Holdout) -> tuple[set[str], set[str]]:
             continue
         curves[(c[0], c[1])].append((c[2], rid))
     for pts in curves.values():
-        pts.sort()
-        for i, (_, rid) in enumerate(pts):
-            inner = 0 < i < len(pts) - 1
+        xs = sorted({x for x, _ in pts})
+        idx = {x: i for i, x in enumerate(xs)}
+        for x, rid in pts:
+            i = idx[x]
+            inner = 0 < i < len(xs) - 1
             if inner and holdout.every > 0 and i % holdout.every == holdout.offset % holdout.every:
                 held.add(rid)
             else:
@@ -157,22 +194,37 @@ def split_rows(rows: list[dict], holdout: Holdout) -> tuple[set[str], set[str]]:
     return fit, held
 
 
-def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "") -> list[CalibrationEntry]:
+def shape_of(r: dict) -> dict:
+    """The shape fields of a measured row that the curve's base form needs (:func:`form_for`)."""
+    if r["bench"] == "gemm":
+        return {"n": r["n"], "n_experts": r.get("n_experts", 1)}
+    if r["bench"] == "flash_prefill":
+        return {"heads": r["n_q_heads"]}
+    return {}
+
+
+def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
+                sm_count: int = 132) -> list[CalibrationEntry]:
     """Calibration entries from the fit rows: one per (kind, key) curve, plus a per-format GEMM fallback (key
     ``fmt`` only) from the dense GEMM curves (geometric mean of their interpolants at every fitted ``m``)."""
     curves: dict[tuple, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    shapes: dict[tuple, dict] = {}
     dense_keys: dict[str, list[tuple]] = defaultdict(list)
     for r in rows:
         if row_id(r) not in fit_ids:
             continue
         kind, key, x, y = curve_of(r)  # type: ignore[misc]
         curves[(kind, key)][x].append(y)
+        shapes[(kind, key)] = shape_of(r)
         if kind == "gemm_tflops" and r.get("op") == "dense" and (kind, key) not in dense_keys[r["fmt"]]:
             dense_keys[r["fmt"]].append((kind, key))
     entries = []
     for (kind, key), pts in curves.items():
-        points = fit_curve(kind, [(x, _geomean(ys)) for x, ys in sorted(pts.items())])
-        entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=dict(key), points=points, source=source))
+        xy = [(x, _geomean(ys)) for x, ys in sorted(pts.items())]
+        form = choose_form(kind, xy, shapes[(kind, key)], sm_count)
+        points = fit_curve(kind, xy, form)
+        src = f"{source}; {form.describe()}" if len(xy) >= 3 else source
+        entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=dict(key), points=points, source=src))
     by_key = {(e.kind, tuple(e.key.items())): e for e in entries}
     for fmt, keys in sorted(dense_keys.items()):
         es = [by_key[k] for k in keys]
@@ -180,61 +232,276 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "")
         points = tuple((x, _geomean([e.interpolate(x) for e in es])) for x in xs)
         entries.append(CalibrationEntry(kind="gemm_tflops", gpu=gpu, key={"fmt": fmt}, points=points,
                                         source=f"{source}; fallback: geometric mean of {len(es)} dense shapes"))
-    order = {"hbm_GBps": 0, "gemm_tflops": 1, "flash_tflops": 2, "allreduce_us": 3, "dispatch_us": 4,
-             "combine_us": 5}
+    order = {"hbm_GBps": 0, "gemm_tflops": 1, "flash_tflops": 2, "decode_attn_GBps": 3, "allreduce_us": 4,
+             "dispatch_us": 5, "combine_us": 6}
     entries.sort(key=lambda e: (order.get(e.kind, 9), -len(e.key), sorted(e.key.items(), key=str)))
     return entries
 
 
 #: kinds whose y is a rate (time = x-proportional work / y); the others (``*_us``) are times
-RATE_KINDS = ("gemm_tflops", "flash_tflops", "hbm_GBps", "nic_GBps")
+RATE_KINDS = ("gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "nic_GBps")
 #: work per unit x of a rate kind up to a constant, as a function of x (time = work(x) / y): GEMM FLOPs are
 #: linear in tokens m, causal attention quadratic in the sequence, bytes linear
-_WORK_EXP = {"gemm_tflops": 1.0, "flash_tflops": 2.0, "hbm_GBps": 1.0, "nic_GBps": 1.0}
+_WORK_EXP = {"gemm_tflops": 1.0, "flash_tflops": 2.0, "hbm_GBps": 1.0, "decode_attn_GBps": 1.0, "nic_GBps": 1.0}
 #: tabulation density of a fitted curve (points per factor of 2 in x)
 POINTS_PER_OCTAVE = 8
+#: Whether a GEMM curve's *default* base form (:func:`form_for`: curves with fewer than 5 fit points, where no
+#: leave-one-out choice is made) is the wave form. Off: with v1 data the bf16 curves were ∝ m at large m (stream-K
+#: like). :func:`choose_form` always tries the wave and stream-K forms (:func:`candidate_forms`); on the /2
+#: measurements it picks waves for every FP8 curve (an exact 128x128 wave staircase) and stream-K for bf16 ones.
+GEMM_WAVES = False
+#: CTA tiles (BLOCK_M, BLOCK_N) a GEMM curve's wave model may pick (cuBLAS / CUTLASS Hopper configurations)
+GEMM_TILES = ((64, 128), (64, 256), (128, 128), (128, 256), (256, 128))
+#: M-tile heights of the stream-K GEMM forms (:class:`Form` ``streamk``)
+GEMM_STREAMK_BM = (64, 128, 256)
+#: leave-one-out scores closer than this (|error| units) are a tie (:func:`choose_form`)
+LOO_TIE = 1e-4
+#: smallest relative jump of a form's work that is tabulated as a step (both sides; smaller ones interpolate)
+STEP_MIN_JUMP = 0.03
+#: flash-attention query / key block (FA2/FA3 and SDPA's flash backend on Hopper)
+FLASH_BLOCK = 128
 
 
-def fit_curve(kind: str, pts: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """Fitted calibration points from measured ``(x, y)`` (x increasing):
+@dataclass(frozen=True)
+class Form:
+    """The physical base form of a curve's time, ``t(x) = max(floor, c + s * w(x))`` (:func:`fit_form`).
 
-    1. **log-log interpolation** of the implied time ``t(x)`` (``work(x) / y`` for rate kinds, ``y`` for
-       ``*_us``): between measured points ``t`` is a power law in ``x`` — a straight line in log-log, exact for
-       the two regimes that matter (constant time at the launch / latency floor, ``t ∝ x`` once bandwidth- or
-       compute-bound). The curve passes through every fit point, so a calibrated shape at a measured ``x``
-       returns the measured value (kernel-selection steps, e.g. a faster tile config at m = 128, are kept);
-    2. **tabulation**: ``CalibrationEntry.interpolate`` is linear in ``log x`` (not log-log), so the curve is
-       tabulated at ``POINTS_PER_OCTAVE`` points per doubling of ``x`` (for ``y ∝ x^a`` the two interpolants
-       differ by at most ``(a · ln2 / 8)² / 8``: 0.1 % for a = 1, 0.4 % for a = 2).
-    """
-    xs = [float(x) for x, _ in pts]
-    if len(xs) == 1:
-        return ((xs[0], float(pts[0][1])),)
+    ``w`` is the curve's work in *quantised* units: ``"linear"`` w = x (bytes, tokens of a collective);
+    ``"gemm"`` w = waves of CTA tiles, ``ceil(n_experts * ceil(m / bm) * ceil(n / bn) / sm_count)`` (tile and wave
+    quantisation: the time of an m that fills a partial wave is the time of the full wave); ``"flash"`` w = causal
+    block-pairs per SM, ``max(heads * nb (nb + 1) / 2 / sm_count, nb)`` with ``nb = ceil(s / 128)`` (total work
+    spread over the SMs, but never less than the longest CTA's ``nb`` blocks); ``"power"`` w = x^e (no shape)."""
+
+    work: str = "linear"
+    exp: float = 1.0
+    n: int = 0
+    experts: int = 1
+    heads: int = 0
+    tile: tuple[int, int] = (128, 128)
+    sm_count: int = 132
+    #: weight of the interpolated fit-point residual (1: the curve passes through every fit point; 0: the base
+    #: form alone, which averages the fit points' jitter instead of following it)
+    lam: float = 1.0
+    #: GEMM only: stream-K scheduling (the tiles' work is spread evenly over the SMs: no wave ceiling, only the
+    #: tile quantisation of m)
+    streamk: bool = False
+
+    def w(self, x: float) -> float:
+        if self.work == "gemm":
+            bm, bn = self.tile
+            tiles = self.experts * math.ceil(x / bm - 1e-9) * math.ceil(self.n / bn)
+            return float(tiles / self.sm_count if self.streamk else math.ceil(tiles / self.sm_count - 1e-9))
+        if self.work == "loglog":
+            return 1.0
+        if self.work == "flash":
+            nb = math.ceil(x / FLASH_BLOCK - 1e-9)
+            return max(self.heads * nb * (nb + 1) / 2 / self.sm_count, float(nb))
+        return x ** self.exp
+
+    def describe(self) -> str:
+        """A short name of the form (recorded in each fitted entry's ``source``)."""
+        if self.work == "gemm":
+            w = (f"stream-K m-tiles of {self.tile[0]}" if self.streamk
+                 else f"waves of {self.tile[0]}x{self.tile[1]} tiles")
+        elif self.work == "flash":
+            w = f"flash blocks of {FLASH_BLOCK}"
+        elif self.work == "loglog":
+            return "form: log-log interpolation of the fit points"
+        else:
+            w = f"power x^{self.exp:g}"
+        return f"form: {w}, " + ("through the fit points" if self.lam == 1.0 else "form alone")
+
+    def steps(self, lo: float, hi: float) -> list[float]:
+        """x values inside ``[lo, hi]`` where ``w`` jumps (tabulated on both sides so the table keeps the steps)."""
+        if self.work == "gemm":
+            bm = self.tile[0]
+            out = []
+            for j in range(max(1, int(lo // bm)), int(hi // bm) + 1):
+                if self.w(j * bm + 1) > self.w(j * bm) * (1 + STEP_MIN_JUMP):
+                    out += [float(j * bm), float(j * bm + 1)]
+            return [x for x in out if lo < x < hi]
+        return []
+
+
+def form_for(kind: str, shape: dict | None = None, sm_count: int = 132) -> Form:
+    """The base form of a curve of ``kind`` (``shape``: GEMM ``n`` / ``n_experts``, attention ``heads``)."""
+    shape = shape or {}
+    if kind == "gemm_tflops" and shape.get("n") and GEMM_WAVES:
+        return Form("gemm", n=int(shape["n"]), experts=int(shape.get("n_experts", 1)), sm_count=sm_count)
+    if kind == "flash_tflops" and shape.get("heads"):
+        return Form("flash", heads=int(shape["heads"]), sm_count=sm_count)
+    return Form("power", exp=_WORK_EXP.get(kind, 1.0) if kind in RATE_KINDS else 1.0)
+
+
+def _base(form: Form, p: tuple[float, float, float], x: float) -> float:
+    floor, c, s = p
+    return max(floor, c + s * form.w(x))
+
+
+def fit_form(form: Form, xs: list[float], ts: list[float]) -> tuple[float, float, float]:
+    """Least-squares fit (in log time) of ``(floor, c, s)`` of ``t = max(floor, c + s * w(x))`` to the points:
+    the launch / latency floor, the fixed cost above it, and the time per unit of work (1 / rate)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    w = np.array([form.w(x) for x in xs])
+    t = np.array(ts)
+    lt = np.log(t)
+
+    def res(q):
+        floor, c, s = np.exp(q)
+        return np.log(np.maximum(floor, c + s * w)) - lt
+
+    big = int(np.argmax(w))
+    s0 = max(t[big] / max(w[big], 1e-300), 1e-300)
+    starts = [(t.min(), 0.1 * t.min(), s0), (0.5 * t.min(), 0.5 * t.min(), s0)]
+    order = np.argsort(w)
+    if len(w) >= 2 and w[order[-1]] > w[order[-2]] and t[order[-1]] > t[order[-2]]:
+        # the line through the two largest-work points (the bandwidth / compute regime), floor at the minimum
+        i, j = order[-1], order[-2]
+        sl = (t[i] - t[j]) / (w[i] - w[j])
+        starts.append((t.min(), max(t[i] - sl * w[i], 1e-3 * t.min()), sl))
+    best = None
+    for f0, c0, s0 in starts:
+        q0 = np.log([f0, max(c0, 1e-300), s0])
+        r = least_squares(res, q0, method="trf", x_scale=1.0, max_nfev=400)
+        if best is None or r.cost < best.cost:
+            best = r
+    floor, c, s = (float(v) for v in np.exp(best.x))
+    return floor, c, s
+
+
+def _hybrid(form: Form, p, xs: list[float], ts: list[float]):
+    """``t(x) = base(x) * exp(rho(x))``: the fitted base form times its log-residual at the fit points,
+    interpolated between neighbouring fit points (held at the end values outside): passes through every fit
+    point, follows the form between them (floor / wave steps / knee), and the residual carries the smooth
+    efficiency drift. The residual is linear in ``log x``, except across a step of a GEMM form (neighbours with
+    different quantised work): there it is linear in ``log w(x)``, so an ``x`` with the same waves / tiles as a
+    fit point takes that point's residual (the staircase: same quantised work, same time)."""
+    lx = [math.log(x) for x in xs]
+    rho = [math.log(t / _base(form, p, x)) for x, t in zip(xs, ts)]
+    quant = form.work == "gemm"
+    lw = [math.log(max(form.w(x), 1e-300)) for x in xs] if quant else []
+
+    def f(x: float) -> float:
+        g = math.log(x)
+        if g <= lx[0]:
+            r = rho[0]
+        elif g >= lx[-1]:
+            r = rho[-1]
+        else:
+            j = bisect.bisect_right(lx, g) - 1
+            j = min(j, len(lx) - 2)
+            if quant and lw[j + 1] > lw[j] + 1e-12:
+                u = min(1.0, max(0.0, (math.log(max(form.w(x), 1e-300)) - lw[j]) / (lw[j + 1] - lw[j])))
+            else:
+                u = (g - lx[j]) / (lx[j + 1] - lx[j])
+            r = rho[j] + u * (rho[j + 1] - rho[j])
+        return _base(form, p, x) * math.exp(form.lam * r)
+
+    return f
+
+
+@lru_cache(maxsize=4096)
+def _fit_cached(form: Form, xs: tuple[float, ...], ts: tuple[float, ...]) -> tuple[float, float, float]:
+    """:func:`fit_form` memoised (leave-one-out fits each subset once per form, for both ``lam``)."""
+    return fit_form(form, list(xs), list(ts))
+
+
+def _loo_error(form: Form, xs: list[float], ts: list[float]) -> float:
+    """Leave-one-out median |error| of the hybrid over the inner fit points (model selection on fit rows only)."""
+    errs = []
+    for i in range(1, len(xs) - 1):
+        xi, ti = xs[:i] + xs[i + 1:], ts[:i] + ts[i + 1:]
+        f = _hybrid(form, _fit_cached(replace(form, lam=1.0), tuple(xi), tuple(ti)), xi, ti)
+        errs.append(abs(f(xs[i]) / ts[i] - 1))
+    errs.sort()
+    return (errs[len(errs) // 2] + max(errs)) if errs else 0.0
+
+
+def candidate_forms(kind: str, shape: dict | None = None, sm_count: int = 132) -> list[Form]:
+    """The base forms :func:`choose_form` picks from for a curve of ``kind``: always the kind's power form and
+    plain log-log interpolation (``loglog``: the fit points joined by straight lines in log-log space); GEMMs
+    also the wave-quantised form per CTA tile of ``GEMM_TILES`` (``waves = ceil(tiles / SMs)``: a kernel that
+    maps one tile per CTA) and the stream-K form per ``GEMM_STREAMK_BM`` (tile quantisation of m only);
+    flash attention also its block form."""
+    shape = shape or {}
+    base = form_for(kind, shape, sm_count)
+    out = [base] if base.work != "power" else []
+    out.append(Form("power", exp=_WORK_EXP.get(kind, 1.0) if kind in RATE_KINDS else 1.0))
+    if kind == "gemm_tflops" and shape.get("n"):
+        g = Form("gemm", n=int(shape["n"]), experts=int(shape.get("n_experts", 1)), sm_count=sm_count)
+        out += [replace(g, tile=t) for t in GEMM_TILES]
+        out += [replace(g, tile=(bm, 128), streamk=True) for bm in GEMM_STREAMK_BM]
+    out.append(Form("loglog"))
+    return list(dict.fromkeys(out))
+
+
+def choose_form(kind: str, pts: list[tuple[float, float]], shape: dict | None = None,
+                sm_count: int = 132) -> Form:
+    """The base form for a curve, chosen by leave-one-out over the curve's *fit* points only (median + max
+    |error|) among :func:`candidate_forms`, and for every form but ``loglog`` whether the fit-point residual is
+    interpolated (``lam`` 1) or the form alone is used (``lam`` 0). Scores within ``LOO_TIE`` of the best so far
+    keep the earlier candidate (forms the fit rows cannot tell apart: the simpler / wave form wins)."""
+    base = form_for(kind, shape, sm_count)
+    if len(pts) < 5:
+        return base
+    xs, ts = _times(kind, pts)
+    best = None
+    for f in candidate_forms(kind, shape, sm_count):
+        for lam in ((1.0,) if f.work == "loglog" else (1.0, 0.0)):
+            g = replace(f, lam=lam)
+            e = _loo_error(g, xs, ts)
+            if best is None or e < best[0] - LOO_TIE:
+                best = (e, g)
+    return best[1]
+
+
+def _times(kind: str, pts: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
     rate = kind in RATE_KINDS
     e = _WORK_EXP.get(kind, 1.0)
-    ts = [(x ** e) / y if rate else y for x, y in pts]
-    lx, lt = [math.log(x) for x in xs], [math.log(max(t, 1e-300)) for t in ts]
-    grid: list[float] = []
-    for i in range(len(xs) - 1):
-        n = max(1, math.ceil((lx[i + 1] - lx[i]) / math.log(2) * POINTS_PER_OCTAVE))
-        grid += [lx[i] + (lx[i + 1] - lx[i]) * j / n for j in range(n)]
-    grid.append(lx[-1])
+    return [float(x) for x, _ in pts], [(float(x) ** e) / y if rate else float(y) for x, y in pts]
+
+
+def fit_curve(kind: str, pts: list[tuple[float, float]], form: Form | None = None) -> tuple[tuple[float, float], ...]:
+    """Fitted calibration points from measured ``(x, y)`` (x increasing):
+
+    1. **physical base form** (:class:`Form`, :func:`fit_form`): the implied time ``t(x)`` (``work(x) / y`` for
+       rate kinds, ``y`` for ``*_us``) is fitted with ``max(floor, c + s * w(x))`` — the launch / latency floor,
+       a fixed cost and the time per unit of *quantised* work (GEMM: waves of CTA tiles; flash attention: causal
+       block pairs per SM; bytes for copies and collectives);
+    2. **residual**: the log-ratio of measured to base time at every fit point, interpolated linearly in log x, so
+       the curve passes through every fit point (kernel-selection steps seen at a fitted x are kept) and between
+       points follows the form (floor, knee, wave steps) times a smoothly varying efficiency;
+    3. **tabulation** for ``CalibrationEntry.interpolate`` (linear in ``log x``): ``POINTS_PER_OCTAVE`` points per
+       doubling of x, the fit points, and both sides of every wave step of the form.
+
+    With fewer than 3 points the base form is not fitted (pure log-log interpolation of the time).
+    """
+    xs, ts = _times(kind, pts)
+    if len(xs) == 1:
+        return ((xs[0], float(pts[0][1])),)
+    form = form or form_for(kind)
+    if len(xs) >= 3:
+        f = _hybrid(form, fit_form(form, xs, ts), xs, ts)
+    else:
+        lt = [math.log(t) for t in ts]  # two points: the log-log line through them
+        a = (lt[1] - lt[0]) / (math.log(xs[1]) - math.log(xs[0]))
+        f = (lambda x, a=a: ts[0] * (x / xs[0]) ** a)
+    lx0, lx1 = math.log(xs[0]), math.log(xs[-1])
+    n = max(1, math.ceil((lx1 - lx0) / math.log(2) * POINTS_PER_OCTAVE))
+    grid = sorted({*(math.exp(lx0 + (lx1 - lx0) * j / n) for j in range(1, n)), *xs, *form.steps(xs[0], xs[-1])})
+    rate = kind in RATE_KINDS
+    e = _WORK_EXP.get(kind, 1.0)
     out = []
-    j = 0
-    for g in grid:
-        while j < len(lx) - 2 and g > lx[j + 1]:
-            j += 1
-        f = (g - lx[j]) / (lx[j + 1] - lx[j])
-        t = math.exp(lt[j] + f * (lt[j + 1] - lt[j]))
-        x = math.exp(g)
+    for x in grid:
+        t = ts[xs.index(x)] if x in xs else f(x)
         out.append((x, (x ** e) / t if rate else t))
-    # exact end points / measured x (exp(log x) round-off) and strictly increasing x
-    out[0], out[-1] = (xs[0], out[0][1]), (xs[-1], out[-1][1])
     dedup = [out[0]]
     for x, y in out[1:]:
-        if x > dedup[-1][0] * (1 + 1e-12):
+        if x > dedup[-1][0] * (1 + 1e-9):
             dedup.append((x, y))
-    return tuple((float(_sig(x)), float(_sig(y))) for x, y in dedup)
+    return tuple((float(_sig(x, 9)), float(_sig(y))) for x, y in dedup)
 
 
 def _sig(v: float, digits: int = 6) -> float:
@@ -248,6 +515,7 @@ def _geomean(ys: list[float]) -> float:
 def calibrate(measurements: dict, *, gpu: str | None = None, holdout: Holdout = Holdout(),
               measurements_path: str = "") -> dict:
     """Fit a calibration file (a dict ready for YAML) from a ``kernels/measure.py`` document."""
+    check_measurements(measurements, measurements_path or "measurements")
     env = measurements.get("env", {})
     if measurements.get("dry_run"):
         gpu = gpu or "CPU-DRY-RUN"
@@ -258,13 +526,14 @@ def calibrate(measurements: dict, *, gpu: str | None = None, holdout: Holdout = 
         raise UserError(f"calibrate: {measurements_path or 'measurements'}: no usable rows to fit")
     src = (f"kernels/measure.py {env.get('date', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
            f"NCCL {env.get('nccl', '?')}")
-    entries = fit_entries(rows, gpu, fit_ids, src)
+    entries = fit_entries(rows, gpu, fit_ids, src, int(env.get("sm_count") or 132))
     covered = sorted({row_id(r) for r in rows if curve_of(r) is None and not r.get("error") and "bench" in r
                       and r.get("median_us")})
     meta = {"schema": FILE_SCHEMA, "gpu": gpu, "device": env.get("gpu_name"), "gpu_count": env.get("gpu_count"),
             "driver": env.get("driver"), "torch": env.get("torch"), "cuda": env.get("cuda"),
             "nccl": env.get("nccl"), "python": env.get("python"), "date": env.get("date"),
-            "measurements": measurements_path, "n_rows": len(rows), "n_fit": len(fit_ids),
+            "measurements": measurements_path, "measure_schema": measurements.get("schema", MEASURE_SCHEMAS[0]),
+            "timing": measurements.get("timing"), "n_rows": len(rows), "n_fit": len(fit_ids),
             "holdout_rule": holdout.describe(), "holdout_shapes": [list(s) for s in holdout.shapes],
             "holdout": sorted(held_ids), "not_calibrated": covered,
             "errors": [f"{r.get('bench')}: {r['error']}" for r in rows if r.get("error")]}

@@ -3,10 +3,11 @@
     rackbed calibrate [--out calibration/h200.yaml] [--quick] [--measurements-out results/h200x2/measure.json]
                       [--from-measurements FILE] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
 
-Runs ``kernels/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``),
+Runs ``kernels/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``: the
+``rackbed.measure/1`` format or ``/2``, graph-replayed rounds with their spread),
 adds rows from ``rackbed bench kernels --out FILE`` JSON (``--from-bench``: NCCL all-reduce rows, decode
-dispatch/combine rows), fits (``sim.calibrate``: every third point of each curve and whole GEMM shapes are held
-out for ``rackbed validate``) and writes the calibration file (versioned ``meta``: device, driver, torch / CUDA /
+dispatch/combine rows), fits (``sim.calibrate``: every third point of each curve is held out for ``rackbed validate``;
+``--holdout-shape NxK`` also holds out whole GEMM shapes) and writes the calibration file (versioned ``meta``: device, driver, torch / CUDA /
 NCCL versions, date). ``--dry-run`` measures tiny sizes on the CPU (plumbing only; the file is tagged
 ``CPU-DRY-RUN`` and never matches a real GPU).
 """
@@ -51,14 +52,24 @@ def bench_rows(doc: dict, source: str) -> list[dict]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from sim.calibrate import Holdout, calibrate, describe_calibration, dump_calibration, load_calibration_file
+    from sim.calibrate import (
+        Holdout,
+        calibrate,
+        describe_calibration,
+        dump_calibration,
+        load_calibration_file,
+    )
 
     if args.from_measurements:
         p = Path(args.from_measurements)
         try:
             meas = json.loads(p.read_text())
+        except OSError as exc:
+            raise UserError(f"{p}: cannot read measurements: {exc.strerror or exc}") from exc
         except json.JSONDecodeError as exc:
             raise UserError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+        if isinstance(meas, dict) and meas.get("complete") is False:
+            print(f"warning: {p}: the measurement run did not finish (partial file); fitting what it holds")
         # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw file stays
         mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else str(p))
     else:
@@ -102,7 +113,8 @@ def register(subparsers) -> None:
     p.add_argument("--from-bench", action="append", help="add rows from 'rackbed bench kernels --out' JSON")
     p.add_argument("--gpu", help="GPU model name for the entries (default: from the device name)")
     p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth point of each curve (0: none)")
-    p.add_argument("--holdout-shape", nargs="*", help="GEMM shapes NxK held out entirely (default 4096x8192)")
+    p.add_argument("--holdout-shape", nargs="*", help="GEMM shapes NxK held out entirely, predicted by the per-format fallback (default: none; "
+                        "`--holdout-shape 4096x8192` measures the fallback on the O projection)")
     p.set_defaults(func=_run)
 
 

@@ -9,9 +9,13 @@ shapes), the simulator's prediction — the cost function the simulator calls (`
 ``grouped_gemm_time``, ``full_attention_prefill`` / ``_decode``, ``hbm_rate_Bps``, ``allreduce_time``) evaluated
 with the calibration table, i.e. the fitted curve interpolated at that shape — against the measured time:
 ``rel_error = (predicted - measured) / measured``; median and max of ``|rel_error|`` against the targets (median
-<= 3 %, max <= 10 %). Rows of benchmarks no calibration kind covers (decode attention, P2P copies) are reported
+<= 3 %, max <= 10 %). Rows of benchmarks no calibration kind covers (P2P copies) are reported
 separately (model without calibration). ``--all`` also lists the fitted rows (their error is ~0 by
-construction: a check of the fit / lookup plumbing).
+construction: a check of the fit / lookup plumbing). Measurements in the ``rackbed.measure/2`` format carry the
+spread of their timed rounds: each row reports ``noise`` (half the min-max range of its rounds over the median,
+:func:`sim.calibrate.row_noise`) and ``within_noise`` (``|rel_error| <= noise``), and the summary the errors
+beyond the noise (``max(0, |rel_error| - noise)``), so a reader sees which misses the measurement cannot resolve.
+Older files (one median per row) have no spread: ``noise`` is null.
 
 **Engine level** (:func:`validate_engine`, ``--engine DIR``): a ``rackbed real`` run's measured plan times fitted on
 the plans not held out (``sim.engine_calibration``), errors on the held-out plans, and the run's TTFT/TPOT/ITL
@@ -47,7 +51,9 @@ def _stats(errs: list[float]) -> dict:
 def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = False) -> dict:
     """Kernel-level comparison (module docstring). Returns ``{"rows": [...], "summary": {...}}``; each row has
     ``row_id, bench, role (holdout | fit | uncalibrated), measured_us, predicted_us, rel_error, model``."""
-    from sim.calibrate import curve_of, predict_row, row_id
+    from sim.calibrate import check_measurements, curve_of, predict_row, row_id, row_noise
+
+    check_measurements(measurements)
 
     meta = getattr(calib, "meta", {}) or {}
     held = set(meta.get("holdout", []))
@@ -69,6 +75,9 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
         row = {"row_id": rid, "bench": r["bench"], "group": _group(p), "role": role,
                "measured_us": p.measured_s * 1e6, "predicted_us": p.predicted_s * 1e6, "rel_error": p.rel_error,
                "uncalibrated_us": p0.predicted_s * 1e6, "uncalibrated_rel_error": p0.rel_error, "model": p.model}
+        noise = row_noise(r)
+        row.update(noise=noise, within_noise=None if noise is None else abs(p.rel_error) <= noise,
+                   min_us=r.get("min_us"), max_us=r.get("max_us"), timing=r.get("timing"))
         out.append(row)
         groups.setdefault((role, row["group"]), []).append(p.rel_error)
     hold = [r["rel_error"] for r in out if r["role"] == "holdout"]
@@ -80,6 +89,16 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
                "holdout_without_calibration": _stats([r["uncalibrated_rel_error"] for r in out
                                                       if r["role"] == "holdout"]),
                "uncalibrated": _stats([r["rel_error"] for r in out if r["role"] == "uncalibrated"])}
+    noisy = [r for r in out if r["role"] == "holdout" and r["noise"] is not None]
+    over = [r for r in out if r["role"] == "holdout" and abs(r["rel_error"]) > TARGET_MAX]
+    summary["noise"] = {
+        "rows_with_spread": len(noisy),
+        "median_noise": statistics.median([r["noise"] for r in noisy]) if noisy else None,
+        "max_noise": max([r["noise"] for r in noisy]) if noisy else None,
+        "within_noise": sum(1 for r in noisy if r["within_noise"]),
+        "beyond_noise": _stats([max(0.0, abs(r["rel_error"]) - r["noise"]) for r in noisy]),
+        "over_max_target": [{"row_id": r["row_id"], "rel_error": r["rel_error"], "noise": r["noise"]}
+                            for r in over]}
     return {"rows": out, "summary": summary}
 
 
@@ -111,10 +130,14 @@ def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
 
 
 def print_table(res: dict, echo=print) -> None:
-    echo(f"{'row':44s} {'role':12s} {'measured_us':>12s} {'sim_us':>10s} {'error':>8s} {'uncal_err':>9s}")
+    echo(f"{'row':44s} {'role':12s} {'measured_us':>12s} {'sim_us':>10s} {'error':>8s} {'noise':>7s} "
+         f"{'uncal_err':>9s}")
     for r in res["rows"]:
+        nz = r.get("noise")
+        nzs = "-" if nz is None else f"±{nz * 100:.1f}%"
+        flag = " *" if r["role"] == "holdout" and abs(r["rel_error"]) > TARGET_MAX else ""
         echo(f"{r['row_id'][:44]:44s} {r['role']:12s} {r['measured_us']:12.2f} {r['predicted_us']:10.2f} "
-             f"{r['rel_error'] * 100:+7.1f}% {r['uncalibrated_rel_error'] * 100:+8.1f}%")
+             f"{r['rel_error'] * 100:+7.1f}% {nzs:>7s} {r['uncalibrated_rel_error'] * 100:+8.1f}%{flag}")
     echo("")
     echo(f"{'group':52s} {'n':>4s} {'median|e|':>10s} {'max|e|':>8s}")
     for g, s in res["summary"]["by_group"].items():
@@ -128,6 +151,18 @@ def print_table(res: dict, echo=print) -> None:
         u = res["summary"]["holdout_without_calibration"]
         echo(f"same rows, first-principles model without calibration: median |error| "
              f"{u['median_abs'] * 100:.1f}%, max {u['max_abs'] * 100:.1f}%")
+        nz = res["summary"].get("noise") or {}
+        if nz.get("rows_with_spread"):
+            b = nz["beyond_noise"]
+            echo(f"measurement spread (half range of rounds) on {nz['rows_with_spread']} held-out rows: median "
+                 f"±{nz['median_noise'] * 100:.1f}%, max ±{nz['max_noise'] * 100:.1f}%; errors within it: "
+                 f"{nz['within_noise']}; error beyond it: median {b['median_abs'] * 100:.1f}%, "
+                 f"max {b['max_abs'] * 100:.1f}%")
+        elif nz:
+            echo("measurement spread: not recorded (rackbed.measure/1 file: one median per row)")
+        for o in nz.get("over_max_target", []):
+            n = "no spread recorded" if o["noise"] is None else f"spread ±{o['noise'] * 100:.1f}%"
+            echo(f"  over {TARGET_MAX * 100:.0f}%: {o['row_id']} {o['rel_error'] * 100:+.1f}% ({n})")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ Full attention (per layer, per rank; H = local query heads, D = head_dim, Hkv = 
   ``FLASH_HALF_SEQ_TOKENS``; calibration kind ``flash_tflops`` replaces it);
 * decode core (paged): reads the KV cache — ``ceil(ctx / page) * page * 2 * Hkv * D * kv_elem_bytes`` per
   sequence — at the achievable HBM rate times ``DECODE_ATTN_BW_EFFICIENCY``; compute (``4 * H * D * ctx`` per
-  query token, ``q_per_seq`` query tokens for MTP verification) is checked as a roofline leg.
+  query token, ``q_per_seq`` query tokens for MTP verification) is checked as a roofline leg. Calibration kind
+  ``decode_attn_GBps`` (the measured decode kernel's KV-read rate per ``seq_heads`` = sequences x local KV heads
+  and mean context) replaces the rate; without it ``hbm_GBps``.
 
 Gated DeltaNet (Qwen3.5 "linear" layers; Hv value heads, Dk = Dv = linear_head_dim, chunk C):
 
@@ -150,7 +152,14 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     hkv = local_heads(model.n_kv_heads, tp)
     kv_bytes = paged_tokens * 2 * hkv * d * kv_elem_bytes
     flops = 4.0 * h * d * total_ctx * q_per_seq
-    measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
+    # calibration kind decode_attn_GBps (the measured decode kernel per sequences x KV heads and context), else
+    # hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times DECODE_ATTN_BW_EFFICIENCY
+    measured = None
+    if calib is not None:
+        measured = calib.lookup_along("decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), "seq_heads",
+                                      float(n_seqs * hkv), head_dim=d)
+    if measured is None:
+        measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY
     memory_s = kv_bytes / bw
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.FLASH_EFFICIENCY[gpu.arch])

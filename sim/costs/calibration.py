@@ -14,11 +14,17 @@ kind                    x                                 y                     
 ``gemm_tflops``         tokens per expert (M)             achieved TFLOP/s           fmt, n, k
 ``flash_tflops``        sequence length (tokens)          achieved TFLOP/s           head_dim
 ``hbm_GBps``            bytes read per kernel             achieved GB/s              (none)
+``decode_attn_GBps``    context tokens per sequence       KV bytes read / time, GB/s head_dim, seq_heads
 ``allreduce_us``        bytes per rank buffer             µs                         algo, n_ranks
 ``dispatch_us``         tokens per rank                   µs                         n_ranks, hidden, phase
 ``combine_us``          tokens per rank                   µs                         n_ranks, hidden, phase
 ``nic_GBps``            chunk bytes                       achieved GB/s per NIC      nic
 ======================  ================================  =========================  ================================
+
+``decode_attn_GBps`` is the decode-attention kernel (one query token per sequence over its KV cache) per
+``seq_heads`` = sequences x local KV heads (the kernel's parallel units); :meth:`CalibrationTable.lookup_along`
+interpolates between the measured ``seq_heads`` curves (linear in ``log seq_heads``, clamped), so any batch and
+TP degree gets a value.
 
 Matching: ``entry.gpu`` equals the GPU model name (``GpuSpec.name``, e.g. ``H200-SXM``); every key field the
 entry gives must equal the query's value (fields the entry omits match anything); among matching entries the
@@ -49,13 +55,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from topology.errors import UserError, from_validation
 
-Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "allreduce_us", "dispatch_us", "combine_us", "nic_GBps"]
+Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
+               "combine_us", "nic_GBps"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
     "gemm_tflops": ("fmt", "n", "k"),
     "flash_tflops": ("head_dim",),
     "hbm_GBps": (),
+    "decode_attn_GBps": ("head_dim", "seq_heads"),
     "allreduce_us": ("algo", "n_ranks"),
     "dispatch_us": ("n_ranks", "hidden", "phase"),
     "combine_us": ("n_ranks", "hidden", "phase"),
@@ -137,6 +145,35 @@ class CalibrationTable(BaseModel):
             if s > best_score:
                 best, best_score = e, s
         return None if best is None else best.interpolate(max(float(x), 1e-30))
+
+    def lookup_along(self, kind: str, gpu: str, x: float, field: str, value: float, **key) -> float | None:
+        """``y(x)`` where ``field`` is a numeric key measured at a few values (curves pinning it): the two curves
+        whose ``field`` brackets ``value`` are evaluated at ``x`` and interpolated linearly in ``log(value)``
+        (clamped to the outermost curve). Curves must also match ``gpu`` and ``key`` (as :meth:`lookup`; per
+        ``field`` value the most specific wins). Without any curve pinning ``field``: :meth:`lookup`."""
+        if kind not in KINDS:
+            raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        cands: dict[float, tuple[int, CalibrationEntry]] = {}
+        for e in self.entries:
+            if e.kind != kind or field not in e.key:
+                continue
+            s = e.matches(gpu, {**key, field: e.key[field]})
+            v = float(e.key[field])
+            if s >= 0 and v > 0 and (v not in cands or s > cands[v][0]):
+                cands[v] = (s, e)
+        if not cands:
+            return self.lookup(kind, gpu, x, **key, **{field: value})
+        vs = sorted(cands)
+        xv = max(float(x), 1e-30)
+        if value <= vs[0]:
+            return cands[vs[0]][1].interpolate(xv)
+        if value >= vs[-1]:
+            return cands[vs[-1]][1].interpolate(xv)
+        j = bisect.bisect_right(vs, value)
+        v0, v1 = vs[j - 1], vs[j]
+        y0, y1 = cands[v0][1].interpolate(xv), cands[v1][1].interpolate(xv)
+        t = (math.log(value) - math.log(v0)) / (math.log(v1) - math.log(v0))
+        return y0 + t * (y1 - y0)
 
 
 def lookup(calib: CalibrationTable | None, kind: str, gpu: str, x: float, **key) -> float | None:
