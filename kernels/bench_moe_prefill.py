@@ -3,7 +3,7 @@ kernels/grouped_gemm_wgmma.py (bf16; FP8 e4m3 with 1x128 / 128x128 block scales)
 and torch._scaled_grouped_mm rowwise FP8, in the same run.
 
     timeout 230 python -m kernels.bench_moe_prefill --out $OUT/prefill.json    # JSON rewritten after every step
-    timeout 230 python -u -m kernels.bench_moe_prefill --sweep --out $OUT/prefill.json   # every variant (v2 sweep)
+    timeout 235 python -u -m kernels.bench_moe_prefill --sweep --out $OUT/prefill.json   # every variant (v4 sweep)
 
 Steps (each printed with flush): compile each (shape, variant) (a failing compile prints its full traceback and the
 variant is skipped); small checks (8 experts, rows 0/1/127/128/129/300/0/5: empty experts, partial tiles, tiles
@@ -367,12 +367,13 @@ def sweep_groups() -> list[list[str]]:
     (SAFE_VARIANTS, v1 first) share the first group; every other variant gets a group of its own."""
     from kernels import grouped_gemm_wgmma as gw
 
-    safe = [v for v in gw.VARIANTS if v in SAFE_VARIANTS]
+    safe = [v for v in SAFE_VARIANTS if v in gw.VARIANTS]
     return [safe] + [[v] for v in gw.VARIANTS if v not in SAFE_VARIANTS]
 
 
-# correct in results/h200x2/moe/prefill_gemm_v2_sweep.log (small checks and all benchmark cases)
-SAFE_VARIANTS = ("v1_bf16", "v1_fp8", "fp8_dbuf")
+# correct in results/h200x2/moe/prefill_gemm_v3_sweep.json (small checks and all benchmark cases); the v4
+# cluster variants (cluster_n > 1) and the v3 variants beaten there run each in their own child process
+SAFE_VARIANTS = ("v1_bf16", "v1_fp8", "bf16_coop_smem", "fp8_smem", "fp8_dbuf_smem")
 
 
 def merge_results(parts: list[dict]) -> dict:
@@ -422,7 +423,10 @@ def _run_isolated(out_path: str, budget_s: float) -> dict:
     t0 = time.time()
     for i, grp in enumerate(groups):
         left = budget_s - (time.time() - t0)
-        limit = max(20.0, left / (len(groups) - i))  # share what is left between the remaining groups
+        # share what is left between the remaining groups in proportion to their variants (+1: process start-up,
+        # torch baselines), at least 30 s
+        weight = (len(grp) + 1) / sum(len(g) + 1 for g in groups[i:])
+        limit = max(30.0, left * weight)
         part = f"{out_path}.part{i}.json"
         _say(f"group {i + 1}/{len(groups)}: {','.join(grp)} (limit {limit:.0f} s)")
         try:

@@ -35,6 +35,13 @@ SMEM_BYTES = 227 * 1024  # sm_90 dynamic shared memory per block
 #   dbuf       fp8 only: two temporary block accumulators; block k+1's wgmma is in flight while block k is
 #              promoted (wgmma.wait_group 1), and the scales are loaded one block ahead
 #   stages     TMA pipeline depth (None: as many as fit in shared memory)
+#   cluster_n  v4: CTAs per cluster along N (1: no cluster). The CTAs of a cluster compute the same m-tile (same
+#              expert, same x rows) and adjacent n-tiles; each loads 1/cluster_n of the A tile and multicasts it to
+#              all (TMA multicast), so L2->SM traffic per CTA and k-tile drops from (128 + tile_n) x tile_k to
+#              (128 / cluster_n + tile_n) x tile_k elements. Why: v3 ran at ~6 TB/s of L2->SM loads in every variant
+#              (128x256 and 128x128 tiles alike), i.e. load-bandwidth bound, not MMA-issue bound.
+#   max_ctas   v4: cap on the persistent grid (None: one CTA per SM); cluster variants need a grid of whole clusters
+#              that are all co-resident (a cluster that does not fit runs after the others: a doubled tail)
 VARIANTS: dict[str, dict] = {
     "v1_bf16": {"fp8": False, "tile_n": 256, "pingpong": False, "epi": "direct", "dbuf": False, "stages": 4},
     "bf16_coop_smem": {"fp8": False, "tile_n": 256, "pingpong": False, "epi": "smem", "dbuf": False, "stages": 4},
@@ -47,10 +54,23 @@ VARIANTS: dict[str, dict] = {
     "fp8_smem": {"fp8": True, "tile_n": 128, "pingpong": False, "epi": "smem", "dbuf": False, "stages": None},
     "fp8_dbuf": {"fp8": True, "tile_n": 128, "pingpong": False, "epi": "direct", "dbuf": True, "stages": None},
     "fp8_dbuf_smem": {"fp8": True, "tile_n": 128, "pingpong": False, "epi": "smem", "dbuf": True, "stages": None},
+    # v4: 2-CTA clusters along N with the A tile multicast (see cluster_n above)
+    "bf16_mc2_smem": {"fp8": False, "tile_n": 256, "pingpong": False, "epi": "smem", "dbuf": False, "stages": 4,
+                      "cluster_n": 2},
+    "bf16_mc2_smem_g128": {"fp8": False, "tile_n": 256, "pingpong": False, "epi": "smem", "dbuf": False,
+                           "stages": 4, "cluster_n": 2, "max_ctas": 128},
+    "bf16_mc4_smem": {"fp8": False, "tile_n": 256, "pingpong": False, "epi": "smem", "dbuf": False, "stages": 4,
+                      "cluster_n": 4, "max_ctas": 128},
+    "fp8_mc2_smem": {"fp8": True, "tile_n": 128, "pingpong": False, "epi": "smem", "dbuf": False, "stages": None,
+                     "cluster_n": 2},
+    "fp8_mc2_smem_g128": {"fp8": True, "tile_n": 128, "pingpong": False, "epi": "smem", "dbuf": False,
+                          "stages": None, "cluster_n": 2, "max_ctas": 128},
+    "fp8_mc4_smem": {"fp8": True, "tile_n": 128, "pingpong": False, "epi": "smem", "dbuf": False,
+                     "stages": None, "cluster_n": 4, "max_ctas": 128},
 }
 # The variant grouped_mm uses when none is named (env RACKBED_WGMMA_VARIANT_BF16 / _FP8 override); set from the
 # sweep in results/h200x2/moe/ (kernels/MOE_KERNELS.md section 2).
-DEFAULT_VARIANT = {"bf16": "v1_bf16", "fp8": "v1_fp8"}
+DEFAULT_VARIANT = {"bf16": "bf16_coop_smem", "fp8": "fp8_dbuf_smem"}  # v4 sweep: best bf16; best fp8 without N % 256
 EPI_N = 64  # columns per shared-memory epilogue chunk
 EPI_PAD = 8  # bf16 elements of padding per staged row (144-byte rows: conflict-free fragment writes)
 
@@ -67,7 +87,7 @@ def variant_config(variant: str | bool) -> dict:
         variant = default_variant(variant)
     if variant not in VARIANTS:
         raise ValueError(f"unknown wgmma variant {variant!r}; known: {', '.join(VARIANTS)}")
-    v = dict(VARIANTS[variant])
+    v = {"cluster_n": 1, "max_ctas": None, **VARIANTS[variant]}
     fp8, tile_n = v["fp8"], v["tile_n"]
     tile_k = 128 if fp8 else 64  # 128 bytes of K per row either way (128-byte swizzle)
     elem = 1 if fp8 else 2
@@ -123,8 +143,8 @@ def shape_unsupported(n_rows: int, n: int, k: int, fp8, variant: str | None = No
         return f"K={k} must be a multiple of 128"
     if cfg["dbuf"] and k % (2 * SCALE_BLOCK):
         return f"K={k} must be a multiple of 256 for variant {cfg['name']}"
-    if n % cfg["tile_n"]:
-        return f"N={n} must be a multiple of {cfg['tile_n']}"
+    if n % (cfg["tile_n"] * cfg["cluster_n"]):
+        return f"N={n} must be a multiple of {cfg['tile_n'] * cfg['cluster_n']} for variant {cfg['name']}"
     if n_rows == 0:
         return "no rows"
     if n_rows * max(n, k) >= 2 ** 31:
@@ -170,10 +190,18 @@ def tile_offsets(counts, tile_m: int = TILE_M, out=None):
 
 
 def grid_size(n_rows: int, n_experts: int, n: int, fp8, n_sms: int) -> int:
-    """Persistent grid: one CTA per SM, fewer when there are fewer work items (upper bound from host sizes)."""
+    """Persistent grid: one CTA per SM, fewer when there are fewer work items (upper bound from host sizes);
+    cluster variants: a multiple of cluster_n, at most max_ctas."""
     cfg = variant_config(fp8)
     max_tiles = (math.ceil(n_rows / cfg["tile_m"]) + n_experts) * (n // cfg["tile_n"])
-    return max(1, min(n_sms, max_tiles))
+    g = max(1, min(n_sms, cfg["max_ctas"] or n_sms, max_tiles))
+    return cluster_grid(g, cfg)
+
+
+def cluster_grid(n_ctas: int, cfg: dict) -> int:
+    """``n_ctas`` rounded down to whole clusters (at least one cluster)."""
+    cn = cfg["cluster_n"]
+    return max(cn, n_ctas - n_ctas % cn)
 
 
 def schedule(counts_list, n: int, fp8, n_ctas: int, consumer: int | None = None
@@ -182,23 +210,28 @@ def schedule(counts_list, n: int, fp8, n_ctas: int, consumer: int | None = None
     (``fp8`` a bool or a variant name; pingpong variants: ``consumer`` 0/1 keeps only that warpgroup's items,
     every other one of the CTA's sequence)."""
     cfg = variant_config(fp8)
-    tm, n_tiles = cfg["tile_m"], n // cfg["tile_n"]
+    tm, cn = cfg["tile_m"], cfg["cluster_n"]
+    n_groups = n // cfg["tile_n"] // cn  # work items are (m-tile, group of cluster_n adjacent n-tiles)
+    if cn > 1:
+        n_ctas = cluster_grid(n_ctas, cfg)
+    n_cl = n_ctas // cn
     offs, toffs = [0], [0]
     for c in counts_list:
         offs.append(offs[-1] + c)
         toffs.append(toffs[-1] + -(-c // tm))
-    total = toffs[-1] * n_tiles
+    total = toffs[-1] * n_groups
     out = []
     for b in range(n_ctas):
-        e, items, t = 0, [], b
+        cid, rank = divmod(b, cn)  # cluster index, rank in the cluster (cluster along grid x)
+        e, items, t = 0, [], cid
         while t < total:
-            mt, nt = divmod(t, n_tiles)
+            mt, ng = divmod(t, n_groups)
             while toffs[e + 1] <= mt:
                 e += 1
             row0 = offs[e] + (mt - toffs[e]) * tm
-            if consumer is None or not cfg["pingpong"] or (t - b) // n_ctas % 2 == consumer:
-                items.append((e, row0, min(offs[e + 1] - row0, tm), nt))
-            t += n_ctas
+            if consumer is None or not cfg["pingpong"] or (t - cid) // n_cl % 2 == consumer:
+                items.append((e, row0, min(offs[e + 1] - row0, tm), ng * cn + rank))
+            t += n_cl
         out.append(items)
     return out
 
@@ -327,6 +360,7 @@ def grouped_mm(x, w, counts, *, x_scale=None, w_scale=None, out=None, offsets=No
         offsets = tile_offsets(counts)
     if n_ctas is None:
         n_ctas = grid_size(R, E, N, variant, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    n_ctas = cluster_grid(n_ctas, variant_config(variant))  # whole clusters (no-op without clusters)
     fn = gc.compiled(N, K, variant)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     sa = x_scale.data_ptr() if fp8 else 0

@@ -71,6 +71,9 @@ class _GroupedGemm:
         self.ab_dtype = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
         self.k_tiles = k // self.tile_k
         self.n_tiles = n // self.tile_n
+        self.cn = cfg["cluster_n"]  # v4: CTAs per cluster along N, A tile multicast (1: no cluster)
+        assert not (self.cn > 1 and self.pingpong), "clusters are implemented for the cooperative variants only"
+        self.n_groups = self.n_tiles // self.cn  # work item = (m-tile, group of cn adjacent n-tiles)
         self.num_consumer_wg = 2
         self.threads = 128 * (1 + self.num_consumer_wg)
         self.epi_smem_elems = (self.num_consumer_wg * self.epi_rows * (EPI_N + EPI_PAD)
@@ -107,7 +110,12 @@ class _GroupedGemm:
         a_one = cute.slice_(a_smem, (None, None, 0))
         b_one = cute.slice_(b_smem, (None, None, 0))
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mA, a_one, (self.tile_m, self.tile_k))
+        if cutlass.const_expr(self.cn > 1):
+            tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, a_one, (self.tile_m, self.tile_k),
+                num_multicast=self.cn)
+        else:
+            tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mA, a_one, (self.tile_m, self.tile_k))
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mB, b_one, (self.tile_n, self.tile_k))
 
         @cute.struct
@@ -120,14 +128,16 @@ class _GroupedGemm:
         self.storage = Storage
         self.kernel(tma_a, tA, tma_b, tB, mC, mOffs, mToffs, mSA, mSB, n_rows, E, tiled_mma, a_smem,
                     b_smem).launch(
-            grid=[n_ctas, 1, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+            grid=[n_ctas, 1, 1], block=[self.threads, 1, 1], cluster=[self.cn, 1, 1], min_blocks_per_mp=1,
+            stream=stream)
 
     # ------------------------------------------------------------------------------------------------ device side
     @cute.jit
-    def locate(self, t: Int32, e: Int32, mOffs: cute.Tensor, mToffs: cute.Tensor):
-        """Work item t -> (expert, first row, valid rows, n-tile); ``e`` is a lower bound for the expert."""
-        mt = t // self.n_tiles
-        nt = t - mt * self.n_tiles
+    def locate(self, t: Int32, e: Int32, mOffs: cute.Tensor, mToffs: cute.Tensor, rank: Int32):
+        """Work item t -> (expert, first row, valid rows, n-tile); ``e`` is a lower bound for the expert.
+        Item t = (m-tile, group of cn adjacent n-tiles); ``rank`` (in the cluster) picks the n-tile of the group."""
+        mt = t // self.n_groups
+        nt = (t - mt * self.n_groups) * self.cn + rank
         while mToffs[e + 1] <= mt:
             e = e + 1
         row0 = mOffs[e] + (mt - mToffs[e]) * self.tile_m
@@ -141,6 +151,14 @@ class _GroupedGemm:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
+        # clusters along grid x: cluster cid = bid // cn walks items cid, cid + n_cl, ...; every CTA of a cluster
+        # walks the same items (same m-tile and A rows, its own n-tile), in lockstep through the shared A stages
+        rank = Int32(0)
+        if cutlass.const_expr(self.cn > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cid = bid // self.cn
+        n_cl = nblk // self.cn
+        cta_layout_vmnk = cute.make_layout((1, 1, self.cn, 1))
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
@@ -154,10 +172,16 @@ class _GroupedGemm:
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # one arrive per consumer warp and CTA of the cluster: a stage's A half is multicast into every CTA of
+            # the cluster, so its producer may refill the stage only when all of them released it
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     4 if self.pingpong else self.num_consumer_wg * 4),
-            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        pipeline.pipeline_init_arrive()
+                                                     4 if self.pingpong else self.num_consumer_wg * 4 * self.cn),
+            tx_count=tx_bytes, cta_layout_vmnk=cta_layout_vmnk, defer_sync=True)
+        cluster_mn = cute.make_layout((1, self.cn))
+        if cutlass.const_expr(self.cn > 1):
+            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
+        else:
+            pipeline.pipeline_init_arrive()
         sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
 
@@ -165,29 +189,41 @@ class _GroupedGemm:
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                                       cute.group_modes(gB, 0, 2))
-        total = mToffs[n_experts] * self.n_tiles
-        pipeline.pipeline_init_wait()
+        total = mToffs[n_experts] * self.n_groups
+        if cutlass.const_expr(self.cn > 1):
+            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
+        else:
+            pipeline.pipeline_init_wait()
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         if wg == 0:
             cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                mcast = None
+                if cutlass.const_expr(self.cn > 1):
+                    mcast = cute.make_layout_image_mask(cute.make_layout((1, self.cn, 1)), (0, rank, 0), mode=1)
                 e = Int32(0)
-                t = bid
+                t = cid
                 while t < total:
-                    e, row0, rows, nt = self.locate(t, e, mOffs, mToffs)
+                    e, row0, rows, nt = self.locate(t, e, mOffs, mToffs, rank)
                     gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None))
+                    # cluster: this CTA loads its 1/cn slice of the A tile and multicasts it to the whole cluster
                     tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                        tma_a, rank, cute.make_layout(self.cn), cute.group_modes(sA, 0, 2),
+                        cute.group_modes(gA, 0, 2))
                     for kt in cutlass.range(self.k_tiles, unroll=1):
                         pipe.producer_acquire(prod)
                         bar = pipe.producer_get_barrier(prod)
-                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.cn > 1):
+                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar,
+                                      mcast_mask=mcast)
+                        else:
+                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
                         cute.copy(tma_b, tBgB[(None, nt, kt, e)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
                         pipe.producer_commit(prod)
                         prod.advance()
-                    t = t + nblk
+                    t = t + n_cl
                 pipe.producer_tail(prod)
         else:
             cute.arch.setmaxregister_increase(232)
@@ -225,10 +261,10 @@ class _GroupedGemm:
             # the same two 64 rows further down)
             r_lo = tCcC[0][0]
             e = Int32(0)
-            t = bid
+            t = cid
             j = Int32(0)
             while t < total:
-                e, row0, rows, nt = self.locate(t, e, mOffs, mToffs)
+                e, row0, rows, nt = self.locate(t, e, mOffs, mToffs, rank)
                 mine = True
                 if cutlass.const_expr(self.pingpong):
                     mine = (j % 2) == cwg
@@ -252,7 +288,7 @@ class _GroupedGemm:
                     if cutlass.const_expr(self.pingpong):  # noqa: SIM102 (compile-time outer if)
                         # the next item (the other warpgroup's) may start its mainloop; this one's epilogue
                         # overlaps it. No arrive without a next item: every arrive has a matching wait.
-                        if t + nblk < total:
+                        if t + n_cl < total:
                             cute.arch.barrier_arrive(barrier_id=_ORDER_BAR + 1 - cwg, number_of_threads=256,
                                                      aligned=False)
                     if cutlass.const_expr(self.epi == "smem"):
@@ -269,22 +305,30 @@ class _GroupedGemm:
                     for _kt in cutlass.range(self.k_tiles, unroll=1):
                         rd.advance()
                         rl.advance()
-                t = t + nblk
+                t = t + n_cl
                 j = j + 1
+        if cutlass.const_expr(self.cn > 1):
+            # no CTA leaves while a cluster peer may still multicast into its shared memory or arrive on its
+            # barriers (the producer's tail waits cover the stages; this covers the rest)
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def mainloop_bf16(self, pipe, rd, rl, tiled_mma, acc, tCrA, tCrB):
         n_kb = cute.size(tCrA, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.fence()
         # prologue: first k-tile, no release yet (one wgmma batch stays in flight)
         pipe.consumer_wait(rd)
+        cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(n_kb):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, rd.index)], tCrB[(None, None, kb, rd.index)], acc)
         cute.nvgpu.warpgroup.commit_group()
         rd.advance()
         for kt in cutlass.range(1, self.k_tiles, unroll=1):
             pipe.consumer_wait(rd)
+            # explicit wgmma.fence per k-block (as CUTLASS's warpgroup_arrive): without it ptxas injects one and,
+            # in the cluster variants, serializes every wgmma (C7520 "compiler-inserted WG.AR in divergent path")
+            cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(n_kb):
                 cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, rd.index)], tCrB[(None, None, kb, rd.index)], acc)
             cute.nvgpu.warpgroup.commit_group()

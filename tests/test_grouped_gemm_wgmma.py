@@ -24,7 +24,7 @@ from kernels import grouped_gemm_wgmma as gw
        n_ctas=st.integers(1, 40), n_tiles=st.integers(1, 3))
 def test_schedule_covers_every_row_once(counts, fp8, n_ctas, n_tiles):
     cfg = gw.tile_config(fp8)
-    N = n_tiles * cfg["tile_n"]
+    N = n_tiles * cfg["tile_n"] * cfg["cluster_n"]
     offs = [0]
     for c in counts:
         offs.append(offs[-1] + c)
@@ -36,7 +36,7 @@ def test_schedule_covers_every_row_once(counts, fp8, n_ctas, n_tiles):
             assert (row0 - offs[e]) % cfg["tile_m"] == 0
             for r in range(row0, row0 + rows):
                 seen[(r, nt)] = seen.get((r, nt), 0) + 1
-    assert seen == {(r, nt): 1 for r in range(offs[-1]) for nt in range(n_tiles)}
+    assert seen == {(r, nt): 1 for r in range(offs[-1]) for nt in range(N // cfg["tile_n"])}
 
 
 def test_schedule_per_cta_experts_nondecreasing():
@@ -169,7 +169,7 @@ def test_compiles_for_sm90a(variant, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     from kernels import grouped_gemm_wgmma_cute as gc
 
-    assert gc.compiled(512, 256, variant) is not None
+    assert gc.compiled(512 * gw.variant_config(variant)["cluster_n"], 256, variant) is not None
 
 
 @settings(max_examples=100, deadline=None)
@@ -191,6 +191,7 @@ def test_variant_configs_fit_smem():
         assert cfg["stages"] >= 3, name
         assert cfg["stages"] * cfg["stage_bytes"] + cfg["epi_bytes"] + 4096 <= gw.SMEM_BYTES, name
         assert 512 % cfg["tile_n"] == 0
+        assert gw.grid_size(48000, 128, 4096, name, 132) % cfg["cluster_n"] == 0
     assert gw.variant_config(False)["name"] == gw.default_variant(False)
     assert gw.variant_config(True)["fp8"] and not gw.variant_config(False)["fp8"]
     with pytest.raises(ValueError, match="unknown wgmma variant"):
@@ -311,3 +312,32 @@ def test_sweep_groups_isolate_unverified_variants():
     assert sorted(flat) == sorted(gw.VARIANTS)  # each variant in exactly one group
     assert groups[0][:2] == ["v1_bf16", "v1_fp8"] and set(groups[0]) <= set(bp.SAFE_VARIANTS)
     assert all(len(g) == 1 for g in groups[1:])  # a crash poisons only its own child process
+
+
+@settings(max_examples=150, deadline=None)
+@given(counts=st.lists(st.integers(0, 400), min_size=1, max_size=10), n_ctas=st.integers(1, 40),
+       n_groups=st.integers(1, 3),
+       variant=st.sampled_from([v for v in gw.VARIANTS if gw.variant_config(v)["cluster_n"] > 1]))
+def test_cluster_ctas_walk_the_same_items(counts, n_ctas, n_groups, variant):
+    """v4 clusters (A tile multicast along N): the CTAs of a cluster must walk the same sequence of (expert, rows)
+    in lockstep (each stage's A halves come from every CTA of the cluster, each CTA's producer waits for every
+    CTA's release), with adjacent n-tiles of one group; the grid is whole clusters."""
+    cfg = gw.variant_config(variant)
+    cn = cfg["cluster_n"]
+    N = n_groups * cn * cfg["tile_n"]
+    sched = gw.schedule(counts, N, variant, n_ctas)
+    assert len(sched) % cn == 0 and len(sched) == gw.cluster_grid(n_ctas, cfg)
+    for c in range(len(sched) // cn):
+        members = sched[c * cn:(c + 1) * cn]
+        for r, items in enumerate(members):
+            assert [it[:3] for it in items] == [it[:3] for it in members[0]]
+            assert all(it[3] % cn == r and it[3] // cn == it0[3] // cn for it, it0 in zip(items, members[0]))
+
+
+def test_grid_whole_clusters():
+    cfg = gw.variant_config("bf16_mc2_smem")
+    assert gw.grid_size(48000, 128, 3072, "bf16_mc2_smem", 132) == 132
+    assert gw.grid_size(48000, 128, 3072, "bf16_mc2_smem_g128", 132) == 128
+    assert gw.grid_size(48000, 128, 3072, "bf16_mc2_smem", 131) == 130
+    assert gw.cluster_grid(1, cfg) == 2 and gw.cluster_grid(7, cfg) == 6
+    assert "multiple of 512" in gw.shape_unsupported(10, 256, 256, False, "bf16_mc2_smem")
