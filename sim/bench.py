@@ -11,7 +11,8 @@ hour) and the wall time is reported:
     rackbed bench sim [--sim-s 3600] [--rate 20] [--out results/bench_sim.json]
 
 Output (JSON, also printed): ``wall_s`` (the ``simulate`` call: building the scenario and generating requests are
-excluded and reported apart as ``setup_s``), ``cpu_s``, ``sim_s_per_wall_s``, ``events`` (SimPy events plus decode
+excluded and reported apart as ``setup_s``), ``cpu_s`` (process CPU time of the same call: the figure to compare
+on a shared machine, where wall time depends on the other jobs), ``sim_s_per_wall_s``, ``events`` (SimPy events plus decode
 steps the driver advanced without one, see ``sim/driver.py``), ``events_per_s``, ``decode_steps``,
 ``decode_steps_per_wall_s``, and what the run served (requests, utilisation, TTFT/TPOT p50) so that a faster
 simulator can be seen to simulate the same thing. The target of issue 5 is ``wall_s <= 10`` for one simulated hour
@@ -82,6 +83,7 @@ def run_bench(sim_s: float = 3600.0, rate_per_s: float = DEFAULT_RATE_PER_S, pro
         "requests": m["requests"], "utilisation": m["utilisation"],
         "ttft_p50_s": (lat.get("ttft") or {}).get("p50"), "tpot_p50_s": (lat.get("tpot") or {}).get("p50"),
         "target_wall_s_per_sim_hour": 10.0, "wall_s_per_sim_hour": p["wall_s"] * 3600.0 / sim_s,
+        "cpu_s_per_sim_hour": cpu_s * 3600.0 / sim_s,
         "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
     }
 

@@ -18,7 +18,10 @@ objects — and re-schedules the *same* timeout event for the next step exactly 
 priority and next insertion id), so the event queue, and with it every decision, evolves as step by step; the
 worker's process stays suspended until a step's completion would idle its decoder, or a fault interrupts it (then
 the step's plan is built and the process resumes with a fresh ``worker_loop``). ``fast_decode=False`` runs
-step by step; ``tests/test_sim_driver_fastdecode.py`` checks both give identical results. This reaches into SimPy
+step by step; ``tests/test_sim_driver_fastdecode.py`` checks both give identical results. With the decision log
+off, the main loop takes *plain* steps (the scheduler says how many follow: ``Scheduler.ff_handle``) without calling
+the scheduler at all, booking their durations in step order and reporting them (``Scheduler.ff_advance``) before
+the scheduler is next asked about that decoder or a fault (``tests/test_sim_driver_lazydecode.py``). This reaches into SimPy
 4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway.
 """
 
@@ -96,23 +99,39 @@ def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) ->
 class _Lane:
     """The decode step a decoder's pending timeout stands for (it changes when the main loop fast-forwards)."""
 
-    __slots__ = ("cost", "dur_s", "start_s", "step", "virtual", "wid")
+    __slots__ = ("cost", "d", "dur_s", "k", "ng", "parts", "start_s", "step", "virtual", "wid")
 
-    def __init__(self, wid: str, cost) -> None:
+    def __init__(self, wid: str, cost, d) -> None:
         self.wid = wid
         self.cost = cost
+        self.d = d            # the scheduler's state of the decoder (Scheduler.ff_handle): its ``ff_plain``
+        self.ng = d.n_gpus
+        self.k = 0            # plain steps the main loop took and has not yet reported (Scheduler.ff_advance)
+        self.parts = None     # the StepTime fields of the step in flight (when started by the fast-forward)
         self.start_s = self.dur_s = 0.0
         self.step = 0
         self.virtual = False  # True once the step is one the fast-forward started (no plan object yet)
 
 
 def _step_cost(cm_point, group, draft_k: int):
-    """``(max_batch, max_context_tokens) -> (dur_s, ctx_hi, StepTime)`` of one decoder group, for
+    """``(max_batch, max_context_tokens) -> (dur_s, ctx_hi, parts)`` of one decoder group (parts: the StepTime's
+    fields, in :data:`sim.executor._FIELDS` order), for
     :meth:`~engine.core.scheduler.Scheduler.ff_decode_step`."""
 
+    memo: dict = {}
+    last: dict[int, tuple] = {}  # max_batch -> (ctx, ctx_hi, answer) of the last point asked for that batch
+
     def cost(b: int, ctx: int):
+        hit = last.get(b)
+        if hit is not None and hit[0] <= ctx <= hit[1]:
+            return hit[2]  # decode_point's contract: the same StepTime for every context from hit[0] to ctx_hi
         st, hi = cm_point(group, b, ctx, draft_k)
-        return st.total_s, hi, st
+        parts = memo.get(st)
+        if parts is None:  # one tuple per StepTime: the driver adds its fields to the breakdown
+            parts = memo[st] = (st.attn_s, st.moe_gemm_s, st.a2a_s, st.allreduce_s, st.other_s)
+        ans = (st.total_s, hi, parts)
+        last[b] = (ctx, hi, ans)
+        return ans
 
     return cost
 
@@ -246,7 +265,8 @@ def simulate(
                         if fast and tp is DecodeStep:
                             # the main loop may complete this step and run the next ones on the same event
                             if lane is None:
-                                lane = _Lane(wid, _step_cost(cm_point, sched.group(wid), plan.draft_k))
+                                lane = _Lane(wid, _step_cost(cm_point, sched.group(wid), plan.draft_k),
+                                             sched.ff_handle(wid))
                             lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
                             ticks[tmo] = lane
                             try:
@@ -298,13 +318,25 @@ def simulate(
             if sched.wakeups or sched.new_workers or debug_checks:
                 flush()
 
+    dirty: list[_Lane] = []  # lanes with plain steps taken by the main loop and not yet reported
+
+    def report_plain() -> None:
+        """Report the plain steps the main loop took (Scheduler.ff_advance); before any call that may read a
+        decoder's step counters."""
+        for x in dirty:
+            advance(x.d, x.k)
+            x.k = 0
+        dirty.clear()
+
     def recover_later(f: Fault):
         yield timeout(f.duration_s)
+        report_plain()
         sched.recover(f.target, env.now)
         flush()
 
     def inject_fault(target: str) -> None:
         """Fail ``target`` now (used for faults detected at run time, e.g. a dead worker process)."""
+        report_plain()
         aborted = sched.fail(target, env.now, permanent=True)
         for wid in dict.fromkeys(aborted):
             p = procs.get(wid)
@@ -323,6 +355,7 @@ def simulate(
                 yield timeout(f.at_s - env.now)
             if sched.finished:
                 return
+            report_plain()
             aborted = sched.fail(f.target, env.now, permanent=f.duration_s is None)
             seen = set()
             for wid in aborted:
@@ -356,6 +389,11 @@ def simulate(
     task = None
     step = env.step
     peek = env.peek
+    sim_env = type(env) is _Env
+    lazy = fast and not decision_log and not debug_checks  # plain decode steps without calling the scheduler
+    advance = sched.ff_advance
+    busy_gpu_s = sched.busy_gpu_s
+    sd_append = sched.step_durations.append
     end = float("inf") if until_s is None else until_s
     next_check = 4096
     arrival_iter = iter(requests)
@@ -364,7 +402,7 @@ def simulate(
     arrive = sched.arrive
     try:
         while True:
-            t = peek()
+            t = (queue[0][0] if queue else inf) if sim_env else peek()  # a real env's peek waits for work
             while nxt is not None and nxt.arrival_s <= t:
                 ta = nxt.arrival_s
                 if ta < last_arrival:
@@ -383,38 +421,80 @@ def simulate(
                 sched.close_arrivals(env.now)
                 flush()
                 t = peek()
-            if t > end or t == float("inf"):
+            if t > end or t == inf:
                 break
-            if ticks and (ln := ticks.get(queue[0][3])) is not None and \
-                    (r := ff_step(ln.wid, t, ln.dur_s, ln.cost)) is not None:
+            if ticks and (ln := ticks.get((head := queue[0])[3])) is not None:
                 # A decoder's step ends and it steps on: complete it and start the next without resuming its
                 # process; the same event stands for the new step, rescheduled as env.timeout would. Then the
-                # next decoder step ends, if nothing else comes first, and so on.
+                # next decoder step ends, if nothing else comes first, and so on. A *plain* step (the scheduler
+                # said so: Scheduler.ff_handle) is taken here without calling the scheduler; the steps taken so
+                # are reported (ff_advance) before the scheduler is next called about that decoder or a fault
+                # (report_plain), and the float sums they add to are carried in locals and written back around
+                # every call, in step order.
                 ta_next = nxt.arrival_s if nxt is not None else (inf if sched.closed else -inf)
+                b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it in this loop
+                busy = busy_gpu_s["decode"]
+                nsample = sched.next_sample_s
+                fall = False
                 while True:
-                    ev = queue[0][3]
-                    env._now = t
-                    add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
-                    if sched.wakeups or sched.new_workers or debug_checks:
-                        flush()  # before the step's timeout, as the worker's process would
-                    dur, st = r
-                    bd[0] += st.attn_s  # Executor.acc_decode, inline
-                    bd[1] += st.moe_gemm_s
-                    bd[2] += st.a2a_s
-                    bd[3] += st.allreduce_s
-                    bd[4] += st.other_s
-                    heapreplace(queue, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
-                    ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
+                    if lazy and ln.k < ln.d.ff_plain and t < nsample and not sched.wakeups:
+                        env._now = t
+                        dur = ln.dur_s
+                        add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, ln.step, False))
+                        parts = ln.parts
+                        b0 += parts[0]
+                        b1 += parts[1]
+                        b2 += parts[2]
+                        b3 += parts[3]
+                        b4 += parts[4]
+                        busy += dur * ln.ng
+                        sd_append(dur)
+                        heapreplace(queue, (t + dur, NORMAL, next(eid), head[3]))
+                        ln.start_s = t
+                        ln.step += 1
+                        if not ln.k:
+                            dirty.append(ln)
+                        ln.k += 1
+                    else:
+                        if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
+                            advance(ln.d, ln.k)
+                            ln.k = 0
+                            dirty.remove(ln)
+                        busy_gpu_s["decode"] = busy
+                        r = ff_step(ln.wid, t, ln.dur_s, ln.cost)
+                        if r is None:
+                            fall = True
+                            break
+                        busy = busy_gpu_s["decode"]
+                        nsample = sched.next_sample_s
+                        ev = head[3]
+                        env._now = t
+                        add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
+                        if sched.wakeups or sched.new_workers or debug_checks:
+                            flush()  # before the step's timeout, as the worker's process would
+                        dur, parts = r
+                        ln.parts = parts
+                        b0 += parts[0]
+                        b1 += parts[1]
+                        b2 += parts[2]
+                        b3 += parts[3]
+                        b4 += parts[4]
+                        heapreplace(queue, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
+                        ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
                     n_fast += 1
+                    n_events += 1
                     head = queue[0]
                     t = head[0]
-                    if t >= ta_next or t > end or (ln := ticks.get(head[3])) is None or \
-                            (r := ff_step(ln.wid, t, ln.dur_s, ln.cost)) is None:
+                    if t >= ta_next or t > end or (ln := ticks.get(head[3])) is None:
                         break
+                busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
+                bd[:] = b0, b1, b2, b3, b4
+                if fall:
+                    step()
                     n_events += 1
             else:
                 step()
-            n_events += 1
+                n_events += 1
             if n_events >= next_check:
                 next_check += 4096
                 if progress:
@@ -437,6 +517,7 @@ def simulate(
     finally:
         if bar is not None:
             bar.stop()
+    report_plain()
     sim_end = until_s if until_s is not None else env.now
     if until_s is not None:
         sched.finalize(until_s)

@@ -21,8 +21,7 @@ by term (``Executor.breakdown_s``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.core.deployment import DecoderGroup, PrefillerGroup
 from engine.core.plans import DecodeStep, KvTransfer, Plan, PrefillBatch
@@ -32,13 +31,14 @@ from sim.network import Network
 _FIELDS = ("attn_s", "moe_gemm_s", "a2a_s", "allreduce_s", "other_s")
 
 
-@dataclass(frozen=True, slots=True)
-class TransferCost:
+class TransferCost(NamedTuple):
     """Fixed costs of one KV transfer (seconds); bandwidth time is the network's business.
 
     overhead_s: per-chunk posting/completion overhead not hidden by pipelining (chunks × per-chunk cost).
     latency_s:  one path latency (NIC → switches → NIC).
     n_bytes:    bytes moved (for reporting; the flows of the plan carry the split per NIC).
+
+    A NamedTuple (immutable, built ~5x faster than a frozen dataclass): one per KV transfer.
     """
 
     overhead_s: float
@@ -104,8 +104,9 @@ class Executor:
         if tp is KvTransfer:
             tc = self.cm.kv_transfer(plan)
             end = self.net.reserve(now_s, plan.flows)
-            self.kv_fixed_s += tc.fixed_s
-            return end - now_s + tc.fixed_s
+            fixed = tc.overhead_s + tc.latency_s  # tc.fixed_s
+            self.kv_fixed_s += fixed
+            return end - now_s + fixed
         raise TypeError(f"executor cannot run {tp.__name__}")
 
     def breakdown(self) -> dict[str, dict[str, float]]:

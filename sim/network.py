@@ -34,25 +34,39 @@ class Network:
         self.tx_busy_s: dict[str, float] = {}
         self.rx_busy_s: dict[str, float] = {}
         self.bytes_sent: dict[str, int] = {}
+        self._pair_Bps: dict[tuple[str, str], float] = {}  # min(rate_src, rate_dst), per (src, dst)
 
     def reserve(self, now_s: float, flows: Iterable[tuple[str, str, int]]) -> float:
         """Book ``flows`` starting no earlier than ``now_s``; return when the last one ends (seconds)."""
         end = now_s
-        rate = self.nic_Bps
         tx, rx = self.tx_free_s, self.rx_free_s
         tx_busy, rx_busy, sent = self.tx_busy_s, self.rx_busy_s, self.bytes_sent
+        pair_Bps = self._pair_Bps
         for src, dst, n_bytes in flows:
             if n_bytes <= 0:
                 continue
-            start = max(now_s, tx.get(src, 0.0), rx.get(dst, 0.0))
-            busy = n_bytes / min(rate[src], rate[dst])  # B / (B/s) = s
+            start = now_s  # max(now_s, tx free, rx free)
+            f = tx.get(src)
+            if f is not None and f > start:
+                start = f
+            f = rx.get(dst)
+            if f is not None and f > start:
+                start = f
+            rate = pair_Bps.get((src, dst))
+            if rate is None:
+                rate = pair_Bps[(src, dst)] = min(self.nic_Bps[src], self.nic_Bps[dst])
+            busy = n_bytes / rate  # B / (B/s) = s
             fin = start + busy
             tx[src] = fin
             rx[dst] = fin
-            tx_busy[src] = tx_busy.get(src, 0.0) + busy
-            rx_busy[dst] = rx_busy.get(dst, 0.0) + busy
-            sent[src] = sent.get(src, 0) + n_bytes
-            end = max(end, fin)
+            f = tx_busy.get(src)
+            tx_busy[src] = busy if f is None else f + busy
+            f = rx_busy.get(dst)
+            rx_busy[dst] = busy if f is None else f + busy
+            f = sent.get(src)
+            sent[src] = n_bytes if f is None else f + n_bytes
+            if fin > end:  # noqa: PLR1730 (cheaper than max() in this hot loop)
+                end = fin
         return end
 
     def utilisation(self, duration_s: float) -> dict[str, dict[str, float]]:

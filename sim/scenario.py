@@ -360,6 +360,7 @@ class ScenarioCostModel:
         self._pchecks: dict[str, int] = {}
         self._split_ok = True  # False once the split failed its check (then: direct evaluation)
         self._chunk_memo: dict[tuple, float] = {}
+        self._chunk_last = None  # (prefiller template, decoder template, chunks per page) of the last kv_chunks
 
     def _plan_for(self, group) -> object:
         pl = self._plans.get(group.id)
@@ -527,7 +528,11 @@ class ScenarioCostModel:
 
     def kv_chunks(self, prefiller, decoder, tokens: int) -> int:
         """Chunks of the resharding plan (prefill TP layout -> one DP decode rank, HND, fragmented pages)."""
-        key = ("per_page", prefiller.template.tp, decoder.template.kv_page_tokens)
+        pt, dt = prefiller.template, decoder.template
+        last = self._chunk_last
+        if last is not None and last[0] is pt and last[1] is dt:  # the templates of the previous call
+            return max(1, math.ceil(last[2] * math.ceil(tokens / self.dplan0.page_tokens)))
+        key = ("per_page", pt.tp, dt.kv_page_tokens)
         per_page = self._chunk_memo.get(key)
         if per_page is None:
             from engine.core.kv import KvLayout, transfer_stats
@@ -538,7 +543,8 @@ class ScenarioCostModel:
             pages = 4
             st = transfer_stats(src, dst, pages * dl.page_tokens)
             per_page = self._chunk_memo[key] = st.n_chunks / pages
-        return max(1, int(math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens))))
+        self._chunk_last = (pt, dt, per_page)  # the same value the key gives, for the same templates
+        return max(1, math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens)))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ intermediate lists.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import neg
 from typing import Protocol, TypeVar
 
 
@@ -49,7 +50,11 @@ def choose_prefiller(candidates: Iterable[P]) -> P | None:
 
 def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, int] | None:
     """``(group, rank)`` minimising ``(requests on rank, -free KV)`` among ranks with ``free KV >= need_tokens``
-    and an up NIC; ties → earliest group, then lowest rank. None when no rank can take it now."""
+    and an up NIC; ties → earliest group, then lowest rank. None when no rank can take it now.
+
+    Per group, the unconstrained minimum of ``(requests, -free KV, rank)`` is taken first (a C-level ``min``);
+    when that rank qualifies it is the group's answer (the constraint only removes ranks), otherwise the group is
+    scanned rank by rank."""
     best = None
     best_rank = -1
     best_n = 0
@@ -57,7 +62,15 @@ def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, i
     for g in candidates:
         free = g.rank_free_kv
         up = g.rank_up
-        for r, n in enumerate(g.rank_nreq):
+        nreq = g.rank_nreq
+        if not nreq:
+            continue
+        n, negf, r = min(zip(nreq, map(neg, free), range(len(nreq))))
+        if -negf >= need_tokens and up[r]:
+            if best is None or n < best_n or (n == best_n and -negf > best_free):
+                best, best_rank, best_n, best_free = g, r, n, -negf
+            continue
+        for r, n in enumerate(nreq):
             if best is not None and n > best_n:  # cannot win: the cheap test first
                 continue
             f = free[r]

@@ -177,6 +177,7 @@ class _Prefiller:
         self.n_gpus = len(g.gpus)
         self.nics = list(g.nics)
         self.nic_up = [True] * len(g.nics)
+        self.up_nics = list(g.nics)   # the NICs whose link is up, in order (kept by Scheduler._reroute_lists)
         self.budget = t.max_batch_tokens
         self.kv_cap = t.kv_capacity_tokens
         self.max_queue = t.max_queue_requests
@@ -251,6 +252,7 @@ class _Decoder:
         self.ff_cost = 0.0
         self.ff_tag = None
         self.ff_delta = None             # (joined, left) of a step ff_decode_step started
+        self.ff_plain = 0                # ticks after the step in flight that are plain steps (ff_decode_step)
         self.admit_blocked = False       # requests queue for decode only on full ranks (set by _admit)
 
     @property
@@ -321,8 +323,9 @@ class Scheduler:
         self.asc = autoscaler
         self.log = log if log is not None else DecisionLog()
         self._add = self.log.add_record
+        self._log_on = self.log.enabled
         self.sample_interval_s = sample_interval_s
-        self._next_sample = 0.0
+        self.next_sample_s = 0.0
         self.samples: list[Sample] = []
 
         self.workers: dict[str, object] = {}
@@ -410,6 +413,8 @@ class Scheduler:
         return d
 
     def _reroute_lists(self) -> None:
+        for p in self.prefillers:  # called after every change of a NIC's state
+            p.up_nics = [n for n, u in zip(p.nics, p.nic_up) if u]
         self._route_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE) and any(p.nic_up)]
         self._route_d = [d for d in self.decoders if d.status == ACTIVE]
 
@@ -532,7 +537,8 @@ class Scheduler:
             est = (pf.queued_tokens + pf.offset_tokens + r.ctx0) / pf.cap_tps
             if est > self.shed_ttft_s:
                 return self._reject(r, now, "ttft_slo_unreachable")
-        self._add((now, "route_prefill", pf.id, r.id, pf.queued_tokens, r.ctx0, ""))
+        if self._log_on:
+            self._add((now, "route_prefill", pf.id, r.id, pf.queued_tokens, r.ctx0, ""))
         r.state = QUEUED_PREFILL
         r.prefiller = pf
         r.pf_done = 0
@@ -567,7 +573,7 @@ class Scheduler:
     def next(self, worker: str, now_s: float) -> Plan:
         """What ``worker`` does next at ``now_s``."""
         self.now_s = now_s
-        if now_s >= self._next_sample:
+        if now_s >= self.next_sample_s:
             self._sample(now_s)
         w = self.workers[worker]
         kind = w.kind
@@ -595,7 +601,8 @@ class Scheduler:
         w.idle = True
         w.waits_for = waits_for
         w.plan = None
-        self._add((now, "idle", w.id, -1, 0, 0, waits_for))
+        if self._log_on:
+            self._add((now, "idle", w.id, -1, 0, 0, waits_for))
         return Idle(w.id, until, waits_for)
 
     def _stop(self, w, now: float, reason: str) -> Stop:
@@ -660,7 +667,8 @@ class Scheduler:
             r.owner = plan
         pf.plan = plan
         pf.idle = False
-        self._add((now, "prefill", pf.id, -1, plan.batch, tokens, str(len(items))))
+        if self._log_on:
+            self._add((now, "prefill", pf.id, -1, plan.batch, tokens, str(len(items))))
         return plan
 
     def _done_prefill(self, plan: PrefillBatch, result: Result, now: float) -> None:
@@ -693,7 +701,8 @@ class Scheduler:
             if r.generated >= r.out:
                 pf.kv_held -= r.ctx0
                 r.state = DONE
-                self._add((now, "finish", pf.id, r.id, r.generated, r.steps, ""))
+                if self._log_on:
+                    self._add((now, "finish", pf.id, r.id, r.generated, r.steps, ""))
                 self._resolve(r, now)
                 continue
             r.state = KV_PENDING
@@ -740,7 +749,7 @@ class Scheduler:
             return self._idle(s, now, WAIT_READY)
         if not pf.pending:
             return self._idle(s, now, WAIT_WORK)
-        up = [i for i, u in enumerate(pf.nic_up) if u]
+        up = pf.up_nics
         if not up:
             return self._idle(s, now, WAIT_WORK)
         while pf.pending:
@@ -756,16 +765,17 @@ class Scheduler:
             pick = choose_decoder_rank(self._route_d, need_probe)
             if pick is not None:
                 d, rank = pick
-                need = self._reserve_tokens(r.ctx0, remaining, d)
+                need = -(-need_probe // d.page) * d.page  # _reserve_tokens(r.ctx0, remaining, d)
                 if need > d.rank_free_kv[rank]:  # page rounding: retry with the rounded size
                     pick = choose_decoder_rank(self._route_d, need)
+                    if pick is not None:
+                        d, rank = pick
+                        need = -(-need_probe // d.page) * d.page
             if pick is None:
                 if not s.blocked:
                     s.blocked = True
                     self._blocked.append(s)
                 return self._idle(s, now, WAIT_KV_SPACE)
-            d, rank = pick
-            need = self._reserve_tokens(r.ctx0, remaining, d)
             pf.pending.popleft()
             d.rank_free_kv[rank] -= need
             d.rank_nreq[rank] += 1
@@ -775,19 +785,22 @@ class Scheduler:
             r.state = KV_IN_FLIGHT
             r.t_kv_start = now
             n_bytes = r.ctx0 * self.kv_bytes_per_token
-            nics = pf.nics
             n_up = len(up)
             each, extra = divmod(n_bytes, n_up)
             dst_nic = d.rank_nics[rank]
-            flows = tuple((nics[i], dst_nic, each + (1 if j < extra else 0)) for j, i in enumerate(up))
+            if extra:
+                flows = tuple([(nic, dst_nic, each + 1 if j < extra else each) for j, nic in enumerate(up)])
+            else:
+                flows = tuple([(nic, dst_nic, each) for nic in up])
             n_chunks = self.kv_chunks(pf.g, d.g, r.ctx0) if self.kv_chunks is not None else n_up
             plan = KvTransfer(s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows)
             r.owner = plan
             s.plan = plan
             s.req = r
             s.blocked = False
-            self._add((now, "route_decode", d.id, r.id, rank, need, ""))
-            self._add((now, "kv_transfer", s.id, r.id, n_bytes, n_chunks, d.id))
+            if self._log_on:
+                self._add((now, "route_decode", d.id, r.id, rank, need, ""))
+                self._add((now, "kv_transfer", s.id, r.id, n_bytes, n_chunks, d.id))
             return plan
         return self._idle(s, now, WAIT_WORK)
 
@@ -816,6 +829,7 @@ class Scheduler:
         d.rank_queue[r.rank].append(r)
         d.n_qdec += 1
         d.admit_blocked = False
+        d.ff_plain = 0
         if d.idle:
             d.idle = False
             self.wakeups.append(d.id)
@@ -833,6 +847,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _next_decode(self, d: _Decoder, now: float) -> Plan:
+        d.ff_plain = 0
         if d.status != ACTIVE:
             st = d.status
             if st == STARTING:
@@ -854,7 +869,8 @@ class Scheduler:
             return self._idle(d, now, WAIT_WORK)
         plan = d.plan = self._decode_plan(d)
         d.ff_left = 0
-        self._add((now, "decode", d.id, -1, plan.step, d.n_running, ""))
+        if self._log_on:
+            self._add((now, "decode", d.id, -1, plan.step, d.n_running, ""))
         return plan
 
     @staticmethod
@@ -873,8 +889,7 @@ class Scheduler:
         cap = d.cap
         s = d.step
         take = self.acceptance.take
-        for rank in range(d.ep):
-            q = d.rank_queue[rank]
+        for rank, q in enumerate(d.rank_queue):
             while q and d.rank_batch[rank] < cap:
                 r = q.popleft()
                 d.n_qdec -= 1
@@ -894,11 +909,13 @@ class Scheduler:
                 d.running[r.id] = r
                 heappush(d.heap, (r.finish_step, r.id))
                 d.joined.append((r.id, rank))
-                self._add((now, "admit", d.id, r.id, rank, n, ""))
+                if self._log_on:
+                    self._add((now, "admit", d.id, r.id, rank, n, ""))
         d.admit_blocked = d.n_qdec > 0  # whoever still waits is on a full rank: _admit is a no-op until that changes
 
     def _done_decode(self, plan: DecodeStep, result: Result, now: float) -> None:
         d = self.workers[plan.worker]
+        d.ff_plain = 0
         if d.plan is not plan:
             return
         d.plan = None
@@ -943,10 +960,27 @@ class Scheduler:
         bucket. Returns ``(dur_s, tag)`` of the step started.
         """
         d = self.workers[worker]
-        if d.plan is None or d.status not in _STEPPING or self._real_accept:
-            return None
         s = d.step
         heap = d.heap
+        if d.ff_left > 0 and (not heap or heap[0][0] > s) and now_s < self.next_sample_s and \
+                (not d.n_qdec or d.admit_blocked) and not d.joined and not d.left and d.plan is not None and \
+                d.status in _STEPPING and not self._real_accept:
+            # the common case, a plain step (nothing finishes, nobody to admit, same price, no sample due): what
+            # the general path below does then, in the same order
+            self.now_s = now_s
+            d.step = s + 1
+            self.busy_gpu_s["decode"] += dur_s * d.n_gpus
+            self.decode_steps += 1
+            self.step_durations.append(dur_s)
+            d.ff_delta = None
+            left = d.ff_left = d.ff_left - 1
+            d.plan = _IN_FLIGHT
+            d.ff_plain = min(left, heap[0][0] - s - 1) if heap else left
+            if self._log_on:
+                self._add((now_s, "decode", d.id, -1, s + 1, d.n_running, ""))
+            return d.ff_cost, d.ff_tag
+        if d.plan is None or d.status not in _STEPPING or self._real_accept:
+            return None
         ending = None
         if heap and heap[0][0] <= s:
             running = d.running
@@ -954,14 +988,11 @@ class Scheduler:
             while heap and heap[0][0] <= s:
                 ending.append(heappop(heap))
             n_fin = 0
-            fin_rank = [0] * d.ep
             for fs, rid in ending:
                 r = running.get(rid)
                 if r is not None and r.finish_step == fs:
                     n_fin += 1
-                    fin_rank[r.rank] += 1
-            if n_fin >= d.n_running and not (d.n_qdec and any(
-                    q and d.rank_batch[rank] - fin_rank[rank] < d.cap for rank, q in enumerate(d.rank_queue))):
+            if n_fin >= d.n_running and not (d.n_qdec and self._admits_after(d, ending)):
                 for e in ending:  # next() would idle or stop the decoder: leave it to done()/next()
                     heappush(heap, e)
                 return None
@@ -985,7 +1016,7 @@ class Scheduler:
             d.ff_left = 0
         # start step s + 1: next() / _next_decode, with running requests
         s += 1
-        if now_s >= self._next_sample:
+        if now_s >= self.next_sample_s:
             self._sample(now_s)
         if d.n_qdec and not d.admit_blocked:
             n0 = d.n_running
@@ -1005,10 +1036,49 @@ class Scheduler:
             # every rank's context after j more steps is <= m + j * max(rate) / 2**_FP + 1
             qmax = max(rate)
             d.ff_left = ((max(hi - m - 1, 0) << _FP) // qmax + 1) if qmax else 1 << 62
-        d.ff_left -= 1
+        left = d.ff_left = d.ff_left - 1
         d.plan = _IN_FLIGHT
-        self._add((now_s, "decode", d.id, -1, s, d.n_running, ""))
+        d.ff_plain = max(min(left, heap[0][0] - s), 0) if heap else left
+        if self._log_on:
+            self._add((now_s, "decode", d.id, -1, s, d.n_running, ""))
         return d.ff_cost, d.ff_tag
+
+    def ff_handle(self, worker: str):
+        """The decoder state :meth:`ff_decode_step` keeps for ``worker``. A driver may read its ``ff_plain``:
+        after a call to :meth:`ff_decode_step` returned, the next ``ff_plain`` completions of this decoder's steps
+        are *plain* — the step number advances, nothing finishes, nobody is admitted, the price stays — as long as
+        no sample falls due (``now_s < next_sample_s``) and no other call changes the decoder (those set
+        ``ff_plain`` to 0). Such steps can be taken without calling in: the driver books their durations itself
+        (:attr:`step_durations` and ``busy_gpu_s["decode"]``, in step order, the latter written back before any
+        other call) and reports how many it took with :meth:`ff_advance`. Only for a driver with the decision
+        log off (plain steps are logged by :meth:`ff_decode_step` only)."""
+        d = self.workers[worker]
+        if d.kind != "decode":
+            raise ValueError(f"{worker}: not a decoder")
+        return d
+
+    def ff_advance(self, d, k: int) -> None:
+        """``k`` plain steps of decoder state ``d`` (:meth:`ff_handle`) were taken by the driver: move its step
+        counters on as ``k`` calls of :meth:`ff_decode_step` would have (it books the durations itself). The driver
+        may report late — after other calls — but before any call concerning this decoder (its next
+        :meth:`ff_decode_step`, :meth:`decode_plan_in_flight`, ``done``/``next``) and before :meth:`fail`,
+        :meth:`recover` and :meth:`finalize`."""
+        d.step += k
+        d.ff_left -= k
+        d.ff_plain -= k
+        self.decode_steps += k
+        d.ff_delta = None
+
+    @staticmethod
+    def _admits_after(d: _Decoder, ending) -> bool:
+        """Would a request queued for decode be admitted once the ``ending`` heap entries have finished?"""
+        fin_rank = [0] * d.ep
+        running = d.running
+        for fs, rid in ending:
+            r = running.get(rid)
+            if r is not None and r.finish_step == fs:
+                fin_rank[r.rank] += 1
+        return any(q and d.rank_batch[rank] - fin_rank[rank] < d.cap for rank, q in enumerate(d.rank_queue))
 
     def decode_plan_in_flight(self, worker: str) -> DecodeStep:
         """The :class:`DecodeStep` of the step :meth:`ff_decode_step` started (built now as ``next`` would have
@@ -1060,7 +1130,8 @@ class Scheduler:
         r.steps += steps
         self.decode_tokens += gained
         r.state = DONE
-        self._add((now, "finish", d.id, r.id, r.generated, r.steps, ""))
+        if self._log_on:
+            self._add((now, "finish", d.id, r.id, r.generated, r.steps, ""))
         self._resolve(r, now)
 
     # ------------------------------------------------------------------ autoscaler
@@ -1170,6 +1241,8 @@ class Scheduler:
 
     def _drain(self, w, now: float, role: str) -> None:
         w.status = DRAINING
+        if w.kind == "decode":
+            w.ff_plain = 0
         self._reroute_lists()
         self._add((now, "scale_down", w.id, -1, w.n_gpus, 0, role))
         self._wake(w)
@@ -1195,6 +1268,8 @@ class Scheduler:
         """
         self.check_target(target)
         self.now_s = now_s
+        for d in self.decoders:
+            d.ff_plain = 0
         self._add((now_s, "fault", "", -1, 0, 0, target))
         kind, _, ident = target.partition(":")
         aborted: list[str] = []
@@ -1232,6 +1307,8 @@ class Scheduler:
         dead — the autoscaler may build new ones)."""
         self.check_target(target)
         self.now_s = now_s
+        for d in self.decoders:
+            d.ff_plain = 0
         kind, _, ident = target.partition(":")
         self._add((now_s, "fault", "", -1, 1, 0, "recover " + target))
         nics: list[str] = []
@@ -1458,7 +1535,7 @@ class Scheduler:
 
     def _sample(self, now: float, force: bool = False) -> None:
         if not force:
-            self._next_sample = now + self.sample_interval_s
+            self.next_sample_s = now + self.sample_interval_s
         gp = sum(p.n_gpus for p in self.prefillers if p.status in (ACTIVE, DRAINING))
         gd = sum(d.n_gpus for d in self.decoders if d.status in (ACTIVE, DRAINING))
         gs = sum(w.n_gpus for w in (*self.prefillers, *self.decoders) if w.status == STARTING)
