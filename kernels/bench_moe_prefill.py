@@ -104,6 +104,21 @@ def _variants(sweep: bool) -> list[str]:
     return [gw.default_variant(False), gw.default_variant(True)]
 
 
+def _pick_best(row: dict) -> None:
+    """Fill a case row's ``wgmma_<dtype>_*`` fields from its fastest correct variant of each dtype, and the ratios."""
+    for kind, fp in (("bf16", False), ("fp8", True)):
+        good = {v: d for v, d in row["variants"].items() if d.get("ok") and d.get("fp8") == fp}
+        if good:
+            best = min(good, key=lambda v: good[v]["us"])
+            row[f"wgmma_{kind}_variant"] = best
+            for f_ in ("us", "TFLOPs", "relerr", "all_rows_written"):
+                row[f"wgmma_{kind}_{f_}"] = good[best].get(f_)
+    if "wgmma_bf16_us" in row:
+        row["wgmma_bf16_vs_torch_bf16"] = row["torch_bf16_us"] / row["wgmma_bf16_us"]
+        if "wgmma_fp8_us" in row:
+            row["wgmma_fp8_vs_wgmma_bf16"] = row["wgmma_bf16_us"] / row["wgmma_fp8_us"]
+
+
 def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
     """``sweep``: every variant of kernels.grouped_gemm_wgmma.VARIANTS (v1 included), else the default ones."""
     import torch
@@ -275,17 +290,7 @@ def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
             for key in ("torch_bf16", "torch_fp8_rowwise"):
                 if f"{key}_us" in row:
                     row[f"{key}_TFLOPs"] = flops / row[f"{key}_us"] / 1e6
-            for kind, fp in (("bf16", False), ("fp8", True)):
-                good = {v: d for v, d in row["variants"].items() if d.get("ok") and d.get("fp8") == fp}
-                if good:
-                    best = min(good, key=lambda v: good[v]["us"])
-                    row[f"wgmma_{kind}_variant"] = best
-                    for f_ in ("us", "TFLOPs", "relerr", "all_rows_written"):
-                        row[f"wgmma_{kind}_{f_}"] = good[best].get(f_)
-            if "wgmma_bf16_us" in row:
-                row["wgmma_bf16_vs_torch_bf16"] = row["torch_bf16_us"] / row["wgmma_bf16_us"]
-                if "wgmma_fp8_us" in row:
-                    row["wgmma_fp8_vs_wgmma_bf16"] = row["wgmma_bf16_us"] / row["wgmma_fp8_us"]
+            _pick_best(row)
             if "wgmma_fp8_us" in row and "torch_fp8_rowwise_us" in row:
                 row["wgmma_fp8_vs_torch_fp8_rowwise"] = row["torch_fp8_rowwise_us"] / row["wgmma_fp8_us"]
             res["rows"].append(row)
@@ -398,17 +403,7 @@ def merge_results(parts: list[dict]) -> dict:
             else:
                 by_case[r["case"]]["variants"].update(r.get("variants", {}))
     for row in out["rows"]:
-        for kind, fp in (("bf16", False), ("fp8", True)):
-            good = {v: d for v, d in row["variants"].items() if d.get("ok") and d.get("fp8") == fp}
-            if good:
-                best = min(good, key=lambda v: good[v]["us"])
-                row[f"wgmma_{kind}_variant"] = best
-                for f_ in ("us", "TFLOPs", "relerr", "all_rows_written"):
-                    row[f"wgmma_{kind}_{f_}"] = good[best].get(f_)
-        if "wgmma_bf16_us" in row:
-            row["wgmma_bf16_vs_torch_bf16"] = row["torch_bf16_us"] / row["wgmma_bf16_us"]
-            if "wgmma_fp8_us" in row:
-                row["wgmma_fp8_vs_wgmma_bf16"] = row["wgmma_bf16_us"] / row["wgmma_fp8_us"]
+        _pick_best(row)
     out["checks_ok"] = bool(out["checks"]) and all(c["ok"] for c in out["checks"])
     out["best_variant"] = _best_overall(out)
     return out

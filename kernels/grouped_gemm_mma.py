@@ -42,16 +42,15 @@ from __future__ import annotations
 import functools
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
 from cuda.bindings import driver as cuda
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir import ir
 
 from kernels.grouped_gemm import MMA_KC as KC
 from kernels.grouped_gemm import mma_config as config  # noqa: F401  (re-exported)
 from kernels.grouped_gemm import mma_items as n_items  # noqa: F401
 from kernels.grouped_gemm import mma_tiling_unsupported as unsupported
+from kernels.grouped_gemm_cute import _ld_i32, _st_bf16  # the GEMV kernel's scalar load / bf16 store
 
 WARP = 32
 TOK = 8  # tokens per MMA (the N side)
@@ -67,17 +66,6 @@ def _ld4(addr: Int64):
     ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16)
     v = cute.arch.load(ptr, ir.VectorType.get([4], Int32.mlir_type))
     return cute.TensorSSA(v, (4,), Int32)
-
-
-@cute.jit
-def _ld_i32(addr: Int64) -> Int32:
-    return cute.arch.load(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4), Int32)
-
-
-@cute.jit
-def _st_bf16(addr: Int64, v: Float32):
-    bits = cutlass.Int16(llvm.bitcast(cutlass.Int16.mlir_type, v.to(cutlass.BFloat16).ir_value()))
-    cute.arch.store(cute.make_ptr(cutlass.Int16, addr, cute.AddressSpace.gmem, assumed_align=2), bits)
 
 
 @cute.jit
