@@ -6,11 +6,16 @@ docstring for the FLOP / byte conventions, which are the cost models'). Fitting 
 
 * **curves** (one per kind and key): ``gemm_tflops`` per (fmt, n, k), x = tokens per expert ``m``, y = FLOPs over
   the measured time (the calibrated GEMM path has no fixed cost); ``flash_tflops`` per head_dim, x = sequence
-  length, y = causal FLOPs / (time - ``KERNEL_FIXED_US``) (the model adds that fixed cost to the core); ``hbm_GBps``,
-  x = bytes moved (read + write), y = bytes / (time - ``KERNEL_FIXED_US``) from ``hbm_copy``; ``allreduce_us`` per
+  length, y = causal FLOPs / (time - F) (the model adds the per-kernel fixed cost F to the core); ``hbm_GBps``,
+  x = bytes moved (read + write), y = bytes / (time - F) from ``hbm_copy``; ``allreduce_us`` per
   (algo, n_ranks), x = bytes per rank, y = µs; ``decode_attn_GBps`` per (head_dim, seq_heads = batch x KV heads),
-  x = context tokens per sequence, y = KV bytes / (time - ``KERNEL_FIXED_US``) from ``attn_decode``;
+  x = context tokens per sequence, y = KV bytes / (time - F) from ``attn_decode``;
   ``dispatch_us`` / ``combine_us`` from ``rackbed bench`` JSON.
+* **per-kernel fixed cost** F (:func:`fit_kernel_fixed_us`, the table's ``kernel_fixed_us``; without copy rows
+  the first-principles ``KERNEL_FIXED_US``): from the *fit* ``hbm_copy`` rows, the smallest graph-replayed copy's
+  time less its bytes at the fastest rate any fit copy reached — the time of a kernel that is not moving data
+  (launch gap, pipeline fill, tail). Fitted first, then subtracted from every row above, so the cost functions,
+  which add the same F (:func:`sim.costs.calibration.kernel_fixed_us`), reproduce the fit points.
 * **fit** (:func:`fit_curve`): a physical base form of the implied time times the interpolated fit-point
   residual, tabulated densely for ``CalibrationEntry.interpolate``.
 * **measurement formats**: ``rackbed.measure/1`` (a median of repeats per row) and ``rackbed.measure/2`` (CUDA-graph
@@ -22,8 +27,10 @@ docstring for the FLOP / byte conventions, which are the cost models'). Fitting 
   (key ``fmt`` only: the geometric mean over the fitted dense shapes of their fitted curves), which is also what
   the simulator uses for any GEMM shape that was not measured.
 
-The calibration file is a CalibrationTable (``version: 1``, ``entries``) plus a ``meta`` block (device, driver,
-torch / CUDA / NCCL versions, date, the measurement file, the hold-out rule and the held-out row ids).
+The calibration file is a CalibrationTable (``version: 2``, ``kernel_fixed_us``, ``entries``; version-1 files,
+without ``kernel_fixed_us``, still load) plus a ``meta`` block (schema ``rackbed.calibration/2``; device, driver,
+torch / CUDA / NCCL versions, date, the measurement file, the hold-out rule, the held-out row ids and how the
+fixed cost was fitted, ``kernel_fixed``).
 :func:`load_calibration_file` reads it (``meta`` kept on the returned :class:`CalibrationFile`);
 :func:`default_calibration_for` finds the shipped file for a GPU model (``calibration/*.yaml``);
 :func:`describe_calibration` is the one line the simulator prints.
@@ -43,16 +50,20 @@ import yaml
 from pydantic import ValidationError
 
 from sim.costs import constants as C
-from sim.costs.calibration import CalibrationEntry, CalibrationTable
+from sim.costs.calibration import CalibrationEntry, CalibrationTable, kernel_fixed_us
 from topology.errors import UserError, from_validation
 
-#: calibration file schema (``meta.schema``); the table itself is CalibrationTable version 1
-FILE_SCHEMA = "rackbed.calibration/1"
+#: calibration file schema (``meta.schema``) written; /2 adds the table's ``kernel_fixed_us`` (CalibrationTable
+#: version 2). Every schema in ``FILE_SCHEMAS`` is read (/1 files get the default fixed cost).
+FILE_SCHEMA = "rackbed.calibration/2"
+FILE_SCHEMAS = ("rackbed.calibration/1", FILE_SCHEMA)
 #: where the shipped calibration files live (package data next to sim/)
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
 #: torch device name -> topology GpuSpec.name
 DEVICE_TO_GPU = {"NVIDIA H200": "H200-SXM", "NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA B200": "B200-HGX"}
-FIXED_S = C.KERNEL_FIXED_US * 1e-6
+#: a row's time less the fixed cost is never taken below this fraction of the time (:func:`_net`: a guard against
+#: a fixed cost at or above a measurement; a fitted one leaves every fit copy row at least its bytes / peak rate)
+NET_FLOOR = 0.1
 #: measurement document schemas ``calibrate`` reads (``kernels/measure.py``; documents without a schema are /1)
 MEASURE_SCHEMAS = ("rackbed.measure/1", "rackbed.measure/2")
 
@@ -112,25 +123,28 @@ def row_id(r: dict) -> str:
     return f"{b}/{json.dumps({k: v for k, v in sorted(r.items()) if k != 'median_us'})}"
 
 
-def curve_of(r: dict) -> tuple[str, tuple[tuple[str, object], ...], float, float] | None:
+def curve_of(r: dict, fixed_us: float = C.KERNEL_FIXED_US) -> tuple[str, tuple[tuple[str, object], ...], float,
+                                                                   float] | None:
     """``(kind, key, x, y)`` of the calibration point a measured row gives, or None if no calibration kind
-    covers it (p2p copies — see calibration/README.md — and rows with errors)."""
+    covers it (p2p copies — see calibration/README.md — and rows with errors). ``fixed_us``: the per-kernel fixed
+    cost subtracted from the rate kinds' times (the value the calibration file will carry)."""
     if r.get("error") or not r.get("median_us") or r["median_us"] <= 0:
         return None
     t = r["median_us"] * 1e-6
+    f = fixed_us * 1e-6
     b = r["bench"]
     if b == "gemm":
         flops = 2.0 * r["m"] * r.get("n_experts", 1) * r["n"] * r["k"]
         return "gemm_tflops", (("fmt", r["fmt"]), ("n", r["n"]), ("k", r["k"])), float(r["m"]), flops / t / 1e12
     if b == "flash_prefill":
         flops = 4.0 * r["n_q_heads"] * r["head_dim"] * r["seq"] * (r["seq"] + 1) / 2
-        return "flash_tflops", (("head_dim", r["head_dim"]),), float(r["seq"]), flops / _net(t) / 1e12
+        return "flash_tflops", (("head_dim", r["head_dim"]),), float(r["seq"]), flops / _net(t, f) / 1e12
     if b == "hbm_copy":
-        return "hbm_GBps", (), float(r["bytes"]), r["bytes"] / _net(t) / 1e9
+        return "hbm_GBps", (), float(r["bytes"]), r["bytes"] / _net(t, f) / 1e9
     if b == "attn_decode":
         kv = r.get("kv_bytes") or r["batch"] * r["ctx"] * 2 * r["n_kv_heads"] * r["head_dim"] * 2
         return ("decode_attn_GBps", (("head_dim", r["head_dim"]), ("seq_heads", r["batch"] * r["n_kv_heads"])),
-                float(r["ctx"]), kv / _net(t) / 1e9)
+                float(r["ctx"]), kv / _net(t, f) / 1e9)
     if b == "allreduce":
         return ("allreduce_us", (("algo", r["algo"]), ("n_ranks", r["n_ranks"])), float(r["size_bytes"]),
                 r["median_us"])
@@ -140,9 +154,40 @@ def curve_of(r: dict) -> tuple[str, tuple[tuple[str, object], ...], float, float
     return None
 
 
-def _net(t_s: float) -> float:
-    """Measured time less the model's fixed kernel cost (never below half the measurement)."""
-    return max(t_s - FIXED_S, 0.5 * t_s)
+def _net(t_s: float, fixed_s: float) -> float:
+    """Measured time less the per-kernel fixed cost (never below ``NET_FLOOR`` of the measurement)."""
+    return max(t_s - fixed_s, NET_FLOOR * t_s)
+
+
+def fit_kernel_fixed_us(rows: list[dict], fit_ids: set[str]) -> dict | None:
+    """The per-kernel fixed cost (µs) from the **fit** ``hbm_copy`` rows, or None with fewer than two of them.
+
+    A copy's work is exactly its bytes, so its time is ``F + bytes / rate``. The fixed cost ``F`` is what a
+    graph-replayed kernel costs with no work: the smallest fit copy (closest to zero work; its time bounds F from
+    above) less the time its bytes take at the fastest rate any fit copy reached (``bytes / time`` maximised over
+    the fit copies — the large, bandwidth-bound ones; a rate is never above the sustained peak, so what remains is
+    time not spent moving data; never below 0). Held-out rows are never read. Also returns, as a cross-check, the intercept of
+    the least-squares line ``time = a + bytes * s`` through the three smallest fit copies."""
+    cps = sorted(((r["median_us"], float(r["bytes"]), row_id(r)) for r in rows
+                  if r.get("bench") == "hbm_copy" and row_id(r) in fit_ids and not r.get("error")
+                  and (r.get("median_us") or 0) > 0 and (r.get("bytes") or 0) > 0), key=lambda c: (c[0], c[1]))
+    if len(cps) < 2:
+        return None
+    t0, b0, rid0 = cps[0]
+    # the fastest of the other copies (the smallest one being the fastest per byte leaves no fixed cost: 0)
+    peak_t, peak_b, peak_id = max(cps[1:], key=lambda c: c[1] / c[0])
+    rate = peak_b / peak_t  # bytes per µs
+    fixed = max(0.0, t0 - b0 / rate)
+    small = sorted(cps, key=lambda c: c[1])[:3]
+    mb = sum(b for _, b, _ in small) / len(small)
+    mt = sum(t for t, _, _ in small) / len(small)
+    sxx = sum((b - mb) ** 2 for _, b, _ in small)
+    icpt = mt - mb * (sum((b - mb) * (t - mt) for t, b, _ in small) / sxx) if sxx > 0 else None
+    return {"value_us": _sig(fixed, 4), "smallest_row": rid0, "smallest_us": _sig(t0, 6),
+            "peak_row": peak_id, "peak_GBps": _sig(rate / 1e3, 6),
+            "rule": "smallest fit hbm_copy time - its bytes / the fastest fit copy rate",
+            "check_intercept_us": None if icpt is None else _sig(icpt, 4),
+            "check_rows": [rid for _, _, rid in small]}
 
 
 def row_noise(r: dict) -> float | None:
@@ -204,16 +249,17 @@ def shape_of(r: dict) -> dict:
 
 
 def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
-                sm_count: int = 132) -> list[CalibrationEntry]:
+                sm_count: int = 132, fixed_us: float = C.KERNEL_FIXED_US) -> list[CalibrationEntry]:
     """Calibration entries from the fit rows: one per (kind, key) curve, plus a per-format GEMM fallback (key
-    ``fmt`` only) from the dense GEMM curves (geometric mean of their interpolants at every fitted ``m``)."""
+    ``fmt`` only) from the dense GEMM curves (geometric mean of their interpolants at every fitted ``m``).
+    ``fixed_us``: the per-kernel fixed cost the table's rate kinds are net of (:func:`curve_of`)."""
     curves: dict[tuple, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     shapes: dict[tuple, dict] = {}
     dense_keys: dict[str, list[tuple]] = defaultdict(list)
     for r in rows:
         if row_id(r) not in fit_ids:
             continue
-        kind, key, x, y = curve_of(r)  # type: ignore[misc]
+        kind, key, x, y = curve_of(r, fixed_us)  # type: ignore[misc]
         curves[(kind, key)][x].append(y)
         shapes[(kind, key)] = shape_of(r)
         if kind == "gemm_tflops" and r.get("op") == "dense" and (kind, key) not in dense_keys[r["fmt"]]:
@@ -526,7 +572,9 @@ def calibrate(measurements: dict, *, gpu: str | None = None, holdout: Holdout = 
         raise UserError(f"calibrate: {measurements_path or 'measurements'}: no usable rows to fit")
     src = (f"kernels/measure.py {env.get('date', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
            f"NCCL {env.get('nccl', '?')}")
-    entries = fit_entries(rows, gpu, fit_ids, src, int(env.get("sm_count") or 132))
+    fixed = fit_kernel_fixed_us(rows, fit_ids)
+    fixed_us = fixed["value_us"] if fixed else C.KERNEL_FIXED_US
+    entries = fit_entries(rows, gpu, fit_ids, src, int(env.get("sm_count") or 132), fixed_us)
     covered = sorted({row_id(r) for r in rows if curve_of(r) is None and not r.get("error") and "bench" in r
                       and r.get("median_us")})
     meta = {"schema": FILE_SCHEMA, "gpu": gpu, "device": env.get("gpu_name"), "gpu_count": env.get("gpu_count"),
@@ -536,10 +584,14 @@ def calibrate(measurements: dict, *, gpu: str | None = None, holdout: Holdout = 
             "timing": measurements.get("timing"), "n_rows": len(rows), "n_fit": len(fit_ids),
             "holdout_rule": holdout.describe(), "holdout_shapes": [list(s) for s in holdout.shapes],
             "holdout": sorted(held_ids), "not_calibrated": covered,
+            "kernel_fixed": fixed or {"value_us": C.KERNEL_FIXED_US, "rule": "no fit hbm_copy rows: default"},
             "errors": [f"{r.get('bench')}: {r['error']}" for r in rows if r.get("error")]}
     meta = json.loads(json.dumps(meta, default=str))  # plain types only (torch's version is a str subclass)
-    table = CalibrationTable(entries=tuple(entries))
-    return {"version": 1, "meta": meta, "entries": [e.model_dump(mode="json") for e in table.entries]}
+    table = CalibrationTable(entries=tuple(entries), kernel_fixed_us={gpu: fixed_us} if fixed else {})
+    doc = {"version": 2, "meta": meta}
+    if table.kernel_fixed_us:
+        doc["kernel_fixed_us"] = dict(table.kernel_fixed_us)
+    return {**doc, "entries": [e.model_dump(mode="json") for e in table.entries]}
 
 
 def dump_calibration(doc: dict, path: str | Path) -> None:
@@ -579,8 +631,8 @@ def load_calibration_file(path: str | Path) -> CalibrationFile:
     if not isinstance(data, dict):
         raise UserError(f"{p}: a calibration file must be a mapping with 'entries'")
     meta = data.get("meta", {})
-    if meta and meta.get("schema", FILE_SCHEMA) != FILE_SCHEMA:
-        raise UserError(f"{p}: meta.schema must be {FILE_SCHEMA!r}, got {meta.get('schema')!r}")
+    if meta and meta.get("schema", FILE_SCHEMA) not in FILE_SCHEMAS:
+        raise UserError(f"{p}: meta.schema must be one of {', '.join(FILE_SCHEMAS)}, got {meta.get('schema')!r}")
     try:
         return CalibrationFile.model_validate({**data, "meta": meta or {}, "path": str(p)})
     except ValidationError as exc:
@@ -677,7 +729,8 @@ def predict_row(r: dict, calib: CalibrationTable | None, topo, model=None) -> Pr
         return Prediction(rid, b, t, c.total_s, "gemm_time" if r["op"] == "dense" else "grouped_gemm_time",
                           {"calibrated": c.calibrated})
     if b == "hbm_copy":
-        return Prediction(rid, b, t, r["bytes"] / hbm_rate_Bps(gpu, r["bytes"], calib) + FIXED_S, "hbm_rate_Bps")
+        return Prediction(rid, b, t, r["bytes"] / hbm_rate_Bps(gpu, r["bytes"], calib)
+                          + kernel_fixed_us(calib, gpu) * 1e-6, "hbm_rate_Bps + kernel_fixed_us")
     if b in ("flash_prefill", "attn_decode"):
         m = _attn_model(model, r)
         if b == "flash_prefill":

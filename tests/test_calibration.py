@@ -194,6 +194,7 @@ def test_shipped_measurements_fit_reproduces_the_shipped_file():
     doc = calibrate(meas, measurements_path=table.meta["measurements"])
     assert [e["points"] for e in doc["entries"]] == [[list(p) for p in e.points] for e in table.entries]
     assert sorted(doc["meta"]["holdout"]) == sorted(table.meta["holdout"])
+    assert doc["kernel_fixed_us"] == table.kernel_fixed_us and doc["version"] == table.version == 2
 
 
 def test_curve_of_uses_the_cost_model_conventions():

@@ -286,7 +286,9 @@ def test_held_out_values_never_change_the_fit(factors):
             r["median_us"] *= factors[i % len(factors)]
             i += 1
     assert i > 0
-    assert calibrate({"rows": changed}, gpu="G")["entries"] == doc["entries"]
+    new = calibrate({"rows": changed}, gpu="G")
+    assert new["entries"] == doc["entries"]
+    assert new["kernel_fixed_us"] == doc["kernel_fixed_us"] and doc["kernel_fixed_us"]["G"] == pytest.approx(2.0, rel=1e-3)
 
 
 def test_allreduce_worker_exit_is_bounded_when_the_barrier_hangs(tmp_path):

@@ -25,7 +25,9 @@ from sim.scenario import load_scenario, simulate_scenario
 # Recorded from the shipped scenarios (seed 0).
 GOLD = {
     "h": {"ttft_p50_s": 0.776, "tpot_p50_ms": 7.09, "usd_per_m_output_allocated": 9.88},
-    "i": {"ttft_p50_s": 0.894, "tpot_p50_ms": 16.79, "usd_per_m_output_allocated": 9.66},
+    # i re-blessed (was 0.894 s / 16.79 ms; HEAD gave 0.722 / 15.63): calibration/h200.yaml now carries the fitted
+    # graph-replay kernel fixed cost, 0.87 µs instead of the assumed 2.5 (every fp8_block GEMM, norm, a2a kernel)
+    "i": {"ttft_p50_s": 0.645, "tpot_p50_ms": 14.01, "usd_per_m_output_allocated": 9.66},
     "j": {"requeued": 76, "recovery_s": 20.0},
 }
 REL = 0.20

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, lookup
+from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
 from sim.costs.gemm import ZERO_GEMM, GemmCost, gemm_time, hbm_rate_Bps
 from topology.errors import UserError
 from topology.specs import GpuSpec
@@ -107,7 +107,7 @@ def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]],
         core_s += f / rate
         flops += f
         kv_bytes += (q + c) * 2 * hkv * d * 2
-    core_s += C.KERNEL_FIXED_US * 1e-6 if flops else 0.0
+    core_s += kernel_fixed_us(calib, gpu) * 1e-6 if flops else 0.0
     n_tokens = sum(q for q, _ in seqs)
     proj = full_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib)
     return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
@@ -163,7 +163,7 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY
     memory_s = kv_bytes / bw
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.FLASH_EFFICIENCY[gpu.arch])
-    core_s = max(memory_s, compute_s) + C.KERNEL_FIXED_US * 1e-6
+    core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
     proj = full_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
     return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
 
@@ -206,7 +206,7 @@ def linear_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]
     act_bytes = n_tokens * (2 * hk + 2 * hv) * dk * 2  # q, k, v in; o out (bf16)
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.GDN_EFFICIENCY)
     memory_s = (state_bytes + act_bytes) / hbm_rate_Bps(gpu, state_bytes + act_bytes, calib)
-    core_s = (max(compute_s, memory_s) + C.KERNEL_FIXED_US * 1e-6) if n_tokens else 0.0
+    core_s = (max(compute_s, memory_s) + kernel_fixed_us(calib, gpu) * 1e-6) if n_tokens else 0.0
     proj = linear_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib)
     return AttentionCost(proj.total_s, core_s, flops, state_bytes + act_bytes)
 
@@ -225,6 +225,6 @@ def linear_attention_decode(gpu: GpuSpec, model, n_seqs: int, *, tp: int = 1, fm
     flops = n_seqs * q_per_seq * 7.0 * hv * dk * dk  # decay, S^T k, rank-1 update, S^T q (model.py's count)
     memory_s = state / hbm_rate_Bps(gpu, state, calib)
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.GDN_EFFICIENCY)
-    core_s = max(memory_s, compute_s) + C.KERNEL_FIXED_US * 1e-6
+    core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
     proj = linear_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
     return AttentionCost(proj.total_s, core_s, flops, state)

@@ -31,9 +31,16 @@ entry gives must equal the query's value (fields the entry omits match anything)
 one pinning the most fields wins (ties: the first in the file). Interpolation is piecewise linear in
 ``log(x)`` (values spread over decades), clamped to the end points outside the measured range.
 
+**Per-kernel fixed cost** (``kernel_fixed_us``, version 2): the time a graph-launched kernel takes beyond its
+work (launch gap, pipeline fill, tail), per GPU model, in µs. Every cost function that adds a fixed cost per
+kernel reads it through :func:`kernel_fixed_us` (``calib``, GPU): the table's value for that GPU model, else the
+first-principles ``constants.KERNEL_FIXED_US``. ``sim.calibrate`` fits it from the measured rows (and subtracts
+the same value from the rows it turns into rates, so fit and prediction agree).
+
 File format (YAML or JSON)::
 
-    version: 1
+    version: 2                       # 1: no kernel_fixed_us (older files; the default fixed cost applies)
+    kernel_fixed_us: {H200-SXM: 0.87}
     entries:
       - kind: allreduce_us
         gpu: H200-SXM
@@ -53,6 +60,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from sim.costs import constants as C
 from topology.errors import UserError, from_validation
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
@@ -119,8 +127,19 @@ class CalibrationTable(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    version: Literal[1] = 1
+    #: 2 added the optional ``kernel_fixed_us``; version-1 files load unchanged (default fixed cost)
+    version: Literal[1, 2] = 2
     entries: tuple[CalibrationEntry, ...] = ()
+    #: GPU model (``GpuSpec.name``) -> fitted per-kernel fixed cost in µs (:func:`kernel_fixed_us`)
+    kernel_fixed_us: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("kernel_fixed_us")
+    @classmethod
+    def _fixed_ok(cls, v: dict[str, float]) -> dict[str, float]:
+        for g, us in v.items():
+            if not (math.isfinite(us) and us >= 0):
+                raise ValueError(f"kernel_fixed_us[{g!r}] = {us}: must be a finite number of µs >= 0")
+        return v
 
     @field_validator("entries")
     @classmethod
@@ -179,6 +198,16 @@ class CalibrationTable(BaseModel):
 def lookup(calib: CalibrationTable | None, kind: str, gpu: str, x: float, **key) -> float | None:
     """``calib.lookup(...)`` or None when there is no table."""
     return None if calib is None else calib.lookup(kind, gpu, x, **key)
+
+
+def kernel_fixed_us(calib: CalibrationTable | None, gpu) -> float:
+    """Fixed cost of one kernel in µs on ``gpu`` (a ``GpuSpec`` or its name): the calibrated value when ``calib``
+    carries one for that GPU model, else the first-principles ``constants.KERNEL_FIXED_US``."""
+    if calib is not None and calib.kernel_fixed_us:
+        v = calib.kernel_fixed_us.get(gpu if isinstance(gpu, str) else gpu.name)
+        if v is not None:
+            return v
+    return C.KERNEL_FIXED_US
 
 
 def load_calibration(path: str | Path) -> CalibrationTable:

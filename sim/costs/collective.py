@@ -13,7 +13,8 @@ and receives the result once instead of exchanging ``2(N-1)/N`` of it with peers
 Algorithms:
 
 * ``one_shot`` / ``two_shot`` / ``nvls``: symmetric-memory kernels (cuMem / multicast mappings, as the write-up's
-  CuTe DSL kernels and vLLM / TRT-LLM custom all-reduce). Latency = ``KERNEL_FIXED_US`` + per synchronisation
+  CuTe DSL kernels and vLLM / TRT-LLM custom all-reduce). Latency = the per-kernel fixed cost
+  (``KERNEL_FIXED_US``, or a calibration's ``kernel_fixed_us``) + per synchronisation
   (``SIGNAL_US[arch]`` + link latency + ``PER_PEER_US`` per peer) + per phase one round trip over the link.
   Only inside one NVLink domain; ``nvls`` only where ``topology.reducing_switches(group)`` has NVSwitches.
 * ``ring``: NCCL's ring with its own latency model (``NCCL_BASE_LAT_US`` + ``2(N-1)`` steps of
@@ -39,7 +40,7 @@ from functools import lru_cache
 
 from engine.core.collectives import schedule
 from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, lookup
+from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
 from topology.errors import UserError
 from topology.specs import GpuSpec
 
@@ -175,9 +176,9 @@ def available_algos(g: GroupLinks) -> tuple[str, ...]:
     return ("one_shot", "two_shot", "ring") + (("nvls",) if g.nvls else ())
 
 
-def _symmetric(g: GroupLinks, algo: str, n_bytes: float) -> CollectiveCost:
+def _symmetric(g: GroupLinks, algo: str, n_bytes: float, fixed_us: float = C.KERNEL_FIXED_US) -> CollectiveCost:
     per_dir, phases, syncs = algo_shape(algo, g.n_ranks)
-    lat_us = (C.KERNEL_FIXED_US
+    lat_us = (fixed_us
               + syncs * (C.SIGNAL_US[g.arch] + g.latency_us + C.PER_PEER_US * (g.n_ranks - 1))
               + phases * 2 * g.latency_us)
     bw = g.bw_GBps * 1e9 * (C.NVLS_EFFICIENCY[g.arch] if algo == "nvls" else 1.0)
@@ -214,7 +215,7 @@ def allreduce_candidates(topo, gpus: Sequence[int], n_bytes: float, *,
 def _estimate(g: GroupLinks, algo: str, n_bytes: float, calib: CalibrationTable | None) -> CollectiveCost:
     if n_bytes < 0:
         raise UserError(f"all-reduce size must be >= 0 bytes, got {n_bytes}")
-    est = _ring(g, n_bytes) if algo == "ring" else _symmetric(g, algo, n_bytes)
+    est = _ring(g, n_bytes) if algo == "ring" else _symmetric(g, algo, n_bytes, kernel_fixed_us(calib, g.gpu))
     measured = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=g.n_ranks)
     if measured is None:
         return est

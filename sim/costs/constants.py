@@ -32,7 +32,9 @@ PER_SM_BW_FACTOR: float = 2.0
 # ------------------------------------------------------------------------------------------------ kernels
 
 #: Fixed cost of one kernel inside a CUDA graph: launch gap + prologue (pipeline fill, first loads) + epilogue
-#: and tail. assumption (graph-launched kernels show ~1-2 µs gaps; pipeline fill of a TMA GEMM ~1 µs).
+#: and tail. assumption (graph-launched kernels show ~1-2 µs gaps; pipeline fill of a TMA GEMM ~1 µs). The
+#: default only: a calibration table's ``kernel_fixed_us`` replaces it for its GPU model
+#: (``sim.costs.calibration.kernel_fixed_us``; H200-SXM measured 0.87 µs, graph-replayed copies, calibration/h200.yaml).
 KERNEL_FIXED_US: float = 2.5
 
 #: Split-K: a plain GEMM with fewer CTA tiles than SMs splits K into up to ``sm_count // tiles`` parts of at

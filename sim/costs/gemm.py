@@ -39,7 +39,7 @@ from functools import lru_cache
 
 from engine.core.formats import get_format
 from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, lookup
+from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
 from topology.errors import UserError
 from topology.specs import GpuSpec
 
@@ -177,7 +177,12 @@ def _grouped(gpu: GpuSpec, hist: ExpertHistogram, n: int, k: int, fmt: str, cali
     mean_m = sum(m * c for m, c in hist) / n_exp
     tflops = calib.lookup("gemm_tflops", gpu.name, mean_m, fmt=fmt, n=n, k=k)
     if tflops is None:
-        return base
+        # the first-principles estimate, with the calibrated per-kernel fixed cost in place of KERNEL_FIXED_US
+        d = (kernel_fixed_us(calib, gpu) - C.KERNEL_FIXED_US) * 1e-6
+        if d == 0.0:
+            return base
+        return GemmCost(base.flops, base.hbm_bytes, base.compute_s, base.memory_s, base.fixed_s + d,
+                        base.total_s + d, base.n_tiles, base.exec_format)
     t = base.flops / (tflops * 1e12)
     return GemmCost(base.flops, base.hbm_bytes, base.compute_s, base.memory_s, 0.0, t, base.n_tiles,
                     base.exec_format, calibrated=True)

@@ -18,7 +18,7 @@ model imbalanced routing.
 expected ``d = R * (1 - C(E - E/R, k) / C(E, k))`` ranks for uniform routing (:func:`expected_dest_ranks`).
 The time is latency-dominated at decode sizes:
 
-    fixed (KERNEL_FIXED_US + GRID_SYNC_US)
+    fixed (KERNEL_FIXED_US or the calibration's kernel_fixed_us, + GRID_SYNC_US)
     + sync rounds x (SIGNAL_US[arch] + link latency + PER_PEER_US x peers)      dispatch: counts + done = 2 rounds;
                                                                                   combine: done = 1 round
     + bytes over NVLink / bandwidth   (+ bytes over NICs / NIC bandwidth for peers outside the NVLink domain,
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, lookup
+from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
 from sim.costs.collective import CollectiveCost, allreduce_time, group_links
 from sim.costs.gemm import _bpe, format_execution, hbm_rate_Bps
 from topology.errors import UserError
@@ -104,7 +104,7 @@ def ep_prefill_dispatch(topo, gpus: Sequence[int], n_tokens: int, model, fmt: st
     routing_bytes = n_tokens * model.top_k * 8 * 2  # read ids + weights, write offsets / permutation
     pack_bytes = a * model.hidden * (2 + _act_bpe(g.gpu, fmt))
     local = (routing_bytes + pack_bytes) / hbm_rate_Bps(g.gpu, pack_bytes, calib)
-    return CommCost(fixed_s=2 * C.KERNEL_FIXED_US * 1e-6, local_s=local,
+    return CommCost(fixed_s=2 * kernel_fixed_us(calib, g.gpu) * 1e-6, local_s=local,
                     calibrated_s=None if measured is None else measured * 1e-6)
 
 
@@ -123,7 +123,7 @@ def ep_prefill_combine(topo, gpus: Sequence[int], n_tokens: int, model, *, local
     ar = allreduce_time(topo, gpus, n_tokens * model.hidden * 2, algo=algo, calib=calib)
     measured = lookup(calib, "combine_us", g.gpu.name, n_tokens, n_ranks=ep, hidden=model.hidden,
                       phase="prefill")
-    return CommCost(fixed_s=C.KERNEL_FIXED_US * 1e-6, local_s=local, allreduce_s=ar.total_s, allreduce=ar,
+    return CommCost(fixed_s=kernel_fixed_us(calib, g.gpu) * 1e-6, local_s=local, allreduce_s=ar.total_s, allreduce=ar,
                     calibrated_s=None if measured is None else measured * 1e-6)
 
 
@@ -231,7 +231,7 @@ def _a2a(topo, gpus, tokens_per_rank, model, copy_bytes_out: float, copy_bytes_b
         net_bytes = max(v.send_net * copy_bytes_out, v.recv_net * copy_bytes_back)
         transfer += net_bytes / (g.net_bw_GBps * 1e9)
     local = local_bytes / hbm_rate_Bps(g.gpu, local_bytes, calib) if local_bytes else 0.0
-    fixed = (C.KERNEL_FIXED_US + C.GRID_SYNC_US) * 1e-6
+    fixed = (kernel_fixed_us(calib, g.gpu) + C.GRID_SYNC_US) * 1e-6
     return CommCost(fixed_s=fixed, sync_s=sync_us * 1e-6, transfer_s=transfer, local_s=local)
 
 

@@ -44,7 +44,7 @@ from sim.costs.attention import (
     linear_attention_prefill,
 )
 from sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
-from sim.costs.calibration import CalibrationTable
+from sim.costs.calibration import CalibrationTable, kernel_fixed_us
 from sim.costs.collective import allreduce_time, group_links
 from sim.costs.gemm import ExpertHistogram, binomial_histogram, expert_mlp_time, gemm_time, hbm_rate_Bps
 from sim.costs.moe_comm import (
@@ -64,14 +64,14 @@ def _norms_s(gpu, model, n_tokens: float, calib) -> float:
     if n_tokens <= 0:
         return 0.0
     nbytes = C.ELEMENTWISE_PASSES_PER_LAYER * n_tokens * model.hidden * 2 * 2
-    return nbytes / hbm_rate_Bps(gpu, nbytes, calib) + 2 * C.KERNEL_FIXED_US * US
+    return nbytes / hbm_rate_Bps(gpu, nbytes, calib) + 2 * kernel_fixed_us(calib, gpu) * US
 
 
 def _embed_s(gpu, model, n_tokens: float, calib) -> float:
     if n_tokens <= 0:
         return 0.0
     nbytes = n_tokens * model.hidden * 2 * 2
-    return nbytes / hbm_rate_Bps(gpu, nbytes, calib) + C.KERNEL_FIXED_US * US
+    return nbytes / hbm_rate_Bps(gpu, nbytes, calib) + kernel_fixed_us(calib, gpu) * US
 
 
 def _shared_expert_s(gpu, model, n_tokens: int, tp: int, fmt: str, calib) -> float:
