@@ -4,7 +4,7 @@ A suite is a function ``run(cfg: BenchConfig) -> dict`` registered with ``@regis
 holds at least ``rows`` (one per measurement, each with ``impl``, ``size_bytes``, ``graph``, ``median_us``) and
 ``meta`` (device, driver, versions, date). ``run_suites`` runs the chosen suites, prints each suite's table
 (``table(result)``) and writes one JSON file ``{"suites": {name: result}}``. Add the MoE kernels as another
-suite in their own module and import it in ``_load_suites``.
+suite in their own module and import it in ``load_suites``.
 
 Suites:
   allreduce   peer-memory all-reduce (kernels/allreduce.py) vs NCCL and torch symm_mem, bf16 (+ fp32),
@@ -118,8 +118,8 @@ def run_allreduce(cfg: BenchConfig) -> dict:
             return json.load(f)
 
 
-def _load_suites() -> None:
-    """Import modules that register more suites (the MoE kernels: moe_gemm, moe_a2a, mx)."""
+def load_suites() -> None:
+    """Import modules that register more suites (the MoE kernels: moe_gemm, moe_a2a, moe_prefill_gemm)."""
     import importlib
 
     if "moe_gemm" not in SUITES:
@@ -128,7 +128,7 @@ def _load_suites() -> None:
 
 def run_suites(names: list[str], cfg: BenchConfig, out: str | Path | None = None, echo=print) -> dict:
     """Run ``names`` (validated against SUITES), print their tables, write JSON to ``out`` when given."""
-    _load_suites()
+    load_suites()
     for n in names:
         if n not in SUITES:
             raise UserError(f"bench: unknown suite {n!r}; choose from {sorted(SUITES)}")

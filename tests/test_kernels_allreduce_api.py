@@ -85,3 +85,13 @@ def test_suite_registry_rejects_unknown_and_duplicates():
         run_suites(["nope"], BenchConfig(sizes=(8,)))
     with pytest.raises(ValueError, match="registered twice"):
         register_suite("allreduce", "again", str)(lambda cfg: {})
+
+
+def test_cli_bench_kernels_default_runs_every_registered_suite(monkeypatch):
+    """`rackbed bench kernels` with no --suite runs the MoE suites too (they register when their module loads)."""
+    import kernels.bench as kb
+
+    seen = {}
+    monkeypatch.setattr(kb, "run_suites", lambda names, cfg, out=None: seen.setdefault("names", names))
+    assert main(["bench", "kernels", "--sizes", "8K"]) == 0
+    assert {"allreduce", "moe_gemm", "moe_a2a", "moe_prefill_gemm"} <= set(seen["names"])

@@ -15,8 +15,9 @@ import argparse
 
 
 def _run_kernels(args: argparse.Namespace) -> int:
-    from kernels.bench import SUITES, config_from_args, run_suites
+    from kernels.bench import SUITES, config_from_args, load_suites, run_suites
 
+    load_suites()  # the MoE suites register on import: "all registered" must see them
     names = args.suite or sorted(SUITES)
     cfg = config_from_args(args.sizes, args.dtypes, args.reps, not args.no_check, args.impls)
     run_suites(names, cfg, out=args.out)
@@ -31,7 +32,8 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 # target name -> (help, runner); another target adds an entry here and its options in register()
 TARGETS = {
-    "kernels": ("device kernel benchmarks (all-reduce, ...) on the local GPUs", _run_kernels),
+    "kernels": ("device kernel benchmarks (all-reduce, MoE decode/prefill grouped GEMM, dispatch/combine, MX) on the "
+                "local GPUs", _run_kernels),
     "sim": ("simulator speed: one simulated hour of a loaded GB200 NVL72 (Qwen3-235B, Mooncake trace)", _run_sim),
 }
 
