@@ -4,6 +4,7 @@ and torch._scaled_grouped_mm rowwise FP8, in the same run.
 
     timeout 230 python -m kernels.bench_moe_prefill --out $OUT/prefill.json    # JSON rewritten after every step
     timeout 235 python -u -m kernels.bench_moe_prefill --sweep --out $OUT/prefill.json   # every variant (v4 sweep)
+    timeout 90 python -u -m kernels.bench_moe_prefill --diagnose --out $OUT/diag.json    # gap analysis (< 70 s)
 
 Steps (each printed with flush): compile each (shape, variant) (a failing compile prints its full traceback and the
 variant is skipped); small checks (8 experts, rows 0/1/127/128/129/300/0/5: empty experts, partial tiles, tiles
@@ -446,6 +447,197 @@ def _run_isolated(out_path: str, budget_s: float) -> dict:
     return merged
 
 
+# ------------------------------------------------------------------------------------------------ --diagnose
+# Gap analysis (issue 8): each real variant beside its diagnostic twins (kernels.grouped_gemm_wgmma.DIAG_VARIANTS,
+# wrong results on purpose: timed WITHOUT the correctness gate, never eligible as a best/default variant), on
+# gate_up and down at the benchmark shape and at a tail-free shape. Real variants keep their correctness check.
+DIAG_GROUPS = (("bf16_coop_smem", "bf16_coop_smem__no_epilogue"),
+               ("fp8_dbuf_smem", "fp8_dbuf_smem__no_epilogue", "fp8_dbuf_smem__no_promote"))
+
+
+def tail_free_counts(n_experts: int = N_EXPERTS, rows: int = 3 * 128, extra: int = 12) -> list[int]:
+    """Per-expert rows of the tail-free shape: every m-tile full (rows % 128 == 0) and 3 * n_experts + extra
+    = 396 m-tiles = 33 * 12, so the tile count is a multiple of 132 (the H200's SMs) for N / tile_n = 12 (bf16
+    gate_up), 16 (bf16 down), 24 (fp8 gate_up), 32 (fp8 down): every CTA of the persistent grid gets the same
+    number of equal tiles."""
+    return [rows + 128] * extra + [rows] * (n_experts - extra)
+
+
+def diag_cases() -> list[tuple[str, str, list[int]]]:
+    return [("gate_up", "gate_up", [ROWS] * N_EXPERTS), ("gate_up_tailfree", "gate_up", tail_free_counts()),
+            ("down", "down", [ROWS] * N_EXPERTS), ("down_tailfree", "down", tail_free_counts())]
+
+
+def run_diagnose_child(variants: list[str], out_path: str) -> dict:
+    """One group of DIAG_GROUPS in this process: compile, check the real variant on 2 experts, time everything
+    (real variant first, so its numbers are in the JSON before any diagnostic twin runs)."""
+    global _partial_path
+    import torch
+
+    from kernels import grouped_gemm_wgmma as gw
+    from kernels import grouped_gemm_wgmma_cute as gc
+
+    _partial_path = out_path
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    t_start = time.time()
+    res = {"errors": [], "compile": {}, "rows": [], "variants": {v: gw.variant_config(v) for v in variants}}
+    _write(res)
+    fp8 = gw.variant_config(variants[0])["fp8"]
+    shapes = {"gate_up": (2 * F_EXPERT, D_MODEL), "down": (D_MODEL, F_EXPERT)}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for cname, sname, counts_l in diag_cases():
+        N, K = shapes[sname]
+        if not cname.endswith("tailfree"):  # new weights per shape (the tail-free case reuses them)
+            w = wq = ws = None
+            torch.cuda.empty_cache()
+            w = (torch.randn(N_EXPERTS, N, K, device=dev, generator=g) * K ** -0.5).to(torch.bfloat16)
+            if fp8:
+                wq, ws = gw.quantize_fp8_block(w, "weight")
+                w = None
+        R = sum(counts_l)
+        counts = torch.tensor(counts_l, device=dev)
+        x = torch.randn(R, K, device=dev, generator=g).to(torch.bfloat16)
+        xq = xs = None
+        if fp8:
+            xq, xs = gw.quantize_fp8_block(x, "activation")
+        offsets = gw.tile_offsets(counts)
+        flops = 2 * R * N * K
+        row = {"case": cname, "rows": R, "N": N, "K": K, "flops": flops, "fp8": fp8,
+               "m_tiles": sum(-(-c // 128) for c in counts_l), "variants": {}}
+        res["rows"].append(row)
+        if not fp8:
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            row["torch_bf16_us"] = _time_us(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), res,
+                                            f"{cname} torch", reps=REPS)
+            row["torch_bf16_TFLOPs"] = flops / row["torch_bf16_us"] / 1e6
+        for var in variants:
+            cfg = gw.variant_config(var)
+            diag = cfg["diag"]
+            what = f"{cname} {var}"
+            vr = row["variants"][var] = {"diag": diag, "base": cfg["base"]}
+            try:
+                key = f"{sname}/{var}"
+                if key not in res["compile"]:
+                    t0 = time.time()
+                    gc.compiled(N, K, var)
+                    res["compile"][key] = {"ok": True, "s": time.time() - t0}
+                    _say(f"compiled {key} in {time.time() - t0:.1f} s")
+                out = torch.full((R, N), float("nan"), dtype=torch.bfloat16, device=dev)
+                if fp8:
+                    fn = lambda: gw.grouped_mm(xq, wq, counts, x_scale=xs, w_scale=ws, out=out, offsets=offsets,
+                                               variant=var, diagnostic=True)
+                else:
+                    fn = lambda: gw.grouped_mm(x, w, counts, out=out, offsets=offsets, variant=var,
+                                               diagnostic=True)
+                fn()
+                _sync_bounded(res, what)
+                if diag is None:  # the real kernel keeps its correctness gate (2 experts vs the fp32 reference)
+                    chk = [0, len(counts_l) - 1]
+                    rows_chk = _expert_rows(counts_l, chk)
+                    ref = (gw.grouped_mm_reference(xq, wq, counts, x_scale=xs, w_scale=ws, experts=set(chk)) if fp8
+                           else gw.grouped_mm_reference(x, w, counts, experts=set(chk)))
+                    vr["relerr"] = err = _relerr(out, ref, rows_chk)
+                    vr["all_rows_written"] = bool(out.isfinite().all())
+                    vr["ok"] = bool(err < TOL["fp8" if fp8 else "bf16"] and vr["all_rows_written"])
+                    del ref
+                else:
+                    vr["ok"] = None  # diagnostic: wrong on purpose, not checked
+                vr["us"] = t = _time_us(fn, res, what, reps=REPS)
+                vr["TFLOPs"] = flops / t / 1e6
+                _say(f"{what}: {t:.0f} us = {vr['TFLOPs']:.0f} TFLOP/s"
+                     + (" (DIAGNOSTIC, unchecked)" if diag else f", relerr {vr['relerr']:.1e}"
+                        + ("" if vr["ok"] else " WRONG")))
+                del out
+            except Exception as exc:
+                vr["error"] = f"{type(exc).__name__}: {exc}"
+                res["errors"].append(f"{what}: {vr['error']}")
+                traceback.print_exc()
+            _write(res)
+        del x, xq, xs
+    res["elapsed_s"] = time.time() - t_start
+    _write(res)
+    return res
+
+
+def diag_shares(rows: list[dict]) -> list[dict]:
+    """Per (case, real variant): TFLOP/s and the implied share of each cause: epilogue = 1 - t_noepi / t_full,
+    promotion = 1 - t_nopromote / t_full, tail (benchmark case only) = 1 - TF_case / TF_tailfree of the same
+    variant (the tail-free shape also has no partial m-tiles: both are what the tail costs)."""
+    by_case = {(r["case"], r.get("fp8")): r for r in rows}  # bf16 and fp8 groups have rows of the same cases
+    out = []
+    for r in rows:
+        for var, d in r["variants"].items():
+            if d.get("diag") is not None or "us" not in d:
+                continue
+            s = {"case": r["case"], "variant": var, "TFLOPs": d["TFLOPs"], "ok": d.get("ok"),
+                 "torch_bf16_TFLOPs": r.get("torch_bf16_TFLOPs")}
+            for v2, d2 in r["variants"].items():
+                if d2.get("base") == var and d2.get("diag") and "us" in d2:
+                    s[f"{d2['diag']}_TFLOPs"] = d2["TFLOPs"]
+                    s[f"{d2['diag'].replace('no_', '')}_share"] = 1 - d2["us"] / d["us"]
+            tf = by_case.get((r["case"] + "_tailfree", r.get("fp8")), {}).get("variants", {}).get(var, {})
+            if "TFLOPs" in tf:
+                s["tailfree_TFLOPs"] = tf["TFLOPs"]
+                s["tail_share"] = 1 - d["TFLOPs"] / tf["TFLOPs"]
+            out.append(s)
+    return out
+
+
+def diag_table(res: dict) -> str:
+    f = (lambda v, s=".0f": "-" if v is None else format(v, s))
+    lines = ["DIAGNOSTIC (no_epilogue / no_promote twins compute wrong results on purpose; timed unchecked)",
+             f"{'case':17s} {'variant':14s} {'ok':>5s} {'TF':>5s} {'torch':>5s} {'noepi':>5s} {'epi%':>5s} "
+             f"{'noprm':>5s} {'prom%':>5s} {'tailfree':>8s} {'tail%':>5s}   (TFLOP/s; share = 1 - t_diag/t_full)"]
+    for s in res.get("shares", []):
+        pc = (lambda k: "-" if s.get(k) is None else f"{100 * s[k]:.1f}")
+        lines.append(f"{s['case']:17s} {s['variant']:14s} {str(s['ok']):>5s} {f(s['TFLOPs']):>5s} "
+                     f"{f(s.get('torch_bf16_TFLOPs')):>5s} {f(s.get('epilogue_TFLOPs')):>5s} "
+                     f"{pc('epilogue_share'):>5s} {f(s.get('promote_TFLOPs')):>5s} {pc('promote_share'):>5s} "
+                     f"{f(s.get('tailfree_TFLOPs')):>8s} {pc('tail_share'):>5s}")
+    for e in res.get("errors", []):
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def run_diagnose(out_path: str, budget_s: float = 66.0) -> dict:
+    """--diagnose: each DIAG_GROUPS group in a bounded child process (a hang or crash loses at most the rest of
+    that group: the real variant runs and is written first), then the shares."""
+    import subprocess
+
+    t0 = time.time()
+    merged = {"diagnostic": True, "errors": [], "compile": {}, "rows": [], "variants": {}, "groups": []}
+    for i, grp in enumerate(DIAG_GROUPS):
+        left = budget_s - (time.time() - t0)
+        # +1: process start-up (torch, CuTe DSL imports, weights); compiles ~2 s per variant and shape
+        limit = max(15.0, left * (len(grp) + 1) / sum(len(g) + 1 for g in DIAG_GROUPS[i:]))
+        part = f"{out_path}.diag{i}.json"
+        _say(f"diag group {i + 1}/{len(DIAG_GROUPS)}: {','.join(grp)} (limit {limit:.0f} s)")
+        try:
+            rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench_moe_prefill", "--diag-child",
+                                 ",".join(grp), "--out", part], timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        try:
+            with open(part) as f_:
+                p = json.load(f_)["suites"]["moe_prefill_gemm"]
+        except Exception as exc:
+            p = {"errors": [f"group {grp}: no JSON ({type(exc).__name__})"], "rows": []}
+        if rc != 0:
+            p.setdefault("errors", []).append(f"group {','.join(grp)}: child exit {rc}")
+        merged["groups"].append({"variants": list(grp), "rc": rc, "elapsed_s": p.get("elapsed_s")})
+        merged["errors"] += p.get("errors", [])
+        merged["compile"].update(p.get("compile", {}))
+        merged["variants"].update(p.get("variants", {}))
+        merged["rows"] += p.get("rows", [])
+        merged["shares"] = diag_shares(merged["rows"])
+        merged["elapsed_s"] = time.time() - t0
+        with open(out_path + ".tmp", "w") as f_:
+            json.dump({"suites": {"moe_prefill_gemm_diag": merged}}, f_, indent=1, default=str)
+        os.replace(out_path + ".tmp", out_path)
+    return merged
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -456,9 +648,21 @@ def main(argv=None) -> int:
                    "process groups (sweep_groups), merged into --out")
     p.add_argument("--variants", default=None, help="comma-separated variant names, one process")
     p.add_argument("--budget", type=float, default=210.0, help="--sweep: seconds for all groups together")
+    p.add_argument("--diagnose", action="store_true", help="gap analysis: the default variants beside their "
+                   "diagnostic twins (no_epilogue, no_promote; wrong results on purpose, timed unchecked) and a "
+                   "tail-free shape; about 60 s")
+    p.add_argument("--diag-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     t0 = time.time()
+    if a.diag_child:
+        run_diagnose_child(a.diag_child.split(","), a.out)
+        return 0
+    if a.diagnose:
+        res = run_diagnose(a.out, min(a.budget, 66.0))
+        print(diag_table(res), flush=True)
+        _say(f"done in {time.time() - t0:.0f} s; wrote {a.out}")
+        return 0
     if a.sweep and not a.variants:
         res = _run_isolated(a.out, a.budget)
     else:

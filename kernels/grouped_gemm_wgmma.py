@@ -71,13 +71,38 @@ VARIANTS: dict[str, dict] = {
 # The variant grouped_mm uses when none is named (env RACKBED_WGMMA_VARIANT_BF16 / _FP8 override); set from the
 # sweep in results/h200x2/moe/ (kernels/MOE_KERNELS.md section 2).
 DEFAULT_VARIANT = {"bf16": "bf16_coop_smem", "fp8": "fp8_dbuf_smem"}  # v4 sweep: best bf16; best fp8 without N % 256
+# Diagnostic variants (issue 8 gap analysis): a real variant with one cost removed, so that the time it costs can be
+# measured beside it in the same run (kernels/bench_moe_prefill.py --diagnose). They compute WRONG results on
+# purpose: kept out of VARIANTS (so out of --sweep and the best-variant pick), refused by default_variant (env
+# override) and by grouped_mm unless ``diagnostic=True``.
+#   diag="no_epilogue"  mainloop identical; the tile's epilogue (smem staging + global stores) sits behind a runtime
+#                       test that is always false (n_rows < 0), so the accumulator stays live and no wgmma is dropped
+#   diag="no_promote"   fp8: no per-128-K-block promotion (no temporary accumulator, no scale loads, no FMAs, no
+#                       wait_group 0/1 per block): wgmma accumulates the raw codes straight into acc, one batch in
+#                       flight, like the bf16 mainloop
+DIAG_KINDS = ("no_epilogue", "no_promote")
+DIAG_VARIANTS: dict[str, dict] = {
+    "bf16_coop_smem__no_epilogue": {**VARIANTS["bf16_coop_smem"], "diag": "no_epilogue", "base": "bf16_coop_smem"},
+    "fp8_dbuf_smem__no_epilogue": {**VARIANTS["fp8_dbuf_smem"], "diag": "no_epilogue", "base": "fp8_dbuf_smem"},
+    "fp8_dbuf_smem__no_promote": {**VARIANTS["fp8_dbuf_smem"], "diag": "no_promote", "base": "fp8_dbuf_smem"},
+}
+
+
+def is_diagnostic(variant) -> bool:
+    return isinstance(variant, str) and variant in DIAG_VARIANTS
+
+
 EPI_N = 64  # columns per shared-memory epilogue chunk
 EPI_PAD = 8  # bf16 elements of padding per staged row (144-byte rows: conflict-free fragment writes)
 
 
 def default_variant(fp8: bool) -> str:
     key = "fp8" if fp8 else "bf16"
-    return os.environ.get(f"RACKBED_WGMMA_VARIANT_{key.upper()}") or DEFAULT_VARIANT[key]
+    v = os.environ.get(f"RACKBED_WGMMA_VARIANT_{key.upper()}") or DEFAULT_VARIANT[key]
+    if v not in VARIANTS:  # diagnostic variants (wrong results on purpose) are never a default
+        raise ValueError(f"RACKBED_WGMMA_VARIANT_{key.upper()}={v!r} is not a production wgmma variant "
+                         f"(known: {', '.join(VARIANTS)})")
+    return v
 
 
 def variant_config(variant: str | bool) -> dict:
@@ -85,9 +110,10 @@ def variant_config(variant: str | bool) -> dict:
     (m, n, k), pipeline stages (from the shared-memory budget), epilogue staging bytes, threads."""
     if isinstance(variant, bool):
         variant = default_variant(variant)
-    if variant not in VARIANTS:
+    if variant not in VARIANTS and variant not in DIAG_VARIANTS:
         raise ValueError(f"unknown wgmma variant {variant!r}; known: {', '.join(VARIANTS)}")
-    v = {"cluster_n": 1, "max_ctas": None, **VARIANTS[variant]}
+    v = {"cluster_n": 1, "max_ctas": None, "diag": None, "base": variant,
+         **(VARIANTS[variant] if variant in VARIANTS else DIAG_VARIANTS[variant])}
     fp8, tile_n = v["fp8"], v["tile_n"]
     tile_k = 128 if fp8 else 64  # 128 bytes of K per row either way (128-byte swizzle)
     elem = 1 if fp8 else 2
@@ -341,14 +367,19 @@ def from_mx(q):
     return codes.contiguous(), q.scales.to(torch.float32).contiguous()
 
 
-def grouped_mm(x, w, counts, *, x_scale=None, w_scale=None, out=None, offsets=None, n_ctas=None, variant=None):
+def grouped_mm(x, w, counts, *, x_scale=None, w_scale=None, out=None, offsets=None, n_ctas=None, variant=None,
+               diagnostic: bool = False):
     """Launch the wgmma kernel (CUDA, CuTe DSL). ``out [R, N]`` bf16 and ``offsets`` (from :func:`tile_offsets`)
-    may be caller-allocated; ``variant`` a name in VARIANTS (default :func:`default_variant`). Raises ValueError
-    when the kernel cannot take the arguments."""
+    may be caller-allocated; ``variant`` a name in VARIANTS (default :func:`default_variant`). A DIAG_VARIANTS name
+    (wrong results on purpose, for timing only) needs ``diagnostic=True``. Raises ValueError when the kernel cannot
+    take the arguments."""
     import torch
 
     R, E, N, K, fp8 = check_args(x, w, counts, x_scale, w_scale)
     variant = variant or default_variant(fp8)
+    if is_diagnostic(variant) and not diagnostic:
+        raise ValueError(f"grouped_mm(wgmma): {variant} is a diagnostic variant (wrong results on purpose); "
+                         f"pass diagnostic=True to time it")
     why = kernel_unsupported(x, w, counts, x_scale, w_scale, variant)
     if why:
         raise ValueError(f"grouped_mm(wgmma): {why}")

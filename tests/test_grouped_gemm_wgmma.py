@@ -164,7 +164,7 @@ _has_cute = importlib.util.find_spec("cutlass") is not None
 
 
 @pytest.mark.skipif(not _has_cute, reason="CuTe DSL not importable")
-@pytest.mark.parametrize("variant", list(gw.VARIANTS))
+@pytest.mark.parametrize("variant", list(gw.VARIANTS) + list(gw.DIAG_VARIANTS))
 def test_compiles_for_sm90a(variant, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     from kernels import grouped_gemm_wgmma_cute as gc
@@ -341,3 +341,59 @@ def test_grid_whole_clusters():
     assert gw.grid_size(48000, 128, 3072, "bf16_mc2_smem", 131) == 130
     assert gw.cluster_grid(1, cfg) == 2 and gw.cluster_grid(7, cfg) == 6
     assert "multiple of 512" in gw.shape_unsupported(10, 256, 256, False, "bf16_mc2_smem")
+
+
+# ---------------------------------------------------------------------------------------- diagnostic variants
+def test_diagnostic_variants_never_selectable(monkeypatch):
+    """Diagnostic twins (wrong results on purpose) are not in VARIANTS (so not in --sweep or the best pick), never a
+    default (env override refused), and grouped_mm (what impl="auto" calls) refuses them without diagnostic=True."""
+    import torch
+
+    from kernels import bench_moe_prefill as bp
+
+    assert gw.DIAG_VARIANTS and not set(gw.DIAG_VARIANTS) & set(gw.VARIANTS)
+    assert set(gw.DEFAULT_VARIANT.values()) <= set(gw.VARIANTS)
+    assert not any(v in gw.DIAG_VARIANTS for g in bp.sweep_groups() for v in g)
+    for name, cfg in gw.DIAG_VARIANTS.items():
+        assert gw.is_diagnostic(name) and cfg["diag"] in gw.DIAG_KINDS and cfg["base"] in gw.VARIANTS
+        assert gw.variant_config(name)["diag"] == cfg["diag"]
+        key = "FP8" if cfg["fp8"] else "BF16"
+        monkeypatch.setenv(f"RACKBED_WGMMA_VARIANT_{key}", name)
+        with pytest.raises(ValueError, match="not a production"):
+            gw.default_variant(cfg["fp8"])
+        monkeypatch.delenv(f"RACKBED_WGMMA_VARIANT_{key}")
+        assert not gw.is_diagnostic(gw.default_variant(cfg["fp8"]))
+    for v in gw.VARIANTS:
+        assert not gw.is_diagnostic(v) and gw.variant_config(v)["diag"] is None
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    w = torch.zeros(2, 512, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="diagnostic"):
+        gw.grouped_mm(x, w, torch.tensor([2, 2]), variant="bf16_coop_smem__no_epilogue")
+
+
+def test_tail_free_shape_gives_every_cta_equal_full_tiles():
+    from kernels import bench_moe_prefill as bp
+
+    counts = bp.tail_free_counts()
+    assert len(counts) == bp.N_EXPERTS and all(c % 128 == 0 for c in counts)
+    for var in ("bf16_coop_smem", "fp8_dbuf_smem"):
+        for n in (2 * bp.F_EXPERT, bp.D_MODEL):
+            sched = gw.schedule(counts, n, var, 132)
+            assert len({len(items) for items in sched}) == 1  # no tail: same item count per CTA
+            assert all(rows == 128 for items in sched for _, _, rows, _ in items)
+
+
+def test_diag_shares():
+    from kernels import bench_moe_prefill as bp
+
+    def v(us, diag=None, base="b"):
+        return {"us": us, "TFLOPs": 1000 / us, "diag": diag, "base": base, "ok": True if diag is None else None}
+
+    rows = [{"case": "gate_up", "variants": {"b": v(100), "b__ne": v(80, "no_epilogue"),
+                                             "b__np": v(90, "no_promote")}},
+            {"case": "gate_up_tailfree", "variants": {"b": v(95)}},
+            {"case": "gate_up_tailfree", "fp8": True, "variants": {"f": v(50, base="f")}}]  # other dtype's row
+    (s,) = [x for x in bp.diag_shares(rows) if x["case"] == "gate_up"]
+    assert s["epilogue_share"] == pytest.approx(0.2) and s["promote_share"] == pytest.approx(0.1)
+    assert s["tail_share"] == pytest.approx(0.05)
+    assert "gate_up" in bp.diag_table({"shares": bp.diag_shares(rows)})
