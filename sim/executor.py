@@ -13,6 +13,9 @@
   is not used)
 - ``kv_transfer(plan: KvTransfer) -> TransferCost``: the fixed part (per-chunk overhead × ``plan.n_chunks``,
   path latency); the bytes go through :class:`sim.network.Network`, which adds NIC bandwidth and contention.
+- optional ``kv_fixed_s(plan: KvTransfer) -> float``: ``overhead_s + latency_s`` of ``kv_transfer(plan)`` without
+  building the TransferCost (one per KV transfer is measurable in a long run); like ``decode_point`` it is used
+  only when defined on the cost model's class
 
 The executor also sums each role's :class:`~sim.costs.steptime.StepTime` fields, so a run can be explained term
 by term (``Executor.breakdown_s``).
@@ -69,6 +72,9 @@ class Executor:
         self._groups: dict[str, object] = {}
         self.breakdown_s = {"prefill": [0.0] * 5, "decode": [0.0] * 5}
         self.kv_fixed_s = 0.0
+        # defined on the class, not reached through a wrapper's __getattr__ (which may change kv_transfer)
+        self._kv_fixed = cost_model.kv_fixed_s if hasattr(type(cost_model), "kv_fixed_s") else None
+        self._reserve = network.reserve
 
     def _group(self, worker: str):
         g = self._groups.get(worker)
@@ -96,17 +102,21 @@ class Executor:
 
     def duration(self, plan: Plan, now_s: float) -> float:
         tp = type(plan)
+        if tp is KvTransfer:  # the most frequent plan the driver asks about (decode steps are mostly fast-forwarded)
+            kf = self._kv_fixed
+            if kf is not None:
+                fixed = kf(plan)
+            else:
+                tc = self.cm.kv_transfer(plan)
+                fixed = tc.overhead_s + tc.latency_s  # tc.fixed_s
+            end = self._reserve(now_s, plan.flows)
+            self.kv_fixed_s += fixed
+            return end - now_s + fixed
         if tp is DecodeStep:
             g = self._groups.get(plan.worker) or self._group(plan.worker)
             return self._acc("decode", self.cm.decode(plan, g))
         if tp is PrefillBatch:
             return self._acc("prefill", self.cm.prefill(plan, self._group(plan.worker)))
-        if tp is KvTransfer:
-            tc = self.cm.kv_transfer(plan)
-            end = self.net.reserve(now_s, plan.flows)
-            fixed = tc.overhead_s + tc.latency_s  # tc.fixed_s
-            self.kv_fixed_s += fixed
-            return end - now_s + fixed
         raise TypeError(f"executor cannot run {tp.__name__}")
 
     def breakdown(self) -> dict[str, dict[str, float]]:

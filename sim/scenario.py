@@ -509,6 +509,17 @@ class ScenarioCostModel:
             lat = self._lat_memo[key] = self._latency_s(plan)
         return self._TransferCost(overhead_s=over, latency_s=lat, n_bytes=plan.n_bytes)
 
+    def kv_fixed_s(self, plan) -> float:
+        """``overhead_s + latency_s`` of :meth:`kv_transfer` (same arithmetic), without the TransferCost."""
+        nic = plan.flows[0][0] if plan.flows else None
+        per_chunk_us = self._kv_chunk_us.get(nic)
+        if per_chunk_us is None:
+            return self.kv_transfer(plan).fixed_s  # fills the per-NIC memo
+        lat = self._lat_memo.get((plan.src, plan.dst, plan.dst_rank))
+        if lat is None:
+            return self.kv_transfer(plan).fixed_s
+        return plan.n_chunks * per_chunk_us * 1e-6 / self._kv_pipeline + lat
+
     def _latency_s(self, plan) -> float:
         key = ("lat", plan.src, plan.dst, plan.dst_rank)
         v = self._chunk_memo.get(key)

@@ -16,7 +16,6 @@ intermediate lists.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import neg
 from typing import Protocol, TypeVar
 
 
@@ -52,7 +51,8 @@ def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, i
     """``(group, rank)`` minimising ``(requests on rank, -free KV)`` among ranks with ``free KV >= need_tokens``
     and an up NIC; ties → earliest group, then lowest rank. None when no rank can take it now.
 
-    Per group, the unconstrained minimum of ``(requests, -free KV, rank)`` is taken first (a C-level ``min``);
+    Per group, the unconstrained minimum of ``(requests, -free KV, rank)`` is taken first (C-level ``min``,
+    ``index`` and ``count`` over the request counts; free KV is compared only on ties);
     when that rank qualifies it is the group's answer (the constraint only removes ranks), otherwise the group is
     scanned rank by rank."""
     best = None
@@ -65,10 +65,17 @@ def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, i
         nreq = g.rank_nreq
         if not nreq:
             continue
-        n, negf, r = min(zip(nreq, map(neg, free), range(len(nreq))))
-        if -negf >= need_tokens and up[r]:
-            if best is None or n < best_n or (n == best_n and -negf > best_free):
-                best, best_rank, best_n, best_free = g, r, n, -negf
+        n = min(nreq)
+        r = nreq.index(n)
+        f = free[r]
+        if nreq.count(n) > 1:  # ties on requests: the most free KV, then the lowest rank
+            for i in range(r + 1, len(nreq)):
+                if nreq[i] == n and free[i] > f:
+                    f = free[i]
+                    r = i
+        if f >= need_tokens and up[r]:
+            if best is None or n < best_n or (n == best_n and f > best_free):
+                best, best_rank, best_n, best_free = g, r, n, f
             continue
         for r, n in enumerate(nreq):
             if best is not None and n > best_n:  # cannot win: the cheap test first

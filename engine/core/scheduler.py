@@ -48,6 +48,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from heapq import heappop, heappush
+from itertools import repeat
+from operator import add, mul, rshift, sub
 
 import numpy as np
 
@@ -1031,7 +1033,9 @@ class Scheduler:
             d.ff_delta = None
         if d.ff_left <= 0:
             rate = d.rank_rate
-            m = max([x + ((s * q - q0) >> _FP) for x, q, q0 in zip(d.rank_base, rate, d.rank_rs0)])
+            # max over ranks of base + ((s * rate - rs0) >> _FP), in C-level maps (no bytecode per rank)
+            m = max(map(add, d.rank_base,
+                        map(rshift, map(sub, map(mul, repeat(s), rate), d.rank_rs0), repeat(_FP))))
             d.ff_cost, hi, d.ff_tag = step_cost(max(d.rank_batch), m)
             # every rank's context after j more steps is <= m + j * max(rate) / 2**_FP + 1
             qmax = max(rate)
