@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -410,9 +411,27 @@ def merge_results(parts: list[dict]) -> dict:
     return out
 
 
+def _run_group(flag: str, grp, part: str, limit: float):
+    """Run variant group ``grp`` in a fresh child process (``flag`` = --variants or --diag-child) bounded by
+    ``limit`` s, and read the suite it wrote to ``part``: ``(return code or "timeout", suite dict)``; a missing
+    JSON or a failed child becomes an error entry, never an exception."""
+    try:
+        rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench_moe_prefill", flag, ",".join(grp),
+                             "--out", part], check=False, timeout=limit).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    try:
+        with open(part) as f:
+            res = json.load(f)["suites"]["moe_prefill_gemm"]
+    except Exception as exc:
+        res = {"errors": [f"group {grp}: no JSON ({type(exc).__name__})"], "rows": []}
+    if rc != 0:
+        res.setdefault("errors", []).append(f"group {','.join(grp)}: child exit {rc}")
+    return rc, res
+
+
 def _run_isolated(out_path: str, budget_s: float) -> dict:
     """--sweep: each group of sweep_groups() in a child process with its own timeout, then merged."""
-    import subprocess
 
     groups = sweep_groups()
     parts = []
@@ -425,19 +444,7 @@ def _run_isolated(out_path: str, budget_s: float) -> dict:
         limit = max(30.0, left * weight)
         part = f"{out_path}.part{i}.json"
         _say(f"group {i + 1}/{len(groups)}: {','.join(grp)} (limit {limit:.0f} s)")
-        try:
-            rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench_moe_prefill", "--variants",
-                                 ",".join(grp), "--out", part], timeout=limit).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        try:
-            with open(part) as f:
-                res = json.load(f)["suites"]["moe_prefill_gemm"]
-        except Exception as exc:
-            res = {"errors": [], "rows": []}
-            res["errors"].append(f"group {grp}: no JSON ({type(exc).__name__})")
-        if rc != 0:
-            res.setdefault("errors", []).append(f"group {','.join(grp)}: child exit {rc}")
+        rc, res = _run_group("--variants", grp, part, limit)
         parts.append(res)
         merged = merge_results(parts)
         merged["elapsed_s"] = time.time() - t0
@@ -603,7 +610,6 @@ def diag_table(res: dict) -> str:
 def run_diagnose(out_path: str, budget_s: float = 66.0) -> dict:
     """--diagnose: each DIAG_GROUPS group in a bounded child process (a hang or crash loses at most the rest of
     that group: the real variant runs and is written first), then the shares."""
-    import subprocess
 
     t0 = time.time()
     merged = {"diagnostic": True, "errors": [], "compile": {}, "rows": [], "variants": {}, "groups": []}
@@ -613,18 +619,7 @@ def run_diagnose(out_path: str, budget_s: float = 66.0) -> dict:
         limit = max(15.0, left * (len(grp) + 1) / sum(len(g) + 1 for g in DIAG_GROUPS[i:]))
         part = f"{out_path}.diag{i}.json"
         _say(f"diag group {i + 1}/{len(DIAG_GROUPS)}: {','.join(grp)} (limit {limit:.0f} s)")
-        try:
-            rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench_moe_prefill", "--diag-child",
-                                 ",".join(grp), "--out", part], timeout=limit).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        try:
-            with open(part) as f_:
-                p = json.load(f_)["suites"]["moe_prefill_gemm"]
-        except Exception as exc:
-            p = {"errors": [f"group {grp}: no JSON ({type(exc).__name__})"], "rows": []}
-        if rc != 0:
-            p.setdefault("errors", []).append(f"group {','.join(grp)}: child exit {rc}")
+        rc, p = _run_group("--diag-child", grp, part, limit)
         merged["groups"].append({"variants": list(grp), "rc": rc, "elapsed_s": p.get("elapsed_s")})
         merged["errors"] += p.get("errors", [])
         merged["compile"].update(p.get("compile", {}))
