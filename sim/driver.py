@@ -22,7 +22,16 @@ step by step; ``tests/test_sim_driver_fastdecode.py`` checks both give identical
 off, the main loop takes *plain* steps (the scheduler says how many follow: ``Scheduler.ff_handle``) without calling
 the scheduler at all, booking their durations in step order and reporting them (``Scheduler.ff_advance``) before
 the scheduler is next asked about that decoder or a fault (``tests/test_sim_driver_lazydecode.py``). This reaches into SimPy
-4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway.
+4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway. The
+pending step ends of fast-forwarded decoders are kept in a small heap of their own (``lq``), merged with SimPy's
+queue by the main loop in (time, priority, insertion) order; an entry moves to SimPy's queue when SimPy must
+process it (the step resumes the worker's process).
+
+**Direct workers.** In a run without faults (nothing interrupts them) on the simulated environment and executor,
+prefillers, KV streams and the autoscaler have no SimPy process: the main loop runs their worker loop itself
+(``d_fire``), putting ``_DEv`` entries into SimPy's queue at the same time, priority and insertion order as their
+processes' events (start, timeouts, wake-up events and their timers, the process's end), so the run and its event
+count are the same; ``fast_decode=False`` turns this off too (``tests/test_sim_speed.py``).
 """
 
 from __future__ import annotations
@@ -31,17 +40,18 @@ import gc
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from heapq import heapreplace
+from heapq import heappop, heappush, heapreplace
+from math import nextafter
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL
+from simpy.events import NORMAL, URGENT
 
 from engine.core.autoscaler import AutoscalerConfig
 from engine.core.decision_log import DecisionLog
 from engine.core.deployment import Deployment, PrefillerGroup
 from engine.core.metrics import Slo, summarize
-from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result
+from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result, Stop
 from engine.core.request import Request
 from engine.core.scheduler import ROW_FIELDS, KvChunks, Sample, Scheduler
 from engine.core.worker_loop import worker_loop
@@ -103,7 +113,7 @@ def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) ->
 class _Lane:
     """The decode step a decoder's pending timeout stands for (it changes when the main loop fast-forwards)."""
 
-    __slots__ = ("cost", "d", "dur_s", "k", "ng", "parts", "start_s", "step", "virtual", "wid")
+    __slots__ = ("cost", "d", "dng", "dur_s", "k", "ng", "parts", "start_s", "step", "virtual", "wid")
 
     def __init__(self, wid: str, cost, d) -> None:
         self.wid = wid
@@ -112,9 +122,49 @@ class _Lane:
         self.ng = d.n_gpus
         self.k = 0            # plain steps the main loop took and has not yet reported (Scheduler.ff_advance)
         self.parts = None     # the StepTime fields of the step in flight (when started by the fast-forward)
-        self.start_s = self.dur_s = 0.0
+        self.start_s = self.dur_s = self.dng = 0.0  # dng: dur_s * ng (GPU-seconds of the step)
         self.step = 0
         self.virtual = False  # True once the step is one the fast-forward started (no plan object yet)
+
+
+_tnew = tuple.__new__
+assert Result._fields == ("duration_s", "accepted", "failed", "woken")
+
+# kinds of a direct worker's queue entry (``_DEv.kind``)
+_D_DONE, _D_WAKE, _D_TIMER, _D_INIT, _D_END = 0, 1, 2, 3, 4
+
+
+class _DWorker:
+    """A worker the main loop drives itself (no SimPy process): its plan in flight, when it began, its duration."""
+
+    __slots__ = ("done_ev", "dur", "plan", "t0", "wid")
+
+    def __init__(self, wid: str) -> None:
+        self.wid = wid
+        self.plan = None
+        self.t0 = self.dur = 0.0
+        self.done_ev = _DEv(_D_DONE, self, None)
+
+
+class _DEv:
+    """A direct worker's entry in SimPy's event queue, standing where the worker's process would have put an event:
+    a plan's end (the process's timeout), an idle worker's wake-up event (``succeed`` as SimPy's), the wake-up's
+    timer, the process's start (``Initialize``) and end (the process event itself)."""
+
+    __slots__ = ("kind", "push", "triggered", "value", "w")
+
+    def __init__(self, kind: int, w, push) -> None:
+        self.kind = kind
+        self.w = w            # the _DWorker (the wake-up event for a timer)
+        self.push = push      # schedules this entry now, as ``env.schedule(event)`` (wake-up events only)
+        self.triggered = False
+        self.value = None
+
+    def succeed(self, value) -> None:
+        """``simpy.Event.succeed`` for a wake-up: the worker resumes at the current time with ``value``."""
+        self.triggered = True
+        self.value = value
+        self.push(self)
 
 
 def _step_cost(cm_point, group, draft_k: int):
@@ -228,7 +278,7 @@ def simulate(
                     ev.succeed(True)
         if sched.new_workers:
             for wid in sched.take_new_workers():
-                procs[wid] = env.process(run_worker(wid))
+                start_worker(wid)
 
     # Fast-forward of plain decode steps (module docstring): only with the simulated environment and executor and
     # a cost model that prices a decode step from its busiest rank (``decode_point``).
@@ -237,6 +287,7 @@ def simulate(
     cm_point = getattr(cost_model, "decode_point", None) if hasattr(type(cost_model), "decode_point") else None
     fast = fast_decode and cm_point is not None and type(ex) is Executor and type(env) is _Env
     ticks: dict[simpy.Event, _Lane] = {}  # a decoder's step-end timeout -> the step it stands for
+    lanes: list[_Lane] = []  # every lane (report_plain reports those with plain steps taken: k > 0)
 
     def run_worker(wid: str):
         gen = worker_loop(sched, wid, clock)
@@ -265,13 +316,19 @@ def simulate(
                 dur = duration(plan, t0)
                 try:
                     if type(dur) is float:
-                        tmo = timeout(dur)
                         if fast and tp is DecodeStep:
-                            # the main loop may complete this step and run the next ones on the same event
+                            # the main loop may complete this step and run the next ones on the same event:
+                            # env.timeout(dur), kept in the decoders' own queue (``lq``, main loop)
+                            tmo = event()
+                            tmo._ok = True
+                            tmo._value = None
+                            heappush(lq, (env._now + dur, NORMAL, next(eid), tmo))
                             if lane is None:
                                 lane = _Lane(wid, _step_cost(cm_point, sched.group(wid), plan.draft_k),
                                              sched.ff_handle(wid))
+                                lanes.append(lane)
                             lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
+                            lane.dng = dur * lane.ng
                             ticks[tmo] = lane
                             try:
                                 yield tmo
@@ -280,7 +337,7 @@ def simulate(
                             if lane.virtual:
                                 t0, dur = lane.start_s, lane.dur_s
                         else:
-                            yield tmo
+                            yield timeout(dur)
                         result = Result(dur)
                     else:  # a real executor's completion event: its value is the measured duration
                         done_value = yield dur
@@ -322,15 +379,101 @@ def simulate(
             if sched.wakeups or sched.new_workers or debug_checks:
                 flush()
 
-    dirty: list[_Lane] = []  # lanes with plain steps taken by the main loop and not yet reported
+    # Direct workers (prefillers, KV streams, the autoscaler, when no fault can interrupt them): the main loop
+    # runs their loop itself, with entries in SimPy's queue (``_DEv``) exactly where their processes' events would
+    # be — same time, priority and insertion order, made in the same order — so every decision is the same.
+    direct = fast_decode and type(ex) is Executor and type(env) is _Env and not fault_list
+    queue = env._queue
+    eid = env._eid
+    # The pending step ends of fast-forwarded decoders: SimPy queue entries ``(time, priority, id, event)`` kept in
+    # a heap of their own (a few entries instead of all of SimPy's); the main loop takes the earlier head of the
+    # two, so events come in the same order. An entry goes to SimPy's queue when SimPy must process it.
+    lq: list[tuple] = []
+    workers = sched.workers
+    sched_next = sched.next
+    sched_done = sched.done
+
+    def push_now(ev: _DEv) -> None:
+        heappush(queue, (env._now, NORMAL, next(eid), ev))
+
+    def start_worker(wid: str) -> None:
+        """``env.process(run_worker(wid))``, or its direct equivalent (the start is an URGENT entry now)."""
+        if direct and workers[wid].kind != "decode":
+            heappush(queue, (env._now, URGENT, next(eid), _DEv(_D_INIT, _DWorker(wid), None)))
+        else:
+            procs[wid] = env.process(run_worker(wid))
+
+    def d_begin(w: _DWorker, plan, t: float) -> None:
+        """A direct worker starts ``plan`` at ``t`` (run_worker at the top of its loop)."""
+        w.plan = plan
+        w.t0 = t
+        if type(plan) is Idle:
+            ev = _DEv(_D_WAKE, w, push_now)
+            wake_ev[w.wid] = ev
+            if plan.until_s is not None:
+                heappush(queue, (t + max(plan.until_s - t, 0.0), NORMAL, next(eid), _DEv(_D_TIMER, ev, None)))
+        else:
+            w.dur = dur = duration(plan, t)
+            heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
+
+    def d_fire(ev: _DEv, t: float) -> None:
+        """A direct worker's entry came up at ``t`` (popped, the clock set): what its process would do."""
+        kind = ev.kind
+        if kind == _D_DONE:
+            w = ev.w
+            plan = w.plan
+            tp = type(plan)
+            if tp is KvTransfer:
+                add_span((w.wid, SPAN_KV, w.t0, w.dur, plan.request_id, False))
+            elif tp is PrefillBatch:
+                add_span((w.wid, SPAN_PREFILL, w.t0, w.dur, plan.n_tokens, False))
+            sched_done(plan, _tnew(Result, (w.dur, None, None, False)), t)  # Result(w.dur), without its __new__
+        elif kind == _D_WAKE:
+            w = ev.w
+            if wake_ev.get(w.wid) is ev:
+                del wake_ev[w.wid]
+            sched_done(w.plan, _tnew(Result, (t - w.t0, None, None, bool(ev.value))), t)  # Result(.., woken=..)
+        elif kind == _D_TIMER:
+            wk = ev.w
+            if not wk.triggered:
+                wk.succeed(False)
+            return
+        elif kind == _D_INIT:
+            w = ev.w
+            plan = sched_next(w.wid, t)
+            if type(plan) is Stop:
+                heappush(queue, (t, NORMAL, next(eid), _DEv(_D_END, w, None)))  # the process's own event
+                return
+            flush()
+            d_begin(w, plan, t)
+            return
+        else:  # _D_END
+            return
+        plan = sched_next(w.wid, t)
+        if type(plan) is Stop:
+            heappush(queue, (t, NORMAL, next(eid), _DEv(_D_END, w, None)))
+            return
+        if sched.wakeups or sched.new_workers or debug_checks:
+            flush()
+        # d_begin(w, plan, t), inline
+        w.plan = plan
+        w.t0 = t
+        if type(plan) is Idle:
+            ev = _DEv(_D_WAKE, w, push_now)
+            wake_ev[w.wid] = ev
+            if plan.until_s is not None:
+                heappush(queue, (t + max(plan.until_s - t, 0.0), NORMAL, next(eid), _DEv(_D_TIMER, ev, None)))
+        else:
+            w.dur = dur = duration(plan, t)
+            heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
 
     def report_plain() -> None:
         """Report the plain steps the main loop took (Scheduler.ff_advance); before any call that may read a
         decoder's step counters."""
-        for x in dirty:
-            advance(x.d, x.k)
-            x.k = 0
-        dirty.clear()
+        for x in lanes:
+            if x.k:
+                advance(x.d, x.k)
+                x.k = 0
 
     def recover_later(f: Fault):
         yield timeout(f.duration_s)
@@ -374,7 +517,7 @@ def simulate(
                 env.process(recover_later(f))
 
     for wid in sched.worker_ids():
-        procs[wid] = env.process(run_worker(wid))
+        start_worker(wid)
     if fault_list:
         env.process(fault_proc())
 
@@ -384,8 +527,6 @@ def simulate(
     # arrivals at time t go before the other events at t).
     n_events = 0
     n_fast = 0
-    queue = env._queue
-    eid = env._eid
     ff_step = sched.ff_decode_step
     bd = ex.breakdown_s["decode"] if fast else None
     inf = float("inf")
@@ -410,9 +551,25 @@ def simulate(
     # CPU time in A/B runs; reference counting frees everything that is not in a cycle as before.
     gc_threshold = gc.get_threshold()
     gc.set_threshold(max(gc_threshold[0], _GC_GEN0), *gc_threshold[1:])
+    end_x = nextafter(end, inf)  # t > end  <=>  t >= end_x
+
+    def gpeek() -> float:
+        """Time of the next event (SimPy's queue or the decoders' ``lq``)."""
+        if not sim_env:
+            return peek()  # a real env's peek waits for work (it has no lq)
+        t = queue[0][0] if queue else inf
+        if lq and lq[0][0] < t:
+            t = lq[0][0]
+        return t
+
     try:
         while True:
-            t = (queue[0][0] if queue else inf) if sim_env else peek()  # a real env's peek waits for work
+            if sim_env:
+                t = queue[0][0] if queue else inf
+                if lq and lq[0][0] < t:
+                    t = lq[0][0]
+            else:
+                t = peek()  # a real env's peek waits for work
             while nxt is not None and nxt.arrival_s <= t:
                 ta = nxt.arrival_s
                 if ta < last_arrival:
@@ -426,14 +583,20 @@ def simulate(
                 arrive(nxt, ta)
                 flush()
                 nxt = next(arrival_iter, None)
-                t = peek()
+                t = gpeek()
             if nxt is None and not sched.closed:
                 sched.close_arrivals(env.now)
                 flush()
-                t = peek()
+                t = gpeek()
             if t > end or t == inf:
                 break
-            if ticks and (ln := ticks.get((head := queue[0])[3])) is not None:
+            lane_first = lq and (not queue or lq[0] < queue[0])  # the next event is a decoder's step end
+            if lane_first and (ln := ticks.get((head := lq[0])[3])) is None:
+                # a step end whose process was interrupted meanwhile: SimPy processes it (a no-op)
+                heappush(queue, heappop(lq))
+                step()
+                n_events += 1
+            elif lane_first:
                 # A decoder's step ends and it steps on: complete it and start the next without resuming its
                 # process; the same event stands for the new step, rescheduled as env.timeout would. Then the
                 # next decoder step ends, if nothing else comes first, and so on. A *plain* step (the scheduler
@@ -442,15 +605,22 @@ def simulate(
                 # (report_plain), and the float sums they add to are carried in locals and written back around
                 # every call, in step order.
                 ta_next = nxt.arrival_s if nxt is not None else (inf if sched.closed else -inf)
+                # the decoders' steps go on before anything else happens: an arrival, the end, SimPy's next event
+                # (a tie with it goes back to the comparison above)
+                stop = min(end_x, ta_next)
+                qt = queue[0][0] if queue else inf
                 b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it in this loop
                 busy = busy_gpu_s["decode"]
+                # a plain step needs no sample due: the first one is checked here, the later ones stop before
+                # the sample time (stop_q) and come back here
                 nsample = sched.next_sample_s
-                calm = lazy and not sched.wakeups  # only the scheduler's calls below change its wake-ups
+                stop_q = min(qt, stop, nsample)
+                calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
                 fall = False
                 n0 = n_fast
                 tl = t
                 while True:
-                    if calm and ln.k < ln.d.ff_plain and t < nsample:
+                    if calm and ln.k < ln.d.ff_plain:
                         dur = ln.dur_s
                         add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, ln.step, False))
                         p0, p1, p2, p3, p4 = ln.parts
@@ -459,19 +629,16 @@ def simulate(
                         b2 += p2
                         b3 += p3
                         b4 += p4
-                        busy += dur * ln.ng
+                        busy += ln.dng  # dur * ng
                         sd_append(dur)
-                        heapreplace(queue, (t + dur, NORMAL, next(eid), head[3]))
+                        heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))
                         ln.start_s = t
                         ln.step += 1
-                        if not ln.k:
-                            dirty.append(ln)
                         ln.k += 1
                     else:
                         if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
                             advance(ln.d, ln.k)
                             ln.k = 0
-                            dirty.remove(ln)
                         busy_gpu_s["decode"] = busy
                         r = ff_step(ln.wid, t, ln.dur_s, ln.cost)
                         if r is None:
@@ -492,21 +659,30 @@ def simulate(
                         b2 += parts[2]
                         b3 += parts[3]
                         b4 += parts[4]
-                        heapreplace(queue, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
+                        heapreplace(lq, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
                         ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
+                        ln.dng = dur * ln.ng
+                        qt = queue[0][0] if queue else inf  # the calls above may have queued events
+                        stop_q = min(qt, stop, nsample)
                     n_fast += 1
                     tl = t
-                    head = queue[0]
+                    head = lq[0]
                     t = head[0]
-                    if t >= ta_next or t > end or (ln := ticks.get(head[3])) is None:
+                    if t >= stop_q or (ln := ticks.get(head[3])) is None:
                         break
                 env._now = tl  # the last step taken (a plain step does not move the clock itself)
                 n_events += n_fast - n0
                 busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
                 bd[:] = b0, b1, b2, b3, b4
-                if fall:
+                if fall:  # SimPy resumes the decoder's process with this step's end
+                    heappush(queue, heappop(lq))
                     step()
                     n_events += 1
+            elif direct and type(ev := queue[0][3]) is _DEv:
+                heappop(queue)
+                env._now = t
+                d_fire(ev, t)
+                n_events += 1
             else:
                 step()
                 n_events += 1

@@ -66,6 +66,8 @@ def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, i
         if not nreq:
             continue
         n = min(nreq)
+        if best is not None and n > best_n:  # no rank of this group can win (fewer requests first)
+            continue
         r = nreq.index(n)
         f = free[r]
         if nreq.count(n) > 1:  # ties on requests: the most free KV, then the lowest rank

@@ -48,8 +48,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from heapq import heappop, heappush
-from itertools import repeat
-from operator import add, mul, rshift, sub
+from itertools import compress, repeat
+from operator import add, mul
 
 import numpy as np
 
@@ -238,9 +238,10 @@ class _Decoder:
         self.rank_free_kv = [t.kv_capacity_tokens_per_rank] * ep
         self.rank_batch = [0] * ep       # decoding
         self.rank_queue: list[deque[_Req]] = [deque() for _ in range(ep)]
-        self.rank_base = [0] * ep        # sum of ctx at admission of decoding requests
         self.rank_rate = [0] * ep        # sum of fixed-point growth rates
-        self.rank_rs0 = [0] * ep         # sum of rate × first step
+        # sum of (ctx at admission << _FP) - rate × first step: a rank's context at step s is
+        # (rank_c + s × rank_rate) >> _FP (= Σ ctx0 + ((s × Σ rate - Σ rate × s0) >> _FP), exactly)
+        self.rank_c = [0] * ep
         self.n_qdec = 0
         self.n_running = 0
         self.running: dict[int, _Req] = {}
@@ -254,6 +255,12 @@ class _Decoder:
         self.ff_cost = 0.0
         self.ff_tag = None
         self.ff_delta = None             # (joined, left) of a step ff_decode_step started
+        # what the last pricing in ff_decode_step saw: the busiest batch, a rank holding it, a rank with the
+        # longest context, and the end of the context range the price holds for (see ff_decode_step)
+        self.ff_b = 0
+        self.ff_rb = 0
+        self.ff_rx = 0
+        self.ff_hi = 0
         self.ff_plain = 0                # ticks after the step in flight that are plain steps (ff_decode_step)
         self.admit_blocked = False       # requests queue for decode only on full ranks (set by _admit)
 
@@ -878,7 +885,7 @@ class Scheduler:
     @staticmethod
     def _decode_plan(d: _Decoder, consume: bool = True) -> DecodeStep:
         s = d.step
-        ctx = tuple([b + ((s * q - q0) >> _FP) for b, q, q0 in zip(d.rank_base, d.rank_rate, d.rank_rs0)])
+        ctx = tuple([(c + s * q) >> _FP for c, q in zip(d.rank_c, d.rank_rate)])
         joined = tuple(d.joined) if d.joined else ()
         left = tuple(d.left) if d.left else ()
         if consume and joined:
@@ -891,7 +898,9 @@ class Scheduler:
         cap = d.cap
         s = d.step
         take = self.acceptance.take
-        for rank, q in enumerate(d.rank_queue):
+        queues = d.rank_queue
+        for rank in compress(range(len(queues)), queues):  # the ranks with a queue, in order (C-level skip)
+            q = queues[rank]
             while q and d.rank_batch[rank] < cap:
                 r = q.popleft()
                 d.n_qdec -= 1
@@ -904,9 +913,8 @@ class Scheduler:
                 if r.t_decode_start != r.t_decode_start:
                     r.t_decode_start = now
                 d.rank_batch[rank] += 1
-                d.rank_base[rank] += r.ctx0
                 d.rank_rate[rank] += r.rate_fp
-                d.rank_rs0[rank] += r.rate_fp * s
+                d.rank_c[rank] += (r.ctx0 << _FP) - r.rate_fp * s
                 d.n_running += 1
                 d.running[r.id] = r
                 heappush(d.heap, (r.finish_step, r.id))
@@ -958,8 +966,12 @@ class Scheduler:
 
         ``step_cost(max_batch, max_context_tokens) -> (dur_s, ctx_hi, tag)`` prices a step from its busiest ranks
         and says up to which context the price holds (a cost model memoised on a context grid returns its
-        bucket's end), so the contexts are recomputed only when the batch changed or they may have left the
-        bucket. Returns ``(dur_s, tag)`` of the step started.
+        bucket's end): the same answer for every context from the one asked up to ``ctx_hi`` at that batch. So the
+        contexts are recomputed only when the batch changed or they may have left that range: finishes keep the
+        price unless they change the busiest batch or end a request on the rank that held the longest context
+        (running requests' contexts only grow, so the longest stays in range), admissions keep it while the
+        busiest batch is unchanged and their ranks' contexts stay <= ``ctx_hi``. Returns ``(dur_s, tag)`` of the
+        step started.
         """
         d = self.workers[worker]
         s = d.step
@@ -1004,27 +1016,49 @@ class Scheduler:
         self.busy_gpu_s["decode"] += dur_s * d.n_gpus
         self.decode_steps += 1
         self.step_durations.append(dur_s)
+        left = d.ff_left  # steps from the one starting now that the price holds for (<= 0: price it again)
         if ending:
             running = d.running
             freed = False
+            rx = d.ff_rx
             for fs, rid in ending:
                 r = running.get(rid)
                 if r is None or r.finish_step != fs:
                     continue
+                if r.rank == rx:
+                    left = 0
                 self._finish_decode(d, r, now_s, s - r.s0 + 1, r.out - r.generated)
                 freed = True
             if freed and self._blocked:
                 self._wake_blocked_streams()
-            d.ff_left = 0
         # start step s + 1: next() / _next_decode, with running requests
         s += 1
         if now_s >= self.next_sample_s:
             self._sample(now_s)
+        nj = len(d.joined)
         if d.n_qdec and not d.admit_blocked:
-            n0 = d.n_running
             self._admit(d, now_s)
-            if d.n_running != n0:
-                d.ff_left = 0
+        if left > 0:
+            # Keep the price when it provably stays the same (the step cost depends on the busiest batch and on
+            # the longest context's bucket only). Finishes lower contexts: the longest stays >= the one priced
+            # unless a request on the rank that held it finished. Admissions raise their ranks' contexts: the
+            # price holds while those stay <= ff_hi (steps counted below). The busiest batch must be unchanged.
+            batch = d.rank_batch
+            b = d.ff_b
+            if batch[d.ff_rb] != b:
+                left = 0
+            elif len(d.joined) > nj:
+                lim = (d.ff_hi + 1) << _FP  # contexts < lim (in fixed point) are <= ff_hi
+                for _, q in d.joined[nj:]:
+                    rq = d.rank_rate[q]
+                    x = d.rank_c[q] + s * rq
+                    if batch[q] > b or x >= lim:
+                        left = 0
+                        break
+                    if rq:
+                        w = -(-(lim - x) // rq)  # steps j = 0 .. w-1 keep x + j * rq < lim
+                        left = min(left, w)
+        d.ff_left = left
         if d.joined or d.left:  # the step's plan deltas, for decode_plan_in_flight
             d.ff_delta = (tuple(d.joined), tuple(d.left))
             d.joined.clear()
@@ -1033,16 +1067,26 @@ class Scheduler:
             d.ff_delta = None
         if d.ff_left <= 0:
             rate = d.rank_rate
-            # max over ranks of base + ((s * rate - rs0) >> _FP), in C-level maps (no bytecode per rank)
-            m = max(map(add, d.rank_base,
-                        map(rshift, map(sub, map(mul, repeat(s), rate), d.rank_rs0), repeat(_FP))))
-            d.ff_cost, hi, d.ff_tag = step_cost(max(d.rank_batch), m)
+            # max over ranks of (c + s * rate) >> _FP = (max of c + s * rate) >> _FP, in C-level maps
+            xs = list(map(add, d.rank_c, map(mul, rate, repeat(s))))
+            mx = max(xs)
+            m = mx >> _FP
+            batch = d.rank_batch
+            b = max(batch)
+            d.ff_cost, hi, d.ff_tag = step_cost(b, m)
+            d.ff_b, d.ff_rb, d.ff_rx, d.ff_hi = b, batch.index(b), xs.index(mx), hi
             # every rank's context after j more steps is <= m + j * max(rate) / 2**_FP + 1
             qmax = max(rate)
             d.ff_left = ((max(hi - m - 1, 0) << _FP) // qmax + 1) if qmax else 1 << 62
         left = d.ff_left = d.ff_left - 1
         d.plan = _IN_FLIGHT
-        d.ff_plain = max(min(left, heap[0][0] - s), 0) if heap else left
+        if heap:  # max(min(left, heap[0][0] - s), 0), without the calls
+            f = heap[0][0] - s
+            if left < f:  # noqa: PLR1730
+                f = left
+            d.ff_plain = f if f > 0 else 0  # noqa: FURB136
+        else:
+            d.ff_plain = left
         if self._log_on:
             self._add((now_s, "decode", d.id, -1, s, d.n_running, ""))
         return d.ff_cost, d.ff_tag
@@ -1124,9 +1168,8 @@ class Scheduler:
         d.admit_blocked = False
         d.n_running -= 1
         d.rank_batch[rank] -= 1
-        d.rank_base[rank] -= r.ctx0
         d.rank_rate[rank] -= r.rate_fp
-        d.rank_rs0[rank] -= r.rate_fp * r.s0
+        d.rank_c[rank] -= (r.ctx0 << _FP) - r.rate_fp * r.s0
         d.rank_free_kv[rank] += r.reserved
         d.rank_nreq[rank] -= 1
         d.left.append(r.id)

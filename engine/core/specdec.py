@@ -67,8 +67,25 @@ def draw_steps(rng: np.random.Generator, k: int, p: float, n_tokens: int) -> np.
     return out
 
 
+def _geometric_by_inversion(rng: np.random.Generator, q: float, n: int = 4096) -> bool:
+    """Does ``rng.geometric(q, size)`` equal ``ceil(-rng.standard_exponential(size) / log1p(-q))``, drawing the same
+    random bits? (numpy draws a geometric variate so for ``q < 1/3``.) Checked on copies of the generator, so a
+    numpy that draws otherwise only loses the faster path."""
+    if not 0.0 < q < 1.0 / 3.0:
+        return False
+    try:
+        a = np.random.Generator(type(rng.bit_generator)())
+        b = np.random.Generator(type(rng.bit_generator)())
+        a.bit_generator.state = b.bit_generator.state = rng.bit_generator.state
+    except (TypeError, ValueError, AttributeError):
+        return False
+    g = a.geometric(q, size=n)
+    e = b.standard_exponential(size=n)
+    return bool((np.ceil(-e / math.log1p(-q)) == g).all()) and a.bit_generator.state == b.bit_generator.state
+
+
 class AcceptanceStream:
-    """Per-step token counts drawn in bulk, consumed request by request (O(log n) per admission, no numpy call).
+    """Per-step token counts drawn in bulk, consumed request by request (one binary search per admission).
 
     The stream is one long sequence of i.i.d. per-step token counts ``1 + accepted`` (drawn ``chunk`` at a time
     from ``rng``). A sequence needing ``m`` tokens takes the next steps of the stream until their sum reaches
@@ -77,7 +94,7 @@ class AcceptanceStream:
     The RNG use depends only on the order of ``take`` calls, so every driver gets the same draws.
     """
 
-    __slots__ = ("chunk", "cum", "fixed", "k", "p", "pos", "rng")
+    __slots__ = ("chunk", "cum", "fixed", "inv", "k", "last", "mv", "p", "pos", "rng")
 
     def __init__(self, rng: np.random.Generator, k: int, p: float, chunk: int = 1 << 16) -> None:
         self.rng = rng
@@ -85,36 +102,60 @@ class AcceptanceStream:
         self.p = p
         self.chunk = chunk
         self.fixed = k + 1 if p >= 1.0 else (1 if (k == 0 or p <= 0.0) else 0)
-        self.cum: list[int] = [0]  # cum[i] = tokens emitted by the first i steps of the current segment list
+        # cum[i] = tokens emitted by the first i steps of the current segment: an int64 array, strictly increasing
+        # (kept in numpy, a drawn step costs no Python int), read through a memoryview (its items are Python ints:
+        # a take is one bisect over a few of them)
+        self.cum = np.zeros(1, dtype=np.int64)
+        self.mv = memoryview(self.cum)
+        self.last = 0              # int(cum[-1])
         self.pos = 0               # steps of ``cum`` already taken
+        # log1p(-(1 - p)) when _geometric_by_inversion holds for this generator and p (faster draws, same numbers)
+        self.inv = math.log1p(-(1.0 - p)) if not self.fixed and _geometric_by_inversion(rng, 1.0 - p) else None
 
-    def take(self, m: int) -> tuple[int, list[int], int]:
+    def take(self, m: int) -> tuple[int, memoryview | list[int], int]:
         """Steps a sequence needing ``m >= 1`` tokens takes, and ``(cum, start)`` to recover its progress
         (:meth:`tokens_after`). Deterministic cases (k=0, p∈{0,1}) draw nothing and return ``cum = []``."""
         if self.fixed:
             return -(-m // self.fixed), [], 0
-        cum = self.cum
         pos = self.pos
-        if cum[-1] - cum[pos] < m:
+        mv = self.mv
+        c = mv[pos]
+        if self.last - c < m:
             self._refill(m)
-            cum = self.cum
-            pos = self.pos
-        target = cum[pos] + m
-        end = bisect_left(cum, target, pos + 1)
+            mv = self.mv
+            pos = c = 0
+        # the first step at which the sequence has its m tokens: every step emits 1 .. k+1 tokens, so it lies in
+        # [pos + ceil(m / (k + 1)), pos + m]
+        hi = pos + m + 1
+        n = len(mv)
+        end = bisect_left(mv, c + m, pos + 1 + (m - 1) // (self.k + 1), hi if hi < n else n)  # noqa: FURB136
         self.pos = end
-        return end - pos, cum, pos
+        return end - pos, mv, pos
 
     def _refill(self, m: int) -> None:
         tail = self.cum[self.pos:]
-        base = tail[0]
+        base = int(tail[0])
         need = max(self.chunk, m)
-        draws = (draw_accepted(self.rng, self.k, self.p, need) + 1).cumsum()
-        last = tail[-1] - base
-        self.cum = [x - base for x in tail] + (draws + last).tolist()
+        # draw_accepted + 1, cumulated on from the tail's last value, in place: min(Geometric(1 - p), k + 1) is
+        # min(Geometric(1 - p) - 1, k) + 1 (the same draws, the same integers)
+        if self.inv is not None:  # rng.geometric's own inversion, vectorised (see _geometric_by_inversion)
+            e = self.rng.standard_exponential(size=need)
+            np.negative(e, out=e)
+            np.divide(e, self.inv, out=e)
+            np.ceil(e, out=e)
+            np.minimum(e, self.k + 1, out=e)
+            steps = e.astype(np.int64)
+        else:
+            steps = self.rng.geometric(1.0 - self.p, size=need)
+            np.minimum(steps, self.k + 1, out=steps)
+        steps[0] += self.last - base
+        self.cum = cum = np.concatenate((tail - base, np.cumsum(steps, out=steps)))
+        self.mv = memoryview(cum)
+        self.last = int(cum[-1])
         self.pos = 0
 
-    def tokens_after(self, cum: list[int], start: int, steps: int, m: int) -> int:
+    def tokens_after(self, cum: memoryview | list[int], start: int, steps: int, m: int) -> int:
         """Tokens emitted by a sequence's first ``steps`` steps (capped at its need ``m``)."""
-        if not cum:
+        if len(cum) == 0:
             return min(m, steps * self.fixed)
         return min(m, cum[start + steps] - cum[start])
