@@ -75,28 +75,37 @@ def pow2(lo: int, hi: int) -> list[int]:
     return [2**p for p in range(int(math.log2(lo)), int(math.log2(hi)) + 1)]
 
 
-def sqrt2(lo: int, hi: int, mult: int = 1) -> list[int]:
-    """Sizes from ``lo`` to ``hi`` spaced by sqrt(2), rounded to multiples of ``mult`` (used where curves have
-    knees or kernel / protocol switches)."""
+def geo(lo: int, hi: int, per_octave: int = 2, mult: int = 1) -> list[int]:
+    """Sizes from ``lo`` to ``hi`` spaced by ``2 ** (1 / per_octave)``, rounded to multiples of ``mult`` (used where
+    curves have knees or kernel / protocol switches: a switch between two grid points is a step no fitted form
+    can place, so the grid is dense where the library changes kernels)."""
     out, k = [], 0
-    while lo * 2 ** (k / 2) <= hi * 1.0001:
-        out.append(int(max(mult, round(lo * 2 ** (k / 2) / mult) * mult)))
+    while lo * 2 ** (k / per_octave) <= hi * 1.0001:
+        out.append(int(max(mult, round(lo * 2 ** (k / per_octave) / mult) * mult)))
         k += 1
     return sorted(set(out))
+
+
+def sqrt2(lo: int, hi: int, mult: int = 1) -> list[int]:
+    """Sizes from ``lo`` to ``hi`` spaced by sqrt(2), rounded to multiples of ``mult``."""
+    return geo(lo, hi, 2, mult)
 
 
 def grid(*parts: list[int]) -> list[int]:
     return sorted({x for p in parts for x in p})
 
 
-#: the measured grids (full run); ``--quick`` takes every other point
-GEMM_M = grid(pow2(1, 32), sqrt2(64, 1024, 16), pow2(2048, 16384))
-GROUPED_M = grid(pow2(1, 16), sqrt2(32, 512, 8), pow2(1024, 2048))
+#: the measured grids (full run); ``--quick`` takes every other point. Quarter-octave (2^(1/4)) spacing where the
+#: /2 measurements showed kernel switches between √2 points: bf16 GEMM m = 176 vs 256 (cuBLAS), SDPA decode at
+#: 256-1024 context, the 1-8 MiB copy regime; √2 elsewhere in the knee regions, doubling in the linear regimes.
+GEMM_M = grid(pow2(1, 32), [48], geo(64, 1024, 4, 8), pow2(2048, 16384))
+GROUPED_M = grid(pow2(1, 16), [24], geo(32, 512, 4, 8), pow2(1024, 2048))
 FLASH_SEQ = grid([256, 512], sqrt2(1024, 16384, 128))
-DECODE_CTX = grid(pow2(256, 65536))
-#: copies: √2-spaced through the small-copy regime change (2-8 MiB moved under graph replay), doubling above
-HBM_SIZES = grid(sqrt2(2**18, 2**26, 4096), pow2(2**27, 2**32))
-P2P_SIZES = [2**p for p in range(12, 31, 2)]
+DECODE_CTX = grid(geo(256, 4096, 4, 16), sqrt2(4096, 65536, 256))
+#: copies: quarter-octave through the small-copy regime change (0.25-16 MiB), √2 above, 4 GiB last
+HBM_SIZES = grid(geo(2**18, 2**24, 4, 4096), sqrt2(2**24, 2**31, 4096), [2**32])
+
+P2P_SIZES = grid(sqrt2(2**12, 2**26, 256), pow2(2**27, 2**30))
 ALLREDUCE_SIZES = grid(pow2(4096, 16384), sqrt2(32768, 8 * 2**20, 256), pow2(16 * 2**20, 256 * 2**20))
 
 
