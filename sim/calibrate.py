@@ -126,7 +126,7 @@ def row_id(r: dict) -> str:
 def curve_of(r: dict, fixed_us: float = C.KERNEL_FIXED_US) -> tuple[str, tuple[tuple[str, object], ...], float,
                                                                    float] | None:
     """``(kind, key, x, y)`` of the calibration point a measured row gives, or None if no calibration kind
-    covers it (p2p copies — see calibration/README.md — and rows with errors). ``fixed_us``: the per-kernel fixed
+    covers it (rows with errors, unknown benchmarks). ``fixed_us``: the per-kernel fixed
     cost subtracted from the rate kinds' times (the value the calibration file will carry)."""
     if r.get("error") or not r.get("median_us") or r["median_us"] <= 0:
         return None
@@ -151,6 +151,8 @@ def curve_of(r: dict, fixed_us: float = C.KERNEL_FIXED_US) -> tuple[str, tuple[t
     if b in ("dispatch", "combine"):
         return (f"{b}_us", (("n_ranks", r["n_ranks"]), ("hidden", r["hidden"]), ("phase", r["phase"])),
                 float(r["tokens"]), r["median_us"])
+    if b == "p2p_copy":  # kernels/measure.py copies between two GPUs of one node: an NVLink peer copy
+        return "p2p_us", (("route", r.get("route", "nvlink")),), float(r["size_bytes"]), r["median_us"]
     return None
 
 
@@ -279,7 +281,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
         entries.append(CalibrationEntry(kind="gemm_tflops", gpu=gpu, key={"fmt": fmt}, points=points,
                                         source=f"{source}; fallback: geometric mean of {len(es)} dense shapes"))
     order = {"hbm_GBps": 0, "gemm_tflops": 1, "flash_tflops": 2, "decode_attn_GBps": 3, "allreduce_us": 4,
-             "dispatch_us": 5, "combine_us": 6}
+             "dispatch_us": 5, "combine_us": 6, "p2p_us": 7}
     entries.sort(key=lambda e: (order.get(e.kind, 9), -len(e.key), sorted(e.key.items(), key=str)))
     return entries
 
@@ -713,7 +715,7 @@ def predict_row(r: dict, calib: CalibrationTable | None, topo, model=None) -> Pr
     or None for rows without a model (errors, unknown benchmarks). ``model``: a ModelSpec for the attention rows
     (default: Qwen3-235B-A22B with the row's head counts)."""
     from sim.costs.attention import full_attention_decode, full_attention_prefill
-    from sim.costs.collective import allreduce_time
+    from sim.costs.collective import allreduce_time, p2p_copy_time
     from sim.costs.gemm import gemm_time, grouped_gemm_time, hbm_rate_Bps
 
     if r.get("error") or not r.get("median_us"):
@@ -742,8 +744,8 @@ def predict_row(r: dict, calib: CalibrationTable | None, topo, model=None) -> Pr
         c = allreduce_time(topo, list(range(r["n_ranks"])), r["size_bytes"], algo=r["algo"], calib=calib)
         return Prediction(rid, b, t, c.total_s, "allreduce_time", {"calibrated": c.calibrated})
     if b == "p2p_copy":
-        s = r["size_bytes"] / (topo.p2p_GBps(r["src"], r["dst"]) * 1e9) + topo.p2p_latency_us(r["src"], r["dst"]) * 1e-6
-        return Prediction(rid, b, t, s, "topology p2p_GBps + p2p_latency_us (no calibration kind)")
+        c = p2p_copy_time(topo, r["src"], r["dst"], r["size_bytes"], calib=calib)
+        return Prediction(rid, b, t, c.total_s, "p2p_copy_time", {"calibrated": c.calibrated})
     return None
 
 

@@ -203,7 +203,9 @@ def test_curve_of_uses_the_cost_model_conventions():
     kind, key, x, y = curve_of(r)
     assert kind == "flash_tflops" and dict(key) == {"head_dim": 128} and x == 1024
     assert y == pytest.approx(4 * 64 * 128 * 1024 * 1025 / 2 / 100e-6 / 1e12)
-    assert curve_of({"bench": "p2p_copy", "src": 0, "dst": 1, "size_bytes": 8, "median_us": 1.0}) is None
+    assert curve_of({"bench": "p2p_copy", "src": 0, "dst": 1, "size_bytes": 8, "median_us": 1.0}) == (
+        "p2p_us", (("route", "nvlink"),), 8.0, 1.0)
+    assert curve_of({"bench": "nvme_read", "size_bytes": 8, "median_us": 1.0}) is None  # no kind covers it
     assert curve_of({"bench": "gemm", "error": "boom"}) is None
 
 

@@ -411,7 +411,11 @@ def test_calibration_lookup_and_override(h200, tmp_path):
     ]})
     assert table.lookup("allreduce_us", "H200-SXM", 31622.7766, n_ranks=4, algo="ring") == pytest.approx(55.0)
     assert table.lookup("allreduce_us", "H200-SXM", 1000, n_ranks=4, algo="nvls") == 5.0  # most specific
-    assert table.lookup("allreduce_us", "H200-SXM", 10 ** 9, n_ranks=4, algo="nvls") == 50.0  # clamped
+    # above the measured range a time continues at the last interval's rate (45 µs per 999 kB), below it is held
+    assert table.lookup("allreduce_us", "H200-SXM", 10 ** 9, n_ranks=4, algo="nvls") == pytest.approx(
+        50.0 + (10 ** 9 - 10 ** 6) * 45.0 / 999000)
+    assert table.lookup("allreduce_us", "H200-SXM", 10, n_ranks=4, algo="nvls") == 5.0
+    assert table.lookup("gemm_tflops", "H200-SXM", 10 ** 6, fmt="bf16") == 700.0  # a rate is clamped
     assert table.lookup("allreduce_us", "B200-GB200", 1000, n_ranks=4) is None
     c = allreduce_time(h200, range(4), 1000, algo="nvls", calib=table)
     assert c.calibrated and c.total_s == pytest.approx(5e-6)

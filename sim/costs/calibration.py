@@ -19,7 +19,13 @@ kind                    x                                 y                     
 ``dispatch_us``         tokens per rank                   µs                         n_ranks, hidden, phase
 ``combine_us``          tokens per rank                   µs                         n_ranks, hidden, phase
 ``nic_GBps``            chunk bytes                       achieved GB/s per NIC      nic
+``p2p_us``              bytes copied GPU to GPU           µs per copy                route (nvlink | net | host)
 ======================  ================================  =========================  ================================
+
+``p2p_us`` is a whole GPU-to-GPU copy (``sim.costs.collective.p2p_copy_time``). Time kinds (``*_us``) keep the
+smallest measured size's time below it (the latency floor) and above the largest continue at the rate of the
+last measured interval (:meth:`CalibrationEntry.extend`: an all-reduce twice the largest measured one takes about
+twice as long); rate kinds are clamped to their end values.
 
 ``decode_attn_GBps`` is the decode-attention kernel (one query token per sequence over its KV cache) per
 ``seq_heads`` = sequences x local KV heads (the kernel's parallel units); :meth:`CalibrationTable.lookup_along`
@@ -29,7 +35,8 @@ TP degree gets a value.
 Matching: ``entry.gpu`` equals the GPU model name (``GpuSpec.name``, e.g. ``H200-SXM``); every key field the
 entry gives must equal the query's value (fields the entry omits match anything); among matching entries the
 one pinning the most fields wins (ties: the first in the file). Interpolation is piecewise linear in
-``log(x)`` (values spread over decades), clamped to the end points outside the measured range.
+``log(x)`` (values spread over decades), clamped to the end points outside the measured range — except above
+the range of a time kind (above).
 
 **Per-kernel fixed cost** (``kernel_fixed_us``, version 2): the time a graph-launched kernel takes beyond its
 work (launch gap, pipeline fill, tail), per GPU model, in µs. Every cost function that adds a fixed cost per
@@ -64,7 +71,7 @@ from sim.costs import constants as C
 from topology.errors import UserError, from_validation
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
-               "combine_us", "nic_GBps"]
+               "combine_us", "nic_GBps", "p2p_us"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
@@ -76,6 +83,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "dispatch_us": ("n_ranks", "hidden", "phase"),
     "combine_us": ("n_ranks", "hidden", "phase"),
     "nic_GBps": ("nic",),
+    "p2p_us": ("route",),
 }
 
 
@@ -122,6 +130,16 @@ class CalibrationEntry(BaseModel):
         return y0 + t * (y1 - y0)
 
 
+    def extend(self, x: float) -> float:
+        """y at ``x`` for a time curve that grows with ``x``: :meth:`interpolate` inside and below the measured
+        range; above it, the last point plus the slope of the last interval, linear in ``x`` (a copy twice the
+        largest measured one takes twice as long at the same rate, not the same time)."""
+        (x0, y0), (x1, y1) = self.points[-2:] if len(self.points) > 1 else (self.points[0], self.points[0])
+        if x <= x1 or x1 <= x0:
+            return self.interpolate(x)
+        return y1 + (x - x1) * max(y1 - y0, 0.0) / (x1 - x0)
+
+
 class CalibrationTable(BaseModel):
     """A set of measured curves (see the module docstring); ``lookup`` finds and interpolates one."""
 
@@ -154,6 +172,15 @@ class CalibrationTable(BaseModel):
     def lookup(self, kind: str, gpu: str, x: float, **key) -> float | None:
         """The measured ``y(x)`` of the most specific entry of ``kind`` for ``gpu`` and ``key``; None if none
         matches (the caller then uses its default model)."""
+        best = self.entry(kind, gpu, **key)
+        if best is None:
+            return None
+        x = max(float(x), 1e-30)
+        # a time (``*_us``) keeps growing past the largest measured size; a rate holds its last value
+        return best.extend(x) if kind.endswith("_us") else best.interpolate(x)
+
+    def entry(self, kind: str, gpu: str, **key) -> CalibrationEntry | None:
+        """The most specific entry of ``kind`` matching ``gpu`` and ``key`` (ties: the first), or None."""
         if kind not in KINDS:
             raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
         best, best_score = None, -1
@@ -163,7 +190,7 @@ class CalibrationTable(BaseModel):
             s = e.matches(gpu, key)
             if s > best_score:
                 best, best_score = e, s
-        return None if best is None else best.interpolate(max(float(x), 1e-30))
+        return best
 
     def lookup_along(self, kind: str, gpu: str, x: float, field: str, value: float, **key) -> float | None:
         """``y(x)`` where ``field`` is a numeric key measured at a few values (curves pinning it): the two curves

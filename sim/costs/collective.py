@@ -241,3 +241,32 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
                else "the group spans NVLink domains (only ring over the network)")
         raise UserError(f"all-reduce algo {algo!r} not available on GPUs {sorted(set(gpus))}: {why}")
     return _estimate(g, algo, n_bytes, calib)
+
+
+@dataclass(frozen=True, slots=True)
+class P2pCost:
+    """One GPU-to-GPU copy of ``n_bytes``: ``total_s``; ``route`` (``topology.route_kind``); ``calibrated``: from
+    a ``p2p_us`` table entry (else line rate + path latency)."""
+
+    route: str
+    n_bytes: float
+    total_s: float
+    calibrated: bool = False
+
+
+def p2p_copy_time(topo, src: int, dst: int, n_bytes: float, *,
+                  calib: CalibrationTable | None = None) -> P2pCost:
+    """Time of one copy of ``n_bytes`` from GPU ``src`` to GPU ``dst`` (e.g. a KV block or a weight shard moved
+    over NVLink). First principles: ``n_bytes / p2p_GBps + p2p_latency_us`` (the route's bottleneck line rate and
+    its link / switch latencies). A ``p2p_us`` calibration entry for the route (key ``route``) replaces it: the
+    measured curve inside its range, the smallest copy's time below it, the last interval's rate above it."""
+    if n_bytes < 0:
+        raise UserError(f"p2p copy size must be >= 0 bytes, got {n_bytes}")
+    if src == dst or n_bytes == 0:
+        return P2pCost("local", n_bytes, 0.0)
+    route = topo.route_kind(src, dst)
+    e = None if calib is None else calib.entry("p2p_us", topo.gpu_spec(src).name, route=route)
+    if e is not None:
+        return P2pCost(route, n_bytes, e.extend(float(n_bytes)) * 1e-6, True)
+    t = n_bytes / (topo.p2p_GBps(src, dst) * 1e9) + topo.p2p_latency_us(src, dst) * 1e-6
+    return P2pCost(route, n_bytes, t)
