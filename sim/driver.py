@@ -485,17 +485,7 @@ def simulate(
             return
         if sched.wakeups or sched.new_workers or debug_checks:
             flush()
-        # d_begin(w, plan, t), inline
-        w.plan = plan
-        w.t0 = t
-        if type(plan) is Idle:
-            ev = _DEv(_D_WAKE, w, push_now)
-            wake_ev[w.wid] = ev
-            if plan.until_s is not None:
-                heappush(queue, (t + max(plan.until_s - t, 0.0), NORMAL, next(eid), _DEv(_D_TIMER, ev, None)))
-        else:
-            w.dur = dur = duration(plan, t)
-            heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
+        d_begin(w, plan, t)
 
     def report_plain() -> None:
         """Report the plain steps the main loop took (Scheduler.ff_advance); before any call that may read a
@@ -651,7 +641,7 @@ def simulate(
                 stop_q = min(qt, stop, nsample)
                 calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
                 fall = False
-                n0 = len(spans)  # every step taken below adds one span: n_fast counts them after the loop
+                spans0 = len(spans)  # every step taken below adds one span: n_fast counts them after the loop
                 tl = t
                 while True:
                     if calm and ln.k < ln.d.ff_plain:
@@ -705,9 +695,9 @@ def simulate(
                     if t >= stop_q or (ln := ticks.get(head[3])) is None:
                         break
                 env._now = tl  # the last step taken (a plain step does not move the clock itself)
-                n0 = len(spans) - n0
-                n_fast += n0
-                n_events += n0
+                taken = len(spans) - spans0
+                n_fast += taken
+                n_events += taken
                 busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
                 bd[:] = b0, b1, b2, b3, b4
                 if fall:  # SimPy resumes the decoder's process with this step's end

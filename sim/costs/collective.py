@@ -265,8 +265,8 @@ def p2p_copy_time(topo, src: int, dst: int, n_bytes: float, *,
     if src == dst or n_bytes == 0:
         return P2pCost("local", n_bytes, 0.0)
     route = topo.route_kind(src, dst)
-    e = None if calib is None else calib.entry("p2p_us", topo.gpu_spec(src).name, route=route)
-    if e is not None:
-        return P2pCost(route, n_bytes, e.extend(float(n_bytes)) * 1e-6, True)
+    measured = lookup(calib, "p2p_us", topo.gpu_spec(src).name, n_bytes, route=route)
+    if measured is not None:
+        return P2pCost(route, n_bytes, measured * 1e-6, True)
     t = n_bytes / (topo.p2p_GBps(src, dst) * 1e9) + topo.p2p_latency_us(src, dst) * 1e-6
     return P2pCost(route, n_bytes, t)
