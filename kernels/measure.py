@@ -6,7 +6,10 @@ conventions are the simulator's (``sim/costs``), so that a fitted rate reproduce
 
 * ``hbm_copy``: ``dst.copy_(src)`` of ``size_bytes``; ``bytes`` = read + write = ``2 * size_bytes``.
 * ``gemm`` (``op: dense``): ``A[m, k] @ W[n, k]^T`` bf16 (``torch.matmul``) or FP8 E4M3 with row-wise scales
-  (``torch._scaled_mm``, ``fmt: fp8``); FLOPs ``2*m*n*k``.
+  (``torch._scaled_mm``, ``fmt: fp8``); FLOPs ``2*m*n*k``; every multiple of 8 in ``m`` up to 1024 (``DENSE_M``).
+* ``gemm_kernels`` (not timed): per dense shape and format, the CUDA kernels the same call launches at every ``m``
+  up to 1024 and every multiple of 64 up to 16384, run-length encoded as ``runs: [[m_first, m_last, kernels]]``
+  (the profiler's activity trace, :func:`kernel_names`); ``sim.calibrate`` reads the kernel and its M tile.
 * ``gemm`` (``op: grouped``): ``torch._grouped_mm`` over ``n_experts`` experts with ``m`` tokens each (what
   ``engine/real/model.py``'s ``grouped_swiglu`` calls); FLOPs ``2*m*E*n*k``.
 * ``flash_prefill``: causal SDPA, one sequence of ``seq`` tokens, ``n_q_heads`` / ``n_kv_heads`` / ``head_dim``;
@@ -99,6 +102,13 @@ def grid(*parts: list[int]) -> list[int]:
 #: /2 measurements showed kernel switches between √2 points: bf16 GEMM m = 176 vs 256 (cuBLAS), SDPA decode at
 #: 256-1024 context, the 1-8 MiB copy regime; √2 elsewhere in the knee regions, doubling in the linear regimes.
 GEMM_M = grid(pow2(1, 32), [48], geo(64, 1024, 4, 8), pow2(2048, 16384))
+#: dense GEMMs (the /3 grid): every multiple of 8 up to 1024. cuBLAS changes kernel (tile, split-K, cluster) from
+#: one multiple of 8 to the next and FP8's single 128x128 kernel runs a saw-tooth over each 128-row tile
+#: (kernels/probe.py, results/h200x2/probe/): no sparse grid can place that, so the curve is measured densely and
+#: the kernel each m runs is recorded (``gemm_kernels`` rows, :func:`kernel_names`)
+DENSE_M = grid([1, 2, 4], range(8, 1025, 8), pow2(2048, 16384))
+#: token counts whose kernel choice is recorded: every m up to 1024, then every multiple of 64 up to 16384
+KERNEL_MAP_M = list(range(1, 1025)) + list(range(1088, 16385, 64))
 GROUPED_M = grid(pow2(1, 16), [24], geo(32, 512, 4, 8), pow2(1024, 2048))
 FLASH_SEQ = grid([256, 512], sqrt2(1024, 16384, 128))
 DECODE_CTX = grid(geo(256, 4096, 4, 16), sqrt2(4096, 65536, 256))
@@ -326,6 +336,83 @@ def _rates(row: dict, work: float | None = None, rate: str = "GBps") -> dict:
     return row
 
 
+def kernel_names(calls, marker_fn, is_marker) -> list[tuple[str, ...]]:
+    """The CUDA kernels each zero-arg callable in ``calls`` launches, in launch order: one profiled pass with
+    ``marker_fn`` (a tiny kernel whose name ``is_marker`` recognises) before every call and after the last."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for c in calls[:4]:
+        c()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for c in calls:
+            marker_fn()
+            c()
+        marker_fn()
+        torch.cuda.synchronize()
+    evs = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name()
+        if name.startswith(("Memcpy", "Memset", "[memory]")):
+            continue
+        evs.append((e.start_ns(), name))
+    evs.sort()
+    out: list[list[str]] = []
+    cur: list[str] | None = None
+    for _, name in evs:
+        if is_marker(name):
+            if cur is not None:
+                out.append(cur)
+            cur = []
+        elif cur is not None:
+            cur.append(name)
+    if len(out) != len(calls):
+        raise RuntimeError(f"kernel_names: {len(out)} marker intervals for {len(calls)} calls")
+    return [tuple(x) for x in out]
+
+
+def runs_of(ms: list[int], names: list[tuple[str, ...]]) -> list[list]:
+    """Run-length encoding ``[[m_first, m_last, kernels], ...]`` of a kernel choice over increasing ``ms``."""
+    out: list[list] = []
+    for m, k in zip(ms, names):
+        key = " + ".join(k)
+        if out and out[-1][2] == key:
+            out[-1][1] = m
+        else:
+            out.append([m, m, key])
+    return out
+
+
+
+def gemm_kernel_map(device, name: str, n: int, k: int, fmt: str, w, gen) -> dict:
+    """The ``gemm_kernels`` row of one dense curve: the kernels ``A[m, k] @ w[n, k]^T`` launches at every ``m`` of
+    ``KERNEL_MAP_M`` (run-length encoded, :func:`runs_of`), the same calls as the timed rows (bf16 ``matmul``, FP8
+    ``_scaled_mm`` with row-wise scales), on slices of one input."""
+    import torch
+
+    x = _randn((max(KERNEL_MAP_M), k), torch.bfloat16, device, gen)
+    if fmt == "fp8":
+        sx = (x.float().abs().amax(1, keepdim=True) / 448).contiguous()
+        xq = (x.float() / sx).to(torch.float8_e4m3fn)
+        wq = (w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
+        sw = (w.float().abs().amax(1) / 448)[None, :].contiguous()
+
+    def call(m):
+        if fmt == "bf16":
+            a = x[:m].contiguous()
+            return lambda: torch.matmul(a, w.t())
+        a, sa = xq[:m].contiguous(), sx[:m].contiguous()
+        return lambda: torch._scaled_mm(a, wq.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+
+    marker = torch.zeros(1, device=device, dtype=torch.int32)
+    names = kernel_names([call(m) for m in KERNEL_MAP_M], lambda: marker.fill_(7), lambda s: "FillFunctor" in s)
+    return {"bench": "gemm_kernels", "op": "dense", "fmt": fmt, "shape": name, "n": n, "k": k,
+            "runs": runs_of(KERNEL_MAP_M, names)}
+
+
 # ------------------------------------------------------------------------------------------------ benchmarks
 
 def bench_hbm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
@@ -348,7 +435,7 @@ def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import torch
 
     rows = []
-    ms = _sizes(GEMM_M, quick, dry, [1, 2, 4, 8])
+    ms = _sizes(DENSE_M, quick, dry, [1, 2, 4, 8])
     shapes = DENSE_SHAPES if not dry else (("tiny_a", 48, 32), ("tiny_b", 32, 64))
     for name, n, k in shapes:
         if budget.left() < 10:
@@ -364,6 +451,7 @@ def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
         for r in measure_curve(timer, cases, echo, f"gemm bf16 {name}", budget):
             rows.append(_rates(r, work=2.0 * r["m"] * n * k, rate="tflops"))
         del cases
+        rows.extend(_kernel_map_rows(device, name, n, k, ("bf16", "fp8"), ws[0], gen, quick, echo))
         # FP8 E4M3, row-wise scales (torch._scaled_mm needs CUDA and dims divisible by 16)
         if device.startswith("cuda") and hasattr(torch, "_scaled_mm"):
             try:
@@ -391,6 +479,25 @@ def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
+
+
+def _kernel_map_rows(device, name, n, k, fmts, w, gen, quick, echo) -> list[dict]:
+    """``gemm_kernels`` rows (:func:`gemm_kernel_map`) of a dense shape; none on the CPU or with ``--quick``; a
+    failure (no profiler) is an ``error`` row, not fatal."""
+    if not device.startswith("cuda") or quick:
+        return []
+    out = []
+    for fmt in fmts:
+        t0 = time.time()
+        try:
+            row = gemm_kernel_map(device, name, n, k, fmt, w, gen)
+            echo(f"measure: gemm kernels {fmt} {name}: {len(row['runs'])} runs over m = 1..{KERNEL_MAP_M[-1]} "
+                 f"({time.time() - t0:.1f} s)")
+        except Exception as exc:  # noqa: BLE001 — recorded, not fatal
+            row = {"bench": "gemm_kernels", "op": "dense", "fmt": fmt, "shape": name, "n": n, "k": k,
+                   "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        out.append(row)
+    return out
 
 
 def bench_grouped(device, timer, quick, dry, gen, echo, budget) -> list[dict]:

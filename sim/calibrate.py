@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -50,7 +51,7 @@ import yaml
 from pydantic import ValidationError
 
 from sim.costs import constants as C
-from sim.costs.calibration import CalibrationEntry, CalibrationTable, kernel_fixed_us
+from sim.costs.calibration import _YAML_LOADER, CalibrationEntry, CalibrationTable, kernel_fixed_us
 from topology.errors import UserError, from_validation
 
 #: calibration file schema (``meta.schema``) written; /2 adds the table's ``kernel_fixed_us`` (CalibrationTable
@@ -250,6 +251,17 @@ def shape_of(r: dict) -> dict:
     return {}
 
 
+def kernel_maps(rows: list[dict]) -> dict[tuple, KernelMap]:
+    """The ``gemm_kernels`` rows (``kernels/measure.py``) by their dense curve's key ``(fmt, n, k)`` (as
+    :func:`curve_of` keys it)."""
+    out = {}
+    for r in rows:
+        if r.get("bench") == "gemm_kernels" and not r.get("error") and r.get("runs"):
+            key = (("fmt", r["fmt"]), ("n", r["n"]), ("k", r["k"]))
+            out[key] = KernelMap(tuple((int(a), int(b), str(kn)) for a, b, kn in r["runs"]))
+    return out
+
+
 def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
                 sm_count: int = 132, fixed_us: float = C.KERNEL_FIXED_US) -> list[CalibrationEntry]:
     """Calibration entries from the fit rows: one per (kind, key) curve, plus a per-format GEMM fallback (key
@@ -258,6 +270,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
     curves: dict[tuple, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     shapes: dict[tuple, dict] = {}
     dense_keys: dict[str, list[tuple]] = defaultdict(list)
+    kmaps = kernel_maps(rows)
     for r in rows:
         if row_id(r) not in fit_ids:
             continue
@@ -269,6 +282,13 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
     entries = []
     for (kind, key), pts in curves.items():
         xy = [(x, _geomean(ys)) for x, ys in sorted(pts.items())]
+        kmap = kmaps.get(key) if kind == "gemm_tflops" and shapes[(kind, key)].get("n_experts", 1) == 1 else None
+        if kmap is not None and kmap.full >= 8 and len(xy) >= 3:
+            kd = dict(key)
+            points, desc = fit_dense_with_map(kind, xy, kmap, int(kd["n"]), int(kd["k"]), shapes[(kind, key)],
+                                              sm_count)
+            entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=kd, points=points, source=f"{source}; {desc}"))
+            continue
         form = choose_form(kind, xy, shapes[(kind, key)], sm_count)
         points = fit_curve(kind, xy, form)
         src = f"{source}; {form.describe()}" if len(xy) >= 3 else source
@@ -277,6 +297,8 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
     for fmt, keys in sorted(dense_keys.items()):
         es = [by_key[k] for k in keys]
         xs = sorted({x for e in es for x, _ in e.points})
+        if any(kmaps.get(k[1]) for k in keys):  # kernel-map curves are tabulated per m: a smooth mean of them
+            xs = sorted(_thin(xs, POINTS_PER_OCTAVE))
         points = tuple((x, _geomean([e.interpolate(x) for e in es])) for x in xs)
         entries.append(CalibrationEntry(kind="gemm_tflops", gpu=gpu, key={"fmt": fmt}, points=points,
                                         source=f"{source}; fallback: geometric mean of {len(es)} dense shapes"))
@@ -284,6 +306,159 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
              "dispatch_us": 5, "combine_us": 6, "p2p_us": 7}
     entries.sort(key=lambda e: (order.get(e.kind, 9), -len(e.key), sorted(e.key.items(), key=str)))
     return entries
+
+
+# ---------------------------------------------------------------------------------------- dense GEMMs by kernel
+
+#: the tile of a cuBLAS (nvjet) / CUTLASS Hopper kernel name, ``..._{BN}x{BM}_{BK}x{stages}_...``: in the TN calls
+#: of ``kernels/measure.py`` the second number tiles the token dimension m (``192x8`` runs m <= 8, ``192x16`` m 9-16)
+_TILE_RE = re.compile(r"_(\d+)x(\d+)_(\d+)x(\d+)_")
+#: fit points of a dense GEMM curve with a kernel map that its fallback form is fitted on: the fit point nearest to
+#: each of this many targets per octave (the leave-one-out form choice is quadratic in the points)
+KERNEL_FALLBACK_PER_OCTAVE = 4
+#: the tabulated kernel-map curve reproduces the block model within this relative error at every integer m
+KERNEL_TAB_TOL = 0.005
+
+
+def kernel_tile(name: str) -> tuple[int, int] | None:
+    """``(BN, BM)`` of a GEMM kernel's name (the first of ``" + "``-joined kernels), or None if it names none."""
+    m = _TILE_RE.search(name.split(" + ")[0])
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class KernelMap:
+    """Which kernel a dense GEMM runs at each token count ``m`` (a ``gemm_kernels`` row of ``kernels/measure.py``:
+    ``runs = [[m_first, m_last, kernels], ...]``), for ``m = 1 .. full`` (every m recorded)."""
+
+    runs: tuple[tuple[int, int, str], ...]
+
+    @property
+    def full(self) -> int:
+        """The largest L with every m in 1..L recorded (0 if m = 1 is not)."""
+        top = 0
+        for a, b, _ in self.runs:
+            if a > top + 1:
+                break
+            top = max(top, b)
+        return top
+
+    def kernel(self, m: int) -> str | None:
+        i = bisect.bisect_right([a for a, _, _ in self.runs], m) - 1
+        if i < 0 or m > self.runs[i][1]:
+            return None
+        return self.runs[i][2]
+
+    def block(self, m: int) -> tuple[str, int] | None:
+        """``(kernel, M tiles)``: the m with equal blocks run the same kernel over the same number of M tiles."""
+        k = self.kernel(m)
+        if k is None:
+            return None
+        t = kernel_tile(k)
+        return (k, math.ceil(m / t[1]) if t else 0)
+
+
+def kernel_block_times(kmap: KernelMap, n: int, pts: dict[int, float], fallback, sm_count: int = 132) -> list[float]:
+    """The time (s) of a dense GEMM at every ``m = 1 .. kmap.full`` from its timed fit points ``pts`` (m -> s) and
+    the kernel each m runs (index 0 is m = 1). A GEMM's time is set by its kernel and how many M tiles that kernel
+    covers (its *block*, :meth:`KernelMap.block`); within a block it varies smoothly with m (FP8's 128-row tiles run
+    a saw-tooth: time falls as the last tile fills). So, in order:
+
+    1. fit points in the same block: linear in m between the two around it, or from the two nearest (one: its time);
+    2. fit points of the same kernel in other blocks: the nearest one's time scaled by the ratio of waves,
+       ``ceil(ceil(n / BN) * ceil(m / BM) / sm_count)``;
+    3. ``fallback(m)``: the curve's form fitted without the map (``fit_curve``). (A kernel no fit point ran, priced
+       by its waves of tiles at the nearest fit points' speed per tile, was tried: worse, up to +130 %; split-K
+       and memory-bound kernels do not scale with tile area.)
+    """
+    L = kmap.full
+    by_block: dict[tuple, list[int]] = defaultdict(list)
+    by_kernel: dict[str, list[int]] = defaultdict(list)
+    for m in sorted(pts):
+        if 1 <= m <= L:
+            b = kmap.block(m)
+            by_block[b].append(m)
+            by_kernel[b[0]].append(m)
+
+    def waves(m: int, tile) -> int:
+        return math.ceil(math.ceil(n / tile[0]) * math.ceil(m / tile[1]) / sm_count)
+
+    out = []
+    for m in range(1, L + 1):
+        b = kmap.block(m)
+        same = by_block.get(b, ())
+        if len(same) >= 2:
+            j = bisect.bisect_left(same, m)
+            j = min(max(j, 1), len(same) - 1)  # the bracketing pair, or the two nearest at either end
+            m0, m1 = same[j - 1], same[j]
+            t = pts[m0] + (pts[m1] - pts[m0]) * (m - m0) / (m1 - m0)
+            lo, hi = min(pts[m0], pts[m1]), max(pts[m0], pts[m1])
+            out.append(min(max(t, 0.5 * lo), 2.0 * hi))  # an extrapolation stays within a factor 2
+        elif same:
+            out.append(pts[same[0]])
+        elif by_kernel.get(b[0]) and (tile := kernel_tile(b[0])):
+            mk = min(by_kernel[b[0]], key=lambda x: (abs(x - m), x))
+            out.append(pts[mk] * waves(m, tile) / waves(mk, tile))
+        else:
+            out.append(fallback(m))
+    return out
+
+
+def tabulate_exact(ys: list[float], tol: float = KERNEL_TAB_TOL, keep: set[int] = frozenset()) -> list[int]:
+    """Indices of ``ys`` (values at x = index + 1) to tabulate so that linear interpolation in log x between them
+    (``CalibrationEntry.interpolate``) reproduces every value within ``tol``: both sides of every change of
+    slope sign or jump, then the worst-reproduced index until none is off by more than ``tol``."""
+    n = len(ys)
+    kept = {0, n - 1, *(i for i in keep if 0 <= i < n)}
+    for i in range(1, n):
+        if abs(ys[i] - ys[i - 1]) > tol * ys[i - 1]:
+            kept.update((i - 1, i))
+    while True:
+        ks = sorted(kept)
+        worst, wi = tol, None
+        for a, b in zip(ks, ks[1:]):
+            la, lb = math.log(a + 1), math.log(b + 1)
+            for i in range(a + 1, b):
+                y = ys[a] + (ys[b] - ys[a]) * (math.log(i + 1) - la) / (lb - la)
+                e = abs(y - ys[i]) / ys[i]
+                if e > worst:
+                    worst, wi = e, i
+        if wi is None:
+            return ks
+        kept.add(wi)
+
+
+def _thin(xs: list[float], per_octave: int = KERNEL_FALLBACK_PER_OCTAVE) -> set[float]:
+    """The x values nearest to a geometric grid of ``per_octave`` targets per octave over ``xs`` (and both ends)."""
+    lo, hi = xs[0], xs[-1]
+    keep = {lo, hi}
+    j = 0
+    while (t := lo * 2 ** (j / per_octave)) <= hi:
+        keep.add(min(xs, key=lambda x: (abs(math.log(x / t)), x)))
+        j += 1
+    return keep
+
+
+def fit_dense_with_map(kind: str, xy: list[tuple[float, float]], kmap: KernelMap, n: int, k: int, shape: dict,
+                       sm_count: int = 132) -> tuple[tuple[tuple[float, float], ...], str]:
+    """Tabulated ``gemm_tflops`` points of a dense GEMM curve with a kernel map: :func:`kernel_block_times` at every
+    m up to the map's ``full``, the form fitted on a thinned set of fit points (:func:`_thin`) above it and as the
+    last resort inside. Returns ``(points, description)``."""
+    flops = lambda m: 2.0 * m * n * k  # noqa: E731
+    xs = [x for x, _ in xy]
+    sub = [(x, y) for x, y in xy if x in _thin(xs)]
+    form = choose_form(kind, sub, shape, sm_count)
+    fb_pts = fit_curve(kind, sub, form)
+    fb = CalibrationEntry(kind="gemm_tflops", gpu="-", points=fb_pts)
+    L = kmap.full
+    pts = {int(x): flops(x) / (y * 1e12) for x, y in xy if float(x).is_integer()}
+    ts = kernel_block_times(kmap, n, pts, lambda m: flops(m) / (fb.interpolate(m) * 1e12), sm_count)
+    ys = [flops(m) / t / 1e12 for m, t in zip(range(1, L + 1), ts)]  # tflops, tabulated as the rate
+    idx = tabulate_exact(ys, keep={int(x) - 1 for x in pts if x <= L})
+    points = [(float(i + 1), _sig(ys[i])) for i in idx] + [(x, y) for x, y in fb_pts if x > L]
+    desc = (f"kernel map: {len(kmap.runs)} kernel runs over m = 1..{L}, per (kernel, M tiles) block "
+            f"through the fit points; above and without a block: {form.describe()}")
+    return tuple((float(_sig(x, 9)), float(y)) for x, y in points), desc
 
 
 #: kinds whose y is a rate (time = x-proportional work / y); the others (``*_us``) are times
@@ -626,7 +801,7 @@ def load_calibration_file(path: str | Path) -> CalibrationFile:
     except OSError as exc:
         raise UserError(f"{p}: cannot read calibration file: {exc.strerror or exc}") from exc
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_YAML_LOADER)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
                         f"{' '.join(str(exc).split())}") from exc
@@ -649,7 +824,7 @@ def _shipped(directory: str) -> tuple[tuple[str, str], ...]:
     if d.is_dir():
         for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.json")):
             try:
-                meta = (yaml.safe_load(f.read_text()) or {}).get("meta", {})
+                meta = (yaml.load(f.read_text(), Loader=_YAML_LOADER) or {}).get("meta", {})
             except (yaml.YAMLError, OSError, AttributeError):
                 continue
             if isinstance(meta, dict) and meta.get("gpu"):

@@ -1,0 +1,104 @@
+"""Dense GEMM curves with a kernel map (``gemm_kernels`` rows): the block model of ``sim.calibrate``."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.calibrate import (
+    KernelMap,
+    Holdout,
+    calibrate,
+    kernel_block_times,
+    kernel_maps,
+    kernel_tile,
+    split_rows,
+    tabulate_exact,
+)
+from sim.costs.calibration import CalibrationEntry
+
+FP8 = "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT"
+SPLITK = "nvjet_sm90_tst_192x8_64x8_4x1_v_bz_splitK_TNT + void cublasLt::splitKreduce_kernel<32, 16, int>"
+
+
+def test_kernel_tile_reads_the_nvjet_name():
+    assert kernel_tile(FP8) == (128, 128)
+    assert kernel_tile(SPLITK) == (192, 8)  # the first kernel of a split-K pair
+    assert kernel_tile("sm90_xmma_gemm_bf16bf16_bf16f32") is None
+
+
+def test_kernel_map_blocks_and_coverage():
+    km = KernelMap(((1, 8, SPLITK), (9, 300, FP8), (320, 320, FP8)))
+    assert km.full == 300  # 301..319 not recorded
+    assert km.kernel(5) == SPLITK and km.kernel(310) is None and km.kernel(320) == FP8
+    assert km.block(128) == (FP8, 1) and km.block(129) == (FP8, 2) and km.block(8) == (SPLITK, 1)
+
+
+def _saw(m: int) -> float:
+    """An FP8-like time (s): a step per 128-row tile, falling as the last tile fills."""
+    j = math.ceil(m / 128)
+    return (14.0 + 12.0 * (j - 1) + 6.0 * (1 - (m - 128 * (j - 1)) / 128)) * 1e-6
+
+
+def test_block_model_follows_a_tile_sawtooth_between_sparse_fit_points():
+    km = KernelMap(((1, 1024, FP8),))
+    fit = {m: _saw(m) for m in range(8, 1025, 24)}  # every third multiple of 8
+    ts = kernel_block_times(km, 4608, fit, fallback=lambda m: 1.0)
+    for m in range(16, 1025, 8):  # every multiple of 8 with two fit points in its tile
+        assert ts[m - 1] == _saw(m) or abs(ts[m - 1] / _saw(m) - 1) < 1e-9, m
+    # a smooth log-log interpolation of the same fit points misses the tile steps by far more
+    e = CalibrationEntry(kind="p2p_us", gpu="g", points=tuple((float(m), t * 1e6) for m, t in sorted(fit.items())))
+    assert max(abs(e.interpolate(m) * 1e-6 / _saw(m) - 1) for m in range(16, 1025, 8)) > 0.2
+
+
+def test_block_model_uses_the_same_kernel_then_the_fallback():
+    other = "nvjet_sm90_tst_384x64_64x3_4x1_v_bz_coopB_TNN"
+    km = KernelMap(((1, 299, FP8), (300, 300, other), (301, 319, FP8), (320, 320, other), (321, 400, FP8),
+                    (401, 401, "unnamed_kernel")))
+    fit = {m: _saw(m) for m in (8, 64, 128, 200, 256, 264, 312, 320, 384, 392, 400)}
+    ts = kernel_block_times(km, 4608, fit, fallback=lambda m: 7.0)
+    assert ts[300 - 1] == fit[320]  # same kernel, same M-tile count (5 of 64): the fit point's time
+    assert ts[401 - 1] == 7.0  # nothing known about the kernel: the fallback
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=1e-6, max_value=1e-3), min_size=2, max_size=300),
+       st.sampled_from([0.002, 0.005, 0.02]))
+def test_tabulation_reproduces_every_value(ys, tol):
+    idx = tabulate_exact(ys, tol)
+    assert idx[0] == 0 and idx[-1] == len(ys) - 1 and idx == sorted(set(idx))
+    e = CalibrationEntry(kind="p2p_us", gpu="g", points=tuple((float(i + 1), ys[i]) for i in idx))
+    for i, y in enumerate(ys):
+        assert abs(e.interpolate(i + 1) / y - 1) <= tol * (1 + 1e-9), i
+
+
+def _doc(runs, times):
+    rows = [{"bench": "gemm", "op": "dense", "fmt": "fp8", "shape": "s", "m": m, "n": 4608, "k": 4096,
+             "n_experts": 1, "median_us": t * 1e6} for m, t in times.items()]
+    rows.append({"bench": "gemm_kernels", "op": "dense", "fmt": "fp8", "shape": "s", "n": 4608, "k": 4096,
+                 "runs": runs})
+    return {"schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "sm_count": 132}, "rows": rows}
+
+
+def test_calibrate_with_a_kernel_map_predicts_held_out_rows_of_a_sawtooth():
+    ms = [1, 2, 4, *range(8, 1025, 8), 2048, 4096]
+    times = {m: _saw(m) for m in ms}
+    doc = _doc([[1, 1024, FP8]], times)
+    assert set(kernel_maps(doc["rows"])) == {(("fmt", "fp8"), ("n", 4608), ("k", 4096))}
+    fit, held = split_rows(doc["rows"], Holdout())
+    out = calibrate(doc, gpu="H200-SXM")
+    (e,) = [CalibrationEntry(**x) for x in out["entries"] if x["key"] == {"fmt": "fp8", "n": 4608, "k": 4096}]
+    assert "kernel map" in e.source
+    flops = lambda m: 2.0 * m * 4608 * 4096  # noqa: E731
+    errs = {}
+    for m in ms:
+        pred = flops(m) / (e.interpolate(m) * 1e12)
+        errs[m] = abs(pred / times[m] - 1)
+    held_m = [m for m in ms if f"gemm/dense/fp8/n4608_k4096/m{m}" in held]
+    assert len(held_m) > 30
+    # held-out rows inside a tile with two fit points: within the tabulation tolerance
+    inside = [m for m in held_m if 16 <= m <= 1016 and m % 128 not in (0, 8)]
+    assert max(errs[m] for m in inside) < 0.006
+    assert max(errs[m] for m in ms if f"gemm/dense/fp8/n4608_k4096/m{m}" in fit and m <= 1024) < 0.006
