@@ -483,6 +483,9 @@ LOO_TIE = 1e-4
 STEP_MIN_JUMP = 0.03
 #: flash-attention query / key block (FA2/FA3 and SDPA's flash backend on Hopper)
 FLASH_BLOCK = 128
+#: KV block lengths a decode-attention curve's block form may pick (split-KV kernels walk the context in blocks:
+#: SDPA at batch 16 takes as long at context 432 as at 512, then +50 % at 608)
+DECODE_KV_BLOCKS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -516,6 +519,8 @@ class Form:
             return float(tiles / self.sm_count if self.streamk else math.ceil(tiles / self.sm_count - 1e-9))
         if self.work == "loglog":
             return 1.0
+        if self.work == "kvblocks":  # the context in whole KV blocks of a split-KV decode kernel
+            return float(math.ceil(x / self.tile[0] - 1e-9) * self.tile[0])
         if self.work == "flash":
             nb = math.ceil(x / FLASH_BLOCK - 1e-9)
             return max(self.heads * nb * (nb + 1) / 2 / self.sm_count, float(nb))
@@ -528,6 +533,8 @@ class Form:
                  else f"waves of {self.tile[0]}x{self.tile[1]} tiles")
         elif self.work == "flash":
             w = f"flash blocks of {FLASH_BLOCK}"
+        elif self.work == "kvblocks":
+            w = f"KV blocks of {self.tile[0]}"
         elif self.work == "loglog":
             return "form: log-log interpolation of the fit points"
         else:
@@ -543,6 +550,10 @@ class Form:
                 if self.w(j * bm + 1) > self.w(j * bm) * (1 + STEP_MIN_JUMP):
                     out += [float(j * bm), float(j * bm + 1)]
             return [x for x in out if lo < x < hi]
+        if self.work == "kvblocks":
+            b = self.tile[0]
+            js = range(max(1, int(lo // b)), min(int(hi // b), int(1 / STEP_MIN_JUMP)) + 1)
+            return [x for j in js for x in (float(j * b), float(j * b + 1)) if lo < x < hi]
         return []
 
 
@@ -598,12 +609,13 @@ def _hybrid(form: Form, p, xs: list[float], ts: list[float]):
     """``t(x) = base(x) * exp(rho(x))``: the fitted base form times its log-residual at the fit points,
     interpolated between neighbouring fit points (held at the end values outside): passes through every fit
     point, follows the form between them (floor / wave steps / knee), and the residual carries the smooth
-    efficiency drift. The residual is linear in ``log x``, except across a step of a GEMM form (neighbours with
-    different quantised work): there it is linear in ``log w(x)``, so an ``x`` with the same waves / tiles as a
-    fit point takes that point's residual (the staircase: same quantised work, same time)."""
+    efficiency drift. The residual is linear in ``log x``, except across a step of a GEMM or KV-block form
+    (neighbours with different quantised work): there it is linear in ``log w(x)``, so an ``x`` with the same
+    waves / tiles / KV blocks as a fit point takes that point's residual (the staircase: same quantised work, same
+    time)."""
     lx = [math.log(x) for x in xs]
     rho = [math.log(t / _base(form, p, x)) for x, t in zip(xs, ts)]
-    quant = form.work == "gemm"
+    quant = form.work in ("gemm", "kvblocks")
     lw = [math.log(max(form.w(x), 1e-300)) for x in xs] if quant else []
 
     def f(x: float) -> float:
@@ -647,7 +659,7 @@ def candidate_forms(kind: str, shape: dict | None = None, sm_count: int = 132) -
     plain log-log interpolation (``loglog``: the fit points joined by straight lines in log-log space); GEMMs
     also the wave-quantised form per CTA tile of ``GEMM_TILES`` (``waves = ceil(tiles / SMs)``: a kernel that
     maps one tile per CTA) and the stream-K form per ``GEMM_STREAMK_BM`` (tile quantisation of m only);
-    flash attention also its block form."""
+    flash attention also its block form; decode attention the context in whole KV blocks (``DECODE_KV_BLOCKS``)."""
     shape = shape or {}
     base = form_for(kind, shape, sm_count)
     out = [base] if base.work != "power" else []
@@ -656,6 +668,8 @@ def candidate_forms(kind: str, shape: dict | None = None, sm_count: int = 132) -
         g = Form("gemm", n=int(shape["n"]), experts=int(shape.get("n_experts", 1)), sm_count=sm_count)
         out += [replace(g, tile=t) for t in GEMM_TILES]
         out += [replace(g, tile=(bm, 128), streamk=True) for bm in GEMM_STREAMK_BM]
+    if kind == "decode_attn_GBps":
+        out += [Form("kvblocks", tile=(b, 1)) for b in DECODE_KV_BLOCKS]
     out.append(Form("loglog"))
     return list(dict.fromkeys(out))
 

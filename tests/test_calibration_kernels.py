@@ -102,3 +102,18 @@ def test_calibrate_with_a_kernel_map_predicts_held_out_rows_of_a_sawtooth():
     inside = [m for m in held_m if 16 <= m <= 1016 and m % 128 not in (0, 8)]
     assert max(errs[m] for m in inside) < 0.006
     assert max(errs[m] for m in ms if f"gemm/dense/fp8/n4608_k4096/m{m}" in fit and m <= 1024) < 0.006
+
+
+def test_kv_block_form_is_a_staircase_and_its_residual_holds_within_a_block():
+    from sim.calibrate import Form, _hybrid, candidate_forms
+
+    f = Form("kvblocks", tile=(256, 1))
+    assert [f.w(x) for x in (1, 256, 257, 512, 513)] == [256.0, 256.0, 512.0, 512.0, 768.0]
+    assert f.steps(200, 800) == [256.0, 257.0, 512.0, 513.0, 768.0, 769.0]
+    assert any(c.work == "kvblocks" for c in candidate_forms("decode_attn_GBps"))
+    # a split-KV decode: flat within a 256-block, +50 % per block; a held-out context in a fit point's block
+    # takes that point's time (not the interpolation towards the next block's step)
+    t = lambda c: 9.3e-6 * (1.5 ** (math.ceil(c / 256) - 1))  # noqa: E731
+    xs = [256.0, 432.0, 608.0, 864.0, 1216.0]
+    h = _hybrid(f, (1e-7, 1e-7, 1e-8), xs, [t(x) for x in xs])
+    assert abs(h(512.0) / t(512.0) - 1) < 1e-9 and abs(h(720.0) / t(720.0) - 1) < 1e-9
