@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from math import ceil as _ceil
+from operator import itemgetter
 from pathlib import Path
 from typing import Literal
 
@@ -325,6 +327,9 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 # The cost model the SimPy executor calls
 
 
+_N_START = itemgetter(2, 1)  # PrefillBatch item (request_id, start_token, n_tokens) -> (n_tokens, start_token)
+
+
 class ScenarioCostModel:
     """``sim.executor.CostModel`` over ``sim.costs``: per-group ParallelPlans (same shape as the templates, the
     group's own GPUs), decode memoised at the slowest rank's (batch, context) point (module docstring).
@@ -375,7 +380,7 @@ class ScenarioCostModel:
         cls = self._pclass.get(group.id)
         if cls is None:
             cls = self._pclass[group.id] = self._prefill_class(group)
-        key = (cls, tuple([(n, start) for _, start, n in plan.items]))
+        key = (cls, tuple(map(_N_START, plan.items)))  # ((n_tokens, start_token), ...), C-level: one per batch
         hit = self._prefill_memo.get(key)
         if hit is not None:
             owner, st = hit
@@ -542,7 +547,8 @@ class ScenarioCostModel:
         pt, dt = prefiller.template, decoder.template
         last = self._chunk_last
         if last is not None and last[0] is pt and last[1] is dt:  # the templates of the previous call
-            return max(1, math.ceil(last[2] * math.ceil(tokens / self.dplan0.page_tokens)))
+            n = _ceil(last[2] * _ceil(tokens / last[3]))  # one per KV transfer: no global / attribute look-ups
+            return n if n > 1 else 1  # noqa: FURB136 (max(1, n) without the call)
         key = ("per_page", pt.tp, dt.kv_page_tokens)
         per_page = self._chunk_memo.get(key)
         if per_page is None:
@@ -554,7 +560,7 @@ class ScenarioCostModel:
             pages = 4
             st = transfer_stats(src, dst, pages * dl.page_tokens)
             per_page = self._chunk_memo[key] = st.n_chunks / pages
-        self._chunk_last = (pt, dt, per_page)  # the same value the key gives, for the same templates
+        self._chunk_last = (pt, dt, per_page, self.dplan0.page_tokens)  # what the key gives, for the same templates
         return max(1, math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens)))
 
 

@@ -31,8 +31,15 @@ class DecoderLoad(Protocol):
     rank_up: list[bool]        # rank can receive KV (its NIC is up)
 
 
+class KeyedDecoderLoad(DecoderLoad, Protocol):
+    # rank_nreq[r] * base - rank_free_kv[r], kept up to date by the owner: ``(requests, -free KV)`` as one int, in
+    # the same order as long as 0 <= free KV < base (one base for all candidates)
+    rank_key: list[int]
+
+
 P = TypeVar("P", bound=PrefillerLoad)
 D = TypeVar("D", bound=DecoderLoad)
+K = TypeVar("K", bound=KeyedDecoderLoad)
 
 
 def choose_prefiller(candidates: Iterable[P]) -> P | None:
@@ -87,6 +94,38 @@ def choose_decoder_rank(candidates: Iterable[D], need_tokens: int) -> tuple[D, i
                 continue
             if best is None or n < best_n or f > best_free:
                 best, best_rank, best_n, best_free = g, r, n, f
+    if best is None:
+        return None
+    return best, best_rank
+
+
+def choose_decoder_rank_keyed(candidates: Iterable[K], need_tokens: int) -> tuple[K, int] | None:
+    """:func:`choose_decoder_rank` for groups that keep ``rank_key`` (:class:`KeyedDecoderLoad`): the same choice.
+
+    The scheduler asks once per KV transfer and the ranks mostly tie on requests (batches at their cap), which
+    costs :func:`choose_decoder_rank` a Python-level scan of the tied ranks; with the combined key a group's
+    unconstrained minimum is one C-level ``min`` + ``index`` (first index = lowest rank on ties); only when that
+    rank lacks KV room or its NIC is down are the group's ranks scanned. ``tests/test_sim_speed_req_router.py``
+    checks the choice against :func:`choose_decoder_rank`."""
+    best = None
+    best_rank = -1
+    best_key = 0
+    for g in candidates:
+        keys = g.rank_key
+        if not keys:
+            continue
+        k = min(keys)
+        if best is not None and k >= best_key:  # no rank of this group is strictly better
+            continue
+        r = keys.index(k)
+        free = g.rank_free_kv
+        up = g.rank_up
+        if free[r] >= need_tokens and up[r]:
+            best, best_rank, best_key = g, r, k
+            continue
+        for r, k in enumerate(keys):  # the minimum does not qualify: the qualifying ranks, in order
+            if (best is None or k < best_key) and free[r] >= need_tokens and up[r]:
+                best, best_rank, best_key = g, r, k
     if best is None:
         return None
     return best, best_rank

@@ -75,7 +75,7 @@ from engine.core.plans import (
     Stop,
 )
 from engine.core.request import Request
-from engine.core.router import choose_decoder_rank, choose_prefiller
+from engine.core.router import choose_decoder_rank_keyed, choose_prefiller
 from engine.core.specdec import AcceptanceStream
 from topology.errors import UserError
 
@@ -94,6 +94,10 @@ _FP = 16  # fixed-point bits of the per-step context growth rate (exact integer 
 #: ``_Decoder.plan`` of a step started by ``Scheduler.ff_decode_step`` (no plan object built yet)
 _IN_FLIGHT = object()
 _STEPPING = (ACTIVE, DRAINING)  # decoder statuses that keep stepping
+
+#: ``tuple.__new__``: builds a plan NamedTuple from a tuple of all its fields without the class's Python-level
+#: ``__new__`` (the same object; a prefill batch, a KV transfer or an idle answer per scheduler call)
+_tnew = tuple.__new__
 
 #: per-request metric row, appended when a request resolves (see :data:`ROW_FIELDS`)
 ROW_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "status", "reason", "first_token_s",
@@ -236,6 +240,9 @@ class _Decoder:
         self.rank_up = [True] * ep
         self.rank_nreq = [0] * ep        # requests holding KV on the rank (in flight + queued + decoding)
         self.rank_free_kv = [t.kv_capacity_tokens_per_rank] * ep
+        # rank_nreq * Scheduler._key_base - rank_free_kv, updated with them: the router's one-int key
+        # (engine.core.router.choose_decoder_rank_keyed); set by Scheduler._add_decoder
+        self.rank_key: list[int] = []
         self.rank_batch = [0] * ep       # decoding
         self.rank_queue: list[deque[_Req]] = [deque() for _ in range(ep)]
         self.rank_rate = [0] * ep        # sum of fixed-point growth rates
@@ -351,6 +358,7 @@ class Scheduler:
         self._permanent_nic_down: set[str] = set()
         self.wakeups: list[str] = []
         self._blocked: list[_KvStream] = []
+        self._key_base = 1                     # > every decoder rank's KV capacity (see _add_decoder)
         self._real_accept = False
         self.new_workers: list[str] = []
 
@@ -410,6 +418,12 @@ class Scheduler:
 
     def _add_decoder(self, g: DecoderGroup, status: int, ready_at: float, now: float) -> _Decoder:
         d = _Decoder(g, self._order, status, ready_at, self.k, self.p, now)
+        base = self._key_base
+        if d.kv_cap >= base:  # the rank keys need a larger base: every decoder's keys are recomputed
+            base = self._key_base = 1 << d.kv_cap.bit_length()
+            for x in self.decoders:
+                x.rank_key = [n * base - f for n, f in zip(x.rank_nreq, x.rank_free_kv)]
+        d.rank_key = [n * base - f for n, f in zip(d.rank_nreq, d.rank_free_kv)]
         self._order += 1
         self._n_dec_created += 1
         self.decoders.append(d)
@@ -612,7 +626,7 @@ class Scheduler:
         w.plan = None
         if self._log_on:
             self._add((now, "idle", w.id, -1, 0, 0, waits_for))
-        return Idle(w.id, until, waits_for)
+        return _tnew(Idle, (w.id, until, waits_for))  # Idle(w.id, until, waits_for)
 
     def _stop(self, w, now: float, reason: str) -> Stop:
         w.idle = False
@@ -669,7 +683,7 @@ class Scheduler:
                 break
         if not items:
             return self._idle(pf, now, WAIT_KV_SPACE)
-        plan = PrefillBatch(pf.id, pf.batches, tuple(items), tokens)
+        plan = _tnew(PrefillBatch, (pf.id, pf.batches, tuple(items), tokens))  # PrefillBatch(...)
         pf.batches += 1
         pf.kv_held += tokens
         for r in running:
@@ -764,19 +778,19 @@ class Scheduler:
         while pf.pending:
             r = pf.pending[0]
             remaining = r.out - r.generated
-            if not self._decoders_possible():
+            if not self._route_d and not self._decoders_possible():
                 pf.pending.popleft()
                 pf.kv_held -= r.ctx0
                 self._reject(r, now, "no_decoder")
                 self._wake_pf(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k
-            pick = choose_decoder_rank(self._route_d, need_probe)
+            pick = choose_decoder_rank_keyed(self._route_d, need_probe)
             if pick is not None:
                 d, rank = pick
                 need = -(-need_probe // d.page) * d.page  # _reserve_tokens(r.ctx0, remaining, d)
                 if need > d.rank_free_kv[rank]:  # page rounding: retry with the rounded size
-                    pick = choose_decoder_rank(self._route_d, need)
+                    pick = choose_decoder_rank_keyed(self._route_d, need)
                     if pick is not None:
                         d, rank = pick
                         need = -(-need_probe // d.page) * d.page
@@ -788,6 +802,7 @@ class Scheduler:
             pf.pending.popleft()
             d.rank_free_kv[rank] -= need
             d.rank_nreq[rank] += 1
+            d.rank_key[rank] += self._key_base + need
             r.reserved = need
             r.decoder = d
             r.rank = rank
@@ -802,7 +817,7 @@ class Scheduler:
             else:
                 flows = tuple([(nic, dst_nic, each) for nic in up])
             n_chunks = self.kv_chunks(pf.g, d.g, r.ctx0) if self.kv_chunks is not None else n_up
-            plan = KvTransfer(s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows)
+            plan = _tnew(KvTransfer, (s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows))
             r.owner = plan
             s.plan = plan
             s.req = r
@@ -851,6 +866,7 @@ class Scheduler:
         if d is not None and r.rank >= 0:
             d.rank_free_kv[r.rank] += r.reserved
             d.rank_nreq[r.rank] -= 1
+            d.rank_key[r.rank] -= self._key_base + r.reserved
         r.reserved = 0
         r.rank = -1
 
@@ -895,32 +911,46 @@ class Scheduler:
         return DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, joined, left)
 
     def _admit(self, d: _Decoder, now: float) -> None:
+        # one admission per request served: the decoder's lists and counters are held in locals (and the counts
+        # written back once), which saves a dozen attribute look-ups per admission
         cap = d.cap
         s = d.step
         take = self.acceptance.take
         queues = d.rank_queue
+        batch = d.rank_batch
+        rate = d.rank_rate
+        c = d.rank_c
+        running = d.running
+        heap = d.heap
+        joined = d.joined
+        log_on = self._log_on
+        n_taken = 0
         for rank in compress(range(len(queues)), queues):  # the ranks with a queue, in order (C-level skip)
             q = queues[rank]
-            while q and d.rank_batch[rank] < cap:
+            b = batch[rank]
+            while q and b < cap:
                 r = q.popleft()
-                d.n_qdec -= 1
+                n_taken += 1
                 m = r.out - r.generated
                 n, r.cum, r.cum_i = take(m)
                 r.s0 = s
-                r.finish_step = s + n - 1
-                r.rate_fp = (m << _FP) // n
+                rid = r.id
+                r.finish_step = fs = s + n - 1
+                r.rate_fp = rfp = (m << _FP) // n
                 r.state = DECODING
                 if r.t_decode_start != r.t_decode_start:
                     r.t_decode_start = now
-                d.rank_batch[rank] += 1
-                d.rank_rate[rank] += r.rate_fp
-                d.rank_c[rank] += (r.ctx0 << _FP) - r.rate_fp * s
-                d.n_running += 1
-                d.running[r.id] = r
-                heappush(d.heap, (r.finish_step, r.id))
-                d.joined.append((r.id, rank))
-                if self._log_on:
-                    self._add((now, "admit", d.id, r.id, rank, n, ""))
+                b += 1
+                rate[rank] += rfp
+                c[rank] += (r.ctx0 << _FP) - rfp * s
+                running[rid] = r
+                heappush(heap, (fs, rid))
+                joined.append((rid, rank))
+                if log_on:
+                    self._add((now, "admit", d.id, rid, rank, n, ""))
+            batch[rank] = b
+        d.n_running += n_taken
+        d.n_qdec -= n_taken
         d.admit_blocked = d.n_qdec > 0  # whoever still waits is on a full rank: _admit is a no-op until that changes
 
     def _done_decode(self, plan: DecodeStep, result: Result, now: float) -> None:
@@ -1164,15 +1194,19 @@ class Scheduler:
 
     def _finish_decode(self, d: _Decoder, r: _Req, now: float, steps: int, gained: int) -> None:
         rank = r.rank
-        del d.running[r.id]
+        rid = r.id
+        rfp = r.rate_fp
+        reserved = r.reserved
+        del d.running[rid]
         d.admit_blocked = False
         d.n_running -= 1
         d.rank_batch[rank] -= 1
-        d.rank_rate[rank] -= r.rate_fp
-        d.rank_c[rank] -= (r.ctx0 << _FP) - r.rate_fp * r.s0
-        d.rank_free_kv[rank] += r.reserved
+        d.rank_rate[rank] -= rfp
+        d.rank_c[rank] -= (r.ctx0 << _FP) - rfp * r.s0
+        d.rank_free_kv[rank] += reserved
         d.rank_nreq[rank] -= 1
-        d.left.append(r.id)
+        d.rank_key[rank] -= self._key_base + reserved
+        d.left.append(rid)
         r.generated += gained
         r.steps += steps
         self.decode_tokens += gained
@@ -1515,6 +1549,7 @@ class Scheduler:
                     self._wake(s)
         d.rank_nreq = [0] * d.ep
         d.rank_free_kv = [0] * d.ep
+        d.rank_key = [0] * d.ep
         d.rank_batch = [0] * d.ep
         self._wake(d)
         for r in sorted(lost, key=lambda r: r.id):
@@ -1669,6 +1704,8 @@ class Scheduler:
                 assert used[rank] <= d.kv_cap, f"{d.id} rank {rank}: KV {used[rank]} > capacity {d.kv_cap}"
                 assert d.rank_free_kv[rank] == d.kv_cap - used[rank], f"{d.id} rank {rank}: free KV mismatch"
                 assert d.rank_nreq[rank] == nreq[rank], f"{d.id} rank {rank}: nreq mismatch"
+                assert d.rank_key[rank] == nreq[rank] * self._key_base - d.rank_free_kv[rank], f"{d.id} rank {rank}"
+                assert 0 <= d.rank_free_kv[rank] < self._key_base
                 assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
             assert d.n_running == len(d.running)
         missing = [rid for rid in self.reqs if rid not in where]

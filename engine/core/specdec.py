@@ -140,8 +140,7 @@ class AcceptanceStream:
         # min(Geometric(1 - p) - 1, k) + 1 (the same draws, the same integers)
         if self.inv is not None:  # rng.geometric's own inversion, vectorised (see _geometric_by_inversion)
             e = self.rng.standard_exponential(size=need)
-            np.negative(e, out=e)
-            np.divide(e, self.inv, out=e)
+            np.divide(e, -self.inv, out=e)  # -e / inv, bit for bit (IEEE division is sign-symmetric), one pass
             np.ceil(e, out=e)
             np.minimum(e, self.k + 1, out=e)
             steps = e.astype(np.int64)
