@@ -76,3 +76,33 @@ def test_killed_decoder_rank_is_detected_and_no_request_is_lost(ckpt):
     assert m["requeued"] >= 1 and m["done"] == len(reqs)     # a second decoder is left to finish them
     rep = replay(b, reqs, run.records, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
+
+
+def test_a_run_whose_ranks_stop_answering_ends_with_one_clear_error():
+    """The real clock waits for replies; if none comes for ``stall_s`` with work in flight (a rank blocked on a dead
+    peer), the run stops with RealRunStalled naming the operations instead of waiting forever."""
+    import time
+
+    from engine.real.driver import MeasuredClockEnv, RealRunStalled, _Inflight
+
+    class SilentPool:
+        def __init__(self):
+            self.inflight = {}
+
+        def poll(self, timeout_s):
+            time.sleep(min(timeout_s, 0.01))
+            return []
+
+        def newly_dead(self):
+            return []
+
+    pool = SilentPool()
+    env = MeasuredClockEnv(pool, on_reply=lambda *a: None, stall_s=0.2)
+    assert env.peek() == float("inf")  # nothing in flight: no stall
+    pool.inflight[1] = _Inflight(ev=env.event(), start_v=0.0, start_w=time.perf_counter(), waiting={3},
+                                 worker="d0", kind="kv", key=7)
+    env.timeout(1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(RealRunStalled, match=r"no rank replied for 0.2 s.*kv 7 of d0 \(waiting for ranks \[3\]\)"):
+        env.peek()
+    assert time.perf_counter() - t0 < 5

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         # ValueError covers pydantic.ValidationError, yaml errors are wrapped by the loaders.
         print(f"rackbed: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except TimeoutError as exc:  # a bounded wait ran out (engine.real.driver.RealRunStalled, measurement workers)
+        print(f"rackbed: error: {one_line(exc)}", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

@@ -59,6 +59,15 @@ class _Inflight:
     worker_s: float = 0.0
 
 
+#: seconds without any rank reply (or death) while work is in flight after which a real run stops with
+#: :class:`RealRunStalled` instead of waiting forever (a rank blocked on a dead peer; ``run_real(stall_s=...)``)
+STALL_S = 300.0
+
+
+class RealRunStalled(TimeoutError):
+    """The ranks stopped answering (:attr:`MeasuredClockEnv.stall_s`): the run ends with this one-line error."""
+
+
 class RankPool:
     """The rank processes, their command queues and the shared reply queue."""
 
@@ -108,19 +117,32 @@ class RankPool:
 class MeasuredClockEnv(_Env):
     """SimPy environment whose clock advances by measured durations (module docstring)."""
 
-    def __init__(self, pool: RankPool, on_reply) -> None:
+    def __init__(self, pool: RankPool, on_reply, stall_s: float = STALL_S) -> None:
         super().__init__()
         self.pool = pool
         self.on_reply = on_reply          # (token, rank, status, payload, wall) -> None
         self.on_fault = None              # set by sim.driver.simulate: inject_fault(target)
         self.on_death = None              # (rank) -> None, set by the executor
+        self.stall_s = stall_s
+        self._progress_w = time.perf_counter()  # wall time of the last reply or death
 
     def _drain(self, timeout_s: float) -> None:
         for token, rank, status, payload in self.pool.poll(timeout_s):
+            self._progress_w = time.perf_counter()
             self.on_reply(token, rank, status, payload, time.perf_counter())
         for r in self.pool.newly_dead():
+            self._progress_w = time.perf_counter()
             if self.on_death is not None:
                 self.on_death(r)
+        if self.pool.inflight and time.perf_counter() - self._progress_w > self.stall_s:
+            raise RealRunStalled(self._stall_message())
+
+    def _stall_message(self) -> str:
+        ops = sorted(self.pool.inflight.values(), key=lambda f: f.start_w)
+        desc = "; ".join(f"{f.kind} {f.key} of {f.worker} (waiting for ranks {sorted(f.waiting)})" for f in ops[:4])
+        more = f" and {len(ops) - 4} more" if len(ops) > 4 else ""
+        return (f"real run stalled: no rank replied for {self.stall_s:g} s with {len(ops)} operations in flight: "
+                f"{desc}{more} (a rank blocked on a dead peer? raise stall_s for very long steps)")
 
     def peek(self) -> float:
         self._drain(0.0)
@@ -371,6 +393,7 @@ class RealRun:
         self.kill_after_steps: list[tuple[int, int]] = []
         self.deaths: list[tuple] = []
         self._wait_ready(len(gpus))
+        self.env._progress_w = time.perf_counter()  # the stall clock starts once every rank is ready
 
     def _wait_ready(self, world: int, timeout_s: float = 600.0) -> None:
         ready, t0 = set(), time.perf_counter()
@@ -450,10 +473,11 @@ class RealRun:
 
 def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
              prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None,
-             pool=None):
+             pool=None, stall_s: float = STALL_S):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests``. Failure drills: ``kill`` ``[(at_s, gpu)]``
     kills that GPU's rank process at clock time ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its
-    decoder's n-th step (with a non-empty batch) is in flight. Returns ``(SimResult, RealRun)``."""
+    decoder's n-th step (with a non-empty batch) is in flight. ``stall_s``: no rank reply for that long with work
+    in flight raises :class:`RealRunStalled` (the ranks are stopped). Returns ``(SimResult, RealRun)``."""
     from engine.core.metrics import Slo
     from sim.driver import simulate
 
@@ -463,6 +487,7 @@ def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, wei
     run.register(requests)
     run.kill_after_steps = list(kill_after_steps)
     env = run.env
+    env.stall_s = stall_s
 
     def killer(at_s: float, gpu: int):
         yield env.timeout(at_s)
