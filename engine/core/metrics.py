@@ -56,18 +56,33 @@ def dist(x: Iterable[float] | np.ndarray) -> dict[str, float | int | None]:
             "max": float(a.max())}
 
 
-def request_arrays(rows: Sequence[tuple], fields: Sequence[str]) -> dict[str, np.ndarray]:
+_TEXT_FIELDS = ("status", "reason", "prefiller", "decoder")
+_INT_FIELDS = ("id", "prompt_tokens", "output_tokens", "decode_steps", "requeues")
+
+
+def _field_dtype(name: str):
+    return object if name in _TEXT_FIELDS else np.int64 if name in _INT_FIELDS else np.float64
+
+
+def request_arrays(rows: Sequence[tuple], fields: Sequence[str], block: int = 1024) -> dict[str, np.ndarray]:
     """Column arrays of the per-request rows (numeric columns float64/int64, text columns object)."""
+    # Transposed ``block`` rows at a time (each block's columns converted as np.asarray converts them, into
+    # preallocated columns): the same values and about the same instructions as one zip(*rows) over all rows,
+    # but the block's tuples and items stay in cache across its columns; one zip over a bench hour's 72 k rows
+    # (a 72 k-argument call, every row touched once per column) ran ~3x slower, waiting on memory.
+    n = len(rows)
+    dts = [_field_dtype(f) for f in fields]
+    out = [np.empty(n, dtype=dt) for dt in dts]
+    for i in range(0, n, block):
+        cols = list(zip(*rows[i:i + block]))
+        if len(cols) < len(fields):  # a short row: the column-by-column conversion decides, as it always did
+            break
+        for o, col, dt in zip(out, cols, dts):
+            o[i:i + len(col)] = np.asarray(col, dtype=dt)
+    else:
+        return dict(zip(fields, out))
     cols = list(zip(*rows)) if rows else [[] for _ in fields]
-    out: dict[str, np.ndarray] = {}
-    for name, col in zip(fields, cols):
-        if name in ("status", "reason", "prefiller", "decoder"):
-            out[name] = np.asarray(col, dtype=object)
-        elif name in ("id", "prompt_tokens", "output_tokens", "decode_steps", "requeues"):
-            out[name] = np.asarray(col, dtype=np.int64)
-        else:
-            out[name] = np.asarray(col, dtype=np.float64)
-    return out
+    return {name: np.asarray(col, dtype=_field_dtype(name)) for name, col in zip(fields, cols)}
 
 
 def summarize(
