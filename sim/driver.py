@@ -462,7 +462,8 @@ def simulate(
             w = ev.w
             if wake_ev.get(w.wid) is ev:
                 del wake_ev[w.wid]
-            sched_done(w.plan, _tnew(Result, (t - w.t0, None, None, bool(ev.value))), t)  # Result(.., woken=..)
+            # the worker's Idle plan ends: Scheduler.done has nothing to account for an Idle plan (it only sets
+            # now_s, as sched_next below does), so it is not called
         elif kind == _D_TIMER:
             wk = ev.w
             if not wk.triggered:

@@ -230,6 +230,10 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
     g = group_links(topo, gpus)
     if g.n_ranks < 2 or n_bytes == 0:
         return CollectiveCost("none", "none", g.n_ranks, n_bytes, 0.0, 0.0, 0.0, 0.0)
+    if n_bytes > 0 and (algo == "auto" or algo == "auto_no_nvls"):
+        terms = _auto_terms(g, algo, calib)
+        if terms is not None:
+            return _auto_fast(g, terms, n_bytes)
     avail = available_algos(g)
     if algo in ("auto", "auto_no_nvls"):
         names = [a for a in avail if not (algo == "auto_no_nvls" and a == "nvls")]
@@ -241,6 +245,61 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
                else "the group spans NVLink domains (only ring over the network)")
         raise UserError(f"all-reduce algo {algo!r} not available on GPUs {sorted(set(gpus))}: {why}")
     return _estimate(g, algo, n_bytes, calib)
+
+
+# "auto" without calibrated all-reduce entries, per (group, algo, calibration): every candidate's
+# (algo, protocol, latency_s, per-direction bytes per byte, bandwidth B/s) as _symmetric / _ring compute them, so a
+# call prices only the n_bytes term (one per prefill batch and all-reduce; the full path built ~6 CollectiveCosts)
+_AUTO: dict[tuple[int, str, int], tuple] = {}
+
+
+def _auto_terms(g: GroupLinks, algo: str, calib: CalibrationTable | None) -> tuple | None:
+    key = (id(g), algo, id(calib))
+    hit = _AUTO.get(key)
+    if hit is not None and hit[0] is g and hit[1] is calib:
+        return hit[2]
+    names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
+    terms: tuple | None = ()
+    if calib is not None and any(calib.entry("allreduce_us", g.gpu.name, algo=a, n_ranks=g.n_ranks) is not None
+                                 for a in names):
+        terms = None  # measured entries depend on n_bytes: the general path
+    else:
+        out = []
+        fixed_us = kernel_fixed_us(calib, g.gpu)
+        for a in names:
+            per_dir, phases, syncs = algo_shape(a, g.n_ranks)
+            if a == "ring":  # _ring: the protocols in its order
+                route = "nvlink" if g.one_domain else "net"
+                for proto in ("LL", "LL128", "Simple"):
+                    lat_us = C.NCCL_BASE_LAT_US[proto] + 2 * (g.n_ranks - 1) * C.NCCL_RING_STEP_US[route][proto]
+                    if not g.one_domain:
+                        lat_us += C.NIC_POST_US + (0.0 if g.gpu_initiated else C.CPU_PROXY_US)
+                    out.append(("ring", proto, lat_us * 1e-6, per_dir, g.bw_GBps * 1e9 * C.NCCL_PROTO_BW_FACTOR[proto]))
+            else:  # _symmetric
+                lat_us = (fixed_us
+                          + syncs * (C.SIGNAL_US[g.arch] + g.latency_us + C.PER_PEER_US * (g.n_ranks - 1))
+                          + phases * 2 * g.latency_us)
+                bw = g.bw_GBps * 1e9 * (C.NVLS_EFFICIENCY[g.arch] if a == "nvls" else 1.0)
+                out.append((a, "symmetric", lat_us * 1e-6, per_dir, bw))
+        terms = tuple(out) if out else None
+    if len(_AUTO) > 4096:
+        _AUTO.clear()
+    _AUTO[key] = (g, calib, terms)
+    return terms
+
+
+def _auto_fast(g: GroupLinks, terms: tuple, n_bytes: float) -> CollectiveCost:
+    """``allreduce_time(algo="auto"...)`` from :func:`_auto_terms`: the same arithmetic and the same winner (the
+    first candidate with the least total, as min() over algorithms of _ring's strict-< best protocol)."""
+    best = None
+    best_t = 0.0
+    for t in terms:
+        link_bytes = t[3] * n_bytes
+        bw_s = link_bytes / t[4]
+        total = t[2] + bw_s
+        if best is None or total < best_t:
+            best, best_t, best_bw, best_lb = t, total, bw_s, link_bytes
+    return CollectiveCost(best[0], best[1], g.n_ranks, n_bytes, best[2], best_bw, best_t, best_lb)
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,6 +116,21 @@ def format_execution(gpu: GpuSpec, fmt: str) -> FormatExec:
     raise UserError(f"format {fmt!r} is not supported on {gpu.name} and has no emulation path")
 
 
+_FE: dict[tuple[int, str], tuple[GpuSpec, FormatExec]] = {}
+
+
+def _format_exec(gpu: GpuSpec, fmt: str) -> FormatExec:
+    """:func:`format_execution` keyed on the spec object's identity (its lru_cache hashes the pydantic spec)."""
+    hit = _FE.get((id(gpu), fmt))
+    if hit is not None and hit[0] is gpu:
+        return hit[1]
+    fe = format_execution(gpu, fmt)
+    if len(_FE) > 256:
+        _FE.clear()
+    _FE[(id(gpu), fmt)] = (gpu, fe)
+    return fe
+
+
 @lru_cache(maxsize=64)
 def _bpe(fmt: str, role: str) -> float:
     return get_format(fmt).bytes_per_element(role)
@@ -164,13 +179,26 @@ def gemm_time(gpu: GpuSpec, m: int, n: int, k: int, fmt: str = "bf16", *,
     return _grouped(gpu, ((int(m), 1.0),), int(n), int(k), fmt, calib, False)
 
 
+_FRONT: dict[tuple, tuple[GpuSpec, GemmCost]] = {}
+
+
 def _grouped(gpu: GpuSpec, hist: ExpertHistogram, n: int, k: int, fmt: str, calib: CalibrationTable | None,
              grouped: bool) -> GemmCost:
     if n <= 0 or k <= 0:
         raise UserError(f"GEMM sizes must be > 0, got n={n}, k={k}")
+    # _grouped_cached's lru_cache hashes the GpuSpec (a pydantic model: a recursive hash of all its fields, the
+    # larger part of a cache hit); this front memo keys on the spec object's identity instead
+    key = (id(gpu), hist, n, k, fmt, grouped)
+    hit = _FRONT.get(key)
+    if hit is not None and hit[0] is gpu:
+        base = hit[1]
+    else:
+        base = _grouped_calc(gpu, hist, n, k, fmt, grouped)
+        if len(_FRONT) > 65536:
+            _FRONT.clear()
+        _FRONT[key] = (gpu, base)
     if calib is None:
-        return _grouped_cached(gpu, hist, n, k, fmt, grouped)
-    base = _grouped_cached(gpu, hist, n, k, fmt, grouped)
+        return base
     n_exp = sum(c for _, c in hist)
     if not n_exp:
         return base
@@ -188,16 +216,23 @@ def _grouped(gpu: GpuSpec, hist: ExpertHistogram, n: int, k: int, fmt: str, cali
                     base.exec_format, calibrated=True)
 
 
-@lru_cache(maxsize=65536)
-def _grouped_cached(gpu: GpuSpec, hist: ExpertHistogram, n: int, k: int, fmt: str, grouped: bool) -> GemmCost:
-    fe = format_execution(gpu, fmt)
-    n_exp = sum(c for _, c in hist)
+def _grouped_calc(gpu: GpuSpec, hist: ExpertHistogram, n: int, k: int, fmt: str, grouped: bool) -> GemmCost:
+    fe = _format_exec(gpu, fmt)
+    # plain loops instead of three sum(generator) passes: the same additions in the same order (a new prefill
+    # batch misses the memos with several GEMMs)
+    n_exp = 0
+    tokens = 0
+    for m, c in hist:
+        n_exp += c
+        tokens += m * c
     if n_exp <= 0:
         return ZERO_GEMM
     bm, bn = C.GEMM_TILE[gpu.arch]
     tiles_n = math.ceil(n / bn)
-    tokens = sum(m * c for m, c in hist)
-    tiles = sum(math.ceil(m / bm) * c for m, c in hist) * tiles_n
+    tiles = 0
+    for m, c in hist:
+        tiles += math.ceil(m / bm) * c
+    tiles = tiles * tiles_n
     flops = 2.0 * tokens * n * k
     sm = gpu.sm_count
     # split-K for plain GEMMs with fewer tiles than SMs (cuBLAS / CUTLASS split-K or stream-K); grouped MoE
@@ -218,6 +253,9 @@ def _grouped_cached(gpu: GpuSpec, hist: ExpertHistogram, n: int, k: int, fmt: st
     fixed_s = (C.KERNEL_FIXED_US + (C.GROUPED_GEMM_EXTRA_US if grouped else 0.0)) * 1e-6
     return GemmCost(flops, hbm_bytes, compute_s, memory_s, fixed_s, max(compute_s, memory_s) + fixed_s, tiles,
                     fe.exec_format)
+
+
+_grouped_cached = lru_cache(maxsize=65536)(_grouped_calc)  # the memo by value (_grouped's is by spec identity)
 
 
 @dataclass(frozen=True, slots=True)

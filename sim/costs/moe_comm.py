@@ -42,7 +42,7 @@ from functools import lru_cache
 from sim.costs import constants as C
 from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
 from sim.costs.collective import CollectiveCost, allreduce_time, group_links
-from sim.costs.gemm import _bpe, format_execution, hbm_rate_Bps
+from sim.costs.gemm import _bpe, _format_exec, hbm_rate_Bps
 from topology.errors import UserError
 
 #: Routing metadata per token copy: 4 B token index (the expert ids and weights ride along: top_k x (4 + 4) B).
@@ -84,7 +84,7 @@ def expected_dest_ranks(n_experts: int, top_k: int, ep: int) -> float:
 
 
 def _act_bpe(gpu, fmt: str) -> float:
-    return _bpe(format_execution(gpu, fmt).act_format, "activation")
+    return _bpe(_format_exec(gpu, fmt).act_format, "activation")  # identity-keyed format_execution
 
 
 # ------------------------------------------------------------------------------------------------ EP prefill
