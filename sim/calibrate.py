@@ -335,7 +335,9 @@ class KernelMap:
 
     @property
     def full(self) -> int:
-        """The largest L with every m in 1..L recorded (0 if m = 1 is not)."""
+        """The largest L with every m in 1..L inside a run (0 if m = 1 is not). A run spans the m between the
+        recorded ends it joins (one kernel at both): FP8's single kernel covers 1..16384 from a map recorded at
+        every m to 1024 and every 64 above, so its blocks above 1024 are priced from the same kernel's fit points."""
         top = 0
         for a, b, _ in self.runs:
             if a > top + 1:

@@ -117,3 +117,14 @@ def test_kv_block_form_is_a_staircase_and_its_residual_holds_within_a_block():
     xs = [256.0, 432.0, 608.0, 864.0, 1216.0]
     h = _hybrid(f, (1e-7, 1e-7, 1e-8), xs, [t(x) for x in xs])
     assert abs(h(512.0) / t(512.0) - 1) < 1e-9 and abs(h(720.0) / t(720.0) - 1) < 1e-9
+
+
+def test_runs_of_encodes_a_kernel_choice_and_kernel_maps_read_it_back():
+    from kernels.measure import runs_of
+
+    ms = [1, 2, 3, 4, 8, 16]
+    names = [(SPLITK.split(" + ")[0], "reduce"), (SPLITK.split(" + ")[0], "reduce"), (FP8,), (FP8,), (FP8,), ("x",)]
+    runs = runs_of(ms, names)
+    assert runs == [[1, 2, f"{SPLITK.split(' + ')[0]} + reduce"], [3, 8, FP8], [16, 16, "x"]]
+    km = KernelMap(tuple(tuple(r) for r in runs))
+    assert km.full == 8 and km.kernel(5) == FP8 and km.kernel(16) == "x" and km.kernel(12) is None
