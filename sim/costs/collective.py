@@ -176,30 +176,41 @@ def available_algos(g: GroupLinks) -> tuple[str, ...]:
     return ("one_shot", "two_shot", "ring") + (("nvls",) if g.nvls else ())
 
 
-def _symmetric(g: GroupLinks, algo: str, n_bytes: float, fixed_us: float = C.KERNEL_FIXED_US) -> CollectiveCost:
+def _terms(g: GroupLinks, algo: str, fixed_us: float = C.KERNEL_FIXED_US) -> list[tuple[str, str, float, float, float]]:
+    """The size-independent terms of ``algo`` on group ``g``: per protocol ``(algo, protocol, latency_s,
+    per-direction link bytes per byte, bandwidth B/s)`` — NCCL's ring in its three protocols, the symmetric
+    algorithms (one-shot, two-shot, NVLS) one each. :func:`_cost` adds the bytes."""
     per_dir, phases, syncs = algo_shape(algo, g.n_ranks)
+    if algo == "ring":
+        route = "nvlink" if g.one_domain else "net"
+        out = []
+        for proto in ("LL", "LL128", "Simple"):
+            lat_us = C.NCCL_BASE_LAT_US[proto] + 2 * (g.n_ranks - 1) * C.NCCL_RING_STEP_US[route][proto]
+            if not g.one_domain:
+                lat_us += C.NIC_POST_US + (0.0 if g.gpu_initiated else C.CPU_PROXY_US)
+            out.append(("ring", proto, lat_us * 1e-6, per_dir, g.bw_GBps * 1e9 * C.NCCL_PROTO_BW_FACTOR[proto]))
+        return out
     lat_us = (fixed_us
               + syncs * (C.SIGNAL_US[g.arch] + g.latency_us + C.PER_PEER_US * (g.n_ranks - 1))
               + phases * 2 * g.latency_us)
     bw = g.bw_GBps * 1e9 * (C.NVLS_EFFICIENCY[g.arch] if algo == "nvls" else 1.0)
-    link_bytes = per_dir * n_bytes
-    bw_s = link_bytes / bw
-    return CollectiveCost(algo, "symmetric", g.n_ranks, n_bytes, lat_us * 1e-6, bw_s, lat_us * 1e-6 + bw_s,
-                          link_bytes)
+    return [(algo, "symmetric", lat_us * 1e-6, per_dir, bw)]
+
+
+def _cost(g: GroupLinks, t: tuple[str, str, float, float, float], n_bytes: float) -> CollectiveCost:
+    link_bytes = t[3] * n_bytes
+    bw_s = link_bytes / t[4]
+    return CollectiveCost(t[0], t[1], g.n_ranks, n_bytes, t[2], bw_s, t[2] + bw_s, link_bytes)
+
+
+def _symmetric(g: GroupLinks, algo: str, n_bytes: float, fixed_us: float = C.KERNEL_FIXED_US) -> CollectiveCost:
+    return _cost(g, _terms(g, algo, fixed_us)[0], n_bytes)
 
 
 def _ring(g: GroupLinks, n_bytes: float) -> CollectiveCost:
-    per_dir, _, _ = algo_shape("ring", g.n_ranks)
-    link_bytes = per_dir * n_bytes
-    route = "nvlink" if g.one_domain else "net"
     best = None
-    for proto in ("LL", "LL128", "Simple"):
-        lat_us = C.NCCL_BASE_LAT_US[proto] + 2 * (g.n_ranks - 1) * C.NCCL_RING_STEP_US[route][proto]
-        if not g.one_domain:
-            lat_us += C.NIC_POST_US + (0.0 if g.gpu_initiated else C.CPU_PROXY_US)
-        bw_s = link_bytes / (g.bw_GBps * 1e9 * C.NCCL_PROTO_BW_FACTOR[proto])
-        cost = CollectiveCost("ring", proto, g.n_ranks, n_bytes, lat_us * 1e-6, bw_s, lat_us * 1e-6 + bw_s,
-                              link_bytes)
+    for t in _terms(g, "ring"):
+        cost = _cost(g, t, n_bytes)
         if best is None or cost.total_s < best.total_s:
             best = cost
     return best
@@ -247,8 +258,7 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
     return _estimate(g, algo, n_bytes, calib)
 
 
-# "auto" without calibrated all-reduce entries, per (group, algo, calibration): every candidate's
-# (algo, protocol, latency_s, per-direction bytes per byte, bandwidth B/s) as _symmetric / _ring compute them, so a
+# "auto" without calibrated all-reduce entries, per (group, algo, calibration): every candidate's _terms, so a
 # call prices only the n_bytes term (one per prefill batch and all-reduce; the full path built ~6 CollectiveCosts)
 _AUTO: dict[tuple[int, str, int], tuple] = {}
 
@@ -259,29 +269,12 @@ def _auto_terms(g: GroupLinks, algo: str, calib: CalibrationTable | None) -> tup
     if hit is not None and hit[0] is g and hit[1] is calib:
         return hit[2]
     names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
-    terms: tuple | None = ()
     if calib is not None and any(calib.entry("allreduce_us", g.gpu.name, algo=a, n_ranks=g.n_ranks) is not None
                                  for a in names):
         terms = None  # measured entries depend on n_bytes: the general path
     else:
-        out = []
         fixed_us = kernel_fixed_us(calib, g.gpu)
-        for a in names:
-            per_dir, phases, syncs = algo_shape(a, g.n_ranks)
-            if a == "ring":  # _ring: the protocols in its order
-                route = "nvlink" if g.one_domain else "net"
-                for proto in ("LL", "LL128", "Simple"):
-                    lat_us = C.NCCL_BASE_LAT_US[proto] + 2 * (g.n_ranks - 1) * C.NCCL_RING_STEP_US[route][proto]
-                    if not g.one_domain:
-                        lat_us += C.NIC_POST_US + (0.0 if g.gpu_initiated else C.CPU_PROXY_US)
-                    out.append(("ring", proto, lat_us * 1e-6, per_dir, g.bw_GBps * 1e9 * C.NCCL_PROTO_BW_FACTOR[proto]))
-            else:  # _symmetric
-                lat_us = (fixed_us
-                          + syncs * (C.SIGNAL_US[g.arch] + g.latency_us + C.PER_PEER_US * (g.n_ranks - 1))
-                          + phases * 2 * g.latency_us)
-                bw = g.bw_GBps * 1e9 * (C.NVLS_EFFICIENCY[g.arch] if a == "nvls" else 1.0)
-                out.append((a, "symmetric", lat_us * 1e-6, per_dir, bw))
-        terms = tuple(out) if out else None
+        terms = tuple(t for a in names for t in _terms(g, a, fixed_us)) or None
     if len(_AUTO) > 4096:
         _AUTO.clear()
     _AUTO[key] = (g, calib, terms)
