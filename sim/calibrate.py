@@ -257,8 +257,16 @@ def kernel_maps(rows: list[dict]) -> dict[tuple, KernelMap]:
     out = {}
     for r in rows:
         if r.get("bench") == "gemm_kernels" and not r.get("error") and r.get("runs"):
-            key = (("fmt", r["fmt"]), ("n", r["n"]), ("k", r["k"]))
-            out[key] = KernelMap(tuple((int(a), int(b), str(kn)) for a, b, kn in r["runs"]))
+            try:
+                key = (("fmt", r["fmt"]), ("n", int(r["n"])), ("k", int(r["k"])))
+                runs = tuple((int(a), int(b), str(kn)) for a, b, kn in r["runs"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise UserError(f"gemm_kernels row {r.get('fmt')}/{r.get('shape')}: needs fmt, n, k and runs of "
+                                f"[m_first, m_last, kernel] ({type(exc).__name__}: {exc})") from exc
+            if any(a > b for a, b, _ in runs) or any(r0[1] >= r1[0] for r0, r1 in zip(runs, runs[1:])):
+                raise UserError(f"gemm_kernels row {r['fmt']}/{r.get('shape')}: runs must be increasing, "
+                                f"non-overlapping [m_first, m_last] ranges")
+            out[key] = KernelMap(runs)
     return out
 
 

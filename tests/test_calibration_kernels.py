@@ -128,3 +128,13 @@ def test_runs_of_encodes_a_kernel_choice_and_kernel_maps_read_it_back():
     assert runs == [[1, 2, f"{SPLITK.split(' + ')[0]} + reduce"], [3, 8, FP8], [16, 16, "x"]]
     km = KernelMap(tuple(tuple(r) for r in runs))
     assert km.full == 8 and km.kernel(5) == FP8 and km.kernel(16) == "x" and km.kernel(12) is None
+
+
+def test_a_malformed_kernel_map_is_one_user_error():
+    import pytest
+
+    from topology.errors import UserError
+
+    for runs in ([[1, 2]], [[5, 1, "k"]], [[1, 8, "a"], [8, 9, "b"]], "x"):
+        with pytest.raises(UserError, match="gemm_kernels row fp8/s"):
+            kernel_maps([{"bench": "gemm_kernels", "fmt": "fp8", "shape": "s", "n": 8, "k": 8, "runs": runs}])
