@@ -4,9 +4,12 @@ Every benchmark returns *rows* (plain dicts, JSON-ready) with the shape, the med
 (``median_us``) and the derived rate (``tflops`` = 1e12 FLOP/s, ``GBps`` = 1e9 B/s). The FLOP and byte
 conventions are the simulator's (``sim/costs``), so that a fitted rate reproduces the measured time exactly:
 
-* ``hbm_copy``: ``dst.copy_(src)`` of ``size_bytes``; ``bytes`` = read + write = ``2 * size_bytes``.
+* ``hbm_copy``: ``dst.copy_(src)`` of ``size_bytes`` (the driver's device-to-device memcpy) and, with
+  ``kernel: elementwise``, ``torch.neg(src, out=dst)`` (an elementwise kernel, the same traffic); ``bytes`` = read +
+  write = ``2 * size_bytes``.
 * ``gemm`` (``op: dense``): ``A[m, k] @ W[n, k]^T`` bf16 (``torch.matmul``) or FP8 E4M3 with row-wise scales
-  (``torch._scaled_mm``, ``fmt: fp8``); FLOPs ``2*m*n*k``; every multiple of 8 in ``m`` up to 1024 (``DENSE_M``).
+  (``torch._scaled_mm``, ``fmt: fp8``); FLOPs ``2*m*n*k``; bf16 at every ``m`` up to 1024 (``DENSE_M_BF16``), FP8
+  (one kernel) at every multiple of 8 (``DENSE_M``).
 * ``gemm_kernels`` (not timed): per dense shape and format, the CUDA kernels the same call launches at every ``m``
   up to 1024 and every multiple of 64 up to 16384, run-length encoded as ``runs: [[m_first, m_last, kernels]]``
   (the profiler's activity trace, :func:`kernel_names`); ``sim.calibrate`` reads the kernel and its M tile.
@@ -16,6 +19,8 @@ conventions are the simulator's (``sim/costs``), so that a fitted rate reproduce
   FLOPs ``4*H*D*seq*(seq+1)/2`` (``sim.costs.attention``'s causal count).
 * ``attn_decode``: SDPA (flash-decode style) with one query token per sequence over ``ctx`` cached tokens,
   ``batch`` sequences; KV bytes ``batch*ctx*2*Hkv*D*2`` (bf16), reported as ``GBps`` of KV read.
+* ``attn_kernels`` (not timed): per decode batch, the kernels and launch grids the same SDPA call runs at every
+  context of ``DECODE_MAP_CTX`` (``runs`` as for ``gemm_kernels``, each name followed by ``<<<grid>>>``).
 * ``allreduce``: NCCL ``all_reduce`` (bf16 avg) of ``size_bytes`` per rank over all local GPUs, one process per
   GPU; per round the max over ranks.
 * ``p2p_copy``: ``dst_on_gpu1.copy_(src_on_gpu0)`` of ``size_bytes`` (NVLink peer copy).
@@ -107,6 +112,13 @@ GEMM_M = grid(pow2(1, 32), [48], geo(64, 1024, 4, 8), pow2(2048, 16384))
 #: (kernels/probe.py, results/h200x2/probe/): no sparse grid can place that, so the curve is measured densely and
 #: the kernel each m runs is recorded (``gemm_kernels`` rows, :func:`kernel_names`)
 DENSE_M = grid([1, 2, 4], range(8, 1025, 8), pow2(2048, 16384))
+#: bf16 dense GEMMs are timed at every m up to 1024: cuBLAS runs some kernels over fewer than 8 consecutive m
+#: (``384x104`` at m = 513..520 on QKV), so a grid of multiples of 8 leaves kernels with no timed point and lands
+#: on the single-m choices cuBLAS makes at multiples of 16 (v6: 5 held-out rows off by 12-25 %)
+DENSE_M_BF16 = grid(range(1, 1025), pow2(2048, 16384))
+#: decode-attention contexts whose kernels and launch grids are recorded (``attn_kernels`` rows): every 16 up to
+#: 4096, every 128 above (SDPA's split-KV kernel changes its number of splits, not its name, with the context)
+DECODE_MAP_CTX = list(range(16, 4097, 16)) + list(range(4224, 65537, 128))
 #: token counts whose kernel choice is recorded: every m up to 1024, then every multiple of 64 up to 16384
 KERNEL_MAP_M = list(range(1, 1025)) + list(range(1088, 16385, 64))
 GROUPED_M = grid(pow2(1, 16), [24], geo(32, 512, 4, 8), pow2(1024, 2048))
@@ -336,9 +348,11 @@ def _rates(row: dict, work: float | None = None, rate: str = "GBps") -> dict:
     return row
 
 
-def kernel_names(calls, marker_fn, is_marker) -> list[tuple[str, ...]]:
+def kernel_names(calls, marker_fn, is_marker, grid: bool = False) -> list[tuple[str, ...]]:
     """The CUDA kernels each zero-arg callable in ``calls`` launches, in launch order: one profiled pass with
-    ``marker_fn`` (a tiny kernel whose name ``is_marker`` recognises) before every call and after the last."""
+    ``marker_fn`` (a tiny kernel whose name ``is_marker`` recognises) before every call and after the last.
+    ``grid``: each name followed by its launch grid, ``name<<<x,y,z>>>`` (from the profiler's trace export: a
+    split-KV attention kernel keeps its name when its number of splits changes)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -352,13 +366,29 @@ def kernel_names(calls, marker_fn, is_marker) -> list[tuple[str, ...]]:
         marker_fn()
         torch.cuda.synchronize()
     evs = []
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name()
-        if name.startswith(("Memcpy", "Memset", "[memory]")):
-            continue
-        evs.append((e.start_ns(), name))
+    if grid:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        finally:
+            os.unlink(path)
+        for e in trace.get("traceEvents", []):
+            if str(e.get("cat", "")).lower() != "kernel" or e.get("ph") != "X":
+                continue
+            g = e.get("args", {}).get("grid")
+            gs = ",".join(str(v) for v in g) if isinstance(g, (list, tuple)) else "?"
+            evs.append((float(e["ts"]), f"{e['name']}<<<{gs}>>>"))
+    else:
+        for e in prof.profiler.kineto_results.events():
+            if e.device_type() != torch.autograd.DeviceType.CUDA:
+                continue
+            name = e.name()
+            if name.startswith(("Memcpy", "Memset", "[memory]")):
+                continue
+            evs.append((e.start_ns(), name))
     evs.sort()
     out: list[list[str]] = []
     cur: list[str] | None = None
@@ -426,7 +456,12 @@ def bench_hbm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
         fns = [(lambda s=s, d=d: d.copy_(s)) for s, d in zip(src, dst)]
         fns[0]()
         assert torch.equal(dst[0], src[0])
-        cases.append(({"bench": "hbm_copy", "size_bytes": sz, "bytes": 2 * sz}, fns))
+        cases.append(({"bench": "hbm_copy", "kernel": "memcpy", "size_bytes": sz, "bytes": 2 * sz}, fns))
+        # the same traffic through an elementwise kernel (what memory-bound model ops run), not the driver's
+        # device-to-device memcpy that ``copy_`` calls: the memcpy runs at 2.75 or 4.25 TB/s by size above 512 MiB
+        # (results/h200x2/probe/probe_v2_copy.json)
+        efns = [(lambda s=s, d=d: torch.neg(s, out=d)) for s, d in zip(src, dst)]
+        cases.append(({"bench": "hbm_copy", "kernel": "elementwise", "size_bytes": sz, "bytes": 2 * sz}, efns))
     rows = measure_curve(timer, cases, echo, "hbm_copy", budget)
     return [_rates(r, work=r["bytes"]) for r in rows]
 
@@ -436,21 +471,24 @@ def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
 
     rows = []
     ms = _sizes(DENSE_M, quick, dry, [1, 2, 4, 8])
+    ms_bf16 = _sizes(DENSE_M_BF16, quick, dry, [1, 2, 3, 4, 8])
     shapes = DENSE_SHAPES if not dry else (("tiny_a", 48, 32), ("tiny_b", 32, 64))
     for name, n, k in shapes:
         if budget.left() < 10:
             rows.append({"bench": "gemm", "op": "dense", "shape": name, "error": "skipped: time budget"})
             continue
         ws = [_randn((n, k), torch.bfloat16, device, gen) for _ in range(_n_sets(n * k * 2))]
+        # inputs: the first m rows of one buffer per weight set (contiguous views; a tensor per m would need
+        # ~70 GB at every m up to 1024)
+        big = [_randn((max(ms_bf16), k), torch.bfloat16, device, gen) for _ in range(len(ws))]
         cases = []
-        for m in ms:
-            xs = [_randn((m, k), torch.bfloat16, device, gen) for _ in range(len(ws))]
-            fns = [(lambda x=x, w=w: torch.matmul(x, w.t())) for x, w in zip(xs, ws)]
+        for m in ms_bf16:
+            fns = [(lambda x=b[:m], w=w: torch.matmul(x, w.t())) for b, w in zip(big, ws)]
             cases.append(({"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
                            "n_experts": 1}, fns))
         for r in measure_curve(timer, cases, echo, f"gemm bf16 {name}", budget):
             rows.append(_rates(r, work=2.0 * r["m"] * n * k, rate="tflops"))
-        del cases
+        del cases, big
         rows.extend(_kernel_map_rows(device, name, n, k, ("bf16", "fp8"), ws[0], gen, quick, echo))
         # FP8 E4M3, row-wise scales (torch._scaled_mm needs CUDA and dims divisible by 16)
         if device.startswith("cuda") and hasattr(torch, "_scaled_mm"):
@@ -583,10 +621,43 @@ def bench_decode(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
                            "head_dim": D, "kv_bytes": kv_bytes}, fns))
         rows += [_rates(r, work=r["kv_bytes"]) for r in measure_curve(timer, cases, echo, f"attn_decode b{batch}",
                                                                       budget)]
+        if device.startswith("cuda") and not quick:
+            rows.append(_decode_kernel_map(device, batch, H, Hkv, D, gen, cases, echo))
         del cases
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
+
+
+def _decode_kernel_map(device, batch: int, H: int, Hkv: int, D: int, gen, cases, echo) -> dict:
+    """The ``attn_kernels`` row of one decode-attention curve: the kernels and launch grids (:func:`kernel_names`
+    with ``grid``) SDPA runs at every context of ``DECODE_MAP_CTX`` within the KV cap (run-length encoded,
+    :func:`runs_of`), on context slices of one cache; ``timed``: ``[ctx, kernels]`` of the timed calls (their own
+    contiguous tensors), to check that the slices launch what the timed rows ran. A failure is an ``error`` row."""
+    import torch
+    import torch.nn.functional as F
+
+    row = {"bench": "attn_kernels", "batch": batch, "n_q_heads": H, "n_kv_heads": Hkv, "head_dim": D}
+    t0 = time.time()
+    try:
+        ctxs = [c for c in DECODE_MAP_CTX if batch * c * 2 * Hkv * D * 2 <= DECODE_MAX_KV_BYTES]
+        q = _randn((batch, H, 1, D), torch.bfloat16, device, gen)
+        k = _randn((batch, Hkv, ctxs[-1], D), torch.bfloat16, device, gen)
+        v = torch.randn_like(k)
+        marker = torch.zeros(1, device=device, dtype=torch.int32)
+        mark, is_mark = (lambda: marker.fill_(7)), (lambda s: "FillFunctor" in s)
+        calls = [(lambda c=c: F.scaled_dot_product_attention(q, k[:, :, :c], v[:, :, :c], enable_gqa=True))
+                 for c in ctxs]
+        sigs = kernel_names(calls, mark, is_mark, grid=True)
+        timed = [(r["ctx"], fns[0]) for r, fns in cases if "median_us" in r]
+        tsigs = kernel_names([f for _, f in timed], mark, is_mark, grid=True)
+        row.update(runs=runs_of(ctxs, sigs), timed=[[c, " + ".join(sg)] for (c, _), sg in zip(timed, tsigs)])
+        echo(f"measure: attn kernels b{batch}: {len(row['runs'])} runs over ctx = {ctxs[0]}..{ctxs[-1]} "
+             f"({time.time() - t0:.1f} s)")
+        del q, k, v
+    except Exception as exc:  # noqa: BLE001 — recorded, not fatal
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
 
 
 def bench_p2p(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
