@@ -22,9 +22,13 @@ def test_dry_run_calibrate_then_validate(tmp_path, capsys):
     meas = json.loads((tmp_path / "dry_measure.json").read_text())
     assert {r["bench"] for r in meas["rows"]} == {"hbm_copy", "gemm"}
     res = validate_kernels(meas, table, topology.load("h200x2"))
-    # the dry-run GPU name matches no topology GPU: predictions are the uncalibrated model, rows are bookkept
-    assert {r["role"] for r in res["rows"]} == {"holdout"}
-    assert len(res["rows"]) == len(table.meta["holdout"])
+    # the dry-run GPU name matches no topology GPU: predictions are the uncalibrated model, rows are bookkept;
+    # the driver-memcpy copies are listed but not calibration points (the elementwise copies are)
+    held = [r for r in res["rows"] if r["role"] == "holdout"]
+    assert len(held) == len(table.meta["holdout"])
+    memcpy = {f"hbm_copy/{r['size_bytes']}" for r in meas["rows"] if r.get("kernel") == "memcpy"}
+    assert memcpy and {r["row_id"] for r in res["rows"] if r["role"] != "holdout"} == memcpy
+    assert not any(rid in memcpy for rid in table.meta["holdout"])
     assert validate_engine(table, None, None) is None
 
 

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.calibrate import (
     KernelMap,
     Holdout,
+    attn_maps,
     calibrate,
+    calibration_rows,
+    curve_of,
+    decode_map_grid,
+    decode_run_times,
+    decode_work_x,
     kernel_block_times,
     kernel_maps,
     kernel_tile,
+    row_id,
     split_rows,
     tabulate_exact,
 )
+from topology.errors import UserError
 from sim.costs.calibration import CalibrationEntry
 
 FP8 = "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT"
@@ -138,3 +147,106 @@ def test_a_malformed_kernel_map_is_one_user_error():
     for runs in ([[1, 2]], [[5, 1, "k"]], [[1, 8, "a"], [8, 9, "b"]], "x"):
         with pytest.raises(UserError, match="gemm_kernels row fp8/s"):
             kernel_maps([{"bench": "gemm_kernels", "fmt": "fp8", "shape": "s", "n": 8, "k": 8, "runs": runs}])
+
+
+# ------------------------------------------------------------------ block ends, decode maps, memcpy rows
+
+def test_block_end_uses_a_least_squares_line_not_two_noisy_neighbours():
+    other = "nvjet_sm90_tst_64x184_64x6_2x1_v_bz_TNT"
+    km = KernelMap(((1, 352, FP8), (353, 400, other)))
+    # v7 o_tp1: a block whose first m is held out and whose fit points alternate +-3 % around a flat time
+    fit = {8: 1.0, 352: 1.0, 354: 45.5e-6, 355: 42.9e-6, 357: 45.9e-6, 358: 42.8e-6}
+    ts = kernel_block_times(km, 4096, fit, fallback=lambda m: 1.0)
+    flat = sum(fit[m] for m in (354, 355, 357, 358)) / 4
+    assert abs(ts[353 - 1] / flat - 1) < 0.03  # the line through the two nearest would give 48.1 (+9 %)
+    assert ts[356 - 1] == fit[355] + (fit[357] - fit[355]) / 2  # inside: the bracketing pair
+
+
+DEC1 = "cudnn_sdpa_knob_35_16x128x128_1x4x1_kernel0_0<<<1,4,1>>>"
+DEC4 = "cudnn_sdpa_knob_35_16x128x128_1x4x1_kernel0_0<<<4,4,1>>> + reduce<<<1,64,1>>>"
+DEC64 = "cudnn_sdpa_knob_35_16x128x128_1x4x1_kernel0_0<<<64,4,1>>> + reduce<<<1,64,1>>>"
+
+
+def test_decode_work_rounds_to_kv_blocks_only_in_one_wave():
+    assert decode_work_x(DEC1, 432) == 512.0 and decode_work_x(DEC1, 512) == 512.0  # 4 CTAs: whole blocks
+    assert decode_work_x(DEC4, 608) == 640.0  # 16 CTAs
+    assert decode_work_x(DEC64, 11520) == 11520.0  # 256 CTAs > 132 SMs: the partial block is partial work
+    assert decode_work_x("no_tile_kernel<<<1,1,1>>>", 100) == 100.0
+
+
+def _truth(runs, x):
+    """A decode time that is linear in the decode work of its run (what the run model assumes)."""
+    for i, (a, b, k) in enumerate(runs):
+        if a <= x <= b:
+            return (5.0 + 3.0 * i) * 1e-6 + (1.0 + i) * 1e-9 * decode_work_x(k, x)
+    raise AssertionError(x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=6, max_size=30, unique=True))
+def test_decode_run_model_is_exact_for_run_linear_times_between_fit_points(steps):
+    runs = ((16, 512, DEC1), (528, 8064, DEC4), (8192, 65536, DEC64))
+    xs = [x for x in decode_map_grid(runs)]
+    fit = {}
+    for s in sorted(steps):  # fit points spread over the grid
+        x = xs[(s * 97) % len(xs)]
+        fit[x] = _truth(runs, x)
+    ts = decode_run_times(runs, xs, fit, fallback=lambda x: -1.0)
+    for x, t in zip(xs, ts):
+        same = sorted(decode_work_x(k, f) for f in fit for a, b, k in runs if a <= f <= b and a <= x <= b)
+        if len(set(same)) >= 2 and same[0] <= decode_work_x(next(k for a, b, k in runs if a <= x <= b), x) <= same[-1]:
+            assert abs(t / _truth(runs, x) - 1) < 1e-9, x
+        elif len(set(same)) < 2:
+            assert t == -1.0, x  # fewer than two distinct fit works in the run: the fallback
+
+
+def test_decode_map_grid_follows_the_recorded_contexts():
+    g = decode_map_grid(((16, 32, DEC1), (48, 4096, DEC4), (4224, 4480, DEC64)))
+    assert g[:4] == [16, 32, 48, 64] and 4096 in g and 4112 not in g and g[-3:] == [4224, 4352, 4480]
+
+
+def _decode_doc():
+    ctxs = [256, 304, 368, 432, 512, 608, 720, 864, 1024, 1216, 1456, 1728, 2048]
+    runs = [[16, 512, DEC1], [528, 1008, DEC4], [1024, 4096, DEC64.replace("<<<64,", "<<<8,")]]
+    tr = tuple(tuple(r) for r in runs)
+    rows = [{"bench": "attn_decode", "batch": 1, "ctx": c, "n_q_heads": 64, "n_kv_heads": 4, "head_dim": 128,
+             "kv_bytes": c * 2 * 4 * 128 * 2, "median_us": _truth(tr, c) * 1e6 + 1.06} for c in ctxs]
+    rows.append({"bench": "attn_kernels", "batch": 1, "n_q_heads": 64, "n_kv_heads": 4, "head_dim": 128,
+                 "runs": runs})
+    return {"schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "sm_count": 132}, "rows": rows}
+
+
+def test_calibrate_with_a_decode_map_predicts_held_out_contexts():
+    import topology
+    from engine.cli.validate import validate_kernels
+    from sim.calibrate import CalibrationFile
+
+    doc = _decode_doc()
+    assert set(attn_maps(doc["rows"])) == {(("head_dim", 128), ("seq_heads", 4))}
+    out = calibrate(doc, gpu="H200-SXM")
+    (e,) = [x for x in out["entries"] if x["kind"] == "decode_attn_GBps"]
+    assert "kernel map" in e["source"]
+    table = CalibrationFile(**{k: v for k, v in out.items() if k != "version"})
+    res = validate_kernels(doc, table, topology.load("h200x2"))
+    held = [r for r in res["rows"] if r["role"] == "holdout"]
+    assert len(held) == 4  # 304, 512, 864, 1456
+    # 512 sits in the same 128-token block as fit point 432 (one wave): no split-switch miss (v6: +21 %)
+    assert max(abs(r["rel_error"]) for r in held) < 0.01
+
+
+def test_a_malformed_decode_map_is_one_user_error():
+    doc = _decode_doc()
+    doc["rows"][-1]["runs"] = [[16, 600, DEC1], [528, 1008, DEC4]]
+    with pytest.raises(UserError, match="attn_kernels row b1"):
+        attn_maps(doc["rows"])
+
+
+def test_memcpy_copies_are_not_calibration_points_once_elementwise_copies_exist():
+    old = [{"bench": "hbm_copy", "size_bytes": 2**20, "bytes": 2**21, "median_us": 1.0}]
+    assert calibration_rows(old) is old and curve_of(old[0]) is not None  # v6 files: memcpy rows still fit
+    new = old + [{"bench": "hbm_copy", "kernel": "elementwise", "size_bytes": 2**20, "bytes": 2**21,
+                  "median_us": 1.1}]
+    rows = calibration_rows(new)
+    assert rows[0]["kernel"] == "memcpy" and "kernel" not in old[0]  # labelled in a copy
+    assert curve_of(rows[0]) is None and curve_of(rows[1]) is not None
+    assert row_id(rows[0]) != row_id(rows[1])

@@ -59,7 +59,7 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
     ``repeat``: a second measurement of the same grid (``--repeat``): each row also gets ``repeat_rel`` (its
     median in the repeat over this one, less 1), and the summary the run-to-run differences of the held-out rows,
     so a miss far beyond them is a reproducible property of the kernel, not noise."""
-    from sim.calibrate import check_measurements, curve_of, predict_row, row_id, row_noise
+    from sim.calibrate import calibration_rows, check_measurements, curve_of, predict_row, row_id, row_noise
 
     check_measurements(measurements)
     if repeat is not None:
@@ -73,7 +73,7 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
         raise UserError("validate: the calibration file lists no held-out rows (meta.holdout); refit it with "
                         "'rackbed calibrate' (hold-outs are on by default)")
     out, groups = [], {}
-    for r in measurements.get("rows", []):
+    for r in calibration_rows(measurements.get("rows", [])):
         if r.get("error") or not r.get("median_us"):
             continue
         rid = row_id(r)
