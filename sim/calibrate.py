@@ -174,7 +174,8 @@ def fit_kernel_fixed_us(rows: list[dict], fit_ids: set[str]) -> dict | None:
     time not spent moving data; never below 0). Held-out rows are never read. Also returns, as a cross-check, the intercept of
     the least-squares line ``time = a + bytes * s`` through the three smallest fit copies."""
     cps = sorted(((r["median_us"], float(r["bytes"]), row_id(r)) for r in rows
-                  if r.get("bench") == "hbm_copy" and row_id(r) in fit_ids and not r.get("error")
+                  if r.get("bench") == "hbm_copy" and r.get("kernel") != "memcpy" and row_id(r) in fit_ids
+                  and not r.get("error")
                   and (r.get("median_us") or 0) > 0 and (r.get("bytes") or 0) > 0), key=lambda c: (c[0], c[1]))
     if len(cps) < 2:
         return None
