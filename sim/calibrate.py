@@ -269,17 +269,24 @@ def kernel_maps(rows: list[dict]) -> dict[tuple, KernelMap]:
     out = {}
     for r in rows:
         if r.get("bench") == "gemm_kernels" and not r.get("error") and r.get("runs"):
-            try:
-                key = (("fmt", r["fmt"]), ("n", int(r["n"])), ("k", int(r["k"])))
-                runs = tuple((int(a), int(b), str(kn)) for a, b, kn in r["runs"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise UserError(f"gemm_kernels row {r.get('fmt')}/{r.get('shape')}: needs fmt, n, k and runs of "
-                                f"[m_first, m_last, kernel] ({type(exc).__name__}: {exc})") from exc
-            if any(a > b for a, b, _ in runs) or any(r0[1] >= r1[0] for r0, r1 in zip(runs, runs[1:])):
-                raise UserError(f"gemm_kernels row {r['fmt']}/{r.get('shape')}: runs must be increasing, "
-                                f"non-overlapping [m_first, m_last] ranges")
+            key, runs = _map_row(r, f"gemm_kernels row {r.get('fmt')}/{r.get('shape')}", "fmt, n, k", "m",
+                                 lambda: (("fmt", r["fmt"]), ("n", int(r["n"])), ("k", int(r["k"]))))
             out[key] = KernelMap(runs)
     return out
+
+
+def _map_row(r: dict, label: str, fields: str, x: str, key_of) -> tuple[tuple, tuple[tuple[int, int, str], ...]]:
+    """``(key_of(), runs)`` of a kernel-map row (``gemm_kernels`` / ``attn_kernels``), or one UserError naming the
+    row when a field is missing or the runs are not increasing, non-overlapping ``[x_first, x_last, kernels]``."""
+    try:
+        key = key_of()
+        runs = tuple((int(a), int(b), str(kn)) for a, b, kn in r["runs"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{label}: needs {fields} and runs of [{x}_first, {x}_last, kernel] "
+                        f"({type(exc).__name__}: {exc})") from exc
+    if any(a > b for a, b, _ in runs) or any(r0[1] >= r1[0] for r0, r1 in zip(runs, runs[1:])):
+        raise UserError(f"{label}: runs must be increasing, non-overlapping [{x}_first, {x}_last] ranges")
+    return key, runs
 
 
 def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
@@ -514,15 +521,9 @@ def attn_maps(rows: list[dict]) -> dict[tuple, tuple[tuple[int, int, str], ...]]
     out = {}
     for r in rows:
         if r.get("bench") == "attn_kernels" and not r.get("error") and r.get("runs"):
-            try:
-                key = (("head_dim", int(r["head_dim"])), ("seq_heads", int(r["batch"]) * int(r["n_kv_heads"])))
-                runs = tuple((int(a), int(b), str(kn)) for a, b, kn in r["runs"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise UserError(f"attn_kernels row b{r.get('batch')}: needs batch, n_kv_heads, head_dim and runs of "
-                                f"[ctx_first, ctx_last, kernels] ({type(exc).__name__}: {exc})") from exc
-            if any(a > b for a, b, _ in runs) or any(r0[1] >= r1[0] for r0, r1 in zip(runs, runs[1:])):
-                raise UserError(f"attn_kernels row b{r['batch']}: runs must be increasing, non-overlapping "
-                                f"[ctx_first, ctx_last] ranges")
+            key, runs = _map_row(r, f"attn_kernels row b{r.get('batch')}", "batch, n_kv_heads, head_dim", "ctx",
+                                 lambda: (("head_dim", int(r["head_dim"])),
+                                          ("seq_heads", int(r["batch"]) * int(r["n_kv_heads"]))))
             out[key] = runs
     return out
 
