@@ -492,7 +492,8 @@ def fit_dense_with_map(kind: str, xy: list[tuple[float, float]], kmap: KernelMap
     last resort inside. Returns ``(points, description)``."""
     flops = lambda m: 2.0 * m * n * k  # noqa: E731
     xs = [x for x, _ in xy]
-    sub = [(x, y) for x, y in xy if x in _thin(xs)]
+    keep = _thin(xs)
+    sub = [(x, y) for x, y in xy if x in keep]
     form = choose_form(kind, sub, shape, sm_count)
     fb_pts = fit_curve(kind, sub, form)
     fb = CalibrationEntry(kind="gemm_tflops", gpu="-", points=fb_pts)
