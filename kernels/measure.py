@@ -13,6 +13,10 @@ conventions are the simulator's (``sim/costs``), so that a fitted rate reproduce
 * ``gemm_kernels`` (not timed): per dense shape and format, the CUDA kernels the same call launches at every ``m``
   up to 1024 and every multiple of 64 up to 16384, run-length encoded as ``runs: [[m_first, m_last, kernels]]``
   (the profiler's activity trace, :func:`kernel_names`); ``sim.calibrate`` reads the kernel and its M tile.
+* ``gemm_forced``: per bf16 dense shape, the kernel of each run of its map over at most ``FORCED_RUN_M`` m, timed at
+  a few other m with that kernel run by choice through cuBLASLt (``kernels/cublaslt.py``, :func:`gemm_forced_cases`), in
+  the same interleaved curve as the library's rows, so that ``sim.calibrate`` can price the kernel from points of
+  its own.
 * ``gemm`` (``op: grouped``): ``torch._grouped_mm`` over ``n_experts`` experts with ``m`` tokens each (what
   ``engine/real/model.py``'s ``grouped_swiglu`` calls); FLOPs ``2*m*E*n*k``.
 * ``flash_prefill``: causal SDPA, one sequence of ``seq`` tokens, ``n_q_heads`` / ``n_kv_heads`` / ``head_dim``;
@@ -52,6 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
@@ -63,7 +68,9 @@ GROUPED_SHAPES = (("gate_up", 2 * MOE_INTER, HIDDEN), ("down", HIDDEN, MOE_INTER
 #: (name, n, k): dense GEMMs — attention projections at TP=1 (QKV, O) and TP=2 (QKV)
 DENSE_SHAPES = (("qkv_tp1", N_Q_HEADS * HEAD_DIM + 2 * N_KV_HEADS * HEAD_DIM, HIDDEN),
                 ("o_tp1", HIDDEN, N_Q_HEADS * HEAD_DIM),
-                ("qkv_tp2", N_Q_HEADS // 2 * HEAD_DIM + 2 * N_KV_HEADS // 2 * HEAD_DIM, HIDDEN))
+                ("qkv_tp2", N_Q_HEADS // 2 * HEAD_DIM + 2 * N_KV_HEADS // 2 * HEAD_DIM, HIDDEN),
+                ("o_tp2", HIDDEN, N_Q_HEADS // 2 * HEAD_DIM),
+                ("qkv_tp4", N_Q_HEADS // 4 * HEAD_DIM + 2 * N_KV_HEADS // 4 * HEAD_DIM, HIDDEN))
 GROUPED_EXPERTS = 32
 L2_BYTES = 50 * 2**20  # H200 L2 (60 MB per torch; 50 MiB in topology.specs) — rotation target is 3x this
 #: decode attention batches (sequences); the KV read per case is capped at DECODE_MAX_KV_BYTES
@@ -119,6 +126,14 @@ DENSE_M_BF16 = grid(range(1, 1025), pow2(2048, 16384))
 #: decode-attention contexts whose kernels and launch grids are recorded (``attn_kernels`` rows): every 16 up to
 #: 4096, every 128 above (SDPA's split-KV kernel changes its number of splits, not its name, with the context)
 DECODE_MAP_CTX = list(range(16, 4097, 16)) + list(range(4224, 65537, 128))
+#: a choice cuBLAS makes at no more than ``FORCED_RUN_M`` consecutive m (up to ``FORCED_TOP_M``) is also timed at
+#: other m, its kernel run by choice through cuBLASLt (``gemm_forced`` rows, :func:`gemm_forced_cases`): from the
+#: library's curve alone no held-out m of such a choice can be priced (v7: 37 kernels at one m each, up to 44 % off
+#: their neighbours; v8: a kernel run at one m with other launch parameters than at its other m, 15 % slower)
+FORCED_RUN_M, FORCED_TOP_M = 2, 1024
+#: where a short run's kernel is forced: at the run's m plus these offsets (the M tile of the kernels concerned is
+#: 16-384 rows, so some of the points share the run's block of M tiles)
+FORCED_OFFSETS = (-24, -16, -8, 8, 16, 24)
 #: token counts whose kernel choice is recorded: every m up to 1024, then every multiple of 64 up to 16384
 KERNEL_MAP_M = list(range(1, 1025)) + list(range(1088, 16385, 64))
 GROUPED_M = grid(pow2(1, 16), [24], geo(32, 512, 4, 8), pow2(1024, 2048))
@@ -443,6 +458,88 @@ def gemm_kernel_map(device, name: str, n: int, k: int, fmt: str, w, gen) -> dict
             "runs": runs_of(KERNEL_MAP_M, names)}
 
 
+def short_runs(runs: list, top: int = FORCED_TOP_M, longest: int = FORCED_RUN_M) -> list[tuple[str, list[int]]]:
+    """``[(kernels, [m, ...]), ...]``: the runs of a ``gemm_kernels`` map (``runs``) over at most ``longest``
+    consecutive m, all up to ``top`` — choices the library makes at one or two m. A kernel it also runs elsewhere
+    may run there with other launch parameters (v8, 4096 x 4096: ``128x64_64x8_1x2_h`` at m = 224 is 15 % slower
+    than at m = 240, the same kernel over the same M tiles), so each run is forced on its own."""
+    return [(str(kn), list(range(int(a), int(b) + 1))) for a, b, kn in runs
+            if int(b) <= top and int(b) - int(a) + 1 <= longest]
+
+
+def forced_ms(at: list[int], top: int = FORCED_TOP_M, offsets=FORCED_OFFSETS) -> list[int]:
+    """The m where a run at ``at`` is forced: ``at`` plus ``offsets``, within 1..``top``, without ``at`` (those rows
+    would time what the library's own rows time). The m where the library runs the same kernel in another run are
+    kept: it may run it there with other launch parameters (v9, 4096 x 4096: ``64x64_64x13_2x1_v`` forced with
+    m = 128's choice runs 16.3 µs at m = 104 and 13.9 µs at 128, in the same M tiles; skipping 112 and 120 left
+    m = 128 priced from 104 alone, 18 % off)."""
+    return sorted({m + d for m in at for d in offsets if 1 <= m + d <= top} - set(at))
+
+
+def gemm_forced_cases(device, name: str, n: int, k: int, runs: list, ws: list, xs: list) -> tuple[list, list]:
+    """``(error_rows, cases)``: the ``gemm_forced`` cases of one bf16 dense shape, to be timed in the same
+    interleaved curve as the library's own rows (so both see the same clocks: timed in a short curve of their own
+    after the library's, v8's forced kernels ran up to 17 % faster than the library's call of the same kernel at
+    the same m). The kernel of every short run of the shape's map (:func:`short_runs`) at :func:`forced_ms`, run by choice
+    (``kernels/cublaslt.py``: the heuristic's candidate at the kernel's m that launches the same kernels, found
+    under the profiler), on the library rows' rotating weight sets ``ws`` and inputs ``xs`` (slices of their
+    first rows). Each row names the kernel, the run's m (``library_m``) and what the library runs at the row's m
+    (``library_kernel``); a run no candidate reproduces is an ``error`` row. One case per run at its first m
+    (``check: true``) times the forced kernel where the library picks it, to show that the two agree: calibration
+    never reads those."""
+    import torch
+
+    from kernels.cublaslt import CublasLt
+
+    groups = short_runs(runs)
+    if not groups:
+        return [], []
+    lt = CublasLt()
+    top = FORCED_TOP_M
+    ys = [torch.empty((top, n), dtype=torch.bfloat16, device=device) for _ in ws]
+    lib_kernel = {m: kn for a, b, kn in runs for m in range(int(a), min(int(b), top) + 1)}
+    calls, owners = [], []
+    for g, (kn, at) in enumerate(groups):
+        for m0 in at:
+            for rank, algo in enumerate(lt.candidates(n, k, m0)):
+                calls.append(lambda x=xs[0][:m0], y=ys[0][:m0], a=algo: lt.matmul(x, ws[0], y, a))
+                owners.append((g, m0, rank, algo))
+    marker = torch.zeros(1, device=device, dtype=torch.int32)
+    names = kernel_names(calls, lambda: marker.fill_(7), lambda s: "FillFunctor" in s) if calls else []
+    chosen: dict[int, tuple[int, int, object]] = {}
+    tried: dict[int, int] = defaultdict(int)
+    seen: dict[int, list[str]] = defaultdict(list)
+    for (g, m0, rank, algo), nm in zip(owners, names):
+        tried[g] += 1
+        if " + ".join(nm) not in seen[g]:
+            seen[g].append(" + ".join(nm))
+        if g not in chosen and " + ".join(nm) == groups[g][0]:
+            chosen[g] = (m0, rank, algo)
+    errors, cases = [], []
+    for g, (kn, at) in enumerate(groups):
+        base = {"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": name, "n": n, "k": k, "kernel": kn,
+                "library_m": at, "n_experts": 1}
+        if g not in chosen:
+            errors.append({**base, "error": f"none of the {tried[g]} cuBLASLt heuristic candidates at m = "
+                                            f"{', '.join(map(str, at))} launches this kernel",
+                           "candidates": [c[:120] for c in seen[g][:8]]})
+            continue
+        m0, rank, algo = chosen[g]
+        for m in [m0, *forced_ms(at)]:
+            row = {**base, "m": m, "library_kernel": lib_kernel.get(m), "heuristic_rank": rank}
+            if m == m0:
+                row["check"] = True
+            if not lt.supports(algo, n, k, m):
+                errors.append({**row, "error": "cuBLASLt: the algorithm does not run this size"})
+                continue
+            fns = [(lambda x=x[:m], w=w, y=y[:m], a=algo: lt.matmul(x, w, y, a)) for x, w, y in zip(xs, ws, ys)]
+            fns[0]()
+            ref = torch.matmul(xs[0][:m], ws[0].t()).float()
+            row["relerr"] = ((ys[0][:m].float() - ref).norm() / ref.norm()).item()
+            cases.append((row, fns))
+    return errors, cases
+
+
 # ------------------------------------------------------------------------------------------------ benchmarks
 
 def bench_hbm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
@@ -486,10 +583,25 @@ def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
             fns = [(lambda x=b[:m], w=w: torch.matmul(x, w.t())) for b, w in zip(big, ws)]
             cases.append(({"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
                            "n_experts": 1}, fns))
+        # the kernel map first: its rare kernels are forced in the same curve (gemm_forced_cases)
+        maps = _kernel_map_rows(device, name, n, k, ("bf16", "fp8"), ws[0], gen, quick, echo)
+        rows.extend(maps)
+        for mp in maps:
+            if mp["fmt"] == "bf16" and mp.get("runs"):
+                t0 = time.time()
+                try:
+                    errors, forced = gemm_forced_cases(device, name, n, k, mp["runs"], ws, big)
+                except Exception as exc:  # noqa: BLE001 — recorded, not fatal
+                    errors, forced = [{"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": name, "n": n,
+                                       "k": k, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}], []
+                echo(f"measure: gemm forced bf16 {name}: {len(forced)} cases, {len(errors)} errors "
+                     f"({time.time() - t0:.1f} s)")
+                rows.extend(errors)
+                cases.extend(forced)
+        cases.sort(key=lambda c: c[0]["m"])  # a forced case is timed between the library's cases next to it
         for r in measure_curve(timer, cases, echo, f"gemm bf16 {name}", budget):
             rows.append(_rates(r, work=2.0 * r["m"] * n * k, rate="tflops"))
         del cases, big
-        rows.extend(_kernel_map_rows(device, name, n, k, ("bf16", "fp8"), ws[0], gen, quick, echo))
         # FP8 E4M3, row-wise scales (torch._scaled_mm needs CUDA and dims divisible by 16)
         if device.startswith("cuda") and hasattr(torch, "_scaled_mm"):
             try:

@@ -342,3 +342,21 @@ def test_stop_terminates_only_live_processes():
     done.join(30)
     measure._stop([live, done])
     assert not live.is_alive() and live.exitcode is not None and done.exitcode == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30), st.integers(1, 3))
+def test_short_runs_and_where_they_are_forced(lengths, longest):
+    from kernels.measure import FORCED_OFFSETS, forced_ms, short_runs
+
+    runs, m = [], 1
+    for i, n in enumerate(lengths):  # kernel i % 5 over n consecutive m: kernels recur, as cuBLAS's do
+        runs.append([m, m + n - 1, f"k{i % 5}"])
+        m += n
+    top = 200
+    groups = short_runs(runs, top=top, longest=longest)
+    assert groups == [(kn, list(range(a, b + 1))) for a, b, kn in runs if b <= top and b - a + 1 <= longest]
+    for kn, at in groups:
+        ms = forced_ms(at, top=top)
+        assert not set(ms) & set(at) and all(1 <= x <= top for x in ms)
+        assert all(any(x - a in FORCED_OFFSETS for a in at) for x in ms)
