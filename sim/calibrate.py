@@ -16,6 +16,9 @@ docstring for the FLOP / byte conventions, which are the cost models'). Fitting 
   time less its bytes at the fastest rate any fit copy reached — the time of a kernel that is not moving data
   (launch gap, pipeline fill, tail). Fitted first, then subtracted from every row above, so the cost functions,
   which add the same F (:func:`sim.costs.calibration.kernel_fixed_us`), reproduce the fit points.
+* **dense GEMMs with a kernel map** (``gemm_kernels`` rows, :func:`fit_dense_with_map`): priced per kernel and
+  block of M tiles from the fit points; a choice cuBLAS makes at one or two m only is priced from its kernel timed
+  by choice at neighbouring m (``gemm_forced`` rows, :func:`forced_points`), never from the held-out row itself.
 * **fit** (:func:`fit_curve`): a physical base form of the implied time times the interpolated fit-point
   residual, tabulated densely for ``CalibrationEntry.interpolate``.
 * **measurement formats**: ``rackbed.measure/1`` (a median of repeats per row) and ``rackbed.measure/2`` (CUDA-graph
@@ -299,6 +302,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
     dense_keys: dict[str, list[tuple]] = defaultdict(list)
     kmaps = kernel_maps(rows)
     amaps = attn_maps(rows)
+    forced = forced_points(rows)
     for r in rows:
         if row_id(r) not in fit_ids:
             continue
@@ -314,7 +318,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
         if kmap is not None and kmap.full >= 8 and len(xy) >= 3:
             kd = dict(key)
             points, desc = fit_dense_with_map(kind, xy, kmap, int(kd["n"]), int(kd["k"]), shapes[(kind, key)],
-                                              sm_count)
+                                              sm_count, forced.get(key))
             entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=kd, points=points, source=f"{source}; {desc}"))
             continue
         if kind == "decode_attn_GBps" and key in amaps and len(xy) >= 3:
@@ -392,11 +396,38 @@ class KernelMap:
         return (k, math.ceil(m / t[1]) if t else 0)
 
 
-def kernel_block_times(kmap: KernelMap, n: int, pts: dict[int, float], fallback, sm_count: int = 132) -> list[float]:
+def forced_points(rows: list[dict]) -> dict[tuple, dict[tuple[str, tuple[int, ...]], dict[int, float]]]:
+    """The ``gemm_forced`` rows (``kernels/measure.py``: the kernel of a choice the library makes at one or two m,
+    timed at other m by choice) as ``{curve key (fmt, n, k): {(kernels, library m): {m: seconds}}}``. Rows with
+    errors and the ``check`` rows (the forced kernel where the library itself runs it, a duplicate of the library's
+    own row) are not read; a merged file's repeats of one point are averaged geometrically."""
+    acc: dict[tuple, dict[tuple, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in rows:
+        if r.get("bench") != "gemm_forced" or r.get("error") or r.get("check") or not r.get("median_us"):
+            continue
+        try:
+            key = (("fmt", r["fmt"]), ("n", int(r["n"])), ("k", int(r["k"])))
+            cfg = (str(r["kernel"]), tuple(sorted(int(x) for x in r["library_m"])))
+            acc[key][cfg][int(r["m"])].append(float(r["median_us"]) * 1e-6)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"gemm_forced row {r.get('shape')}/m{r.get('m')}: needs fmt, n, k, m, kernel, "
+                            f"library_m and median_us ({type(exc).__name__}: {exc})") from exc
+    return {key: {cfg: {m: _geomean(ts) for m, ts in by_m.items()} for cfg, by_m in cfgs.items()}
+            for key, cfgs in acc.items()}
+
+
+def kernel_block_times(kmap: KernelMap, n: int, pts: dict[int, float], fallback, sm_count: int = 132,
+                       forced: dict[tuple[str, tuple[int, ...]], dict[int, float]] | None = None) -> list[float]:
     """The time (s) of a dense GEMM at every ``m = 1 .. kmap.full`` from its timed fit points ``pts`` (m -> s) and
     the kernel each m runs (index 0 is m = 1). A GEMM's time is set by its kernel and how many M tiles that kernel
     covers (its *block*, :meth:`KernelMap.block`); within a block it varies smoothly with m (FP8's 128-row tiles run
-    a saw-tooth: time falls as the last tile fills). So, in order:
+    a saw-tooth: time falls as the last tile fills).
+
+    ``forced`` (:func:`forced_points`: ``(kernels, library m) -> {m: s}``): the kernel of a choice the library makes
+    at the m of ``library m`` only, timed by choice at other m. Such a choice is a configuration of its own (the same
+    kernel can run with other launch parameters at its other m): the library's points at ``library m`` and the
+    forced points form its blocks, and price nothing else (never the library's time at a forced point's m, even where
+    the library runs the same kernel there). Below, "kernel" is the configuration. In order:
 
     1. fit points in the same block: linear in m between the two around it; beyond the block's fit points the
        least-squares line through them (three or more) or the nearest one's time (v7: a line through the two
@@ -409,32 +440,50 @@ def kernel_block_times(kmap: KernelMap, n: int, pts: dict[int, float], fallback,
        kernels, were tried on v7: the worst held-out row went from 18 % to 31 % (m = 152 of the TP2 QKV GEMM).)
     """
     L = kmap.full
-    by_block: dict[tuple, list[int]] = defaultdict(list)
-    by_kernel: dict[str, list[int]] = defaultdict(list)
-    for m in sorted(pts):
+    forced = forced or {}
+    cfg_at = {m: cfg for cfg in forced for m in cfg[1] if kmap.kernel(m) == cfg[0]}
+
+    def config(m: int) -> tuple[str, tuple[int, ...]]:
+        return cfg_at.get(m) or (kmap.kernel(m), ())
+
+    def block(cfg, m: int) -> tuple:
+        tile = kernel_tile(cfg[0])
+        return (cfg, math.ceil(m / tile[1]) if tile else 0)
+
+    timed: dict[tuple, float] = {}  # (configuration, m) -> s
+    for m in pts:
         if 1 <= m <= L:
-            b = kmap.block(m)
-            by_block[b].append(m)
-            by_kernel[b[0]].append(m)
+            timed[(config(m), m)] = pts[m]
+    for cfg, by_m in forced.items():
+        for m, t in by_m.items():
+            if 1 <= m <= L and m not in cfg[1]:
+                timed[(cfg, m)] = t
+    by_block: dict[tuple, list[int]] = defaultdict(list)
+    by_kernel: dict[tuple, list[int]] = defaultdict(list)
+    for cfg, m in sorted(timed, key=lambda cm: (cm[1], cm[0])):
+        by_block[block(cfg, m)].append(m)
+        by_kernel[cfg].append(m)
 
     def waves(m: int, tile) -> int:
         return math.ceil(math.ceil(n / tile[0]) * math.ceil(m / tile[1]) / sm_count)
 
     out = []
     for m in range(1, L + 1):
-        b = kmap.block(m)
+        kn = config(m)
+        b = block(kn, m)
         same = by_block.get(b, ())
         if len(same) >= 2 and same[0] <= m <= same[-1]:
             j = min(max(bisect.bisect_left(same, m), 1), len(same) - 1)  # the bracketing pair
             m0, m1 = same[j - 1], same[j]
-            out.append(pts[m0] + (pts[m1] - pts[m0]) * (m - m0) / (m1 - m0))
+            t0, t1 = timed[(kn, m0)], timed[(kn, m1)]
+            out.append(t0 + (t1 - t0) * (m - m0) / (m1 - m0))
         elif len(same) >= 3:  # beyond the block's fit points: the least-squares line through them
-            out.append(_ls_line(same, [pts[x] for x in same], m))
+            out.append(_ls_line(same, [timed[(kn, x)] for x in same], m))
         elif same:  # one or two: the nearest (a line through two noisy neighbours amplifies their noise)
-            out.append(pts[min(same, key=lambda x: (abs(x - m), x))])
-        elif by_kernel.get(b[0]) and (tile := kernel_tile(b[0])):
-            mk = min(by_kernel[b[0]], key=lambda x: (abs(x - m), x))
-            out.append(pts[mk] * waves(m, tile) / waves(mk, tile))
+            out.append(timed[(kn, min(same, key=lambda x: (abs(x - m), x)))])
+        elif by_kernel.get(kn) and (tile := kernel_tile(kn[0])):
+            mk = min(by_kernel[kn], key=lambda x: (abs(x - m), x))
+            out.append(timed[(kn, mk)] * waves(m, tile) / waves(mk, tile))
         else:
             out.append(fallback(m))
     return out
@@ -486,7 +535,8 @@ def _thin(xs: list[float], per_octave: int = KERNEL_FALLBACK_PER_OCTAVE) -> set[
 
 
 def fit_dense_with_map(kind: str, xy: list[tuple[float, float]], kmap: KernelMap, n: int, k: int, shape: dict,
-                       sm_count: int = 132) -> tuple[tuple[tuple[float, float], ...], str]:
+                       sm_count: int = 132, forced: dict[str, dict[int, float]] | None = None,
+                       ) -> tuple[tuple[tuple[float, float], ...], str]:
     """Tabulated ``gemm_tflops`` points of a dense GEMM curve with a kernel map: :func:`kernel_block_times` at every
     m up to the map's ``full``, the form fitted on a thinned set of fit points (:func:`_thin`) above it and as the
     last resort inside. Returns ``(points, description)``."""
@@ -497,14 +547,18 @@ def fit_dense_with_map(kind: str, xy: list[tuple[float, float]], kmap: KernelMap
     form = choose_form(kind, sub, shape, sm_count)
     fb_pts = fit_curve(kind, sub, form)
     fb = CalibrationEntry(kind="gemm_tflops", gpu="-", points=fb_pts)
-    L = kmap.full
     pts = {int(x): flops(x) / (y * 1e12) for x, y in xy if float(x).is_integer()}
-    ts = kernel_block_times(kmap, n, pts, lambda m: flops(m) / (fb.interpolate(m) * 1e12), sm_count)
+    L = kmap.full
+    forced = {cfg: used for cfg, by_m in (forced or {}).items() if any(kmap.kernel(m) == cfg[0] for m in cfg[1])
+              if (used := {m: t for m, t in by_m.items() if 1 <= m <= L and m not in cfg[1]})}
+    ts = kernel_block_times(kmap, n, pts, lambda m: flops(m) / (fb.interpolate(m) * 1e12), sm_count, forced)
     ys = [flops(m) / t / 1e12 for m, t in zip(range(1, L + 1), ts)]  # tflops, tabulated as the rate
     idx = tabulate_exact(ys, keep={int(x) - 1 for x in pts if x <= L})
     points = [(float(i + 1), _sig(ys[i])) for i in idx] + [(x, y) for x, y in fb_pts if x > L]
+    nf = sum(len(v) for v in forced.values())
     desc = (f"kernel map: {len(kmap.runs)} kernel runs over m = 1..{L}, per (kernel, M tiles) block "
-            f"through the fit points; above and without a block: {form.describe()}")
+            f"through the fit points{f' and {nf} forced-kernel points of {len(forced)} short runs' if nf else ''}; "
+            f"above and without a block: {form.describe()}")
     return tuple((float(_sig(x, 9)), float(y)) for x, y in points), desc
 
 

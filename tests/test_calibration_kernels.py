@@ -250,3 +250,94 @@ def test_memcpy_copies_are_not_calibration_points_once_elementwise_copies_exist(
     assert rows[0]["kernel"] == "memcpy" and "kernel" not in old[0]  # labelled in a copy
     assert curve_of(rows[0]) is None and curve_of(rows[1]) is not None
     assert row_id(rows[0]) != row_id(rows[1])
+
+
+# ------------------------------------------------------------------ kernels forced at other m (gemm_forced rows)
+
+SLOW = "nvjet_sm90_tst_64x224_64x5_2x1_v_bz_TNT"
+BASE = "nvjet_sm90_tst_128x104_64x7_1x2_h_bz_TNT"
+
+
+def _forced_doc(forced: dict[int, float] | None, extra: list[dict] = ()):
+    """A bf16 curve where the library runs BASE (flat 45 µs) except SLOW at m = 416 only (56 µs, 24 % slower);
+    ``forced``: SLOW timed by choice at other m (m -> µs)."""
+    times = {m: 45.0 + 0.01 * m for m in range(1, 1025)}
+    times[416] = 56.0
+    rows = [{"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": "o", "m": m, "n": 4096, "k": 8192,
+             "n_experts": 1, "median_us": t} for m, t in times.items()]
+    rows.append({"bench": "gemm_kernels", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192,
+                 "runs": [[1, 415, BASE], [416, 416, SLOW], [417, 1024, BASE]]})
+    for m, t in (forced or {}).items():
+        rows.append({"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192,
+                     "m": m, "kernel": SLOW, "library_m": [416], "library_kernel": BASE, "median_us": t})
+    rows.extend(extra)
+    return {"schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "sm_count": 132}, "rows": rows}
+
+
+def _predict_us(doc, m: int) -> float:
+    out = calibrate(doc, gpu="H200-SXM")
+    (e,) = [CalibrationEntry(**x) for x in out["entries"] if x["key"] == {"fmt": "bf16", "n": 4096, "k": 8192}]
+    return 2.0 * m * 4096 * 8192 / (e.interpolate(m) * 1e12) * 1e6
+
+
+def test_a_held_out_single_m_kernel_is_priced_from_its_forced_points():
+    assert "gemm/dense/bf16/n4096_k8192/m416" in split_rows(_forced_doc(None)["rows"], Holdout())[1]
+    without = _predict_us(_forced_doc(None), 416)
+    assert abs(without / 56.0 - 1) > 0.1  # from the curve alone: a form through the neighbours (45 µs)
+    # the same kernel timed by choice either side of 416, in its block of M tiles (ceil(m / 224) = 2)
+    doc = _forced_doc({400: 55.2, 408: 55.6, 424: 56.4, 432: 56.8})
+    assert abs(_predict_us(doc, 416) / 56.0 - 1) < 0.005
+    # the forced points price their own kernel only: the library's m next to them keep the library's time
+    for m in (400, 408, 424, 432):
+        assert abs(_predict_us(doc, m) / (45.0 + 0.01 * m) - 1) < 0.005
+
+
+def test_forced_rows_with_errors_checks_or_other_kernels_change_nothing():
+    base = calibrate(_forced_doc(None), gpu="H200-SXM")["entries"]
+    junk = [
+        {"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192, "m": 416,
+         "kernel": SLOW, "check": True, "median_us": 56.0},  # where the library runs it: never read
+        {"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192, "kernel": SLOW,
+         "error": "none of the 12 cuBLASLt heuristic candidates at m = 416 launches this kernel"},
+        {"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192, "m": 600,
+         "kernel": "nvjet_sm90_tst_256x80_64x5_2x1_v_bz_TNT", "library_m": [600], "median_us": 99.0},  # not run
+        {"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192, "m": 300,
+         "kernel": BASE, "library_m": [416], "median_us": 99.0},  # a run the library does not make
+    ]
+    assert calibrate(_forced_doc(None, junk), gpu="H200-SXM")["entries"] == base
+
+
+def test_a_malformed_forced_row_is_one_line_error():
+    bad = [{"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 8192,
+            "kernel": SLOW, "median_us": 50.0}]  # no m
+    with pytest.raises(UserError, match=r"gemm_forced row o/mNone: needs fmt, n, k, m, kernel, library_m"):
+        calibrate(_forced_doc(None, bad), gpu="H200-SXM")
+
+
+def test_a_kernel_run_at_one_m_with_other_launch_parameters_is_its_own_configuration():
+    """v8 (4096 x 4096): ``128x64_64x8_1x2_h`` runs at m = 224 (36 µs) and at 240..256 (31.5 µs), the same M tiles.
+    Forced at 200..232 with the heuristic's choice at m = 224, the held-out 224 is priced from those points, and the
+    kernel's other m keep their own (faster) time."""
+    k64 = "nvjet_sm90_tst_128x64_64x8_1x2_h_bz_TNT"
+    times = {m: 30.0 + 0.01 * m for m in range(1, 1025)}
+    for m in (224, 240, 248, 256):
+        times[m] = 36.3 if m == 224 else 31.5
+    rows = [{"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": "o", "m": m, "n": 4096, "k": 4096,
+             "n_experts": 1, "median_us": t} for m, t in times.items()]
+    runs = [[1, 223, BASE], [224, 224, k64], [225, 239, BASE], [240, 240, k64], [241, 247, BASE], [248, 248, k64],
+            [249, 255, BASE], [256, 256, k64], [257, 1024, BASE]]
+    rows.append({"bench": "gemm_kernels", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 4096,
+                 "runs": runs})
+
+    def predict(doc_rows, m):
+        out = calibrate({"schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "sm_count": 132},
+                         "rows": doc_rows}, gpu="H200-SXM")
+        (e,) = [CalibrationEntry(**x) for x in out["entries"] if x["key"] == {"fmt": "bf16", "n": 4096, "k": 4096}]
+        return 2.0 * m * 4096 * 4096 / (e.interpolate(m) * 1e12) * 1e6
+
+    assert "gemm/dense/bf16/n4096_k4096/m224" in split_rows(rows, Holdout())[1]
+    assert abs(predict(rows, 224) / 36.3 - 1) > 0.1  # the kernel's block-mate at 240: 31.5 µs
+    forced = [{"bench": "gemm_forced", "op": "dense", "fmt": "bf16", "shape": "o", "n": 4096, "k": 4096, "m": m,
+               "kernel": k64, "library_m": [224], "median_us": 36.0 + 0.02 * (m - 200)} for m in (200, 208, 216, 232)]
+    assert abs(predict(rows + forced, 224) / 36.3 - 1) < 0.01
+    assert abs(predict(rows + forced, 248) / 31.5 - 1) < 0.01  # held out too: from 240 and 256, not the forced runs
