@@ -56,3 +56,29 @@ def test_bench_rows_conversion():
                      "median_us": 9.0, "from": "b.json"}]
     with pytest.raises(UserError, match="suites"):
         bench_rows({"rows": []}, "b.json")
+
+
+def test_cross_validation_holds_every_inner_point_out_once(tmp_path, capsys):
+    from engine.cli.validate import cross_validate
+
+    rows = [{"bench": "gemm", "op": "grouped", "fmt": "bf16", "m": m, "n": 3072, "k": 4096, "n_experts": 4,
+             "median_us": 30.0 + m} for m in (1, 2, 4, 8, 16, 32, 64, 128)]
+    rows += [{"bench": "hbm_copy", "kernel": "elementwise", "size_bytes": s, "bytes": 2 * s,
+              "median_us": 1.1 + 2 * s / 4.2e6} for s in (2**18, 2**20, 2**22, 2**24, 2**26)]
+    meas = {"schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "date": "2026-11-30"}, "rows": rows}
+    res = cross_validate(meas, topology.load("h200x2"), 3, echo=lambda *a: None)
+    ids = [r["row_id"] for r in res["rows"]]
+    assert len(ids) == len(set(ids)) == (8 - 2) + (5 - 2)  # every inner point of both curves, once
+    assert {r["fold"] for r in res["rows"]} == {0, 1, 2} and len(res["folds"]) == 3
+    assert sum(f["n"] for f in res["folds"]) == res["summary"]["holdout"]["n"] == 9
+    with pytest.raises(UserError, match="at least 2 folds"):
+        cross_validate(meas, topology.load("h200x2"), 1)
+    # the command: a table, a one-line verdict, and the JSON
+    mp, cp, out = tmp_path / "m.json", tmp_path / "c.yaml", tmp_path / "cv.json"
+    mp.write_text(json.dumps(meas))
+    dump_calibration(calibrate(meas), cp)
+    assert main(["validate", "--calibration", str(cp), "--measurements", str(mp), "--cross-validate", "3",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "3-fold cross-validation, every inner point held out once: 9 rows" in text
+    assert json.loads(out.read_text())["cross_validation"]["summary"]["holdout"]["n"] == 9

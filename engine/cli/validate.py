@@ -16,7 +16,10 @@ construction: a check of the fit / lookup plumbing). Measurements in the ``rackb
 spread of their timed rounds: each row reports ``noise`` (half the min-max range of its rounds over the median,
 :func:`sim.calibrate.row_noise`) and ``within_noise`` (``|rel_error| <= noise``), and the summary the errors
 beyond the noise (``max(0, |rel_error| - noise)``), so a reader sees which misses the measurement cannot resolve.
-Older files (one median per row) have no spread: ``noise`` is null.
+Older files (one median per row) have no spread: ``noise`` is null. ``--cross-validate K``
+(:func:`cross_validate`) refits K times from the measurements instead, each fold holding out a different third
+(for K = 3) of every curve's inner points, and reports every inner point once: the shipped file's errors depend on
+which points its one hold-out hit.
 
 **Engine level** (:func:`validate_engine`, ``--engine DIR``): a ``rackbed real`` run's measured plan times fitted on
 the plans not held out (``sim.engine_calibration``), errors on the held-out plans, and the run's TTFT/TPOT/ITL
@@ -119,6 +122,66 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
     return {"rows": out, "summary": summary}
 
 
+def cross_validate(measurements: dict, topo, folds: int = 3, *, gpu: str | None = None, echo=print) -> dict:
+    """``folds``-fold cross-validation of the calibration at kernel level: ``folds`` calibrations from the same
+    measurements, fold i holding out every ``folds``-th inner point of each curve from index i
+    (``sim.calibrate.Holdout(every=folds, offset=i)``), each validated on its own held-out rows. Every inner point of
+    every curve is held out exactly once (end points are always fitted), so the result does not depend on which
+    points one hold-out happens to hit (a kernel switch, a protocol change). Returns ``{"folds": [per-fold
+    summaries], "rows": [held-out rows with their fold], "summary": {...}}`` (the summary as
+    :func:`validate_kernels`' over all folds' rows)."""
+    import tempfile
+
+    from sim.calibrate import Holdout, calibrate, dump_calibration, load_calibration_file
+
+    if folds < 2:
+        raise UserError(f"validate: --cross-validate needs at least 2 folds, got {folds}")
+    rows, per_fold = [], []
+    for i in range(folds):
+        echo(f"cross-validation: fold {i + 1}/{folds}: fitting (one in {folds} inner points held out, from index {i})")
+        doc = calibrate(measurements, gpu=gpu, holdout=Holdout(every=folds, offset=i))
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "fold.yaml"
+            dump_calibration(doc, path)
+            res = validate_kernels(measurements, load_calibration_file(path), topo)
+        held = [{**r, "fold": i} for r in res["rows"] if r["role"] == "holdout"]
+        rows.extend(held)
+        s = res["summary"]["holdout"]
+        per_fold.append({"fold": i, **s})
+        echo(f"cross-validation: fold {i + 1}/{folds}: {s['n']} held-out rows, median |error| "
+             f"{s['median_abs'] * 100:.1f}%, max {s['max_abs'] * 100:.1f}%")
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r["rel_error"])
+    s = _stats([r["rel_error"] for r in rows])
+    summary = {"holdout": s, "folds": folds, "targets": {"median_abs": TARGET_MEDIAN, "max_abs": TARGET_MAX},
+               "median_ok": s["median_abs"] is not None and s["median_abs"] <= TARGET_MEDIAN,
+               "max_ok": s["max_abs"] is not None and s["max_abs"] <= TARGET_MAX,
+               "by_group": {g: _stats(v) for g, v in sorted(groups.items())},
+               "over_max_target": [{"row_id": r["row_id"], "fold": r["fold"], "rel_error": r["rel_error"],
+                                    "noise": r["noise"]}
+                                   for r in sorted(rows, key=lambda r: -abs(r["rel_error"]))
+                                   if abs(r["rel_error"]) > TARGET_MAX]}
+    return {"folds": per_fold, "rows": rows, "summary": summary}
+
+
+def print_cross_validation(res: dict, echo=print) -> None:
+    sm = res["summary"]
+    echo(f"{'group':52s} {'n':>5s} {'median|e|':>10s} {'p90|e|':>8s} {'max|e|':>8s}")
+    for g, s in sm["by_group"].items():
+        echo(f"{g[:52]:52s} {s['n']:5d} {s['median_abs'] * 100:9.1f}% {s['p90_abs'] * 100:7.1f}% "
+             f"{s['max_abs'] * 100:7.1f}%")
+    s = sm["holdout"]
+    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
+    echo(f"{sm['folds']}-fold cross-validation, every inner point held out once: {s['n']} rows; median |error| "
+         f"{s['median_abs'] * 100:.1f}% (target <= {TARGET_MEDIAN * 100:.0f}%: {ok(sm['median_ok'])}), max "
+         f"{s['max_abs'] * 100:.1f}% (target <= {TARGET_MAX * 100:.0f}%: {ok(sm['max_ok'])}); 90th percentile "
+         f"{s['p90_abs'] * 100:.1f}%; {s['within_max_target']} of {s['n']} within {TARGET_MAX * 100:.0f}%")
+    for o in sm["over_max_target"]:
+        n = "" if o["noise"] is None else f" (spread ±{o['noise'] * 100:.1f}%)"
+        echo(f"  over {TARGET_MAX * 100:.0f}%: fold {o['fold'] + 1}: {o['row_id']} {o['rel_error'] * 100:+.1f}%{n}")
+
+
 def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
     """Engine level, from a real run folder (``--engine DIR``: real.json + decisions.csv + metrics.json written by
     ``rackbed real``): fit the engine's step curves on the plans not held out (every ``--holdout-every``-th plan of
@@ -215,6 +278,17 @@ def _run(args: argparse.Namespace) -> int:
             rep = json.loads(Path(args.repeat).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{args.repeat}: cannot read the repeat measurements: {exc}") from exc
+    if args.cross_validate:
+        res = cross_validate(meas, topo, args.cross_validate, gpu=(getattr(calib, "meta", None) or {}).get("gpu"))
+        print_cross_validation(res)
+        print()
+        doc = {"schema": "rackbed.validation/1", "measurements": str(p), "topology": args.topology,
+               "cross_validation": res}
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+            print(f"wrote {args.out}")
+        return 0
     res = validate_kernels(meas, calib, topo, include_fit=args.all, repeat=rep)
     print_table(res)
     print()
@@ -237,6 +311,9 @@ def register(subparsers) -> None:
     p.add_argument("--all", action="store_true", help="also list the fitted rows")
     p.add_argument("--repeat", metavar="FILE", help="a second kernels/measure.py run of the same grid: per-row "
                    "run-to-run differences beside the errors")
+    p.add_argument("--cross-validate", type=int, metavar="K", help="kernel level, instead of the calibration's "
+                   "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "
+                   "from index i, so every inner point is held out once (slow: K fits)")
     p.add_argument("--out", help="write the validation JSON here")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
