@@ -81,7 +81,16 @@ _SIGNATURES = {
 
 
 class CublasLt:
-    """One cuBLASLt handle, the bf16 ``x @ w^T`` descriptor and a workspace on the current CUDA device."""
+    """One cuBLASLt handle, the bf16 ``x @ w^T`` descriptor and a workspace on the current CUDA device.
+    :meth:`shared` gives one per process (the handle, descriptors and layouts live as long as the process)."""
+
+    _shared: "CublasLt | None" = None
+
+    @classmethod
+    def shared(cls) -> "CublasLt":
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
 
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
         import torch

@@ -134,6 +134,9 @@ FORCED_RUN_M, FORCED_TOP_M = 2, 1024
 #: where a short run's kernel is forced: at the run's m plus these offsets (the M tile of the kernels concerned is
 #: 16-384 rows, so some of the points share the run's block of M tiles)
 FORCED_OFFSETS = (-24, -16, -8, 8, 16, 24)
+#: a forced kernel's product may differ from ``torch.matmul``'s by this much (relative Frobenius norm; bf16 output
+#: rounding and another split-K order: v10's largest was below 1e-3)
+FORCED_MAX_RELERR = 1e-2
 #: token counts whose kernel choice is recorded: every m up to 1024, then every multiple of 64 up to 16384
 KERNEL_MAP_M = list(range(1, 1025)) + list(range(1088, 16385, 64))
 GROUPED_M = grid(pow2(1, 16), [24], geo(32, 512, 4, 8), pow2(1024, 2048))
@@ -494,7 +497,7 @@ def gemm_forced_cases(device, name: str, n: int, k: int, runs: list, ws: list, x
     groups = short_runs(runs)
     if not groups:
         return [], []
-    lt = CublasLt()
+    lt = CublasLt.shared()
     top = FORCED_TOP_M
     ys = [torch.empty((top, n), dtype=torch.bfloat16, device=device) for _ in ws]
     lib_kernel = {m: kn for a, b, kn in runs for m in range(int(a), min(int(b), top) + 1)}
@@ -536,6 +539,9 @@ def gemm_forced_cases(device, name: str, n: int, k: int, runs: list, ws: list, x
             fns[0]()
             ref = torch.matmul(xs[0][:m], ws[0].t()).float()
             row["relerr"] = ((ys[0][:m].float() - ref).norm() / ref.norm()).item()
+            if not row["relerr"] <= FORCED_MAX_RELERR:  # a wrong product is not a timing of this GEMM
+                errors.append({**row, "error": f"forced result differs from torch.matmul by {row['relerr']:.2g}"})
+                continue
             cases.append((row, fns))
     return errors, cases
 

@@ -311,24 +311,15 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
         shapes[(kind, key)] = shape_of(r)
         if kind == "gemm_tflops" and r.get("op") == "dense" and (kind, key) not in dense_keys[r["fmt"]]:
             dense_keys[r["fmt"]].append((kind, key))
-    entries = []
+    tasks = []
     for (kind, key), pts in curves.items():
         xy = [(x, _geomean(ys)) for x, ys in sorted(pts.items())]
         kmap = kmaps.get(key) if kind == "gemm_tflops" and shapes[(kind, key)].get("n_experts", 1) == 1 else None
-        if kmap is not None and kmap.full >= 8 and len(xy) >= 3:
-            kd = dict(key)
-            points, desc = fit_dense_with_map(kind, xy, kmap, int(kd["n"]), int(kd["k"]), shapes[(kind, key)],
-                                              sm_count, forced.get(key))
-            entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=kd, points=points, source=f"{source}; {desc}"))
-            continue
-        if kind == "decode_attn_GBps" and key in amaps and len(xy) >= 3:
-            points, desc = fit_decode_with_map(kind, xy, amaps[key], dict(key), shapes[(kind, key)], sm_count)
-            entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=dict(key), points=points, source=f"{source}; {desc}"))
-            continue
-        form = choose_form(kind, xy, shapes[(kind, key)], sm_count)
-        points = fit_curve(kind, xy, form)
-        src = f"{source}; {form.describe()}" if len(xy) >= 3 else source
-        entries.append(CalibrationEntry(kind=kind, gpu=gpu, key=dict(key), points=points, source=src))
+        tasks.append((kind, key, xy, shapes[(kind, key)], sm_count, kmap, amaps.get(key), forced.get(key)))
+    fitted = _map_fits(tasks)
+    entries = [CalibrationEntry(kind=kind, gpu=gpu, key=dict(key), points=points,
+                                source=f"{source}; {desc}" if desc else source)
+               for (kind, key, *_), (points, desc) in zip(tasks, fitted)]
     by_key = {(e.kind, tuple(e.key.items())): e for e in entries}
     for fmt, keys in sorted(dense_keys.items()):
         es = [by_key[k] for k in keys]
@@ -342,6 +333,45 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
              "dispatch_us": 5, "combine_us": 6, "p2p_us": 7}
     entries.sort(key=lambda e: (order.get(e.kind, 9), -len(e.key), sorted(e.key.items(), key=str)))
     return entries
+
+
+def _fit_one(task: tuple) -> tuple[tuple[tuple[float, float], ...], str]:
+    """``(points, description)`` of one curve (a task of :func:`fit_entries`): the kernel-map fits for dense GEMMs and
+    decode attention with a map, else the form chosen by leave-one-out."""
+    kind, key, xy, shape, sm_count, kmap, amap, forced = task
+    if kmap is not None and kmap.full >= 8 and len(xy) >= 3:
+        kd = dict(key)
+        return fit_dense_with_map(kind, xy, kmap, int(kd["n"]), int(kd["k"]), shape, sm_count, forced)
+    if kind == "decode_attn_GBps" and amap is not None and len(xy) >= 3:
+        return fit_decode_with_map(kind, xy, amap, dict(key), shape, sm_count)
+    form = choose_form(kind, xy, shape, sm_count)
+    return fit_curve(kind, xy, form), (form.describe() if len(xy) >= 3 else "")
+
+
+#: worker processes for the curve fits (``RACKBED_FIT_WORKERS``; 1 = in this process): the curves are independent and
+#: the leave-one-out form choice of the every-m GEMM curves is most of a fit's time (v10: ~90 s on one core)
+FIT_WORKERS_ENV = "RACKBED_FIT_WORKERS"
+#: below this many fit points in all, the curves are fitted in this process (a worker costs ~1 s to start)
+FIT_PARALLEL_MIN_POINTS = 2000
+
+
+def _map_fits(tasks: list[tuple]) -> list:
+    """:func:`_fit_one` over ``tasks``, in worker processes when there is enough work and more than one CPU (spawned,
+    not forked: the caller may hold threads, e.g. torch's). The result is the same either way: every curve is fitted
+    on its own."""
+    import os
+
+    n = int(os.environ.get(FIT_WORKERS_ENV) or min(len(os.sched_getaffinity(0)), 8))
+    if n <= 1 or len(tasks) < 2 or sum(len(t[2]) for t in tasks) < FIT_PARALLEL_MIN_POINTS:
+        return [_fit_one(t) for t in tasks]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    # the most expensive curves first, so that no worker starts a long fit last
+    order = sorted(range(len(tasks)), key=lambda i: -(len(tasks[i][2]) + 10_000 * (tasks[i][5] is not None)))
+    with ProcessPoolExecutor(max_workers=min(n, len(tasks)), mp_context=mp.get_context("spawn")) as ex:
+        done = dict(zip(order, ex.map(_fit_one, [tasks[i] for i in order])))
+    return [done[i] for i in range(len(tasks))]
 
 
 # ---------------------------------------------------------------------------------------- dense GEMMs by kernel

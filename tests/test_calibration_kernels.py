@@ -341,3 +341,16 @@ def test_a_kernel_run_at_one_m_with_other_launch_parameters_is_its_own_configura
                "kernel": k64, "library_m": [224], "median_us": 36.0 + 0.02 * (m - 200)} for m in (200, 208, 216, 232)]
     assert abs(predict(rows + forced, 224) / 36.3 - 1) < 0.01
     assert abs(predict(rows + forced, 248) / 31.5 - 1) < 0.01  # held out too: from 240 and 256, not the forced runs
+
+
+def test_curves_fitted_in_worker_processes_are_the_serial_fit(monkeypatch):
+    import sim.calibrate as cal
+
+    doc = _forced_doc({400: 55.2, 408: 55.6, 424: 56.4, 432: 56.8})
+    doc["rows"] += [{"bench": "hbm_copy", "kernel": "elementwise", "size_bytes": s, "bytes": 2 * s,
+                     "median_us": 1.1 + 2 * s / 4.2e6} for s in (2**18, 2**20, 2**22, 2**24, 2**26, 2**28)]
+    monkeypatch.setenv(cal.FIT_WORKERS_ENV, "1")
+    serial = calibrate(doc, gpu="H200-SXM")
+    monkeypatch.setenv(cal.FIT_WORKERS_ENV, "2")
+    monkeypatch.setattr(cal, "FIT_PARALLEL_MIN_POINTS", 1)
+    assert calibrate(doc, gpu="H200-SXM") == serial
