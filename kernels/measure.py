@@ -65,7 +65,7 @@ SCHEMA = "rackbed.measure/2"
 HIDDEN, N_Q_HEADS, N_KV_HEADS, HEAD_DIM, MOE_INTER = 4096, 64, 4, 128, 1536
 #: (name, n, k): grouped expert GEMMs (gate+up, down)
 GROUPED_SHAPES = (("gate_up", 2 * MOE_INTER, HIDDEN), ("down", HIDDEN, MOE_INTER))
-#: (name, n, k): dense GEMMs — attention projections at TP=1 (QKV, O) and TP=2 (QKV)
+#: (name, n, k): dense GEMMs — attention projections at TP=1 and TP=2 (QKV, O) and TP=4 (QKV)
 DENSE_SHAPES = (("qkv_tp1", N_Q_HEADS * HEAD_DIM + 2 * N_KV_HEADS * HEAD_DIM, HIDDEN),
                 ("o_tp1", HIDDEN, N_Q_HEADS * HEAD_DIM),
                 ("qkv_tp2", N_Q_HEADS // 2 * HEAD_DIM + 2 * N_KV_HEADS // 2 * HEAD_DIM, HIDDEN),

@@ -361,7 +361,12 @@ def _map_fits(tasks: list[tuple]) -> list:
     on its own."""
     import os
 
-    n = int(os.environ.get(FIT_WORKERS_ENV) or min(len(os.sched_getaffinity(0)), 8))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        n = int(os.environ.get(FIT_WORKERS_ENV) or min(cpus, 8))
+    except ValueError as exc:
+        raise UserError(f"{FIT_WORKERS_ENV} must be a whole number of worker processes, got "
+                        f"{os.environ.get(FIT_WORKERS_ENV)!r}") from exc
     if n <= 1 or len(tasks) < 2 or sum(len(t[2]) for t in tasks) < FIT_PARALLEL_MIN_POINTS:
         return [_fit_one(t) for t in tasks]
     import multiprocessing as mp
