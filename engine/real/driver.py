@@ -69,10 +69,17 @@ class RealRunStalled(TimeoutError):
 
 
 class RankPool:
-    """The rank processes, their command queues and the shared reply queue."""
+    """The rank processes, their command queues and their reply queue(s).
+
+    ``res_q``: one reply queue per rank (a list: :class:`RealRun`'s processes) or one shared queue (torchrun's store
+    queue). Local ranks reply on queues of their own: the writers of one ``multiprocessing.Queue`` share a lock, and a
+    rank killed while sending a reply (the failure drill, or a real crash) holds it forever, so every other rank's
+    replies stop and the run stalls (``tests/test_real_driver.py``'s killed-decoder run, about one run in ten)."""
 
     def __init__(self, procs, cmd_qs, res_q, rank_gpu: dict[int, int]) -> None:
-        self.procs, self.cmd_qs, self.res_q = procs, cmd_qs, res_q
+        self.procs, self.cmd_qs = procs, cmd_qs
+        self.res_qs = list(res_q) if isinstance(res_q, (list, tuple)) else None
+        self.res_q = None if self.res_qs is not None else res_q
         self.rank_gpu = rank_gpu
         self.inflight: dict[int, _Inflight] = {}
         self._tok = 0
@@ -89,7 +96,19 @@ class RankPool:
         self.cmd_qs[rank].put((op, token, args))
 
     def poll(self, timeout_s: float) -> list[tuple]:
-        """Replies received within ``timeout_s`` (at least one wait), plus liveness checks."""
+        """Replies received within ``timeout_s`` (waiting for the first one at most that long)."""
+        if self.res_qs is not None:
+            out = self._drain_rank_queues()
+            if not out and timeout_s > 0:
+                from multiprocessing.connection import wait
+
+                readers = [q._reader for r, q in self._live_queues()]
+                if readers:
+                    wait(readers, timeout_s)
+                else:
+                    time.sleep(timeout_s)
+                out = self._drain_rank_queues()
+            return out
         out = []
         try:
             out.append(self.res_q.get(timeout=max(timeout_s, 0.0)) if timeout_s > 0 else self.res_q.get_nowait())
@@ -97,6 +116,23 @@ class RankPool:
                 out.append(self.res_q.get_nowait())
         except queue.Empty:
             pass
+        return out
+
+    def _live_queues(self) -> list:
+        """``(rank, reply queue)`` of the ranks still to be read: running, or exited on their own (their last replies,
+        e.g. a start-up error, are complete) and not yet reported dead. A rank killed by a signal may have left half a
+        message, which would block the reader: its queue is not read again."""
+        return [(r, q) for r, q in enumerate(self.res_qs)
+                if r not in self.dead and (self.procs[r].exitcode is None or self.procs[r].exitcode >= 0)]
+
+    def _drain_rank_queues(self) -> list[tuple]:
+        out = []
+        for _, q in self._live_queues():
+            try:
+                while True:
+                    out.append(q.get_nowait())
+            except queue.Empty:
+                pass
         return out
 
     def newly_dead(self) -> list[int]:
@@ -369,14 +405,14 @@ class RealRun:
                                local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu",
                                requests=requests)
             ctx = mp.get_context("spawn")
-            res_q = ctx.Queue()
+            res_qs = [ctx.Queue() for _ in range(world)]  # one per rank (RankPool)
             cmd_qs = [ctx.Queue() for _ in range(world)]
             procs = []
             for r in range(world):
-                p = ctx.Process(target=rank_main, args=(specs[r], cmd_qs[r], res_q), daemon=True)
+                p = ctx.Process(target=rank_main, args=(specs[r], cmd_qs[r], res_qs[r]), daemon=True)
                 p.start()
                 procs.append(p)
-            pool = RankPool(procs, cmd_qs, res_q, {r: g for g, r in self.gpu_rank.items()})
+            pool = RankPool(procs, cmd_qs, res_qs, {r: g for g, r in self.gpu_rank.items()})
         else:  # torchrun: global rank = topology GPU id, the ranks are already running
             self.gpu_rank = {gpu: gpu for gpu in gpus}
         self.rank_gpu = {r: gpu for gpu, r in self.gpu_rank.items()}
