@@ -589,7 +589,7 @@ def bench_gemm(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
             fns = [(lambda x=b[:m], w=w: torch.matmul(x, w.t())) for b, w in zip(big, ws)]
             cases.append(({"bench": "gemm", "op": "dense", "fmt": "bf16", "shape": name, "m": m, "n": n, "k": k,
                            "n_experts": 1}, fns))
-        # the kernel map first: its rare kernels are forced in the same curve (gemm_forced_cases)
+        # the kernel map first: the kernels of its short runs are forced in the same curve (gemm_forced_cases)
         maps = _kernel_map_rows(device, name, n, k, ("bf16", "fp8"), ws[0], gen, quick, echo)
         rows.extend(maps)
         for mp in maps:

@@ -425,10 +425,13 @@ class KernelMap:
     def block(self, m: int) -> tuple[str, int] | None:
         """``(kernel, M tiles)``: the m with equal blocks run the same kernel over the same number of M tiles."""
         k = self.kernel(m)
-        if k is None:
-            return None
-        t = kernel_tile(k)
-        return (k, math.ceil(m / t[1]) if t else 0)
+        return None if k is None else (k, m_tiles(k, m))
+
+
+def m_tiles(kernel: str, m: int) -> int:
+    """How many M tiles ``kernel`` (its name, :func:`kernel_tile`) covers at ``m`` tokens (0: no tile in the name)."""
+    t = kernel_tile(kernel)
+    return math.ceil(m / t[1]) if t else 0
 
 
 def forced_points(rows: list[dict]) -> dict[tuple, dict[tuple[str, tuple[int, ...]], dict[int, float]]]:
@@ -481,9 +484,8 @@ def kernel_block_times(kmap: KernelMap, n: int, pts: dict[int, float], fallback,
     def config(m: int) -> tuple[str, tuple[int, ...]]:
         return cfg_at.get(m) or (kmap.kernel(m), ())
 
-    def block(cfg, m: int) -> tuple:
-        tile = kernel_tile(cfg[0])
-        return (cfg, math.ceil(m / tile[1]) if tile else 0)
+    def block(cfg, m: int) -> tuple:  # KernelMap.block, per configuration
+        return (cfg, m_tiles(cfg[0], m))
 
     timed: dict[tuple, float] = {}  # (configuration, m) -> s
     for m in pts:
@@ -570,7 +572,7 @@ def _thin(xs: list[float], per_octave: int = KERNEL_FALLBACK_PER_OCTAVE) -> set[
 
 
 def fit_dense_with_map(kind: str, xy: list[tuple[float, float]], kmap: KernelMap, n: int, k: int, shape: dict,
-                       sm_count: int = 132, forced: dict[str, dict[int, float]] | None = None,
+                       sm_count: int = 132, forced: dict[tuple[str, tuple[int, ...]], dict[int, float]] | None = None,
                        ) -> tuple[tuple[tuple[float, float], ...], str]:
     """Tabulated ``gemm_tflops`` points of a dense GEMM curve with a kernel map: :func:`kernel_block_times` at every
     m up to the map's ``full``, the form fitted on a thinned set of fit points (:func:`_thin`) above it and as the

@@ -80,5 +80,5 @@ def test_cross_validation_holds_every_inner_point_out_once(tmp_path, capsys):
     assert main(["validate", "--calibration", str(cp), "--measurements", str(mp), "--cross-validate", "3",
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "3-fold cross-validation, every inner point held out once: 9 rows" in text
+    assert "3-fold cross-validation, every inner point held out once; rows: 9; median" in text
     assert json.loads(out.read_text())["cross_validation"]["summary"]["holdout"]["n"] == 9

@@ -55,6 +55,23 @@ def _stats(errs: list[float]) -> dict:
             "within_max_target": sum(1 for e in a if e <= TARGET_MAX)}
 
 
+def _targets(s: dict) -> dict:
+    """The target fields of a summary of held-out errors ``s`` (:func:`_stats`)."""
+    return {"holdout": s, "targets": {"median_abs": TARGET_MEDIAN, "max_abs": TARGET_MAX},
+            "median_ok": s["median_abs"] is not None and s["median_abs"] <= TARGET_MEDIAN,
+            "max_ok": s["max_abs"] is not None and s["max_abs"] <= TARGET_MAX}
+
+
+def _verdict(label: str, summary: dict) -> str:
+    """One line: ``label``, then median / max against the targets, 90th percentile, rows within the max."""
+    s = summary["holdout"]
+    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
+    return (f"{label}: {s['n']}; median |error| {s['median_abs'] * 100:.1f}% (target <= {TARGET_MEDIAN * 100:.0f}%: "
+            f"{ok(summary['median_ok'])}), max {s['max_abs'] * 100:.1f}% (target <= {TARGET_MAX * 100:.0f}%: "
+            f"{ok(summary['max_ok'])}); 90th percentile {s['p90_abs'] * 100:.1f}%; {s['within_max_target']} of "
+            f"{s['n']} within {TARGET_MAX * 100:.0f}%")
+
+
 def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = False,
                      repeat: dict | None = None) -> dict:
     """Kernel-level comparison (module docstring). Returns ``{"rows": [...], "summary": {...}}``; each row has
@@ -98,10 +115,7 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
         out.append(row)
         groups.setdefault((role, row["group"]), []).append(p.rel_error)
     hold = [r["rel_error"] for r in out if r["role"] == "holdout"]
-    s = _stats(hold)
-    summary = {"holdout": s, "targets": {"median_abs": TARGET_MEDIAN, "max_abs": TARGET_MAX},
-               "median_ok": s["median_abs"] is not None and s["median_abs"] <= TARGET_MEDIAN,
-               "max_ok": s["max_abs"] is not None and s["max_abs"] <= TARGET_MAX,
+    summary = {**_targets(_stats(hold)),
                "by_group": {f"{role}: {g}": _stats(v) for (role, g), v in sorted(groups.items())},
                "holdout_without_calibration": _stats([r["uncalibrated_rel_error"] for r in out
                                                       if r["role"] == "holdout"]),
@@ -153,10 +167,7 @@ def cross_validate(measurements: dict, topo, folds: int = 3, *, gpu: str | None 
     groups: dict[str, list[float]] = {}
     for r in rows:
         groups.setdefault(r["group"], []).append(r["rel_error"])
-    s = _stats([r["rel_error"] for r in rows])
-    summary = {"holdout": s, "folds": folds, "targets": {"median_abs": TARGET_MEDIAN, "max_abs": TARGET_MAX},
-               "median_ok": s["median_abs"] is not None and s["median_abs"] <= TARGET_MEDIAN,
-               "max_ok": s["max_abs"] is not None and s["max_abs"] <= TARGET_MAX,
+    summary = {**_targets(_stats([r["rel_error"] for r in rows])), "folds": folds,
                "by_group": {g: _stats(v) for g, v in sorted(groups.items())},
                "over_max_target": [{"row_id": r["row_id"], "fold": r["fold"], "rel_error": r["rel_error"],
                                     "noise": r["noise"]}
@@ -171,12 +182,7 @@ def print_cross_validation(res: dict, echo=print) -> None:
     for g, s in sm["by_group"].items():
         echo(f"{g[:52]:52s} {s['n']:5d} {s['median_abs'] * 100:9.1f}% {s['p90_abs'] * 100:7.1f}% "
              f"{s['max_abs'] * 100:7.1f}%")
-    s = sm["holdout"]
-    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
-    echo(f"{sm['folds']}-fold cross-validation, every inner point held out once: {s['n']} rows; median |error| "
-         f"{s['median_abs'] * 100:.1f}% (target <= {TARGET_MEDIAN * 100:.0f}%: {ok(sm['median_ok'])}), max "
-         f"{s['max_abs'] * 100:.1f}% (target <= {TARGET_MAX * 100:.0f}%: {ok(sm['max_ok'])}); 90th percentile "
-         f"{s['p90_abs'] * 100:.1f}%; {s['within_max_target']} of {s['n']} within {TARGET_MAX * 100:.0f}%")
+    echo(_verdict(f"{sm['folds']}-fold cross-validation, every inner point held out once; rows", sm))
     for o in sm["over_max_target"]:
         n = "" if o["noise"] is None else f" (spread ±{o['noise'] * 100:.1f}%)"
         echo(f"  over {TARGET_MAX * 100:.0f}%: fold {o['fold'] + 1}: {o['row_id']} {o['rel_error'] * 100:+.1f}%{n}")
@@ -223,12 +229,8 @@ def print_table(res: dict, echo=print) -> None:
     for g, s in res["summary"]["by_group"].items():
         echo(f"{g[:52]:52s} {s['n']:4d} {s['median_abs'] * 100:9.1f}% {s['max_abs'] * 100:7.1f}%")
     s = res["summary"]["holdout"]
-    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
     if s["n"]:
-        echo(f"held-out rows: {s['n']}; median |error| {s['median_abs'] * 100:.1f}% (target <= "
-             f"{TARGET_MEDIAN * 100:.0f}%: {ok(res['summary']['median_ok'])}), max {s['max_abs'] * 100:.1f}% "
-             f"(target <= {TARGET_MAX * 100:.0f}%: {ok(res['summary']['max_ok'])}); 90th percentile "
-             f"{s['p90_abs'] * 100:.1f}%; {s['within_max_target']} of {s['n']} within {TARGET_MAX * 100:.0f}%")
+        echo(_verdict("held-out rows", res["summary"]))
         u = res["summary"]["holdout_without_calibration"]
         echo(f"same rows, first-principles model without calibration: median |error| "
              f"{u['median_abs'] * 100:.1f}%, max {u['max_abs'] * 100:.1f}%")
