@@ -1077,37 +1077,74 @@ def load_calibration_file(path: str | Path) -> CalibrationFile:
         raise from_validation(exc, p) from exc
 
 
+#: serving stacks a calibration can describe: ``rackbed`` is the engine in this repository, calibrated from its own
+#: measurements (files without ``meta.stack``); the others are calibrated from imported per-operator tables
+STACKS = ("rackbed", "trtllm", "sglang", "vllm")
+
+
+def _read_meta(f: Path) -> dict:
+    """A calibration file's ``meta`` block, read cheaply (JSON files keep it at the top)."""
+    if f.suffix == ".json":
+        data = json.loads(f.read_text())
+    else:
+        data = yaml.load(f.read_text(), Loader=_YAML_LOADER) or {}
+    meta = data.get("meta", {}) if isinstance(data, dict) else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def file_stack(meta: dict) -> str:
+    """The serving stack a calibration file describes (``meta.stack``; absent: ``rackbed``)."""
+    return str(meta.get("stack") or "rackbed")
+
+
 @lru_cache(maxsize=16)
-def _shipped(directory: str) -> tuple[tuple[str, str], ...]:
-    """``(gpu, path)`` of every calibration file shipped in ``directory``."""
+def _shipped(directory: str) -> tuple[tuple[str, str, str], ...]:
+    """``(gpu, stack, path)`` of every calibration file shipped in ``directory``."""
     out = []
     d = Path(directory)
     if d.is_dir():
         for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.json")):
             try:
-                meta = (yaml.load(f.read_text(), Loader=_YAML_LOADER) or {}).get("meta", {})
-            except (yaml.YAMLError, OSError, AttributeError):
+                meta = _read_meta(f)
+            except (yaml.YAMLError, json.JSONDecodeError, OSError, AttributeError):
                 continue
-            if isinstance(meta, dict) and meta.get("gpu"):
-                out.append((str(meta["gpu"]), str(f)))
+            if meta.get("gpu"):
+                out.append((str(meta["gpu"]), file_stack(meta), str(f)))
     return tuple(out)
 
 
-def default_calibration_for(gpu_name: str, directory: str | Path | None = None) -> CalibrationTable | None:
-    """The shipped calibration for GPU model ``gpu_name`` (``GpuSpec.name``, e.g. ``H200-SXM``), or None when
-    none is shipped — the simulator then uses the first-principles constants alone."""
-    for gpu, path in _shipped(str(directory or CALIBRATION_DIR)):
-        if gpu == gpu_name:
-            return load_calibration_file(path)
-    return None
+def shipped_stacks(gpu_name: str, directory: str | Path | None = None) -> list[str]:
+    """The stacks with a shipped calibration for GPU model ``gpu_name``, in :data:`STACKS` order."""
+    have = {st for g, st, _ in _shipped(str(directory or CALIBRATION_DIR)) if g == gpu_name}
+    return [st for st in STACKS if st in have] + sorted(have - set(STACKS))
 
 
-def calibration_for_topology(topo, directory: str | Path | None = None) -> CalibrationTable | None:
+def default_calibration_for(gpu_name: str, directory: str | Path | None = None,
+                            stack: str | None = None) -> CalibrationTable | None:
+    """The shipped calibration for GPU model ``gpu_name`` (``GpuSpec.name``, e.g. ``H200-SXM``) and serving
+    ``stack``, or None when none is shipped — the simulator then uses the first-principles constants alone.
+    ``stack`` None or ``auto``: the first of :data:`STACKS` that has a file for the GPU (the engine's own
+    measurements before imported tables). A named stack without a file for the GPU is a UserError naming those
+    that exist."""
+    files = {st: path for g, st, path in _shipped(str(directory or CALIBRATION_DIR)) if g == gpu_name}
+    if stack in (None, "auto"):
+        for st in shipped_stacks(gpu_name, directory):
+            return load_calibration_file(files[st])
+        return None
+    if stack not in files:
+        have = ", ".join(shipped_stacks(gpu_name, directory)) or "none"
+        raise UserError(f"stack: no calibration of stack {stack!r} is shipped for {gpu_name} (shipped: {have}; "
+                        f"use stack: auto, or make one with `rackbed calibrate`)")
+    return load_calibration_file(files[stack])
+
+
+def calibration_for_topology(topo, directory: str | Path | None = None,
+                             stack: str | None = None) -> CalibrationTable | None:
     """:func:`default_calibration_for` the topology's GPU model (first GPU; mixed GPUs are not calibrated)."""
     names = {topo.gpu_spec(i).name for i in topo.gpu_ids}
     if len(names) != 1:
         return None
-    return default_calibration_for(names.pop(), directory)
+    return default_calibration_for(names.pop(), directory, stack)
 
 
 def describe_calibration(table: CalibrationTable | None, gpu_name: str | None = None) -> str:
@@ -1124,8 +1161,12 @@ def describe_calibration(table: CalibrationTable | None, gpu_name: str | None = 
         path = str(Path(path).resolve().relative_to(CALIBRATION_DIR.parent))
     except ValueError:
         pass
-    return (f"calibrated: {meta.get('gpu') or ', '.join(gpus)} from {path} ({meta.get('date', 'undated')}, "
-            f"{len(kinds)} kinds, {len(table.entries)} curves)")
+    if meta.get("source") == "aiconfigurator-core":
+        return (f"calibrated ({file_stack(meta)} stack, measured tables): {meta.get('gpu')} from {path} "
+                f"(aiconfigurator-core {meta.get('package_version')}, {meta.get('system')}/{meta.get('backend')}, "
+                f"{len(kinds)} kinds, {len(table.entries)} curves)")
+    return (f"calibrated ({file_stack(meta)} stack): {meta.get('gpu') or ', '.join(gpus)} from {path} "
+            f"({meta.get('date', 'undated')}, {len(kinds)} kinds, {len(table.entries)} curves)")
 
 
 # ------------------------------------------------------------------------------------------------ predictions

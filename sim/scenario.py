@@ -128,6 +128,10 @@ class ServingScenario(_Strict):
     weight_format: str = "fp8_block"
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     calibration: str = "auto"
+    #: the serving stack whose kernels price the run: ``rackbed`` (this repository's engine, its own H200
+    #: measurements), ``trtllm`` / ``sglang`` / ``vllm`` (imported per-operator tables), ``auto`` (the first shipped
+    #: for the GPU, in that order)
+    stack: Literal["auto", "rackbed", "trtllm", "sglang", "vllm"] = "auto"
     prefill: PrefillSection = PrefillSection()
     decode: DecodeSection = DecodeSection()
     mtp: MtpSection = MtpSection()
@@ -205,6 +209,7 @@ class Built:
 
 
 def _load_calibration(sc: ServingScenario, gpu_name: str):
+    """``(table or None, the one line that says what priced the run)`` for the scenario's GPU and stack."""
     if sc.calibration == "none":
         return None, "uncalibrated: first-principles cost models (calibration: none)"
     if sc.calibration != "auto":
@@ -215,7 +220,7 @@ def _load_calibration(sc: ServingScenario, gpu_name: str):
         from sim.calibrate import default_calibration_for, describe_calibration
     except ImportError:
         return None, "uncalibrated: first-principles cost models"
-    table = default_calibration_for(gpu_name)
+    table = default_calibration_for(gpu_name, stack=sc.stack)
     if table is None:
         return None, f"uncalibrated: no shipped calibration for {gpu_name}; first-principles cost models"
     return table, describe_calibration(table)
@@ -305,13 +310,12 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
     gpu_name = topo.gpu_spec(pg.gpus[0]).name
     calib, note = _load_calibration(sc, gpu_name)
-    caveats = []
-    arch = topo.gpu_spec(pg.gpus[0]).arch
-    if arch == "blackwell":
-        caveats.append("Blackwell figures extrapolate: GPU rates and NVLink/NVLS parameters come from datasheets "
-                       "and NCCL's tuning tables, not from measurements (see calibration/README.md)")
+    from sim.coverage import calibration_caveats
+
+    caveats = calibration_caveats(calib, topo, model, pplan, dplan)
     cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=pplan, decode_plan=dplan, calib=calib)
-    if engine_calibration and sc.calibration != "none":
+    stack = (getattr(calib, "meta", None) or {}).get("stack") or "rackbed"
+    if engine_calibration and sc.calibration != "none" and stack == "rackbed":
         from sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
 
         found = find_engine_calibration(gpu_name, model.name)

@@ -140,7 +140,7 @@ def test_calibration_file_changes_predictions_as_the_table_says(tmp_path):
     path = tmp_path / "h200.yaml"
     dump_calibration(calibrate(meas, measurements_path="m.json"), path)
     table = load_calibration_file(path)
-    assert describe_calibration(table).startswith("calibrated: H200-SXM from ")
+    assert describe_calibration(table).startswith("calibrated (rackbed stack): H200-SXM from ")
     # a GEMM at a calibrated (fitted) shape returns the calibrated TFLOP/s
     r = next(r for r in meas["rows"] if r["bench"] == "gemm" and r["n"] == 3072 and r["m"] == 64)
     tflops_meas = 2 * 64 * 8 * 3072 * 4096 / (r["median_us"] * 1e-6) / 1e12
@@ -177,10 +177,17 @@ def test_shipped_h200_file_is_found_and_described():
     table = default_calibration_for("H200-SXM")
     assert table is not None
     line = describe_calibration(table)
-    assert line.startswith("calibrated: H200-SXM from calibration/h200.yaml (") and "kinds" in line
+    assert line.startswith("calibrated (rackbed stack): H200-SXM from calibration/h200.yaml (") and "kinds" in line
     assert calibration_for_topology(H200) is not None
-    assert default_calibration_for("B200-GB200") is None
-    assert calibration_for_topology(topology.load("gb200-nvl72")) is None
+    # GB200 is calibrated from imported tables only: the auto stack is trtllm; the engine's own stack has none
+    gb = default_calibration_for("B200-GB200")
+    assert gb is not None and gb.meta["stack"] == "trtllm" and gb.meta["source"] == "aiconfigurator-core"
+    assert calibration_for_topology(topology.load("gb200-nvl72")).meta["stack"] == "trtllm"
+    assert default_calibration_for("H200-SXM", stack="trtllm").meta["stack"] == "trtllm"
+    assert default_calibration_for("H200-SXM", stack="auto").meta.get("stack", "rackbed") == "rackbed"
+    with pytest.raises(UserError, match=r"stack: no calibration of stack 'rackbed' is shipped for B200-GB200 "
+                                        r"\(shipped: trtllm"):
+        default_calibration_for("B200-GB200", stack="rackbed")
     assert describe_calibration(None, "B200-GB200").startswith("uncalibrated for B200-GB200")
     meta = table.meta
     for f in ("device", "driver", "torch", "cuda", "nccl", "date", "holdout", "holdout_rule"):

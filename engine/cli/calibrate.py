@@ -2,6 +2,7 @@
 
     rackbed calibrate [--out calibration/h200.yaml] [--quick] [--measurements-out results/h200x2/measure.json]
                       [--from-measurements FILE] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
+    rackbed calibrate --from-aiconfigurator SYSTEM [--backend trtllm|sglang|vllm] [--out FILE.json]
 
 Runs ``kernels/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``: the
 ``rackbed.measure/1`` format or ``/2``, graph-replayed rounds with their spread),
@@ -10,6 +11,11 @@ dispatch/combine rows), fits (``sim.calibrate``: every third point of each curve
 ``--holdout-shape NxK`` also holds out whole GEMM shapes) and writes the calibration file (versioned ``meta``: device, driver, torch / CUDA /
 NCCL versions, date). ``--dry-run`` measures tiny sizes on the CPU (plumbing only; the file is tagged
 ``CPU-DRY-RUN`` and never matches a real GPU).
+
+``--from-aiconfigurator SYSTEM`` (``gb200``, ``h200``, ``b200``) builds a calibration for a serving stack from the
+measured per-operator tables of the aiconfigurator-core package (the ``tables`` extra: ``pip install
+'rackbed[tables]'``; ``sim.perf_tables``), held-out errors per kind printed and kept in ``meta.validation``. It
+writes ``rackbed-out/calibration/<gpu>-<backend>.json`` unless ``--out`` names a file.
 """
 
 from __future__ import annotations
@@ -51,7 +57,36 @@ def bench_rows(doc: dict, source: str) -> list[dict]:
     return rows
 
 
+def _run_tables(args: argparse.Namespace) -> int:
+    from sim import perf_tables as pt
+
+    out = Path(args.out) if args.out else pt.default_out(args.from_aiconfigurator, args.backend)
+    if out.suffix != ".json":
+        raise UserError(f"--out {out}: a calibration built from tables is written as JSON (.json)")
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a folder; name the calibration file to write")
+    doc = pt.build_calibration(args.from_aiconfigurator, args.backend, progress=lambda s: print(f"  {s}"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(pt.dumps(doc))
+    tmp.replace(out)
+    m = doc["meta"]
+    print(f"wrote {out}: {m['gpu']} ({m['stack']} stack) from {pt.PACKAGE} {m['package_version']} "
+          f"{m['system']}, {len(doc['entries'])} curves")
+    for t in m["tables"]:
+        print(f"  table {t['file']} ({t['framework_version']}): {t['rows_used']} of {t['rows']} rows")
+    for n in m["notes"]:
+        print(f"  note: {n}")
+    print(f"held-out rows ({m['holdout_rule']}), |predicted / measured - 1|:")
+    for line in pt.validation_table(m):
+        print(f"  {line}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.from_aiconfigurator:
+        return _run_tables(args)
+    args.out = args.out or "calibration/h200.yaml"
     from sim.calibrate import (
         Holdout,
         calibrate,
@@ -104,7 +139,13 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="measure the local GPUs and write a calibration file",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="calibration/h200.yaml", help="calibration file to write (.yaml or .json)")
+    p.add_argument("--out", default=None, help="calibration file to write (.yaml or .json; default "
+                   "calibration/h200.yaml when measuring, rackbed-out/calibration/<gpu>-<backend>.json from tables)")
+    p.add_argument("--from-aiconfigurator", metavar="SYSTEM",
+                   help="build the calibration of a serving stack from aiconfigurator-core's measured tables "
+                        "(gb200, h200, b200; needs the 'tables' extra)")
+    p.add_argument("--backend", default="trtllm", choices=("trtllm", "sglang", "vllm"),
+                   help="the serving stack whose tables to read (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="every other size, fewer repeats")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
     p.add_argument("--only", nargs="+", help="subset of kernels/measure.py benchmarks")

@@ -20,7 +20,17 @@ kind                    x                                 y                     
 ``combine_us``          tokens per rank                   µs                         n_ranks, hidden, phase
 ``nic_GBps``            chunk bytes                       achieved GB/s per NIC      nic
 ``p2p_us``              bytes copied GPU to GPU           µs per copy                route (nvlink | net | host)
+``moe_us``              tokens into the EP group's MoE    µs of the routed-expert    fmt, hidden, inter, top_k,
+                        block (its whole batch)           block on one rank          n_experts, tp, ep, dist
+``a2a_us``              payload bytes per rank            µs                         op (dispatch | combine),
+                                                                                     n_ranks, payload
 ======================  ================================  =========================  ================================
+
+``moe_us`` is the routed-expert block of one MoE layer as a serving stack runs it (routing / top-k, permute, the
+expert GEMMs, unpermute and the weighted sum; not the router GEMM, not the dispatch / combine communication): when an
+entry matches, it replaces the grouped-GEMM model, fixed costs at small batch included (``sim.costs.moe_block``).
+``a2a_us`` is a DP-EP decode dispatch or combine kernel priced by the bytes it moves per rank (tokens per rank x
+hidden x payload element bytes), so a table measured at one hidden size prices another at equal bytes.
 
 ``p2p_us`` is a whole GPU-to-GPU copy (``sim.costs.collective.p2p_copy_time``). Time kinds (``*_us``) keep the
 smallest measured size's time below it (the latency floor) and above the largest continue at the rate of the
@@ -31,6 +41,11 @@ twice as long); rate kinds are clamped to their end values.
 ``seq_heads`` = sequences x local KV heads (the kernel's parallel units); :meth:`CalibrationTable.lookup_along`
 interpolates between the measured ``seq_heads`` curves (linear in ``log seq_heads``, clamped), so any batch and
 TP degree gets a value.
+
+**Grids** (``grid``, imported tables): for a kind listed there, the named numeric key fields (e.g. ``n`` and ``k``
+of ``gemm_tflops``) span a measured grid. A query whose values are not on the grid is interpolated between the
+bracketing grid values (multilinear in the logarithms, clamped to the grid's edges) instead of falling back to a
+less specific entry; :meth:`CalibrationTable.grid_position` says where a query fell (for the run's caveats).
 
 Matching: ``entry.gpu`` equals the GPU model name (``GpuSpec.name``, e.g. ``H200-SXM``); every key field the
 entry gives must equal the query's value (fields the entry omits match anything); among matching entries the
@@ -65,7 +80,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from sim.costs import constants as C
 from topology.errors import UserError, from_validation
@@ -74,19 +89,21 @@ from topology.errors import UserError, from_validation
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
-               "combine_us", "nic_GBps", "p2p_us"]
+               "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
     "gemm_tflops": ("fmt", "n", "k"),
-    "flash_tflops": ("head_dim",),
+    "flash_tflops": ("head_dim", "n_q_heads", "n_kv_heads"),
     "hbm_GBps": (),
-    "decode_attn_GBps": ("head_dim", "seq_heads"),
+    "decode_attn_GBps": ("head_dim", "seq_heads", "n_q_heads", "n_kv_heads"),
     "allreduce_us": ("algo", "n_ranks"),
     "dispatch_us": ("n_ranks", "hidden", "phase"),
     "combine_us": ("n_ranks", "hidden", "phase"),
     "nic_GBps": ("nic",),
     "p2p_us": ("route",),
+    "moe_us": ("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep", "dist"),
+    "a2a_us": ("op", "n_ranks", "payload"),
 }
 
 
@@ -120,8 +137,9 @@ class CalibrationEntry(BaseModel):
                 return -1
         return len(self.key)
 
-    def interpolate(self, x: float) -> float:
-        """y at ``x``: piecewise linear in log(x), clamped to the end points."""
+    def interpolate(self, x: float, loglog: bool = False) -> float:
+        """y at ``x``: piecewise linear in log(x) (``loglog``: in log(x) and log(y), a power law between
+        neighbouring points), clamped to the end points."""
         xs = [p[0] for p in self.points]
         if x <= xs[0]:
             return self.points[0][1]
@@ -130,16 +148,18 @@ class CalibrationEntry(BaseModel):
         j = bisect.bisect_right(xs, x)
         (x0, y0), (x1, y1) = self.points[j - 1], self.points[j]
         t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        if loglog:
+            return y0 * (y1 / y0) ** t
         return y0 + t * (y1 - y0)
 
 
-    def extend(self, x: float) -> float:
+    def extend(self, x: float, loglog: bool = False) -> float:
         """y at ``x`` for a time curve that grows with ``x``: :meth:`interpolate` inside and below the measured
         range; above it, the last point plus the slope of the last interval, linear in ``x`` (a copy twice the
         largest measured one takes twice as long at the same rate, not the same time)."""
         (x0, y0), (x1, y1) = self.points[-2:] if len(self.points) > 1 else (self.points[0], self.points[0])
         if x <= x1 or x1 <= x0:
-            return self.interpolate(x)
+            return self.interpolate(x, loglog)
         return y1 + (x - x1) * max(y1 - y0, 0.0) / (x1 - x0)
 
 
@@ -153,6 +173,15 @@ class CalibrationTable(BaseModel):
     entries: tuple[CalibrationEntry, ...] = ()
     #: GPU model (``GpuSpec.name``) -> fitted per-kernel fixed cost in µs (:func:`kernel_fixed_us`)
     kernel_fixed_us: dict[str, float] = Field(default_factory=dict)
+    #: kind -> numeric key fields measured on a grid and interpolated between (module docstring, "Grids")
+    grid: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    #: between measured points: ``log-x`` (linear in log x) or ``log-log`` (a power law; imported tables, whose
+    #: points are sparse: exact for a constant floor and for a time linear in x alike)
+    interpolation: Literal["log-x", "log-log"] = "log-x"
+
+    # (kind, gpu) -> entries in file order; (kind, gpu, key) -> what entry() / the grid resolved it to
+    _by_kind: dict = PrivateAttr(default_factory=dict)
+    _resolved: dict = PrivateAttr(default_factory=dict)
 
     @field_validator("kernel_fixed_us")
     @classmethod
@@ -160,6 +189,18 @@ class CalibrationTable(BaseModel):
         for g, us in v.items():
             if not (math.isfinite(us) and us >= 0):
                 raise ValueError(f"kernel_fixed_us[{g!r}] = {us}: must be a finite number of µs >= 0")
+        return v
+
+    @field_validator("grid")
+    @classmethod
+    def _grid_ok(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        for kind, fields in v.items():
+            if kind not in KINDS:
+                raise ValueError(f"grid: {kind!r} is not a calibration kind (known: {', '.join(KINDS)})")
+            bad = sorted(set(fields) - set(KINDS[kind]))
+            if bad or not fields:
+                raise ValueError(f"grid[{kind!r}]: field {bad[0] if bad else '(none)'!r} is not a key of kind "
+                                 f"{kind!r} (allowed: {', '.join(KINDS[kind])})")
         return v
 
     @field_validator("entries")
@@ -172,28 +213,133 @@ class CalibrationTable(BaseModel):
                                  f"(allowed: {', '.join(KINDS[e.kind]) or 'none'})")
         return entries
 
-    def lookup(self, kind: str, gpu: str, x: float, **key) -> float | None:
-        """The measured ``y(x)`` of the most specific entry of ``kind`` for ``gpu`` and ``key``; None if none
-        matches (the caller then uses its default model)."""
-        best = self.entry(kind, gpu, **key)
-        if best is None:
-            return None
-        x = max(float(x), 1e-30)
-        # a time (``*_us``) keeps growing past the largest measured size; a rate holds its last value
-        return best.extend(x) if kind.endswith("_us") else best.interpolate(x)
+    def _entries_of(self, kind: str, gpu: str) -> list[CalibrationEntry]:
+        if not self._by_kind:
+            for e in self.entries:
+                self._by_kind.setdefault((e.kind, e.gpu), []).append(e)
+        return self._by_kind.get((kind, gpu), [])
 
-    def entry(self, kind: str, gpu: str, **key) -> CalibrationEntry | None:
-        """The most specific entry of ``kind`` matching ``gpu`` and ``key`` (ties: the first), or None."""
+    def lookup(self, kind: str, gpu: str, x: float, **key) -> float | None:
+        """The measured ``y(x)`` of the most specific entry of ``kind`` for ``gpu`` and ``key`` (on a grid kind:
+        interpolated between the bracketing grid entries); None if none matches (the caller then uses its default
+        model)."""
         if kind not in KINDS:
             raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        res = self._resolve(kind, gpu, key)
+        if res is None:
+            return None
+        x = max(float(x), 1e-30)
+        ll = self.interpolation == "log-log"
+        # a time (``*_us``) keeps growing past the largest measured size; a rate holds its last value
+        if kind.endswith("_us"):
+            return sum(w * e.extend(x, ll) for w, e in res)
+        return sum(w * e.interpolate(x, ll) for w, e in res)
+
+    def entry(self, kind: str, gpu: str, **key) -> CalibrationEntry | None:
+        """The most specific entry of ``kind`` matching ``gpu`` and ``key`` (ties: the first), or None. (On a grid
+        kind, the grid entry with the most weight in :meth:`lookup`'s interpolation.)"""
+        if kind not in KINDS:
+            raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        res = self._resolve(kind, gpu, key)
+        return None if res is None else max(res, key=lambda we: we[0])[1]
+
+    def _resolve(self, kind: str, gpu: str, key: dict) -> tuple[tuple[float, CalibrationEntry], ...] | None:
+        """``((weight, entry), ...)`` whose weighted values are the lookup (one entry of weight 1 off the grid)."""
+        mkey = (kind, gpu, tuple(sorted(key.items())))
+        try:
+            return self._resolved[mkey]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable key value: resolve without the memo
+            return self._resolve_uncached(kind, gpu, key)
+        res = self._resolved[mkey] = self._resolve_uncached(kind, gpu, key)
+        return res
+
+    def _resolve_uncached(self, kind, gpu, key):
+        cands = self._entries_of(kind, gpu)
+        fields = self.grid.get(kind)
+        if fields and all(isinstance(key.get(f), (int, float)) for f in fields):
+            res = self._grid_resolve(cands, fields, key)
+            if res is not None:
+                return res
         best, best_score = None, -1
-        for e in self.entries:
-            if e.kind != kind:
-                continue
+        for e in cands:
             s = e.matches(gpu, key)
             if s > best_score:
                 best, best_score = e, s
-        return best
+        return None if best is None else ((1.0, best),)
+
+    def _grid_points(self, cands, fields, key):
+        """Entries pinning every grid field and matching ``key`` on all other fields: {grid values: entry} (per
+        grid point the most specific entry, ties the first)."""
+        other = {f: v for f, v in key.items() if f not in fields}
+        pts: dict[tuple, tuple[int, CalibrationEntry]] = {}
+        for e in cands:
+            if not all(f in e.key for f in fields):
+                continue
+            s = e.matches(e.gpu, {**other, **{f: e.key[f] for f in fields}})
+            if s < 0:
+                continue
+            gv = tuple(float(e.key[f]) for f in fields)
+            if gv not in pts or s > pts[gv][0]:
+                pts[gv] = (s, e)
+        return {g: e for g, (s, e) in pts.items()}
+
+    def _grid_resolve(self, cands, fields, key):
+        pts = self._grid_points(cands, fields, key)
+        if not pts:
+            return None
+        axes = [sorted({g[i] for g in pts}) for i in range(len(fields))]
+        brackets = []  # per field: ((value, weight), ...)
+        for i, f in enumerate(fields):
+            v, vs = float(key[f]), axes[i]
+            if v <= vs[0] or len(vs) == 1:
+                brackets.append(((vs[0], 1.0),))
+            elif v >= vs[-1]:
+                brackets.append(((vs[-1], 1.0),))
+            else:
+                j = bisect.bisect_left(vs, v)
+                if vs[j] == v:
+                    brackets.append(((v, 1.0),))
+                else:
+                    v0, v1 = vs[j - 1], vs[j]
+                    t = (math.log(v) - math.log(v0)) / (math.log(v1) - math.log(v0))
+                    brackets.append(((v0, 1.0 - t), (v1, t)))
+        out: list[tuple[float, CalibrationEntry]] = []
+        corners = [((), 1.0)]
+        for br in brackets:
+            corners = [(c + (v,), w * wv) for c, w in corners for v, wv in br]
+        for c, w in corners:
+            e = pts.get(c)
+            if e is None:  # a hole in the grid: the nearest measured point (in log distance)
+                e = pts[min(pts, key=lambda g: sum(abs(math.log(a) - math.log(b)) for a, b in zip(g, c)))]
+            if w > 0:
+                out.append((w, e))
+        return tuple(out) if out else None
+
+    def grid_position(self, kind: str, gpu: str, **key) -> str | None:
+        """Where a grid-kind query falls: None when it is on a measured grid point (or ``kind`` has no grid);
+        else a short phrase naming the interpolation or the clamp to the grid's edge, for the run's caveats."""
+        fields = self.grid.get(kind)
+        if not fields:
+            return None
+        pts = self._grid_points(self._entries_of(kind, gpu), fields, key)
+        if not pts:
+            return None
+        out = []
+        for i, f in enumerate(fields):
+            vs = sorted({g[i] for g in pts})
+            v = float(key[f])
+            if v in vs:
+                continue
+            if v < vs[0] or v > vs[-1]:
+                edge = vs[0] if v < vs[0] else vs[-1]
+                out.append(f"{f}={v:g} outside the measured {vs[0]:g}..{vs[-1]:g} (held at {edge:g}, "
+                           f"{abs(math.log2(v / edge)):.1f} octaves away)")
+            else:
+                j = bisect.bisect_left(vs, v)
+                out.append(f"{f}={v:g} interpolated between {vs[j - 1]:g} and {vs[j]:g}")
+        return "; ".join(out) or None
 
     def lookup_along(self, kind: str, gpu: str, x: float, field: str, value: float, **key) -> float | None:
         """``y(x)`` where ``field`` is a numeric key measured at a few values (curves pinning it): the two curves
@@ -215,12 +361,13 @@ class CalibrationTable(BaseModel):
         vs = sorted(cands)
         xv = max(float(x), 1e-30)
         if value <= vs[0]:
-            return cands[vs[0]][1].interpolate(xv)
+            return cands[vs[0]][1].interpolate(xv, self.interpolation == "log-log")
         if value >= vs[-1]:
-            return cands[vs[-1]][1].interpolate(xv)
+            return cands[vs[-1]][1].interpolate(xv, self.interpolation == "log-log")
         j = bisect.bisect_right(vs, value)
         v0, v1 = vs[j - 1], vs[j]
-        y0, y1 = cands[v0][1].interpolate(xv), cands[v1][1].interpolate(xv)
+        ll = self.interpolation == "log-log"
+        y0, y1 = cands[v0][1].interpolate(xv, ll), cands[v1][1].interpolate(xv, ll)
         t = (math.log(value) - math.log(v0)) / (math.log(v1) - math.log(v0))
         return y0 + t * (y1 - y0)
 

@@ -29,7 +29,9 @@ The time is latency-dominated at decode sizes:
 Dispatch carries activations in the GEMM's activation format (``bytes_per_element(fmt, "activation")``) plus
 routing metadata (``top_k`` x (4 B id + 4 B weight) + 4 B index per copy); combine returns bf16 expert outputs,
 already summed over the destination's local experts. A calibration table (kinds ``dispatch_us`` /
-``combine_us``, key n_ranks / hidden / phase, x = tokens per rank) replaces the estimate.
+``combine_us``, key n_ranks / hidden / phase, x = tokens per rank) replaces the estimate; an imported per-operator
+table (kind ``a2a_us``, key op / n_ranks / payload, x = payload bytes per rank) replaces the DP-EP decode kernels,
+priced at equal bytes when the table was measured at another hidden size.
 """
 
 from __future__ import annotations
@@ -85,6 +87,21 @@ def expected_dest_ranks(n_experts: int, top_k: int, ep: int) -> float:
 
 def _act_bpe(gpu, fmt: str) -> float:
     return _bpe(_format_exec(gpu, fmt).act_format, "activation")  # identity-keyed format_execution
+
+
+def payload_name(bytes_per_elem: float) -> str:
+    """The ``a2a_us`` payload key of activations of ``bytes_per_elem`` bytes: bf16, fp8 or fp4 (scales included)."""
+    return "bf16" if bytes_per_elem >= 2 else "fp8" if bytes_per_elem >= 1 else "fp4"
+
+
+def _a2a_measured(calib, g, op: str, tokens_per_rank: float, hidden: int, bpe: float) -> float | None:
+    """Seconds of a measured DP-EP ``op`` (dispatch / combine) kernel moving ``tokens_per_rank`` x ``hidden``
+    elements of ``bpe`` bytes per rank (calibration kind ``a2a_us``), or None."""
+    if calib is None:
+        return None
+    us = calib.lookup("a2a_us", g.gpu.name, tokens_per_rank * hidden * bpe, op=op, n_ranks=g.n_ranks,
+                      payload=payload_name(bpe))
+    return None if us is None else us * 1e-6
 
 
 # ------------------------------------------------------------------------------------------------ EP prefill
@@ -247,6 +264,9 @@ def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, mode
                       phase="decode")
     if measured is not None:
         return CommCost(calibrated_s=measured * 1e-6)
+    table = _a2a_measured(calib, g, "dispatch", tokens_per_rank, model.hidden, _act_bpe(g.gpu, fmt))
+    if table is not None:
+        return CommCost(calibrated_s=table)
     copy = model.hidden * _act_bpe(g.gpu, fmt) + model.top_k * 8 + META_BYTES_PER_COPY
     v_recv = tokens_per_rank * model.top_k  # expert assignments landing on a rank (expected)
     local = tokens_per_rank * model.hidden * 2 + v_recv * model.hidden * _act_bpe(g.gpu, fmt) * 2
@@ -265,6 +285,9 @@ def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model
                       phase="decode")
     if measured is not None:
         return CommCost(calibrated_s=measured * 1e-6)
+    table = _a2a_measured(calib, g, "combine", tokens_per_rank, model.hidden, 2.0)
+    if table is not None:
+        return CommCost(calibrated_s=table)
     copy = model.hidden * 2
     d = expected_dest_ranks(model.n_experts, model.top_k, g.n_ranks)
     local = (tokens_per_rank * model.top_k * model.hidden * 2  # local accumulation over local experts

@@ -11,7 +11,8 @@ each attention all-reduce). Per layer, on one rank:
     attention (QKV/O projections split tp ways, K/V replicated beyond n_kv_heads; flash core over local heads)
     + TP all-reduce of the attention output: tokens x hidden x 2 B over the TP group
     + MoE: router, dispatch (local select + pack), routed grouped GEMM over this rank's experts (per-expert token
-      counts: binomial from uniform top-k routing, or given), shared expert (split tp ways), combine (local
+      counts: binomial from uniform top-k routing, or given; a measured ``moe_us`` block replaces it, fixed costs
+      included: ``sim.costs.moe_block``), shared expert (split tp ways), combine (local
       accumulate) and the EP combine all-reduce: tokens x hidden x 2 B over the EP group
       (dense-MLP layers instead: the MLP split tp ways + an all-reduce)
     + two fused residual-add + RMSNorm kernels
@@ -47,6 +48,7 @@ from sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
 from sim.costs.calibration import CalibrationTable, kernel_fixed_us
 from sim.costs.collective import allreduce_time, group_links
 from sim.costs.gemm import ExpertHistogram, binomial_histogram, expert_mlp_time, gemm_time, hbm_rate_Bps
+from sim.costs.moe_block import moe_block_s
 from sim.costs.moe_comm import (
     dpep_decode_combine,
     dpep_decode_dispatch,
@@ -165,9 +167,11 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
                                                      calib=calib).total_s)
         disp = ep_prefill_dispatch(topo, plan.gpus, n_tokens, model, fmt, local_copies=local, calib=calib)
         b.add("moe_dispatch", "a2a_s", n_moe * disp.total_s)
-        inter = model.moe_intermediate // plan.expert_tp
-        mlp = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib)
-        b.add("moe_gemm", "moe_gemm_s", n_moe * mlp.total_s)
+        block = moe_block_s(calib, gpu, model, fmt, plan.expert_tp, ep, n_tokens)
+        if block is None:
+            inter = model.moe_intermediate // plan.expert_tp
+            block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
+        b.add("moe_gemm", "moe_gemm_s", n_moe * block)
         b.add("shared_expert", "moe_gemm_s", n_moe * _shared_expert_s(gpu, model, n_tokens, tp, fmt, calib))
         comb = ep_prefill_combine(topo, plan.gpus, n_tokens, model, local_copies=local, algo=allreduce_algo,
                                   calib=calib)
@@ -208,11 +212,13 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     disp = dpep_decode_dispatch(topo, plan.gpus, t_max, model, fmt, send_matrix=send_matrix, calib=calib)
     comb = dpep_decode_combine(topo, plan.gpus, t_max, model, send_matrix=send_matrix, calib=calib)
     b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
-    hist = tokens_per_expert if tokens_per_expert is not None else \
-        binomial_histogram(t_all, model.top_k / model.n_experts, model.n_experts // plan.ep)
-    inter = model.moe_intermediate // plan.expert_tp
-    b.add(f"{prefix}moe_gemm", "moe_gemm_s",
-          n_layers * expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s)
+    block = moe_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, t_all)
+    if block is None:
+        hist = tokens_per_expert if tokens_per_expert is not None else \
+            binomial_histogram(t_all, model.top_k / model.n_experts, model.n_experts // plan.ep)
+        inter = model.moe_intermediate // plan.expert_tp
+        block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
+    b.add(f"{prefix}moe_gemm", "moe_gemm_s", n_layers * block)
     b.add(f"{prefix}shared_expert", "moe_gemm_s",
           n_layers * _shared_expert_s(gpu, model, t_max, 1, fmt, calib))
     b.add(f"{prefix}moe_combine", "a2a_s", n_layers * comb.total_s)

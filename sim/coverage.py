@@ -1,0 +1,111 @@
+"""What a calibration does not cover for one deployment: the caveat lines every run prints.
+
+A run is priced by measured curves where the calibration has them and by first-principles models elsewhere. The
+simulator must say which parts of *this* deployment fall in the second group — a GEMM format or an expert layout
+the tables never measured, an all-reduce over more ranks than were measured, an EP size beyond the all-to-all
+table — and, where it extrapolates along a measured grid, by how much. :func:`calibration_caveats` checks the
+quantities that the step cost model (``sim.costs.step``) prices for the scenario's prefill and decode plans and
+returns one line per gap (an empty list: everything measured).
+"""
+
+from __future__ import annotations
+
+from sim.costs import constants as C
+
+UNCALIBRATED_BLACKWELL = ("Blackwell figures extrapolate: GPU rates and NVLink/NVLS parameters come from datasheets "
+                          "and NCCL's tuning tables, not from measurements (see calibration/README.md)")
+
+
+def _meta(calib) -> dict:
+    return getattr(calib, "meta", None) or {}
+
+
+def _gemm_gap(calib, gpu: str, fmt: str, n: int, k: int, what: str) -> str | None:
+    e = calib.entry("gemm_tflops", gpu, fmt=fmt, n=n, k=k)
+    if e is None or "fmt" not in e.key:
+        return f"{what} GEMMs in {fmt}: not measured in this format, first-principles roofline"
+    where = calib.grid_position("gemm_tflops", gpu, fmt=fmt, n=n, k=k)
+    if where and "outside" in where:
+        return f"{what} GEMM ({n}x{k}, {fmt}): {where}"
+    return None
+
+
+def _moe_gap(calib, gpu: str, model, fmt: str, tp: int, ep: int, role: str) -> str | None:
+    from sim.costs.moe_block import moe_key
+
+    key = moe_key(model, fmt, tp, ep)
+    if calib.entry("moe_us", gpu, **key) is None:
+        measured = any(e.kind == "moe_us" for e in calib.entries)
+        if not measured:
+            return None  # a calibration without MoE blocks prices the grouped GEMMs (kind gemm_tflops)
+        return (f"{role} MoE block ({model.hidden}/{model.moe_intermediate}, top-{model.top_k} of {model.n_experts}, "
+                f"{fmt}, TP{tp} EP{ep}): not in the tables, grouped-GEMM model without measured fixed costs")
+    where = calib.grid_position("moe_us", gpu, **key)
+    if where:
+        return f"{role} MoE block: {where} of the measured EP sizes"
+    return None
+
+
+def _allreduce_gap(calib, gpu: str, n_ranks: int, what: str) -> str | None:
+    if n_ranks < 2:
+        return None
+    algos = sorted({e.key.get("algo") for e in calib.entries
+                    if e.kind == "allreduce_us" and e.gpu == gpu and e.key.get("n_ranks") == n_ranks})
+    if not algos:
+        have = sorted({e.key.get("n_ranks") for e in calib.entries if e.kind == "allreduce_us" and e.gpu == gpu})
+        if not have:
+            return None
+        return (f"{what} all-reduce over {n_ranks} GPUs: measured only at {', '.join(map(str, have))} GPUs, "
+                f"first-principles estimate")
+    return None
+
+
+def _a2a_gap(calib, gpu: str, ep: int, model) -> str | None:
+    if ep < 2 or not any(e.kind == "a2a_us" and e.gpu == gpu for e in calib.entries):
+        return None
+    where = calib.grid_position("a2a_us", gpu, op="dispatch", n_ranks=ep, payload="bf16")
+    out = []
+    if where:
+        out.append(where)
+    hid = [n for n in _meta(calib).get("notes", []) if n.startswith("all-to-all measured")]
+    if hid and f"hidden {model.hidden}" not in hid[0] and f", {model.hidden}" not in hid[0]:
+        out.append(f"measured at another hidden size, priced for {model.hidden} at equal bytes")
+    return f"decode dispatch/combine (EP{ep}): {'; '.join(out)}" if out else None
+
+
+def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[str]:
+    """One line per part of this deployment that the calibration ``calib`` (None: uncalibrated) does not price
+    from measurements, or prices by extrapolating along a measured grid (module docstring)."""
+    gpu = topo.gpu_spec(prefill_plan.gpus[0])
+    if calib is None:
+        return [UNCALIBRATED_BLACKWELL] if gpu.arch == "blackwell" else []
+    name = gpu.name
+    fmt = prefill_plan.weight_format
+    out: list[str] = []
+    if not any(e.gpu == name for e in calib.entries):
+        return [f"the calibration has no curves for {name}: first-principles cost models"]
+    tp = prefill_plan.tp
+    q_n = (model.n_q_heads * model.head_dim) // tp + 2 * max(1, model.n_kv_heads // tp) * model.head_dim
+    for what, n, k in (("attention projection", q_n, model.hidden), ("LM head", model.vocab, model.hidden)):
+        gap = _gemm_gap(calib, name, fmt if what != "LM head" else "bf16", n, k, what)
+        if gap:
+            out.append(gap)
+    if model.n_experts:
+        for role, plan in (("prefill", prefill_plan), ("decode", decode_plan)):
+            gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, plan.ep, role)
+            if gap and gap not in out:
+                out.append(gap)
+    for what, n in (("prefill TP", prefill_plan.tp), ("prefill EP combine", prefill_plan.ep)):
+        gap = _allreduce_gap(calib, name, n, what)
+        if gap and gap not in out:
+            out.append(gap)
+    if getattr(decode_plan, "ep", 1) > 1:
+        gap = _a2a_gap(calib, name, decode_plan.ep, model)
+        if gap:
+            out.append(gap)
+    if any(e.kind in ("allreduce_us",) for e in calib.entries) and gpu.arch == "blackwell" and not any(
+            e.kind == "allreduce_us" and e.key.get("algo") == "nvls" for e in calib.entries):
+        out.append("NVLS (NVLink SHARP) all-reduce is not in the tables: its estimate is first-principles")
+    if _meta(calib).get("source") == "aiconfigurator-core":
+        out.append(f"per-step framework overhead is not in the tables: {C.HOST_STEP_US:g} µs per step assumed")
+    return out

@@ -1,0 +1,589 @@
+"""Calibrations from measured per-operator tables (``rackbed calibrate --from-aiconfigurator SYSTEM``).
+
+NVIDIA's aiconfigurator-core package (Apache-2.0, the ``tables`` extra) ships per-operator latencies collected on
+GPUs rackbed cannot run here — GB200, B200, H200, ... — under TensorRT-LLM, SGLang and vLLM, as parquet files under
+``aiconfigurator_core/systems/data/<system>/<op>/<backend>/<version>/``. They are measurements, so rackbed reads
+them as calibration data (never the package's code): this module turns the tables of one system and one serving
+stack into a rackbed calibration file whose ``meta`` names the package version, the system, the backend, and for
+every table its framework version, file and row counts.
+
+What is read (latencies in ms; a table carrying a unit column must say ``ms``):
+
+========================  ================================  =====================================================
+table                     rackbed kind                      how
+========================  ================================  =====================================================
+``gemm/*/gemm_perf``      ``gemm_tflops`` (fmt, n, k)       one curve per format and (n, k), x = m, y = 2mnk / t;
+                                                            (n, k) is a measured grid: other shapes interpolate
+``moe/*/moe_perf``        ``moe_us`` (fmt, hidden, inter,   the whole routed-expert block, x = tokens into the EP
+                          top_k, n_experts, tp, ep, dist)   group, balanced routing, fastest kernel source per point
+``comm/nccl/*/nccl_perf`` ``allreduce_us`` (ring, n_ranks)  NCCL all-reduce, x = bytes per rank (fp16 elements x 2)
+``comm/<backend>/*/       ``allreduce_us`` (oneshot and     the stack's own all-reduce (it picks one- or two-shot
+custom_allreduce_perf``   twoshot, n_ranks)                 itself): the same curve under both names
+``comm/trtllm/*/trtllm_   ``a2a_us`` (dispatch | combine,   DP-EP decode dispatch / combine, x = payload bytes per
+alltoall_perf``,          n_ranks, payload)                 rank (tokens x hidden x element bytes)
+``comm/*/moe_a2a_perf``
+========================  ================================  =====================================================
+
+Attention tables (``attention/*/{context,generation}_attention_perf``) become ``flash_tflops`` and
+``decode_attn_GBps`` curves (:mod:`sim.perf_tables_attention`).
+
+**Hold-out**: as ``rackbed calibrate`` does for the engine's own rows, every third point of each curve (indices 1,
+4, 7, ...; never an end point) is left out of the fit and predicted by the rackbed cost function the simulator
+calls, with the fitted table; the held-out rows are named in ``meta.holdout`` (per curve, the held-out x values)
+(the x values, grouped with the curves that share them) and the errors per kind are in ``meta.validation`` (median / p90 / max of |predicted / measured - 1|).
+
+The output is deterministic (sorted tables and rows, rounded numbers, no dates): the same package version gives
+the same file byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from topology.errors import UserError
+
+PACKAGE = "aiconfigurator-core"
+SCHEMA = "rackbed.calibration/2"
+
+#: aiconfigurator system folder -> (rackbed GpuSpec name, short name used in file names)
+SYSTEMS: dict[str, tuple[str, str]] = {
+    "gb200": ("B200-GB200", "gb200"),
+    "h200_sxm": ("H200-SXM", "h200"),
+    "b200_sxm": ("B200-HGX", "b200"),
+}
+#: names a user may type for a system
+ALIASES = {"gb200": "gb200", "h200": "h200_sxm", "h200_sxm": "h200_sxm", "b200": "b200_sxm", "b200_sxm": "b200_sxm"}
+BACKENDS = ("trtllm", "sglang", "vllm")
+
+#: table dtype names -> rackbed format names (dtypes not listed are not imported)
+GEMM_FMT = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
+#: element bytes of an all-to-all payload dtype (nvfp4: 4 bits + one fp8 scale per 16 values)
+PAYLOAD = {"bfloat16": ("bf16", 2.0), "fp8": ("fp8", 1.0), "nvfp4": ("fp4", 0.5 + 1 / 16)}
+
+#: GEMM shapes with n or k below this are not imported (no model rackbed knows has such a projection)
+GEMM_MIN_NK = 128
+
+HOLDOUT_EVERY, HOLDOUT_OFFSET = 3, 1
+HOLDOUT_RULE = "every 3-th point of each curve from index 1 (end points kept)"
+
+
+def _sig(v: float, digits: int = 5) -> float:
+    """``v`` rounded to ``digits`` significant digits (stable text in the written file)."""
+    return float(f"{v:.{digits}g}")
+
+
+# ------------------------------------------------------------------------------------------------ finding tables
+
+
+def data_root() -> Path:
+    """The installed package's data folder (found through ``importlib.resources``, never a path on one machine)."""
+    try:
+        from importlib.resources import files
+
+        root = files("aiconfigurator_core") / "systems" / "data"
+    except ModuleNotFoundError as exc:
+        raise UserError(f"calibrate --from-aiconfigurator needs the {PACKAGE} package: pip install "
+                        f"'rackbed[tables]' (or pip install {PACKAGE})") from exc
+    return Path(str(root))
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def resolve_system(name: str) -> str:
+    """The package's system folder for a name a user typed (``gb200``, ``h200``, ``b200``, or the folder name)."""
+    s = ALIASES.get(name.strip().lower())
+    if s is None:
+        raise UserError(f"--from-aiconfigurator: unknown system {name!r}; rackbed models "
+                        f"{', '.join(sorted(set(ALIASES)))} (GPU models {', '.join(g for g, _ in SYSTEMS.values())})")
+    return s
+
+
+def _version_key(v: str) -> tuple:
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"[.\-]|(?<=\d)(?=[a-z])", v))
+
+
+@dataclass(frozen=True)
+class Table:
+    """One parquet table: its op folder, backend folder, framework version folder and file name."""
+
+    root: Path
+    system: str
+    op: str
+    backend: str
+    version: str
+    name: str
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.system / self.op / self.backend / self.version / self.name
+
+    @property
+    def rel(self) -> str:
+        return f"{self.system}/{self.op}/{self.backend}/{self.version}/{self.name}"
+
+
+def find_tables(root: Path, system: str, op: str, backend: str, name: str) -> list[Table]:
+    """Every version of table ``name`` under ``<system>/<op>/<backend>/``, oldest first."""
+    d = root / system / op / backend
+    if not d.is_dir():
+        return []
+    out = [Table(root, system, op, backend, v.name, name) for v in d.iterdir() if (v / name).is_file()]
+    return sorted(out, key=lambda t: _version_key(t.version))
+
+
+# ------------------------------------------------------------------------------------------------ reading tables
+
+
+def read_rows(table: Table, columns: Iterable[str], *, numeric: Iterable[str] = ("latency",)) -> list[dict]:
+    """The table's rows (``columns`` only) as dicts; a missing column, a unit other than ms, or a latency that is
+    not a finite number > 0 is one UserError naming the file, the row and the column."""
+    import pyarrow.parquet as pq
+
+    path = table.path
+    try:
+        pf = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises its own error types for damaged files
+        raise UserError(f"{table.rel}: not a readable parquet table: {' '.join(str(exc).split())[:200]}") from exc
+    have = set(pf.column_names)
+    missing = [c for c in columns if c not in have]
+    if missing:
+        raise UserError(f"{table.rel}: missing column {missing[0]!r} (has: {', '.join(sorted(have))})")
+    for ucol in ("unit", "latency_unit", "units"):
+        if ucol in have:
+            units = {str(u) for u in pf.column(ucol).to_pylist()}
+            if units - {"ms"}:
+                raise UserError(f"{table.rel}: column {ucol!r} says {sorted(units - {'ms'})[0]!r}; rackbed reads "
+                                f"latencies in ms only")
+    rows = pf.select(list(columns)).to_pylist()
+    for i, r in enumerate(rows):
+        for c in numeric:
+            v = r[c]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise UserError(f"{table.rel}: row {i}: {c} = {v!r}; must be a finite number > 0")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ curves
+
+
+@dataclass
+class Curve:
+    """Measured ``(x, y)`` points of one calibration entry before the hold-out split; ``measured`` keeps what the
+    held-out prediction is compared with (the table's latency in seconds) per x."""
+
+    kind: str
+    key: dict
+    source: str
+    points: dict[float, float] = field(default_factory=dict)  # x -> y (the entry's units)
+    measured: dict[float, float] = field(default_factory=dict)  # x -> seconds as measured
+
+    def add(self, x: float, y: float, seconds: float) -> None:
+        """Keep the fastest of repeated measurements at one x (several kernel sources, duplicates)."""
+        if x not in self.measured or seconds < self.measured[x]:
+            self.points[x], self.measured[x] = y, seconds
+
+    def split(self) -> tuple[list[tuple[float, float]], list[float]]:
+        """(fit points, held-out xs): every third inner point held out."""
+        xs = sorted(self.points)
+        held = [x for i, x in enumerate(xs) if 0 < i < len(xs) - 1 and (i - HOLDOUT_OFFSET) % HOLDOUT_EVERY == 0]
+        hs = set(held)
+        return [(x, self.points[x]) for x in xs if x not in hs], held
+
+    @property
+    def label(self) -> str:
+        return "/".join([self.kind] + [f"{k}={v}" for k, v in sorted(self.key.items())])
+
+
+@dataclass
+class Imported:
+    """What one op family contributed: its curves, the tables read, grid kinds, caveats, and a predictor per kind
+    (``predict(calib, curve, x) -> seconds``, the cost function the simulator calls)."""
+
+    curves: list[Curve] = field(default_factory=list)
+    tables: list[dict] = field(default_factory=list)
+    grid: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    predict: dict[str, Callable] = field(default_factory=dict)
+
+
+def _source(t: Table) -> str:
+    return f"{PACKAGE} {t.rel}"
+
+
+def _table_meta(t: Table, n_rows: int, n_used: int, framework: str | None = None) -> dict:
+    return {"op": t.op, "file": t.rel, "backend": t.backend, "framework_version": framework or t.version,
+            "rows": n_rows, "rows_used": n_used}
+
+
+def _pick(tables: list[Table], count: Callable[[Table], int]) -> Table | None:
+    """The version with the most usable rows (ties: the newest)."""
+    best, best_n = None, 0
+    for t in tables:
+        n = count(t)
+        if n >= best_n and n > 0:
+            best, best_n = t, n
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ GEMM
+
+
+def import_gemm(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    out = Imported(grid={"gemm_tflops": ("n", "k")})
+    tabs = find_tables(root, system, "gemm", backend, "gemm_perf.parquet")
+    cols = ("gemm_dtype", "m", "n", "k", "latency")
+    t = _pick(tabs, lambda t: len(read_rows(t, cols)))
+    if t is None:
+        out.notes.append(f"no GEMM table for {system}/{backend}")
+        return out
+    rows = read_rows(t, cols)
+    curves: dict[tuple, Curve] = {}
+    used = 0
+    for r in rows:
+        fmt = GEMM_FMT.get(str(r["gemm_dtype"]))
+        if fmt is None:
+            continue
+        m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
+        if n < GEMM_MIN_NK or k < GEMM_MIN_NK:
+            continue
+        s = r["latency"] * 1e-3
+        key = (fmt, n, k)
+        c = curves.get(key)
+        if c is None:
+            c = curves[key] = Curve("gemm_tflops", {"fmt": fmt, "n": n, "k": k}, _source(t))
+        c.add(float(m), _sig(2.0 * m * n * k / s / 1e12), s)
+        used += 1
+    out.curves = [curves[k] for k in sorted(curves)]
+    out.tables.append(_table_meta(t, len(rows), used))
+    fmts = sorted({k[0] for k in curves})
+    out.notes.append(f"GEMM formats measured: {', '.join(fmts)}")
+
+    def predict(calib, c: Curve, x: float) -> float:
+        from sim.costs.gemm import gemm_time
+
+        return gemm_time(_gpu(gpu), int(x), c.key["n"], c.key["k"], c.key["fmt"], calib=calib).total_s
+
+    out.predict["gemm_tflops"] = predict
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+
+
+def import_moe(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    out = Imported(grid={"moe_us": ("ep",)})
+    tabs = find_tables(root, system, "moe", backend, "moe_perf.parquet")
+    cols = ("moe_dtype", "kernel_source", "num_tokens", "hidden_size", "inter_size", "topk", "num_experts",
+            "moe_tp_size", "moe_ep_size", "distribution", "latency")
+
+    def usable(r) -> bool:
+        return (str(r["moe_dtype"]) in GEMM_FMT and str(r["distribution"]) == "balanced"
+                and "nongated" not in str(r["kernel_source"]))
+
+    t = _pick(tabs, lambda t: sum(1 for r in read_rows(t, cols) if usable(r)))
+    if t is None:
+        out.notes.append(f"no MoE table for {system}/{backend}")
+        return out
+    rows = read_rows(t, cols)
+    curves: dict[tuple, Curve] = {}
+    used = 0
+    for r in rows:
+        if not usable(r):
+            continue
+        key = {"fmt": GEMM_FMT[str(r["moe_dtype"])], "hidden": int(r["hidden_size"]), "inter": int(r["inter_size"]),
+               "top_k": int(r["topk"]), "n_experts": int(r["num_experts"]), "tp": int(r["moe_tp_size"]),
+               "ep": int(r["moe_ep_size"]), "dist": "balanced"}
+        kt = tuple(key[f] for f in ("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep"))
+        c = curves.get(kt)
+        if c is None:
+            c = curves[kt] = Curve("moe_us", key, _source(t) + " (balanced routing; fastest kernel source)")
+        s = r["latency"] * 1e-3
+        c.add(float(int(r["num_tokens"])), _sig(s * 1e6), s)
+        used += 1
+    out.curves = [curves[k] for k in sorted(curves)]
+    out.tables.append(_table_meta(t, len(rows), used))
+
+    def predict(calib, c: Curve, x: float) -> float:
+        return calib.lookup("moe_us", gpu, x, **c.key) * 1e-6
+
+    out.predict["moe_us"] = predict
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+
+
+def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    out = Imported()
+    nccl_cols = ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency")
+    nccl = find_tables(root, system, "comm", "nccl", "nccl_perf.parquet")
+    nccl = [t for t in nccl if {"op_name", "nccl_dtype"} <= set(_columns(t))]
+    if nccl:
+        t = nccl[-1]  # the newest NCCL
+        rows = read_rows(t, nccl_cols)
+        curves: dict[int, Curve] = {}
+        used = 0
+        for r in rows:
+            if r["op_name"] != "all_reduce" or r["nccl_dtype"] != "half":
+                continue
+            n = int(r["num_gpus"])
+            c = curves.get(n)
+            if c is None:
+                c = curves[n] = Curve("allreduce_us", {"algo": "ring", "n_ranks": n}, _source(t) + " (NCCL, fp16)")
+            s = r["latency"] * 1e-3
+            c.add(float(int(r["message_size"]) * 2), _sig(s * 1e6), s)
+            used += 1
+        out.curves += [curves[n] for n in sorted(curves)]
+        out.tables.append(_table_meta(t, len(rows), used, framework=f"NCCL {t.version}"))
+        out.notes.append(f"NCCL all-reduce measured at {', '.join(map(str, sorted(curves)))} GPUs")
+    ca_cols = ("op_name", "allreduce_dtype", "num_gpus", "message_size", "latency")
+    custom = find_tables(root, system, "comm", backend, "custom_allreduce_perf.parquet")
+    if custom:
+        t = custom[-1]
+        rows = read_rows(t, ca_cols)
+        curves = {}
+        used = 0
+        for r in rows:
+            if r["op_name"] != "all_reduce" or r["allreduce_dtype"] not in ("bfloat16", "float16", "half"):
+                continue
+            n = int(r["num_gpus"])
+            s = r["latency"] * 1e-3
+            for algo in ("oneshot", "twoshot"):
+                c = curves.get((algo, n))
+                if c is None:
+                    c = curves[(algo, n)] = Curve("allreduce_us", {"algo": algo, "n_ranks": n},
+                                                  _source(t) + f" ({backend} custom all-reduce, its own one/two-shot "
+                                                               f"choice)")
+                c.add(float(int(r["message_size"]) * 2), _sig(s * 1e6), s)
+            used += 1
+        out.curves += [curves[k] for k in sorted(curves)]
+        out.tables.append(_table_meta(t, len(rows), used))
+    if not out.curves:
+        out.notes.append(f"no all-reduce table for {system}/{backend}")
+
+    def predict(calib, c: Curve, x: float) -> float:
+        return calib.lookup("allreduce_us", gpu, x, **c.key) * 1e-6
+
+    out.predict["allreduce_us"] = predict
+    return out
+
+
+def _columns(t: Table) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return list(pq.read_schema(t.path).names)
+
+
+def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    """DP-EP decode dispatch / combine: TRT-LLM's NVLink all-to-all where measured (GB200: EP 2-64), else the
+    DeepEP low-latency kernels of the per-stack ``moe_a2a_perf`` table."""
+    out = Imported(grid={"a2a_us": ("n_ranks",)})
+    curves: dict[tuple, Curve] = {}
+    trt = find_tables(root, system, "comm", backend, "trtllm_alltoall_perf.parquet") if backend == "trtllm" else []
+    hidden_seen: set[int] = set()
+    if trt:
+        t = trt[-1]
+        cols = ("op_name", "kernel_source", "moe_dtype", "num_tokens", "hidden_size", "moe_ep_size", "latency")
+        rows = read_rows(t, cols)
+        used = 0
+        for r in rows:
+            op = {"alltoall_dispatch": "dispatch", "alltoall_combine": "combine"}.get(str(r["op_name"]))
+            if op is None or r["kernel_source"] != "NVLinkTwoSided" or str(r["moe_dtype"]) not in PAYLOAD:
+                continue
+            if op == "combine" and r["moe_dtype"] != "bfloat16":
+                continue  # rackbed combines in bf16
+            pay, bpe = PAYLOAD[str(r["moe_dtype"])]
+            n = int(r["moe_ep_size"])
+            key = (op, n, pay)
+            c = curves.get(key)
+            if c is None:
+                c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
+                                        _source(t) + f" (NVLinkTwoSided, hidden {int(r['hidden_size'])})")
+            s = r["latency"] * 1e-3
+            c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
+            hidden_seen.add(int(r["hidden_size"]))
+            used += 1
+        out.tables.append(_table_meta(t, len(rows), used))
+    if not curves:
+        a2a = find_tables(root, system, "comm", backend, "moe_a2a_perf.parquet")
+        if a2a:
+            t = a2a[-1]
+            cols = ("comm_backend", "phase", "comm_dtype", "ep_size", "node_num", "hidden_size", "num_tokens",
+                    "latency")
+            rows = read_rows(t, cols)
+            used = 0
+            for r in rows:
+                if "_ll" not in str(r["comm_backend"]) or int(r["node_num"]) != 1:
+                    continue
+                op = str(r["phase"])
+                if op not in ("dispatch", "combine") or str(r["comm_dtype"]) not in PAYLOAD:
+                    continue
+                if op == "combine" and r["comm_dtype"] != "bfloat16":
+                    continue
+                pay, bpe = PAYLOAD[str(r["comm_dtype"])]
+                n = int(r["ep_size"])
+                key = (op, n, pay, int(r["hidden_size"]))
+                c = curves.get(key)
+                if c is None:
+                    c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
+                                            _source(t) + f" ({r['comm_backend']}, hidden {int(r['hidden_size'])})")
+                s = r["latency"] * 1e-3
+                c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
+                hidden_seen.add(int(r["hidden_size"]))
+                used += 1
+            out.tables.append(_table_meta(t, len(rows), used))
+            # several hidden sizes per (op, n_ranks, payload): keep the largest hidden's curve (the most bytes)
+            best: dict[tuple, Curve] = {}
+            for key in sorted(curves):
+                best[key[:3]] = curves[key]
+            curves = best
+    out.curves = [curves[k] for k in sorted(curves)]
+    if out.curves:
+        eps = sorted({c.key["n_ranks"] for c in out.curves})
+        out.notes.append(f"all-to-all measured at EP {', '.join(map(str, eps))}, hidden "
+                         f"{', '.join(map(str, sorted(hidden_seen)))} (other hidden sizes priced at equal bytes)")
+    else:
+        out.notes.append(f"no all-to-all table for {system}/{backend}")
+
+    def predict(calib, c: Curve, x: float) -> float:
+        return calib.lookup("a2a_us", gpu, x, **c.key) * 1e-6
+
+    out.predict["a2a_us"] = predict
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ assembly
+
+
+def _gpu(name: str):
+    from topology.specs import GPUS
+
+    return GPUS[name]
+
+
+IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall)
+
+
+def _attention_importers() -> tuple[Callable[..., Imported], ...]:
+    try:
+        from sim import perf_tables_attention as pta
+    except ImportError:
+        return ()
+    return tuple(getattr(pta, "IMPORTERS", ()))
+
+
+def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None = None,
+                      progress: Callable[[str], None] | None = None) -> dict:
+    """The calibration document (``meta`` + table fields) for ``system`` under ``backend``: every importer's curves,
+    held-out rows predicted by the simulator's cost functions with the fitted table."""
+    from sim.costs.calibration import CalibrationEntry, CalibrationTable
+
+    system = resolve_system(system)
+    if backend not in BACKENDS:
+        raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    root = root or data_root()
+    if not (root / system).is_dir():
+        raise UserError(f"{PACKAGE} has no tables for system {system!r} (looked in {root})")
+    gpu, short = SYSTEMS[system]
+    say = progress or (lambda s: None)
+    parts: list[Imported] = []
+    for imp in IMPORTERS + _attention_importers():
+        say(f"reading {imp.__name__.removeprefix('import_')} tables")
+        parts.append(imp(root, system, backend, gpu))
+    curves = [c for p in parts for c in p.curves]
+    if not curves:
+        raise UserError(f"{PACKAGE}: no usable tables for {system} under {backend}")
+    grid: dict[str, tuple[str, ...]] = {}
+    for p in parts:
+        grid.update({k: v for k, v in p.grid.items() if any(c.kind == k for c in p.curves)})
+    entries, holdout = [], {}
+    for c in curves:
+        fit, held = c.split()
+        entries.append({"kind": c.kind, "gpu": gpu, "key": dict(sorted(c.key.items())),
+                        "points": [[_sig(x), y] for x, y in fit], "source": c.source})
+        if held:
+            holdout[c.label] = [_sig(x) for x in held]
+    table = CalibrationTable(entries=tuple(CalibrationEntry.model_validate(e) for e in entries), grid=grid,
+                             interpolation="log-log")
+    say("predicting held-out rows")
+    predictors = {k: f for p in parts for k, f in p.predict.items()}
+    errors: dict[str, list[float]] = defaultdict(list)
+    worst: dict[str, tuple[float, str]] = {}
+    for c in curves:
+        for x in holdout.get(c.label, ()):
+            pred = predictors[c.kind](table, c, x)
+            meas = c.measured[x] if x in c.measured else c.measured[min(c.measured, key=lambda v: abs(v - x))]
+            e = abs(pred / meas - 1.0)
+            errors[c.kind].append(e)
+            if e > worst.get(c.kind, (-1.0, ""))[0]:
+                worst[c.kind] = (e, f"{c.label} x={x:g}")
+    validation = {k: _summary(v) | {"worst": worst[k][1]} for k, v in sorted(errors.items())}
+    meta = {
+        "schema": SCHEMA,
+        "gpu": gpu,
+        "stack": backend,
+        "source": PACKAGE,
+        "package_version": package_version(),
+        "system": system,
+        "backend": backend,
+        "tables": sorted((t for p in parts for t in p.tables), key=lambda t: t["file"]),
+        "notes": [n for p in parts for n in p.notes],
+        "latency_unit": "ms",
+        "holdout_rule": HOLDOUT_RULE,
+        "validation": validation,
+        "holdout": _group_holdout(holdout),
+    }
+    return {"meta": meta, "version": 2, "interpolation": "log-log", "grid": {k: list(v) for k, v in sorted(grid.items())},
+            "entries": entries}
+
+
+def _group_holdout(holdout: dict[str, list[float]]) -> list[dict]:
+    """``meta.holdout``: the held-out x values with the curves that hold them out (curves measured on one grid
+    share a list), in a stable order."""
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for label, xs in sorted(holdout.items()):
+        groups[tuple(xs)].append(label)
+    return [{"x": list(xs), "curves": labels} for xs, labels in sorted(groups.items(), key=lambda g: g[1][0])]
+
+
+def _summary(errs: list[float]) -> dict:
+    s = sorted(errs)
+    p90 = s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
+    return {"n": len(s), "median_pct": round(100 * statistics.median(s), 2), "p90_pct": round(100 * p90, 2),
+            "max_pct": round(100 * s[-1], 2)}
+
+
+def dumps(doc: dict) -> str:
+    """The calibration document as JSON text: ``meta`` first, one entry per line (stable, diffable)."""
+    head = {k: v for k, v in doc.items() if k != "entries"}
+    body = ",\n".join("  " + json.dumps(e, separators=(",", ":")) for e in doc["entries"])
+    text = json.dumps(head, indent=1)
+    return text[:-2] + ',\n "entries": [\n' + body + "\n ]\n}\n"
+
+
+def default_out(system: str, backend: str) -> Path:
+    """Where ``rackbed calibrate --from-aiconfigurator`` writes by default (never over a shipped file)."""
+    return Path("rackbed-out") / "calibration" / f"{SYSTEMS[resolve_system(system)][1]}-{backend}.json"
+
+
+def validation_table(meta: dict) -> list[str]:
+    """Markdown rows of a calibration's held-out errors per kind."""
+    rows = ["| kind | held-out rows | median | p90 | max | worst row |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for k, v in meta.get("validation", {}).items():
+        rows.append(f"| {k} | {v['n']} | {v['median_pct']:.1f} % | {v['p90_pct']:.1f} % | {v['max_pct']:.1f} % | "
+                    f"{v.get('worst', '')} |")
+    return rows
