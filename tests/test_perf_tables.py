@@ -1,0 +1,178 @@
+"""Calibrations from aiconfigurator-core's measured per-operator tables (``sim.perf_tables``).
+
+End to end on the installed package's real tables (the ``tables`` extra, which CI installs), the shipped files
+reproduced byte for byte, fit points reproduced by the simulator's cost functions, and malformed tables refused
+with one line and no file written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("aiconfigurator_core", reason="needs the tables extra: pip install 'rackbed[tables]'")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from engine.cli.main import main  # noqa: E402
+from sim import perf_tables as pt  # noqa: E402
+from sim.calibrate import default_calibration_for, load_calibration_file  # noqa: E402
+from sim.costs.calibration import CalibrationTable  # noqa: E402
+from sim.costs.gemm import gemm_time  # noqa: E402
+from topology.errors import UserError  # noqa: E402
+from topology.specs import GPUS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_MEDIAN, TARGET_P90 = 5.0, 15.0
+
+
+@pytest.fixture(scope="module")
+def h200_doc():
+    return pt.build_calibration("h200", "trtllm")
+
+
+def test_real_h200_tables_import_end_to_end(h200_doc):
+    meta = h200_doc["meta"]
+    assert meta["gpu"] == "H200-SXM" and meta["stack"] == "trtllm" and meta["system"] == "h200_sxm"
+    assert meta["package_version"] == pt.package_version() != "unknown"
+    kinds = {e["kind"] for e in h200_doc["entries"]}
+    assert {"gemm_tflops", "moe_us", "allreduce_us", "a2a_us"} <= kinds
+    # every table is named with its framework version and how many of its rows were used
+    assert all(t["rows_used"] > 0 and t["file"].startswith("h200_sxm/") for t in meta["tables"])
+    # held-out rows are named, and every kind meets the fidelity target on them
+    assert sum(len(g["x"]) * len(g["curves"]) for g in meta["holdout"]) == sum(v["n"] for v in meta["validation"].values())
+    for kind, v in meta["validation"].items():
+        assert v["median_pct"] <= TARGET_MEDIAN and v["p90_pct"] <= TARGET_P90, (kind, v)
+    # the table loads as a calibration and prices the Qwen3-235B prefill MoE block from a measured curve
+    table = CalibrationTable.model_validate({k: v for k, v in h200_doc.items() if k != "meta"})
+    from engine.core.model import get_model
+    from sim.costs.moe_block import moe_block_s
+
+    m = get_model("qwen3-235b-a22b")
+    s = moe_block_s(table, GPUS["H200-SXM"], m, "fp8_block", 1, 4, 4 * 375 * 128 // 8 // 4)
+    assert s is not None and 1e-5 < s < 1e-2
+
+
+def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
+    out = tmp_path / "gb200-trtllm.json"
+    assert main(["calibrate", "--from-aiconfigurator", "gb200", "--out", str(out)]) == 0
+    assert out.read_bytes() == (REPO / "calibration" / "gb200-trtllm.json").read_bytes()
+    text = capsys.readouterr().out
+    assert "held-out rows" in text and "| gemm_tflops |" in text
+
+
+def test_shipped_h200_tables_file_is_reproduced(h200_doc):
+    """(B200's file is made the same way; `rackbed calibrate --from-aiconfigurator b200` reproduces it too.)"""
+    assert pt.dumps(h200_doc).encode() == (REPO / "calibration" / "h200-trtllm.json").read_bytes()
+
+
+def test_default_out_never_overwrites_a_shipped_file():
+    p = pt.default_out("gb200", "trtllm")
+    assert p.parts[0] == "rackbed-out" and p.name == "gb200-trtllm.json"
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_gemm_fit_points_are_reproduced_by_the_cost_function(h200_doc, data):
+    """At a fit point, the simulator's GEMM cost equals the table's latency (to the 5 digits stored)."""
+    entries = [e for e in h200_doc["entries"] if e["kind"] == "gemm_tflops"]
+    e = data.draw(st.sampled_from(entries))
+    m, tflops = data.draw(st.sampled_from(e["points"]))
+    table = _table(h200_doc)
+    k = e["key"]
+    t = gemm_time(GPUS["H200-SXM"], int(m), k["n"], k["k"], k["fmt"], calib=table).total_s
+    assert t == pytest.approx(2 * m * k["n"] * k["k"] / (tflops * 1e12), rel=1e-9)
+
+
+_TABLES: dict[int, CalibrationTable] = {}
+
+
+def _table(doc) -> CalibrationTable:
+    t = _TABLES.get(id(doc))
+    if t is None:
+        t = _TABLES[id(doc)] = CalibrationTable.model_validate({k: v for k, v in doc.items() if k != "meta"})
+    return t
+
+
+def test_gemm_shapes_between_grid_points_interpolate_within_neighbours(h200_doc):
+    table = _table(h200_doc)
+    g = GPUS["H200-SXM"]
+    lo = gemm_time(g, 512, 2048, 4096, "fp8", calib=table).total_s
+    hi = gemm_time(g, 512, 2560, 4096, "fp8", calib=table).total_s
+    mid = gemm_time(g, 512, 2304, 4096, "fp8", calib=table).total_s  # TP4 QKV of Qwen3-235B: off the grid
+    assert min(lo, hi) <= mid <= max(lo, hi)
+    where = table.grid_position("gemm_tflops", "H200-SXM", fmt="fp8", n=2304, k=4096)
+    assert where == "n=2304 interpolated between 2048 and 2560"
+
+
+# ------------------------------------------------------------------------------------------------ malformed tables
+
+
+def _write(root: Path, rows: dict, name="gemm_perf.parquet", op="gemm", system="h200_sxm"):
+    d = root / system / op / "trtllm" / "1.0"
+    d.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(rows), d / name)
+
+
+GOOD = {"gemm_dtype": ["fp8"] * 4, "m": [1, 2, 4, 8], "n": [4096] * 4, "k": [4096] * 4,
+        "latency": [0.01, 0.011, 0.012, 0.014]}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"drop": "latency"}, r"h200_sxm/gemm/trtllm/1\.0/gemm_perf\.parquet: missing column 'latency'"),
+    ({"latency": [0.01, float("nan"), 0.012, 0.014]}, r"row 1: latency = nan; must be a finite number > 0"),
+    ({"latency": [0.01, 0.0, 0.012, 0.014]}, r"row 1: latency = 0\.0; must be a finite number > 0"),
+    ({"latency": [0.01, -1.0, 0.012, 0.014]}, r"row 1: latency = -1\.0"),
+    ({"latency_unit": ["us"] * 4}, r"column 'latency_unit' says 'us'; rackbed reads latencies in ms only"),
+])
+def test_malformed_table_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, change, match):
+    rows = dict(GOOD)
+    if "drop" in change:
+        rows.pop(change["drop"])
+    else:
+        rows.update(change)
+    _write(tmp_path / "data", rows)
+    monkeypatch.setattr(pt, "data_root", lambda: tmp_path / "data")
+    with pytest.raises(UserError, match=match) as ei:
+        pt.build_calibration("h200")
+    assert "\n" not in str(ei.value)
+    out = tmp_path / "out.json"
+    assert main(["calibrate", "--from-aiconfigurator", "h200", "--out", str(out)]) == 2
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+
+
+def test_a_well_formed_minimal_table_imports(tmp_path, monkeypatch):
+    _write(tmp_path / "data", GOOD)
+    monkeypatch.setattr(pt, "data_root", lambda: tmp_path / "data")
+    doc = pt.build_calibration("h200")
+    (e,) = doc["entries"]
+    assert e["key"] == {"fmt": "fp8", "k": 4096, "n": 4096}
+    assert [p[0] for p in e["points"]] == [1.0, 4.0, 8.0]  # m = 2 held out
+    assert doc["meta"]["holdout"] == [{"x": [2.0], "curves": ["gemm_tflops/fmt=fp8/k=4096/n=4096"]}]
+    held = doc["meta"]["validation"]["gemm_tflops"]
+    assert held["n"] == 1 and math.isfinite(held["max_pct"])
+    json.loads(pt.dumps(doc))  # the written text is JSON
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--from-aiconfigurator", "h100"], r"unknown system 'h100'"),
+    (["--from-aiconfigurator", "gb200", "--out", "x.yaml"], r"written as JSON"),
+])
+def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err)
+
+
+def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
+    table = default_calibration_for("B200-GB200")
+    assert Path(table.path).name == "gb200-trtllm.json"
+    assert load_calibration_file(table.path).meta["validation"]
