@@ -1129,13 +1129,25 @@ def default_calibration_for(gpu_name: str, directory: str | Path | None = None,
     files = {st: path for g, st, path in _shipped(str(directory or CALIBRATION_DIR)) if g == gpu_name}
     if stack in (None, "auto"):
         for st in shipped_stacks(gpu_name, directory):
-            return load_calibration_file(files[st])
+            return _load_shipped(files[st])
         return None
     if stack not in files:
         have = ", ".join(shipped_stacks(gpu_name, directory)) or "none"
         raise UserError(f"stack: no calibration of stack {stack!r} is shipped for {gpu_name} (shipped: {have}; "
                         f"use stack: auto, or make one with `rackbed calibrate`)")
-    return load_calibration_file(files[stack])
+    return _load_shipped(files[stack])
+
+
+def _load_shipped(path: str) -> CalibrationFile:
+    """A shipped file, read once per process while it is unchanged on disk (tables are immutable; a search or
+    sweep builds many scenarios on the same GPU)."""
+    st = Path(path).stat()
+    return _load_cached(path, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str, mtime_ns: int, size: int) -> CalibrationFile:
+    return load_calibration_file(path)
 
 
 def calibration_for_topology(topo, directory: str | Path | None = None,

@@ -7,7 +7,9 @@ them as calibration data (never the package's code): this module turns the table
 stack into a rackbed calibration file whose ``meta`` names the package version, the system, the backend, and for
 every table its framework version, file and row counts.
 
-What is read (latencies in ms; a table carrying a unit column must say ``ms``):
+What is read (latencies in ms, except ``moe_a2a_perf``, whose ``latency`` is in µs like its ``transmit_us`` /
+``notify_us`` columns — a one-token DeepEP dispatch takes ~30 µs, not 30 ms; a table carrying a unit column must say
+the unit rackbed expects for it):
 
 ========================  ================================  =====================================================
 table                     rackbed kind                      how
@@ -148,9 +150,20 @@ def find_tables(root: Path, system: str, op: str, backend: str, name: str) -> li
 # ------------------------------------------------------------------------------------------------ reading tables
 
 
+#: the unit of a table's ``latency`` column, by file name (others: ms)
+LATENCY_UNIT = {"moe_a2a_perf.parquet": "us"}
+_UNIT_S = {"ms": 1e-3, "us": 1e-6}
+
+
+def latency_s(table: Table) -> float:
+    """Seconds per unit of ``table``'s latency column."""
+    return _UNIT_S[LATENCY_UNIT.get(table.name, "ms")]
+
+
 def read_rows(table: Table, columns: Iterable[str], *, numeric: Iterable[str] = ("latency",)) -> list[dict]:
-    """The table's rows (``columns`` only) as dicts; a missing column, a unit other than ms, or a latency that is
-    not a finite number > 0 is one UserError naming the file, the row and the column."""
+    """The table's rows (``columns`` only) as dicts; a missing column, a unit other than the one rackbed reads
+    for that table, or a latency that is not a finite number > 0 is one UserError naming the file, the row and
+    the column."""
     import pyarrow.parquet as pq
 
     path = table.path
@@ -162,12 +175,13 @@ def read_rows(table: Table, columns: Iterable[str], *, numeric: Iterable[str] = 
     missing = [c for c in columns if c not in have]
     if missing:
         raise UserError(f"{table.rel}: missing column {missing[0]!r} (has: {', '.join(sorted(have))})")
+    unit = LATENCY_UNIT.get(table.name, "ms")
     for ucol in ("unit", "latency_unit", "units"):
         if ucol in have:
             units = {str(u) for u in pf.column(ucol).to_pylist()}
-            if units - {"ms"}:
-                raise UserError(f"{table.rel}: column {ucol!r} says {sorted(units - {'ms'})[0]!r}; rackbed reads "
-                                f"latencies in ms only")
+            if units - {unit}:
+                raise UserError(f"{table.rel}: column {ucol!r} says {sorted(units - {unit})[0]!r}; rackbed reads "
+                                f"this table's latencies in {unit} only")
     rows = pf.select(list(columns)).to_pylist()
     for i, r in enumerate(rows):
         for c in numeric:
@@ -226,7 +240,7 @@ def _source(t: Table) -> str:
 
 def _table_meta(t: Table, n_rows: int, n_used: int, framework: str | None = None) -> dict:
     return {"op": t.op, "file": t.rel, "backend": t.backend, "framework_version": framework or t.version,
-            "rows": n_rows, "rows_used": n_used}
+            "rows": n_rows, "rows_used": n_used, "latency_unit": LATENCY_UNIT.get(t.name, "ms")}
 
 
 def _pick(tables: list[Table], count: Callable[[Table], int]) -> Table | None:
@@ -260,7 +274,7 @@ def import_gemm(root: Path, system: str, backend: str, gpu: str) -> Imported:
         m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
         if n < GEMM_MIN_NK or k < GEMM_MIN_NK:
             continue
-        s = r["latency"] * 1e-3
+        s = r["latency"] * latency_s(t)
         key = (fmt, n, k)
         c = curves.get(key)
         if c is None:
@@ -311,7 +325,7 @@ def import_moe(root: Path, system: str, backend: str, gpu: str) -> Imported:
         c = curves.get(kt)
         if c is None:
             c = curves[kt] = Curve("moe_us", key, _source(t) + " (balanced routing; fastest kernel source)")
-        s = r["latency"] * 1e-3
+        s = r["latency"] * latency_s(t)
         c.add(float(int(r["num_tokens"])), _sig(s * 1e6), s)
         used += 1
     out.curves = [curves[k] for k in sorted(curves)]
@@ -344,7 +358,7 @@ def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Importe
             c = curves.get(n)
             if c is None:
                 c = curves[n] = Curve("allreduce_us", {"algo": "ring", "n_ranks": n}, _source(t) + " (NCCL, fp16)")
-            s = r["latency"] * 1e-3
+            s = r["latency"] * latency_s(t)
             c.add(float(int(r["message_size"]) * 2), _sig(s * 1e6), s)
             used += 1
         out.curves += [curves[n] for n in sorted(curves)]
@@ -361,7 +375,7 @@ def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Importe
             if r["op_name"] != "all_reduce" or r["allreduce_dtype"] not in ("bfloat16", "float16", "half"):
                 continue
             n = int(r["num_gpus"])
-            s = r["latency"] * 1e-3
+            s = r["latency"] * latency_s(t)
             for algo in ("oneshot", "twoshot"):
                 c = curves.get((algo, n))
                 if c is None:
@@ -413,7 +427,7 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
             if c is None:
                 c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
                                         _source(t) + f" (NVLinkTwoSided, hidden {int(r['hidden_size'])})")
-            s = r["latency"] * 1e-3
+            s = r["latency"] * latency_s(t)
             c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
             hidden_seen.add(int(r["hidden_size"]))
             used += 1
@@ -441,7 +455,7 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
                 if c is None:
                     c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
                                             _source(t) + f" ({r['comm_backend']}, hidden {int(r['hidden_size'])})")
-                s = r["latency"] * 1e-3
+                s = r["latency"] * latency_s(t)
                 c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
                 hidden_seen.add(int(r["hidden_size"]))
                 used += 1
@@ -542,7 +556,6 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         "backend": backend,
         "tables": sorted((t for p in parts for t in p.tables), key=lambda t: t["file"]),
         "notes": [n for p in parts for n in p.notes],
-        "latency_unit": "ms",
         "holdout_rule": HOLDOUT_RULE,
         "validation": validation,
         "holdout": _group_holdout(holdout),
