@@ -279,13 +279,13 @@ def compare_gemm(meas: dict, where: str, table: dict, fmt: str) -> dict:
 def compare_allreduce(meas: dict, where: str, root: Path, system: str) -> tuple[dict, dict | None]:
     """NCCL all-reduce on 2 ranks: rackbed bytes per rank against the newest NCCL table's ``message_size`` x 2
     (``half`` elements); plus the table's own repeat (the same point elsewhere in the package's NCCL tables)."""
-    tables = [t for t in pt.find_tables(root, system, "comm", "nccl", "nccl_perf.parquet")]
+    tables = pt.find_tables(root, system, "comm", "nccl", "nccl_perf.parquet")
     cols = ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency")
     per_table: list[tuple[pt.Table, dict]] = []
     for t in tables:
         if not {"op_name", "nccl_dtype"} <= set(pt._columns(t)):
             continue
-        pts: dict[int, list[float]] = defaultdict(list)
+        pts: dict[tuple[int, int], list[float]] = defaultdict(list)
         for r in _rows(t, cols):
             if r["op_name"] == "all_reduce" and r["nccl_dtype"] == "half":
                 pts[(int(r["num_gpus"]), int(r["message_size"]) * 2)].append(r["latency"] * 1e3)
@@ -302,7 +302,7 @@ def compare_allreduce(meas: dict, where: str, root: Path, system: str) -> tuple[
               for key, r_us, t_us, nr in join(mine, theirs)]
     off = sorted(b for (n, b) in set(mine) - set(theirs))
     unmatched = [{"what": "sizes " + ", ".join(map(str, off)) + " B", "rackbed_rows": len(off),
-                  "why": "not a power of two: the table measures 512 B x 2^i"}] if off else []
+                  "why": "no table row at that size (the table measures 512 B x 2^i)"}] if off else []
 
     def regime(p):
         return f"<= {ALLREDUCE_SPLIT >> 20} MiB" if p["bytes"] <= ALLREDUCE_SPLIT else f"> {ALLREDUCE_SPLIT >> 20} MiB"
