@@ -124,6 +124,28 @@ class EngineCalibratedCostModel:
         st, hi = self.base.decode_point(group, max_batch, max_context_tokens, draft_k)
         return self._scaled(st, self.cal.decode(max_batch)), hi
 
+    @staticmethod
+    def _scaled_breakdown(bd, total: float):
+        """A StepBreakdown whose terms keep their proportions and sum to ``total`` (as :meth:`_scaled`)."""
+        from sim.costs.breakdown import StepBreakdown
+
+        t = bd.total_s
+        if t <= 0:
+            return StepBreakdown({**bd.terms, "engine": ("other_s", total)})
+        f = total / t
+        return StepBreakdown({k: (c, s * f) for k, (c, s) in bd.terms.items()})
+
+    def prefill_breakdown(self, seqs, group=None):
+        """``prefill`` term by term: the base model's breakdown rescaled to the fitted batch time."""
+        bd = self.base.prefill_breakdown(seqs, group)
+        tokens = sum(q for q, _ in seqs)
+        return self._scaled_breakdown(bd, self.cal.prefill(tokens, attn_pairs((0, c, q) for q, c in seqs)))
+
+    def decode_breakdown(self, max_batch, max_context_tokens, draft_k, group=None):
+        """``decode_point`` term by term: the base model's breakdown rescaled to the fitted step time."""
+        bd = self.base.decode_breakdown(max_batch, max_context_tokens, draft_k, group)
+        return self._scaled_breakdown(bd, self.cal.decode(max_batch))
+
     def kv_transfer(self, plan):
         tc = self.base.kv_transfer(plan)
         return type(tc)(overhead_s=self.cal.kv(plan.tokens), latency_s=0.0, n_bytes=tc.n_bytes)

@@ -13,6 +13,7 @@ lookup; the prefill cost is evaluated exactly per batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from math import ceil as _ceil
@@ -208,6 +209,15 @@ class Built:
     caveats: list[str] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=32)
+def _shipped_calibration(gpu_name: str, **selection):
+    """``sim.calibrate.default_calibration_for``, memoised per process on every argument: parsing a shipped table
+    takes ~0.2 s, and a search builds a cost model for every option it prices (tables are frozen)."""
+    from sim.calibrate import default_calibration_for
+
+    return default_calibration_for(gpu_name, **selection)
+
+
 def _load_calibration(sc: ServingScenario, gpu_name: str):
     """``(table or None, the one line that says what priced the run)`` for the scenario's GPU and stack."""
     if sc.calibration == "none":
@@ -217,10 +227,10 @@ def _load_calibration(sc: ServingScenario, gpu_name: str):
 
         return load_calibration(sc.calibration), f"calibrated: {gpu_name} from {sc.calibration}"
     try:
-        from sim.calibrate import default_calibration_for, describe_calibration
+        from sim.calibrate import describe_calibration
     except ImportError:
         return None, "uncalibrated: first-principles cost models"
-    table = default_calibration_for(gpu_name, stack=sc.stack)
+    table = _shipped_calibration(gpu_name, stack=sc.stack)
     if table is None:
         return None, f"uncalibrated: no shipped calibration for {gpu_name}; first-principles cost models"
     return table, describe_calibration(table)
@@ -268,13 +278,9 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     import topology as topo_mod
     from engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
-    from engine.core.model import get_model
-    from engine.core.sharding import ParallelPlan
 
     topo = topo_mod.load(sc.topology)
-    model = get_model(sc.model)
-    if sc.model_layers is not None:
-        model = truncate_model(model, sc.model_layers)
+    model = scenario_model(sc)
     p, d = sc.prefill, sc.decode
     n_p, n_d = p.replicas, d.replicas
     if sc.autoscaler is not None and sc.autoscaler.enabled:
@@ -291,12 +297,8 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                  kv_bytes_per_token=model.kv_bytes_per_token(kv_elem), prefiller=ptpl0, decoder=dtpl0,
                  spare="none", name=sc.name)
     pg, dg = dep0.prefillers[0], dep0.decoders[0]
-    kv_rep = p.kv_replication or (max(1, p.tp // model.n_kv_heads) if p.tp > model.n_kv_heads else 1)
-    pplan = ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, ptpl0.n_gpus // p.tp), kv_replication=kv_rep,
-                         gpus=tuple(pg.gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
-                         page_tokens=d.page_tokens, max_batch_tokens=p.max_batch_tokens)
-    dplan = ParallelPlan(role="decode", tp=1, ep=d.ep, dp=d.ep, gpus=tuple(dg.gpus), weight_format=sc.weight_format,
-                         kv_dtype=sc.kv_dtype, page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
+    pplan = prefill_plan_for(sc, model, pg.gpus)
+    dplan = decode_plan_for(sc, model, dg.gpus)
     pbud = pplan.validate(model, topo)
     dbud = dplan.validate(model, topo)
     ptpl = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens,
@@ -308,12 +310,52 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                 prefiller=ptpl, decoder=dtpl, mtp=MtpSpec(draft_k=sc.mtp.draft_k, accept_p=sc.mtp.accept_p),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
-    gpu_name = topo.gpu_spec(pg.gpus[0]).name
-    calib, note = _load_calibration(sc, gpu_name)
+    cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from sim.coverage import calibration_caveats
 
     caveats = calibration_caveats(calib, topo, model, pplan, dplan)
-    cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=pplan, decode_plan=dplan, calib=calib)
+    return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
+
+
+def scenario_model(sc: ServingScenario):
+    """The scenario's model (its first ``model_layers`` layers when given)."""
+    from engine.core.model import get_model
+
+    model = get_model(sc.model)
+    return model if sc.model_layers is None else truncate_model(model, sc.model_layers)
+
+
+def prefill_plan_for(sc: ServingScenario, model, gpus):
+    """The ParallelPlan of a prefiller group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
+    from engine.core.sharding import ParallelPlan
+
+    p = sc.prefill
+    kv_rep = p.kv_replication or (max(1, p.tp // model.n_kv_heads) if p.tp > model.n_kv_heads else 1)
+    return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, max(p.tp, p.ep) // p.tp), kv_replication=kv_rep,
+                        gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
+                        page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens)
+
+
+def decode_plan_for(sc: ServingScenario, model, gpus):
+    """The ParallelPlan of a decoder group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
+    from engine.core.sharding import ParallelPlan
+
+    d = sc.decode
+    return ParallelPlan(role="decode", tp=1, ep=d.ep, dp=d.ep, gpus=tuple(gpus), weight_format=sc.weight_format,
+                        kv_dtype=sc.kv_dtype, page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
+
+
+def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, *, engine_calibration: bool = True):
+    """``(cost model, calibration table or None, note)``: the cost model ``build`` gives the simulator for a
+    deployment whose group 0 of each role has these plans — the calibration the scenario selects for the GPU
+    (:func:`_load_calibration`), wrapped in the engine calibration when one matches the GPU and the model. One of
+    the plans may be None (a caller that prices one role only); the GPU is the prefill plan's, else the decode
+    plan's. ``rackbed search`` prices its options through this too, so its analytic stage and its simulations
+    share one cost model."""
+    gpu_name = topo.gpu_spec((prefill_plan or decode_plan).gpus[0]).name
+    calib, note = _load_calibration(sc, gpu_name)
+    cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=prefill_plan, decode_plan=decode_plan, calib=calib)
+    # the engine calibration describes this repository's engine: only for a run priced as the rackbed stack
     stack = (getattr(calib, "meta", None) or {}).get("stack") or "rackbed"
     if engine_calibration and sc.calibration != "none" and stack == "rackbed":
         from sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
@@ -324,7 +366,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
             cm = EngineCalibratedCostModel(cm, ecal)
             note += (f"; engine-calibrated: step times of the rackbed torch engine for {model.name} from "
                      f"{path.name} ({ecal.n_plans.get('fit', 0)} measured plans)")
-    return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
+    return cm, calib, note
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -404,9 +446,26 @@ class ScenarioCostModel:
     PREFILL_SPOT_CHECKS = 2
 
     def _prefill_direct(self, plan, group):
-        from sim.costs.step import prefill_batch_time
+        return self.prefill_breakdown([(n, start) for _, start, n in plan.items], group).to_steptime()
 
-        return prefill_batch_time(self.model, self._plan_for(group), self.topo, plan, calib=self.calib)
+    def prefill_breakdown(self, seqs, group=None):
+        """Term by term (a ``StepBreakdown``), the prefill step :meth:`prefill` prices for a batch of ``seqs``
+        ``(new_tokens, cached_tokens)`` on ``group`` (None: the template plan, group 0's)."""
+        from sim.costs.step import prefill_step_breakdown
+
+        pl = self.pplan0 if group is None else self._plan_for(group)
+        return prefill_step_breakdown(self.model, pl, self.topo, seqs, calib=self.calib)
+
+    def decode_breakdown(self, max_batch: int, max_context_tokens: float, draft_k: int, group=None):
+        """Term by term, the decode step :meth:`decode_point` prices when the busiest ranks hold ``max_batch``
+        sequences and ``max_context_tokens`` KV tokens (every rank priced so, as there), at the context itself
+        rather than its memo bucket's middle; ``group`` None: the template plan."""
+        from sim.costs.step import decode_step_breakdown
+
+        pl = self.dplan0 if group is None else self._plan_for(group)
+        n = pl.world
+        return decode_step_breakdown(self.model, pl, self.topo, [max_batch] * n, [max_context_tokens] * n,
+                                     draft_k=draft_k, calib=self.calib)
 
     def _prefill_class(self, group) -> tuple[int] | tuple[str]:
         """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU

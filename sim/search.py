@@ -4,10 +4,13 @@ For a model, candidate hardware, a workload and SLOs, the search
 
 1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget) x decode
    (DP-EP degree, per-rank batch cap, MTP draft length), with replica counts derived from the load (or given);
-2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model
-   (``sim.costs.step``), recording why:
+2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model,
+   recording why. Steps are priced by the very cost model the simulation of that candidate uses
+   (``sim.scenario.cost_model_for`` on the candidate's scenario: the same calibration selection, plans and
+   engine-calibration wrapper), asked for its term-by-term breakdowns:
 
-   * prefill: the TTFT floor — the p90 prompt prefilled alone — must meet the TTFT SLO; a replica's capacity is
+   * prefill: the TTFT floor — the p90 prompt prefilled alone (in ``max_batch_tokens`` chunks with chunked
+     prefill), which is the simulated TTFT without queueing — must meet the TTFT SLO; a replica's capacity is
      ``tokens of a full batch of mean prompts / its step time``, and ``replicas = ceil(input tokens/s x headroom /
      capacity)``;
    * decode: with per-sequence context ``c = mean prompt + mean output / 2`` the batch a rank can hold is
@@ -15,6 +18,11 @@ For a model, candidate hardware, a workload and SLOs, the search
      ``engine.core.specdec``) must meet the TPOT SLO; decoders are sized by Little's law,
      ``replicas = ceil(rate x mean output x TPOT(b_max) / (ep x b_max))``, and the operating batch per rank ``b``
      is the fixed point of ``b = rate x mean output x TPOT(b) / (replicas x ep)``;
+   * a candidate (prefill option x decode option) adds the KV transfer of a mean prompt, amortised over the
+     tokens after the first — the simulator's TPOT is ``(end - first token) / (output - 1)`` and the KV ships in
+     between — to its estimated TPOT, which must meet the SLO at ``b_max`` too; its estimated TTFT is the prefill
+     option's floor. At low load (no queueing) both are what the simulation measures
+     (``tests/test_search_consistency.py``);
    * the whole deployment must fit the topology's GPUs;
 
 3. keeps at most ``max_simulations`` survivors, taking whole layers of the *analytic* Pareto front (non-dominated
@@ -62,6 +70,17 @@ class SearchSpace(_Strict):
     max_batch_per_rank: tuple[int, ...] = (8, 16, 32, 64, 128)
     draft_k: tuple[int, ...] = (0, 1, 2)
     decode_replicas: tuple[int, ...] | None = None  # None: derived by Little's law
+
+    @field_validator("weight_format")
+    @classmethod
+    def _formats(cls, v):
+        from engine.core.formats import FORMAT_NAMES
+
+        bad = [f for f in v if f not in FORMAT_NAMES]
+        if bad or not v:
+            raise ValueError(f"unknown format {bad[0]!r}; one of {', '.join(FORMAT_NAMES)}" if bad else
+                             "expected a non-empty list of formats")
+        return v
 
     @field_validator("prefill_tp", "prefill_ep", "prefill_max_batch_tokens", "prefill_replicas", "decode_ep",
                      "max_batch_per_rank", "draft_k", "decode_replicas")
@@ -201,6 +220,9 @@ class Candidate:
     est_cost_per_mtok_usd: float | None
     pruned: str | None = None
     overrides: dict = field(default_factory=dict)
+    est_ttft_s: float = math.nan   # the prefill option's TTFT floor (no queueing)
+    est_tpot_s: float = math.nan   # decode TPOT at the operating batch + the KV transfer per token after the first
+    kv_transfer_s: float = math.nan  # one mean prompt's KV, prefiller -> decoder rank, idle network
 
     @property
     def label(self) -> str:
@@ -226,12 +248,36 @@ def _cache_get(cache: dict, name: str, fn):
     return v
 
 
+def _scenario(base: Mapping, overrides: Mapping):
+    """The ServingScenario of ``base`` (:func:`base_scenario`) with dotted ``overrides`` (a candidate's knobs)."""
+    import copy
+
+    from sim.scenario import parse_scenario
+    from sim.sweep import set_path
+
+    raw = copy.deepcopy(dict(base))
+    for k, v in overrides.items():
+        set_path(raw, k, v)
+    return parse_scenario(raw, f"search {raw.get('name', '')}")
+
+
+def prefill_alone_s(cm, prompt: int, max_batch_tokens: int, chunked: bool) -> float:
+    """Seconds to prefill one ``prompt`` with nothing else queued, priced by the cost model ``cm``: one batch (the
+    scheduler admits a lone prompt above the token budget whole), or ``max_batch_tokens`` chunks one after another
+    with chunked prefill — the simulated TTFT without queueing."""
+    if not chunked:
+        return cm.prefill_breakdown([(prompt, 0)]).total_s
+    return sum(cm.prefill_breakdown([(min(max_batch_tokens, prompt - done), done)]).total_s
+               for done in range(0, prompt, max_batch_tokens))
+
+
 def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[PrefillOption]:
     """Prefill options with their analytic figures, pruned ones included (``pruned`` says why)."""
-    from engine.core.sharding import ParallelPlan
-    from sim.costs.step import prefill_step_breakdown
+    from sim.scenario import cost_model_for, prefill_plan_for
 
     sp = spec.space
+    base = base_scenario(spec)
+    chunked = bool(_get(base, "sim.chunked_prefill", False))
     out = []
     prompt = max(1, round(load.prompt_mean))
     p90 = max(1, round(load.prompt_p90))
@@ -244,21 +290,20 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                         o = PrefillOption(tname, fmt, tp, ep, mbt)
                         out.append(o)
                         try:
-                            n = max(tp, ep)
-                            kv_rep = max(1, tp // model.n_kv_heads) if tp > model.n_kv_heads else 1
-                            plan = ParallelPlan(role="prefill", tp=tp, ep=ep, dp=max(1, n // tp),
-                                                kv_replication=kv_rep, gpus=_plan_gpus(topo, n, "prefill"),
-                                                weight_format=fmt, kv_dtype=spec.kv_dtype, max_batch_tokens=mbt)
+                            sc = _scenario(base, {"topology": tname, "weight_format": fmt, "prefill.tp": tp,
+                                                  "prefill.ep": ep, "prefill.max_batch_tokens": mbt})
+                            plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill"))
                             plan.validate(model, topo)
-                            floor = prefill_step_breakdown(model, plan, topo, [(min(p90, mbt), 0)]).total_s
+                            cm = cost_model_for(sc, model, topo, plan, None)[0]
+                            floor = prefill_alone_s(cm, p90, mbt, chunked)
                             o.ttft_floor_s = floor
                             if floor > spec.slo.ttft_s:
                                 o.pruned = (f"TTFT floor {floor * 1e3:.0f} ms (p90 prompt {p90} tokens alone) > "
                                             f"SLO {spec.slo.ttft_s * 1e3:.0f} ms")
                                 continue
-                            each = min(prompt, mbt)
+                            each = min(prompt, mbt) if chunked else prompt
                             n_seqs = max(1, mbt // each)
-                            bd = prefill_step_breakdown(model, plan, topo, [(each, 0)] * n_seqs)
+                            bd = cm.prefill_breakdown([(each, 0)] * n_seqs)
                             o.breakdown, o.batch = bd, (n_seqs, each)
                             o.capacity_tokens_per_s = n_seqs * each / bd.total_s
                             o.replicas = max(1, math.ceil(load.input_tokens_per_s * spec.prefill_headroom
@@ -270,11 +315,11 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
 
 def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
     """Decode options with their analytic figures (module docstring), pruned ones included."""
-    from engine.core.sharding import ParallelPlan
     from engine.core.specdec import expected_tokens_per_step
+    from sim.scenario import cost_model_for, decode_plan_for
 
     sp = spec.space
-    page = int(_get(spec.scenario, "decode.page_tokens", 64))
+    base = base_scenario(spec)
     ctx = load.prompt_mean + load.output_mean / 2
     out = []
     for tname in sp.topology:
@@ -286,9 +331,9 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
                         o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx)
                         out.append(o)
                         try:
-                            plan = ParallelPlan(role="decode", tp=1, ep=ep, dp=ep,
-                                                gpus=_plan_gpus(topo, ep, "decode"), weight_format=fmt,
-                                                kv_dtype=spec.kv_dtype, page_tokens=page, max_batch_seqs=cap)
+                            sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
+                                                  "decode.max_batch_per_rank": cap, "mtp.draft_k": k})
+                            plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
                             o.b_max = min(cap, int(bud.kv_capacity_tokens // max(1.0, ctx)))
@@ -296,8 +341,9 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
                                 o.pruned = (f"KV capacity {bud.kv_capacity_tokens} tokens/rank holds no sequence "
                                             f"of {ctx:.0f} tokens")
                                 continue
-                            e_tok = expected_tokens_per_step(k, spec.mtp_accept_p)
-                            tpot = functools.partial(_decode_tpot, model, plan, topo, ctx, k, e_tok)
+                            cm = cost_model_for(sc, model, topo, None, plan)[0]
+                            e_tok = expected_tokens_per_step(k, sc.mtp.accept_p)
+                            tpot = functools.partial(_decode_tpot, cm, ctx, k, e_tok)
                             t_cap, bd = tpot(o.b_max)
                             o.tpot_at_cap_s, o.breakdown_at_cap = t_cap, bd
                             if t_cap > spec.slo.tpot_s:
@@ -321,15 +367,49 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
     return out
 
 
-def _decode_tpot(model, plan, topo, ctx: float, draft_k: int, tokens_per_step: float,
-                 b: float) -> tuple[float, object]:
-    """(TPOT seconds, StepBreakdown) of a decode step with ``ceil(b)`` sequences of ``ctx`` tokens on every rank."""
-    from sim.costs.step import decode_step_breakdown
-
+def _decode_tpot(cm, ctx: float, draft_k: int, tokens_per_step: float, b: float) -> tuple[float, object]:
+    """(TPOT seconds, StepBreakdown) of a decode step with ``ceil(b)`` sequences of ``ctx`` tokens on every rank,
+    priced by the cost model ``cm`` as the simulator prices a step from its busiest rank."""
     bi = max(1, math.ceil(b - 1e-9))
-    n = plan.world
-    bd = decode_step_breakdown(model, plan, topo, [bi] * n, [bi * ctx] * n, draft_k=draft_k)
+    bd = cm.decode_breakdown(bi, bi * ctx, draft_k)
     return bd.total_s / tokens_per_step, bd
+
+
+def kv_transfer_s(built, tokens: int) -> float:
+    """The simulator's time for one KV transfer of a ``tokens``-token prompt from prefiller 0 to rank 0 of
+    decoder 0 of ``built`` (``sim.scenario.build``) over an idle network: the plan as ``Scheduler._next_kv`` makes
+    it (the bytes split evenly over the prefiller node's NICs, all into the rank's NIC; the cost model's chunk
+    count), timed by the simulator's own executor and network."""
+    from engine.core.plans import KvTransfer
+    from sim.executor import Executor
+    from sim.network import Network
+
+    dep = built.deployment
+    pf, d = dep.prefillers[0], dep.decoders[0]
+    n_bytes = tokens * dep.kv_bytes_per_token
+    each, extra = divmod(n_bytes, len(pf.nics))
+    flows = tuple((nic, d.rank_nics[0], each + 1 if j < extra else each) for j, nic in enumerate(pf.nics))
+    plan = KvTransfer(f"{pf.id}.kv0", 0, pf.id, d.id, 0, tokens, n_bytes,
+                      built.cost_model.kv_chunks(pf, d, tokens), flows)
+    groups = {g.id: g for g in (*dep.prefillers, *dep.decoders)}
+    return Executor(built.cost_model, Network(dep.nic_GBps), groups.get).duration(plan, 0.0)
+
+
+def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, tokens: int) -> float | None:
+    """:func:`kv_transfer_s` for one prefiller and one decoder of these options (memoised on what the KV path
+    depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
+    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep)
+    if key not in cache:
+        from sim.scenario import build
+
+        ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
+              "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
+              "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k}
+        try:
+            cache[key] = kv_transfer_s(build(_scenario(base, ov)), tokens)
+        except (ValueError, FileNotFoundError):
+            cache[key] = None
+    return cache[key]
 
 
 def _get(d: Mapping, dotted: str, default=None):
@@ -342,14 +422,24 @@ def _get(d: Mapping, dotted: str, default=None):
 def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
                pre: Sequence[PrefillOption], dec: Sequence[DecodeOption]) -> list[Candidate]:
     """Every (prefill option x decode option) of the same topology and format, with replica variants when the
-    spec lists replica counts; a candidate is pruned when a part is or when it needs more GPUs than there are."""
+    spec lists replica counts; a candidate is pruned when a part is, when it needs more GPUs than there are, or
+    when the KV transfer per token after the first lifts its TPOT at the batch cap above the SLO."""
     sp = spec.space
+    base = base_scenario(spec)
+    kv_cache: dict = {}
+    prompt = max(1, round(load.prompt_mean))
+    after_first = load.output_mean - 1  # tokens the TPOT is an average over (the first comes with the prefill)
     out = []
     for p in pre:
         for d in dec:
             if (p.topology, p.weight_format) != (d.topology, d.weight_format):
                 continue
             n_topo = topos[p.topology].n_gpus
+            kv = _pair_kv_s(base, kv_cache, p, d, prompt) if p.pruned is None and d.pruned is None else None
+            kv_tok = kv / after_first if kv is not None and after_first > 0 else 0.0
+            if p.pruned is None and d.pruned is None and d.tpot_at_cap_s + kv_tok > spec.slo.tpot_s:
+                d = _with(d, pruned=(f"TPOT at batch {d.b_max}/rank {(d.tpot_at_cap_s + kv_tok) * 1e3:.1f} ms "
+                                     f"with the KV transfer ({kv * 1e3:.1f} ms) > SLO {spec.slo.tpot_s * 1e3:.1f} ms"))
             for pr in (sp.prefill_replicas or (p.replicas,)):
                 for dr in (sp.decode_replicas or (d.replicas,)):
                     pp = _with(p, replicas=pr)
@@ -361,10 +451,12 @@ def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
                     if pruned is None and n > n_topo:
                         pruned = f"needs {n} GPUs ({pr} x {max(p.tp, p.ep)} + {dr} x {d.ep}); {p.topology} has {n_topo}"
                     tpg = load.output_tokens_per_s / n if n and pruned is None else math.nan
-                    tpu = 1.0 / d.tpot_s if pruned is None and d.tpot_s > 0 else math.nan
+                    tpot = d.tpot_s + kv_tok
+                    tpu = 1.0 / tpot if pruned is None and tpot > 0 else math.nan
                     price = spec.price(p.topology)
                     cost = cost_per_mtok_usd(price, tpg) if price and pruned is None else None
-                    c = Candidate(pp, dd, n, tpg, tpu, cost, pruned)
+                    c = Candidate(pp, dd, n, tpg, tpu, cost, pruned, est_ttft_s=p.ttft_floor_s, est_tpot_s=tpot,
+                                  kv_transfer_s=math.nan if kv is None else kv)
                     c.overrides = scenario_overrides(spec, c)
                     out.append(c)
     _mark_duplicates(out)
@@ -477,11 +569,11 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
     simulated mean batch per rank when ``rec`` has metrics, else at the batch cap) as StepBreakdowns in a JSON-able
     dict ``{"prefill": {...}, "decode": {...}}`` with ``at`` (the step evaluated), ``total_s``, ``by_category``
     (StepTime fields) and ``terms`` (seconds per named term)."""
-    from sim.costs.step import decode_step_breakdown, prefill_step_breakdown
     from sim.scenario import build, parse_scenario
 
     sc = parse_scenario(dict(scenario))
     b = build(sc)
+    cm = b.cost_model  # what the simulation priced the point with
     m = (rec or {}).get("metrics") or {}
     th = m.get("throughput") or {}
     rps = th.get("requests_per_s") or 0
@@ -494,9 +586,9 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
         prompt, output = st.prompt_tokens_mean, st.output_tokens_mean
     out: dict[str, Any] = {}
     mbt = sc.prefill.max_batch_tokens
-    each = max(1, min(round(prompt), mbt))
+    each = max(1, min(round(prompt), mbt) if sc.sim.chunked_prefill else round(prompt))  # as prefill_options
     n_seqs = max(1, mbt // each)
-    pb = prefill_step_breakdown(b.model, b.prefill_plan, b.topology, [(each, 0)] * n_seqs, calib=b.calibration)
+    pb = cm.prefill_breakdown([(each, 0)] * n_seqs)
     out["prefill"] = _bd_dict(pb, f"{n_seqs} x {each}-token prompts (TP={sc.prefill.tp}, EP={sc.prefill.ep})")
     dec = m.get("decode") or {}
     ep = sc.decode.ep
@@ -509,8 +601,7 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
         bsz, how = sc.decode.max_batch_per_rank, "batch cap"
     _ = n_groups
     ctx = prompt + output / 2
-    db = decode_step_breakdown(b.model, b.decode_plan, b.topology, [bsz] * ep, [bsz * ctx] * ep,
-                               draft_k=sc.mtp.draft_k, calib=b.calibration)
+    db = cm.decode_breakdown(bsz, bsz * ctx, sc.mtp.draft_k)
     out["decode"] = _bd_dict(db, f"{bsz} seqs/rank ({how}) x {ctx:.0f} ctx tokens, EP={ep}, MTP k={sc.mtp.draft_k}")
     return out
 
@@ -556,11 +647,11 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     import time
 
     import topology as topo_mod
-    from engine.core.model import get_model
+    from sim.scenario import parse_scenario, scenario_model
     from sim.sweep import SweepSpec, expand, run_points
 
     t0 = time.perf_counter()
-    model = get_model(spec.model)
+    model = scenario_model(parse_scenario(base_scenario(spec), f"search {spec.name}"))
     topos: dict[str, object] = {}
     for t in spec.space.topology:
         _cache_get(topos, t, topo_mod.load)
@@ -579,7 +670,9 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     for r, c in zip(recs, chosen):
         r["candidate"] = c.label
         r["est"] = {"tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
-                    "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "n_gpus": c.n_gpus}
+                    "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "n_gpus": c.n_gpus,
+                    "ttft_s": c.est_ttft_s, "tpot_s": c.est_tpot_s,
+                    "kv_transfer_s": None if math.isnan(c.kv_transfer_s) else c.kv_transfer_s}
     scen = {p.key: p.scenario for p in points}
     price = {p.key: spec.price(p.scenario.get("topology", "")) for p in points}
     for r in recs:

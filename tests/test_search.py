@@ -1,5 +1,5 @@
-"""sim.search: analytic pruning and sizing (hand-checked against sim.costs.step), SLO eligibility, cost, and a
-small end-to-end search through the sweep machinery and the report."""
+"""sim.search: analytic pruning and sizing (hand-checked against sim.costs.step with the calibration the simulation
+selects), SLO eligibility, cost, and a small end-to-end search through the sweep machinery and the report."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ def parts(spec):
     return model, topos, load
 
 
+def selected_calibration(spec, topo):
+    """The kernel calibration the simulation of the spec's candidates selects for the topology's GPU (None where
+    none ships): the analytic stage prices steps with it too."""
+    from sim.scenario import _load_calibration, parse_scenario
+
+    return _load_calibration(parse_scenario(se.base_scenario(spec)), topo.gpu_spec(0).name)[0]
+
+
 def test_load_of_a_constant_stream():
     load = se.workload_load(make_spec().workload)
     assert load.rate_per_s == pytest.approx(10.0)
@@ -54,12 +62,14 @@ def test_prefill_capacity_and_replicas_by_hand():
     topo = topos["gb200-nvl72"]
     plan = ParallelPlan(role="prefill", tp=4, ep=4, dp=1, gpus=(0, 1, 2, 3), weight_format="mxfp8",
                         max_batch_tokens=16384)
+    calib = selected_calibration(spec, topo)
     n_seqs = 16384 // 3000  # 5 full prompts in a 16384-token batch
-    step = prefill_step_breakdown(model, plan, topo, [(3000, 0)] * n_seqs).total_s
+    step = prefill_step_breakdown(model, plan, topo, [(3000, 0)] * n_seqs, calib=calib).total_s
     assert o.batch == (n_seqs, 3000)
     assert o.capacity_tokens_per_s == pytest.approx(n_seqs * 3000 / step)
     assert o.replicas == math.ceil(30000 * 1.25 / o.capacity_tokens_per_s)
-    assert o.ttft_floor_s == pytest.approx(prefill_step_breakdown(model, plan, topo, [(3000, 0)]).total_s)
+    assert o.ttft_floor_s == pytest.approx(prefill_step_breakdown(model, plan, topo, [(3000, 0)],
+                                                                  calib=calib).total_s)
 
 
 def test_decode_tpot_sizing_and_fixed_point_by_hand():
@@ -72,16 +82,17 @@ def test_decode_tpot_sizing_and_fixed_point_by_hand():
     topo = topos["gb200-nvl72"]
     plan = ParallelPlan(role="decode", tp=1, ep=8, dp=8, gpus=tuple(range(8)), weight_format="mxfp8",
                         max_batch_seqs=32)
+    calib = selected_calibration(spec, topo)
     ctx = 2000 + 500 / 2
     e = expected_tokens_per_step(1, 0.8)
     assert o.b_max == 32  # KV holds far more than 32 sequences of 2250 tokens on a GB200
-    t_cap = decode_step_breakdown(model, plan, topo, [32] * 8, [32 * ctx] * 8, draft_k=1).total_s / e
+    t_cap = decode_step_breakdown(model, plan, topo, [32] * 8, [32 * ctx] * 8, draft_k=1, calib=calib).total_s / e
     assert o.tpot_at_cap_s == pytest.approx(t_cap)
     assert o.replicas == max(1, math.ceil(40 * 500 * t_cap / (8 * 32)))
     # the operating batch is (close to) the fixed point of Little's law at the TPOT it causes
     assert 0 < o.b_op <= o.b_max
     bi = math.ceil(o.b_op - 1e-9)
-    t_op = decode_step_breakdown(model, plan, topo, [bi] * 8, [bi * ctx] * 8, draft_k=1).total_s / e
+    t_op = decode_step_breakdown(model, plan, topo, [bi] * 8, [bi * ctx] * 8, draft_k=1, calib=calib).total_s / e
     assert o.tpot_s == pytest.approx(t_op)
     assert o.b_op == pytest.approx(min(o.b_max, 40 * 500 * t_op / (o.replicas * 8)), abs=0.5)
 
