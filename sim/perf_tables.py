@@ -73,6 +73,8 @@ PAYLOAD = {"bfloat16": ("bf16", 2.0), "fp8": ("fp8", 1.0), "nvfp4": ("fp4", 0.5 
 GEMM_MIN_NK = 128
 
 HOLDOUT_EVERY, HOLDOUT_OFFSET = 3, 1
+#: a fit point this many times slower than a larger size's is a glitch (:meth:`Curve.split`)
+GLITCH = 1.25
 HOLDOUT_RULE = "every 3-th point of each curve from index 1 (end points kept)"
 
 
@@ -197,13 +199,16 @@ def read_rows(table: Table, columns: Iterable[str], *, numeric: Iterable[str] = 
 @dataclass
 class Curve:
     """Measured ``(x, y)`` points of one calibration entry before the hold-out split; ``measured`` keeps what the
-    held-out prediction is compared with (the table's latency in seconds) per x."""
+    held-out prediction is compared with (the table's latency in seconds) per x. ``envelope``: the fit points are
+    cleared of single slow glitches (:meth:`split`): used for the communication tables, whose small sizes hold
+    one-off slow rows; GEMM and MoE tables keep every point (their non-monotone steps are real kernel choices)."""
 
     kind: str
     key: dict
     source: str
     points: dict[float, float] = field(default_factory=dict)  # x -> y (the entry's units)
     measured: dict[float, float] = field(default_factory=dict)  # x -> seconds as measured
+    envelope: bool = False
 
     def add(self, x: float, y: float, seconds: float) -> None:
         """Keep the fastest of repeated measurements at one x (several kernel sources, duplicates)."""
@@ -211,11 +216,29 @@ class Curve:
             self.points[x], self.measured[x] = y, seconds
 
     def split(self) -> tuple[list[tuple[float, float]], list[float]]:
-        """(fit points, held-out xs): every third inner point held out."""
+        """(fit points, held-out xs): every third inner point held out. With ``envelope``, a fit point more than
+        ``GLITCH`` times slower than a fit point of larger x takes that time instead: more work does not take less
+        time, and the tables hold single slow measurements (GB200 EP16 combine: 60 µs at one token, 15 µs at
+        four); smaller wiggles (kernel choices, noise) are kept as measured. Held-out points are compared with the
+        table as measured."""
         xs = sorted(self.points)
         held = [x for i, x in enumerate(xs) if 0 < i < len(xs) - 1 and (i - HOLDOUT_OFFSET) % HOLDOUT_EVERY == 0]
         hs = set(held)
-        return [(x, self.points[x]) for x in xs if x not in hs], held
+        fit = [x for x in xs if x not in hs]
+        if not self.envelope:
+            return [(x, self.points[x]) for x in fit], held
+        out, floor = [], math.inf
+        for x in reversed(fit):
+            s = self.measured[x]
+            floor = min(floor, s)
+            y = self.points[x]
+            if s > GLITCH * floor:  # a time kind scales with the time, a rate (work / time) inversely
+                y = _sig(y * floor / s) if self.kind.endswith("_us") else _sig(y * s / floor)
+                self.clipped += 1
+            out.append((x, y))
+        return out[::-1], held
+
+    clipped: int = 0
 
     @property
     def label(self) -> str:
@@ -357,7 +380,8 @@ def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Importe
             n = int(r["num_gpus"])
             c = curves.get(n)
             if c is None:
-                c = curves[n] = Curve("allreduce_us", {"algo": "ring", "n_ranks": n}, _source(t) + " (NCCL, fp16)")
+                c = curves[n] = Curve("allreduce_us", {"algo": "ring", "n_ranks": n}, _source(t) + " (NCCL, fp16)",
+                                      envelope=True)
             s = r["latency"] * latency_s(t)
             c.add(float(int(r["message_size"]) * 2), _sig(s * 1e6), s)
             used += 1
@@ -381,7 +405,7 @@ def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Importe
                 if c is None:
                     c = curves[(algo, n)] = Curve("allreduce_us", {"algo": algo, "n_ranks": n},
                                                   _source(t) + f" ({backend} custom all-reduce, its own one/two-shot "
-                                                               f"choice)")
+                                                               f"choice)", envelope=True)
                 c.add(float(int(r["message_size"]) * 2), _sig(s * 1e6), s)
             used += 1
         out.curves += [curves[k] for k in sorted(curves)]
@@ -426,7 +450,8 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
             c = curves.get(key)
             if c is None:
                 c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
-                                        _source(t) + f" (NVLinkTwoSided, hidden {int(r['hidden_size'])})")
+                                        _source(t) + f" (NVLinkTwoSided, hidden {int(r['hidden_size'])})",
+                                        envelope=True)
             s = r["latency"] * latency_s(t)
             c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
             hidden_seen.add(int(r["hidden_size"]))
@@ -454,7 +479,8 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
                 c = curves.get(key)
                 if c is None:
                     c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
-                                            _source(t) + f" ({r['comm_backend']}, hidden {int(r['hidden_size'])})")
+                                            _source(t) + f" ({r['comm_backend']}, hidden {int(r['hidden_size'])})",
+                                            envelope=True)
                 s = r["latency"] * latency_s(t)
                 c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
                 hidden_seen.add(int(r["hidden_size"]))
@@ -546,6 +572,9 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
             if e > worst.get(c.kind, (-1.0, ""))[0]:
                 worst[c.kind] = (e, f"{c.label} x={x:g}")
     validation = {k: _summary(v) | {"worst": worst[k][1]} for k, v in sorted(errors.items())}
+    clipped = defaultdict(int)
+    for c in curves:
+        clipped[c.kind] += c.clipped
     meta = {
         "schema": SCHEMA,
         "gpu": gpu,
@@ -557,6 +586,7 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         "tables": sorted((t for p in parts for t in p.tables), key=lambda t: t["file"]),
         "notes": [n for p in parts for n in p.notes],
         "holdout_rule": HOLDOUT_RULE,
+        "monotone_fit_points": {k: v for k, v in sorted(clipped.items()) if v},
         "validation": validation,
         "holdout": _group_holdout(holdout),
     }
