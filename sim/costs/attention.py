@@ -16,7 +16,10 @@ Full attention (per layer, per rank; H = local query heads, D = head_dim, Hkv = 
   sequence — at the achievable HBM rate times ``DECODE_ATTN_BW_EFFICIENCY``; compute (``4 * H * D * ctx`` per
   query token, ``q_per_seq`` query tokens for MTP verification) is checked as a roofline leg. Calibration kind
   ``decode_attn_GBps`` (the measured decode kernel's KV-read rate per ``seq_heads`` = sequences x local KV heads
-  and mean context) replaces the rate; without it ``hbm_GBps``.
+  and mean context) replaces the rate; without it ``hbm_GBps``;
+* both calibrated lookups carry ``head_dim`` and the local head counts (``n_q_heads`` = H, ``n_kv_heads`` = Hkv):
+  imported tables measured per head configuration match on them, entries pinning only ``head_dim`` (the engine's
+  own calibration) match any.
 
 Gated DeltaNet (Qwen3.5 "linear" layers; Hv value heads, Dk = Dv = linear_head_dim, chunk C):
 
@@ -102,7 +105,7 @@ def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]],
         if not q:
             continue
         f = 4.0 * h * d * (q * c + q * (q + 1) / 2)
-        measured = lookup(calib, "flash_tflops", gpu.name, q + c, head_dim=d)
+        measured = lookup(calib, "flash_tflops", gpu.name, q + c, head_dim=d, n_q_heads=h, n_kv_heads=hkv)
         rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, q + c)
         core_s += f / rate
         flops += f
@@ -157,7 +160,7 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     measured = None
     if calib is not None:
         measured = calib.lookup_along("decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), "seq_heads",
-                                      float(n_seqs * hkv), head_dim=d)
+                                      float(n_seqs * hkv), head_dim=d, n_q_heads=h, n_kv_heads=hkv)
     if measured is None:
         measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY

@@ -1,0 +1,311 @@
+"""Attention tables of aiconfigurator-core as ``flash_tflops`` and ``decode_attn_GBps`` curves (:mod:`sim.perf_tables`).
+
+What the two tables measure (columns ``batch_size, isl, num_heads, num_key_value_heads, head_dim, window_size,
+attn_dtype, kv_cache_dtype, step, latency``; one row is the stack's whole attention op of one layer on one GPU,
+replayed from a CUDA graph, latency in ms):
+
+* ``context_attention_perf``: a prefill of ``batch_size`` sequences of ``isl`` new tokens each, with nothing cached
+  (``step`` is always 0). ``num_heads`` / ``num_key_value_heads`` are the heads on that GPU (already divided by
+  TP). Read from the data: above ~4k tokens the time is proportional to ``batch_size x isl^2`` (H200, 32 / 4 heads
+  of 128: batch 8 at isl 8192 takes 8.04x batch 1; isl 16384 takes 3.75x isl 8192), so ``isl`` is each
+  sequence's length and the batch is that many independent causal sequences.
+* ``generation_attention_perf``: one decode step of ``batch_size`` sequences, one new token each (``isl`` is always
+  1), over ``step`` tokens already cached per sequence: ``step`` runs over 2^k - 1 (1, 3, ..., 131071), so with its
+  new token a sequence's KV cache holds ``step + 1`` = 2^k tokens, which is what the kernel reads. Read from the
+  data: at long contexts the time is linear in ``batch_size x (step + 1) x num_key_value_heads`` (a bandwidth
+  stream, ~3.4 TB/s on H200), and a configuration with ``g`` query heads per KV head takes the time of another with
+  the same ``g`` and the same ``batch_size x num_key_value_heads`` (H200, 64 / 4 heads at batch b vs 16 / 1 at
+  batch 4b: 0.93-1.06x, mostly within 2 %) — the kernel's parallel units are sequences x KV heads, rackbed's
+  ``seq_heads``; ``g`` itself moves the time by a few per cent up to 16 (8 vs 16: mostly 0.93-1.0x).
+
+What becomes a curve (bf16 attention, full attention: ``window_size`` 0; head dims ``HEAD_DIMS``; at each point the
+fastest kernel source of the table):
+
+* ``flash_tflops`` (key ``head_dim, n_q_heads, n_kv_heads``; a grid over the two head counts, so a head
+  configuration between measured ones interpolates): the ``batch_size`` 1 rows of the context table, x = ``isl``,
+  y = the causal FLOPs of :func:`sim.costs.attention.full_attention_prefill` (``4 H D q (q + 1) / 2``) over the
+  time less the per-kernel fixed cost the cost function adds back (``KERNEL_FIXED_US``: imported tables carry no
+  fitted one). rackbed prices each sequence of a prefill batch at the rate of its own length, which is what the
+  batch-1 rows measure; several short sequences in one kernel run faster than that (``batch_note``: the table's
+  batched rows priced by the batch-1 curves, in ``meta.notes``). Rows with ``attn_dtype`` fp8 (FP8 FMHA) or an fp8
+  KV cache are not imported: ``flash_tflops`` has no format key.
+* ``decode_attn_GBps`` (key ``head_dim, n_q_heads, n_kv_heads, seq_heads`` = ``batch_size x num_key_value_heads``,
+  which :meth:`~sim.costs.calibration.CalibrationTable.lookup_along` interpolates across): the generation rows with
+  a bf16 KV cache, x = ``step + 1`` (KV tokens per sequence), y = the KV bytes of
+  :func:`sim.costs.attention.full_attention_decode` (``batch x x x 2 x Hkv x D x 2``) over the time less the fixed
+  cost. Head configurations: ``DECODE_HEADS`` (GQA with 2-16 query heads per KV head, up to 8 KV heads per GPU:
+  the per-GPU shapes of GQA MoE models at TP 1-8); the configuration ``GENERIC_DECODE_HEADS`` is written pinning
+  only ``head_dim`` and ``seq_heads``, so a head configuration without curves of its own is priced by the measured
+  kernel at its ``seq_heads`` instead of the datasheet rate (H200, the table's rows of such configurations with up
+  to 16 query heads per KV head: median 1-3 % off per group size; with 24-32, 20 % low, with 48 or more, shapes
+  the kernel runs compute-bound, 85 % low — the datasheet rate is 70-97 % low). fp8-KV rows are not curves (the
+  key has no KV format; an fp8 cache is priced at the bf16 curves' rate per byte read): ``fp8_note`` says how well
+  that prices them.
+
+Not imported: sliding-window rows (``window_size`` > 0), head dims outside ``HEAD_DIMS`` (192: MLA-like shapes),
+prefills with a cached prefix (the tables have none: rackbed prices ``q`` new after ``c`` cached tokens at the
+rate of ``q + c``), beam search. (The package's collector runs head dim 64 with attention sinks, as gpt-oss has.)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+from sim.costs import constants as C
+from sim.perf_tables import (
+    Curve,
+    Imported,
+    Table,
+    _gpu,
+    _pick,
+    _sig,
+    _source,
+    _table_meta,
+    find_tables,
+    read_rows,
+)
+
+#: head dims imported (GQA models: 64 gpt-oss, 128 Qwen3 / Llama / Mixtral, 256 Qwen3.5 / Qwen3-Next)
+HEAD_DIMS = (64, 128, 256)
+#: query heads per KV head of the decode curves, and KV heads per GPU
+DECODE_GROUPS = (2, 4, 8, 16)
+DECODE_KV_HEADS = (1, 2, 4, 8)
+#: (query, KV heads per GPU) of the decode curves
+DECODE_HEADS: tuple[tuple[int, int], ...] = tuple(sorted((g * kv, kv) for g in DECODE_GROUPS for kv in DECODE_KV_HEADS
+                                                         if g * kv <= 64))
+#: the decode head configuration written without head counts in its key (matches any configuration of its head dim)
+GENERIC_DECODE_HEADS = (8, 1)
+#: the per-kernel fixed cost imported rates are net of (the cost functions add ``kernel_fixed_us``; imported
+#: calibrations carry none, so it is the constant)
+FIXED_S = C.KERNEL_FIXED_US * 1e-6
+#: as ``sim.calibrate.NET_FLOOR``: a row's time less the fixed cost is never taken below this fraction of it
+NET_FLOOR = 0.1
+
+CTX_COLS = ("kernel_source", "batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "window_size",
+            "attn_dtype", "kv_cache_dtype", "step", "latency")
+GEN_COLS = ("kernel_source", "batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "window_size",
+            "kv_cache_dtype", "step", "latency")
+BF16 = ("bfloat16", "float16", "half")
+
+
+def _net(seconds: float) -> float:
+    return max(seconds - FIXED_S, NET_FLOOR * seconds)
+
+
+def prefill_flops(n_q_heads: int, head_dim: int, seq: int) -> float:
+    """Causal attention FLOPs of one sequence of ``seq`` new tokens (``full_attention_prefill``'s count)."""
+    return 4.0 * n_q_heads * head_dim * seq * (seq + 1) / 2
+
+
+def decode_kv_bytes(batch: int, ctx: int, n_kv_heads: int, head_dim: int, elem_bytes: float = 2.0) -> float:
+    """KV bytes one decode step reads (``full_attention_decode`` with one-token pages)."""
+    return batch * ctx * 2 * n_kv_heads * head_dim * elem_bytes
+
+
+@lru_cache(maxsize=256)
+def _model(n_q_heads: int, n_kv_heads: int, head_dim: int):
+    from sim.calibrate import _attn_model
+
+    return _attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
+
+
+def _rows(t: Table, cols: tuple[str, ...], cache: dict) -> list[dict]:
+    if t.rel not in cache:
+        cache[t.rel] = read_rows(t, cols)
+    return cache[t.rel]
+
+
+def _summary_pct(errs: list[float]) -> str:
+    s = sorted(errs)
+    p90 = s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
+    return f"median {100 * statistics.median(s):.1f} %, p90 {100 * p90:.1f} %"
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+
+
+def _ctx_usable(r: dict) -> bool:
+    return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) == 0 and int(r["step"]) == 0
+            and str(r["attn_dtype"]) in BF16 and str(r["kv_cache_dtype"]) in BF16
+            and int(r["num_heads"]) % int(r["num_key_value_heads"]) == 0)
+
+
+def import_context_attention(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    out = Imported(grid={"flash_tflops": ("n_q_heads", "n_kv_heads")})
+    cache: dict = {}
+    tabs = find_tables(root, system, "attention", backend, "context_attention_perf.parquet")
+    t = _pick(tabs, lambda t: sum(1 for r in _rows(t, CTX_COLS, cache) if _ctx_usable(r) and r["batch_size"] == 1))
+    if t is None:
+        out.notes.append(f"no context-attention table for {system}/{backend}")
+        return out
+    rows = _rows(t, CTX_COLS, cache)
+    curves: dict[tuple, Curve] = {}
+    batched: list[dict] = []
+    used = 0
+    for r in rows:
+        if not _ctx_usable(r):
+            continue
+        if int(r["batch_size"]) != 1:
+            batched.append(r)
+            continue
+        d, h, kv, q = int(r["head_dim"]), int(r["num_heads"]), int(r["num_key_value_heads"]), int(r["isl"])
+        c = curves.get((d, h, kv))
+        if c is None:
+            c = curves[(d, h, kv)] = Curve("flash_tflops", {"head_dim": d, "n_q_heads": h, "n_kv_heads": kv},
+                                           _source(t) + " (batch 1, bf16, fastest kernel source)")
+        s = r["latency"] * 1e-3
+        c.add(float(q), _sig(prefill_flops(h, d, q) / _net(s) / 1e12), s)
+        used += 1
+    out.curves = [curves[k] for k in sorted(curves)]
+    out.tables.append(_table_meta(t, len(rows), used))
+    dims = sorted({k[0] for k in curves})
+    out.notes.append(f"prefill attention: batch-1 curves at head dims {', '.join(map(str, dims))}, "
+                     f"{len(curves)} head configurations (query / KV heads per GPU, interpolated between)")
+
+    def predict(calib, c: Curve, x: float) -> float:
+        from sim.costs.attention import full_attention_prefill
+
+        m = _model(c.key["n_q_heads"], c.key["n_kv_heads"], c.key["head_dim"])
+        return full_attention_prefill(_gpu(gpu), m, [(int(x), 0)], tp=1, calib=calib).core_s
+
+    out.predict["flash_tflops"] = predict
+    note = batch_note(batched, out.curves, gpu)
+    if note:
+        out.notes.append(note)
+    return out
+
+
+#: the batched prefill rows ``batch_note`` prices: up to this many sequences of at least ``NOTE_MIN_ISL`` tokens
+NOTE_MAX_BATCH, NOTE_MIN_ISL = 8, 512
+
+
+def batch_note(batched: list[dict], curves: list[Curve], gpu: str) -> str | None:
+    """How the batch-1 curves price the table's batched prefills (2 to ``NOTE_MAX_BATCH`` sequences of at least
+    ``NOTE_MIN_ISL`` tokens) when each sequence is priced on its own, as rackbed does: the median and p90 of
+    predicted / measured - 1 (positive: one kernel over several sequences is faster than their sum)."""
+    from sim.costs.attention import full_attention_prefill
+    from sim.costs.calibration import CalibrationEntry, CalibrationTable
+
+    entries = [CalibrationEntry(kind="flash_tflops", gpu=gpu, key=c.key,
+                                points=tuple((x, c.points[x]) for x in sorted(c.points))) for c in curves]
+    if not entries:
+        return None
+    table = CalibrationTable(entries=tuple(entries), grid={"flash_tflops": ("n_q_heads", "n_kv_heads")},
+                             interpolation="log-log")
+    have = {tuple(c.key[f] for f in ("head_dim", "n_q_heads", "n_kv_heads")) for c in curves}
+    over: list[float] = []
+    for r in batched:
+        d, h, kv, q, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "isl", "batch_size"))
+        if q < NOTE_MIN_ISL or b > NOTE_MAX_BATCH or (d, h, kv) not in have:
+            continue
+        pred = full_attention_prefill(_gpu(gpu), _model(h, kv, d), [(q, 0)] * b, tp=1, calib=table).core_s
+        over.append(pred / (r["latency"] * 1e-3) - 1.0)
+    if not over:
+        return None
+    s = sorted(over)
+    return (f"prefill attention: batches of 2-{NOTE_MAX_BATCH} sequences of >= {NOTE_MIN_ISL} tokens priced per "
+            f"sequence by the batch-1 curves take {100 * statistics.median(s):.0f} % "
+            f"(median; p90 {100 * s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]:.0f} %) longer than measured "
+            f"({len(s)} rows)")
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+
+def _gen_usable(r: dict) -> bool:
+    return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) == 0 and int(r["isl"]) == 1
+            and (int(r["num_heads"]), int(r["num_key_value_heads"])) in DECODE_HEADS)
+
+
+def import_generation_attention(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    out = Imported()
+    cache: dict = {}
+    tabs = find_tables(root, system, "attention", backend, "generation_attention_perf.parquet")
+    t = _pick(tabs, lambda t: sum(1 for r in _rows(t, GEN_COLS, cache)
+                                  if _gen_usable(r) and str(r["kv_cache_dtype"]) in BF16))
+    if t is None:
+        out.notes.append(f"no generation-attention table for {system}/{backend}")
+        return out
+    rows = _rows(t, GEN_COLS, cache)
+    curves: dict[tuple, Curve] = {}
+    fp8: list[dict] = []
+    used = 0
+    for r in rows:
+        if not _gen_usable(r):
+            continue
+        if str(r["kv_cache_dtype"]) not in BF16:
+            fp8.append(r)
+            continue
+        d, h, kv, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "batch_size"))
+        ctx = int(r["step"]) + 1
+        c = curves.get((d, h, kv, b))
+        if c is None:
+            key = {"head_dim": d, "seq_heads": b * kv}
+            src = _source(t) + f" (bf16 KV, batch {b}, fastest kernel source"
+            if (h, kv) == GENERIC_DECODE_HEADS:
+                src += f"; {h} / {kv} heads, for any head counts of head dim {d} without curves of their own)"
+            else:
+                key |= {"n_q_heads": h, "n_kv_heads": kv}
+                src += ")"
+            c = curves[(d, h, kv, b)] = Curve("decode_attn_GBps", key, src)
+        s = r["latency"] * 1e-3
+        c.add(float(ctx), _sig(decode_kv_bytes(b, ctx, kv, d) / _net(s) / 1e9), s)
+        used += 1
+    out.curves = [curves[k] for k in sorted(curves)]
+    out.tables.append(_table_meta(t, len(rows), used))
+    dims = sorted({k[0] for k in curves})
+    out.notes.append(f"decode attention: bf16 KV cache, head dims {', '.join(map(str, dims))}, head configurations "
+                     f"{' '.join(f'{h}/{kv}' for h, kv in DECODE_HEADS)} (query / KV heads per GPU); others of these "
+                     f"head dims priced by the {GENERIC_DECODE_HEADS[0]}/{GENERIC_DECODE_HEADS[1]} curves at their "
+                     f"sequences x KV heads")
+
+    def predict(calib, c: Curve, x: float, elem_bytes: float = 2.0) -> float:
+        from sim.costs.attention import full_attention_decode
+
+        h = int(c.key.get("n_q_heads", GENERIC_DECODE_HEADS[0]))
+        kv = int(c.key.get("n_kv_heads", GENERIC_DECODE_HEADS[1]))
+        m = _model(h, kv, c.key["head_dim"])
+        batch = int(c.key["seq_heads"]) // kv
+        return full_attention_decode(_gpu(gpu), m, [int(x)] * batch, tp=1, page_tokens=1, kv_elem_bytes=elem_bytes,
+                                     calib=calib).core_s
+
+    out.predict["decode_attn_GBps"] = predict
+    note = fp8_note(fp8, out.curves, gpu, predict)
+    if note:
+        out.notes.append(note)
+    return out
+
+
+def fp8_note(fp8: list[dict], curves: list[Curve], gpu: str, predict: Callable) -> str | None:
+    """How the bf16-KV curves price the table's fp8-KV decode rows at 1 B per KV element (|predicted / measured -
+    1|, median and p90), on the ``GENERIC_DECODE_HEADS`` configuration (every head dim and batch)."""
+    from sim.costs.calibration import CalibrationEntry, CalibrationTable
+
+    curves = [c for c in curves if "n_q_heads" not in c.key]
+    if not fp8 or not curves:
+        return None
+    table = CalibrationTable(entries=tuple(CalibrationEntry(kind="decode_attn_GBps", gpu=gpu, key=c.key,
+                                                            points=tuple((x, c.points[x]) for x in sorted(c.points)))
+                                           for c in curves), interpolation="log-log")
+    by_key = {(c.key["head_dim"], c.key.get("n_q_heads", GENERIC_DECODE_HEADS[0]),
+               c.key.get("n_kv_heads", GENERIC_DECODE_HEADS[1]), c.key["seq_heads"]): c for c in curves}
+    errs = []
+    for r in fp8:
+        d, h, kv, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "batch_size"))
+        c = by_key.get((d, h, kv, b * kv))
+        if c is None:
+            continue
+        pred = predict(table, c, float(int(r["step"]) + 1), elem_bytes=1.0)
+        errs.append(abs(pred / (r["latency"] * 1e-3) - 1.0))
+    if not errs:
+        return None
+    h, kv = GENERIC_DECODE_HEADS
+    return (f"decode attention with an fp8 KV cache: not separate curves; the bf16-KV curves at 1 B per element "
+            f"price the table's {len(errs)} fp8-KV rows of {h} / {kv} heads within {_summary_pct(errs)}")
+
+
+IMPORTERS: tuple[Callable[..., Imported], ...] = (import_context_attention, import_generation_attention)
