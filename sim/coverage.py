@@ -46,9 +46,11 @@ def _moe_gap(calib, gpu: str, model, fmt: str, tp: int, ep: int, role: str) -> s
     return None
 
 
-def _allreduce_gap(calib, gpu: str, n_ranks: int, what: str) -> str | None:
+def _allreduce_gap(calib, gpu: str, n_ranks: int, what: str, one_domain: bool = True) -> str | None:
     if n_ranks < 2:
         return None
+    if not one_domain and any(e.kind == "allreduce_us" and e.gpu == gpu for e in calib.entries):
+        return f"{what} all-reduce over {n_ranks} GPUs spans NVLink domains: first-principles network model"
     algos = sorted({e.key.get("algo") for e in calib.entries
                     if e.kind == "allreduce_us" and e.gpu == gpu and e.key.get("n_ranks") == n_ranks})
     if not algos:
@@ -60,9 +62,12 @@ def _allreduce_gap(calib, gpu: str, n_ranks: int, what: str) -> str | None:
     return None
 
 
-def _a2a_gap(calib, gpu: str, ep: int, model) -> str | None:
+def _a2a_gap(calib, gpu: str, ep: int, model, one_domain: bool = True) -> str | None:
     if ep < 2 or not any(e.kind == "a2a_us" and e.gpu == gpu for e in calib.entries):
         return None
+    if not one_domain:
+        return (f"decode dispatch/combine (EP{ep}) spans NVLink domains: the tables were measured inside one, "
+                f"first-principles network model")
     where = calib.grid_position("a2a_us", gpu, op="dispatch", n_ranks=ep, payload="bf16")
     out = []
     if where:
@@ -95,12 +100,17 @@ def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[s
             gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, plan.ep, role)
             if gap and gap not in out:
                 out.append(gap)
-    for what, n in (("prefill TP", prefill_plan.tp), ("prefill EP combine", prefill_plan.ep)):
-        gap = _allreduce_gap(calib, name, n, what)
+    from sim.costs.collective import group_links
+
+    for what, n, gpus in (("prefill TP", prefill_plan.tp, prefill_plan.tp_group(0)),
+                          ("prefill EP combine", prefill_plan.ep, prefill_plan.gpus)):
+        gap = _allreduce_gap(calib, name, n, what, group_links(topo, gpus).one_domain)
         if gap and gap not in out:
             out.append(gap)
     if getattr(decode_plan, "ep", 1) > 1:
-        gap = _a2a_gap(calib, name, decode_plan.ep, model)
+        from sim.costs.collective import group_links
+
+        gap = _a2a_gap(calib, name, decode_plan.ep, model, group_links(topo, decode_plan.gpus).one_domain)
         if gap:
             out.append(gap)
     if any(e.kind in ("allreduce_us",) for e in calib.entries) and gpu.arch == "blackwell" and not any(

@@ -97,6 +97,8 @@ class DecodeFrontierStudy(_Base):
     study: Literal["decode_frontier"]
     model: str = "qwen3-235b-a22b"
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    #: the serving stack whose measured kernels price every config (one stack for all GPUs compared)
+    stack: Literal["auto", "rackbed", "trtllm", "sglang", "vllm"] = "auto"
     prefill_tp: int = Field(4, ge=1)
     prefill_ep: int = Field(4, ge=1)
     prefill_headroom: float = Field(1.3, ge=1.0)
@@ -248,7 +250,7 @@ def _frontier_scenario(st: DecodeFrontierStudy, cfg: FrontierConfig, topology: s
     lo, hi = st.output_tokens
     return parse_scenario({
         "kind": "serving", "name": f"{st.name}:{cfg.label}:b{b}", "seed": st.seed, "topology": topology,
-        "model": st.model, "weight_format": cfg.weight_format, "kv_dtype": st.kv_dtype,
+        "model": st.model, "weight_format": cfg.weight_format, "kv_dtype": st.kv_dtype, "stack": st.stack,
         "prefill": {"tp": st.prefill_tp, "ep": st.prefill_ep, "replicas": n_prefill},
         "decode": {"ep": ep, "replicas": replicas_d, "max_batch_per_rank": max(1, math.ceil(st.batch_cap_factor * b))},
         "mtp": st.mtp.model_dump(),

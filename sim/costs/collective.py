@@ -227,7 +227,9 @@ def _estimate(g: GroupLinks, algo: str, n_bytes: float, calib: CalibrationTable 
     if n_bytes < 0:
         raise UserError(f"all-reduce size must be >= 0 bytes, got {n_bytes}")
     est = _ring(g, n_bytes) if algo == "ring" else _symmetric(g, algo, n_bytes, kernel_fixed_us(calib, g.gpu))
-    measured = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=g.n_ranks)
+    # measured all-reduces ran inside one NVLink domain: a group spanning domains is priced by the model
+    measured = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=g.n_ranks) \
+        if g.one_domain else None
     if measured is None:
         return est
     return CollectiveCost(algo, est.protocol, g.n_ranks, n_bytes, 0.0, 0.0, measured * 1e-6, est.link_bytes, True)
@@ -269,8 +271,8 @@ def _auto_terms(g: GroupLinks, algo: str, calib: CalibrationTable | None) -> tup
     if hit is not None and hit[0] is g and hit[1] is calib:
         return hit[2]
     names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
-    if calib is not None and any(calib.entry("allreduce_us", g.gpu.name, algo=a, n_ranks=g.n_ranks) is not None
-                                 for a in names):
+    if calib is not None and g.one_domain and any(
+            calib.entry("allreduce_us", g.gpu.name, algo=a, n_ranks=g.n_ranks) is not None for a in names):
         terms = None  # measured entries depend on n_bytes: the general path
     else:
         fixed_us = kernel_fixed_us(calib, g.gpu)

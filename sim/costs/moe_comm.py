@@ -96,8 +96,9 @@ def payload_name(bytes_per_elem: float) -> str:
 
 def _a2a_measured(calib, g, op: str, tokens_per_rank: float, hidden: int, bpe: float) -> float | None:
     """Seconds of a measured DP-EP ``op`` (dispatch / combine) kernel moving ``tokens_per_rank`` x ``hidden``
-    elements of ``bpe`` bytes per rank (calibration kind ``a2a_us``), or None."""
-    if calib is None:
+    elements of ``bpe`` bytes per rank (calibration kind ``a2a_us``), or None. The tables were measured inside one
+    NVLink domain: a group spanning domains (EP over InfiniBand / EFA) is priced by the model."""
+    if calib is None or not g.one_domain:
         return None
     us = calib.lookup("a2a_us", g.gpu.name, tokens_per_rank * hidden * bpe, op=op, n_ranks=g.n_ranks,
                       payload=payload_name(bpe))
