@@ -117,5 +117,13 @@ def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[s
             e.kind == "allreduce_us" and e.key.get("algo") == "nvls" for e in calib.entries):
         out.append("NVLS (NVLink SHARP) all-reduce is not in the tables: its estimate is first-principles")
     if _meta(calib).get("source") == "aiconfigurator-core":
+        notes = _meta(calib).get("notes", [])
+        if getattr(decode_plan, "kv_dtype", "bf16") == "fp8":
+            fp8 = [n for n in notes if n.startswith("decode attention with an fp8 KV cache")]
+            out.append("decode attention with an fp8 KV cache: the tables' bf16-KV curves at 1 B per element"
+                       + (f" ({fp8[0].split('within ')[-1]} off the fp8 rows)" if fp8 else ""))
+        multi = [n for n in notes if n.startswith("prefill attention: batches of")]
+        if multi:
+            out.append(multi[0])
         out.append(f"per-step framework overhead is not in the tables: {C.HOST_STEP_US:g} µs per step assumed")
     return out

@@ -128,7 +128,7 @@ GOOD = {"gemm_dtype": ["fp8"] * 4, "m": [1, 2, 4, 8], "n": [4096] * 4, "k": [409
     ({"latency": [0.01, float("nan"), 0.012, 0.014]}, r"row 1: latency = nan; must be a finite number > 0"),
     ({"latency": [0.01, 0.0, 0.012, 0.014]}, r"row 1: latency = 0\.0; must be a finite number > 0"),
     ({"latency": [0.01, -1.0, 0.012, 0.014]}, r"row 1: latency = -1\.0"),
-    ({"latency_unit": ["us"] * 4}, r"column 'latency_unit' says 'us'; rackbed reads latencies in ms only"),
+    ({"latency_unit": ["us"] * 4}, r"column 'latency_unit' says 'us'; rackbed reads this table's latencies in ms only"),
 ])
 def test_malformed_table_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, change, match):
     rows = dict(GOOD)
@@ -176,3 +176,47 @@ def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
     table = default_calibration_for("B200-GB200")
     assert Path(table.path).name == "gb200-trtllm.json"
     assert load_calibration_file(table.path).meta["validation"]
+
+
+# ------------------------------------------------------------------------------------------------ what runs print
+
+
+def _built(name="nvl72-default", **over):
+    import scenarios
+    from sim.scenario import build, load_scenario
+
+    sc = load_scenario(scenarios.resolve(name))
+    return build(sc.model_copy(update=over))
+
+
+def test_gb200_scenario_prints_the_measured_table_line_and_only_real_gaps():
+    b = _built(weight_format="fp8")
+    assert b.calibration_note.startswith("calibrated (trtllm stack, measured tables): B200-GB200 from "
+                                         "calibration/gb200-trtllm.json (aiconfigurator-core 0.12.0")
+    text = "\n".join(b.caveats)
+    assert "extrapolate" not in text.lower() or "Blackwell figures" not in text  # no blanket datasheet caveat
+    assert "MoE block" not in text  # Qwen3-235B's experts in fp8 at EP4 / EP16 are measured
+    assert "dispatch/combine (EP16): measured at another hidden size" in text
+    assert all("\n" not in c for c in b.caveats)
+    # MXFP8 is in no table: said, not priced silently
+    mx = "\n".join(_built(weight_format="mxfp8").caveats)
+    assert "GEMMs in mxfp8: not measured in this format" in mx and "MoE block" in mx
+
+
+def test_a_missing_table_is_a_caveat_naming_what_is_extrapolated():
+    from sim.calibrate import CalibrationFile
+    from sim.coverage import calibration_caveats
+
+    b = _built(weight_format="fp8")
+    full = b.calibration
+    no_ar = CalibrationFile.model_validate({**full.model_dump(), "entries": [
+        e for e in full.model_dump()["entries"] if not (e["kind"] == "allreduce_us" and e["key"]["n_ranks"] == 4)]})
+    lines = calibration_caveats(no_ar, b.topology, b.model, b.prefill_plan, b.decode_plan)
+    assert "prefill TP all-reduce over 4 GPUs: measured only at 2 GPUs, first-principles estimate" in lines
+    no_moe = CalibrationFile.model_validate({**full.model_dump(), "entries": [
+        e for e in full.model_dump()["entries"] if not (e["kind"] == "moe_us" and e["key"]["ep"] == 16)]})
+    lines = calibration_caveats(no_moe, b.topology, b.model, b.prefill_plan, b.decode_plan)
+    assert any(c.startswith("decode MoE block: ep=16 interpolated between 8 and 32") for c in lines), lines
+    ep72 = b.decode_plan.model_copy(update={"ep": 72, "dp": 72, "gpus": tuple(range(72))})
+    lines = calibration_caveats(full, b.topology, b.model, b.prefill_plan, ep72)
+    assert any("EP72" in c and "n_ranks=72 outside the measured 2..64 (held at 64" in c for c in lines), lines

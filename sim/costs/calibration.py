@@ -348,14 +348,18 @@ class CalibrationTable(BaseModel):
         ``field`` value the most specific wins). Without any curve pinning ``field``: :meth:`lookup`."""
         if kind not in KINDS:
             raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        cands: dict[float, tuple[int, CalibrationEntry]] = {}
-        for e in self.entries:
-            if e.kind != kind or field not in e.key:
-                continue
-            s = e.matches(gpu, {**key, field: e.key[field]})
-            v = float(e.key[field])
-            if s >= 0 and v > 0 and (v not in cands or s > cands[v][0]):
-                cands[v] = (s, e)
+        mkey = ("along", kind, gpu, field, tuple(sorted(key.items())))
+        cands = self._resolved.get(mkey)
+        if cands is None:
+            cands = {}
+            for e in self._entries_of(kind, gpu):
+                if field not in e.key:
+                    continue
+                s = e.matches(gpu, {**key, field: e.key[field]})
+                v = float(e.key[field])
+                if s >= 0 and v > 0 and (v not in cands or s > cands[v][0]):
+                    cands[v] = (s, e)
+            self._resolved[mkey] = cands
         if not cands:
             return self.lookup(kind, gpu, x, **key, **{field: value})
         vs = sorted(cands)
