@@ -426,6 +426,19 @@ def _columns(t: Table) -> list[str]:
     return list(pq.read_schema(t.path).names)
 
 
+def _a2a_row(curves: dict, extra: tuple, t: Table, kernel: str, op: str, n: int, dtype: str, r: dict) -> None:
+    """Add one all-to-all row to the curve of (op, EP size, payload) (+ ``extra`` key parts): x = payload bytes
+    per rank, y = µs."""
+    pay, bpe = PAYLOAD[dtype]
+    key = (op, n, pay, *extra)
+    c = curves.get(key)
+    if c is None:
+        c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
+                                _source(t) + f" ({kernel}, hidden {int(r['hidden_size'])})", envelope=True)
+    s = r["latency"] * latency_s(t)
+    c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
+
+
 def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported:
     """DP-EP decode dispatch / combine: TRT-LLM's NVLink all-to-all where measured (GB200: EP 2-64), else the
     DeepEP low-latency kernels of the per-stack ``moe_a2a_perf`` table."""
@@ -444,16 +457,7 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
                 continue
             if op == "combine" and r["moe_dtype"] != "bfloat16":
                 continue  # rackbed combines in bf16
-            pay, bpe = PAYLOAD[str(r["moe_dtype"])]
-            n = int(r["moe_ep_size"])
-            key = (op, n, pay)
-            c = curves.get(key)
-            if c is None:
-                c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
-                                        _source(t) + f" (NVLinkTwoSided, hidden {int(r['hidden_size'])})",
-                                        envelope=True)
-            s = r["latency"] * latency_s(t)
-            c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
+            _a2a_row(curves, (), t, "NVLinkTwoSided", op, int(r["moe_ep_size"]), str(r["moe_dtype"]), r)
             hidden_seen.add(int(r["hidden_size"]))
             used += 1
         out.tables.append(_table_meta(t, len(rows), used))
@@ -473,16 +477,8 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
                     continue
                 if op == "combine" and r["comm_dtype"] != "bfloat16":
                     continue
-                pay, bpe = PAYLOAD[str(r["comm_dtype"])]
-                n = int(r["ep_size"])
-                key = (op, n, pay, int(r["hidden_size"]))
-                c = curves.get(key)
-                if c is None:
-                    c = curves[key] = Curve("a2a_us", {"op": op, "n_ranks": n, "payload": pay},
-                                            _source(t) + f" ({r['comm_backend']}, hidden {int(r['hidden_size'])})",
-                                            envelope=True)
-                s = r["latency"] * latency_s(t)
-                c.add(_sig(int(r["num_tokens"]) * int(r["hidden_size"]) * bpe), _sig(s * 1e6), s)
+                _a2a_row(curves, (int(r["hidden_size"]),), t, str(r["comm_backend"]), op, int(r["ep_size"]),
+                         str(r["comm_dtype"]), r)
                 hidden_seen.add(int(r["hidden_size"]))
                 used += 1
             out.tables.append(_table_meta(t, len(rows), used))
