@@ -268,10 +268,12 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
         s = case_search(spec, topology, weight_format, rate)
         res = run_search(s, work / spec.name / _safe(topology) / weight_format / f"rate-{rate:g}", jobs=jobs,
                          progress=progress)
-        pts = [point_of(r, rate, budget, slo) for r in res.records]
+        # records pair with res.simulated; when every candidate is pruned the search still simulates its base
+        # scenario (a sweep of no points expands to the base), which is no candidate: zip leaves it out
+        pts = [point_of(r, rate, budget, slo) for r, _ in zip(res.records, res.simulated)]
         points += pts
         scen.update(res.scenarios)
-        simulated += len(res.records)
+        simulated += len(pts)
         status: dict[str, int] = {}
         for p in pts:
             status[p["status"]] = status.get(p["status"], 0) + 1

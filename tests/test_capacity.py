@@ -81,6 +81,19 @@ def test_a_budget_nothing_fits_chooses_nothing(tmp_path):
     assert "none meets the SLOs" in cap.markdown(run.as_dict())
 
 
+def test_every_candidate_pruned_simulates_nothing(tmp_path):
+    # the search simulates its bare base scenario when nothing survives the pruning: not a candidate, not counted
+    spec = cap.parse_capacity(tiny(rates_per_s=[2], search={**tiny()["search"], "slo": {"ttft_s": 2, "tpot_s": 1e-4},
+                                                            "space": {**tiny()["search"]["space"],
+                                                                      "topology": ["gb200-nvl72"]}}))
+    run = cap.run_capacity([spec], tmp_path, command="t")
+    (c,) = run.cases
+    (r,) = c["rates"]
+    assert c["chosen"] is None and r["simulated"] == 0 and r["candidates"] == r["pruned"] == 1
+    assert any(k.startswith("TPOT at batch") for k in r["pruned_because"])
+    assert "all pruned: TPOT at batch" in cap.markdown(run.as_dict())
+
+
 def _points():
     pt = st.fixed_dictionaries({
         "rate_per_s": st.sampled_from([1.0, 2.0, 5.0]), "gpus": st.integers(1, 12), "meets_slo": st.booleans(),
