@@ -8,17 +8,20 @@ poses it with the search as it is — by sweeping the request rate:
     python -m sim.capacity scenarios/sweeps/capacity-qwen235-h200.yaml --out DIR --jobs 2
 
 A capacity spec (YAML ``kind: capacity``) is a search spec (:class:`sim.search.SearchSpec`, key ``search``; its
-workload synthetic) plus the request rates to try and the GPU budget (default: the topology's GPUs). Each
-(topology, weight format) of the search space is a *case*; for every case and rate one search runs with the
-workload's arrival rate set to that rate and only that topology and format in its space, so that each format gets
-the whole simulation budget (one search over all formats would let the best format's candidates crowd the others
-out). Searches write to ``WORK/<spec>/<topology>/<format>/rate-<r>/results.jsonl`` and are resumable; the default
-WORK holds the git commit, so a re-run on other code starts afresh.
+workload synthetic) plus the request rates to try, optionally several values of the search's prefill headroom, and
+the GPU budget (default: the topology's GPUs). Each (topology, weight format) of the search space is a *case*; for
+every case, rate and headroom one search runs with the workload's arrival rate set to that rate and only that
+topology and format in its space, so that each format gets the whole simulation budget (one search over all
+formats would let the best format's candidates crowd the others out). The search derives replica counts from the
+load (prefill: input tokens/s x headroom / analytic capacity), so near the budget the headroom decides what fits;
+trying a lower one lets the simulation, not the heuristic, say whether the queueing still meets the TTFT SLO.
+Searches write to ``WORK/<spec>/<topology>/<format>/rate-<r>-h<headroom>/results.jsonl`` and are resumable; the
+default WORK holds the git commit, so a re-run on other code starts afresh.
 
 A case's **chosen** point: among the simulated points that meet the SLOs (:func:`sim.search.meets_slo`: every
 request completed, TTFT and TPOT at the SLO percentile within bounds) and use at most ``gpu_budget`` GPUs, the one
 at the highest rate (the load the budget carries); at that rate the one using the fewest GPUs, then the fastest
-per user. Figures:
+per user (whichever headroom sized it). Figures:
 
 * tokens/s per budget GPU: output tokens/s / ``gpu_budget`` — what the whole budget delivers, idle GPUs included;
 * tokens/s per used GPU: output tokens/s / the deployment's GPUs (``rackbed search``'s tokens/s per GPU);
@@ -64,15 +67,20 @@ class CapacitySpec(BaseModel):
     name: str
     description: str = ""
     rates_per_s: tuple[float, ...]
+    prefill_headroom: tuple[float, ...] | None = None
     gpu_budget: int | None = Field(None, ge=1)
     search: SearchSpec
 
-    @field_validator("rates_per_s")
+    @field_validator("rates_per_s", "prefill_headroom")
     @classmethod
-    def _rates(cls, v):
-        if not v or any(not (r > 0 and math.isfinite(r)) for r in v):
-            raise ValueError("expected a non-empty list of positive request rates")
-        return tuple(sorted(set(v)))
+    def _positive(cls, v):
+        if v is not None and (not v or any(not (r > 0 and math.isfinite(r)) for r in v)):
+            raise ValueError("expected a non-empty list of positive numbers")
+        return None if v is None else tuple(sorted(set(v)))
+
+    @property
+    def headrooms(self) -> tuple[float, ...]:
+        return self.prefill_headroom or (self.search.prefill_headroom,)
 
 
 def parse_capacity(data: Mapping, source: str | Path | None = None) -> CapacitySpec:
@@ -112,13 +120,16 @@ def _check_budget(spec: CapacitySpec, source) -> None:
             raise UserError(f"{source}: gpu_budget: {spec.gpu_budget} GPUs exceeds {t}'s {n} GPUs")
 
 
-def case_search(spec: CapacitySpec, topology: str, weight_format: str, rate_per_s: float) -> SearchSpec:
-    """The search of one case at one rate: the spec's search with that rate, topology and format only."""
+def case_search(spec: CapacitySpec, topology: str, weight_format: str, rate_per_s: float,
+                headroom: float | None = None) -> SearchSpec:
+    """The search of one case at one rate (and prefill headroom): the spec's search with that rate, topology and
+    format only."""
     s = spec.search
+    h = s.prefill_headroom if headroom is None else headroom
     wl = s.workload.model_copy(update={"arrival": s.workload.arrival.model_copy(update={"rate_per_s": rate_per_s})})
     space = s.space.model_copy(update={"topology": (topology,), "weight_format": (weight_format,)})
-    return s.model_copy(update={"name": f"{spec.name}-{_safe(topology)}-{weight_format}-r{rate_per_s:g}",
-                                "workload": wl, "space": space})
+    return s.model_copy(update={"name": f"{spec.name}-{_safe(topology)}-{weight_format}-r{rate_per_s:g}-h{h:g}",
+                                "workload": wl, "space": space, "prefill_headroom": h})
 
 
 def _safe(name: str) -> str:
@@ -159,7 +170,8 @@ def point_of(rec: Mapping, rate_per_s: float, gpu_budget: int, slo) -> dict:
              tokens_per_s_per_used_gpu=s.get("tokens_per_s_per_gpu"), user=s.get("tokens_per_s_per_user"),
              user_at_tpot_p90=1.0 / tpot90 if tpot90 else None,
              ttft_p50_s=s.get("ttft_p50_s"), ttft_p90_s=s.get("ttft_p90_s"),
-             tpot_p50_s=s.get("tpot_p50_s"), tpot_p90_s=tpot90)
+             tpot_p50_s=s.get("tpot_p50_s"), tpot_p90_s=tpot90, util_prefill=s.get("util_prefill"),
+             util_decode=s.get("util_decode"), est_user=(rec.get("est") or {}).get("tokens_per_s_per_user"))
     return p
 
 
@@ -210,8 +222,8 @@ def ratios(case_a: Mapping, case_b: Mapping) -> list[dict]:
 
 
 def _short(p: Mapping) -> dict:
-    return {k: p.get(k) for k in ("rate_per_s", "config", "gpus", "tokens_per_s_per_budget_gpu",
-                                  "tokens_per_s_per_used_gpu", "user", "ttft_p90_s", "tpot_p90_s")}
+    return {k: p.get(k) for k in ("rate_per_s", "prefill_headroom", "config", "gpus", "tokens_per_s_per_budget_gpu",
+                                  "tokens_per_s_per_used_gpu", "user", "est_user", "ttft_p90_s", "tpot_p90_s")}
 
 
 def _case_name(c: Mapping) -> str:
@@ -258,19 +270,19 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
              progress: bool = False, log=None) -> dict:
     """Every rate of one case; the case's dict for the JSON (module docstring)."""
     import topology as topo_mod
-    from sim.search import prune_summary, run_search
+    from sim.search import run_search
 
     budget = spec.gpu_budget or topo_mod.load(topology).n_gpus
     slo = spec.search.slo
     t0 = time.perf_counter()
     rates, points, scen, simulated = [], [], {}, 0
-    for rate in spec.rates_per_s:
-        s = case_search(spec, topology, weight_format, rate)
-        res = run_search(s, work / spec.name / _safe(topology) / weight_format / f"rate-{rate:g}", jobs=jobs,
+    for rate, h in ((r, h) for r in spec.rates_per_s for h in spec.headrooms):
+        s = case_search(spec, topology, weight_format, rate, h)
+        res = run_search(s, work / spec.name / _safe(topology) / weight_format / f"rate-{rate:g}-h{h:g}", jobs=jobs,
                          progress=progress)
         # records pair with res.simulated; when every candidate is pruned the search still simulates its base
         # scenario (a sweep of no points expands to the base), which is no candidate: zip leaves it out
-        pts = [point_of(r, rate, budget, slo) for r, _ in zip(res.records, res.simulated)]
+        pts = [{**point_of(r, rate, budget, slo), "prefill_headroom": h} for r, _ in zip(res.records, res.simulated)]
         points += pts
         scen.update(res.scenarios)
         simulated += len(pts)
@@ -278,7 +290,7 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
         for p in pts:
             status[p["status"]] = status.get(p["status"], 0) + 1
         el = eligible(pts, budget)
-        row: dict[str, Any] = {"rate_per_s": rate, "candidates": len(res.candidates),
+        row: dict[str, Any] = {"rate_per_s": rate, "prefill_headroom": h, "candidates": len(res.candidates),
                                "pruned": sum(c.pruned is not None for c in res.candidates),
                                "simulated": len(pts), "status": status, "meet_slo": len(el)}
         if el:
@@ -287,25 +299,35 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
         if ok and not el:
             row["nearest_miss"] = _short(min(ok, key=lambda p: _slo_excess(p, slo)))
         if not pts:
-            row["pruned_because"] = dict(list(prune_summary(res).items())[:3])
+            row["pruned_because"] = _prune_reasons(res.candidates)
         inv = [p["reason"] for p in pts if p["status"] != "ok"]
         if inv:
             row["invalid_reason"] = inv[0]
         rates.append(row)
         if log:
             b = row.get("best") or row.get("nearest_miss")
-            log(f"{topology} {weight_format} rate {rate:g}/s: {len(res.candidates)} candidates, {len(pts)} "
-                f"simulated, {len(el)} meet the SLOs" + (f"; {'best' if el else 'nearest miss'}: {b['config']}, "
+            log(f"{topology} {weight_format} rate {rate:g}/s, prefill headroom {h:g}: {len(res.candidates)} "
+                f"candidates, {len(pts)} simulated, {len(el)} meet the SLOs" + (f"; {'best' if el else 'nearest miss'}: {b['config']}, "
                                                          f"{b['tokens_per_s_per_used_gpu']:.4g} tok/s/used GPU, "
                                                          f"{b['user']:.4g} tok/s/user" if b else ""))
     el = eligible(points, budget)
     chosen = choose(points, budget)
     note, caveats = _calibration(scen[chosen["key"]] if chosen else next(iter(scen.values()), None))
-    return {"topology": topology, "weight_format": weight_format, "gpu_budget": budget,
+    return {"topology": topology, "weight_format": weight_format, "gpu_budget": budget, "headrooms": spec.headrooms,
             "calibration_note": note, "caveats": caveats, "rates": rates,
             "chosen": dict(chosen) if chosen else None,
             "front": [_short(p) for p in front(el)] if el else [],
             "_eligible": el, "wall_s": time.perf_counter() - t0, "simulated": simulated}
+
+
+def _prune_reasons(cands, n: int = 3) -> list[dict]:
+    """The ``n`` commonest pruning reasons (numbers masked to group alike ones), each with one real example."""
+    groups: dict[str, list[str]] = {}
+    for c in cands:
+        if c.pruned:
+            groups.setdefault(re.sub(r"[0-9][0-9.,]*", "N", c.pruned), []).append(c.pruned)
+    top = sorted(groups.values(), key=lambda g: -len(g))[:n]
+    return [{"candidates": len(g), "example": g[0]} for g in top]
 
 
 def _slo_excess(p: Mapping, slo) -> float:
@@ -395,8 +417,10 @@ def markdown(d: Mapping) -> str:
                      f"{_len(wl['prompt'])} / output {_len(wl['output'])} tokens, {wl['arrival']['kind']} arrivals "
                      f"for {wl.get('duration_s')} s at each rate of {', '.join(f'{r:g}' for r in s['rates_per_s'])} "
                      f"req/s; SLO TTFT <= {sr['slo']['ttft_s']} s, TPOT <= {sr['slo']['tpot_s'] * 1e3:g} ms at "
-                     f"{sr['slo']['percentile']}; MTP accept p {sr['mtp_accept_p']}, KV {sr['kv_dtype']}; "
-                     f"up to {sr['max_simulations']} simulations per search.")
+                     f"{sr['slo']['percentile']}; prefill headroom "
+                     f"{', '.join(f'{h:g}' for h in (s['prefill_headroom'] or [sr['prefill_headroom']]))}; "
+                     f"MTP accept p {sr['mtp_accept_p']}, KV {sr['kv_dtype']}; up to {sr['max_simulations']} "
+                     "simulations per search.")
     lines += ["", ("| topology | format | GPUs | best deployment | rate req/s | GPUs used | tok/s/GPU (budget) | "
               "tok/s/GPU (used) | tok/s/user (p50) | 1/TPOT p90 | TTFT p90 s | TPOT p90 ms |"),
               "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -428,12 +452,15 @@ def markdown(d: Mapping) -> str:
     for c in d["cases"]:
         cells = []
         for r in c["rates"]:
-            cell = f"{r['rate_per_s']:g}: {r['meet_slo']}/{r['simulated']}"
+            at = f"{r['rate_per_s']:g}" + (f" (x{r['prefill_headroom']:g})" if len(c["headrooms"]) > 1 else "")
+            cell = f"{at}: {r['meet_slo']}/{r['simulated']}"
             if not r["simulated"]:
-                cell += " (all pruned: " + "; ".join(r.get("pruned_because", {}))[:90] + ")"
+                why = r.get("pruned_because") or [{"candidates": 0, "example": "no candidate"}]
+                cell += f" (all {r['candidates']} pruned; {why[0]['candidates']} like: {why[0]['example']})"
             elif not r["meet_slo"] and "nearest_miss" in r:
                 m = r["nearest_miss"]
-                cell += f" (nearest: TTFT p90 {_f(m['ttft_p90_s'], 3)} s, TPOT p90 {_f(m['tpot_p90_s'] * 1e3, 3)} ms)"
+                cell += (f" (nearest: TTFT p90 {_f(m['ttft_p90_s'], 3)} s, TPOT p90 {_f(m['tpot_p90_s'] * 1e3, 3)} ms, "
+                         f"analytic estimate {_f(m['est_user'], 3)} tok/s/user vs {_f(m['user'], 3)} simulated)")
             cells.append(cell)
         lines.append(f"- {c['topology']} {c['weight_format']}: " + ", ".join(cells))
     lines += ["", "Calibration (what `rackbed run` prints for these deployments):", ""]

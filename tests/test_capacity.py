@@ -32,8 +32,8 @@ def tiny(**kw) -> dict:
 
 
 def test_tiny_capacity_end_to_end(tmp_path):
-    spec = cap.parse_capacity(tiny(), "tiny.yaml")
-    assert spec.rates_per_s == (2.0, 4.0)
+    spec = cap.parse_capacity(tiny(prefill_headroom=[1.25, 1.0]), "tiny.yaml")
+    assert spec.rates_per_s == (2.0, 4.0) and spec.headrooms == (1.0, 1.25)
     run = cap.run_capacity([spec], tmp_path / "work", command="test")
     js, md = cap.write(tmp_path / "out", "t", run)
     d = json.loads(js.read_text())
@@ -44,11 +44,11 @@ def test_tiny_capacity_end_to_end(tmp_path):
     assert gb["caveats"] and "extrapolate" in gb["caveats"][0]
     assert h["calibration_note"].startswith("calibrated: H200")
     for c in d["cases"]:
-        assert [r["rate_per_s"] for r in c["rates"]] == [2.0, 4.0]
+        assert [(r["rate_per_s"], r["prefill_headroom"]) for r in c["rates"]] == [(2, 1), (2, 1.25), (4, 1), (4, 1.25)]
         p = c["chosen"]
         assert p is not None and p["gpus"] <= 16 == c["gpu_budget"]
         # the chosen point meets the SLOs in its own sweep record, under the SLO its own scenario carried
-        path = tmp_path / "work" / "tiny" / cap._safe(c["topology"]) / "fp8_block" / f"rate-{p['rate_per_s']:g}"
+        path = tmp_path / "work" / "tiny" / cap._safe(c["topology"]) / "fp8_block" / f"rate-{p['rate_per_s']:g}-h{p['prefill_headroom']:g}"
         (rec,) = [r for r in read_results(path / "results.jsonl") if r["key"] == p["key"]]
         s = rec["summary"]
         assert rec["status"] == "ok" and s["done"] == s["requests"] > 0
@@ -90,8 +90,9 @@ def test_every_candidate_pruned_simulates_nothing(tmp_path):
     (c,) = run.cases
     (r,) = c["rates"]
     assert c["chosen"] is None and r["simulated"] == 0 and r["candidates"] == r["pruned"] == 1
-    assert any(k.startswith("TPOT at batch") for k in r["pruned_because"])
-    assert "all pruned: TPOT at batch" in cap.markdown(run.as_dict())
+    assert r["pruned_because"] == [{"candidates": 1, "example": r["pruned_because"][0]["example"]}]
+    assert r["pruned_because"][0]["example"].startswith("TPOT at batch 16/rank")
+    assert "2: 0/0 (all 1 pruned; 1 like: TPOT at batch 16/rank" in cap.markdown(run.as_dict())
 
 
 def _points():
@@ -132,7 +133,7 @@ def test_choice_front_and_speed_floor_properties(points, budget, u):
 
 
 def test_spec_errors_are_one_line(tmp_path, capsys):
-    with pytest.raises(UserError, match=r"^c.yaml: rates_per_s: .*positive request rates"):
+    with pytest.raises(UserError, match=r"^c.yaml: rates_per_s: .*non-empty list of positive numbers"):
         cap.parse_capacity(tiny(rates_per_s=[]), "c.yaml")
     with pytest.raises(UserError, match=r"^c.yaml: rate_per_s: unknown key"):
         cap.parse_capacity(tiny(rate_per_s=3), "c.yaml")
