@@ -297,7 +297,8 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
             row["best"] = _short(max(el, key=lambda p: (p["tokens_per_s_per_used_gpu"], p["user"])))
         ok = [p for p in pts if p["status"] == "ok"]
         if ok and not el:
-            row["nearest_miss"] = _short(min(ok, key=lambda p: _slo_excess(p, slo)))
+            m = min(ok, key=lambda p: _slo_excess(p, slo))
+            row["nearest_miss"] = {**_short(m), "slo_excess": _slo_excess(m, slo)}
         if not pts:
             row["pruned_because"] = _prune_reasons(res.candidates)
         inv = [p["reason"] for p in pts if p["status"] != "ok"]
@@ -448,21 +449,34 @@ def markdown(d: Mapping) -> str:
             pa, pb = row["a_budget"], row["b_budget"]
             lines.append(f"| {r['a']} | {r['b']} | {_f(row['u'], 3)} | {_pt(pa)} | {_pt(pb)} | "
                          f"{_f(row['ratio_budget'], 3)} | {_f(row['ratio_used'], 3)} |")
-    lines += ["", "Per rate: simulated points meeting the SLOs / simulated (and why none when so):", ""]
+    lines += ["", ("Per rate (headrooms together): simulated points meeting the SLOs / simulated; where none "
+                   "meets, the nearest miss's p90 TTFT and TPOT and the analytic stage's estimate of its tokens/s per "
+                   "user beside the simulated one:"), ""]
     for c in d["cases"]:
-        cells = []
+        by_rate: dict[float, list] = {}
         for r in c["rates"]:
-            at = f"{r['rate_per_s']:g}" + (f" (x{r['prefill_headroom']:g})" if len(c["headrooms"]) > 1 else "")
-            cell = f"{at}: {r['meet_slo']}/{r['simulated']}"
-            if not r["simulated"]:
-                why = r.get("pruned_because") or [{"candidates": 0, "example": "no candidate"}]
-                cell += f" (all {r['candidates']} pruned; {why[0]['candidates']} like: {why[0]['example']})"
-            elif not r["meet_slo"] and "nearest_miss" in r:
-                m = r["nearest_miss"]
-                cell += (f" (nearest: TTFT p90 {_f(m['ttft_p90_s'], 3)} s, TPOT p90 {_f(m['tpot_p90_s'] * 1e3, 3)} ms, "
-                         f"analytic estimate {_f(m['est_user'], 3)} tok/s/user vs {_f(m['user'], 3)} simulated)")
+            by_rate.setdefault(r["rate_per_s"], []).append(r)
+        cells, pruned = [], []
+        for rate, rows in by_rate.items():
+            n_sim, n_ok = sum(r["simulated"] for r in rows), sum(r["meet_slo"] for r in rows)
+            if not n_sim:
+                pruned.append((rate, rows))
+                continue
+            cell = f"{rate:g}: {n_ok}/{n_sim}"
+            misses = [r["nearest_miss"] for r in rows if "nearest_miss" in r]
+            if not n_ok and misses:
+                m = min(misses, key=lambda m: m["slo_excess"])
+                cell += (f" (nearest: TTFT {_f(m['ttft_p90_s'], 3)} s, TPOT {_f(m['tpot_p90_s'] * 1e3, 3)} ms; "
+                         f"{_f(m['est_user'], 3)} est. vs {_f(m['user'], 3)} tok/s/user)")
             cells.append(cell)
-        lines.append(f"- {c['topology']} {c['weight_format']}: " + ", ".join(cells))
+        line = f"- {c['topology']} {c['weight_format']}: " + ", ".join(cells)
+        if pruned:
+            r0, rows0 = pruned[0]
+            why = next((r["pruned_because"][0] for r in rows0 if r.get("pruned_because")), None)
+            line += f"; every candidate pruned at {', '.join(f'{r:g}' for r, _ in pruned)}"
+            if why:
+                line += f" (at {r0:g}: {why['candidates']} of {rows0[0]['candidates']} like \"{why['example']}\")"
+        lines.append(line)
     lines += ["", "Calibration (what `rackbed run` prints for these deployments):", ""]
     for note in dict.fromkeys((c["topology"], c["calibration_note"], tuple(c["caveats"])) for c in d["cases"]):
         t, n, cav = note
@@ -484,15 +498,26 @@ def _pt(p: Mapping | None) -> str:
 
 def write(out: str | Path, tag: str, run: CapacityRun) -> list[Path]:
     """``OUT/<tag>.json`` and ``OUT/<tag>.md``."""
-    import json
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     d = run.as_dict()
     js, md = out / f"{tag}.json", out / f"{tag}.md"
-    js.write_text(json.dumps(_rounded(d), indent=1, allow_nan=False) + "\n")
+    js.write_text(_dumps(_rounded(d)) + "\n")
     md.write_text(markdown(d))
     return [js, md]
+
+
+def _dumps(x, indent: int = 0) -> str:
+    """JSON with nested containers spread over lines and flat objects / lists (a point, a count) on one line."""
+    import json
+
+    pad = " " * (indent + 1)
+    if isinstance(x, dict) and any(isinstance(v, (dict, list, tuple)) for v in x.values()):
+        body = ",\n".join(f"{pad}{json.dumps(k)}: {_dumps(v, indent + 1)}" for k, v in x.items())
+        return "{\n" + body + "\n" + " " * indent + "}"
+    if isinstance(x, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in x):
+        return "[\n" + ",\n".join(pad + _dumps(v, indent + 1) for v in x) + "\n" + " " * indent + "]"
+    return json.dumps(x, allow_nan=False)
 
 
 def _rounded(x, digits: int = 6):

@@ -37,6 +37,7 @@ def test_tiny_capacity_end_to_end(tmp_path):
     run = cap.run_capacity([spec], tmp_path / "work", command="test")
     js, md = cap.write(tmp_path / "out", "t", run)
     d = json.loads(js.read_text())
+    assert d == json.loads(json.dumps(cap._rounded(run.as_dict())))  # the compact layout is plain JSON
     assert d["git_commit"] and d["command"] == "test" and d["date"] and d["versions"]["pydantic"]
     assert [(c["topology"], c["weight_format"]) for c in d["cases"]] == [("gb200-nvl72", "fp8_block"),
                                                                         ("hgx-h200*2", "fp8_block")]
@@ -92,7 +93,7 @@ def test_every_candidate_pruned_simulates_nothing(tmp_path):
     assert c["chosen"] is None and r["simulated"] == 0 and r["candidates"] == r["pruned"] == 1
     assert r["pruned_because"] == [{"candidates": 1, "example": r["pruned_because"][0]["example"]}]
     assert r["pruned_because"][0]["example"].startswith("TPOT at batch 16/rank")
-    assert "2: 0/0 (all 1 pruned; 1 like: TPOT at batch 16/rank" in cap.markdown(run.as_dict())
+    assert "every candidate pruned at 2 (at 2: 1 of 1 like \"TPOT at batch 16/rank" in cap.markdown(run.as_dict())
 
 
 def _points():
