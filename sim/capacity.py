@@ -246,6 +246,7 @@ class CapacityRun:
 
     def as_dict(self) -> dict:
         return {**self.meta, "wall_s": self.wall_s, "cpu_s": self.cpu_s, "simulated_points": self.simulated,
+                "simulation_cpu_s": sum(c["simulation_cpu_s"] for c in self.cases),
                 "definitions": DEFINITIONS,
                 "specs": [s.model_dump(mode="json", exclude_defaults=False) for s in self.specs],
                 "cases": [{k: v for k, v in c.items() if not k.startswith("_")} for c in self.cases],
@@ -260,7 +261,8 @@ DEFINITIONS = {
     "tokens_per_s_per_used_gpu": "output tokens/s / GPUs of the deployment (prefill + decode)",
     "user": "tokens/s per user: p50 over requests of 1/TPOT",
     "user_at_tpot_p90": "1 / TPOT p90 (the slowest decile of users)",
-    "cpu_s": "CPU seconds of the process that ran sim.capacity (every simulation when --jobs is 1)",
+    "cpu_s": "CPU seconds of this run's process (every simulation it ran when --jobs is 1; none it resumed)",
+    "simulation_cpu_s": "CPU seconds the simulated points took when they ran (this run or an earlier one it resumed)",
     "ratio": "a/b of the most tokens/s per GPU among eligible points with tokens/s per user >= u, u = each "
              "chosen point's tokens/s per user; a = the topology listed first",
 }
@@ -275,7 +277,7 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
     budget = spec.gpu_budget or topo_mod.load(topology).n_gpus
     slo = spec.search.slo
     t0 = time.perf_counter()
-    rates, points, scen, simulated = [], [], {}, 0
+    rates, points, scen, simulated, sim_cpu = [], [], {}, 0, 0.0
     for rate, h in ((r, h) for r in spec.rates_per_s for h in spec.headrooms):
         s = case_search(spec, topology, weight_format, rate, h)
         res = run_search(s, work / spec.name / _safe(topology) / weight_format / f"rate-{rate:g}-h{h:g}", jobs=jobs,
@@ -286,6 +288,7 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
         points += pts
         scen.update(res.scenarios)
         simulated += len(pts)
+        sim_cpu += sum(r.get("cpu_s") or 0.0 for r, _ in zip(res.records, res.simulated))
         status: dict[str, int] = {}
         for p in pts:
             status[p["status"]] = status.get(p["status"], 0) + 1
@@ -318,7 +321,8 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
             "calibration_note": note, "caveats": caveats, "rates": rates,
             "chosen": dict(chosen) if chosen else None,
             "front": [_short(p) for p in front(el)] if el else [],
-            "_eligible": el, "wall_s": time.perf_counter() - t0, "simulated": simulated}
+            "_eligible": el, "wall_s": time.perf_counter() - t0, "simulated": simulated,
+            "simulation_cpu_s": sim_cpu}
 
 
 def _prune_reasons(cands, n: int = 3) -> list[dict]:
@@ -410,7 +414,8 @@ def markdown(d: Mapping) -> str:
     dirty = " (with uncommitted changes)" if d["git_dirty"] else ""
     lines = [f"# Capacity: {', '.join(s['name'] for s in d['specs'])}", "",
              (f"{d['date']}, commit `{(d['git_commit'] or '?')[:12]}`{dirty}; `{d['command']}`; "
-              f"{d['simulated_points']} simulated points, {d['wall_s']:.0f} s wall, {d['cpu_s']:.0f} s CPU."), ""]
+              f"{d['simulated_points']} simulated points ({d['simulation_cpu_s']:.0f} s CPU to simulate); this run "
+              f"{d['wall_s']:.0f} s wall, {d['cpu_s']:.0f} s CPU."), ""]
     for s in d["specs"]:
         sr = s["search"]
         wl = sr["workload"]
