@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "run": "engine.cli.run",
     "sweep": "engine.cli.sweep",
     "search": "engine.cli.search",
+    "capacity": "engine.cli.capacity",
     "real": "engine.cli.real",
     "bench": "engine.cli.bench",
     "calibrate": "engine.cli.calibrate",
