@@ -96,7 +96,7 @@ def parse_capacity(data: Mapping, source: str | Path | None = None) -> CapacityS
 
 def load_capacity(path: str | Path) -> CapacitySpec:
     """A capacity spec from a YAML file, or a name under ``scenarios/sweeps/``."""
-    from engine.cli.run import load_yaml
+    from topology.yamlio import load_yaml
     from sim.sweep import SWEEPS_DIR
 
     p = Path(path)

@@ -161,7 +161,7 @@ def parse_scenario(data: dict, source: str | Path | None = None) -> ServingScena
 
 
 def load_scenario(path: str | Path) -> ServingScenario:
-    from engine.cli.run import load_yaml
+    from topology.yamlio import load_yaml
 
     path = Path(path)
     sc = parse_scenario(load_yaml(path), path)

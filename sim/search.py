@@ -133,7 +133,7 @@ def parse_search(data: Mapping, source: str | Path | None = None) -> SearchSpec:
 
 
 def load_search(path: str | Path) -> SearchSpec:
-    from engine.cli.run import load_yaml
+    from topology.yamlio import load_yaml
     from sim.sweep import SWEEPS_DIR
 
     p = Path(path)

@@ -160,7 +160,7 @@ _ADAPTER = TypeAdapter(ServingStudy)
 
 def load_study(path: str | Path) -> Any:
     """Parse and validate a serving-study file; one-line UserError naming the file and the field."""
-    from engine.cli.run import load_yaml
+    from topology.yamlio import load_yaml
 
     p = Path(path)
     data = load_yaml(p)

@@ -228,7 +228,7 @@ def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | 
 
 def load_sweep(path: str | Path) -> SweepSpec:
     """A sweep spec from a YAML file path or a shipped name (``scenarios/sweeps/<name>.yaml``)."""
-    from engine.cli.run import load_yaml
+    from topology.yamlio import load_yaml
 
     p = Path(path)
     if not p.exists() and p.suffix not in (".yaml", ".yml"):

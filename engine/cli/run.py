@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from topology.yamlio import load_yaml
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -19,24 +21,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
     p.set_defaults(func=_main)
-
-
-def load_yaml(path: Path) -> dict:
-    """Parse a YAML scenario; one-line errors naming the file and line."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "not valid YAML"
-        raise ValueError(f"{path}{where}: {problem}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a text file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
 
 
 def _main(args: argparse.Namespace) -> int:
