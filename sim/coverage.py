@@ -118,12 +118,22 @@ def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[s
         out.append("NVLS (NVLink SHARP) all-reduce is not in the tables: its estimate is first-principles")
     if _meta(calib).get("source") == "aiconfigurator-core":
         notes = _meta(calib).get("notes", [])
-        if getattr(decode_plan, "kv_dtype", "bf16") == "fp8":
+        if getattr(decode_plan, "kv_dtype", "bf16") == "fp8" and not _has_fp8_decode(calib, name):
             fp8 = [n for n in notes if n.startswith("decode attention with an fp8 KV cache")]
             out.append("decode attention with an fp8 KV cache: the tables' bf16-KV curves at 1 B per element"
                        + (f" ({fp8[0].split('within ')[-1]} off the fp8 rows)" if fp8 else ""))
-        multi = [n for n in notes if n.startswith("prefill attention: batches of")]
+        multi = [n for n in notes if n.startswith(PER_SEQUENCE_PREFILL_NOTE)]
         if multi:
             out.append(multi[0])
         out.append(f"per-step framework overhead is not in the tables: {C.HOST_STEP_US:g} µs per step assumed")
     return out
+
+
+#: how a calibration imported with batch-1 prefill curves only says so (its batched prefills are priced per
+#: sequence); calibrations that import the batched rows (``sim.perf_tables_attention``) carry no such note
+PER_SEQUENCE_PREFILL_NOTE = "prefill attention: batches of"
+
+
+def _has_fp8_decode(calib, gpu: str) -> bool:
+    """Whether ``calib`` has decode-attention curves of fp8 KV caches (key ``kv``) for ``gpu``."""
+    return any(e.kind == "decode_attn_GBps" and e.gpu == gpu and e.key.get("kv") == "fp8" for e in calib.entries)

@@ -31,8 +31,10 @@ Attention tables (``attention/*/{context,generation}_attention_perf``) become ``
 
 **Hold-out**: as ``rackbed calibrate`` does for the engine's own rows, every third point of each curve (indices 1,
 4, 7, ...; never an end point) is left out of the fit and predicted by the rackbed cost function the simulator
-calls, with the fitted table; the held-out rows are named in ``meta.holdout`` (per curve, the held-out x values)
-(the x values, grouped with the curves that share them) and the errors per kind are in ``meta.validation`` (median / p90 / max of |predicted / measured - 1|).
+calls, with the fitted table; the held-out rows are named in ``meta.holdout`` (the x values, grouped with the
+curves that share them) and the errors per kind are in ``meta.validation`` (median
+/ p90 / max of |predicted / measured - 1|); ``meta.validation_groups`` splits a kind whose curves an importer
+groups (attention: one sequence / batched prefills, bf16 / fp8 KV caches).
 
 The output is deterministic (sorted tables and rows, rounded numbers, no dates): the same package version gives
 the same file byte for byte.
@@ -209,6 +211,9 @@ class Curve:
     points: dict[float, float] = field(default_factory=dict)  # x -> y (the entry's units)
     measured: dict[float, float] = field(default_factory=dict)  # x -> seconds as measured
     envelope: bool = False
+    #: a name for the part of the kind this curve belongs to (its held-out errors are also reported on their own,
+    #: ``meta.validation_groups``); "" for none
+    group: str = ""
 
     def add(self, x: float, y: float, seconds: float) -> None:
         """Keep the fastest of repeated measurements at one x (several kernel sources, duplicates)."""
@@ -564,10 +569,14 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
             pred = predictors[c.kind](table, c, x)
             meas = c.measured[x] if x in c.measured else c.measured[min(c.measured, key=lambda v: abs(v - x))]
             e = abs(pred / meas - 1.0)
-            errors[c.kind].append(e)
-            if e > worst.get(c.kind, (-1.0, ""))[0]:
-                worst[c.kind] = (e, f"{c.label} x={x:g}")
-    validation = {k: _summary(v) | {"worst": worst[k][1]} for k, v in sorted(errors.items())}
+            for name in (c.kind, f"{c.kind}: {c.group}" if c.group else None):
+                if name is None:
+                    continue
+                errors[name].append(e)
+                if e > worst.get(name, (-1.0, ""))[0]:
+                    worst[name] = (e, f"{c.label} x={x:g}")
+    validation = {k: _summary(v) | {"worst": worst[k][1]} for k, v in sorted(errors.items()) if ": " not in k}
+    groups = {k: _summary(v) | {"worst": worst[k][1]} for k, v in sorted(errors.items()) if ": " in k}
     clipped = defaultdict(int)
     for c in curves:
         clipped[c.kind] += c.clipped
@@ -584,8 +593,10 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         "holdout_rule": HOLDOUT_RULE,
         "monotone_fit_points": {k: v for k, v in sorted(clipped.items()) if v},
         "validation": validation,
-        "holdout": _group_holdout(holdout),
     }
+    if groups:
+        meta["validation_groups"] = groups
+    meta["holdout"] = _group_holdout(holdout)
     return {"meta": meta, "version": 2, "interpolation": "log-log", "grid": {k: list(v) for k, v in sorted(grid.items())},
             "entries": entries}
 
@@ -620,9 +631,15 @@ def default_out(system: str, backend: str) -> Path:
 
 
 def validation_table(meta: dict) -> list[str]:
-    """Markdown rows of a calibration's held-out errors per kind."""
+    """Markdown rows of a calibration's held-out errors per kind (and per group of curves within a kind,
+    ``meta.validation_groups``, after their kind)."""
     rows = ["| kind | held-out rows | median | p90 | max | worst row |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    groups = meta.get("validation_groups", {})
+    items = []
     for k, v in meta.get("validation", {}).items():
+        items.append((k, v))
+        items += [(g, gv) for g, gv in groups.items() if g.startswith(k + ": ")]
+    for k, v in items:
         rows.append(f"| {k} | {v['n']} | {v['median_pct']:.1f} % | {v['p90_pct']:.1f} % | {v['max_pct']:.1f} % | "
                     f"{v.get('worst', '')} |")
     return rows

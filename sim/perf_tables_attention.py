@@ -18,29 +18,37 @@ replayed from a CUDA graph, latency in ms):
   batch 4b: 0.93-1.06x, mostly within 2 %) — the kernel's parallel units are sequences x KV heads, rackbed's
   ``seq_heads``; ``g`` itself moves the time by a few per cent up to 16 (8 vs 16: mostly 0.93-1.0x).
 
-What becomes a curve (bf16 attention, full attention: ``window_size`` 0; head dims ``HEAD_DIMS``; at each point the
-fastest kernel source of the table):
+What becomes a curve (full attention: ``window_size`` 0; head dims ``HEAD_DIMS``; at each point the fastest kernel
+source of the table):
 
 * ``flash_tflops`` (key ``head_dim, n_q_heads, n_kv_heads``; a grid over the two head counts, so a head
-  configuration between measured ones interpolates): the ``batch_size`` 1 rows of the context table, x = ``isl``,
-  y = the causal FLOPs of :func:`sim.costs.attention.full_attention_prefill` (``4 H D q (q + 1) / 2``) over the
-  time less the per-kernel fixed cost the cost function adds back (``KERNEL_FIXED_US``: imported tables carry no
-  fitted one). rackbed prices each sequence of a prefill batch at the rate of its own length, which is what the
-  batch-1 rows measure; several short sequences in one kernel run faster than that (``batch_note``: the table's
-  batched rows priced by the batch-1 curves, in ``meta.notes``). Rows with ``attn_dtype`` fp8 (FP8 FMHA) or an fp8
-  KV cache are not imported: ``flash_tflops`` has no format key.
-* ``decode_attn_GBps`` (key ``head_dim, n_q_heads, n_kv_heads, seq_heads`` = ``batch_size x num_key_value_heads``,
-  which :meth:`~sim.costs.calibration.CalibrationTable.lookup_along` interpolates across): the generation rows with
-  a bf16 KV cache, x = ``step + 1`` (KV tokens per sequence), y = the KV bytes of
-  :func:`sim.costs.attention.full_attention_decode` (``batch x x x 2 x Hkv x D x 2``) over the time less the fixed
-  cost. Head configurations: ``DECODE_HEADS`` (GQA with 2-16 query heads per KV head, up to 8 KV heads per GPU:
-  the per-GPU shapes of GQA MoE models at TP 1-8); the configuration ``GENERIC_DECODE_HEADS`` is written pinning
-  only ``head_dim`` and ``seq_heads``, so a head configuration without curves of its own is priced by the measured
-  kernel at its ``seq_heads`` instead of the datasheet rate (H200, the table's rows of such configurations with up
-  to 16 query heads per KV head: median 1-3 % off per group size; with 24-32, 20 % low, with 48 or more, shapes
-  the kernel runs compute-bound, 85 % low — the datasheet rate is 70-97 % low). fp8-KV rows are not curves (the
-  key has no KV format; an fp8 cache is priced at the bf16 curves' rate per byte read): ``fp8_note`` says how well
-  that prices them.
+  configuration between measured ones interpolates): x = ``isl``, y = the causal FLOPs of
+  :func:`sim.costs.attention.full_attention_prefill` (``4 H D q (q + 1) / 2`` per sequence) over the time less the
+  per-kernel fixed cost the cost function adds back (``KERNEL_FIXED_US``: imported tables carry no fitted one).
+  The head counts are those the kernel runs over, summed across the batch: read from the data, a batch of ``b``
+  sequences of ``h`` / ``kv`` heads takes the time of one sequence of ``b h`` / ``b kv`` heads (H200: the 3326
+  batched rows whose ``b h`` / ``b kv`` were also measured as one sequence, median 1.2 %, p90 3.7 % apart; GB200 /
+  B200 1.5 %, p90 7-8 %; the kernel's parallel units are sequences x heads x query tiles). So the ``batch_size`` 1
+  rows are the curves of their head configuration, and the batched rows whose heads across the batch were not
+  measured as one sequence become curves at ``b h`` / ``b kv`` (the fastest of the batches and head
+  configurations that give the same product): they extend the grid to the table's largest batches (256 x 96
+  heads). ``full_attention_prefill`` prices a sequence of a batch at ``copies x`` its heads (its module docstring
+  says how mixed lengths are priced). ``group``: "one sequence" / "batched", whose held-out rows the batched
+  curves' predictor prices as the fewest sequences of the table that give those heads (``meta.validation_groups``).
+  Rows with ``attn_dtype`` fp8 (FP8 FMHA) or an fp8 KV cache are not imported: ``flash_tflops`` has no format key.
+* ``decode_attn_GBps`` (key ``head_dim, n_q_heads, n_kv_heads, seq_heads, kv``; ``seq_heads`` =
+  ``batch_size x num_key_value_heads``, which :meth:`~sim.costs.calibration.CalibrationTable.lookup_along`
+  interpolates across; ``kv`` = ``bf16`` | ``fp8``, the cache's element format): the generation rows, x =
+  ``step + 1`` (KV tokens per sequence), y = the KV bytes of :func:`sim.costs.attention.full_attention_decode`
+  (``batch x x x 2 x Hkv x D x`` 2 or 1 bytes) over the time less the fixed cost. An fp8 cache is its own set of
+  curves: the stack runs other kernels for it, whose time is not the bf16 kernels' at half the bytes (the bf16
+  curves at 1 B per element were 13-38 % off the fp8 rows, median). Head configurations: ``DECODE_HEADS`` (GQA
+  with 2-16 query heads per KV head, up to 8 KV heads per GPU: the per-GPU shapes of GQA MoE models at TP 1-8);
+  the configuration ``GENERIC_DECODE_HEADS`` is written pinning only ``head_dim``, ``seq_heads`` and ``kv``, so a
+  head configuration without curves of its own is priced by the measured kernel at its ``seq_heads`` instead of
+  the datasheet rate (H200, bf16, the table's rows of such configurations with up to 16 query heads per KV head:
+  median 1-3 % off per group size; with 24-32, 20 % low, with 48 or more, shapes the kernel runs compute-bound,
+  85 % low — the datasheet rate is 70-97 % low).
 
 Not imported: sliding-window rows (``window_size`` > 0), head dims outside ``HEAD_DIMS`` (192: MLA-like shapes),
 prefills with a cached prefix (the tables have none: rackbed prices ``q`` new after ``c`` cached tokens at the
@@ -143,40 +151,69 @@ def import_context_attention(root: Path, system: str, backend: str, gpu: str) ->
         out.notes.append(f"no context-attention table for {system}/{backend}")
         return out
     rows = _rows(t, CTX_COLS, cache)
+    usable = [r for r in rows if _ctx_usable(r)]
+    single = {(int(r["head_dim"]), int(r["num_heads"]), int(r["num_key_value_heads"])) for r in usable
+              if int(r["batch_size"]) == 1}
     curves: dict[tuple, Curve] = {}
-    batched: list[dict] = []
+    #: batched curve -> (query heads, KV heads, sequences) of the rows it is priced as (the fewest sequences)
+    rep: dict[tuple, tuple[int, int, int]] = {}
+    paired: list[tuple[dict, tuple]] = []  # batched rows whose heads across the batch have one-sequence rows
     used = 0
-    for r in rows:
-        if not _ctx_usable(r):
+    for r in usable:
+        d, h, kv, q, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "isl", "batch_size"))
+        k = (d, b * h, b * kv)
+        if b > 1 and k in single:
+            paired.append((r, k))
             continue
-        if int(r["batch_size"]) != 1:
-            batched.append(r)
-            continue
-        d, h, kv, q = int(r["head_dim"]), int(r["num_heads"]), int(r["num_key_value_heads"]), int(r["isl"])
-        c = curves.get((d, h, kv))
+        c = curves.get(k)
         if c is None:
-            c = curves[(d, h, kv)] = Curve("flash_tflops", {"head_dim": d, "n_q_heads": h, "n_kv_heads": kv},
-                                           _source(t) + " (batch 1, bf16, fastest kernel source)")
+            key = {"head_dim": d, "n_q_heads": b * h, "n_kv_heads": b * kv}
+            if b == 1:
+                c = Curve("flash_tflops", key, _source(t) + " (batch 1, bf16, fastest kernel source)",
+                          group="one sequence")
+            else:
+                c = Curve("flash_tflops", key, _source(t) + " (bf16, batched rows as sequences x heads, fastest)",
+                          group="batched")
+            curves[k] = c
+        if b > 1 and (k not in rep or b < rep[k][2]):
+            rep[k] = (h, kv, b)
         s = r["latency"] * 1e-3
-        c.add(float(q), _sig(prefill_flops(h, d, q) / _net(s) / 1e12), s)
+        c.add(float(q), _sig(prefill_flops(b * h, d, q) / _net(s) / 1e12), s)
         used += 1
     out.curves = [curves[k] for k in sorted(curves)]
     out.tables.append(_table_meta(t, len(rows), used))
     dims = sorted({k[0] for k in curves})
-    out.notes.append(f"prefill attention: batch-1 curves at head dims {', '.join(map(str, dims))}, "
-                     f"{len(curves)} head configurations (query / KV heads per GPU, interpolated between)")
+    out.notes.append(f"prefill attention: curves at head dims {', '.join(map(str, dims))} for {len(single)} head "
+                     f"configurations (query / KV heads per GPU, interpolated between) and {len(rep)} more from "
+                     f"batched rows: n sequences of h / kv heads run as one sequence of n h / n kv heads "
+                     + _pair_note(paired, curves))
 
     def predict(calib, c: Curve, x: float) -> float:
         from sim.costs.attention import full_attention_prefill
 
-        m = _model(c.key["n_q_heads"], c.key["n_kv_heads"], c.key["head_dim"])
-        return full_attention_prefill(_gpu(gpu), m, [(int(x), 0)], tp=1, calib=calib).core_s
+        d = c.key["head_dim"]
+        h, kv, b = rep.get((d, c.key["n_q_heads"], c.key["n_kv_heads"]), (c.key["n_q_heads"], c.key["n_kv_heads"], 1))
+        return full_attention_prefill(_gpu(gpu), _model(h, kv, d), [(int(x), 0)] * b, tp=1, calib=calib).core_s
 
     out.predict["flash_tflops"] = predict
-    note = batch_note(batched, out.curves, gpu)
+    note = batch_note([r for r in usable if int(r["batch_size"]) > 1], out.curves, gpu)
     if note:
         out.notes.append(note)
     return out
+
+
+def _pair_note(paired: list[tuple[dict, tuple]], curves: dict[tuple, Curve]) -> str:
+    """How far the table's batched rows are from its one-sequence rows of the heads across the batch (the reading
+    the batched curves rest on): ``(the table's N such rows: median, p90 of |batched / one sequence - 1|)``."""
+    errs = []
+    for r, k in paired:
+        c = curves[k]
+        x = float(int(r["isl"]))
+        if x in c.measured:
+            errs.append(abs(r["latency"] * 1e-3 / c.measured[x] - 1.0))
+    if not errs:
+        return ""
+    return f"(the table's {len(errs)} batched rows with one-sequence rows of their heads x sequences: {_summary_pct(errs)})"
 
 
 #: the batched prefill rows ``batch_note`` prices: up to this many sequences of at least ``NOTE_MIN_ISL`` tokens
@@ -184,9 +221,9 @@ NOTE_MAX_BATCH, NOTE_MIN_ISL = 8, 512
 
 
 def batch_note(batched: list[dict], curves: list[Curve], gpu: str) -> str | None:
-    """How the batch-1 curves price the table's batched prefills (2 to ``NOTE_MAX_BATCH`` sequences of at least
-    ``NOTE_MIN_ISL`` tokens) when each sequence is priced on its own, as rackbed does: the median and p90 of
-    predicted / measured - 1 (positive: one kernel over several sequences is faster than their sum)."""
+    """How the curves (all their points) price the table's batched prefills of 2 to ``NOTE_MAX_BATCH`` sequences
+    of at least ``NOTE_MIN_ISL`` tokens through ``full_attention_prefill`` (|predicted / measured - 1|, median and
+    p90); the held-out rows of the batched curves are in ``meta.validation_groups``."""
     from sim.costs.attention import full_attention_prefill
     from sim.costs.calibration import CalibrationEntry, CalibrationTable
 
@@ -196,21 +233,17 @@ def batch_note(batched: list[dict], curves: list[Curve], gpu: str) -> str | None
         return None
     table = CalibrationTable(entries=tuple(entries), grid={"flash_tflops": ("n_q_heads", "n_kv_heads")},
                              interpolation="log-log")
-    have = {tuple(c.key[f] for f in ("head_dim", "n_q_heads", "n_kv_heads")) for c in curves}
-    over: list[float] = []
+    errs: list[float] = []
     for r in batched:
         d, h, kv, q, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "isl", "batch_size"))
-        if q < NOTE_MIN_ISL or b > NOTE_MAX_BATCH or (d, h, kv) not in have:
+        if q < NOTE_MIN_ISL or b > NOTE_MAX_BATCH:
             continue
         pred = full_attention_prefill(_gpu(gpu), _model(h, kv, d), [(q, 0)] * b, tp=1, calib=table).core_s
-        over.append(pred / (r["latency"] * 1e-3) - 1.0)
-    if not over:
+        errs.append(abs(pred / (r["latency"] * 1e-3) - 1.0))
+    if not errs:
         return None
-    s = sorted(over)
-    return (f"prefill attention: batches of 2-{NOTE_MAX_BATCH} sequences of >= {NOTE_MIN_ISL} tokens priced per "
-            f"sequence by the batch-1 curves take {100 * statistics.median(s):.0f} % "
-            f"(median; p90 {100 * s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]:.0f} %) longer than measured "
-            f"({len(s)} rows)")
+    return (f"prefill attention, one kernel over 2-{NOTE_MAX_BATCH} sequences of >= {NOTE_MIN_ISL} tokens: the "
+            f"table's {len(errs)} rows priced within {_summary_pct(errs)} (every row fitted)")
 
 
 # ------------------------------------------------------------------------------------------------ decode
@@ -219,6 +252,10 @@ def batch_note(batched: list[dict], curves: list[Curve], gpu: str) -> str | None
 def _gen_usable(r: dict) -> bool:
     return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) == 0 and int(r["isl"]) == 1
             and (int(r["num_heads"]), int(r["num_key_value_heads"])) in DECODE_HEADS)
+
+
+#: the generation table's ``kv_cache_dtype`` -> (rackbed ``kv`` key, bytes per KV element)
+KV_FORMATS = {**{n: ("bf16", 2.0) for n in BF16}, "fp8": ("fp8", 1.0)}
 
 
 def import_generation_attention(root: Path, system: str, backend: str, gpu: str) -> Imported:
@@ -232,80 +269,50 @@ def import_generation_attention(root: Path, system: str, backend: str, gpu: str)
         return out
     rows = _rows(t, GEN_COLS, cache)
     curves: dict[tuple, Curve] = {}
-    fp8: list[dict] = []
     used = 0
     for r in rows:
-        if not _gen_usable(r):
+        fmt = KV_FORMATS.get(str(r["kv_cache_dtype"]))
+        if not _gen_usable(r) or fmt is None:
             continue
-        if str(r["kv_cache_dtype"]) not in BF16:
-            fp8.append(r)
-            continue
+        kvf, eb = fmt
         d, h, kv, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "batch_size"))
         ctx = int(r["step"]) + 1
-        c = curves.get((d, h, kv, b))
+        c = curves.get((kvf, d, h, kv, b))
         if c is None:
-            key = {"head_dim": d, "seq_heads": b * kv}
-            src = _source(t) + f" (bf16 KV, batch {b}, fastest kernel source"
+            key = {"head_dim": d, "seq_heads": b * kv, "kv": kvf}
+            src = _source(t) + f" ({kvf} KV, batch {b}, fastest kernel source"
             if (h, kv) == GENERIC_DECODE_HEADS:
                 src += f"; {h} / {kv} heads, for any head counts of head dim {d} without curves of their own)"
             else:
                 key |= {"n_q_heads": h, "n_kv_heads": kv}
                 src += ")"
-            c = curves[(d, h, kv, b)] = Curve("decode_attn_GBps", key, src)
+            c = curves[(kvf, d, h, kv, b)] = Curve("decode_attn_GBps", key, src, group=f"{kvf} KV")
         s = r["latency"] * 1e-3
-        c.add(float(ctx), _sig(decode_kv_bytes(b, ctx, kv, d) / _net(s) / 1e9), s)
+        c.add(float(ctx), _sig(decode_kv_bytes(b, ctx, kv, d, eb) / _net(s) / 1e9), s)
         used += 1
     out.curves = [curves[k] for k in sorted(curves)]
     out.tables.append(_table_meta(t, len(rows), used))
-    dims = sorted({k[0] for k in curves})
-    out.notes.append(f"decode attention: bf16 KV cache, head dims {', '.join(map(str, dims))}, head configurations "
+    dims = sorted({k[1] for k in curves})
+    fmts = sorted({k[0] for k in curves})
+    out.notes.append(f"decode attention: {' and '.join(fmts)} KV caches (key kv), head dims "
+                     f"{', '.join(map(str, dims))}, head configurations "
                      f"{' '.join(f'{h}/{kv}' for h, kv in DECODE_HEADS)} (query / KV heads per GPU); others of these "
                      f"head dims priced by the {GENERIC_DECODE_HEADS[0]}/{GENERIC_DECODE_HEADS[1]} curves at their "
                      f"sequences x KV heads")
 
-    def predict(calib, c: Curve, x: float, elem_bytes: float = 2.0) -> float:
+    def predict(calib, c: Curve, x: float) -> float:
         from sim.costs.attention import full_attention_decode
 
         h = int(c.key.get("n_q_heads", GENERIC_DECODE_HEADS[0]))
         kv = int(c.key.get("n_kv_heads", GENERIC_DECODE_HEADS[1]))
         m = _model(h, kv, c.key["head_dim"])
         batch = int(c.key["seq_heads"]) // kv
-        return full_attention_decode(_gpu(gpu), m, [int(x)] * batch, tp=1, page_tokens=1, kv_elem_bytes=elem_bytes,
+        eb = 1.0 if c.key["kv"] == "fp8" else 2.0
+        return full_attention_decode(_gpu(gpu), m, [int(x)] * batch, tp=1, page_tokens=1, kv_elem_bytes=eb,
                                      calib=calib).core_s
 
     out.predict["decode_attn_GBps"] = predict
-    note = fp8_note(fp8, out.curves, gpu, predict)
-    if note:
-        out.notes.append(note)
     return out
-
-
-def fp8_note(fp8: list[dict], curves: list[Curve], gpu: str, predict: Callable) -> str | None:
-    """How the bf16-KV curves price the table's fp8-KV decode rows at 1 B per KV element (|predicted / measured -
-    1|, median and p90), on the ``GENERIC_DECODE_HEADS`` configuration (every head dim and batch)."""
-    from sim.costs.calibration import CalibrationEntry, CalibrationTable
-
-    curves = [c for c in curves if "n_q_heads" not in c.key]
-    if not fp8 or not curves:
-        return None
-    table = CalibrationTable(entries=tuple(CalibrationEntry(kind="decode_attn_GBps", gpu=gpu, key=c.key,
-                                                            points=tuple((x, c.points[x]) for x in sorted(c.points)))
-                                           for c in curves), interpolation="log-log")
-    by_key = {(c.key["head_dim"], c.key.get("n_q_heads", GENERIC_DECODE_HEADS[0]),
-               c.key.get("n_kv_heads", GENERIC_DECODE_HEADS[1]), c.key["seq_heads"]): c for c in curves}
-    errs = []
-    for r in fp8:
-        d, h, kv, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "batch_size"))
-        c = by_key.get((d, h, kv, b * kv))
-        if c is None:
-            continue
-        pred = predict(table, c, float(int(r["step"]) + 1), elem_bytes=1.0)
-        errs.append(abs(pred / (r["latency"] * 1e-3) - 1.0))
-    if not errs:
-        return None
-    h, kv = GENERIC_DECODE_HEADS
-    return (f"decode attention with an fp8 KV cache: not separate curves; the bf16-KV curves at 1 B per element "
-            f"price the table's {len(errs)} fp8-KV rows of {h} / {kv} heads within {_summary_pct(errs)}")
 
 
 IMPORTERS: tuple[Callable[..., Imported], ...] = (import_context_attention, import_generation_attention)

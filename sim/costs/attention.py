@@ -11,15 +11,23 @@ Full attention (per layer, per rank; H = local query heads, D = head_dim, Hkv = 
 * prefill core (flash attention, causal): ``4 * H * D * (q*c + q*(q+1)/2)`` FLOPs for a sequence of ``q`` new
   tokens after ``c`` cached ones (QK^T and PV, 2 FLOPs per MAC, causal mask halves the square), at the bf16 peak
   times a flash efficiency that rises with sequence length (``constants.FLASH_EFFICIENCY``,
-  ``FLASH_HALF_SEQ_TOKENS``; calibration kind ``flash_tflops`` replaces it);
+  ``FLASH_HALF_SEQ_TOKENS``; calibration kind ``flash_tflops`` replaces it). The sequences of a batch share one
+  kernel, whose parallel units are sequences x heads: ``n`` equal sequences of ``H`` heads run like one sequence
+  of ``n H`` heads (the imported tables' batched rows, median 1-2 % apart). A sequence of a batch is priced at its
+  own length (``q + c``) and at the rate of ``n_i = F / f_i`` copies of itself, ``F`` the batch's FLOPs and
+  ``f_i`` its own: equal sequences are ``n`` copies, a long sequence beside short ones runs nearly alone (its
+  rate is that of one sequence) and a short one beside long ones fills the kernel at a high rate. The measured
+  rate at ``n_i`` is interpolated linearly in ``log n_i`` between the powers of two around it (the tables
+  measure batches of 1, 2, 4, ... sequences);
 * decode core (paged): reads the KV cache — ``ceil(ctx / page) * page * 2 * Hkv * D * kv_elem_bytes`` per
   sequence — at the achievable HBM rate times ``DECODE_ATTN_BW_EFFICIENCY``; compute (``4 * H * D * ctx`` per
   query token, ``q_per_seq`` query tokens for MTP verification) is checked as a roofline leg. Calibration kind
   ``decode_attn_GBps`` (the measured decode kernel's KV-read rate per ``seq_heads`` = sequences x local KV heads
   and mean context) replaces the rate; without it ``hbm_GBps``;
-* both calibrated lookups carry ``head_dim`` and the local head counts (``n_q_heads`` = H, ``n_kv_heads`` = Hkv):
-  imported tables measured per head configuration match on them, entries pinning only ``head_dim`` (the engine's
-  own calibration) match any.
+* both calibrated lookups carry ``head_dim`` and the head counts (prefill: H and Hkv times the sequences, above;
+  decode: ``n_q_heads`` = H, ``n_kv_heads`` = Hkv), decode also the KV cache format (``kv``: ``fp8`` at <= 1 B
+  per element, else ``bf16``): imported tables measured per head configuration and format match on them, entries
+  pinning only ``head_dim`` (the engine's own calibration) match any, with the same value for every batch.
 
 Gated DeltaNet (Qwen3.5 "linear" layers; Hv value heads, Dk = Dv = linear_head_dim, chunk C):
 
@@ -92,20 +100,47 @@ def full_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 
             + gemm_time(gpu, n_tokens, model.hidden, h * d, fmt, calib=calib))
 
 
+def _copies(total: float, own: float) -> float:
+    """``total / own`` (>= 1), snapped to the integer it is within rounding of (equal sequences: exactly ``n``)."""
+    n = max(total / own, 1.0)
+    r = round(n)
+    return float(r) if abs(n - r) <= 1e-9 * n else n
+
+
+def flash_rate(calib: CalibrationTable | None, gpu: GpuSpec, seq_tokens: float, head_dim: int, n_q_heads: int,
+               n_kv_heads: int, copies: float = 1.0) -> float | None:
+    """Measured prefill-attention rate (TFLOP/s, kind ``flash_tflops``) of a sequence of ``seq_tokens`` whose
+    kernel holds the work of ``copies`` sequences like it: looked up at ``copies x`` the heads, interpolated
+    linearly in ``log copies`` between the powers of two around it (module docstring); None without an entry."""
+    if calib is None:
+        return None
+    n0 = 2 ** math.floor(math.log2(copies)) if copies > 1 else 1
+
+    def at(n: int) -> float | None:
+        return calib.lookup("flash_tflops", gpu.name, seq_tokens, head_dim=head_dim, n_q_heads=n_q_heads * n,
+                            n_kv_heads=n_kv_heads * n)
+
+    y0 = at(n0)
+    if y0 is None or copies <= n0:
+        return y0
+    y1 = at(2 * n0)
+    return y0 if y1 is None else y0 + math.log2(copies / n0) * (y1 - y0)
+
+
 def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
                            fmt: str = "bf16", calib: CalibrationTable | None = None) -> AttentionCost:
     """One full-attention layer on one rank for a prefill batch. ``seqs``: ``(new_tokens, cached_tokens)`` per
-    sequence (chunked prefill / prefix-cache hits have ``cached_tokens > 0``)."""
+    sequence (chunked prefill / prefix-cache hits have ``cached_tokens > 0``); the sequences share one kernel
+    (module docstring: each is priced at the rate of ``F / f_i`` copies of itself)."""
     _check_seqs(seqs)
     h, d = local_heads(model.n_q_heads, tp), model.head_dim
     hkv = local_heads(model.n_kv_heads, tp)
     peak = gpu.dense_tflops.bf16 * 1e12
+    work = [(q, c, 4.0 * h * d * (q * c + q * (q + 1) / 2)) for q, c in seqs if q]
+    total = sum(f for _, _, f in work)
     flops, core_s, kv_bytes = 0.0, 0.0, 0.0
-    for q, c in seqs:
-        if not q:
-            continue
-        f = 4.0 * h * d * (q * c + q * (q + 1) / 2)
-        measured = lookup(calib, "flash_tflops", gpu.name, q + c, head_dim=d, n_q_heads=h, n_kv_heads=hkv)
+    for q, c, f in work:
+        measured = flash_rate(calib, gpu, q + c, d, h, hkv, _copies(total, f))
         rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, q + c)
         core_s += f / rate
         flops += f
@@ -145,6 +180,11 @@ def full_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_token
     return _full_decode(gpu, model, n_seqs, paged, context_tokens, tp, fmt, q_per_seq, kv_elem_bytes, calib)
 
 
+def kv_format(kv_elem_bytes: float) -> str:
+    """The ``kv`` key of a decode-attention lookup: ``fp8`` for a cache of <= 1 B per element, else ``bf16``."""
+    return "fp8" if kv_elem_bytes <= 1 else "bf16"
+
+
 def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ctx: float, tp: int, fmt: str,
                  q_per_seq: int, kv_elem_bytes: float, calib: CalibrationTable | None) -> AttentionCost:
     if q_per_seq < 1:
@@ -155,12 +195,14 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     hkv = local_heads(model.n_kv_heads, tp)
     kv_bytes = paged_tokens * 2 * hkv * d * kv_elem_bytes
     flops = 4.0 * h * d * total_ctx * q_per_seq
-    # calibration kind decode_attn_GBps (the measured decode kernel per sequences x KV heads and context), else
-    # hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times DECODE_ATTN_BW_EFFICIENCY
+    # calibration kind decode_attn_GBps (the measured decode kernel per sequences x KV heads, context and KV
+    # format), else hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times
+    # DECODE_ATTN_BW_EFFICIENCY
     measured = None
     if calib is not None:
         measured = calib.lookup_along("decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), "seq_heads",
-                                      float(n_seqs * hkv), head_dim=d, n_q_heads=h, n_kv_heads=hkv)
+                                      float(n_seqs * hkv), head_dim=d, n_q_heads=h, n_kv_heads=hkv,
+                                      kv=kv_format(kv_elem_bytes))
     if measured is None:
         measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY

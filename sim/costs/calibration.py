@@ -12,9 +12,11 @@ Kinds (``x`` → ``y``; key fields a matching entry may pin; see ``KINDS``):
 kind                    x                                 y                          key fields
 ======================  ================================  =========================  ================================
 ``gemm_tflops``         tokens per expert (M)             achieved TFLOP/s           fmt, n, k
-``flash_tflops``        sequence length (tokens)          achieved TFLOP/s           head_dim
+``flash_tflops``        sequence length (tokens)          achieved TFLOP/s           head_dim, n_q_heads,
+                                                                                     n_kv_heads
 ``hbm_GBps``            bytes read per kernel             achieved GB/s              (none)
-``decode_attn_GBps``    context tokens per sequence       KV bytes read / time, GB/s head_dim, seq_heads
+``decode_attn_GBps``    context tokens per sequence       KV bytes read / time, GB/s head_dim, seq_heads,
+                                                                                     n_q_heads, n_kv_heads, kv
 ``allreduce_us``        bytes per rank buffer             µs                         algo, n_ranks
 ``dispatch_us``         tokens per rank                   µs                         n_ranks, hidden, phase
 ``combine_us``          tokens per rank                   µs                         n_ranks, hidden, phase
@@ -37,10 +39,16 @@ smallest measured size's time below it (the latency floor) and above the largest
 last measured interval (:meth:`CalibrationEntry.extend`: an all-reduce twice the largest measured one takes about
 twice as long); rate kinds are clamped to their end values.
 
+``flash_tflops`` is the causal prefill-attention kernel. ``n_q_heads`` / ``n_kv_heads`` are the heads the kernel
+runs over: one sequence's local heads, times the sequences sharing the kernel (a prefill of ``n`` equal sequences
+of ``h`` / ``hkv`` heads takes the time of one sequence of ``n h`` / ``n hkv`` heads: the imported tables' batched
+rows, median 1-2 % apart; ``sim.costs.attention.full_attention_prefill`` says how a mixed batch is priced).
+
 ``decode_attn_GBps`` is the decode-attention kernel (one query token per sequence over its KV cache) per
 ``seq_heads`` = sequences x local KV heads (the kernel's parallel units); :meth:`CalibrationTable.lookup_along`
 interpolates between the measured ``seq_heads`` curves (linear in ``log seq_heads``, clamped), so any batch and
-TP degree gets a value.
+TP degree gets a value. ``kv`` is the KV cache's element format (``bf16`` | ``fp8``: the fp8 cache runs other
+kernels, not the bf16 ones at half the bytes); an entry without it matches either.
 
 **Grids** (``grid``, imported tables): for a kind listed there, the named numeric key fields (e.g. ``n`` and ``k``
 of ``gemm_tflops``) span a measured grid. A query whose values are not on the grid is interpolated between the
@@ -96,7 +104,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "gemm_tflops": ("fmt", "n", "k"),
     "flash_tflops": ("head_dim", "n_q_heads", "n_kv_heads"),
     "hbm_GBps": (),
-    "decode_attn_GBps": ("head_dim", "seq_heads", "n_q_heads", "n_kv_heads"),
+    "decode_attn_GBps": ("head_dim", "seq_heads", "n_q_heads", "n_kv_heads", "kv"),
     "allreduce_us": ("algo", "n_ranks"),
     "dispatch_us": ("n_ranks", "hidden", "phase"),
     "combine_us": ("n_ranks", "hidden", "phase"),
