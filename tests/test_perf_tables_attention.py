@@ -470,3 +470,21 @@ def test_engine_entries_match_queries_with_head_counts(engine_cal, h, kv, x, sh)
         assert cal.lookup_along("decode_attn_GBps", GPU, x, "seq_heads", sh, head_dim=128) == \
             cal.lookup_along("decode_attn_GBps", GPU, x, "seq_heads", sh, head_dim=128, n_q_heads=h, n_kv_heads=kv,
                              kv=fmt)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seqs=st.lists(st.tuples(st.integers(1, 8192), st.integers(0, 8192)), min_size=1, max_size=6),
+       extra=st.tuples(st.integers(1, 4096), st.integers(0, 8192)))
+def test_adding_a_sequence_never_makes_a_prefill_batch_faster(h200_table, seqs, extra):
+    """More work in one kernel never takes less time (also for short and cached sequences, which the equal-
+    sequence copies rule alone would let borrow a long neighbour's batch rate)."""
+    from engine.core.model import get_model
+    from sim.costs.attention import full_attention_prefill
+    from topology.specs import GPUS
+
+    g, m = GPUS["H200-SXM"], get_model("qwen3-235b-a22b")
+    base = full_attention_prefill(g, m, seqs, tp=4, calib=h200_table).core_s
+    more = full_attention_prefill(g, m, [*seqs, extra], tp=4, calib=h200_table).core_s
+    slowest = max(full_attention_prefill(g, m, [s], tp=4, calib=h200_table).core_s for s in [*seqs, extra])
+    assert more >= slowest * (1 - 1e-9)
+    assert more >= base * 0.999 or len(set(seqs)) == 1

@@ -138,13 +138,20 @@ def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]],
     peak = gpu.dense_tflops.bf16 * 1e12
     work = [(q, c, 4.0 * h * d * (q * c + q * (q + 1) / 2)) for q, c in seqs if q]
     total = sum(f for _, _, f in work)
-    flops, core_s, kv_bytes = 0.0, 0.0, 0.0
+    flops, core_s, kv_bytes, alone_s = 0.0, 0.0, 0.0, 0.0
+    mixed = len({(q, c) for q, c, _ in work}) > 1
     for q, c, f in work:
-        measured = flash_rate(calib, gpu, q + c, d, h, hkv, _copies(total, f))
+        copies = _copies(total, f)
+        measured = flash_rate(calib, gpu, q + c, d, h, hkv, copies)
         rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, q + c)
         core_s += f / rate
         flops += f
         kv_bytes += (q + c) * 2 * hkv * d * 2
+        if measured is not None and mixed:
+            # a mixed batch is never faster than its slowest sequence alone (the copies rule is measured on
+            # equal sequences only; a short sequence beside a long cached one would otherwise borrow a batch's rate)
+            alone_s = max(alone_s, f / (flash_rate(calib, gpu, q + c, d, h, hkv, 1.0) * 1e12))
+    core_s = max(core_s, alone_s)
     core_s += kernel_fixed_us(calib, gpu) * 1e-6 if flops else 0.0
     n_tokens = sum(q for q, _ in seqs)
     proj = full_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib)
