@@ -64,7 +64,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from sim.costs import constants as C
-from sim.perf_tables import (
+from sim.perf_tables_base import (
     Curve,
     Imported,
     Table,
