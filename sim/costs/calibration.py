@@ -74,7 +74,7 @@ from topology.errors import UserError, from_validation
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
-               "combine_us", "nic_GBps", "p2p_us"]
+               "combine_us", "nic_GBps", "p2p_us", "moe_us"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
@@ -87,6 +87,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "combine_us": ("n_ranks", "hidden", "phase"),
     "nic_GBps": ("nic",),
     "p2p_us": ("route",),
+    "moe_us": ("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep", "dist"),
 }
 
 
