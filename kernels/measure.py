@@ -19,6 +19,17 @@ conventions are the simulator's (``sim/costs``), so that a fitted rate reproduce
   its own.
 * ``gemm`` (``op: grouped``): ``torch._grouped_mm`` over ``n_experts`` experts with ``m`` tokens each (what
   ``engine/real/model.py``'s ``grouped_swiglu`` calls); FLOPs ``2*m*E*n*k``.
+* ``gemm`` with ``fmt: fp8_block`` (:func:`bench_fp8_block`): FP8 E4M3 with DeepSeek-style block scales (fp32, one
+  per 1x128 activations and 128x128 weights) through the block-scaled call torch has here (:func:`block_scaled_api`;
+  on H200 with torch 2.11 / CUDA 13.0 ``torch._scaled_mm``, cuBLASLt): the dense shapes at the FP8 grid with a
+  kernel map, and the expert shapes at the grouped grid — one grouped kernel if torch has one (none on sm90 here),
+  else one block-scaled GEMM per expert (``impl``). m is padded to the multiple the library takes
+  (:func:`block_m_align`: 4; ``m_run``). FLOPs as above, of the row's m.
+* ``moe_block`` (:func:`bench_moe_block`): the engine's routed-expert block (``kernels/moe_block.py``) at
+  Qwen3-235B width, one curve per part (``part``: ``routed`` = routing + permute + experts + unpermute, the
+  ``moe_us`` calibration kind; ``layer`` = the router GEMM + ``routed``; ``router`` = router GEMM + top-k;
+  ``router_gemm``, ``topk``, ``permute``, ``experts``, ``unpermute``), x = ``tokens`` entering the block.
+* ``fp8_block_api`` (not timed): which block-scaled calls were tried and what each did.
 * ``flash_prefill``: causal SDPA, one sequence of ``seq`` tokens, ``n_q_heads`` / ``n_kv_heads`` / ``head_dim``;
   FLOPs ``4*H*D*seq*(seq+1)/2`` (``sim.costs.attention``'s causal count).
 * ``attn_decode``: SDPA (flash-decode style) with one query token per sequence over ``ctx`` cached tokens,
@@ -42,7 +53,8 @@ dry run). Every device wait polls with a deadline (no unbounded synchronize); ``
 fit; the JSON is rewritten after every curve, so a time-out keeps what was measured.
 ``--dry-run`` runs tiny sizes on CPU tensors (host clock) to test the plumbing; its numbers mean nothing.
 
-Usage: ``python -m kernels.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``.
+Usage: ``python -m kernels.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``
+(the command line is kept in the file's ``env.command``).
 """
 
 from __future__ import annotations
@@ -72,6 +84,14 @@ DENSE_SHAPES = (("qkv_tp1", N_Q_HEADS * HEAD_DIM + 2 * N_KV_HEADS * HEAD_DIM, HI
                 ("o_tp2", HIDDEN, N_Q_HEADS // 2 * HEAD_DIM),
                 ("qkv_tp4", N_Q_HEADS // 4 * HEAD_DIM + 2 * N_KV_HEADS // 4 * HEAD_DIM, HIDDEN))
 GROUPED_EXPERTS = 32
+#: FP8 block scales (``fmt: fp8_block``): one fp32 scale per 1 x FP8_BLOCK activations and FP8_BLOCK x FP8_BLOCK
+#: weights; a block-scaled product may differ from the fp32 product of the dequantised operands by this much
+#: (relative Frobenius norm: bf16 output rounding)
+FP8_BLOCK, FP8_BLOCK_MAX_RELERR = 128, 2e-2
+#: the MoE block (``moe_block`` rows): Qwen3-235B's 128 experts, top-8, at these token counts, over MOE_SETS
+#: rotating input sets (routings)
+MOE_EXPERTS, MOE_TOP_K, MOE_SETS = 128, 8, 8
+MOE_TOKENS = [2**p for p in range(11)]
 L2_BYTES = 50 * 2**20  # H200 L2 (60 MB per torch; 50 MiB in topology.specs) — rotation target is 3x this
 #: decode attention batches (sequences); the KV read per case is capped at DECODE_MAX_KV_BYTES
 DECODE_BATCHES = (1, 4, 16, 64, 256)
@@ -693,6 +713,368 @@ def bench_grouped(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------- FP8 with block scales
+
+def quantize_1x128(x):
+    """FP8 E4M3 with one fp32 scale per row and 128-wide K block (DeepSeek-style activations): ``(q [m, k],
+    s [m, k/128])``, value = q * s; ``s`` column-major (stride ``(1, m)``, the layout ``torch._scaled_mm`` reads
+    1x128 scales in)."""
+    import torch
+
+    m, k = x.shape
+    xf = x.float().view(m, k // FP8_BLOCK, FP8_BLOCK)
+    s = (xf.abs().amax(-1) / 448.0).clamp(min=1e-12)
+    q = (xf / s[..., None]).view(m, k).to(torch.float8_e4m3fn)
+    return q, s.t().contiguous().t()
+
+
+def quantize_128x128(w):
+    """FP8 E4M3 with one fp32 scale per 128x128 block (DeepSeek-style weights): ``(q [n, k], s [n/128, k/128])``,
+    ``s`` row-major."""
+    import torch
+
+    n, k = w.shape
+    wf = w.float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+    s = (wf.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (wf / s[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
+    return q, s.contiguous()
+
+
+def col_major(s):
+    """``s`` with the same values, column-major (1x128 scales of a row slice must be laid out for their own m)."""
+    return s.t().contiguous().t()
+
+
+def dequant_block(q, s):
+    """fp32 value of a block-quantised tensor (either scale layout; the block shape is read off the shapes)."""
+    m, k = q.shape
+    return q.float() * s.float().repeat_interleave(m // s.shape[0], 0).repeat_interleave(k // s.shape[1], 1)
+
+
+def _block_calls() -> list[tuple[str, object]]:
+    """The block-scaled GEMM calls :func:`block_scaled_api` tries, in order: ``(name, call(a, sa, w, sw))`` with
+    ``a [m, k]`` / ``sa`` from :func:`quantize_1x128`, ``w [n, k]`` / ``sw`` from :func:`quantize_128x128`."""
+    import torch
+    import torch.nn.functional as F
+
+    bf = torch.bfloat16
+    calls = [("torch._scaled_mm(scale_b=sw.t())",
+              lambda a, sa, w, sw: torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype=bf)),
+             ("torch._scaled_mm(scale_b=sw)",
+              lambda a, sa, w, sw: torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, out_dtype=bf))]
+    st = getattr(F, "ScalingType", None)
+    if hasattr(F, "scaled_mm") and hasattr(st, "BlockWise1x128"):
+        calls += [("F.scaled_mm(BlockWise1x128, BlockWise128x128, sw.t())",
+                   lambda a, sa, w, sw: F.scaled_mm(a, w.t(), sa, st.BlockWise1x128, sw.t(), st.BlockWise128x128,
+                                                    output_dtype=bf)),
+                  ("F.scaled_mm(BlockWise1x128, BlockWise128x128, sw)",
+                   lambda a, sa, w, sw: F.scaled_mm(a, w.t(), sa, st.BlockWise1x128, sw, st.BlockWise128x128,
+                                                    output_dtype=bf))]
+    return calls
+
+
+def _relerr(out, ref) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def block_scaled_api(device, gen, echo=print) -> tuple[str | None, object, list[dict]]:
+    """``(name, call, tried)``: the first of :func:`_block_calls` that runs here and matches the fp32 product of
+    the dequantised operands (relative error <= ``FP8_BLOCK_MAX_RELERR``) at m = 256 and at m = 16; ``tried``: what
+    each candidate did (kept in the measurement file). ``(None, None, tried)`` when none works."""
+    import torch
+
+    w, sw = quantize_128x128(_randn((384, 512), torch.bfloat16, device, gen))
+    probes = []
+    for m in (256, 16):
+        a, sa = quantize_1x128(_randn((m, 512), torch.bfloat16, device, gen))
+        probes.append((a, sa, dequant_block(a, sa) @ dequant_block(w, sw).t()))
+    tried = []
+    for name, call in _block_calls():
+        try:
+            rel = max(_relerr(call(a, sa, w, sw), ref) for a, sa, ref in probes)
+            sync(device)
+            tried.append({"call": name, "relerr": rel})
+            if rel <= FP8_BLOCK_MAX_RELERR:
+                echo(f"measure: fp8_block: {name} (relerr {rel:.1e})")
+                return name, call, tried
+        except Exception as exc:  # noqa: BLE001 — the next candidate
+            tried.append({"call": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    echo(f"measure: fp8_block: no block-scaled GEMM call runs here: {tried}")
+    return None, None, tried
+
+
+def block_m_align(device, call, gen) -> tuple[int, list[int]]:
+    """``(align, refused)``: the smallest of 1, 2, 4, 8, 16 such that ``call`` (:func:`block_scaled_api`) runs at
+    every multiple of it up to 32 rows, and the m in 1..32 it refuses. (H200, torch 2.11 / CUDA 13.0: cuBLASLt's
+    block-scaled kernels have no heuristic for m = 1, 2 — ``CUBLAS_STATUS_NOT_SUPPORTED`` — so an engine pads the
+    rows; the measurement pads each m to the next multiple of ``align`` and reports the m it ran, ``m_run``.)"""
+    import torch
+
+    w, sw = quantize_128x128(_randn((256, 256), torch.bfloat16, device, gen))
+    a, sa = quantize_1x128(_randn((32, 256), torch.bfloat16, device, gen))
+    refused = []
+    for m in range(1, 33):
+        try:
+            call(a[:m], col_major(sa[:m]), w, sw)
+            sync(device)
+        except Exception:  # noqa: BLE001 — refused: recorded
+            refused.append(m)
+    align = next((g for g in (1, 2, 4, 8, 16) if not any(m % g == 0 for m in refused)), 32)
+    return align, refused
+
+
+def _pad(m: int, align: int) -> int:
+    return -(-m // align) * align
+
+
+def grouped_block_api(device, gen, echo=print) -> tuple[str | None, object, list[dict]]:
+    """``(name, call(x, sx, wq, sw, offs), tried)``: a grouped block-scaled kernel of torch that runs here and
+    matches the fp32 reference (``x [R, k]`` / ``sx [R, k/128]`` as :func:`quantize_1x128`, ``wq [E, n, k]``,
+    ``sw [E, n/128, k/128]``, ``offs`` int32 end rows), or ``(None, None, tried)``: then the experts are timed as
+    one block-scaled GEMM per expert (:func:`bench_fp8_block`)."""
+    import torch
+    import torch.nn.functional as F
+
+    st = getattr(F, "ScalingType", None)
+    tried: list[dict] = []
+    cands = []
+    if hasattr(F, "scaled_grouped_mm") and hasattr(st, "BlockWise1x128"):
+        cands += [("F.scaled_grouped_mm(BlockWise1x128, BlockWise128x128)",
+                   lambda x, sx, wq, sw, offs: F.scaled_grouped_mm(x, wq.transpose(1, 2), sx, st.BlockWise1x128, sw,
+                                                                   st.BlockWise128x128, offs=offs,
+                                                                   output_dtype=torch.bfloat16)),
+                  ("F.scaled_grouped_mm(BlockWise1x128, BlockWise128x128, sw.transpose(1, 2))",
+                   lambda x, sx, wq, sw, offs: F.scaled_grouped_mm(x, wq.transpose(1, 2), sx, st.BlockWise1x128,
+                                                                   sw.transpose(1, 2), st.BlockWise128x128,
+                                                                   offs=offs, output_dtype=torch.bfloat16))]
+    if hasattr(torch, "_scaled_grouped_mm"):
+        cands += [("torch._scaled_grouped_mm(1x128, 128x128)",
+                   lambda x, sx, wq, sw, offs: torch._scaled_grouped_mm(x, wq.transpose(1, 2), sx, sw, offs=offs,
+                                                                        out_dtype=torch.bfloat16))]
+    if not cands:
+        return None, None, tried
+    E, m, n, k = 4, 128, 256, 512
+    x, sx = quantize_1x128(_randn((E * m, k), torch.bfloat16, device, gen))
+    wq, sw = (torch.stack(t) for t in zip(*[quantize_128x128(_randn((n, k), torch.bfloat16, device, gen))
+                                            for _ in range(E)]))
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * m
+    ref = torch.cat([dequant_block(x[e * m:(e + 1) * m], sx[e * m:(e + 1) * m]) @ dequant_block(wq[e], sw[e]).t()
+                     for e in range(E)])
+    for name, call in cands:
+        try:
+            rel = _relerr(call(x, sx, wq, sw, offs), ref)
+            sync(device)
+            tried.append({"call": name, "relerr": rel})
+            if rel <= FP8_BLOCK_MAX_RELERR:
+                echo(f"measure: fp8_block grouped: {name} (relerr {rel:.1e})")
+                return name, call, tried
+        except Exception as exc:  # noqa: BLE001 — the next candidate, else the per-expert loop
+            tried.append({"call": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    echo(f"measure: fp8_block grouped: no grouped block-scaled kernel runs here ({len(tried)} tried): one "
+         "block-scaled GEMM per expert")
+    return None, None, tried
+
+
+def bench_fp8_block(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
+    """FP8 E4M3 GEMMs with block scales (``fmt: fp8_block``: 1x128 activation scales, 128x128 weight scales, fp32):
+    the dense shapes of the fp8 rows (``DENSE_SHAPES``, m >= 16 of ``DENSE_M``, with a kernel map) and the grouped
+    expert shapes (``GROUPED_SHAPES``, ``GROUPED_EXPERTS`` experts, ``GROUPED_M``) — one grouped torch kernel if
+    torch has one here (:func:`grouped_block_api`), else one block-scaled GEMM per expert over its rows (``impl``
+    says which). FLOPs as the fp8 / grouped rows (``2*m*E*n*k``). Quantisation is not timed (the operands are
+    quantised ahead, as an engine's weights are; the activation quantisation kernel is a separate cost)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return []  # no FP8 kernels on the CPU (dry run)
+    rows: list[dict] = []
+    name, call, tried = block_scaled_api(device, gen, echo)
+    if call is None:
+        return rows + [{"bench": "fp8_block_api", "call": name, "tried": tried},
+                       {"bench": "gemm", "op": "dense", "fmt": "fp8_block",
+                        "error": "no block-scaled GEMM call runs here"}]
+    align, refused = block_m_align(device, call, gen)
+    rows.append({"bench": "fp8_block_api", "call": name, "tried": tried, "m_align": align, "m_refused": refused})
+    echo(f"measure: fp8_block: rows padded to multiples of {align} (refused m: {refused})")
+    ms = [m for m in _sizes(DENSE_M, quick, False, []) if m >= 16]
+    for shape, n, k in DENSE_SHAPES:
+        if budget.left() < 10:
+            rows.append({"bench": "gemm", "op": "dense", "fmt": "fp8_block", "shape": shape,
+                         "error": "skipped: time budget"})
+            continue
+        try:
+            sets = _n_sets(n * k)
+            wq, sw = zip(*[quantize_128x128(_randn((n, k), torch.bfloat16, device, gen)) for _ in range(sets)])
+            if not quick:
+                rows.append(_block_kernel_map(device, shape, n, k, call, align, wq[0], sw[0], gen, echo))
+            cases = []
+            for m in ms:
+                mp = _pad(m, align)
+                xs = [quantize_1x128(_randn((mp, k), torch.bfloat16, device, gen)) for _ in range(sets)]
+                fns = [(lambda a=a, sa=sa, w=w, s=s: call(a, sa, w, s)) for (a, sa), w, s in zip(xs, wq, sw)]
+                rel = _relerr(fns[0](), dequant_block(*xs[0]) @ dequant_block(wq[0], sw[0]).t())
+                row = {"bench": "gemm", "op": "dense", "fmt": "fp8_block", "shape": shape, "m": m, "n": n, "k": k,
+                       "n_experts": 1, "impl": name, "relerr": rel}
+                cases.append(({**row, "m_run": mp} if mp != m else row, fns))
+            for r in measure_curve(timer, cases, echo, f"gemm fp8_block {shape}", budget):
+                rows.append(_rates(r, work=2.0 * r["m"] * n * k, rate="tflops"))
+            del cases, wq, sw
+        except Exception as exc:  # noqa: BLE001 — recorded, not fatal
+            rows.append({"bench": "gemm", "op": "dense", "fmt": "fp8_block", "shape": shape,
+                         "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        torch.cuda.empty_cache()
+    gname, gcall, gtried = grouped_block_api(device, gen, echo)
+    rows.append({"bench": "fp8_block_api", "op": "grouped", "call": gname or "per-expert loop", "tried": gtried})
+    impl = gname or f"{name} per expert"
+    E = GROUPED_EXPERTS
+    for shape, n, k in GROUPED_SHAPES:
+        if budget.left() < 10:
+            rows.append({"bench": "gemm", "op": "grouped", "fmt": "fp8_block", "shape": shape,
+                         "error": "skipped: time budget"})
+            continue
+        try:
+            sets = _n_sets(E * n * k)
+            ws = []
+            for _ in range(sets):
+                q, s = zip(*[quantize_128x128(_randn((n, k), torch.bfloat16, device, gen)) for _ in range(E)])
+                ws.append((torch.stack(q), torch.stack(s)))
+            cases = []
+            for m in _sizes(GROUPED_M, quick, False, []):
+                mp = m if gcall is not None else _pad(m, align)  # the loop pads each expert's rows
+                row = {"bench": "gemm", "op": "grouped", "fmt": "fp8_block", "shape": shape, "m": m, "n": n, "k": k,
+                       "n_experts": E, "impl": impl, **({"m_run": mp} if mp != m else {})}
+                offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * m
+                fns, first = [], None
+                for wq, sw in ws:
+                    x, sx = quantize_1x128(_randn((mp * E, k), torch.bfloat16, device, gen))
+                    if gcall is not None:
+                        fns.append(lambda x=x, sx=sx, wq=wq, sw=sw, o=offs: gcall(x, sx, wq, sw, o))
+                    else:  # each expert's rows and their scales laid out for its own m
+                        per = [(x[e * mp:(e + 1) * mp], col_major(sx[e * mp:(e + 1) * mp])) for e in range(E)]
+                        fns.append(lambda per=per, wq=wq, sw=sw: [call(a, sa, wq[e], sw[e])
+                                                                  for e, (a, sa) in enumerate(per)])
+                    first = first or (x, sx, wq, sw)
+                try:
+                    got = fns[0]()
+                    got = torch.cat(got) if isinstance(got, list) else got
+                    x, sx, wq, sw = first
+                    ref = torch.cat([dequant_block(x[e * mp:(e + 1) * mp], sx[e * mp:(e + 1) * mp])
+                                     @ dequant_block(wq[e], sw[e]).t() for e in range(E)])
+                    row["relerr"] = _relerr(got, ref)
+                except Exception as exc:  # noqa: BLE001 — this m fails, the curve goes on
+                    rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    continue
+                cases.append((row, fns))
+            for r in measure_curve(timer, cases, echo, f"grouped fp8_block {shape}", budget):
+                rows.append(_rates(r, work=2.0 * r["m"] * E * n * k, rate="tflops"))
+            del ws, cases
+        except Exception as exc:  # noqa: BLE001 — recorded, not fatal
+            rows.append({"bench": "gemm", "op": "grouped", "fmt": "fp8_block", "shape": shape,
+                         "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _block_kernel_map(device, shape: str, n: int, k: int, call, align: int, wq, sw, gen, echo) -> dict:
+    """The ``gemm_kernels`` row of a block-scaled dense curve (:func:`gemm_kernel_map` for ``fmt: fp8_block``): the
+    kernels the timed call launches at every m of ``KERNEL_MAP_M`` (run, as timed, on m padded to a multiple of
+    ``align``: :func:`block_m_align`), on row slices of one quantised input (each with its scales laid out for its
+    m). A failure is an ``error`` row."""
+    import torch
+
+    t0 = time.time()
+    row = {"bench": "gemm_kernels", "op": "dense", "fmt": "fp8_block", "shape": shape, "n": n, "k": k,
+           "m_align": align}
+    try:
+        xq, sx = quantize_1x128(_randn((_pad(max(KERNEL_MAP_M), align), k), torch.bfloat16, device, gen))
+        ops = [(xq[:_pad(m, align)], col_major(sx[:_pad(m, align)])) for m in KERNEL_MAP_M]
+        calls = [(lambda a=a, sa=sa: call(a, sa, wq, sw)) for a, sa in ops]
+        marker = torch.zeros(1, device=device, dtype=torch.int32)
+        names = kernel_names(calls, lambda: marker.fill_(7), lambda s: "FillFunctor" in s)
+        row["runs"] = runs_of(KERNEL_MAP_M, names)
+        echo(f"measure: gemm kernels fp8_block {shape}: {len(row['runs'])} runs over m = 1..{KERNEL_MAP_M[-1]} "
+             f"({time.time() - t0:.1f} s)")
+    except Exception as exc:  # noqa: BLE001 — recorded, not fatal
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ MoE block
+
+#: the parts of the MoE block timed (``moe_block`` rows, :func:`bench_moe_block`), each a curve over ``MOE_TOKENS``
+MOE_PARTS = ("routed", "layer", "router", "router_gemm", "topk", "permute", "experts", "unpermute")
+
+
+def bench_moe_block(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
+    """The engine's routed-expert block (``kernels/moe_block.py``, what ``engine/real/model.py``'s graph-captured
+    decode step runs) at Qwen3-235B width on one expert group holding all experts (EP = 1), bf16, the experts
+    through ``torch._grouped_mm`` (``kernels.grouped_gemm`` impl ``torch``), one curve per part over ``tokens``
+    (the tokens entering the block):
+
+    * ``routed``: softmax/top-k of given router logits + permute + grouped SwiGLU + unpermute (the ``moe_us``
+      calibration kind: everything of the block but the router GEMM and any dispatch / combine communication);
+    * ``layer``: the router GEMM ``h @ router.T`` + ``routed`` (the whole MoE layer of a one-rank decode step, less
+      the residual add);
+    * ``router``: the router GEMM + softmax / top-k (what the simulator's ``router`` term prices);
+    * ``router_gemm``, ``topk``, ``permute``, ``experts``, ``unpermute``: the pieces alone, on routings made ahead.
+
+    Routing: router logits drawn N(0, 1) per token and expert, fresh for each of the rotating input sets (``routed``,
+    ``topk`` and the pieces; ``layer`` / ``router`` compute them from random hidden states and router weights):
+    uniform in expectation (``dist: balanced``), with the multinomial spread of a real batch (``experts_active``:
+    mean distinct experts per set). Weights: one set (``n_experts`` x 37.7 MB, far above L2); the input sets rotate
+    the routing, so consecutive calls touch different experts."""
+    import functools
+
+    import torch
+
+    from kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_reference
+    from kernels.moe_block import moe_block, permute, route, unpermute
+
+    D, F, E, K = (HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K) if not dry else (64, 32, 8, 2)
+    tokens = _sizes(MOE_TOKENS, quick, dry, [1, 4, 16])
+    swiglu = functools.partial(grouped_swiglu, impl="torch")
+    gu = _randn((E, 2 * F, D), torch.bfloat16, device, gen) * 0.02
+    dn = _randn((E, D, F), torch.bfloat16, device, gen) * 0.02
+    router = _randn((E, D), torch.bfloat16, device, gen) * 0.02
+    base = {"bench": "moe_block", "fmt": "bf16", "hidden": D, "inter": F, "top_k": K, "n_experts": E, "tp": 1,
+            "ep": 1, "dist": "balanced", "routing": "random logits N(0,1)", "impl": "torch._grouped_mm"}
+    sets = 1 if dry else MOE_SETS
+    cases: dict[str, list] = {p: [] for p in MOE_PARTS}
+    for T in tokens:
+        hs = [_randn((T, D), torch.bfloat16, device, gen) for _ in range(sets)]
+        logits = [_randn((T, E), torch.bfloat16, device, gen) for _ in range(sets)]
+        routed = [route(lg, K, True, torch.bfloat16) for lg in logits]
+        perm = [permute(h, ti, E) for h, (ti, _) in zip(hs, routed)]
+        ys = [swiglu(xs, gu, dn, c) for _, _, c, xs in perm]
+        active = statistics.mean(int((c > 0).sum()) for _, _, c, _ in perm)
+        # the block against the fp32 reference of the same routing (set 0)
+        tw = routed[0][1]
+        order, tok, counts, xs = perm[0]
+        ref = torch.zeros(T, D, dtype=torch.float32, device=device).index_add_(
+            0, tok, grouped_swiglu_reference(xs, gu, dn, counts).float() * tw.reshape(-1)[order, None].float())
+        got = moe_block(hs[0], logits[0], gu, dn, K, swiglu=swiglu)
+        rel = _relerr(got, ref)
+        row = {**base, "tokens": T, "experts_active": active, "relerr": rel}
+        calls = {
+            "routed": [lambda h=h, lg=lg: moe_block(h, lg, gu, dn, K, swiglu=swiglu) for h, lg in zip(hs, logits)],
+            "layer": [lambda h=h: moe_block(h, h @ router.T, gu, dn, K, swiglu=swiglu) for h in hs],
+            "router": [lambda h=h: route(h @ router.T, K, True, torch.bfloat16) for h in hs],
+            "router_gemm": [lambda h=h: h @ router.T for h in hs],
+            "topk": [lambda lg=lg: route(lg, K, True, torch.bfloat16) for lg in logits],
+            "permute": [lambda h=h, ti=ti: permute(h, ti, E) for h, (ti, _) in zip(hs, routed)],
+            "experts": [lambda xs=xs, c=c: swiglu(xs, gu, dn, c) for _, _, c, xs in perm],
+            "unpermute": [lambda y=y, p=p, h=h, tw=tw: unpermute(y, p[1], p[0], tw, h)
+                          for y, p, h, (_, tw) in zip(ys, perm, hs, routed)]}
+        for part in MOE_PARTS:
+            cases[part].append(({**row, "part": part}, calls[part]))
+    rows = []
+    for part in MOE_PARTS:
+        if budget.left() < 10:
+            rows.append({**base, "part": part, "error": "skipped: time budget"})
+            continue
+        rows += measure_curve(timer, cases[part], echo, f"moe_block {part}", budget)
+    return rows
+
+
 def bench_flash(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -958,9 +1340,10 @@ def bench_allreduce(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
             return json.load(f)
 
 
-BENCHES = ("allreduce", "gemm", "grouped", "flash", "decode", "hbm", "p2p")
-_FUNCS = {"allreduce": bench_allreduce, "gemm": bench_gemm, "grouped": bench_grouped, "flash": bench_flash,
-          "decode": bench_decode, "hbm": bench_hbm, "p2p": bench_p2p}
+BENCHES = ("allreduce", "gemm", "grouped", "moe_block", "fp8_block", "flash", "decode", "hbm", "p2p")
+_FUNCS = {"allreduce": bench_allreduce, "gemm": bench_gemm, "grouped": bench_grouped, "fp8_block": bench_fp8_block,
+          "moe_block": bench_moe_block, "flash": bench_flash, "decode": bench_decode, "hbm": bench_hbm,
+          "p2p": bench_p2p}
 
 
 def environment(device: str) -> dict:
@@ -1002,8 +1385,10 @@ def _warm_clocks(device: str, seconds: float = 0.5) -> None:
 
 
 def run(quick: bool = False, dry_run: bool = False, only: list[str] | None = None, echo=print,
-        partial_out: str | Path | None = None, budget_s: float | None = None, rounds: int | None = None) -> dict:
-    """Run the benchmarks; returns ``{"schema": "rackbed.measure/2", "env": {...}, "rows": [...]}``."""
+        partial_out: str | Path | None = None, budget_s: float | None = None, rounds: int | None = None,
+        command: str | None = None) -> dict:
+    """Run the benchmarks; returns ``{"schema": "rackbed.measure/2", "env": {...}, "rows": [...]}`` (``command``:
+    the command line, kept in ``env``)."""
     import torch
 
     device = "cpu" if dry_run or not torch.cuda.is_available() else "cuda:0"
@@ -1018,7 +1403,10 @@ def run(quick: bool = False, dry_run: bool = False, only: list[str] | None = Non
     budget = Budget(budget_s)
     timer = Timer(device, rounds=rounds, warmup=2 if dry_run else 3)
     gen = torch.Generator(device=device).manual_seed(0)
-    doc = {"schema": SCHEMA, "env": environment(device), "rows": [], "quick": quick, "dry_run": dry_run,
+    env = environment(device)
+    if command:
+        env["command"] = command
+    doc = {"schema": SCHEMA, "env": env, "rows": [], "quick": quick, "dry_run": dry_run,
            "timing": {"method": "graph replay" if device != "cpu" else "host clock", "rounds": rounds,
                       "interleaved": True, "statistic": "median of rounds"},
            "timings_s": {}, "complete": False}
@@ -1078,7 +1466,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall-clock budget: later curves are skipped / cut short to fit (default: none)")
     a = ap.parse_args(argv)
     echo = lambda *m: print(*m, flush=True)
-    doc = run(a.quick, a.dry_run, a.only, echo=echo, partial_out=a.out, budget_s=a.budget_s, rounds=a.rounds)
+    doc = run(a.quick, a.dry_run, a.only, echo=echo, partial_out=a.out, budget_s=a.budget_s, rounds=a.rounds,
+              command=" ".join(["python -m kernels.measure", *(argv if argv is not None else sys.argv[1:])]))
     print(f"wrote {a.out} ({len(doc['rows'])} rows)", flush=True)
     return 0
 

@@ -54,7 +54,7 @@ import yaml
 from pydantic import ValidationError
 
 from sim.costs import constants as C
-from sim.costs.calibration import _YAML_LOADER, CalibrationEntry, CalibrationTable, kernel_fixed_us
+from sim.costs.calibration import _YAML_LOADER, KINDS, CalibrationEntry, CalibrationTable, kernel_fixed_us
 from topology.errors import UserError, from_validation
 
 #: calibration file schema (``meta.schema``) written; /2 adds the table's ``kernel_fixed_us`` (CalibrationTable
@@ -70,6 +70,11 @@ DEVICE_TO_GPU = {"NVIDIA H200": "H200-SXM", "NVIDIA H100 80GB HBM3": "H100-SXM",
 NET_FLOOR = 0.1
 #: measurement document schemas ``calibrate`` reads (``kernels/measure.py``; documents without a schema are /1)
 MEASURE_SCHEMAS = ("rackbed.measure/1", "rackbed.measure/2")
+#: the parts of the ``moe_block`` rows (``kernels/measure.py``) that are calibration points: ``routed`` (the
+#: routed-expert block without the router GEMM) of kind ``moe_us``, and ``router_gemm`` (the router's bf16 GEMM
+#: ``[T, hidden] x [hidden, n_experts]``, what the step model's router term prices through ``gemm_time``) of kind
+#: ``gemm_tflops``; the other parts (the router with its top-k, the pieces alone) are reported, not calibrated
+MOE_CALIBRATED_PARTS = {"routed": "moe_us", "router_gemm": "gemm_tflops"}
 
 
 class CalibrationFile(CalibrationTable):
@@ -124,6 +129,9 @@ def row_id(r: dict) -> str:
         return f"p2p_copy/{r['src']}-{r['dst']}/{r['size_bytes']}"
     if b in ("dispatch", "combine"):
         return f"{b}/r{r['n_ranks']}/h{r['hidden']}/{r['phase']}/t{r['tokens']}"
+    if b == "moe_block":
+        return (f"moe_block/{r['part']}/{r['fmt']}/h{r['hidden']}_i{r['inter']}_k{r['top_k']}_e{r['n_experts']}"
+                f"_tp{r['tp']}_ep{r['ep']}/{r['dist']}/t{r['tokens']}")
     return f"{b}/{json.dumps({k: v for k, v in sorted(r.items()) if k != 'median_us'})}"
 
 
@@ -159,6 +167,12 @@ def curve_of(r: dict, fixed_us: float = C.KERNEL_FIXED_US) -> tuple[str, tuple[t
                 float(r["tokens"]), r["median_us"])
     if b == "p2p_copy":  # kernels/measure.py copies between two GPUs of one node: an NVLink peer copy
         return "p2p_us", (("route", r.get("route", "nvlink")),), float(r["size_bytes"]), r["median_us"]
+    kind = MOE_CALIBRATED_PARTS.get(r.get("part")) if b == "moe_block" else None
+    if kind == "moe_us":  # the block's own time: no fixed cost taken off
+        return kind, tuple((f, r[f]) for f in KINDS["moe_us"]), float(r["tokens"]), r["median_us"]
+    if kind == "gemm_tflops":  # the router's dense bf16 GEMM, as the gemm rows (no fixed cost)
+        flops = 2.0 * r["tokens"] * r["n_experts"] * r["hidden"]
+        return kind, (("fmt", "bf16"), ("n", r["n_experts"]), ("k", r["hidden"])), float(r["tokens"]), flops / t / 1e12
     return None
 
 
@@ -221,6 +235,64 @@ def check_measurements(measurements: dict, source: str = "measurements") -> None
             raise UserError(f"{source}: rows[{i}] has no 'bench' field")
 
 
+def merge_measurements(docs: list[tuple[str, dict]]) -> dict:
+    """One measurement document from several ``kernels/measure.py`` documents ``[(path, doc), ...]`` of the same GPU
+    model (e.g. a full run and a later run of benchmarks it lacked): their rows in order, the first document's
+    ``env``, ``schema`` and ``timing`` (the file's provenance), ``complete`` only if every one is, and ``sources``:
+    per document its path, date, device, GPU count, driver, torch / CUDA versions, command and row count. A single
+    document is returned as it is. One-line UserError if one is not a measurement document or the GPU models
+    differ."""
+    if not docs:
+        raise UserError("calibrate: no measurement files")
+    for path, doc in docs:
+        check_measurements(doc, path)
+    if len(docs) == 1:
+        return docs[0][1]
+    names = {str(d.get("env", {}).get("gpu_name", "")) for _, d in docs}
+    if len(names) > 1:
+        raise UserError(f"calibrate: measurement files of different GPUs ({', '.join(sorted(names))}): "
+                        f"{', '.join(p for p, _ in docs)}")
+    first = docs[0][1]
+    sources = []
+    for path, d in docs:
+        env = d.get("env", {})
+        src = {"path": path, "date": env.get("date"), "device": env.get("gpu_name"), "gpu_count": env.get("gpu_count"),
+               "driver": env.get("driver"), "torch": env.get("torch"), "cuda": env.get("cuda"),
+               "nccl": env.get("nccl"), "command": env.get("command"),
+               "schema": d.get("schema", MEASURE_SCHEMAS[0]), "n_rows": len(d.get("rows", []))}
+        sources.append({k: v for k, v in src.items() if v is not None})
+    # every row says which file it came from (the ``source`` of its curve, :func:`fit_entries`)
+    return {**{k: v for k, v in first.items() if k != "rows"},
+            "rows": [{**r, "from": path} for path, d in docs for r in d["rows"]],
+            "complete": all(d.get("complete", True) is not False for _, d in docs), "sources": sources}
+
+
+def measurement_paths(meta: dict) -> list[str]:
+    """The measurement files a calibration file was fitted from (``meta.measurements``: one path, or a list)."""
+    m = meta.get("measurements")
+    if not m:
+        return []
+    return [str(m)] if isinstance(m, str) else [str(x) for x in m]
+
+
+def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
+    """Read and merge (:func:`merge_measurements`) ``kernels/measure.py`` JSON files; a relative path that does not
+    exist from here is taken relative to ``root`` (default: the repository, where ``meta.measurements`` paths
+    point). One-line UserError on an unreadable or invalid file."""
+    docs = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_absolute() and not p.exists():
+            p = Path(root or CALIBRATION_DIR.parent) / p
+        try:
+            docs.append((str(path), json.loads(p.read_text())))
+        except OSError as exc:
+            raise UserError(f"{path}: cannot read measurements: {exc.strerror or exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+    return merge_measurements(docs)
+
+
 def calibration_rows(rows: list[dict]) -> list[dict]:
     """``rows`` with the ``hbm_copy`` rows of the driver's memcpy labelled ``kernel: memcpy`` (not calibration
     points, :func:`curve_of`) when the document also has ``kernel: elementwise`` copies: measurement files before
@@ -240,7 +312,7 @@ def split_rows(rows: list[dict], holdout: Holdout) -> tuple[set[str], set[str]]:
         if c is None:
             continue
         rid = row_id(r)
-        if c[0] == "gemm_tflops" and (r["n"], r["k"]) in holdout.shapes:
+        if c[0] == "gemm_tflops" and (dict(c[1])["n"], dict(c[1])["k"]) in holdout.shapes:
             held.add(rid)
             continue
         curves[(c[0], c[1])].append((c[2], rid))
@@ -263,6 +335,10 @@ def shape_of(r: dict) -> dict:
         return {"n": r["n"], "n_experts": r.get("n_experts", 1)}
     if r["bench"] == "flash_prefill":
         return {"heads": r["n_q_heads"]}
+    if r["bench"] == "moe_block" and r.get("part") == "router_gemm":
+        return {"n": r["n_experts"], "n_experts": 1}
+    if r["bench"] == "moe_block":
+        return {"n_experts": r["n_experts"], "top_k": r["top_k"], "n_local": r["n_experts"] // r.get("ep", 1)}
     return {}
 
 
@@ -293,12 +369,15 @@ def _map_row(r: dict, label: str, fields: str, x: str, key_of) -> tuple[tuple, t
 
 
 def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
-                sm_count: int = 132, fixed_us: float = C.KERNEL_FIXED_US) -> list[CalibrationEntry]:
+                sm_count: int = 132, fixed_us: float = C.KERNEL_FIXED_US,
+                sources: dict[str, str] | None = None) -> list[CalibrationEntry]:
     """Calibration entries from the fit rows: one per (kind, key) curve, plus a per-format GEMM fallback (key
     ``fmt`` only) from the dense GEMM curves (geometric mean of their interpolants at every fitted ``m``).
-    ``fixed_us``: the per-kernel fixed cost the table's rate kinds are net of (:func:`curve_of`)."""
+    ``fixed_us``: the per-kernel fixed cost the table's rate kinds are net of (:func:`curve_of`). ``sources``: the
+    ``source`` of the curves whose rows came from another file (a row's ``from``, :func:`merge_measurements`)."""
     curves: dict[tuple, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     shapes: dict[tuple, dict] = {}
+    origin: dict[tuple, str] = {}
     dense_keys: dict[str, list[tuple]] = defaultdict(list)
     kmaps = kernel_maps(rows)
     amaps = attn_maps(rows)
@@ -309,6 +388,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
         kind, key, x, y = curve_of(r, fixed_us)  # type: ignore[misc]
         curves[(kind, key)][x].append(y)
         shapes[(kind, key)] = shape_of(r)
+        origin.setdefault((kind, key), (sources or {}).get(r.get("from"), source))
         if kind == "gemm_tflops" and r.get("op") == "dense" and (kind, key) not in dense_keys[r["fmt"]]:
             dense_keys[r["fmt"]].append((kind, key))
     tasks = []
@@ -318,7 +398,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
         tasks.append((kind, key, xy, shapes[(kind, key)], sm_count, kmap, amaps.get(key), forced.get(key)))
     fitted = _map_fits(tasks)
     entries = [CalibrationEntry(kind=kind, gpu=gpu, key=dict(key), points=points,
-                                source=f"{source}; {desc}" if desc else source)
+                                source=f"{origin[(kind, key)]}; {desc}" if desc else origin[(kind, key)])
                for (kind, key, *_), (points, desc) in zip(tasks, fitted)]
     by_key = {(e.kind, tuple(e.key.items())): e for e in entries}
     for fmt, keys in sorted(dense_keys.items()):
@@ -328,9 +408,10 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
             xs = sorted(_thin(xs, POINTS_PER_OCTAVE))
         points = tuple((x, _geomean([e.interpolate(x) for e in es])) for x in xs)
         entries.append(CalibrationEntry(kind="gemm_tflops", gpu=gpu, key={"fmt": fmt}, points=points,
-                                        source=f"{source}; fallback: geometric mean of {len(es)} dense shapes"))
+                                        source=f"{origin[keys[0]]}; fallback: geometric mean of {len(es)} dense "
+                                               f"shapes"))
     order = {"hbm_GBps": 0, "gemm_tflops": 1, "flash_tflops": 2, "decode_attn_GBps": 3, "allreduce_us": 4,
-             "dispatch_us": 5, "combine_us": 6, "p2p_us": 7}
+             "dispatch_us": 5, "combine_us": 6, "p2p_us": 7, "moe_us": 8}
     entries.sort(key=lambda e: (order.get(e.kind, 9), -len(e.key), sorted(e.key.items(), key=str)))
     return entries
 
@@ -730,6 +811,10 @@ LOO_REL_TIE = 0.02
 STEP_MIN_JUMP = 0.03
 #: flash-attention query / key block (FA2/FA3 and SDPA's flash backend on Hopper)
 FLASH_BLOCK = 128
+#: the per-token work of an MoE block's form (``Form.per_token``, in active experts' weights per token) that
+#: :func:`choose_form` may pick: the block streams each active expert's weights once, and every token copy also costs
+#: its permute / unpermute and its rows of MMA work (v2 H200 measurement: ~0.5 µs per token against ~12 µs per expert)
+MOE_PER_TOKEN = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 #: KV block lengths a decode-attention curve's block form may pick (split-KV kernels walk the context in blocks:
 #: SDPA at batch 16 takes as long at context 432 as at 512, then +50 % at 608)
 DECODE_KV_BLOCKS = (64, 128, 256)
@@ -743,7 +828,10 @@ class Form:
     ``"gemm"`` w = waves of CTA tiles, ``ceil(n_experts * ceil(m / bm) * ceil(n / bn) / sm_count)`` (tile and wave
     quantisation: the time of an m that fills a partial wave is the time of the full wave); ``"flash"`` w = causal
     block-pairs per SM, ``max(heads * nb (nb + 1) / 2 / sm_count, nb)`` with ``nb = ceil(s / 128)`` (total work
-    spread over the SMs, but never less than the longest CTA's ``nb`` blocks); ``"power"`` w = x^e (no shape)."""
+    spread over the SMs, but never less than the longest CTA's ``nb`` blocks); ``"experts"`` (the ``moe_us`` block)
+    w = the expected number of this rank's ``n`` experts that ``x`` uniformly routed tokens reach,
+    ``n * (1 - (1 - top_k / experts) ** x)`` (each active expert streams its weights once: the block's time follows
+    the active experts at small batch, then its per-token work); ``"power"`` w = x^e (no shape)."""
 
     work: str = "linear"
     exp: float = 1.0
@@ -758,6 +846,11 @@ class Form:
     #: GEMM only: stream-K scheduling (the tiles' work is spread evenly over the SMs: no wave ceiling, only the
     #: tile quantisation of m)
     streamk: bool = False
+    #: ``"experts"`` only: experts per token (``experts`` is then the model's expert count, ``n`` the rank's), and
+    #: the work of one token in units of one active expert's (the block's per-token part: permute, unpermute,
+    #: the rows' MMA work), a candidate of ``MOE_PER_TOKEN``
+    top_k: int = 0
+    per_token: float = 0.0
 
     def w(self, x: float) -> float:
         if self.work == "gemm":
@@ -766,6 +859,8 @@ class Form:
             return float(tiles / self.sm_count if self.streamk else math.ceil(tiles / self.sm_count - 1e-9))
         if self.work == "loglog":
             return 1.0
+        if self.work == "experts":
+            return self.n * (1.0 - (1.0 - self.top_k / self.experts) ** x) + self.per_token * x
         if self.work == "kvblocks":  # the context in whole KV blocks of a split-KV decode kernel
             return float(math.ceil(x / self.tile[0] - 1e-9) * self.tile[0])
         if self.work == "flash":
@@ -784,6 +879,8 @@ class Form:
             w = f"KV blocks of {self.tile[0]}"
         elif self.work == "loglog":
             return "form: log-log interpolation of the fit points"
+        elif self.work == "experts":
+            w = f"active experts of {self.n} (top-{self.top_k} of {self.experts}) + {self.per_token:g} per token"
         else:
             w = f"power x^{self.exp:g}"
         return f"form: {w}, " + ("through the fit points" if self.lam == 1.0 else "form alone")
@@ -805,12 +902,16 @@ class Form:
 
 
 def form_for(kind: str, shape: dict | None = None, sm_count: int = 132) -> Form:
-    """The base form of a curve of ``kind`` (``shape``: GEMM ``n`` / ``n_experts``, attention ``heads``)."""
+    """The base form of a curve of ``kind`` (``shape``: GEMM ``n`` / ``n_experts``, attention ``heads``, MoE block
+    ``n_experts`` / ``top_k`` / ``n_local``)."""
     shape = shape or {}
     if kind == "gemm_tflops" and shape.get("n") and GEMM_WAVES:
         return Form("gemm", n=int(shape["n"]), experts=int(shape.get("n_experts", 1)), sm_count=sm_count)
     if kind == "flash_tflops" and shape.get("heads"):
         return Form("flash", heads=int(shape["heads"]), sm_count=sm_count)
+    if kind == "moe_us" and shape.get("n_experts") and shape.get("top_k"):
+        return Form("experts", n=int(shape.get("n_local") or shape["n_experts"]), experts=int(shape["n_experts"]),
+                    top_k=int(shape["top_k"]))
     return Form("power", exp=_WORK_EXP.get(kind, 1.0) if kind in RATE_KINDS else 1.0)
 
 
@@ -917,6 +1018,8 @@ def candidate_forms(kind: str, shape: dict | None = None, sm_count: int = 132) -
         out += [replace(g, tile=(bm, 128), streamk=True) for bm in GEMM_STREAMK_BM]
     if kind == "decode_attn_GBps":
         out += [Form("kvblocks", tile=(b, 1)) for b in DECODE_KV_BLOCKS]
+    if base.work == "experts":
+        out += [replace(base, per_token=r) for r in MOE_PER_TOKEN]
     out.append(Form("loglog"))
     return list(dict.fromkeys(out))
 
@@ -997,9 +1100,11 @@ def _geomean(ys: list[float]) -> float:
 
 
 def calibrate(measurements: dict, *, gpu: str | None = None, holdout: Holdout = Holdout(),
-              measurements_path: str = "") -> dict:
-    """Fit a calibration file (a dict ready for YAML) from a ``kernels/measure.py`` document."""
-    check_measurements(measurements, measurements_path or "measurements")
+              measurements_path: str | list[str] = "") -> dict:
+    """Fit a calibration file (a dict ready for YAML) from a ``kernels/measure.py`` document (several files:
+    :func:`merge_measurements`; ``measurements_path`` then lists them, and ``meta.sources`` says what each is)."""
+    check_measurements(measurements, ", ".join(measurement_paths({"measurements": measurements_path}))
+                       or "measurements")
     env = measurements.get("env", {})
     if measurements.get("dry_run"):
         gpu = gpu or "CPU-DRY-RUN"
@@ -1007,29 +1112,40 @@ def calibrate(measurements: dict, *, gpu: str | None = None, holdout: Holdout = 
     rows = calibration_rows(measurements.get("rows", []))
     fit_ids, held_ids = split_rows(rows, holdout)
     if not fit_ids:
-        raise UserError(f"calibrate: {measurements_path or 'measurements'}: no usable rows to fit")
-    src = (f"kernels/measure.py {env.get('date', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
-           f"NCCL {env.get('nccl', '?')}")
+        raise UserError(f"calibrate: {', '.join(measurement_paths({'measurements': measurements_path})) or 'measurements'}"
+                        f": no usable rows to fit")
+    src = _source(env)
+    by_file = {s["path"]: _source(s) for s in measurements.get("sources") or []}
     fixed = fit_kernel_fixed_us(rows, fit_ids)
     fixed_us = fixed["value_us"] if fixed else C.KERNEL_FIXED_US
-    entries = fit_entries(rows, gpu, fit_ids, src, int(env.get("sm_count") or 132), fixed_us)
+    entries = fit_entries(rows, gpu, fit_ids, src, int(env.get("sm_count") or 132), fixed_us, by_file)
     covered = sorted({row_id(r) for r in rows if curve_of(r) is None and not r.get("error") and "bench" in r
                       and r.get("median_us")})
     meta = {"schema": FILE_SCHEMA, "gpu": gpu, "device": env.get("gpu_name"), "gpu_count": env.get("gpu_count"),
             "driver": env.get("driver"), "torch": env.get("torch"), "cuda": env.get("cuda"),
             "nccl": env.get("nccl"), "python": env.get("python"), "date": env.get("date"),
-            "measurements": measurements_path, "measure_schema": measurements.get("schema", MEASURE_SCHEMAS[0]),
+            "measurements": measurements_path, "sources": measurements.get("sources"),
+            "measure_schema": measurements.get("schema", MEASURE_SCHEMAS[0]),
             "timing": measurements.get("timing"), "n_rows": len(rows), "n_fit": len(fit_ids),
             "holdout_rule": holdout.describe(), "holdout_shapes": [list(s) for s in holdout.shapes],
             "holdout": sorted(held_ids), "not_calibrated": covered,
             "kernel_fixed": fixed or {"value_us": C.KERNEL_FIXED_US, "rule": "no fit hbm_copy rows: default"},
             "errors": [f"{r.get('bench')}: {r['error']}" for r in rows if r.get("error")]}
+    if not meta["sources"]:
+        del meta["sources"]  # one file: its provenance is the meta block itself
     meta = json.loads(json.dumps(meta, default=str))  # plain types only (torch's version is a str subclass)
     table = CalibrationTable(entries=tuple(entries), kernel_fixed_us={gpu: fixed_us} if fixed else {})
     doc = {"version": 2, "meta": meta}
     if table.kernel_fixed_us:
         doc["kernel_fixed_us"] = dict(table.kernel_fixed_us)
     return {**doc, "entries": [e.model_dump(mode="json") for e in table.entries]}
+
+
+def _source(env: dict) -> str:
+    """The ``source`` of a fitted entry: the measurement's date and library versions (``env`` of a measurement
+    document, or one of its merged ``sources``)."""
+    return (f"kernels/measure.py {env.get('date', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
+            f"NCCL {env.get('nccl', '?')}")
 
 
 def dump_calibration(doc: dict, path: str | Path) -> None:
@@ -1235,6 +1351,41 @@ def predict_row(r: dict, calib: CalibrationTable | None, topo, model=None) -> Pr
     if b == "p2p_copy":
         c = p2p_copy_time(topo, r["src"], r["dst"], r["size_bytes"], calib=calib)
         return Prediction(rid, b, t, c.total_s, "p2p_copy_time", {"calibrated": c.calibrated})
+    if b == "moe_block":
+        return _predict_moe(r, calib, gpu, t, rid)
+    return None
+
+
+def _predict_moe(r: dict, calib: CalibrationTable | None, gpu, t: float, rid: str) -> Prediction | None:
+    """A ``moe_block`` row: ``routed`` from the table's ``moe_us`` entry (the row's key), else as the step model
+    prices the block without one (the routed grouped GEMMs of :func:`sim.costs.gemm.expert_mlp_time` over the
+    uniform-routing histogram; dispatch and combine are nothing on one rank); ``router_gemm`` as the step model's
+    router term (:func:`sim.costs.gemm.gemm_time`, bf16 ``[T, hidden] x [hidden, n_experts]``); ``layer`` the two
+    together. The other parts (the router with its top-k, the pieces alone) have no model of their own (None)."""
+    from sim.costs.gemm import binomial_histogram, expert_mlp_time, gemm_time
+
+    part, T = r.get("part"), int(r["tokens"])
+    E, ep, tp = int(r["n_experts"]), int(r.get("ep", 1)), int(r.get("tp", 1))
+
+    def routed() -> tuple[float, str]:
+        us = None if calib is None else calib.lookup("moe_us", gpu.name, T, **{f: r[f] for f in KINDS["moe_us"]})
+        if us is not None:
+            return us * 1e-6, "moe_us"
+        hist = binomial_histogram(T, r["top_k"] / E, E // ep)
+        return (expert_mlp_time(gpu, r["hidden"], r["inter"] // tp, hist, r["fmt"], calib=calib).total_s,
+                "expert_mlp_time")
+
+    def router() -> float:
+        return gemm_time(gpu, T, E, r["hidden"], "bf16", calib=calib).total_s
+
+    if part == "routed":
+        s, how = routed()
+        return Prediction(rid, "moe_block", t, s, how, {"calibrated": how == "moe_us"})
+    if part == "router_gemm":
+        return Prediction(rid, "moe_block", t, router(), "gemm_time (router)")
+    if part == "layer":
+        s, how = routed()
+        return Prediction(rid, "moe_block", t, router() + s, f"gemm_time (router) + {how}")
     return None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from sim.calibrate import (
     dump_calibration,
     fit_curve,
     load_calibration_file,
+    load_measurements,
+    measurement_paths,
     predict_row,
     row_id,
     split_rows,
@@ -194,14 +195,20 @@ def test_shipped_h200_file_is_found_and_described():
         assert meta.get(f), f
 
 
-def test_shipped_measurements_fit_reproduces_the_shipped_file():
-    """The shipped file is exactly what `rackbed calibrate --from-measurements` fits from the shipped raw rows."""
+def test_shipped_measurements_fit_reproduces_the_shipped_file(tmp_path):
+    """The shipped file is, byte for byte, what `rackbed calibrate --from-measurements` writes from the shipped raw
+    rows (the files ``meta.measurements`` lists, fitted together: the full v10 run and the later fp8_block / MoE
+    block run)."""
     table = default_calibration_for("H200-SXM")
-    meas = json.loads((REPO / table.meta["measurements"]).read_text())
-    doc = calibrate(meas, measurements_path=table.meta["measurements"])
+    paths = measurement_paths(table.meta)
+    assert len(paths) == 2 and [s["path"] for s in table.meta["sources"]] == paths
+    doc = calibrate(load_measurements(paths), measurements_path=paths)
     assert [e["points"] for e in doc["entries"]] == [[list(p) for p in e.points] for e in table.entries]
     assert sorted(doc["meta"]["holdout"]) == sorted(table.meta["holdout"])
     assert doc["kernel_fixed_us"] == table.kernel_fixed_us and doc["version"] == table.version == 2
+    out = tmp_path / "h200.yaml"
+    dump_calibration(doc, out)
+    assert out.read_bytes() == (REPO / "calibration" / "h200.yaml").read_bytes()
 
 
 def test_curve_of_uses_the_cost_model_conventions():

@@ -3,7 +3,6 @@ function that adds a per-kernel fixed cost, and absent from older files (default
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from sim.calibrate import (
     default_calibration_for,
     fit_kernel_fixed_us,
     load_calibration_file,
+    load_measurements,
+    measurement_paths,
     predict_row,
     row_id,
     split_rows,
@@ -48,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)
 SHIPPED = default_calibration_for("H200-SXM")
-_RAW = json.loads((REPO / SHIPPED.meta["measurements"]).read_text())
+_RAW = load_measurements(measurement_paths(SHIPPED.meta))
 MEAS = {**_RAW, "rows": calibration_rows(_RAW["rows"])}  # the rows calibrate() reads (memcpy copies labelled)
 QWEN = get_model("qwen3-235b-a22b")
 HYBRID = get_model("qwen3.5-397b-a17b")
@@ -194,7 +195,7 @@ def _fixed_cost_sites(calib) -> dict[str, tuple[float, int]]:
         "decode attention core": (full_attention_decode(GPU, QWEN, [512] * 4, calib=calib).core_s, 1),
         "GDN prefill core": (linear_attention_prefill(GPU, HYBRID, [(256, 0)], calib=calib).core_s, 1),
         "GDN decode core": (linear_attention_decode(GPU, HYBRID, 4, calib=calib).core_s, 1),
-        "uncalibrated-format GEMM": (gemm_time(GPU, 8, 4096, 4096, "fp8_block", calib=calib).total_s, 1),
+        "uncalibrated-format GEMM": (gemm_time(GPU, 8, 4096, 4096, "mxfp8", calib=calib).total_s, 1),
         "one-shot all-reduce": (allreduce_time(H200, ep, 65536, algo="one_shot", calib=calib).total_s, 1),
         "EP prefill dispatch": (ep_prefill_dispatch(H200, ep, 64, QWEN, calib=calib).total_s, 2),
         "EP prefill combine (local)": (ep_prefill_combine(H200, ep, 64, QWEN, calib=calib).fixed_s, 1),

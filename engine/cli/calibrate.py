@@ -1,11 +1,13 @@
 """``rackbed calibrate``: measure the local GPUs, fit the cost-model curves, write a calibration file.
 
     rackbed calibrate [--out calibration/h200.yaml] [--quick] [--measurements-out results/h200x2/measure.json]
-                      [--from-measurements FILE] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
+                      [--from-measurements FILE ...] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
     rackbed calibrate --from-aiconfigurator SYSTEM [--backend trtllm|sglang|vllm] [--out FILE.json]
 
 Runs ``kernels/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``: the
-``rackbed.measure/1`` format or ``/2``, graph-replayed rounds with their spread),
+``rackbed.measure/1`` format or ``/2``, graph-replayed rounds with their spread; several files of one GPU model are
+fitted together, e.g. a full run and a later run of benchmarks it lacked — ``meta.measurements`` lists them and
+``meta.sources`` says what each is),
 adds rows from ``rackbed bench kernels --out FILE`` JSON (``--from-bench``: NCCL all-reduce rows, decode
 dispatch/combine rows), fits (``sim.calibrate``: every third point of each curve is held out for ``rackbed validate``;
 ``--holdout-shape NxK`` also holds out whole GEMM shapes) and writes the calibration file (versioned ``meta``: device, driver, torch / CUDA /
@@ -93,20 +95,22 @@ def _run(args: argparse.Namespace) -> int:
         describe_calibration,
         dump_calibration,
         load_calibration_file,
+        load_measurements,
+        merge_measurements,
     )
 
     if args.from_measurements:
-        p = Path(args.from_measurements)
-        try:
-            meas = json.loads(p.read_text())
-        except OSError as exc:
-            raise UserError(f"{p}: cannot read measurements: {exc.strerror or exc}") from exc
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
-        if isinstance(meas, dict) and meas.get("complete") is False:
-            print(f"warning: {p}: the measurement run did not finish (partial file); fitting what it holds")
-        # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw file stays
-        mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else str(p))
+        docs = []
+        for f in args.from_measurements:
+            doc = load_measurements([f], root=Path.cwd())
+            if doc.get("complete") is False:
+                print(f"warning: {f}: the measurement run did not finish (partial file); fitting what it holds")
+            docs.append((f, doc))
+        meas = merge_measurements(docs)
+        p = Path(args.from_measurements[0])
+        # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw files stay
+        mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else
+                                          (args.from_measurements[0] if len(docs) == 1 else list(args.from_measurements)))
     else:
         from kernels.measure import run
 
@@ -150,7 +154,9 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
     p.add_argument("--only", nargs="+", help="subset of kernels/measure.py benchmarks")
     p.add_argument("--measurements-out", help="where to write the raw measurements JSON")
-    p.add_argument("--from-measurements", help="fit earlier kernels/measure.py JSON instead of measuring")
+    p.add_argument("--from-measurements", nargs="+", metavar="FILE",
+                   help="fit earlier kernels/measure.py JSON instead of measuring (several files of one GPU model: "
+                        "fitted together)")
     p.add_argument("--from-bench", action="append", help="add rows from 'rackbed bench kernels --out' JSON")
     p.add_argument("--gpu", help="GPU model name for the entries (default: from the device name)")
     p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth point of each curve (0: none)")

@@ -45,6 +45,8 @@ def _group(pred) -> str:
     if rid.startswith("gemm/"):
         _, op, fmt, nk, _ = rid.split("/")
         return f"gemm {op} {fmt} {nk}"
+    if rid.startswith("moe_block/"):
+        return " ".join(rid.split("/")[:2])
     return rid.split("/")[0]
 
 
@@ -257,34 +259,29 @@ def print_table(res: dict, echo=print) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import topology
-    from sim.calibrate import CALIBRATION_DIR, calibration_for_topology, describe_calibration, load_calibration_file
+    from sim.calibrate import (
+        calibration_for_topology,
+        describe_calibration,
+        load_calibration_file,
+        load_measurements,
+        measurement_paths,
+    )
 
     topo = topology.load(args.topology)
     calib = load_calibration_file(args.calibration) if args.calibration else calibration_for_topology(topo)
     if calib is None:
         raise UserError(f"validate: no calibration for {topo.gpu_spec(topo.gpu_ids[0]).name}; pass --calibration")
     print(describe_calibration(calib))
-    mpath = args.measurements or (getattr(calib, "meta", {}) or {}).get("measurements")
-    if not mpath:
+    paths = args.measurements or measurement_paths(getattr(calib, "meta", {}) or {})
+    if not paths:
         raise UserError("validate: no --measurements and the calibration names none (meta.measurements)")
-    p = Path(mpath)
-    if not p.is_absolute() and not p.exists() and (CALIBRATION_DIR.parent / p).exists():
-        p = CALIBRATION_DIR.parent / p  # meta paths are relative to the repository root
-    try:
-        meas = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{p}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
-    rep = None
-    if args.repeat:
-        try:
-            rep = json.loads(Path(args.repeat).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"{args.repeat}: cannot read the repeat measurements: {exc}") from exc
+    meas = load_measurements(paths)  # meta paths are relative to the repository root
+    rep = load_measurements(args.repeat) if args.repeat else None
     if args.cross_validate:
         res = cross_validate(meas, topo, args.cross_validate, gpu=(getattr(calib, "meta", None) or {}).get("gpu"))
         print_cross_validation(res)
         print()
-        doc = {"schema": "rackbed.validation/1", "measurements": str(p), "topology": args.topology,
+        doc = {"schema": "rackbed.validation/1", "measurements": paths, "topology": args.topology,
                "cross_validation": res}
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
     res = validate_kernels(meas, calib, topo, include_fit=args.all, repeat=rep)
     print_table(res)
     print()
-    doc = {"schema": "rackbed.validation/1", "calibration": getattr(calib, "path", ""), "measurements": str(p),
+    doc = {"schema": "rackbed.validation/1", "calibration": getattr(calib, "path", ""), "measurements": paths,
            "repeat": args.repeat,
            "topology": args.topology, "kernel": res, "engine": validate_engine(calib, topo, args)}
     if args.out:
@@ -307,12 +304,14 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("validate", help="simulator vs measurements: kernel level, and engine level with --engine DIR",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--measurements", help="kernels/measure.py JSON (default: the calibration's meta.measurements)")
+    p.add_argument("--measurements", nargs="+", metavar="FILE",
+                   help="kernels/measure.py JSON, one or several files fitted together (default: the calibration's "
+                        "meta.measurements)")
     p.add_argument("--calibration", help="calibration file (default: the shipped one for the topology's GPU)")
     p.add_argument("--topology", default="h200x2", help="topology the measurements were taken on")
     p.add_argument("--all", action="store_true", help="also list the fitted rows")
-    p.add_argument("--repeat", metavar="FILE", help="a second kernels/measure.py run of the same grid: per-row "
-                   "run-to-run differences beside the errors")
+    p.add_argument("--repeat", nargs="+", metavar="FILE", help="a second kernels/measure.py run of the same grid "
+                   "(several files: of the measurements' files): per-row run-to-run differences beside the errors")
     p.add_argument("--cross-validate", type=int, metavar="K", help="kernel level, instead of the calibration's "
                    "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "
                    "from index i, so every inner point is held out once (slow: K fits)")

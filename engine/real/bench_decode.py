@@ -68,6 +68,61 @@ def profile_step(model, cache, cfg, dev, b: int, context: int, pages_per: int) -
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def graph_step_overhead(runner, tok, pos, table, reps: int = 20) -> dict:
+    """Where a graph-replayed decode step's time goes beyond its kernels: ``replay_us`` (CUDA events around the
+    captured graph's replay alone), ``kernels_us`` (the sum of the kernels' own durations in one replay, from the
+    profiler's trace: ``n_kernels`` of them), ``gaps_us`` = replay - kernels (launch gaps inside the graph);
+    ``call_us`` (events around the runner's whole call: the bucket's input copies + the replay), ``host_call_us``
+    (host wall time until the call returns: what the host spends enqueueing a step; the device may still be busy)
+    and ``host_step_us`` (call + wait for the device). Never raises: a failed profile is reported."""
+    out: dict = {}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        runner(tok, pos, table)
+        torch.cuda.synchronize()
+        key = (runner._bucket(tok.shape[0], runner.BATCH_BUCKETS), -(-table.shape[1] // runner.PAGE_ROUND) * runner.PAGE_ROUND)
+        g = runner.graphs[key][0] if runner.mode == "graph" and key in runner.graphs else None
+        ev = lambda: torch.cuda.Event(enable_timing=True)
+        for what, fn in (("replay_us", g.replay if g is not None else None),
+                         ("call_us", lambda: runner(tok, pos, table))):
+            if fn is None:
+                continue
+            ts = []
+            for _ in range(reps):
+                e0, e1 = ev(), ev()
+                e0.record()
+                fn()
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3)
+            out[what] = statistics.median(ts)
+        hc, hs = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner(tok, pos, table)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            hc.append((t1 - t0) * 1e6)
+            hs.append((time.perf_counter() - t0) * 1e6)
+        out.update(host_call_us=statistics.median(hc), host_step_us=statistics.median(hs))
+        if g is not None:
+            n = 3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    g.replay()
+                torch.cuda.synchronize()
+            ks = [e for e in prof.profiler.kineto_results.events()
+                  if e.device_type() == torch.autograd.DeviceType.CUDA]
+            out["kernels_us"] = sum(e.duration_ns() for e in ks) / 1e3 / n
+            out["n_kernels"] = len(ks) / n
+            out["gaps_us"] = out["replay_us"] - out["kernels_us"]
+    except Exception as exc:  # noqa: BLE001 — reported, the timings are kept
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return out
+
+
 def main(argv=None) -> int:
     import engine.real.model as M
     from engine.core.model import get_model
@@ -84,6 +139,9 @@ def main(argv=None) -> int:
                     help="execution:grouped-GEMM impl, execution in eager|graph (CUDA graph of the static step)")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
                     help="eager steps to profile with torch.profiler: CUDA time by kernel, the term-by-term gap")
+    ap.add_argument("--overhead", action="store_true",
+                    help="graph modes: per batch, the replay's time against the sum of its kernels and the host's "
+                         "time per call (graph_step_overhead)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dev = torch.device("cuda:0")
@@ -146,7 +204,12 @@ def main(argv=None) -> int:
             w_b = cfg.n_layers * (attn_b + router_b + experts * expert_b) + head_b
             total = w_b + kv_b
             roof = total / (bw * 1e9)
-            rows.append({"mode": mode, "graph_mode": runner.mode if execution == "graph" else "eager",
+            over = graph_step_overhead(runner, tok, pos, table) if a.overhead and execution == "graph" else None
+            if over is not None:
+                print(f"{mode:12s} b={b:3d} overhead: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else
+                                                                   f"{k} {v}" for k, v in over.items()), flush=True)
+            rows.append({"overhead": over} if over is not None else {})
+            rows[-1].update({"mode": mode, "graph_mode": runner.mode if execution == "graph" else "eager",
                          "graph_fallback_reason": runner.why if execution == "graph" else "", "batch": b, "context": a.context, "step_ms": step_s * 1e3,
                          "experts_touched_per_layer": experts, "weight_bytes": w_b, "kv_bytes": kv_b,
                          "roofline_ms": roof * 1e3, "ratio_to_roofline": step_s / roof})

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F_
 
 from engine.real.comm import Comm
+from kernels.moe_block import moe_block, route
 
 
 @dataclass(frozen=True)
@@ -348,11 +349,7 @@ class ShardedQwen3Moe:
 
     def _route(self, w, h: torch.Tensor):
         """Top-k routing (softmax over all experts, top-k, optional renormalisation), as Qwen3-MoE does."""
-        probs = torch.softmax((h @ w["router"].T).float(), dim=-1)
-        topw, topi = torch.topk(probs, self.cfg.top_k, dim=-1)
-        if self.cfg.norm_topk_prob:
-            topw = topw / topw.sum(-1, keepdim=True)
-        return topi, topw.to(h.dtype)
+        return route(h @ w["router"].T, self.cfg.top_k, self.cfg.norm_topk_prob, h.dtype)
 
     def _local_experts(self, w, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
         """sum_j wts[t, j] * expert_{ids[t, j]}(x[t]) over the (t, j) whose expert is local; ids are global."""
@@ -458,7 +455,6 @@ class ShardedQwen3Moe:
         mask = ctx[None, :] <= positions[:, None]
         page = page_table.gather(1, (positions // S)[:, None])[:, 0]
         slot = positions % S
-        k = cfg.top_k
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
             q, kk, v = self._qkv(w, h, positions)
@@ -468,14 +464,9 @@ class ShardedQwen3Moe:
             o = self._paged_attention(q, st[page_table], mask)
             x = x + o @ w["o_proj"].T
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
-            topi, topw = self._route(w, h)
-            ids = topi.reshape(-1)
-            order = torch.argsort(ids, stable=True)
-            tok = order // k
-            counts = torch.zeros(cfg.n_experts, dtype=torch.int64, device=h.device).scatter_add_(
-                0, ids, torch.ones_like(ids))
-            y = grouped_swiglu(h[tok], w["gate_up"], w["down"], counts)
-            x = x + torch.zeros_like(h).index_add_(0, tok, y * topw.reshape(-1)[order, None])
+            # kernels.moe_block: the block kernels/measure.py times (bench moe_block)
+            x = x + moe_block(h, h @ w["router"].T, w["gate_up"], w["down"], cfg.top_k, swiglu=grouped_swiglu,
+                              norm_topk_prob=cfg.norm_topk_prob)
         return self._logits(x)
 
     def _moe_dp_ep(self, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
