@@ -39,7 +39,7 @@ def _moe_gap(calib, gpu: str, model, fmt: str, tp: int, ep: int, role: str) -> s
         if not measured:
             return None  # a calibration without MoE blocks prices the grouped GEMMs (kind gemm_tflops)
         return (f"{role} MoE block ({model.hidden}/{model.moe_intermediate}, top-{model.top_k} of {model.n_experts}, "
-                f"{fmt}, TP{tp} EP{ep}): not in the tables, grouped-GEMM model without measured fixed costs")
+                f"{fmt}, TP{tp} EP{ep}): not measured, grouped-GEMM model without measured fixed costs")
     where = calib.grid_position("moe_us", gpu, **key)
     if where:
         return f"{role} MoE block: {where} of the measured EP sizes"
