@@ -167,6 +167,8 @@ def curve_of(r: dict, fixed_us: float = C.KERNEL_FIXED_US) -> tuple[str, tuple[t
                 float(r["tokens"]), r["median_us"])
     if b == "p2p_copy":  # kernels/measure.py copies between two GPUs of one node: an NVLink peer copy
         return "p2p_us", (("route", r.get("route", "nvlink")),), float(r["size_bytes"]), r["median_us"]
+    if b == "step_overhead":  # the framework's time per step beyond its kernels
+        return "step_us", (("phase", r["phase"]),), float(r["batch"]), r["median_us"]
     kind = MOE_CALIBRATED_PARTS.get(r.get("part")) if b == "moe_block" else None
     if kind == "moe_us":  # the block's own time: no fixed cost taken off
         return kind, tuple((f, r[f]) for f in KINDS["moe_us"]), float(r["tokens"]), r["median_us"]
@@ -285,12 +287,35 @@ def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
         if not p.is_absolute() and not p.exists():
             p = Path(root or CALIBRATION_DIR.parent) / p
         try:
-            docs.append((str(path), json.loads(p.read_text())))
+            doc = json.loads(p.read_text())
+            docs.append((str(path), step_overhead_measurements(doc) if _is_overhead_doc(doc) else doc))
         except OSError as exc:
             raise UserError(f"{path}: cannot read measurements: {exc.strerror or exc}") from exc
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
     return merge_measurements(docs)
+
+
+def _is_overhead_doc(doc) -> bool:
+    return (isinstance(doc, dict) and "schema" not in doc and isinstance(doc.get("rows"), list)
+            and any(isinstance(r, dict) and isinstance(r.get("overhead"), dict) for r in doc["rows"]))
+
+
+def step_overhead_measurements(doc: dict) -> dict:
+    """A ``kernels/measure.py`` document from ``python -m engine.real.bench_decode --overhead`` output: per graph-
+    replayed decode step, ``step_overhead`` rows whose time is the runner's whole call less the graph replay (the
+    bucket's input copies and bookkeeping: framework work per step that no kernel accounts for), x = the batch."""
+    rows = []
+    for r in doc.get("rows", []):
+        o = r.get("overhead") or {}
+        if r.get("graph_mode") == "graph" and o.get("call_us") and o.get("replay_us"):
+            rows.append({"bench": "step_overhead", "phase": "decode", "batch": int(r["batch"]),
+                         "context": r.get("context"), "model": doc.get("model"),
+                         "median_us": round(o["call_us"] - o["replay_us"], 3),
+                         "call_us": o["call_us"], "replay_us": o["replay_us"]})
+    env = {"gpu_name": doc.get("device"), "date": doc.get("date"), "torch": doc.get("torch"), "cuda": doc.get("cuda"),
+           "command": "python -m engine.real.bench_decode --overhead"}
+    return {"schema": MEASURE_SCHEMAS[-1], "env": {k: v for k, v in env.items() if v}, "rows": rows}
 
 
 def calibration_rows(rows: list[dict]) -> list[dict]:
@@ -411,7 +436,7 @@ def fit_entries(rows: list[dict], gpu: str, fit_ids: set[str], source: str = "",
                                         source=f"{origin[keys[0]]}; fallback: geometric mean of {len(es)} dense "
                                                f"shapes"))
     order = {"hbm_GBps": 0, "gemm_tflops": 1, "flash_tflops": 2, "decode_attn_GBps": 3, "allreduce_us": 4,
-             "dispatch_us": 5, "combine_us": 6, "p2p_us": 7, "moe_us": 8}
+             "dispatch_us": 5, "combine_us": 6, "p2p_us": 7, "moe_us": 8, "step_us": 9}
     entries.sort(key=lambda e: (order.get(e.kind, 9), -len(e.key), sorted(e.key.items(), key=str)))
     return entries
 

@@ -201,7 +201,7 @@ def test_shipped_measurements_fit_reproduces_the_shipped_file(tmp_path):
     block run)."""
     table = default_calibration_for("H200-SXM")
     paths = measurement_paths(table.meta)
-    assert len(paths) == 2 and [s["path"] for s in table.meta["sources"]] == paths
+    assert len(paths) == 3 and [s["path"] for s in table.meta["sources"]] == paths
     doc = calibrate(load_measurements(paths), measurements_path=paths)
     assert [e["points"] for e in doc["entries"]] == [[list(p) for p in e.points] for e in table.entries]
     assert sorted(doc["meta"]["holdout"]) == sorted(table.meta["holdout"])

@@ -26,6 +26,8 @@ kind                    x                                 y                     
                         block (its whole batch)           block on one rank          n_experts, tp, ep, dist
 ``a2a_us``              payload bytes per rank            µs                         op (dispatch | combine),
                                                                                      n_ranks, payload
+``step_us``             sequences per rank in the step    µs of framework work per   phase (decode | prefill)
+                                                          step beyond its kernels
 ======================  ================================  =========================  ================================
 
 ``moe_us`` is the routed-expert block of one MoE layer as a serving stack runs it (routing / top-k, permute, the
@@ -33,6 +35,9 @@ expert GEMMs, unpermute and the weighted sum; not the router GEMM, not the dispa
 entry matches, it replaces the grouped-GEMM model, fixed costs at small batch included (``sim.costs.moe_block``).
 ``a2a_us`` is a DP-EP decode dispatch or combine kernel priced by the bytes it moves per rank (tokens per rank x
 hidden x payload element bytes), so a table measured at one hidden size prices another at equal bytes.
+
+``step_us`` is the serving framework's own time per step (the inputs of a graph-replayed step copied in, the
+step's bookkeeping) that no kernel accounts for; without an entry the constant ``HOST_STEP_US`` applies.
 
 ``p2p_us`` is a whole GPU-to-GPU copy (``sim.costs.collective.p2p_copy_time``). Time kinds (``*_us``) keep the
 smallest measured size's time below it (the latency floor) and above the largest continue at the rate of the
@@ -97,7 +102,7 @@ from topology.errors import UserError, from_validation
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
-               "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us"]
+               "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us", "step_us"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
@@ -112,6 +117,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "p2p_us": ("route",),
     "moe_us": ("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep", "dist"),
     "a2a_us": ("op", "n_ranks", "payload"),
+    "step_us": ("phase",),
 }
 
 
@@ -397,6 +403,15 @@ def kernel_fixed_us(calib: CalibrationTable | None, gpu) -> float:
         if v is not None:
             return v
     return C.KERNEL_FIXED_US
+
+
+def host_step_s(calib: CalibrationTable | None, gpu, phase: str, seqs_per_rank: float) -> float:
+    """Seconds of framework work per step beyond its kernels (kind ``step_us``; else ``HOST_STEP_US``)."""
+    if calib is not None:
+        us = calib.lookup("step_us", gpu if isinstance(gpu, str) else gpu.name, max(seqs_per_rank, 1.0), phase=phase)
+        if us is not None:
+            return us * 1e-6
+    return C.HOST_STEP_US * 1e-6
 
 
 def load_calibration(path: str | Path) -> CalibrationTable:

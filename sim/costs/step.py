@@ -45,7 +45,7 @@ from sim.costs.attention import (
     linear_attention_prefill,
 )
 from sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
-from sim.costs.calibration import CalibrationTable, kernel_fixed_us
+from sim.costs.calibration import CalibrationTable, host_step_s, kernel_fixed_us
 from sim.costs.collective import allreduce_time, group_links
 from sim.costs.gemm import ExpertHistogram, binomial_histogram, expert_mlp_time, gemm_time, hbm_rate_Bps
 from sim.costs.moe_block import moe_block_s
@@ -186,7 +186,7 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
     b.add("norms", "other_s", model.n_layers * _norms_s(gpu, model, n_tokens, calib))
     b.add("embed", "other_s", _embed_s(gpu, model, n_tokens, calib))
     b.add("lm_head", "other_s", gemm_time(gpu, n_seqs, model.vocab, model.hidden, "bf16", calib=calib).total_s)
-    b.add("host", "other_s", C.HOST_STEP_US * US)
+    b.add("host", "other_s", host_step_s(calib, gpu, "prefill", n_seqs))
     if group_links(topo, tp_group).n_hosts > 1:
         b.add("cross_node_host", "other_s", C.CROSS_NODE_HOST_SYNC_US * US)
     return b.build()
@@ -290,7 +290,7 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
         b.add("mtp_norms", "other_s", passes * _norms_s(gpu, model, t1, calib))
         b.add("mtp_lm_head", "other_s", draft_k * gemm_time(gpu, t1, model.vocab, model.hidden, "bf16",
                                                             calib=calib).total_s)
-    b.add("host", "other_s", C.HOST_STEP_US * US)
+    b.add("host", "other_s", host_step_s(calib, gpu, "decode", max(rank_batch)))
     return b.build()
 
 
