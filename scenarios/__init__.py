@@ -15,6 +15,20 @@ def available() -> list[str]:
     return sorted(p.stem for p in HERE.glob("*.yaml"))
 
 
+def summary(name: str) -> str:
+    """One line about a shipped scenario for ``rackbed run --list``: its ``description`` (serving scenarios), else its
+    ``title`` (figures and studies), else the first sentence of its ``claim``; whitespace folded to single spaces."""
+    from topology.yamlio import load_yaml
+
+    data = load_yaml(HERE / f"{name}.yaml")
+    for key in ("description", "title", "claim"):
+        text = data.get(key)
+        if isinstance(text, str) and text.strip():
+            line = " ".join(text.split())
+            return line.split(". ")[0] if key == "claim" else line
+    return ""
+
+
 def resolve(name_or_path: str | Path) -> Path:
     """A scenario file path from a path or a shipped name; one-line ValueError when neither exists."""
     p = Path(name_or_path)

@@ -63,3 +63,21 @@ def test_good_scenario_runs_and_writes_outputs(tmp_path, capsys):
     assert rc == 0
     for f in ("metrics.json", "requests.csv", "trace.json"):
         assert (tmp_path / "out" / f).exists()
+
+
+def test_list_shows_every_shipped_scenario_with_its_one_line_description(capsys):
+    """`rackbed run --list`: one line per shipped scenario, the name then its description (serving) or title
+    (figures, studies), the second column aligned."""
+    import yaml
+
+    import scenarios
+
+    assert main(["run", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = scenarios.available()
+    assert [ln.split()[0] for ln in lines] == names
+    col = max(map(len, names)) + 2
+    for name, line in zip(names, lines):
+        doc = yaml.safe_load((scenarios.HERE / f"{name}.yaml").read_text())
+        want = " ".join((doc.get("description") or doc.get("title")).split())
+        assert line[:col].rstrip() == name and line[col:] == want, line

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>)")
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
+    p.add_argument("--list", action="store_true", help="list the shipped scenarios, one line each, and exit")
     p.set_defaults(func=_main)
 
 
@@ -33,8 +33,11 @@ def _main(args: argparse.Namespace) -> int:
     # piped output (CI logs, files) gets wide tables instead of rich's 80-column default
     console = Console(width=None if sys.stdout.isatty() else 140)
     if args.list:
-        for name in scenarios.available():
-            console.print(name)
+        names = scenarios.available()
+        width = max(map(len, names), default=0)
+        for name in names:
+            console.print(f"{name:<{width}}  {scenarios.summary(name)}".rstrip(), markup=False, highlight=False,
+                          soft_wrap=True)
         return 0
     path = scenarios.resolve(args.scenario)
     data = load_yaml(path)
