@@ -116,7 +116,7 @@ def test_gemm_units_hand_computed():
     assert c.compute_s == pytest.approx(16 * tile_s, rel=1e-12)
     assert c.total_s == pytest.approx(16 * tile_s + C.KERNEL_FIXED_US * 1e-6, rel=1e-12)
     assert c.flops == 2 * 4096 ** 3
-    # ~790 TFLOP/s measured bf16 on H200 (DESIGN.md): within 10 %
+    # ~790 TFLOP/s measured bf16 on H200 (sim/costs/constants.py MMA_EFFICIENCY): within 10 %
     assert c.achieved_tflops == pytest.approx(790, rel=0.10)
     # bytes: weights + activations in + bf16 out
     assert c.hbm_bytes == 4096 * 4096 * 2 * 3

@@ -1,7 +1,7 @@
 """engine.core.model: presets, parameter / byte / FLOP / KV / state arithmetic against hand calculations.
 
-Hand calculations are written out term by term (sizes from DESIGN.md); properties over random specs
-(hypothesis) tie the methods to each other.
+Hand calculations are written out term by term (sizes from the models' Hugging Face config.json files);
+properties over random specs (hypothesis) tie the methods to each other.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Presets (``topology.load(name)``):
 - ``gb200-nvl72``: 18 compute trays × (4 GPUs + 2 Grace, each Grace joined by NVLink-C2C to 2 GPUs), 18
   NVLink-5 switch ASICs (9 switch trays × 2), every GPU one link to every ASIC (18 × 50 = 900 GB/s per
   direction), one CX-7 per GPU on a Quantum-2 fabric (72 NICs > 64 ports: 3 leaves + 2 spines). Source:
-  NVIDIA GB200 NVL72 datasheet / DESIGN.md.
+  NVIDIA GB200 NVL72 datasheet.
 - ``hgx-h200``: 8 H200 + 4 NVSwitch-3 (NVLS); the 18 links of each GPU go 5/4/4/5 to the four switches (HGX
   H100/H200 baseboard), 2 x86 CPUs on PCIe, one CX-7 per GPU on a Quantum-2 leaf.
 - ``hgx-h200-efa``: the same node as AWS p5en: 16 EFA devices (2 per GPU, 200 Gb/s each = 3200 Gb/s per node),

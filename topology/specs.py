@@ -218,7 +218,8 @@ GRACE = CpuSpec(name="Grace", isa="arm", cores=72, mem_bytes=480 * GB, mem_GBps=
 XEON_8480C = CpuSpec(name="Xeon-8480C", isa="x86", cores=56, mem_bytes=1000 * GB, mem_GBps=307.0)
 
 # ConnectX-7 400 Gb/s NDR InfiniBand (NVIDIA CX-7 datasheet); GPU-initiated RDMA via IBGDA (used by DeepEP).
-# latency_us: assumption — DESIGN.md puts NIC post overhead at 1–2 µs end to end; half of 1 µs per NIC.
+# latency_us: assumption — a NIC work-request post costs 1–2 µs end to end (sim.costs.constants.NIC_POST_US);
+# half of 1 µs per NIC.
 CX7_IB = NicSpec(name="CX-7", kind="ib", line_rate_Gbps=400.0, gpu_initiated_rdma=True, latency_us=0.5)
 
 # AWS EFA on p5en: 16 EFA devices, 3200 Gb/s per node (AWS p5en documentation) = 200 Gb/s each, 2 per GPU;
@@ -255,8 +256,9 @@ EFA_FABRIC = SwitchSpec(name="AWS-EFA-fabric", kind="ethernet", ports=64, sharp=
 NVLINK4 = LinkSpec(kind="nvlink", GBps_per_dir=25.0, latency_us=0.25)
 NVLINK5 = LinkSpec(kind="nvlink", GBps_per_dir=50.0, latency_us=0.25)
 # One NVLink-4 link straight from GPU to GPU, no switch (18 of them = NV18, the h200x2 lab box: 450 GB/s per
-# direction line rate; measured P2P copy 385 GB/s, DESIGN.md). latency 0.6 µs = NCCL's per-step NVLink latency
-# (tuning.cc), the same GPU-to-GPU figure as through a switch.
+# direction line rate; measured P2P copies 367-393 GB/s per direction: results/h200x2/allreduce.json and the
+# p2p_us curve of calibration/h200.yaml). latency 0.6 µs = NCCL's per-step NVLink latency (tuning.cc), the
+# same GPU-to-GPU figure as through a switch.
 NVLINK4_DIRECT = LinkSpec(kind="nvlink", GBps_per_dir=25.0, latency_us=0.6)
 # NVLink-C2C Grace↔GPU: 900 GB/s bidirectional = 450 per direction (NVIDIA Grace/GB200 material);
 # latency assumption.

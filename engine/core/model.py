@@ -20,8 +20,8 @@ Counting conventions (all documented per method): ``total_params()`` and ``activ
 default (published model sizes do); ``active_params`` counts embeddings and lm_head (as the published "A22B"
 does); ``flops_*`` count 2 FLOPs per multiply-accumulate.
 
-Presets (``get_model``), from the models' Hugging Face ``config.json`` files and DESIGN.md; computed totals
-vs the published names:
+Presets (``get_model``), from the models' Hugging Face ``config.json`` files (``text_config`` for Qwen3.5);
+computed totals vs the published names:
 
 =================  ===============  ==============  ======================================================
 preset             total (no MTP)   active          note
@@ -513,13 +513,13 @@ _PRESETS: dict[str, ModelSpec] = {
         name="qwen3-235b-a22b", hidden=4096, n_layers=94, layer_types=("full",) * 94,
         n_q_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True, gated_attn=False,
         n_experts=128, top_k=8, moe_intermediate=1536, vocab=151936, tie_embeddings=False,
-        source="Qwen/Qwen3-235B-A22B config.json; DESIGN.md",
+        source="Qwen/Qwen3-235B-A22B config.json",
     ),
     "qwen3-30b-a3b": ModelSpec(
         name="qwen3-30b-a3b", hidden=2048, n_layers=48, layer_types=("full",) * 48,
         n_q_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True, gated_attn=False,
         n_experts=128, top_k=8, moe_intermediate=768, vocab=151936, tie_embeddings=False,
-        source="Qwen/Qwen3-30B-A3B config.json; DESIGN.md",
+        source="Qwen/Qwen3-30B-A3B config.json",
     ),
     "qwen3.5-397b-a17b": ModelSpec(
         name="qwen3.5-397b-a17b", hidden=4096, n_layers=60, layer_types=_hybrid(60),
@@ -527,7 +527,7 @@ _PRESETS: dict[str, ModelSpec] = {
         linear_n_k_heads=16, linear_n_v_heads=64, linear_head_dim=128, linear_conv=4,
         n_experts=512, top_k=10, moe_intermediate=1024, n_shared_experts=1, shared_intermediate=1024,
         vocab=248320, tie_embeddings=False, n_mtp_layers=1,
-        source="Qwen/Qwen3.5-397B-A17B config.json (text_config); DESIGN.md",
+        source="Qwen/Qwen3.5-397B-A17B config.json (text_config)",
     ),
     "qwen3.5-122b-a10b": ModelSpec(
         name="qwen3.5-122b-a10b", hidden=3072, n_layers=48, layer_types=_hybrid(48),
@@ -535,7 +535,7 @@ _PRESETS: dict[str, ModelSpec] = {
         linear_n_k_heads=16, linear_n_v_heads=64, linear_head_dim=128, linear_conv=4,
         n_experts=256, top_k=8, moe_intermediate=1024, n_shared_experts=1, shared_intermediate=1024,
         vocab=248320, tie_embeddings=False, n_mtp_layers=1,
-        source="Qwen/Qwen3.5-122B-A10B config.json (text_config); DESIGN.md",
+        source="Qwen/Qwen3.5-122B-A10B config.json (text_config)",
     ),
 }
 

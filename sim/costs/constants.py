@@ -3,7 +3,8 @@
 Legend for the ``# source:`` notes:
 
 * **published** — a vendor datasheet, a paper, or a project's README / source file (named);
-* **measured** — DESIGN.md's measurements on the project's H200 machines (2026-11);
+* **measured** — on the project's H200 machines (2026-11, torch 2.11, NCCL 2.28); the measurement files are in
+  ``results/h200x2/`` (``calibration/README.md`` describes them);
 * **derived** — computed from published numbers (the computation is given);
 * **assumption** — no public source pins it down; chosen to be plausible, stated so that a calibration table
   (``sim.costs.calibration``) or an edit here can replace it. The column "calibrated by" in
@@ -20,7 +21,8 @@ from __future__ import annotations
 # ------------------------------------------------------------------------------------------------ memory
 
 #: Achievable fraction of the HBM datasheet bandwidth for a streaming kernel.
-#: hopper: measured 4.3 TB/s copy on H200 / 4.8 TB/s datasheet = 0.896 (DESIGN.md, measured).
+#: hopper: measured 4.3 TB/s copy on H200 (read + write; 4.2-4.3 TB/s for large elementwise copies in
+#: results/h200x2/measure_h200x2_v10.json) / 4.8 TB/s datasheet = 0.896.
 #: blackwell: assumption — the same fraction (no measurement on the project's machines yet).
 HBM_EFFICIENCY: dict[str, float] = {"hopper": 4.3 / 4.8, "blackwell": 0.9}
 
@@ -54,7 +56,8 @@ GROUPED_GEMM_EXTRA_US: float = 1.0
 GEMM_TILE: dict[str, tuple[int, int]] = {"hopper": (64, 128), "blackwell": (128, 128)}
 
 #: Fraction of the dense peak a large, well-shaped GEMM reaches, by (architecture, format).
-#: hopper bf16 0.80: measured ≈790 TFLOP/s of 989 on H200 (DESIGN.md).
+#: hopper bf16 0.80: measured ≈790 TFLOP/s of 989 on H200 for a large bf16 GEMM (the attention-projection
+#: shapes of results/h200x2/measure_h200x2_v10.json reach 763 TFLOP/s at m = 16384).
 #: hopper fp8_block 0.72: DeepGEMM README, up to 1426 TFLOP/s of 1979 at large M on H800 (published).
 #: hopper fp8 (per-tensor) 0.75: assumption, a little above block scaling (no promotion work).
 #: blackwell bf16/fp8/mx*: assumption 0.80 / 0.78 (CUTLASS Blackwell GEMMs report ~75-85 % of peak).
@@ -122,11 +125,11 @@ ELEMENTWISE_PASSES_PER_LAYER: int = 4
 
 # ------------------------------------------------------------------------------------------------ collectives
 
-#: NCCL base latency (µs) by protocol (Ring LL / LL128 / Simple). published (NCCL src/graph/tuning.cc; DESIGN.md).
+#: NCCL base latency (µs) by protocol (Ring LL / LL128 / Simple). published (NCCL src/graph/tuning.cc).
 NCCL_BASE_LAT_US: dict[str, float] = {"LL": 6.6, "LL128": 14.0, "Simple": 8.4}
 
 #: NCCL per-step hardware latency (µs) of a ring step over NVLink / over the network, by protocol.
-#: published (NCCL tuning.cc; DESIGN.md). The network values include the NIC; NCCL adds NIC post overhead.
+#: published (NCCL src/graph/tuning.cc). The network values include the NIC; NCCL adds NIC post overhead.
 NCCL_RING_STEP_US: dict[str, dict[str, float]] = {
     "nvlink": {"LL": 0.6, "LL128": 1.9, "Simple": 3.4},
     "net": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0},
@@ -158,7 +161,8 @@ PER_PEER_US: float = 0.03
 GRID_SYNC_US: float = 1.0
 
 #: NIC work-request post overhead per message when the GPU posts RDMA itself (IBGDA on ConnectX). published
-#: range 1-2 µs (DESIGN.md "NIC post overhead 1-2 µs"); midpoint.
+#: range 1-2 µs end to end (the figure usually quoted for an RDMA work-request post; no vendor number);
+#: midpoint.
 NIC_POST_US: float = 1.5
 
 #: Extra per-message cost when a CPU proxy thread posts the work (EFA has no GPU-initiated RDMA: the GPU
