@@ -160,9 +160,8 @@ PER_PEER_US: float = 0.03
 #: H100-class GPUs in microbenchmarks).
 GRID_SYNC_US: float = 1.0
 
-#: NIC work-request post overhead per message when the GPU posts RDMA itself (IBGDA on ConnectX). published
-#: range 1-2 µs end to end (the figure usually quoted for an RDMA work-request post; no vendor number);
-#: midpoint.
+#: NIC work-request post overhead per message when the GPU posts RDMA itself (IBGDA on ConnectX). The range
+#: usually quoted for an RDMA work-request post is 1-2 µs end to end (no vendor number); midpoint.
 NIC_POST_US: float = 1.5
 
 #: Extra per-message cost when a CPU proxy thread posts the work (EFA has no GPU-initiated RDMA: the GPU
