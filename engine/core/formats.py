@@ -557,7 +557,8 @@ _FORMATS: dict[str, Format] = {
                            scale_rule="ceil"),
 }
 
-#: The formats of docs/INTERFACES.md (same strings as ``topology.specs.FormatRates`` fields).
+#: The format names every layer uses (scenarios, plans, calibration keys; the same strings as
+#: ``topology.specs.FormatRates`` fields; docs/ARCHITECTURE.md "Conventions").
 FORMAT_NAMES: tuple[str, ...] = ("bf16", "fp8", "fp8_block", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
 #: Extra variants accepted by ``get_format``.
 EXTRA_FORMAT_NAMES: tuple[str, ...] = ("fp8_e5m2", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp8_ceil")

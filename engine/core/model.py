@@ -61,8 +61,9 @@ SUPPORTED_HF_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
 class ModelSpec(BaseModel):
     """A decoder-only (MoE) transformer, as far as serving cost is concerned. Sizes are element counts.
 
-    Field names follow docs/INTERFACES.md. Additions: ``dense_layers`` (indices of layers whose MLP is dense,
-    from HF ``mlp_only_layers`` / ``decoder_sparse_step``) and ``source`` (where the numbers come from).
+    Field names are the ones the sharding, cost and engine code read. Besides the architecture: ``dense_layers``
+    (indices of layers whose MLP is dense, from HF ``mlp_only_layers`` / ``decoder_sparse_step``) and ``source``
+    (where the numbers come from).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
