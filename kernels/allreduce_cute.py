@@ -285,8 +285,8 @@ def _allreduce_launch(
 class Launcher:
     """Launch a compiled all-reduce kernel with one ``cuLaunchKernel`` (cuda.bindings.driver).
 
-    CuTe DSL's own call path converts every argument in Python (~60 µs per call measured on the H200 host, see
-    kernels/README.md), which would dominate small all-reduces without CUDA graphs. This loads the cubin that
+    CuTe DSL's own call path converts every argument in Python (~44-65 µs per call measured on the H200 host, see
+    docs/KERNELS.md), which would dominate small all-reduces without CUDA graphs. This loads the cubin that
     CuTe DSL produced (``KeepCUBIN``) as a module and keeps the four kernel parameters (int64 in, out, table;
     int32 n_vec) in a preallocated ctypes block, so a call only stores three integers and launches.
     ``jit`` is the CuTe DSL callable, kept as the reference path (``use_jit=True``).

@@ -308,7 +308,8 @@ def expected(calls: Sequence[tuple[str, int, int]], n_ranks: int,
 
 def predicted_us(algo: str, n_bytes: int, n_ranks: int, *, p2p_GBps: float = 385.0, hbm_GBps: float = 4300.0,
                  flag_us: float = 2.5, launch_us: float = 3.0) -> float:
-    """A first-order time model used for the predictions in kernels/README.md (not for selection)."""
+    """A first-order time model (launch + flag round trips + the NVLink / HBM floor; docs/KERNELS.md) for
+    predictions before a device run; not used for selection."""
     t = traffic_bytes(algo, n_bytes, n_ranks)
     rounds = 1 if algo == "one_shot" else 2  # flag round trips
     return launch_us + rounds * flag_us + max(t["nvlink_send_bytes"] / (p2p_GBps * 1e3),
