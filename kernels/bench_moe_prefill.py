@@ -455,7 +455,7 @@ def _run_isolated(out_path: str, budget_s: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ --diagnose
-# Gap analysis (issue 8): each real variant beside its diagnostic twins (kernels.grouped_gemm_wgmma.DIAG_VARIANTS,
+# Gap analysis: each real variant beside its diagnostic twins (kernels.grouped_gemm_wgmma.DIAG_VARIANTS,
 # wrong results on purpose: timed WITHOUT the correctness gate, never eligible as a best/default variant), on
 # gate_up and down at the benchmark shape and at a tail-free shape. Real variants keep their correctness check.
 DIAG_GROUPS = (("bf16_coop_smem", "bf16_coop_smem__no_epilogue"),

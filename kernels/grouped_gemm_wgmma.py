@@ -71,7 +71,7 @@ VARIANTS: dict[str, dict] = {
 # The variant grouped_mm uses when none is named (env RACKBED_WGMMA_VARIANT_BF16 / _FP8 override); set from the
 # sweep in results/h200x2/moe/ (kernels/MOE_KERNELS.md section 2).
 DEFAULT_VARIANT = {"bf16": "bf16_coop_smem", "fp8": "fp8_dbuf_smem"}  # v4 sweep: best bf16; best fp8 without N % 256
-# Diagnostic variants (issue 8 gap analysis): a real variant with one cost removed, so that the time it costs can be
+# Diagnostic variants (gap analysis): a real variant with one cost removed, so that the time it costs can be
 # measured beside it in the same run (kernels/bench_moe_prefill.py --diagnose). They compute WRONG results on
 # purpose: kept out of VARIANTS (so out of --sweep and the best-variant pick), refused by default_variant (env
 # override) and by grouped_mm unless ``diagnostic=True``.

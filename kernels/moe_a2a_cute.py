@@ -13,7 +13,7 @@ The byte layout (offsets, parity double buffering, per-block epoch counters) is 
 the CPU emulation ``kernels.moe_a2a.emulate`` runs the same index arithmetic for the tests.
 Arguments are device addresses (plain integers) like kernels/allreduce_cute.py; ``lay`` is a Constexpr.
 
-Protocol invariants (the review of issue 8; compare kernels/allreduce_schedule.py, the same epoch/flag scheme):
+Protocol invariants (compare kernels/allreduce_schedule.py, the same epoch/flag scheme):
   * No kernel waits for anything on its own GPU: the sends never wait, the receives wait only for the peers' sends
     of the same call. Launch order between ranks, grid size and co-residency therefore cannot deadlock.
   * Every send block signals every destination, also blocks past n_tok and destinations that get zero rows, so

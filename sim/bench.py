@@ -15,7 +15,7 @@ excluded and reported apart as ``setup_s``), ``cpu_s`` (process CPU time of the 
 on a shared machine, where wall time depends on the other jobs), ``sim_s_per_wall_s``, ``events`` (SimPy events plus decode
 steps the driver advanced without one, see ``sim/driver.py``), ``events_per_s``, ``decode_steps``,
 ``decode_steps_per_wall_s``, and what the run served (requests, utilisation, TTFT/TPOT p50) so that a faster
-simulator can be seen to simulate the same thing. The target of issue 5 is ``wall_s <= 10`` for one simulated hour
+simulator can be seen to simulate the same thing. The target is ``wall_s <= 10`` for one simulated hour
 on one core.
 """
 

@@ -1,4 +1,4 @@
-"""``kind: serving_study`` scenarios: studies made of several serving simulations (issue 5, scenarios (g)-(j)).
+"""``kind: serving_study`` scenarios: studies made of several serving simulations (scenarios (g)-(j)).
 
 ``run_serving_study(path, out_dir, console=...)`` validates the YAML (:data:`ServingStudy`, one-line errors naming
 the file and field), runs every simulation it needs through :func:`sim.scenario.simulate_scenario`, prints a

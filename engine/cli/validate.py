@@ -36,7 +36,7 @@ from pathlib import Path
 
 from topology.errors import UserError
 
-#: kernel-level targets (issue 9): |relative error| on held-out rows
+#: kernel-level targets: |relative error| on held-out rows
 TARGET_MEDIAN, TARGET_MAX = 0.03, 0.10
 
 
