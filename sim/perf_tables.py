@@ -81,10 +81,12 @@ def data_root() -> Path:
     try:
         from importlib.resources import files
 
+        import pyarrow.parquet  # noqa: F401  (the tables are parquet files)
+
         root = files("aiconfigurator_core") / "systems" / "data"
     except ModuleNotFoundError as exc:
-        raise UserError(f"calibrate --from-aiconfigurator needs the {PACKAGE} package: pip install "
-                        f"'rackbed[tables]' (or pip install {PACKAGE})") from exc
+        raise UserError(f"calibrate --from-aiconfigurator needs the {exc.name} package: pip install "
+                        f"'rackbed[tables]'") from exc
     return Path(str(root))
 
 

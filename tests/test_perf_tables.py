@@ -220,3 +220,14 @@ def test_a_missing_table_is_a_caveat_naming_what_is_extrapolated():
     ep72 = b.decode_plan.model_copy(update={"ep": 72, "dp": 72, "gpus": tuple(range(72))})
     lines = calibration_caveats(full, b.topology, b.model, b.prefill_plan, ep72)
     assert any("EP72" in c and "n_ranks=72 outside the measured 2..64 (held at 64" in c for c in lines), lines
+
+
+@pytest.mark.parametrize("missing", ["aiconfigurator_core", "pyarrow.parquet"])
+def test_without_the_tables_extra_the_error_says_how_to_install_it(monkeypatch, capsys, tmp_path, missing):
+    import sys
+
+    monkeypatch.setitem(sys.modules, missing, None)  # import raises ModuleNotFoundError
+    assert main(["calibrate", "--from-aiconfigurator", "gb200", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'rackbed[tables]'" in err[0] and missing.split(".")[0] in err[0]
+    assert not (tmp_path / "x.json").exists()
