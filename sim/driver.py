@@ -53,7 +53,8 @@ from engine.core.deployment import Deployment, PrefillerGroup
 from engine.core.metrics import Slo, summarize
 from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result, Stop
 from engine.core.request import Request
-from engine.core.scheduler import ROW_FIELDS, KvChunks, Sample, Scheduler
+from engine.core.scheduler import KvChunks, Scheduler
+from engine.core.state import ROW_FIELDS, Sample
 from engine.core.worker_loop import worker_loop
 from sim.executor import CostModel, Executor
 from sim.faults import Fault, parse_faults
@@ -101,7 +102,7 @@ def _gc_resume(state: tuple) -> None:
 class SimResult:
     """Everything a run produced. ``metrics`` is deterministic for a seed; ``perf`` (wall time) is not.
 
-    rows:    one tuple per request (fields :data:`engine.core.scheduler.ROW_FIELDS`), in resolution order.
+    rows:    one tuple per request (fields :data:`engine.core.state.ROW_FIELDS`), in resolution order.
     spans:   ``(worker, kind, start_s, dur_s, arg, failed)`` per executed plan (kind: SPAN_*; arg: tokens for
              prefill, request id for KV, step number for decode), in completion order.
     samples: timeline (GPUs per role, requests per stage).

@@ -43,10 +43,7 @@ DP rank and request id. Same (requests, durations, seed) → same plans and the 
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from heapq import heappop, heappush
 from itertools import compress, repeat
 from operator import add, mul
@@ -61,6 +58,8 @@ from engine.core.deployment import (
     Deployment,
     PrefillerGroup,
 )
+from engine.core.failures import FailureHandling
+from engine.core.invariants import check_invariants
 from engine.core.plans import (
     WAIT_KV_SPACE,
     WAIT_READY,
@@ -77,21 +76,33 @@ from engine.core.plans import (
 from engine.core.request import Request
 from engine.core.router import choose_decoder_rank_keyed, choose_prefiller
 from engine.core.specdec import AcceptanceStream
-from topology.errors import UserError
+from engine.core.state import (
+    ACTIVE,
+    AUTOSCALER,
+    DEAD,
+    DECODING,
+    DONE,
+    DRAINING,
+    FP,
+    KV_IN_FLIGHT,
+    KV_PENDING,
+    PREFILLING,
+    QUEUED_DECODE,
+    QUEUED_PREFILL,
+    REJECTED,
+    RETIRED,
+    STARTING,
+    STATE_NAMES,
+    STATUS_NAMES,
+    AutoscalerState,
+    DecoderState,
+    KvStreamState,
+    PrefillerState,
+    RequestState,
+    Sample,
+)
 
-# ---------------------------------------------------------------- request states (ints: cheap to compare)
-ARRIVED, QUEUED_PREFILL, PREFILLING, KV_PENDING, KV_IN_FLIGHT, QUEUED_DECODE, DECODING, DONE, REJECTED = range(9)
-STATE_NAMES = ("arrived", "queued_prefill", "prefilling", "kv_pending", "kv_in_flight", "queued_decode",
-               "decoding", "done", "rejected")
-
-# worker status
-STARTING, ACTIVE, DRAINING, DEAD, RETIRED = range(5)
-STATUS_NAMES = ("starting", "active", "draining", "dead", "retired")
-
-AUTOSCALER = "autoscaler"
-_FP = 16  # fixed-point bits of the per-step context growth rate (exact integer running sums, no float drift)
-
-#: ``_Decoder.plan`` of a step started by ``Scheduler.ff_decode_step`` (no plan object built yet)
+#: ``DecoderState.plan`` of a step started by ``Scheduler.ff_decode_step`` (no plan object built yet)
 _IN_FLIGHT = object()
 _STEPPING = (ACTIVE, DRAINING)  # decoder statuses that keep stepping
 
@@ -99,211 +110,11 @@ _STEPPING = (ACTIVE, DRAINING)  # decoder statuses that keep stepping
 #: ``__new__`` (the same object; a prefill batch, a KV transfer or an idle answer per scheduler call)
 _tnew = tuple.__new__
 
-#: per-request metric row, appended when a request resolves (see :data:`ROW_FIELDS`)
-ROW_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "status", "reason", "first_token_s",
-              "end_s", "prefill_start_s", "kv_start_s", "kv_done_s", "decode_start_s", "decode_steps",
-              "requeues", "prefiller", "decoder")
-
-
-class _Req:
-    __slots__ = (
-        "arrival_s",
-        "ctx0",
-        "cum",
-        "cum_i",
-        "decoder",
-        "finish_step",
-        "generated",
-        "id",
-        "out",
-        "owner",
-        "pf_done",
-        "prefiller",
-        "prompt",
-        "rank",
-        "rate_fp",
-        "reason",
-        "requeues",
-        "reserved",
-        "s0",
-        "state",
-        "steps",
-        "t_decode_start",
-        "t_first",
-        "t_kv_done",
-        "t_kv_start",
-        "t_prefill_start",
-    )
-
-    def __init__(self, r: Request) -> None:
-        self.id = r.id
-        self.arrival_s = r.arrival_s
-        self.prompt = r.prompt_tokens
-        self.out = r.output_tokens
-        self.state = ARRIVED
-        self.reason = ""
-        self.ctx0 = r.prompt_tokens   # tokens to prefill (prompt, plus generated ones after a KV loss)
-        self.pf_done = 0              # tokens of ctx0 prefilled so far (chunked prefill)
-        self.generated = 0            # output tokens produced so far (the first comes from prefill)
-        self.prefiller = None
-        self.decoder = None
-        self.rank = -1
-        self.reserved = 0             # decoder KV tokens reserved
-        self.cum = None               # acceptance-stream segment (list) and start: progress after a failure
-        self.cum_i = 0
-        self.s0 = 0                   # first decode step (group step number)
-        self.finish_step = -1
-        self.rate_fp = 0
-        self.owner = None             # the plan currently working on it (stale completions are ignored)
-        self.t_first = math.nan
-        self.t_prefill_start = math.nan
-        self.t_kv_start = math.nan
-        self.t_kv_done = math.nan
-        self.t_decode_start = math.nan
-        self.steps = 0
-        self.requeues = 0
-
-
-class _Prefiller:
-    """State of one prefiller group (its compute worker id is the group id)."""
-
-    kind = "prefill"
-
-    def __init__(self, g: PrefillerGroup, order: int, status: int, ready_at: float, cap_tps: float,
-                 created_s: float) -> None:
-        t = g.template
-        self.g = g
-        self.id = g.id
-        self.order = order
-        self.status = status
-        self.ready_at = ready_at
-        self.created_s = created_s
-        self.ended_s = math.nan
-        self.gpus = g.gpus
-        self.n_gpus = len(g.gpus)
-        self.nics = list(g.nics)
-        self.nic_up = [True] * len(g.nics)
-        self.up_nics = list(g.nics)   # the NICs whose link is up, in order (kept by Scheduler._reroute_lists)
-        self.budget = t.max_batch_tokens
-        self.kv_cap = t.kv_capacity_tokens
-        self.max_queue = t.max_queue_requests
-        self.cap_tps = cap_tps
-        self.queue: deque[_Req] = deque()
-        self.n_queued = 0
-        self.queued_tokens = 0        # remaining prefill tokens of queued + running requests
-        self.offset_tokens = 0        # routing penalty while starting (≈ tokens it could have done meanwhile)
-        self.kv_held = 0              # prompt KV tokens on the group (running batch, pending, in flight)
-        self.pending: deque[_Req] = deque()
-        self.running: list[_Req] = []
-        self.plan = None
-        self.idle = False
-        self.waits_for = ""
-        self.batches = 0
-        self.streams: list[_KvStream] = []
-
-
-class _KvStream:
-    kind = "kv"
-
-    def __init__(self, wid: str, pf: _Prefiller) -> None:
-        self.id = wid
-        self.pf = pf
-        self.plan = None
-        self.req = None
-        self.idle = False
-        self.blocked = False          # idle because no decoder rank could take the head request
-
-
-class _Decoder:
-    kind = "decode"
-
-    def __init__(self, g: DecoderGroup, order: int, status: int, ready_at: float, k: int, p: float,
-                 created_s: float) -> None:
-        t = g.template
-        ep = g.ep
-        self.g = g
-        self.id = g.id
-        self.order = order
-        self.status = status
-        self.ready_at = ready_at
-        self.created_s = created_s
-        self.ended_s = math.nan
-        self.gpus = g.gpus
-        self.n_gpus = ep
-        self.ep = ep
-        self.k = k
-        self.p = p
-        self.cap = t.max_batch_per_rank
-        self.page = t.kv_page_tokens
-        self.kv_cap = t.kv_capacity_tokens_per_rank
-        self.rank_nics = list(g.rank_nics)
-        self.rank_up = [True] * ep
-        self.rank_nreq = [0] * ep        # requests holding KV on the rank (in flight + queued + decoding)
-        self.rank_free_kv = [t.kv_capacity_tokens_per_rank] * ep
-        # rank_nreq * Scheduler._key_base - rank_free_kv, updated with them: the router's one-int key
-        # (engine.core.router.choose_decoder_rank_keyed); set by Scheduler._add_decoder
-        self.rank_key: list[int] = []
-        self.rank_batch = [0] * ep       # decoding
-        self.rank_queue: list[deque[_Req]] = [deque() for _ in range(ep)]
-        self.rank_rate = [0] * ep        # sum of fixed-point growth rates
-        # sum of (ctx at admission << _FP) - rate × first step: a rank's context at step s is
-        # (rank_c + s × rank_rate) >> _FP (= Σ ctx0 + ((s × Σ rate - Σ rate × s0) >> _FP), exactly)
-        self.rank_c = [0] * ep
-        self.n_qdec = 0
-        self.n_running = 0
-        self.running: dict[int, _Req] = {}
-        self.heap: list[tuple[int, int]] = []
-        self.step = 0
-        self.joined: list[tuple[int, int]] = []
-        self.left: list[int] = []
-        self.plan = None
-        self.idle = False
-        self.ff_left = 0                 # fast-forward: steps the cached step cost stays valid for
-        self.ff_cost = 0.0
-        self.ff_tag = None
-        self.ff_delta = None             # (joined, left) of a step ff_decode_step started
-        # what the last pricing in ff_decode_step saw: the busiest batch, a rank holding it, a rank with the
-        # longest context, and the end of the context range the price holds for (see ff_decode_step)
-        self.ff_b = 0
-        self.ff_rb = 0
-        self.ff_rx = 0
-        self.ff_hi = 0
-        self.ff_plain = 0                # ticks after the step in flight that are plain steps (ff_decode_step)
-        self.admit_blocked = False       # requests queue for decode only on full ranks (set by _admit)
-
-    @property
-    def nreq(self) -> int:
-        return sum(self.rank_nreq)
-
-
-class _Autoscaler:
-    kind = "autoscaler"
-
-    def __init__(self) -> None:
-        self.id = AUTOSCALER
-        self.idle = False
-        self.plan = None
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Timeline point (for plots): GPUs per role, and requests per stage."""
-
-    t_s: float
-    gpus_prefill: int
-    gpus_decode: int
-    gpus_starting: int
-    queued_prefill: int
-    prefilling: int
-    kv: int
-    queued_decode: int
-    decoding: int
-
 
 KvChunks = Callable[[PrefillerGroup, DecoderGroup, int], int]
 
 
-class Scheduler:
+class Scheduler(FailureHandling):
     """One scheduler for one deployment (see module docstring).
 
     rng:                   the run's seeded ``numpy.random.Generator`` (MTP acceptance draws).
@@ -345,10 +156,10 @@ class Scheduler:
         self.samples: list[Sample] = []
 
         self.workers: dict[str, object] = {}
-        self.prefillers: list[_Prefiller] = []
-        self.decoders: list[_Decoder] = []
-        self._route_p: list[_Prefiller] = []   # routable prefillers (starting/active), creation order
-        self._route_d: list[_Decoder] = []     # routable decoders (active), creation order
+        self.prefillers: list[PrefillerState] = []
+        self.decoders: list[DecoderState] = []
+        self._route_p: list[PrefillerState] = []   # routable prefillers (starting/active), creation order
+        self._route_d: list[DecoderState] = []     # routable decoders (active), creation order
         self._order = 0
         self._n_pf_created = 0
         self._n_dec_created = 0
@@ -357,12 +168,12 @@ class Scheduler:
         self.nic_down: dict[str, bool] = {}
         self._permanent_nic_down: set[str] = set()
         self.wakeups: list[str] = []
-        self._blocked: list[_KvStream] = []
+        self._blocked: list[KvStreamState] = []
         self._key_base = 1                     # > every decoder rank's KV capacity (see _add_decoder)
         self._real_accept = False
         self.new_workers: list[str] = []
 
-        self.reqs: dict[int, _Req] = {}
+        self.reqs: dict[int, RequestState] = {}
         self.rows: list[tuple] = []
         self.n_arrived = 0
         self.n_open = 0
@@ -384,7 +195,7 @@ class Scheduler:
         for g in deployment.decoders:
             self._add_decoder(g, ACTIVE, 0.0, 0.0)
         if autoscaler is not None:
-            a = _Autoscaler()
+            a = AutoscalerState()
             self.workers[AUTOSCALER] = a
         self.new_workers.clear()
         self._refresh_limits()
@@ -396,15 +207,15 @@ class Scheduler:
             return 0.0
         return float(p(g) if callable(p) else p)
 
-    def _add_prefiller(self, g: PrefillerGroup, status: int, ready_at: float, now: float) -> _Prefiller:
-        pf = _Prefiller(g, self._order, status, ready_at, self._cap_tps(g), now)
+    def _add_prefiller(self, g: PrefillerGroup, status: int, ready_at: float, now: float) -> PrefillerState:
+        pf = PrefillerState(g, self._order, status, ready_at, self._cap_tps(g), now)
         self._order += 1
         self._n_pf_created += 1
         self.prefillers.append(pf)
         self.workers[pf.id] = pf
         self.new_workers.append(pf.id)
         for j in range(g.template.kv_streams):
-            s = _KvStream(f"{g.id}.kv{j}", pf)
+            s = KvStreamState(f"{g.id}.kv{j}", pf)
             pf.streams.append(s)
             self.workers[s.id] = s
             self.new_workers.append(s.id)
@@ -416,8 +227,8 @@ class Scheduler:
         self._reroute_lists()
         return pf
 
-    def _add_decoder(self, g: DecoderGroup, status: int, ready_at: float, now: float) -> _Decoder:
-        d = _Decoder(g, self._order, status, ready_at, self.k, self.p, now)
+    def _add_decoder(self, g: DecoderGroup, status: int, ready_at: float, now: float) -> DecoderState:
+        d = DecoderState(g, self._order, status, ready_at, self.k, self.p, now)
         base = self._key_base
         if d.kv_cap >= base:  # the rank keys need a larger base: every decoder's keys are recomputed
             base = self._key_base = 1 << d.kv_cap.bit_length()
@@ -486,7 +297,7 @@ class Scheduler:
             w.idle = False
             self.wakeups.append(w.id)
 
-    def _wake_pf(self, pf: _Prefiller) -> None:
+    def _wake_pf(self, pf: PrefillerState) -> None:
         if pf.idle:
             pf.idle = False
             self.wakeups.append(pf.id)
@@ -504,7 +315,7 @@ class Scheduler:
     def arrive(self, req: Request, now_s: float) -> None:
         """A request arrives at ``now_s``: route it to a prefiller or reject it with a reason."""
         self.now_s = now_s
-        r = _Req(req)
+        r = RequestState(req)
         self.reqs[r.id] = r
         self.n_arrived += 1
         self.n_open += 1
@@ -530,7 +341,7 @@ class Scheduler:
             for w in self.workers.values():
                 self._wake(w)
 
-    def _reserve_tokens(self, ctx: int, remaining: int, d: _Decoder | None) -> int:
+    def _reserve_tokens(self, ctx: int, remaining: int, d: DecoderState | None) -> int:
         need = ctx + remaining + self.k
         page = d.page if d is not None else self.dep.decoder_template.kv_page_tokens
         return -(-need // page) * page
@@ -545,7 +356,7 @@ class Scheduler:
             return True
         return self.asc is not None and self._find_decoder_gpus() is not None
 
-    def _route_prefill(self, r: _Req, now: float, requeue: bool) -> None:
+    def _route_prefill(self, r: RequestState, now: float, requeue: bool) -> None:
         cands = self._route_p
         if not cands and self.asc is not None:
             self._scale_up_prefiller(now)  # emergency: nothing can take it right now
@@ -572,14 +383,14 @@ class Scheduler:
             pf.idle = False
             self.wakeups.append(pf.id)
 
-    def _reject(self, r: _Req, now: float, reason: str) -> None:
+    def _reject(self, r: RequestState, now: float, reason: str) -> None:
         r.state = REJECTED
         r.reason = reason
         r.owner = None
         self._add((now, "reject", "", r.id, r.prompt, r.out, reason))
         self._resolve(r, now)
 
-    def _resolve(self, r: _Req, now: float) -> None:
+    def _resolve(self, r: RequestState, now: float) -> None:
         pf = r.prefiller
         d = r.decoder
         self.rows.append((
@@ -635,7 +446,7 @@ class Scheduler:
         return Stop(w.id, reason)
 
     # ------------------------------------------------------------------ prefill
-    def _next_prefill(self, pf: _Prefiller, now: float) -> Plan:
+    def _next_prefill(self, pf: PrefillerState, now: float) -> Plan:
         st = pf.status
         if st == STARTING:
             if now < pf.ready_at:
@@ -744,7 +555,7 @@ class Scheduler:
                     if not n_new:
                         break
 
-    def _requeue_running_prefill(self, pf: _Prefiller, now: float, why: str) -> None:
+    def _requeue_running_prefill(self, pf: PrefillerState, now: float, why: str) -> None:
         """A failed batch on a live prefiller: its chunks are dropped, its prompts go back to the queue head."""
         back = []
         for r in pf.running:
@@ -758,11 +569,11 @@ class Scheduler:
             pf.n_queued += 1
             self._add((now, "requeue", pf.id, r.id, 0, 0, why))
 
-    def _pf_drained(self, pf: _Prefiller) -> bool:
+    def _pf_drained(self, pf: PrefillerState) -> bool:
         return not pf.queue and not pf.running and not pf.pending and pf.kv_held == 0
 
     # ------------------------------------------------------------------ KV transfer
-    def _next_kv(self, s: _KvStream, now: float) -> Plan:
+    def _next_kv(self, s: KvStreamState, now: float) -> Plan:
         pf = s.pf
         if pf.status in (DEAD, RETIRED):
             return self._stop(s, now, STATUS_NAMES[pf.status])
@@ -861,7 +672,7 @@ class Scheduler:
             pf.idle = False
             self.wakeups.append(pf.id)
 
-    def _unreserve(self, r: _Req) -> None:
+    def _unreserve(self, r: RequestState) -> None:
         d = r.decoder
         if d is not None and r.rank >= 0:
             d.rank_free_kv[r.rank] += r.reserved
@@ -871,7 +682,7 @@ class Scheduler:
         r.rank = -1
 
     # ------------------------------------------------------------------ decode
-    def _next_decode(self, d: _Decoder, now: float) -> Plan:
+    def _next_decode(self, d: DecoderState, now: float) -> Plan:
         d.ff_plain = 0
         if d.status != ACTIVE:
             st = d.status
@@ -899,9 +710,9 @@ class Scheduler:
         return plan
 
     @staticmethod
-    def _decode_plan(d: _Decoder, consume: bool = True) -> DecodeStep:
+    def _decode_plan(d: DecoderState, consume: bool = True) -> DecodeStep:
         s = d.step
-        ctx = tuple([(c + s * q) >> _FP for c, q in zip(d.rank_c, d.rank_rate)])
+        ctx = tuple([(c + s * q) >> FP for c, q in zip(d.rank_c, d.rank_rate)])
         joined = tuple(d.joined) if d.joined else ()
         left = tuple(d.left) if d.left else ()
         if consume and joined:
@@ -910,7 +721,7 @@ class Scheduler:
             d.left.clear()
         return DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, joined, left)
 
-    def _admit(self, d: _Decoder, now: float) -> None:
+    def _admit(self, d: DecoderState, now: float) -> None:
         # one admission per request served: the decoder's lists and counters are held in locals (and the counts
         # written back once), which saves a dozen attribute look-ups per admission
         cap = d.cap
@@ -936,13 +747,13 @@ class Scheduler:
                 r.s0 = s
                 rid = r.id
                 r.finish_step = fs = s + n - 1
-                r.rate_fp = rfp = (m << _FP) // n
+                r.rate_fp = rfp = (m << FP) // n
                 r.state = DECODING
                 if r.t_decode_start != r.t_decode_start:
                     r.t_decode_start = now
                 b += 1
                 rate[rank] += rfp
-                c[rank] += (r.ctx0 << _FP) - rfp * s
+                c[rank] += (r.ctx0 << FP) - rfp * s
                 running[rid] = r
                 heappush(heap, (fs, rid))
                 joined.append((rid, rank))
@@ -1078,7 +889,7 @@ class Scheduler:
             if batch[d.ff_rb] != b:
                 left = 0
             elif len(d.joined) > nj:
-                lim = (d.ff_hi + 1) << _FP  # contexts < lim (in fixed point) are <= ff_hi
+                lim = (d.ff_hi + 1) << FP  # contexts < lim (in fixed point) are <= ff_hi
                 for _, q in d.joined[nj:]:
                     rq = d.rank_rate[q]
                     x = d.rank_c[q] + s * rq
@@ -1097,17 +908,17 @@ class Scheduler:
             d.ff_delta = None
         if d.ff_left <= 0:
             rate = d.rank_rate
-            # max over ranks of (c + s * rate) >> _FP = (max of c + s * rate) >> _FP, in C-level maps
+            # max over ranks of (c + s * rate) >> FP = (max of c + s * rate) >> FP, in C-level maps
             xs = list(map(add, d.rank_c, map(mul, rate, repeat(s))))
             mx = max(xs)
-            m = mx >> _FP
+            m = mx >> FP
             batch = d.rank_batch
             b = max(batch)
             d.ff_cost, hi, d.ff_tag = step_cost(b, m)
             d.ff_b, d.ff_rb, d.ff_rx, d.ff_hi = b, batch.index(b), xs.index(mx), hi
-            # every rank's context after j more steps is <= m + j * max(rate) / 2**_FP + 1
+            # every rank's context after j more steps is <= m + j * max(rate) / 2**FP + 1
             qmax = max(rate)
-            d.ff_left = ((max(hi - m - 1, 0) << _FP) // qmax + 1) if qmax else 1 << 62
+            d.ff_left = ((max(hi - m - 1, 0) << FP) // qmax + 1) if qmax else 1 << 62
         left = d.ff_left = d.ff_left - 1
         d.plan = _IN_FLIGHT
         if heap:  # max(min(left, heap[0][0] - s), 0), without the calls
@@ -1148,7 +959,7 @@ class Scheduler:
         d.ff_delta = None
 
     @staticmethod
-    def _admits_after(d: _Decoder, ending) -> bool:
+    def _admits_after(d: DecoderState, ending) -> bool:
         """Would a request queued for decode be admitted once the ``ending`` heap entries have finished?"""
         fin_rank = [0] * d.ep
         running = d.running
@@ -1173,7 +984,7 @@ class Scheduler:
             plan = self._decode_plan(d, consume=False)
         return plan
 
-    def _apply_real_acceptance(self, d: _Decoder, plan: DecodeStep, accepted, now: float) -> None:
+    def _apply_real_acceptance(self, d: DecoderState, plan: DecodeStep, accepted, now: float) -> None:
         s = plan.step
         heap = d.heap
         while heap and heap[0][0] <= s:
@@ -1192,7 +1003,7 @@ class Scheduler:
         if done and self._blocked:
             self._wake_blocked_streams()
 
-    def _finish_decode(self, d: _Decoder, r: _Req, now: float, steps: int, gained: int) -> None:
+    def _finish_decode(self, d: DecoderState, r: RequestState, now: float, steps: int, gained: int) -> None:
         rank = r.rank
         rid = r.id
         rfp = r.rate_fp
@@ -1202,7 +1013,7 @@ class Scheduler:
         d.n_running -= 1
         d.rank_batch[rank] -= 1
         d.rank_rate[rank] -= rfp
-        d.rank_c[rank] -= (r.ctx0 << _FP) - rfp * r.s0
+        d.rank_c[rank] -= (r.ctx0 << FP) - rfp * r.s0
         d.rank_free_kv[rank] += reserved
         d.rank_nreq[rank] -= 1
         d.rank_key[rank] -= self._key_base + reserved
@@ -1216,7 +1027,7 @@ class Scheduler:
         self._resolve(r, now)
 
     # ------------------------------------------------------------------ autoscaler
-    def _next_autoscaler(self, a: _Autoscaler, now: float) -> Plan:
+    def _next_autoscaler(self, a: AutoscalerState, now: float) -> Plan:
         if self.finished:
             return self._stop(a, now, "finished")
         cfg = self.asc
@@ -1290,7 +1101,7 @@ class Scheduler:
         taken = set(gpus)
         self.pool = [g for g in self.pool if g not in taken]
 
-    def _scale_up_prefiller(self, now: float) -> _Prefiller | None:
+    def _scale_up_prefiller(self, now: float) -> PrefillerState | None:
         if self.asc is None:
             return None
         gpus = self._find_prefiller_gpus()
@@ -1306,7 +1117,7 @@ class Scheduler:
         self._refresh_limits()
         return pf
 
-    def _scale_up_decoder(self, now: float) -> _Decoder | None:
+    def _scale_up_decoder(self, now: float) -> DecoderState | None:
         if self.asc is None:
             return None
         gpus = self._find_decoder_gpus()
@@ -1334,270 +1145,9 @@ class Scheduler:
         self.pool = sorted(set(self.pool) | (set(w.gpus) - self.failed_gpus))
         self._reroute_lists()
         self._refresh_limits()
-        if isinstance(w, _Prefiller):
+        if isinstance(w, PrefillerState):
             for s in w.streams:
                 self._wake(s)
-
-    # ------------------------------------------------------------------ failures
-    def fail(self, target: str, now_s: float, *, permanent: bool = True) -> list[str]:
-        """Take ``target`` down at ``now_s``: ``"gpu:<i>"``, ``"node:<host>"`` or ``"nic:<k>"`` (the NIC's link).
-
-        Groups using a failed GPU die; their work is re-queued (see module docstring). A NIC going down fails the
-        transfers using it (they are retried); a prefiller whose NICs are all permanently down dies too.
-        Returns the worker ids whose in-flight plan was aborted (the driver interrupts them; their ``done`` is
-        then ignored).
-        """
-        self.check_target(target)
-        self.now_s = now_s
-        for d in self.decoders:
-            d.ff_plain = 0
-        self._add((now_s, "fault", "", -1, 0, 0, target))
-        kind, _, ident = target.partition(":")
-        aborted: list[str] = []
-        if kind == "gpu":
-            self._fail_gpus([int(ident)], now_s, aborted)
-        elif kind == "node":
-            h = int(ident)
-            gpus = sorted(g for g, hh in self.dep.gpu_host.items() if hh == h)
-            self._fail_gpus(gpus, now_s, aborted)
-            for nic in sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic}):
-                self._fail_nic(nic, now_s, aborted, permanent)
-        elif kind == "nic":
-            self._fail_nic(target, now_s, aborted, permanent)
-        else:
-            raise ValueError(f"fault target {target!r}: expected gpu:<i>, node:<host> or nic:<k>")
-        self._after_failure(now_s)
-        return aborted
-
-    def check_target(self, target: str) -> None:
-        """Raise a one-line ``UserError`` unless ``target`` names a GPU, host or NIC of this deployment."""
-        kind, _, ident = target.partition(":")
-        ok = False
-        if ident.isdigit():
-            if kind == "gpu":
-                ok = int(ident) in self.dep.gpu_host
-            elif kind == "node":
-                ok = int(ident) in set(self.dep.gpu_host.values())
-            elif kind == "nic":
-                ok = target in self.dep.nic_GBps
-        if not ok:
-            raise UserError(f"faults: target {target!r} is not a GPU, node or NIC of deployment {self.dep.name!r}")
-
-    def recover(self, target: str, now_s: float) -> None:
-        """Bring ``target`` back: a NIC serves transfers again; GPUs return to the spare pool (dead groups stay
-        dead — the autoscaler may build new ones)."""
-        self.check_target(target)
-        self.now_s = now_s
-        for d in self.decoders:
-            d.ff_plain = 0
-        kind, _, ident = target.partition(":")
-        self._add((now_s, "fault", "", -1, 1, 0, "recover " + target))
-        nics: list[str] = []
-        gpus: list[int] = []
-        if kind == "gpu":
-            gpus = [int(ident)]
-        elif kind == "node":
-            h = int(ident)
-            gpus = sorted(g for g, hh in self.dep.gpu_host.items() if hh == h)
-            nics = sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic})
-        elif kind == "nic":
-            nics = [target]
-        for g in gpus:
-            if g in self.failed_gpus:
-                self.failed_gpus.discard(g)
-                if not any(g in w.gpus for w in (*self.prefillers, *self.decoders)
-                           if w.status in (STARTING, ACTIVE, DRAINING)):
-                    self.pool = sorted(set(self.pool) | {g})
-        for nic in nics:
-            self.nic_down.pop(nic, None)
-            self._permanent_nic_down.discard(nic)
-            for pf in self.prefillers:
-                for i, n in enumerate(pf.nics):
-                    if n == nic:
-                        pf.nic_up[i] = True
-                if pf.status in (ACTIVE, STARTING):
-                    for s in pf.streams:
-                        self._wake(s)
-            for d in self.decoders:
-                for r, n in enumerate(d.rank_nics):
-                    if n == nic:
-                        d.rank_up[r] = True
-        self._reroute_lists()
-        self._refresh_limits()
-        self._wake_blocked_streams()
-
-    def _fail_gpus(self, gpus: list[int], now: float, aborted: list[str]) -> None:
-        gs = set(gpus)
-        self.failed_gpus |= gs
-        self.pool = [g for g in self.pool if g not in gs]
-        for pf in list(self.prefillers):
-            if pf.status in (STARTING, ACTIVE, DRAINING) and gs & set(pf.gpus):
-                self._kill_prefiller(pf, now, aborted, "gpu_failed")
-        for d in list(self.decoders):
-            if d.status in (STARTING, ACTIVE, DRAINING) and gs & set(d.gpus):
-                self._kill_decoder(d, now, aborted, "gpu_failed")
-
-    def _fail_nic(self, nic: str, now: float, aborted: list[str], permanent: bool) -> None:
-        self.nic_down[nic] = True
-        if permanent:
-            self._permanent_nic_down.add(nic)
-        for pf in self.prefillers:
-            for i, n in enumerate(pf.nics):
-                if n == nic:
-                    pf.nic_up[i] = False
-        for d in self.decoders:
-            for r, n in enumerate(d.rank_nics):
-                if n == nic:
-                    d.rank_up[r] = False
-        # transfers using the NIC fail and are retried from the prefiller's copy
-        for pf in self.prefillers:
-            for s in pf.streams:
-                plan = s.plan
-                if plan is not None and any(nic in (f[0], f[1]) for f in plan.flows):
-                    r = s.req
-                    s.plan = None
-                    s.req = None
-                    aborted.append(s.id)
-                    if r is not None and r.owner is plan:
-                        r.owner = None
-                        self._unreserve(r)
-                        r.state = KV_PENDING
-                        pf.pending.appendleft(r)
-                        self._add((now, "requeue", s.id, r.id, 0, 0, "link_failed"))
-        for pf in list(self.prefillers):
-            if pf.status in (STARTING, ACTIVE, DRAINING) and not any(pf.nic_up) and \
-                    all(n in self._permanent_nic_down for n in pf.nics):
-                self._kill_prefiller(pf, now, aborted, "nics_failed")
-        self._reroute_lists()
-
-    def _kill_prefiller(self, pf: _Prefiller, now: float, aborted: list[str], why: str) -> None:
-        pf.status = DEAD
-        pf.ended_s = now
-        self._reroute_lists()
-        self._refresh_limits()
-        if pf.plan is not None:
-            aborted.append(pf.id)
-        pf.plan = None
-        lost: list[_Req] = []
-        # transfers in flight: KV source gone; free the decoder reservation, re-prefill
-        for s in pf.streams:
-            if s.plan is not None:
-                aborted.append(s.id)
-                r = s.req
-                if r is not None and r.owner is s.plan:
-                    r.owner = None
-                    self._unreserve(r)
-                    lost.append(r)
-            s.plan = None
-            s.req = None
-            self._wake(s)
-        redo = [r for r in pf.running] + list(pf.queue)
-        lost.extend(pf.pending)
-        pf.running = []
-        pf.queue.clear()
-        pf.pending.clear()
-        pf.n_queued = 0
-        pf.queued_tokens = 0
-        pf.kv_held = 0
-        self._wake(pf)
-        for r in sorted(redo, key=lambda r: r.id):
-            r.owner = None
-            self._requeue_prefill(r, now, why, lost_kv=False)
-        for r in sorted(lost, key=lambda r: r.id):
-            r.owner = None
-            self._requeue_prefill(r, now, why, lost_kv=True)
-
-    def _kill_decoder(self, d: _Decoder, now: float, aborted: list[str], why: str) -> None:
-        d.status = DEAD
-        d.ended_s = now
-        self._reroute_lists()
-        self._refresh_limits()
-        if d.plan is not None:
-            aborted.append(d.id)
-        d.plan = None
-        lost: list[_Req] = []
-        done_steps = d.step
-        for r in d.running.values():
-            steps = done_steps - r.s0
-            if steps > 0:
-                if not self._real_accept and r.cum is not None:
-                    got = self.acceptance.tokens_after(r.cum, r.cum_i, steps, r.out - r.generated)
-                    r.generated += got
-                    self.decode_tokens += got
-                r.steps += steps
-            lost.append(r)
-        for q in d.rank_queue:
-            lost.extend(q)
-            q.clear()
-        d.running.clear()
-        d.heap.clear()
-        d.n_running = d.n_qdec = 0
-        # KV in flight to this decoder is still on its prefiller: send it elsewhere
-        for pf in self.prefillers:
-            for s in pf.streams:
-                r = s.req
-                if s.plan is not None and r is not None and r.decoder is d and r.owner is s.plan:
-                    aborted.append(s.id)
-                    r.owner = None
-                    s.plan = None
-                    s.req = None
-                    r.reserved = 0
-                    r.rank = -1
-                    r.state = KV_PENDING
-                    pf.pending.appendleft(r)
-                    self._add((now, "requeue", s.id, r.id, 0, 0, why))
-                    self._wake(s)
-        d.rank_nreq = [0] * d.ep
-        d.rank_free_kv = [0] * d.ep
-        d.rank_key = [0] * d.ep
-        d.rank_batch = [0] * d.ep
-        self._wake(d)
-        for r in sorted(lost, key=lambda r: r.id):
-            r.owner = None
-            r.reserved = 0
-            r.rank = -1
-            r.cum = None
-            if r.generated >= r.out:  # finished within the lost step's predecessors
-                r.state = DONE
-                self._add((now, "finish", d.id, r.id, r.generated, r.steps, ""))
-                self._resolve(r, now)
-                continue
-            self._requeue_prefill(r, now, why, lost_kv=True)
-        self._wake_blocked_streams()
-
-    def _requeue_prefill(self, r: _Req, now: float, why: str, lost_kv: bool) -> None:
-        r.requeues += 1
-        self._add((now, "requeue", r.prefiller.id if r.prefiller is not None else "", r.id, int(lost_kv), 0, why))
-        if lost_kv:
-            # prefill again: the prompt and every token generated so far (the last one is produced again)
-            r.ctx0 = r.prompt + r.generated - 1 if r.generated > 0 else r.prompt
-            r.generated = max(r.generated - 1, 0)
-        r.pf_done = 0
-        r.state = ARRIVED
-        if not self._prefillers_possible():
-            return self._reject(r, now, "no_prefiller")
-        if r.ctx0 > self.max_pf_kv:
-            return self._reject(r, now, "exceeds_prefiller_kv")
-        self._route_prefill(r, now, requeue=True)
-
-    def _after_failure(self, now: float) -> None:
-        # requests that can never be served any more
-        if not self._decoders_possible():
-            for pf in self.prefillers:
-                for s in pf.streams:
-                    self._wake(s)
-        if not self._prefillers_possible():
-            for r in sorted([r for r in self.reqs.values() if r.state == QUEUED_PREFILL], key=lambda r: r.id):
-                pf = r.prefiller
-                if pf is not None and pf.status == DRAINING:
-                    continue
-                if r in pf.queue:
-                    pf.queue.remove(r)
-                    pf.n_queued -= 1
-                    pf.queued_tokens -= r.ctx0 - r.pf_done
-                    pf.kv_held -= r.pf_done
-                self._reject(r, now, "no_prefiller")
-        self._maybe_finish(now)
 
     # ------------------------------------------------------------------ end of run, samples, checks
     def finalize(self, now_s: float, reason: str = "horizon") -> None:
@@ -1640,80 +1190,12 @@ class Scheduler:
         raise KeyError(request_id)
 
     def check_invariants(self) -> None:
-        """Assert the internal invariants (for tests): every open request is in exactly one place matching its
-        state; decoder KV reservations add up and never exceed capacity; batches within caps; prefiller KV within
-        its buffer; token counters consistent."""
-        where: dict[int, str] = {}
-
-        def put(r: _Req, place: str, states: tuple[int, ...]) -> None:
-            assert r.id not in where, f"request {r.id} in {where[r.id]} and {place}"
-            assert r.state in states, f"request {r.id} is {STATE_NAMES[r.state]} in {place}"
-            assert self.reqs.get(r.id) is r, f"request {r.id} in {place} but not open"
-            where[r.id] = place
-
-        for pf in self.prefillers:
-            if pf.status in (DEAD, RETIRED):
-                assert not pf.queue and not pf.running and not pf.pending, f"{pf.id} dead but holds work"
-                continue
-            for r in pf.queue:
-                put(r, f"{pf.id}.queue", (QUEUED_PREFILL,))
-                assert r.prefiller is pf
-            for r in pf.running:
-                if r.owner is not None:
-                    put(r, f"{pf.id}.running", (PREFILLING,))
-            for r in pf.pending:
-                put(r, f"{pf.id}.pending", (KV_PENDING,))
-            assert pf.n_queued == len(pf.queue)
-            qt = sum(r.ctx0 - r.pf_done for r in pf.queue) + sum(
-                r.ctx0 - r.pf_done for r in pf.running if r.owner is not None)
-            assert pf.queued_tokens == qt, f"{pf.id}: queued_tokens {pf.queued_tokens} != {qt}"
-            assert 0 <= pf.kv_held <= pf.kv_cap, f"{pf.id}: kv_held {pf.kv_held} outside [0, {pf.kv_cap}]"
-            held = sum(r.pf_done for r in pf.queue) + sum(r.ctx0 for r in pf.pending) + sum(
-                s.req.ctx0 for s in pf.streams if s.req is not None and s.plan is not None)
-            if pf.plan is not None:
-                held += sum(r.pf_done for r in pf.running if r.owner is not None) + pf.plan.n_tokens
-            assert pf.kv_held == held, f"{pf.id}: kv_held {pf.kv_held} != {held}"
-            for s in pf.streams:
-                if s.req is not None and s.plan is not None:
-                    put(s.req, s.id, (KV_IN_FLIGHT,))
-        for d in self.decoders:
-            if d.status in (DEAD, RETIRED):
-                assert not d.running and not any(d.rank_queue), f"{d.id} dead but holds work"
-                continue
-            used = [0] * d.ep
-            nreq = [0] * d.ep
-            batch = [0] * d.ep
-            for r in d.running.values():
-                put(r, f"{d.id}.running", (DECODING,))
-                used[r.rank] += r.reserved
-                nreq[r.rank] += 1
-                batch[r.rank] += 1
-            for rank, q in enumerate(d.rank_queue):
-                for r in q:
-                    put(r, f"{d.id}.queue{rank}", (QUEUED_DECODE,))
-                    assert r.rank == rank
-                    used[rank] += r.reserved
-                    nreq[rank] += 1
-            for pf in self.prefillers:
-                for s in pf.streams:
-                    r = s.req
-                    if r is not None and s.plan is not None and r.decoder is d:
-                        used[r.rank] += r.reserved
-                        nreq[r.rank] += 1
-            for rank in range(d.ep):
-                assert used[rank] <= d.kv_cap, f"{d.id} rank {rank}: KV {used[rank]} > capacity {d.kv_cap}"
-                assert d.rank_free_kv[rank] == d.kv_cap - used[rank], f"{d.id} rank {rank}: free KV mismatch"
-                assert d.rank_nreq[rank] == nreq[rank], f"{d.id} rank {rank}: nreq mismatch"
-                assert d.rank_key[rank] == nreq[rank] * self._key_base - d.rank_free_kv[rank], f"{d.id} rank {rank}"
-                assert 0 <= d.rank_free_kv[rank] < self._key_base
-                assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
-            assert d.n_running == len(d.running)
-        missing = [rid for rid in self.reqs if rid not in where]
-        assert not missing, f"open requests in no place: {missing[:5]}"
-        assert self.n_open == len(self.reqs)
+        """Assert the internal invariants (for tests): see :func:`engine.core.invariants.check_invariants`."""
+        check_invariants(self)
 
 
-def _choose_with_offset(cands: list[_Prefiller]) -> _Prefiller | None:
+
+def _choose_with_offset(cands: list[PrefillerState]) -> PrefillerState | None:
     """:func:`choose_prefiller` with a starting prefiller's routing penalty added to its queued tokens."""
     best = None
     best_load = 0
