@@ -73,8 +73,8 @@ from engine.core.plans import (
     Result,
     Stop,
 )
+from engine.core.policies import Policies
 from engine.core.request import Request
-from engine.core.router import choose_decoder_rank_keyed, choose_prefiller
 from engine.core.specdec import AcceptanceStream
 from engine.core.state import (
     ACTIVE,
@@ -124,6 +124,9 @@ class Scheduler(FailureHandling):
                            contiguous chunk per sending NIC (HND layout).
     autoscaler:            policy config, or None for a fixed deployment.
     sample_interval_s:     spacing of timeline samples.
+    log:                   the decision log to append to (default: a new, enabled one).
+    policies:              prefiller routing, decoder rank choice and decode admission
+                           (:class:`~engine.core.policies.Policies`; default: the rules of the module docstring).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class Scheduler(FailureHandling):
         autoscaler: autoscale.AutoscalerConfig | None = None,
         sample_interval_s: float = 1.0,
         log: DecisionLog | None = None,
+        policies: Policies | None = None,
     ) -> None:
         self.dep = deployment
         self.rng = rng
@@ -148,6 +152,10 @@ class Scheduler(FailureHandling):
         self._ptps = prefill_tokens_per_s
         self.kv_chunks = kv_chunks
         self.asc = autoscaler
+        self.policies = policies = policies if policies is not None else Policies()
+        self._choose_prefiller = policies.prefiller.choose
+        self._choose_rank = policies.rank.choose
+        self._take_admitted = policies.admission.take
         self.log = log if log is not None else DecisionLog()
         self._add = self.log.add_record
         self._log_on = self.log.enabled
@@ -361,10 +369,7 @@ class Scheduler(FailureHandling):
         if not cands and self.asc is not None:
             self._scale_up_prefiller(now)  # emergency: nothing can take it right now
             cands = self._route_p
-        if requeue:  # re-routed work is never refused for a full queue
-            pf = min(cands, key=lambda p: (p.queued_tokens + p.offset_tokens, p.order), default=None)
-        else:
-            pf = choose_prefiller(cands) if self.asc is None else _choose_with_offset(cands)
+        pf = self._choose_prefiller(cands, requeue)
         if pf is None:
             return self._reject(r, now, "queue_full" if cands else "no_prefiller")
         if not requeue and self.shed_ttft_s is not None and pf.cap_tps > 0:
@@ -596,12 +601,12 @@ class Scheduler(FailureHandling):
                 self._wake_pf(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k
-            pick = choose_decoder_rank_keyed(self._route_d, need_probe)
+            pick = self._choose_rank(self._route_d, need_probe)
             if pick is not None:
                 d, rank = pick
                 need = -(-need_probe // d.page) * d.page  # _reserve_tokens(r.ctx0, remaining, d)
                 if need > d.rank_free_kv[rank]:  # page rounding: retry with the rounded size
-                    pick = choose_decoder_rank_keyed(self._route_d, need)
+                    pick = self._choose_rank(self._route_d, need)
                     if pick is not None:
                         d, rank = pick
                         need = -(-need_probe // d.page) * d.page
@@ -611,9 +616,7 @@ class Scheduler(FailureHandling):
                     self._blocked.append(s)
                 return self._idle(s, now, WAIT_KV_SPACE)
             pf.pending.popleft()
-            d.rank_free_kv[rank] -= need
-            d.rank_nreq[rank] += 1
-            d.rank_key[rank] += self._key_base + need
+            self._hold_kv(d, rank, need)
             r.reserved = need
             r.decoder = d
             r.rank = rank
@@ -675,11 +678,21 @@ class Scheduler(FailureHandling):
     def _unreserve(self, r: RequestState) -> None:
         d = r.decoder
         if d is not None and r.rank >= 0:
-            d.rank_free_kv[r.rank] += r.reserved
-            d.rank_nreq[r.rank] -= 1
-            d.rank_key[r.rank] -= self._key_base + r.reserved
+            self._free_kv(d, r.rank, r.reserved)
         r.reserved = 0
         r.rank = -1
+
+    def _hold_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
+        """A request reserves ``tokens`` of KV on ``rank`` of ``d`` (the rank's counts and key move together)."""
+        d.rank_free_kv[rank] -= tokens
+        d.rank_nreq[rank] += 1
+        d.rank_key[rank] += self._key_base + tokens
+
+    def _free_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
+        """A request's reservation of ``tokens`` on ``rank`` of ``d`` is released."""
+        d.rank_free_kv[rank] += tokens
+        d.rank_nreq[rank] -= 1
+        d.rank_key[rank] -= self._key_base + tokens
 
     # ------------------------------------------------------------------ decode
     def _next_decode(self, d: DecoderState, now: float) -> Plan:
@@ -726,7 +739,8 @@ class Scheduler(FailureHandling):
         # written back once), which saves a dozen attribute look-ups per admission
         cap = d.cap
         s = d.step
-        take = self.acceptance.take
+        choose = self._take_admitted
+        draw = self.acceptance.take
         queues = d.rank_queue
         batch = d.rank_batch
         rate = d.rank_rate
@@ -736,14 +750,16 @@ class Scheduler(FailureHandling):
         joined = d.joined
         log_on = self._log_on
         n_taken = 0
+        room_left = False  # a request still waits on a rank with free batch slots (the policy held it back)
         for rank in compress(range(len(queues)), queues):  # the ranks with a queue, in order (C-level skip)
-            q = queues[rank]
             b = batch[rank]
-            while q and b < cap:
-                r = q.popleft()
+            if b >= cap:
+                continue
+            q = queues[rank]
+            for r in choose(q, cap - b):
                 n_taken += 1
                 m = r.out - r.generated
-                n, r.cum, r.cum_i = take(m)
+                n, r.cum, r.cum_i = draw(m)
                 r.s0 = s
                 rid = r.id
                 r.finish_step = fs = s + n - 1
@@ -760,9 +776,12 @@ class Scheduler(FailureHandling):
                 if log_on:
                     self._add((now, "admit", d.id, rid, rank, n, ""))
             batch[rank] = b
+            if q and b < cap:
+                room_left = True
         d.n_running += n_taken
         d.n_qdec -= n_taken
-        d.admit_blocked = d.n_qdec > 0  # whoever still waits is on a full rank: _admit is a no-op until that changes
+        # whoever still waits is on a full rank: _admit is a no-op until a request finishes or KV arrives
+        d.admit_blocked = d.n_qdec > 0 and not room_left
 
     def _done_decode(self, plan: DecodeStep, result: Result, now: float) -> None:
         d = self.workers[plan.worker]
@@ -1014,9 +1033,7 @@ class Scheduler(FailureHandling):
         d.rank_batch[rank] -= 1
         d.rank_rate[rank] -= rfp
         d.rank_c[rank] -= (r.ctx0 << FP) - rfp * r.s0
-        d.rank_free_kv[rank] += reserved
-        d.rank_nreq[rank] -= 1
-        d.rank_key[rank] -= self._key_base + reserved
+        self._free_kv(d, rank, reserved)
         d.left.append(rid)
         r.generated += gained
         r.steps += steps
@@ -1194,15 +1211,3 @@ class Scheduler(FailureHandling):
         check_invariants(self)
 
 
-
-def _choose_with_offset(cands: list[PrefillerState]) -> PrefillerState | None:
-    """:func:`choose_prefiller` with a starting prefiller's routing penalty added to its queued tokens."""
-    best = None
-    best_load = 0
-    for p in cands:
-        if p.max_queue is not None and p.n_queued >= p.max_queue:
-            continue
-        load = p.queued_tokens + p.offset_tokens
-        if best is None or load < best_load:
-            best, best_load = p, load
-    return best

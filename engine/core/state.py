@@ -167,8 +167,8 @@ class DecoderState:
         self.rank_up = [True] * ep
         self.rank_nreq = [0] * ep        # requests holding KV on the rank (in flight + queued + decoding)
         self.rank_free_kv = [t.kv_capacity_tokens_per_rank] * ep
-        # rank_nreq * Scheduler._key_base - rank_free_kv, updated with them: the router's one-int key
-        # (engine.core.router.choose_decoder_rank_keyed); set by Scheduler._add_decoder
+        # rank_nreq * Scheduler._key_base - rank_free_kv, updated with them (Scheduler._hold_kv / _free_kv): the
+        # (requests, -free KV) order as one int, for engine.core.policies.FewestRequests; set by Scheduler._add_decoder
         self.rank_key: list[int] = []
         self.rank_batch = [0] * ep       # decoding
         self.rank_queue: list[deque[RequestState]] = [deque() for _ in range(ep)]
