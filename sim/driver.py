@@ -40,7 +40,7 @@ import gc
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from heapq import heappop, heappush, heapreplace
+from heapq import heappop, heappush
 from math import nextafter
 
 import numpy as np
@@ -56,6 +56,7 @@ from engine.core.request import Request
 from engine.core.scheduler import KvChunks, Scheduler
 from engine.core.state import ROW_FIELDS, Sample
 from engine.core.worker_loop import worker_loop
+from sim import fastpath
 from sim.executor import CostModel, Executor
 from sim.faults import Fault, parse_faults
 from sim.network import Network
@@ -141,23 +142,6 @@ def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) ->
     return n * per / max(st.total_s, 1e-12)
 
 
-class _Lane:
-    """The decode step a decoder's pending timeout stands for (it changes when the main loop fast-forwards)."""
-
-    __slots__ = ("cost", "d", "dng", "dur_s", "k", "ng", "parts", "start_s", "step", "virtual", "wid")
-
-    def __init__(self, wid: str, cost, d) -> None:
-        self.wid = wid
-        self.cost = cost
-        self.d = d            # the scheduler's state of the decoder (Scheduler.ff_handle): its ``ff_plain``
-        self.ng = d.n_gpus
-        self.k = 0            # plain steps the main loop took and has not yet reported (Scheduler.ff_advance)
-        self.parts = None     # the StepTime fields of the step in flight (when started by the fast-forward)
-        self.start_s = self.dur_s = self.dng = 0.0  # dng: dur_s * ng (GPU-seconds of the step)
-        self.step = 0
-        self.virtual = False  # True once the step is one the fast-forward started (no plan object yet)
-
-
 _tnew = tuple.__new__
 assert Result._fields == ("duration_s", "accepted", "failed", "woken")
 
@@ -196,29 +180,6 @@ class _DEv:
         self.triggered = True
         self.value = value
         self.push(self)
-
-
-def _step_cost(cm_point, group, draft_k: int):
-    """``(max_batch, max_context_tokens) -> (dur_s, ctx_hi, parts)`` of one decoder group (parts: the StepTime's
-    fields, in :data:`sim.executor._FIELDS` order), for
-    :meth:`~engine.core.scheduler.Scheduler.ff_decode_step`."""
-
-    memo: dict = {}
-    last: dict[int, tuple] = {}  # max_batch -> (ctx, ctx_hi, answer) of the last point asked for that batch
-
-    def cost(b: int, ctx: int):
-        hit = last.get(b)
-        if hit is not None and hit[0] <= ctx <= hit[1]:
-            return hit[2]  # decode_point's contract: the same StepTime for every context from hit[0] to ctx_hi
-        st, hi = cm_point(group, b, ctx, draft_k)
-        parts = memo.get(st)
-        if parts is None:  # one tuple per StepTime: the driver adds its fields to the breakdown
-            parts = memo[st] = (st.attn_s, st.moe_gemm_s, st.a2a_s, st.allreduce_s, st.other_s)
-        ans = (st.total_s, hi, parts)
-        last[b] = (ctx, hi, ans)
-        return ans
-
-    return cost
 
 
 def simulate(
@@ -316,9 +277,9 @@ def simulate(
     # decode_point must be the cost model's own (a class attribute): a wrapper that delegates unknown attributes
     # to a wrapped model (``__getattr__``) and changes ``decode`` would otherwise be bypassed
     cm_point = getattr(cost_model, "decode_point", None) if hasattr(type(cost_model), "decode_point") else None
-    fast = fast_decode and cm_point is not None and type(ex) is Executor and type(env) is _Env
-    ticks: dict[simpy.Event, _Lane] = {}  # a decoder's step-end timeout -> the step it stands for
-    lanes: list[_Lane] = []  # every lane (report_plain reports those with plain steps taken: k > 0)
+    fast = fast_decode and cm_point is not None and type(ex) is Executor and type(env) is _Env and \
+        fastpath.certified(sched.policies)
+    lanes: fastpath.DecodeLanes | None = None  # set below when fast
 
     def run_worker(wid: str):
         gen = worker_loop(sched, wid, clock)
@@ -347,26 +308,27 @@ def simulate(
                 dur = duration(plan, t0)
                 try:
                     if type(dur) is float:
-                        if fast and tp is DecodeStep:
-                            # the main loop may complete this step and run the next ones on the same event:
-                            # env.timeout(dur), kept in the decoders' own queue (``lq``, main loop)
-                            tmo = event()
-                            tmo._ok = True
-                            tmo._value = None
-                            heappush(lq, (env._now + dur, NORMAL, next(eid), tmo))
-                            if lane is None:
-                                lane = _Lane(wid, _step_cost(cm_point, sched.group(wid), plan.draft_k),
-                                             sched.ff_handle(wid))
-                                lanes.append(lane)
-                            lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
-                            lane.dng = dur * lane.ng
-                            ticks[tmo] = lane
+                        if lanes is not None and tp is DecodeStep:
+                            # the main loop completes this step and may run the next ones on the same event
+                            # (sim.fastpath); the process resumes when a step's end stops the decoder
+                            tmo, lane = lanes.start(wid, plan, t0, dur)
                             try:
                                 yield tmo
                             finally:
-                                del ticks[tmo]
-                            if lane.virtual:
-                                t0, dur = lane.start_s, lane.dur_s
+                                lanes.untick(tmo)
+                            add_span((wid, SPAN_DECODE, lane.start_s, lane.dur_s, lane.step, False))
+                            plan, lane.handoff = lane.handoff, None  # what next() answered (Idle/Stop)
+                            lane.virtual = False
+                            gen.close()
+                            gen = worker_loop(sched, wid, clock, first=plan)
+                            send = gen.send
+                            try:
+                                plan = next(gen)
+                            except StopIteration:
+                                return
+                            if sched.wakeups or sched.new_workers or debug_checks:
+                                flush()
+                            continue
                         else:
                             yield timeout(dur)
                         result = Result(dur)
@@ -382,9 +344,9 @@ def simulate(
                     failed = True
                 if tp is DecodeStep:
                     if lane is not None and lane.virtual:
-                        # the step that ended was started by the fast-forward: finish it by hand, then resume
-                        # the worker's loop with a fresh generator (its first call is next(), as after done())
-                        plan = sched.decode_plan_in_flight(wid)
+                        # the step interrupted was started by the main loop: its plan is built now; the
+                        # worker's loop goes on with a fresh generator (its first call is next(), as after done())
+                        plan = sched.decode_plan(wid)
                         add_span((wid, SPAN_DECODE, t0, result.duration_s, plan.step, failed))
                         lane.virtual = False
                         sched.done(plan, result, env.now)
@@ -416,10 +378,14 @@ def simulate(
     direct = fast_decode and type(ex) is Executor and type(env) is _Env and not fault_list
     queue = env._queue
     eid = env._eid
-    # The pending step ends of fast-forwarded decoders: SimPy queue entries ``(time, priority, id, event)`` kept in
-    # a heap of their own (a few entries instead of all of SimPy's); the main loop takes the earlier head of the
-    # two, so events come in the same order. An entry goes to SimPy's queue when SimPy must process it.
-    lq: list[tuple] = []
+    if fast:
+        lanes = fastpath.DecodeLanes(sched, env, cm_point, spans, ex.breakdown_s["decode"], flush,
+                                     lazy=not decision_log and not debug_checks, debug_checks=debug_checks)
+    # The pending step ends of fast-forwarded decoders (lanes.lq): SimPy queue entries kept in a heap of their own
+    # (a few entries instead of all of SimPy's); the main loop takes the earlier head of the two, so events come
+    # in the same order. An entry goes to SimPy's queue when SimPy must process it.
+    lq: list[tuple] = lanes.lq if lanes is not None else []
+    ticks = lanes.ticks if lanes is not None else {}
     workers = sched.workers
     sched_next = sched.next
     sched_done = sched.done
@@ -490,12 +456,8 @@ def simulate(
         d_begin(w, plan, t)
 
     def report_plain() -> None:
-        """Report the plain steps the main loop took (Scheduler.ff_advance); before any call that may read a
-        decoder's step counters."""
-        for x in lanes:
-            if x.k:
-                advance(x.d, x.k)
-                x.k = 0
+        if lanes is not None:
+            lanes.report()
 
     def recover_later(f: Fault):
         yield timeout(f.duration_s)
@@ -548,19 +510,12 @@ def simulate(
     # request arriving no later is handed to the scheduler at its arrival time (one SimPy event less per request;
     # arrivals at time t go before the other events at t).
     n_events = 0
-    n_fast = 0
-    ff_step = sched.ff_decode_step
-    bd = ex.breakdown_s["decode"] if fast else None
     inf = float("inf")
     bar = None
     task = None
     step = env.step
     peek = env.peek
     sim_env = type(env) is _Env
-    lazy = fast and not decision_log and not debug_checks  # plain decode steps without calling the scheduler
-    advance = sched.ff_advance
-    busy_gpu_s = sched.busy_gpu_s
-    sd_append = sched.step_durations.append
     end = float("inf") if until_s is None else until_s
     next_check = 4096
     arrival_iter = iter(requests)
@@ -617,91 +572,19 @@ def simulate(
             if t > end or t == inf:
                 break
             lane_first = lq and (not queue or lq[0] < queue[0])  # the next event is a decoder's step end
-            if lane_first and (ln := ticks.get((head := lq[0])[3])) is None:
+            if lane_first and ticks.get(lq[0][3]) is None:
                 # a step end whose process was interrupted meanwhile: SimPy processes it (a no-op)
                 heappush(queue, heappop(lq))
                 step()
                 n_events += 1
             elif lane_first:
-                # A decoder's step ends and it steps on: complete it and start the next without resuming its
-                # process; the same event stands for the new step, rescheduled as env.timeout would. Then the
-                # next decoder step ends, if nothing else comes first, and so on. A *plain* step (the scheduler
-                # said so: Scheduler.ff_handle) is taken here without calling the scheduler; the steps taken so
-                # are reported (ff_advance) before the scheduler is next called about that decoder or a fault
-                # (report_plain), and the float sums they add to are carried in locals and written back around
-                # every call, in step order.
+                # A decoder's step ends and it steps on: the lanes complete it and start the next without
+                # resuming its process, then the next decoder step end, if nothing else comes first, and so on:
+                # before an arrival, the end, SimPy's next event (a tie with it goes back to the comparison above)
                 ta_next = nxt.arrival_s if nxt is not None else (inf if sched.closed else -inf)
-                # the decoders' steps go on before anything else happens: an arrival, the end, SimPy's next event
-                # (a tie with it goes back to the comparison above)
-                stop = min(end_x, ta_next)
-                qt = queue[0][0] if queue else inf
-                b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it in this loop
-                busy = busy_gpu_s["decode"]
-                # a plain step needs no sample due: the first one is checked here, the later ones stop before
-                # the sample time (stop_q) and come back here
-                nsample = sched.next_sample_s
-                stop_q = min(qt, stop, nsample)
-                calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
-                fall = False
-                spans0 = len(spans)  # every step taken below adds one span: n_fast counts them after the loop
-                tl = t
-                while True:
-                    if calm and ln.k < ln.d.ff_plain:
-                        dur = ln.dur_s
-                        s = ln.step
-                        add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, s, False))
-                        p0, p1, p2, p3, p4 = ln.parts
-                        b0 += p0
-                        b1 += p1
-                        b2 += p2
-                        b3 += p3
-                        b4 += p4
-                        busy += ln.dng  # dur * ng
-                        sd_append(dur)
-                        heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))
-                        ln.start_s = t
-                        ln.step = s + 1
-                        ln.k += 1
-                    else:
-                        if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
-                            advance(ln.d, ln.k)
-                            ln.k = 0
-                        busy_gpu_s["decode"] = busy
-                        r = ff_step(ln.wid, t, ln.dur_s, ln.cost)
-                        if r is None:
-                            fall = True
-                            break
-                        busy = busy_gpu_s["decode"]
-                        nsample = sched.next_sample_s
-                        ev = head[3]
-                        env._now = t
-                        add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
-                        if sched.wakeups or sched.new_workers or debug_checks:
-                            flush()  # before the step's timeout, as the worker's process would
-                        calm = lazy and not sched.wakeups
-                        dur, parts = r
-                        ln.parts = parts
-                        b0 += parts[0]
-                        b1 += parts[1]
-                        b2 += parts[2]
-                        b3 += parts[3]
-                        b4 += parts[4]
-                        heapreplace(lq, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
-                        ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
-                        ln.dng = dur * ln.ng
-                        qt = queue[0][0] if queue else inf  # the calls above may have queued events
-                        stop_q = min(qt, stop, nsample)
-                    tl = t
-                    head = lq[0]
-                    t = head[0]
-                    if t >= stop_q or (ln := ticks.get(head[3])) is None:
-                        break
+                tl, fall, taken = lanes.run(t, min(end_x, ta_next))
                 env._now = tl  # the last step taken (a plain step does not move the clock itself)
-                taken = len(spans) - spans0
-                n_fast += taken
                 n_events += taken
-                busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
-                bd[:] = b0, b1, b2, b3, b4
                 if fall:  # SimPy resumes the decoder's process with this step's end
                     heappush(queue, heappop(lq))
                     step()
@@ -756,6 +639,7 @@ def simulate(
     finally:
         _gc_resume(gc_state)
     wall = time.perf_counter() - t_wall0
+    n_fast = lanes.n_fast if lanes is not None else 0
     perf = {"wall_s": wall, "events": n_events, "fast_decode_steps": n_fast, "events_per_s": n_events / max(wall, 1e-9),
             "sim_s_per_wall_s": sim_end / max(wall, 1e-9), "decode_steps": sched.decode_steps,
             "decode_steps_per_wall_s": sched.decode_steps / max(wall, 1e-9), "decisions": len(sched.log)}

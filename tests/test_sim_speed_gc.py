@@ -67,7 +67,7 @@ def test_collector_state_is_restored_after_an_error(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(driver.Scheduler, "ff_decode_step", boom)
+    monkeypatch.setattr(driver.Scheduler, "advance_decoder", boom)
     with pytest.raises(RuntimeError, match="boom"):
         _run()
     assert gc.isenabled()

@@ -38,8 +38,6 @@ class FailureHandling:
         """
         self.check_target(target)
         self.now_s = now_s
-        for d in self.decoders:
-            d.ff_plain = 0
         self._add((now_s, "fault", "", -1, 0, 0, target))
         kind, _, ident = target.partition(":")
         aborted: list[str] = []
@@ -77,8 +75,6 @@ class FailureHandling:
         dead — the autoscaler may build new ones)."""
         self.check_target(target)
         self.now_s = now_s
-        for d in self.decoders:
-            d.ff_plain = 0
         kind, _, ident = target.partition(":")
         self._add((now_s, "fault", "", -1, 1, 0, "recover " + target))
         nics: list[str] = []
@@ -160,7 +156,7 @@ class FailureHandling:
         self._reroute_lists()
 
     def _kill_prefiller(self, pf: PrefillerState, now: float, aborted: list[str], why: str) -> None:
-        pf.status = DEAD
+        self._set_status(pf, DEAD)
         pf.ended_s = now
         self._reroute_lists()
         self._refresh_limits()
@@ -197,7 +193,7 @@ class FailureHandling:
             self._requeue_prefill(r, now, why, lost_kv=True)
 
     def _kill_decoder(self, d: DecoderState, now: float, aborted: list[str], why: str) -> None:
-        d.status = DEAD
+        self._set_status(d, DEAD)
         d.ended_s = now
         self._reroute_lists()
         self._refresh_limits()

@@ -45,8 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from heapq import heappop, heappush
-from itertools import compress, repeat
-from operator import add, mul
+from itertools import compress
 
 import numpy as np
 
@@ -86,6 +85,7 @@ from engine.core.state import (
     FP,
     KV_IN_FLIGHT,
     KV_PENDING,
+    PLAN_PENDING,
     PREFILLING,
     QUEUED_DECODE,
     QUEUED_PREFILL,
@@ -96,15 +96,12 @@ from engine.core.state import (
     STATUS_NAMES,
     AutoscalerState,
     DecoderState,
+    DecoderView,
     KvStreamState,
     PrefillerState,
     RequestState,
     Sample,
 )
-
-#: ``DecoderState.plan`` of a step started by ``Scheduler.ff_decode_step`` (no plan object built yet)
-_IN_FLIGHT = object()
-_STEPPING = (ACTIVE, DRAINING)  # decoder statuses that keep stepping
 
 #: ``tuple.__new__``: builds a plan NamedTuple from a tuple of all its fields without the class's Python-level
 #: ``__new__`` (the same object; a prefill batch, a KV transfer or an idle answer per scheduler call)
@@ -300,6 +297,10 @@ class Scheduler(FailureHandling):
         out, self.wakeups = self.wakeups, []
         return out
 
+    def _set_status(self, w, status: int) -> None:
+        w.status = status
+        w.changes += 1
+
     def _wake(self, w) -> None:
         if w.idle:
             w.idle = False
@@ -456,7 +457,7 @@ class Scheduler(FailureHandling):
         if st == STARTING:
             if now < pf.ready_at:
                 return self._idle(pf, now, WAIT_READY, pf.ready_at)
-            pf.status = ACTIVE
+            self._set_status(pf, ACTIVE)
             pf.offset_tokens = 0
             for s in pf.streams:
                 self._wake(s)
@@ -666,8 +667,8 @@ class Scheduler(FailureHandling):
         r.state = QUEUED_DECODE
         d.rank_queue[r.rank].append(r)
         d.n_qdec += 1
+        d.changes += 1
         d.admit_blocked = False
-        d.ff_plain = 0
         if d.idle:
             d.idle = False
             self.wakeups.append(d.id)
@@ -695,14 +696,15 @@ class Scheduler(FailureHandling):
         d.rank_key[rank] -= self._key_base + tokens
 
     # ------------------------------------------------------------------ decode
-    def _next_decode(self, d: DecoderState, now: float) -> Plan:
-        d.ff_plain = 0
+    def _next_decode(self, d: DecoderState, now: float, build: bool = True) -> Plan | None:
+        """``next`` for a decoder: admit, then idle/stop it or start a step. ``build=False`` (``advance_decoder``)
+        starts the step without building its plan and returns None."""
         if d.status != ACTIVE:
             st = d.status
             if st == STARTING:
                 if now < d.ready_at:
                     return self._idle(d, now, WAIT_READY, d.ready_at)
-                d.status = ACTIVE
+                self._set_status(d, ACTIVE)
                 self._reroute_lists()
                 self._wake_blocked_streams()
             elif st in (DEAD, RETIRED):
@@ -716,27 +718,33 @@ class Scheduler(FailureHandling):
                 self._retire(d, now)
                 return self._stop(d, now, "drained")
             return self._idle(d, now, WAIT_WORK)
-        plan = d.plan = self._decode_plan(d)
-        d.ff_left = 0
+        joined = d.joined
+        left = d.left
+        if build:
+            plan = d.plan = self._decode_plan(d, joined, left)
+        else:  # the plan is built on demand (decode_plan); the step's joins and leaves are kept for it
+            plan = None
+            d.plan = PLAN_PENDING
+            d.delta = (tuple(joined), tuple(left)) if joined or left else None
+        if joined:
+            joined.clear()
+        if left:
+            left.clear()
         if self._log_on:
-            self._add((now, "decode", d.id, -1, plan.step, d.n_running, ""))
+            self._add((now, "decode", d.id, -1, d.step, d.n_running, ""))
         return plan
 
     @staticmethod
-    def _decode_plan(d: DecoderState, consume: bool = True) -> DecodeStep:
+    def _decode_plan(d: DecoderState, joined: list, left: list) -> DecodeStep:
+        """The plan of step ``d.step`` (per-rank batch and context now, the given joins and leaves)."""
         s = d.step
         ctx = tuple([(c + s * q) >> FP for c, q in zip(d.rank_c, d.rank_rate)])
-        joined = tuple(d.joined) if d.joined else ()
-        left = tuple(d.left) if d.left else ()
-        if consume and joined:
-            d.joined.clear()
-        if consume and left:
-            d.left.clear()
-        return DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, joined, left)
+        return DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, tuple(joined), tuple(left))
 
     def _admit(self, d: DecoderState, now: float) -> None:
         # one admission per request served: the decoder's lists and counters are held in locals (and the counts
         # written back once), which saves a dozen attribute look-ups per admission
+        d.changes += 1
         cap = d.cap
         s = d.step
         choose = self._take_admitted
@@ -785,23 +793,31 @@ class Scheduler(FailureHandling):
 
     def _done_decode(self, plan: DecodeStep, result: Result, now: float) -> None:
         d = self.workers[plan.worker]
-        d.ff_plain = 0
         if d.plan is not plan:
             return
         d.plan = None
         if result.failed is not None:
             return  # a failed step of a live group is simply retried (nothing advanced)
-        s = plan.step
-        d.step = s + 1
-        dur = result.duration_s
+        if result.accepted is not None:
+            self._book_step(d, result.duration_s)
+            self._apply_real_acceptance(d, plan.step, result.accepted, now)
+        else:
+            self._complete_step(d, result.duration_s, now)
+
+    def _book_step(self, d: DecoderState, dur: float) -> None:
+        d.step += 1
         self.busy_gpu_s["decode"] += dur * d.n_gpus
         self.decode_steps += 1
         self.step_durations.append(dur)
+
+    def _complete_step(self, d: DecoderState, dur: float, now: float) -> None:
+        """Step ``d.step`` ended after ``dur``: book it; the requests whose drawn finish step it was are done."""
+        s = d.step
+        self._book_step(d, dur)
         heap = d.heap
-        running = d.running
-        if result.accepted is not None:
-            self._apply_real_acceptance(d, plan, result.accepted, now)
+        if not heap or heap[0][0] > s:
             return
+        running = d.running
         freed = False
         while heap and heap[0][0] <= s:
             fs, rid = heappop(heap)
@@ -813,198 +829,7 @@ class Scheduler(FailureHandling):
         if freed and self._blocked:
             self._wake_blocked_streams()
 
-    def ff_decode_step(self, worker: str, now_s: float, dur_s: float,
-                       step_cost: Callable[[int, int], tuple[float, int, object]]) -> tuple[float, object] | None:
-        """Fast-forward: complete the decode step of ``worker`` in flight (it ended at ``now_s`` after ``dur_s``)
-        and start the next one — exactly ``done(plan, Result(dur_s), now_s)`` then ``next(worker, now_s)`` —
-        without plan objects; or return None and change nothing when the decoder would not step again (no running
-        request left and nobody to admit: ``next`` would idle or stop it), so the driver goes the usual way.
-
-        The step started here gets its :class:`DecodeStep` only if :meth:`decode_plan_in_flight` asks for it (the
-        driver does on an interruption); its ``joined`` / ``left`` are kept for that. Wake-ups the completion
-        causes are in :attr:`wakeups` as after ``done``.
-
-        ``step_cost(max_batch, max_context_tokens) -> (dur_s, ctx_hi, tag)`` prices a step from its busiest ranks
-        and says up to which context the price holds (a cost model memoised on a context grid returns its
-        bucket's end): the same answer for every context from the one asked up to ``ctx_hi`` at that batch. So the
-        contexts are recomputed only when the batch changed or they may have left that range: finishes keep the
-        price unless they change the busiest batch or end a request on the rank that held the longest context
-        (running requests' contexts only grow, so the longest stays in range), admissions keep it while the
-        busiest batch is unchanged and their ranks' contexts stay <= ``ctx_hi``. Returns ``(dur_s, tag)`` of the
-        step started.
-        """
-        d = self.workers[worker]
-        s = d.step
-        heap = d.heap
-        if d.ff_left > 0 and (not heap or heap[0][0] > s) and now_s < self.next_sample_s and \
-                (not d.n_qdec or d.admit_blocked) and not d.joined and not d.left and d.plan is not None and \
-                d.status in _STEPPING and not self._real_accept:
-            # the common case, a plain step (nothing finishes, nobody to admit, same price, no sample due): what
-            # the general path below does then, in the same order
-            self.now_s = now_s
-            d.step = s + 1
-            self.busy_gpu_s["decode"] += dur_s * d.n_gpus
-            self.decode_steps += 1
-            self.step_durations.append(dur_s)
-            d.ff_delta = None
-            left = d.ff_left = d.ff_left - 1
-            d.plan = _IN_FLIGHT
-            d.ff_plain = min(left, heap[0][0] - s - 1) if heap else left
-            if self._log_on:
-                self._add((now_s, "decode", d.id, -1, s + 1, d.n_running, ""))
-            return d.ff_cost, d.ff_tag
-        if d.plan is None or d.status not in _STEPPING or self._real_accept:
-            return None
-        ending = None
-        if heap and heap[0][0] <= s:
-            running = d.running
-            ending = []
-            while heap and heap[0][0] <= s:
-                ending.append(heappop(heap))
-            n_fin = 0
-            for fs, rid in ending:
-                r = running.get(rid)
-                if r is not None and r.finish_step == fs:
-                    n_fin += 1
-            if n_fin >= d.n_running and not (d.n_qdec and self._admits_after(d, ending)):
-                for e in ending:  # next() would idle or stop the decoder: leave it to done()/next()
-                    heappush(heap, e)
-                return None
-        # complete step s: _done_decode (d.plan is set below)
-        self.now_s = now_s
-        d.step = s + 1
-        self.busy_gpu_s["decode"] += dur_s * d.n_gpus
-        self.decode_steps += 1
-        self.step_durations.append(dur_s)
-        left = d.ff_left  # steps from the one starting now that the price holds for (<= 0: price it again)
-        if ending:
-            running = d.running
-            freed = False
-            rx = d.ff_rx
-            for fs, rid in ending:
-                r = running.get(rid)
-                if r is None or r.finish_step != fs:
-                    continue
-                if r.rank == rx:
-                    left = 0
-                self._finish_decode(d, r, now_s, s - r.s0 + 1, r.out - r.generated)
-                freed = True
-            if freed and self._blocked:
-                self._wake_blocked_streams()
-        # start step s + 1: next() / _next_decode, with running requests
-        s += 1
-        if now_s >= self.next_sample_s:
-            self._sample(now_s)
-        nj = len(d.joined)
-        if d.n_qdec and not d.admit_blocked:
-            self._admit(d, now_s)
-        if left > 0:
-            # Keep the price when it provably stays the same (the step cost depends on the busiest batch and on
-            # the longest context's bucket only). Finishes lower contexts: the longest stays >= the one priced
-            # unless a request on the rank that held it finished. Admissions raise their ranks' contexts: the
-            # price holds while those stay <= ff_hi (steps counted below). The busiest batch must be unchanged.
-            batch = d.rank_batch
-            b = d.ff_b
-            if batch[d.ff_rb] != b:
-                left = 0
-            elif len(d.joined) > nj:
-                lim = (d.ff_hi + 1) << FP  # contexts < lim (in fixed point) are <= ff_hi
-                for _, q in d.joined[nj:]:
-                    rq = d.rank_rate[q]
-                    x = d.rank_c[q] + s * rq
-                    if batch[q] > b or x >= lim:
-                        left = 0
-                        break
-                    if rq:
-                        w = -(-(lim - x) // rq)  # steps j = 0 .. w-1 keep x + j * rq < lim
-                        left = min(left, w)
-        d.ff_left = left
-        if d.joined or d.left:  # the step's plan deltas, for decode_plan_in_flight
-            d.ff_delta = (tuple(d.joined), tuple(d.left))
-            d.joined.clear()
-            d.left.clear()
-        elif d.ff_delta is not None:
-            d.ff_delta = None
-        if d.ff_left <= 0:
-            rate = d.rank_rate
-            # max over ranks of (c + s * rate) >> FP = (max of c + s * rate) >> FP, in C-level maps
-            xs = list(map(add, d.rank_c, map(mul, rate, repeat(s))))
-            mx = max(xs)
-            m = mx >> FP
-            batch = d.rank_batch
-            b = max(batch)
-            d.ff_cost, hi, d.ff_tag = step_cost(b, m)
-            d.ff_b, d.ff_rb, d.ff_rx, d.ff_hi = b, batch.index(b), xs.index(mx), hi
-            # every rank's context after j more steps is <= m + j * max(rate) / 2**FP + 1
-            qmax = max(rate)
-            d.ff_left = ((max(hi - m - 1, 0) << FP) // qmax + 1) if qmax else 1 << 62
-        left = d.ff_left = d.ff_left - 1
-        d.plan = _IN_FLIGHT
-        if heap:  # max(min(left, heap[0][0] - s), 0), without the calls
-            f = heap[0][0] - s
-            if left < f:  # noqa: PLR1730
-                f = left
-            d.ff_plain = f if f > 0 else 0  # noqa: FURB136
-        else:
-            d.ff_plain = left
-        if self._log_on:
-            self._add((now_s, "decode", d.id, -1, s, d.n_running, ""))
-        return d.ff_cost, d.ff_tag
-
-    def ff_handle(self, worker: str):
-        """The decoder state :meth:`ff_decode_step` keeps for ``worker``. A driver may read its ``ff_plain``:
-        after a call to :meth:`ff_decode_step` returned, the next ``ff_plain`` completions of this decoder's steps
-        are *plain* — the step number advances, nothing finishes, nobody is admitted, the price stays — as long as
-        no sample falls due (``now_s < next_sample_s``) and no other call changes the decoder (those set
-        ``ff_plain`` to 0). Such steps can be taken without calling in: the driver books their durations itself
-        (:attr:`step_durations` and ``busy_gpu_s["decode"]``, in step order, the latter written back before any
-        other call) and reports how many it took with :meth:`ff_advance`. Only for a driver with the decision
-        log off (plain steps are logged by :meth:`ff_decode_step` only)."""
-        d = self.workers[worker]
-        if d.kind != "decode":
-            raise ValueError(f"{worker}: not a decoder")
-        return d
-
-    def ff_advance(self, d, k: int) -> None:
-        """``k`` plain steps of decoder state ``d`` (:meth:`ff_handle`) were taken by the driver: move its step
-        counters on as ``k`` calls of :meth:`ff_decode_step` would have (it books the durations itself). The driver
-        may report late — after other calls — but before any call concerning this decoder (its next
-        :meth:`ff_decode_step`, :meth:`decode_plan_in_flight`, ``done``/``next``) and before :meth:`fail`,
-        :meth:`recover` and :meth:`finalize`."""
-        d.step += k
-        d.ff_left -= k
-        d.ff_plain -= k
-        self.decode_steps += k
-        d.ff_delta = None
-
-    @staticmethod
-    def _admits_after(d: DecoderState, ending) -> bool:
-        """Would a request queued for decode be admitted once the ``ending`` heap entries have finished?"""
-        fin_rank = [0] * d.ep
-        running = d.running
-        for fs, rid in ending:
-            r = running.get(rid)
-            if r is not None and r.finish_step == fs:
-                fin_rank[r.rank] += 1
-        return any(q and d.rank_batch[rank] - fin_rank[rank] < d.cap for rank, q in enumerate(d.rank_queue))
-
-    def decode_plan_in_flight(self, worker: str) -> DecodeStep:
-        """The :class:`DecodeStep` of the step :meth:`ff_decode_step` started (built now as ``next`` would have
-        built it then: nothing it depends on changes while a step runs). Any other plan in flight is returned
-        as is; after a failure (no plan in flight) a detached plan the scheduler will ignore."""
-        d = self.workers[worker]
-        plan = d.plan
-        if plan is _IN_FLIGHT:
-            plan = self._decode_plan(d, consume=False)
-            if d.ff_delta is not None:
-                plan = plan._replace(joined=d.ff_delta[0], left=d.ff_delta[1])
-            d.plan = plan
-        elif plan is None:
-            plan = self._decode_plan(d, consume=False)
-        return plan
-
-    def _apply_real_acceptance(self, d: DecoderState, plan: DecodeStep, accepted, now: float) -> None:
-        s = plan.step
+    def _apply_real_acceptance(self, d: DecoderState, s: int, accepted, now: float) -> None:
         heap = d.heap
         while heap and heap[0][0] <= s:
             heappop(heap)  # drawn finish steps are not used with real acceptance
@@ -1028,6 +853,7 @@ class Scheduler(FailureHandling):
         rfp = r.rate_fp
         reserved = r.reserved
         del d.running[rid]
+        d.changes += 1
         d.admit_blocked = False
         d.n_running -= 1
         d.rank_batch[rank] -= 1
@@ -1042,6 +868,61 @@ class Scheduler(FailureHandling):
         if self._log_on:
             self._add((now, "finish", d.id, r.id, r.generated, r.steps, ""))
         self._resolve(r, now)
+
+    # ------------------------------------------------------------------ decode steps run by the driver
+    def decoder_view(self, worker: str) -> DecoderView:
+        """The state of decoder ``worker``, typed read-only (:class:`~engine.core.state.DecoderView`), for a
+        driver that runs its steps through :meth:`advance_decoder` / :meth:`plain_steps`."""
+        d = self.workers[worker]
+        if d.kind != "decode":
+            raise ValueError(f"{worker}: not a decoder")
+        return d
+
+    def advance_decoder(self, worker: str, dur_s: float, now_s: float) -> Plan | None:
+        """The decode step of ``worker`` in flight ended at ``now_s`` after ``dur_s``: exactly
+        ``done(plan, Result(dur_s), now_s)`` then ``next(worker, now_s)``, except that the :class:`DecodeStep` of
+        the step this starts is built only when :meth:`decode_plan` asks for it. Returns None when a step started,
+        else what ``next`` answered (Idle or Stop). MTP acceptance is drawn (a driver with real outcomes calls
+        ``done``)."""
+        d = self.workers[worker]
+        if d.plan is None or self._real_accept:
+            raise RuntimeError(f"{worker}: no drawn decode step in flight")
+        self.now_s = now_s
+        d.plan = None
+        self._complete_step(d, dur_s, now_s)
+        if now_s >= self.next_sample_s:
+            self._sample(now_s)
+        return self._next_decode(d, now_s, build=False)
+
+    def plain_steps(self, worker: str, k: int) -> None:
+        """``k`` more decode steps of ``worker`` ended and as many started, each *plain*: nothing finished,
+        nobody was admitted, no sample fell due — what ``k`` calls of :meth:`advance_decoder` would have done,
+        minus what the driver booked itself in completion order (``step_durations``, ``busy_gpu_s["decode"]``).
+        Only with the decision log off (those calls would log each step). The driver reports before any other
+        call that concerns this decoder (its next step, :meth:`decode_plan`, ``done``/``next``, :meth:`fail`,
+        :meth:`recover`, :meth:`finalize`) — possibly after others (a KV arrival does not read the step counter).
+        A claim the state contradicts (a request finishing within those steps) raises."""
+        d = self.workers[worker]
+        s = d.step
+        heap = d.heap
+        if self._log_on or d.plan is None or (heap and heap[0][0] < s + k):
+            raise RuntimeError(f"{worker}: steps {s}..{s + k - 1} are not plain")
+        d.step = s + k
+        self.decode_steps += k
+        d.delta = None
+
+    def decode_plan(self, worker: str) -> DecodeStep:
+        """The :class:`DecodeStep` in flight on ``worker`` — built now if :meth:`advance_decoder` started it (as
+        ``next`` would have built it then: nothing it depends on changes while a step runs); after a failure (no
+        step in flight) a detached plan the scheduler ignores."""
+        d = self.workers[worker]
+        plan = d.plan
+        if plan is PLAN_PENDING:
+            joined, left = d.delta if d.delta is not None else ((), ())
+            plan = d.plan = self._decode_plan(d, joined, left)
+        elif plan is None:
+            plan = self._decode_plan(d, d.joined, d.left)
+        return plan
 
     # ------------------------------------------------------------------ autoscaler
     def _next_autoscaler(self, a: AutoscalerState, now: float) -> Plan:
@@ -1149,15 +1030,13 @@ class Scheduler(FailureHandling):
         return d
 
     def _drain(self, w, now: float, role: str) -> None:
-        w.status = DRAINING
-        if w.kind == "decode":
-            w.ff_plain = 0
+        self._set_status(w, DRAINING)
         self._reroute_lists()
         self._add((now, "scale_down", w.id, -1, w.n_gpus, 0, role))
         self._wake(w)
 
     def _retire(self, w, now: float) -> None:
-        w.status = RETIRED
+        self._set_status(w, RETIRED)
         w.ended_s = now
         self.pool = sorted(set(self.pool) | (set(w.gpus) - self.failed_gpus))
         self._reroute_lists()

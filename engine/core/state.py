@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.core.deployment import DecoderGroup, PrefillerGroup
 from engine.core.request import Request
@@ -25,6 +26,10 @@ STATUS_NAMES = ("starting", "active", "draining", "dead", "retired")
 
 AUTOSCALER = "autoscaler"
 FP = 16  # fixed-point bits of the per-step context growth rate (exact integer running sums, no float drift)
+
+#: ``DecoderState.plan`` while a step runs whose :class:`~engine.core.plans.DecodeStep` was not built yet
+#: (``Scheduler.advance_decoder`` started it; ``Scheduler.decode_plan`` builds it)
+PLAN_PENDING = object()
 
 #: per-request metric row, appended when a request resolves (see :data:`ROW_FIELDS`)
 ROW_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "status", "reason", "first_token_s",
@@ -127,6 +132,7 @@ class PrefillerState:
         self.waits_for = ""
         self.batches = 0
         self.streams: list[KvStreamState] = []
+        self.changes = 0              # status changes (Scheduler._set_status)
 
 
 class KvStreamState:
@@ -185,18 +191,9 @@ class DecoderState:
         self.left: list[int] = []
         self.plan = None
         self.idle = False
-        self.ff_left = 0                 # fast-forward: steps the cached step cost stays valid for
-        self.ff_cost = 0.0
-        self.ff_tag = None
-        self.ff_delta = None             # (joined, left) of a step ff_decode_step started
-        # what the last pricing in ff_decode_step saw: the busiest batch, a rank holding it, a rank with the
-        # longest context, and the end of the context range the price holds for (see ff_decode_step)
-        self.ff_b = 0
-        self.ff_rb = 0
-        self.ff_rx = 0
-        self.ff_hi = 0
-        self.ff_plain = 0                # ticks after the step in flight that are plain steps (ff_decode_step)
+        self.delta: tuple | None = None  # (joined, left) of a step started without its plan (PLAN_PENDING)
         self.admit_blocked = False       # requests queue for decode only on full ranks (set by _admit)
+        self.changes = 0                 # see DecoderView.changes
 
     @property
     def nreq(self) -> int:
@@ -225,4 +222,42 @@ class Sample:
     kv: int
     queued_decode: int
     decoding: int
+
+
+class DecoderView(Protocol):
+    """What a driver that runs a decoder's steps itself (``sim.fastpath``) may read of its state — read only: the
+    scheduler changes it, in :meth:`~engine.core.scheduler.Scheduler.advance_decoder` / ``plain_steps`` among
+    others. ``Scheduler.decoder_view`` hands out the :class:`DecoderState` itself under this type (no copy: the
+    fast path reads a few of these per simulated step).
+
+    ``changes`` moves whenever the decoder's status, decode queues or running batch change, whoever changes
+    them: a driver that derived something from the state (how many coming steps are plain) knows it still holds
+    while ``changes`` is what it was then."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def n_gpus(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...                           # the step in flight (or next to start)
+
+    @property
+    def changes(self) -> int: ...
+
+    @property
+    def rank_batch(self) -> list[int]: ...               # running requests per rank
+
+    @property
+    def rank_c(self) -> list[int]: ...                   # a rank's context at step s: (rank_c + s * rank_rate) >> FP
+
+    @property
+    def rank_rate(self) -> list[int]: ...
+
+    @property
+    def heap(self) -> list[tuple[int, int]]: ...         # (finish step, request id), a heap; may hold stale entries
+
+    @property
+    def delta(self) -> tuple | None: ...                 # (joined, left) of a step started without its plan
 

@@ -1,0 +1,310 @@
+"""The simulator's decode fast path: decoder steps run by the main loop instead of each decoder's SimPy process.
+
+Decode steps are ~85 % of a loaded rack's events. When the cost model prices a decode step from its busiest rank
+(``decode_point``, see :mod:`sim.executor`), the environment and executor are the simulated ones and the
+scheduler's policies are certified (:func:`certified`), a decoder's process yields its step's end as an entry of
+the decoders' own event heap (:class:`DecodeLanes`, ``lq``) instead of a SimPy timeout, and the main loop
+completes the step when that entry comes up: :meth:`DecodeLane.advance` asks the scheduler
+(:meth:`~engine.core.scheduler.Scheduler.advance_decoder`: ``done`` + ``next`` without the plan object) and, when
+the decoder steps on, re-schedules the *same* entry for the next step exactly as ``env.timeout`` would (same
+time, priority and next insertion id), so the event queue, and with it every decision, evolves as step by step.
+The process stays suspended until a step's end makes the scheduler answer Idle/Stop (the process then takes
+that answer over: :attr:`DecodeLane.handoff`) or a fault interrupts it (it asks the scheduler for the plan in
+flight: ``decode_plan``).
+
+**Price memo.** A lane keeps the price of its last step and the range it holds for: the cost depends on the
+busiest batch and on the longest context's bucket only (``decode_point``'s contract: the same step time for every
+context from the one asked up to ``ctx_hi``), so the contexts are recomputed only when the batch changed or they
+may have left that range — finishes keep the price unless the busiest batch changed or the rank that held the
+longest context fell below the context priced (running requests' contexts only grow); admissions keep it while
+the busiest batch is unchanged and their ranks' contexts stay <= ``ctx_hi``.
+
+**Plain steps.** With the decision log off, a step whose completion finishes nobody, admits nobody and keeps the
+price is *plain*: the main loop takes it without calling the scheduler, books its duration in completion order
+(``step_durations``, ``busy_gpu_s["decode"]``, the breakdown) and reports how many it took
+(:meth:`~engine.core.scheduler.Scheduler.plain_steps`) before the scheduler is next called about that decoder or
+a fault (:meth:`DecodeLanes.report`). How many of the coming steps are plain is derived from the decoder's
+read-only view after each :meth:`DecodeLane.advance`; it holds while the decoder's change counter
+(``DecoderView.changes``) stays where it was — a KV arrival, a drain or a failure moves it — and no sample falls
+due.
+
+``tests/test_sim_driver_fastdecode.py``, ``test_sim_driver_lazydecode.py`` and ``test_sim_speed.py`` check that
+runs with the fast path equal runs without it (``simulate(..., fast_decode=False)``): rows, decision logs, spans,
+samples, metrics, breakdowns, event counts.
+"""
+
+from __future__ import annotations
+
+from heapq import heappush, heapreplace
+from itertools import repeat
+from operator import add, mul
+
+from simpy.events import NORMAL
+
+from engine.core.policies import Policies
+from engine.core.state import FP
+
+#: span kind of a decode step in ``SimResult.spans`` (sim.driver.SPAN_DECODE)
+SPAN_DECODE = 2
+
+
+def certified(policies: Policies) -> bool:
+    """Whether the fast path gives the reference path's results under ``policies``: it skips calling the scheduler
+    for steps in which a decoder's state did not change, which holds when decode admission is state-only (the
+    routing policies are consulted inside scheduler calls, which the fast path makes as the reference path does)."""
+    return bool(getattr(policies.admission, "state_only", False))
+
+
+def step_cost(cm_point, group, draft_k: int):
+    """``(max_batch, max_context_tokens) -> (dur_s, ctx_hi, parts)`` of one decoder group (parts: the StepTime's
+    fields, in :data:`sim.executor._FIELDS` order) from the cost model's ``decode_point``, memoised."""
+
+    memo: dict = {}
+    last: dict[int, tuple] = {}  # max_batch -> (ctx, ctx_hi, answer) of the last point asked for that batch
+
+    def cost(b: int, ctx: int):
+        hit = last.get(b)
+        if hit is not None and hit[0] <= ctx <= hit[1]:
+            return hit[2]  # decode_point's contract: the same StepTime for every context from hit[0] to ctx_hi
+        st, hi = cm_point(group, b, ctx, draft_k)
+        parts = memo.get(st)
+        if parts is None:  # one tuple per StepTime: the driver adds its fields to the breakdown
+            parts = memo[st] = (st.attn_s, st.moe_gemm_s, st.a2a_s, st.allreduce_s, st.other_s)
+        ans = (st.total_s, hi, parts)
+        last[b] = (ctx, hi, ans)
+        return ans
+
+    return cost
+
+
+class DecodeLane:
+    """One decoder's step in flight as the main loop sees it, and what the lane derived from the decoder's view:
+    the price of its steps and for how many more steps it holds, and how many coming steps are plain."""
+
+    __slots__ = ("b", "cost", "dng", "dur_s", "handoff", "hi", "k", "left", "lo_fp", "ng", "parts", "plain",
+                 "price", "rb", "rx", "start_s", "step", "ver", "view", "virtual", "wid")
+
+    def __init__(self, wid: str, view, price) -> None:
+        self.wid = wid
+        self.view = view      # the scheduler's DecoderView of the decoder (read only)
+        self.price = price    # step_cost(...) of the decoder's group
+        self.ng = view.n_gpus
+        self.k = 0            # plain steps taken and not yet reported (Scheduler.plain_steps)
+        self.plain = 0        # completions after the step in flight that are plain while view.changes == ver
+        self.ver = -1
+        self.left = 0         # steps, from the one in flight, that the price below holds for (<= 0: re-price)
+        self.cost = 0.0       # the price: duration, StepTime fields, and what it was taken at: the busiest batch
+        self.parts = None     # b on rank rb, the longest context on rank rx (lo_fp: that context << FP) and the
+        self.b = self.rb = self.rx = self.hi = self.lo_fp = 0  # end hi of the context range the price holds for
+        self.start_s = self.dur_s = self.dng = 0.0  # the step in flight: start, duration, dur_s * GPUs
+        self.step = 0
+        self.virtual = False  # the step in flight was started by advance (its plan is not built)
+        self.handoff = None   # what the scheduler answered (Idle/Stop) when a step's end stopped the decoder
+
+    def advance(self, sched, t: float):
+        """The step in flight ended at ``t``: the scheduler completes it and starts the next
+        (``advance_decoder``); returns ``(dur_s, parts)`` of the step started, or None when the decoder does not
+        step on (its process takes :attr:`handoff` over)."""
+        res = sched.advance_decoder(self.wid, self.dur_s, t)
+        if res is not None:
+            self.handoff = res
+            return None
+        v = self.view
+        s = v.step
+        left = self.left
+        dl = v.delta  # this step's joins and leaves (None: neither)
+        if left > 0 and dl is not None:
+            batch = v.rank_batch
+            b = self.b
+            joined, gone = dl
+            if batch[self.rb] != b:
+                left = 0
+            elif gone and v.rank_c[self.rx] + s * v.rank_rate[self.rx] < self.lo_fp:
+                left = 0  # the longest context priced fell (a request on its rank finished): re-price
+            elif joined:
+                lim = (self.hi + 1) << FP  # contexts < lim (in fixed point) are <= hi
+                rate = v.rank_rate
+                c = v.rank_c
+                for _, q in joined:
+                    rq = rate[q]
+                    x = c[q] + s * rq
+                    if batch[q] > b or x >= lim:
+                        left = 0
+                        break
+                    if rq:
+                        left = min(left, -(-(lim - x) // rq))  # the steps j that keep x + j * rq < lim
+        if left <= 0:
+            rate = v.rank_rate
+            # max over ranks of (c + s * rate) >> FP = (max of c + s * rate) >> FP, in C-level maps
+            xs = list(map(add, v.rank_c, map(mul, rate, repeat(s))))
+            mx = max(xs)
+            m = mx >> FP
+            batch = v.rank_batch
+            b = max(batch)
+            self.cost, hi, self.parts = self.price(b, m)
+            self.b, self.rb, self.rx, self.hi, self.lo_fp = b, batch.index(b), xs.index(mx), hi, m << FP
+            # every rank's context after j more steps is <= m + j * max(rate) / 2**FP + 1
+            qmax = max(rate)
+            left = ((max(hi - m - 1, 0) << FP) // qmax + 1) if qmax else 1 << 62
+        left -= 1
+        self.left = left
+        heap = v.heap
+        if heap:  # max(min(left, heap[0][0] - s), 0), without the calls
+            f = heap[0][0] - s
+            if left < f:  # noqa: PLR1730
+                f = left
+            self.plain = f if f > 0 else 0  # noqa: FURB136
+        else:
+            self.plain = left
+        self.ver = v.changes
+        return self.cost, self.parts
+
+
+class DecodeLanes:
+    """The decoders' pending step ends (``lq``: SimPy queue entries ``(time, priority, id, event)`` in a heap of
+    their own, merged with SimPy's queue by the main loop in (time, priority, insertion) order) and their lanes.
+
+    ``env`` is the simulated environment whose queue, insertion counter and clock the lanes share; ``cm_point``
+    the cost model's ``decode_point``; ``spans`` the
+    run's span list; ``breakdown`` the executor's decode breakdown (five sums, added to in step order);
+    ``flush`` the driver's hand-over of wake-ups and new workers; ``lazy``: take plain steps (decision log off)."""
+
+    def __init__(self, sched, env, cm_point, spans: list, breakdown: list, flush, *, lazy: bool,
+                 debug_checks: bool) -> None:
+        self.sched = sched
+        self.env = env
+        self.cm_point = cm_point
+        self.queue = env._queue
+        self.eid = env._eid
+        self.spans = spans
+        self.bd = breakdown
+        self.flush = flush
+        self.lazy = lazy
+        self.debug_checks = debug_checks
+        self.lq: list[tuple] = []
+        self.ticks: dict = {}               # a decoder's step-end event -> its lane
+        self.lanes: dict[str, DecodeLane] = {}
+        self.n_fast = 0                     # steps completed by the main loop
+
+    def start(self, wid: str, plan, t0: float, dur: float):
+        """A decoder's process starts ``plan`` (built by ``next``) at ``t0`` for ``dur``: its end goes on ``lq``
+        (an event as ``env.timeout(dur)`` would be, with the next insertion id). Returns ``(event, lane)``; the
+        process yields the event and calls :meth:`untick` when it resumes."""
+        env = self.env
+        lane = self.lanes.get(wid)
+        if lane is None:
+            price = step_cost(self.cm_point, self.sched.group(wid), plan.draft_k)
+            lane = self.lanes[wid] = DecodeLane(wid, self.sched.decoder_view(wid), price)
+        tmo = env.event()
+        tmo._ok = True
+        tmo._value = None
+        heappush(self.lq, (env._now + dur, NORMAL, next(self.eid), tmo))
+        lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
+        lane.dng = dur * lane.ng
+        lane.left = 0   # priced by the executor: the lane prices the next step itself
+        lane.plain = 0
+        self.ticks[tmo] = lane
+        return tmo, lane
+
+    def untick(self, tmo) -> None:
+        del self.ticks[tmo]
+
+    def report(self) -> None:
+        """Report the plain steps taken (Scheduler.plain_steps); before any call that may read a decoder's step
+        counters (a fault, a recovery, the end of the run)."""
+        sched = self.sched
+        for ln in self.lanes.values():
+            if ln.k:
+                sched.plain_steps(ln.wid, ln.k)
+                ln.left -= ln.k
+                ln.plain -= ln.k
+                ln.k = 0
+
+    def run(self, t: float, stop: float) -> tuple[float, bool, int]:
+        """Decoder step ends, from ``lq``'s first entry (at ``t``) on: each completes its step and starts the next
+        (plain steps without calling the scheduler), while they come before SimPy's next event, ``stop`` (an
+        arrival, the end) and the next sample. Returns the time of the last step end taken, whether the entry now
+        first on ``lq`` must go to its process (the scheduler answered Idle/Stop: the caller moves it to SimPy's
+        queue and steps SimPy), and how many steps were completed."""
+        sched = self.sched
+        env = self.env
+        lq = self.lq
+        queue = self.queue
+        ticks = self.ticks
+        eid = self.eid
+        spans = self.spans
+        add_span = spans.append
+        bd = self.bd
+        busy_gpu_s = sched.busy_gpu_s
+        sd_append = sched.step_durations.append
+        lazy = self.lazy
+        head = lq[0]
+        ln = ticks[head[3]]
+        qt = queue[0][0] if queue else float("inf")
+        b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it in this loop
+        busy = busy_gpu_s["decode"]
+        # a plain step needs no sample due: the first one is checked here, the later ones stop before the sample
+        # time (stop_q) and come back here
+        nsample = sched.next_sample_s
+        stop_q = min(qt, stop, nsample)
+        calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
+        fall = False
+        spans0 = len(spans)  # every step taken below adds one span: n_fast counts them after the loop
+        tl = t
+        while True:
+            if calm and ln.k < ln.plain and ln.view.changes == ln.ver:
+                dur = ln.dur_s
+                s = ln.step
+                add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, s, False))
+                p0, p1, p2, p3, p4 = ln.parts
+                b0 += p0
+                b1 += p1
+                b2 += p2
+                b3 += p3
+                b4 += p4
+                busy += ln.dng  # dur * ng
+                sd_append(dur)
+                heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))
+                ln.start_s = t
+                ln.step = s + 1
+                ln.k += 1
+            else:
+                if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
+                    sched.plain_steps(ln.wid, ln.k)
+                    ln.left -= ln.k
+                    ln.plain -= ln.k
+                    ln.k = 0
+                busy_gpu_s["decode"] = busy
+                r = ln.advance(sched, t)
+                busy = busy_gpu_s["decode"]
+                if r is None:
+                    fall = True
+                    break
+                nsample = sched.next_sample_s
+                ev = head[3]
+                env._now = t
+                add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
+                if sched.wakeups or sched.new_workers or self.debug_checks:
+                    self.flush()  # before the step's timeout, as the worker's process would
+                calm = lazy and not sched.wakeups
+                dur, parts = r
+                b0 += parts[0]
+                b1 += parts[1]
+                b2 += parts[2]
+                b3 += parts[3]
+                b4 += parts[4]
+                heapreplace(lq, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
+                ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
+                ln.dng = dur * ln.ng
+                qt = queue[0][0] if queue else float("inf")  # the calls above may have queued events
+                stop_q = min(qt, stop, nsample)
+            tl = t
+            head = lq[0]
+            t = head[0]
+            if t >= stop_q or (ln := ticks.get(head[3])) is None:
+                break
+        taken = len(spans) - spans0
+        self.n_fast += taken
+        busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
+        bd[:] = b0, b1, b2, b3, b4
+        return tl, fall, taken
