@@ -40,18 +40,17 @@ import gc
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from heapq import heappop, heappush
 from math import nextafter
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL, URGENT
 
 from engine.core.autoscaler import AutoscalerConfig
 from engine.core.decision_log import DecisionLog
 from engine.core.deployment import Deployment, PrefillerGroup
 from engine.core.metrics import Slo, summarize
-from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result, Stop
+from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result
+from engine.core.policies import Policies
 from engine.core.request import Request
 from engine.core.scheduler import KvChunks, Scheduler
 from engine.core.state import ROW_FIELDS, Sample
@@ -142,46 +141,6 @@ def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) ->
     return n * per / max(st.total_s, 1e-12)
 
 
-_tnew = tuple.__new__
-assert Result._fields == ("duration_s", "accepted", "failed", "woken")
-
-# kinds of a direct worker's queue entry (``_DEv.kind``)
-_D_DONE, _D_WAKE, _D_TIMER, _D_INIT, _D_END = 0, 1, 2, 3, 4
-
-
-class _DWorker:
-    """A worker the main loop drives itself (no SimPy process): its plan in flight, when it began, its duration."""
-
-    __slots__ = ("done_ev", "dur", "plan", "t0", "wid")
-
-    def __init__(self, wid: str) -> None:
-        self.wid = wid
-        self.plan = None
-        self.t0 = self.dur = 0.0
-        self.done_ev = _DEv(_D_DONE, self, None)
-
-
-class _DEv:
-    """A direct worker's entry in SimPy's event queue, standing where the worker's process would have put an event:
-    a plan's end (the process's timeout), an idle worker's wake-up event (``succeed`` as SimPy's), the wake-up's
-    timer, the process's start (``Initialize``) and end (the process event itself)."""
-
-    __slots__ = ("kind", "push", "triggered", "value", "w")
-
-    def __init__(self, kind: int, w, push) -> None:
-        self.kind = kind
-        self.w = w            # the _DWorker (the wake-up event for a timer)
-        self.push = push      # schedules this entry now, as ``env.schedule(event)`` (wake-up events only)
-        self.triggered = False
-        self.value = None
-
-    def succeed(self, value) -> None:
-        """``simpy.Event.succeed`` for a wake-up: the worker resumes at the current time with ``value``."""
-        self.triggered = True
-        self.value = value
-        self.push(self)
-
-
 def simulate(
     deployment: Deployment,
     requests: Iterable[Request],
@@ -201,6 +160,7 @@ def simulate(
     fast_decode: bool = True,
     env: simpy.Environment | None = None,
     executor_factory=None,
+    policies: Policies | None = None,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
 
@@ -213,8 +173,9 @@ def simulate(
                model (full budget batches of the mean prompt of the first 1000 requests, or 4096 tokens).
     debug_checks: assert the scheduler's invariants after every scheduling call (slow; for tests).
     decision_log: keep the decision log (False for long benchmark runs; decisions are the same).
-    fast_decode: fast-forward plain decode steps without SimPy events (module docstring); the result is the
-               same either way (False is for the test that checks so).
+    fast_decode: run what needs no SimPy process without one (:mod:`sim.fastpath`); the result is the same either
+               way (False is for the tests that check so).
+    policies:  the scheduler's policies (:class:`~engine.core.policies.Policies`; default: the reference rules).
     """
     t_wall0 = time.perf_counter()
     fault_list = parse_faults(faults)
@@ -245,7 +206,7 @@ def simulate(
 
     rng = np.random.default_rng(seed)
     sched = Scheduler(deployment, rng, prefill_tokens_per_s=ptps, kv_chunks=kv_chunks, autoscaler=autoscaler,
-                      sample_interval_s=sample_interval_s, log=DecisionLog(enabled=decision_log))
+                      sample_interval_s=sample_interval_s, log=DecisionLog(enabled=decision_log), policies=policies)
     for f in fault_list:
         sched.check_target(f.target)
     env = env if env is not None else _Env()
@@ -277,9 +238,15 @@ def simulate(
     # decode_point must be the cost model's own (a class attribute): a wrapper that delegates unknown attributes
     # to a wrapped model (``__getattr__``) and changes ``decode`` would otherwise be bypassed
     cm_point = getattr(cost_model, "decode_point", None) if hasattr(type(cost_model), "decode_point") else None
-    fast = fast_decode and cm_point is not None and type(ex) is Executor and type(env) is _Env and \
-        fastpath.certified(sched.policies)
-    lanes: fastpath.DecodeLanes | None = None  # set below when fast
+    # The fast path (sim.fastpath): only with the simulated environment and executor. Decode lanes need a cost model
+    # that prices a decode step from its busiest rank (decode_point) and certified policies; direct workers a run
+    # without faults (nothing interrupts them).
+    fp: fastpath.FastPath | None = None
+    if fast_decode and type(ex) is Executor and type(env) is _Env:
+        fp = fastpath.FastPath(
+            sched, env, duration, spans, ex.breakdown_s["decode"], wake_ev, flush,
+            cm_point=cm_point if fastpath.certified(sched.policies) else None, direct=not fault_list,
+            lazy=not decision_log and not debug_checks, debug_checks=debug_checks)
 
     def run_worker(wid: str):
         gen = worker_loop(sched, wid, clock)
@@ -308,14 +275,14 @@ def simulate(
                 dur = duration(plan, t0)
                 try:
                     if type(dur) is float:
-                        if lanes is not None and tp is DecodeStep:
+                        if fp is not None and tp is DecodeStep and (st := fp.start_step(wid, plan, t0, dur)):
                             # the main loop completes this step and may run the next ones on the same event
                             # (sim.fastpath); the process resumes when a step's end stops the decoder
-                            tmo, lane = lanes.start(wid, plan, t0, dur)
+                            tmo, lane = st
                             try:
                                 yield tmo
                             finally:
-                                lanes.untick(tmo)
+                                fp.untick(tmo)
                             add_span((wid, SPAN_DECODE, lane.start_s, lane.dur_s, lane.step, False))
                             plan, lane.handoff = lane.handoff, None  # what next() answered (Idle/Stop)
                             lane.virtual = False
@@ -372,92 +339,14 @@ def simulate(
             if sched.wakeups or sched.new_workers or debug_checks:
                 flush()
 
-    # Direct workers (prefillers, KV streams, the autoscaler, when no fault can interrupt them): the main loop
-    # runs their loop itself, with entries in SimPy's queue (``_DEv``) exactly where their processes' events would
-    # be — same time, priority and insertion order, made in the same order — so every decision is the same.
-    direct = fast_decode and type(ex) is Executor and type(env) is _Env and not fault_list
-    queue = env._queue
-    eid = env._eid
-    if fast:
-        lanes = fastpath.DecodeLanes(sched, env, cm_point, spans, ex.breakdown_s["decode"], flush,
-                                     lazy=not decision_log and not debug_checks, debug_checks=debug_checks)
-    # The pending step ends of fast-forwarded decoders (lanes.lq): SimPy queue entries kept in a heap of their own
-    # (a few entries instead of all of SimPy's); the main loop takes the earlier head of the two, so events come
-    # in the same order. An entry goes to SimPy's queue when SimPy must process it.
-    lq: list[tuple] = lanes.lq if lanes is not None else []
-    ticks = lanes.ticks if lanes is not None else {}
-    workers = sched.workers
-    sched_next = sched.next
-    sched_done = sched.done
-
-    def push_now(ev: _DEv) -> None:
-        heappush(queue, (env._now, NORMAL, next(eid), ev))
-
     def start_worker(wid: str) -> None:
-        """``env.process(run_worker(wid))``, or its direct equivalent (the start is an URGENT entry now)."""
-        if direct and workers[wid].kind != "decode":
-            heappush(queue, (env._now, URGENT, next(eid), _DEv(_D_INIT, _DWorker(wid), None)))
-        else:
+        """``env.process(run_worker(wid))``, unless the fast path runs the worker itself."""
+        if fp is None or not fp.start_worker(wid):
             procs[wid] = env.process(run_worker(wid))
 
-    def d_begin(w: _DWorker, plan, t: float) -> None:
-        """A direct worker starts ``plan`` at ``t`` (run_worker at the top of its loop)."""
-        w.plan = plan
-        w.t0 = t
-        if type(plan) is Idle:
-            ev = _DEv(_D_WAKE, w, push_now)
-            wake_ev[w.wid] = ev
-            if plan.until_s is not None:
-                heappush(queue, (t + max(plan.until_s - t, 0.0), NORMAL, next(eid), _DEv(_D_TIMER, ev, None)))
-        else:
-            w.dur = dur = duration(plan, t)
-            heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
-
-    def d_fire(ev: _DEv, t: float) -> None:
-        """A direct worker's entry came up at ``t`` (popped, the clock set): what its process would do."""
-        kind = ev.kind
-        if kind == _D_DONE:
-            w = ev.w
-            plan = w.plan
-            tp = type(plan)
-            if tp is KvTransfer:
-                add_span((w.wid, SPAN_KV, w.t0, w.dur, plan.request_id, False))
-            elif tp is PrefillBatch:
-                add_span((w.wid, SPAN_PREFILL, w.t0, w.dur, plan.n_tokens, False))
-            sched_done(plan, _tnew(Result, (w.dur, None, None, False)), t)  # Result(w.dur), without its __new__
-        elif kind == _D_WAKE:
-            w = ev.w
-            if wake_ev.get(w.wid) is ev:
-                del wake_ev[w.wid]
-            # the worker's Idle plan ends: Scheduler.done has nothing to account for an Idle plan (it only sets
-            # now_s, as sched_next below does), so it is not called
-        elif kind == _D_TIMER:
-            wk = ev.w
-            if not wk.triggered:
-                wk.succeed(False)
-            return
-        elif kind == _D_INIT:
-            w = ev.w
-            plan = sched_next(w.wid, t)
-            if type(plan) is Stop:
-                heappush(queue, (t, NORMAL, next(eid), _DEv(_D_END, w, None)))  # the process's own event
-                return
-            flush()
-            d_begin(w, plan, t)
-            return
-        else:  # _D_END
-            return
-        plan = sched_next(w.wid, t)
-        if type(plan) is Stop:
-            heappush(queue, (t, NORMAL, next(eid), _DEv(_D_END, w, None)))
-            return
-        if sched.wakeups or sched.new_workers or debug_checks:
-            flush()
-        d_begin(w, plan, t)
-
     def report_plain() -> None:
-        if lanes is not None:
-            lanes.report()
+        if fp is not None:
+            fp.report()
 
     def recover_later(f: Fault):
         yield timeout(f.duration_s)
@@ -534,23 +423,13 @@ def simulate(
     gc_next = _GC_EVERY
     end_x = nextafter(end, inf)  # t > end  <=>  t >= end_x
 
-    def gpeek() -> float:
-        """Time of the next event (SimPy's queue or the decoders' ``lq``)."""
-        if not sim_env:
-            return peek()  # a real env's peek waits for work (it has no lq)
-        t = queue[0][0] if queue else inf
-        if lq and lq[0][0] < t:
-            t = lq[0][0]
-        return t
+    # the time of the next event: the fast path's (SimPy's queue or the decoders' lq), else the environment's
+    # (a real environment's peek waits for work)
+    gpeek = fp.next_time if fp is not None else peek
 
     try:
         while True:
-            if sim_env:
-                t = queue[0][0] if queue else inf
-                if lq and lq[0][0] < t:
-                    t = lq[0][0]
-            else:
-                t = peek()  # a real env's peek waits for work
+            t = gpeek()
             while nxt is not None and nxt.arrival_s <= t:
                 ta = nxt.arrival_s
                 if ta < last_arrival:
@@ -571,30 +450,11 @@ def simulate(
                 t = gpeek()
             if t > end or t == inf:
                 break
-            lane_first = lq and (not queue or lq[0] < queue[0])  # the next event is a decoder's step end
-            if lane_first and ticks.get(lq[0][3]) is None:
-                # a step end whose process was interrupted meanwhile: SimPy processes it (a no-op)
-                heappush(queue, heappop(lq))
-                step()
-                n_events += 1
-            elif lane_first:
-                # A decoder's step ends and it steps on: the lanes complete it and start the next without
-                # resuming its process, then the next decoder step end, if nothing else comes first, and so on:
-                # before an arrival, the end, SimPy's next event (a tie with it goes back to the comparison above)
-                ta_next = nxt.arrival_s if nxt is not None else (inf if sched.closed else -inf)
-                tl, fall, taken = lanes.run(t, min(end_x, ta_next))
-                env._now = tl  # the last step taken (a plain step does not move the clock itself)
-                n_events += taken
-                if fall:  # SimPy resumes the decoder's process with this step's end
-                    heappush(queue, heappop(lq))
-                    step()
-                    n_events += 1
-            elif direct and type(ev := queue[0][3]) is _DEv:
-                heappop(queue)
-                env._now = t
-                d_fire(ev, t)
-                n_events += 1
-            else:
+            # the fast path's events, as long as they come first and before the next arrival and the end
+            k = fp.run(min(end_x, nxt.arrival_s if nxt is not None else inf)) if fp is not None else 0
+            if k:
+                n_events += k
+            else:  # SimPy's next event
                 step()
                 n_events += 1
             if n_events >= next_check:
@@ -639,7 +499,7 @@ def simulate(
     finally:
         _gc_resume(gc_state)
     wall = time.perf_counter() - t_wall0
-    n_fast = lanes.n_fast if lanes is not None else 0
+    n_fast = fp.n_fast if fp is not None else 0
     perf = {"wall_s": wall, "events": n_events, "fast_decode_steps": n_fast, "events_per_s": n_events / max(wall, 1e-9),
             "sim_s_per_wall_s": sim_end / max(wall, 1e-9), "decode_steps": sched.decode_steps,
             "decode_steps_per_wall_s": sched.decode_steps / max(wall, 1e-9), "decisions": len(sched.log)}

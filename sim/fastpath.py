@@ -35,17 +35,18 @@ samples, metrics, breakdowns, event counts.
 
 from __future__ import annotations
 
-from heapq import heappush, heapreplace
+from heapq import heappop, heappush, heapreplace
 from itertools import repeat
 from operator import add, mul
 
-from simpy.events import NORMAL
+from simpy.events import NORMAL, URGENT
 
+from engine.core.plans import Idle, KvTransfer, PrefillBatch, Result, Stop
 from engine.core.policies import Policies
 from engine.core.state import FP
 
-#: span kind of a decode step in ``SimResult.spans`` (sim.driver.SPAN_DECODE)
-SPAN_DECODE = 2
+#: span kinds in ``SimResult.spans`` (also sim.driver.SPAN_*)
+SPAN_PREFILL, SPAN_KV, SPAN_DECODE = 0, 1, 2
 
 
 def certified(policies: Policies) -> bool:
@@ -160,36 +161,171 @@ class DecodeLane:
         return self.cost, self.parts
 
 
-class DecodeLanes:
-    """The decoders' pending step ends (``lq``: SimPy queue entries ``(time, priority, id, event)`` in a heap of
-    their own, merged with SimPy's queue by the main loop in (time, priority, insertion) order) and their lanes.
+#: kinds of a direct worker's queue entry (``DirectEvent.kind``)
+D_DONE, D_WAKE, D_TIMER, D_INIT, D_END = 0, 1, 2, 3, 4
 
-    ``env`` is the simulated environment whose queue, insertion counter and clock the lanes share; ``cm_point``
-    the cost model's ``decode_point``; ``spans`` the
-    run's span list; ``breakdown`` the executor's decode breakdown (five sums, added to in step order);
-    ``flush`` the driver's hand-over of wake-ups and new workers; ``lazy``: take plain steps (decision log off)."""
+#: ``Result(dur)`` without the NamedTuple's Python-level ``__new__`` (one per direct worker's plan), checked once
+#: against the fields it fills
+_new_result = tuple.__new__
+if Result._fields != ("duration_s", "accepted", "failed", "woken"):  # pragma: no cover (a changed plans.Result)
+    raise ImportError("sim.fastpath: plans.Result's fields changed; update _result")
 
-    def __init__(self, sched, env, cm_point, spans: list, breakdown: list, flush, *, lazy: bool,
-                 debug_checks: bool) -> None:
+
+def _result(dur: float) -> Result:
+    return _new_result(Result, (dur, None, None, False))
+
+
+class DirectWorker:
+    """A worker the main loop drives itself (no SimPy process): its plan in flight, when it began, its duration."""
+
+    __slots__ = ("done_ev", "dur", "plan", "t0", "wid")
+
+    def __init__(self, wid: str) -> None:
+        self.wid = wid
+        self.plan = None
+        self.t0 = self.dur = 0.0
+        self.done_ev = DirectEvent(D_DONE, self, None)
+
+
+class DirectEvent:
+    """A direct worker's entry in SimPy's event queue, standing where the worker's process would have put an event:
+    a plan's end (the process's timeout), an idle worker's wake-up event (``succeed`` as SimPy's), the wake-up's
+    timer, the process's start (``Initialize``) and end (the process event itself)."""
+
+    __slots__ = ("kind", "push", "triggered", "value", "w")
+
+    def __init__(self, kind: int, w, push) -> None:
+        self.kind = kind
+        self.w = w            # the DirectWorker (the wake-up event for a timer)
+        self.push = push      # schedules this entry now, as ``env.schedule(event)`` (wake-up events only)
+        self.triggered = False
+        self.value = None
+
+    def succeed(self, value) -> None:
+        """``simpy.Event.succeed`` for a wake-up: the worker resumes at the current time with ``value``."""
+        self.triggered = True
+        self.value = value
+        self.push(self)
+
+
+def _direct_workers(sched, env, duration, spans: list, wake_ev: dict, flush, debug_checks: bool):
+    """``(start, fire)`` of the direct workers: ``start(wid)`` puts a worker's start into SimPy's queue (an URGENT
+    entry now, as ``env.process`` would); ``fire(ev, t)`` does what the worker's process would do when its entry
+    ``ev`` comes up at ``t`` (popped, the clock set). Closures: ``fire`` runs once per prefill batch, KV transfer
+    and idle period."""
+    queue = env._queue
+    eid = env._eid
+    add_span = spans.append
+    sched_next = sched.next
+    sched_done = sched.done
+
+    def push_now(ev: DirectEvent) -> None:
+        heappush(queue, (env._now, NORMAL, next(eid), ev))
+
+    def start(wid: str) -> None:
+        heappush(queue, (env._now, URGENT, next(eid), DirectEvent(D_INIT, DirectWorker(wid), None)))
+
+    def begin(w: DirectWorker, plan, t: float) -> None:
+        """The worker starts ``plan`` at ``t`` (the top of its process's loop)."""
+        w.plan = plan
+        w.t0 = t
+        if type(plan) is Idle:
+            ev = DirectEvent(D_WAKE, w, push_now)
+            wake_ev[w.wid] = ev
+            if plan.until_s is not None:
+                heappush(queue, (t + max(plan.until_s - t, 0.0), NORMAL, next(eid), DirectEvent(D_TIMER, ev, None)))
+        else:
+            w.dur = dur = duration(plan, t)
+            heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
+
+    def fire(ev: DirectEvent, t: float) -> None:
+        kind = ev.kind
+        if kind == D_DONE:
+            w = ev.w
+            plan = w.plan
+            tp = type(plan)
+            if tp is KvTransfer:
+                add_span((w.wid, SPAN_KV, w.t0, w.dur, plan.request_id, False))
+            elif tp is PrefillBatch:
+                add_span((w.wid, SPAN_PREFILL, w.t0, w.dur, plan.n_tokens, False))
+            sched_done(plan, _result(w.dur), t)
+        elif kind == D_WAKE:
+            w = ev.w
+            if wake_ev.get(w.wid) is ev:
+                del wake_ev[w.wid]
+            # the worker's Idle plan ends: Scheduler.done has nothing to account for an Idle plan (it only sets
+            # now_s, as sched_next below does), so it is not called
+        elif kind == D_TIMER:
+            wk = ev.w
+            if not wk.triggered:
+                wk.succeed(False)
+            return
+        elif kind == D_INIT:
+            w = ev.w
+            plan = sched_next(w.wid, t)
+            if type(plan) is Stop:
+                heappush(queue, (t, NORMAL, next(eid), DirectEvent(D_END, w, None)))  # the process's own event
+                return
+            flush()
+            begin(w, plan, t)
+            return
+        else:  # D_END
+            return
+        plan = sched_next(w.wid, t)
+        if type(plan) is Stop:
+            heappush(queue, (t, NORMAL, next(eid), DirectEvent(D_END, w, None)))
+            return
+        if sched.wakeups or sched.new_workers or debug_checks:
+            flush()
+        begin(w, plan, t)
+
+    return start, fire
+
+
+class FastPath:
+    """The events of a simulated run that need no SimPy process: decoder step ends (:class:`DecodeLane`, when
+    ``cm_point`` — the cost model's ``decode_point`` — is given) and the direct workers' entries (``direct``:
+    prefillers, KV streams and the autoscaler run by the main loop, when no fault can interrupt them).
+
+    The decoders' pending step ends are SimPy queue entries ``(time, priority, id, event)`` kept in a heap of their
+    own (``lq``), merged with SimPy's queue in (time, priority, insertion) order by :meth:`run`; an entry goes to
+    SimPy's queue when SimPy must process it (the decoder's process resumes). ``env`` is the simulated environment
+    whose queue, insertion counter and clock these share; ``duration`` the executor's; ``spans`` the run's span
+    list; ``breakdown`` the executor's decode breakdown (five sums, added to in step order); ``wake_ev`` the
+    driver's idle workers' wake-up events; ``flush`` its hand-over of wake-ups and new workers; ``lazy``: take
+    plain steps (decision log off)."""
+
+    def __init__(self, sched, env, duration, spans: list, breakdown: list, wake_ev: dict, flush, *, cm_point,
+                 direct: bool, lazy: bool, debug_checks: bool) -> None:
         self.sched = sched
         self.env = env
         self.cm_point = cm_point
-        self.queue = env._queue
-        self.eid = env._eid
         self.spans = spans
         self.bd = breakdown
         self.flush = flush
-        self.lazy = lazy
+        self.lazy = lazy and cm_point is not None
         self.debug_checks = debug_checks
         self.lq: list[tuple] = []
         self.ticks: dict = {}               # a decoder's step-end event -> its lane
         self.lanes: dict[str, DecodeLane] = {}
-        self.n_fast = 0                     # steps completed by the main loop
+        self.n_fast = 0                     # decode steps completed by the main loop
+        self.direct = direct
+        self._start_direct, self._fire = _direct_workers(sched, env, duration, spans, wake_ev, flush, debug_checks)
 
-    def start(self, wid: str, plan, t0: float, dur: float):
-        """A decoder's process starts ``plan`` (built by ``next``) at ``t0`` for ``dur``: its end goes on ``lq``
-        (an event as ``env.timeout(dur)`` would be, with the next insertion id). Returns ``(event, lane)``; the
-        process yields the event and calls :meth:`untick` when it resumes."""
+    def start_worker(self, wid: str) -> bool:
+        """Start ``wid`` as a direct worker if it is one (True); otherwise the driver starts its process."""
+        if self.direct and self.sched.workers[wid].kind != "decode":
+            self._start_direct(wid)
+            return True
+        return False
+
+    def start_step(self, wid: str, plan, t0: float, dur: float):
+        """A decoder's process starts ``plan`` (built by ``next``) at ``t0`` for ``dur`` (None when the decoder
+        steps the reference way: no ``decode_point``): its end goes on ``lq``, an event as ``env.timeout(dur)``
+        would be, with the next insertion id. Returns ``(event, lane)``; the process yields the event and calls
+        :meth:`untick` when it resumes."""
+        if self.cm_point is None:
+            return None
         env = self.env
         lane = self.lanes.get(wid)
         if lane is None:
@@ -198,7 +334,7 @@ class DecodeLanes:
         tmo = env.event()
         tmo._ok = True
         tmo._value = None
-        heappush(self.lq, (env._now + dur, NORMAL, next(self.eid), tmo))
+        heappush(self.lq, (env._now + dur, NORMAL, next(env._eid), tmo))
         lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
         lane.dng = dur * lane.ng
         lane.left = 0   # priced by the executor: the lane prices the next step itself
@@ -220,91 +356,129 @@ class DecodeLanes:
                 ln.plain -= ln.k
                 ln.k = 0
 
-    def run(self, t: float, stop: float) -> tuple[float, bool, int]:
-        """Decoder step ends, from ``lq``'s first entry (at ``t``) on: each completes its step and starts the next
-        (plain steps without calling the scheduler), while they come before SimPy's next event, ``stop`` (an
-        arrival, the end) and the next sample. Returns the time of the last step end taken, whether the entry now
-        first on ``lq`` must go to its process (the scheduler answered Idle/Stop: the caller moves it to SimPy's
-        queue and steps SimPy), and how many steps were completed."""
+    def next_time(self) -> float:
+        """Time of the next event (SimPy's queue or ``lq``)."""
+        queue = self.env._queue
+        t = queue[0][0] if queue else float("inf")
+        lq = self.lq
+        if lq and lq[0][0] < t:
+            t = lq[0][0]
+        return t
+
+    def run(self, stop: float) -> int:
+        """Run the events that come before ``stop`` (the next arrival, the end) while they are the fast path's:
+        decoder step ends — each completes its step and starts the next, plain steps without calling the scheduler
+        — and direct workers' entries. A step end whose decoder does not step on (the scheduler answered
+        Idle/Stop), or whose process was interrupted meanwhile, goes to SimPy's queue and SimPy processes it (the
+        process resumes); then, or when SimPy's next event is not one of these, it returns. Returns the number of
+        events run."""
         sched = self.sched
         env = self.env
         lq = self.lq
-        queue = self.queue
+        queue = env._queue
         ticks = self.ticks
-        eid = self.eid
+        eid = env._eid
         spans = self.spans
         add_span = spans.append
-        bd = self.bd
+        fire = self._fire if self.direct else None
         busy_gpu_s = sched.busy_gpu_s
         sd_append = sched.step_durations.append
         lazy = self.lazy
-        head = lq[0]
-        ln = ticks[head[3]]
-        qt = queue[0][0] if queue else float("inf")
-        b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it in this loop
-        busy = busy_gpu_s["decode"]
-        # a plain step needs no sample due: the first one is checked here, the later ones stop before the sample
-        # time (stop_q) and come back here
-        nsample = sched.next_sample_s
-        stop_q = min(qt, stop, nsample)
-        calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
-        fall = False
-        spans0 = len(spans)  # every step taken below adds one span: n_fast counts them after the loop
-        tl = t
+        bd = self.bd
+        b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it while this runs
+        busy = busy_gpu_s["decode"]  # Scheduler.advance_decoder adds to it: written back around each call
+        n = 0
+        n_fast = 0
+        resume = False  # an entry of lq must go to its process
         while True:
-            if calm and ln.k < ln.plain and ln.view.changes == ln.ver:
-                dur = ln.dur_s
-                s = ln.step
-                add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, s, False))
-                p0, p1, p2, p3, p4 = ln.parts
-                b0 += p0
-                b1 += p1
-                b2 += p2
-                b3 += p3
-                b4 += p4
-                busy += ln.dng  # dur * ng
-                sd_append(dur)
-                heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))
-                ln.start_s = t
-                ln.step = s + 1
-                ln.k += 1
-            else:
-                if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
-                    sched.plain_steps(ln.wid, ln.k)
-                    ln.left -= ln.k
-                    ln.plain -= ln.k
-                    ln.k = 0
-                busy_gpu_s["decode"] = busy
-                r = ln.advance(sched, t)
-                busy = busy_gpu_s["decode"]
-                if r is None:
-                    fall = True
+            if lq and (not queue or lq[0] < queue[0]):
+                head = lq[0]
+                t = head[0]
+                if t >= stop:
                     break
+                ln = ticks.get(head[3])
+                if ln is None:  # a step end whose process was interrupted meanwhile: SimPy processes it (no-op)
+                    resume = True
+                    break
+                # a plain step needs no sample due: the first one is checked here, the later ones stop before the
+                # sample time (stop_q) and come back here
                 nsample = sched.next_sample_s
-                ev = head[3]
+                stop_q = min(queue[0][0] if queue else stop, stop, nsample)
+                calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
+                spans0 = len(spans)  # every step taken below adds one span
+                tl = t
+                while True:
+                    if calm and ln.k < ln.plain and ln.view.changes == ln.ver:
+                        dur = ln.dur_s
+                        s = ln.step
+                        add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, s, False))
+                        p0, p1, p2, p3, p4 = ln.parts
+                        b0 += p0
+                        b1 += p1
+                        b2 += p2
+                        b3 += p3
+                        b4 += p4
+                        busy += ln.dng  # dur * ng
+                        sd_append(dur)
+                        heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))
+                        ln.start_s = t
+                        ln.step = s + 1
+                        ln.k += 1
+                    else:
+                        if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
+                            sched.plain_steps(ln.wid, ln.k)
+                            ln.left -= ln.k
+                            ln.plain -= ln.k
+                            ln.k = 0
+                        busy_gpu_s["decode"] = busy
+                        r = ln.advance(sched, t)
+                        busy = busy_gpu_s["decode"]
+                        if r is None:  # next() answered Idle/Stop: the process takes it over at this step end
+                            resume = True
+                            break
+                        nsample = sched.next_sample_s
+                        env._now = t
+                        add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
+                        if sched.wakeups or sched.new_workers or self.debug_checks:
+                            self.flush()  # before the step's timeout, as the worker's process would
+                        calm = lazy and not sched.wakeups
+                        dur, parts = r
+                        b0 += parts[0]
+                        b1 += parts[1]
+                        b2 += parts[2]
+                        b3 += parts[3]
+                        b4 += parts[4]
+                        heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))  # this step's end -> the next's
+                        ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
+                        ln.dng = dur * ln.ng
+                        # the calls above may have queued events
+                        stop_q = min(queue[0][0] if queue else stop, stop, nsample)
+                    tl = t
+                    head = lq[0]
+                    t = head[0]
+                    if t >= stop_q or (ln := ticks.get(head[3])) is None:
+                        break
+                env._now = tl  # the last step taken (a plain step does not move the clock itself)
+                k = len(spans) - spans0
+                n += k
+                n_fast += k
+                if resume:
+                    break
+            elif fire is not None and queue and type(ev := queue[0][3]) is DirectEvent:
+                t = queue[0][0]
+                if t >= stop:
+                    break
+                heappop(queue)
                 env._now = t
-                add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
-                if sched.wakeups or sched.new_workers or self.debug_checks:
-                    self.flush()  # before the step's timeout, as the worker's process would
-                calm = lazy and not sched.wakeups
-                dur, parts = r
-                b0 += parts[0]
-                b1 += parts[1]
-                b2 += parts[2]
-                b3 += parts[3]
-                b4 += parts[4]
-                heapreplace(lq, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
-                ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
-                ln.dng = dur * ln.ng
-                qt = queue[0][0] if queue else float("inf")  # the calls above may have queued events
-                stop_q = min(qt, stop, nsample)
-            tl = t
-            head = lq[0]
-            t = head[0]
-            if t >= stop_q or (ln := ticks.get(head[3])) is None:
+                fire(ev, t)
+                n += 1
+            else:
                 break
-        taken = len(spans) - spans0
-        self.n_fast += taken
-        busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
+        self.n_fast += n_fast
+        busy_gpu_s["decode"] = busy
         bd[:] = b0, b1, b2, b3, b4
-        return tl, fall, taken
+        if resume:  # SimPy resumes the decoder's process with this step's end
+            heappush(queue, heappop(lq))
+            env.step()
+            n += 1
+        return n

@@ -101,11 +101,12 @@ class LeastQueuedTokens:
         best = None
         best_load = 0
         for p in candidates:
+            load = p.queued_tokens + p.offset_tokens
+            if best is not None and load >= best_load:  # cannot win: the cheap test first
+                continue
             if not requeue and p.max_queue is not None and p.n_queued >= p.max_queue:
                 continue
-            load = p.queued_tokens + p.offset_tokens
-            if best is None or load < best_load:
-                best, best_load = p, load
+            best, best_load = p, load
         return best
 
 

@@ -798,22 +798,18 @@ class Scheduler(FailureHandling):
         d.plan = None
         if result.failed is not None:
             return  # a failed step of a live group is simply retried (nothing advanced)
-        if result.accepted is not None:
-            self._book_step(d, result.duration_s)
-            self._apply_real_acceptance(d, plan.step, result.accepted, now)
-        else:
-            self._complete_step(d, result.duration_s, now)
+        self._complete_step(d, result.duration_s, now, result.accepted)
 
-    def _book_step(self, d: DecoderState, dur: float) -> None:
-        d.step += 1
+    def _complete_step(self, d: DecoderState, dur: float, now: float, accepted=None) -> None:
+        """Step ``d.step`` ended after ``dur``: book it; the requests whose drawn finish step it was are done
+        (or, given the real MTP outcomes ``accepted``, those that have all their tokens)."""
+        s = d.step
+        d.step = s + 1
         self.busy_gpu_s["decode"] += dur * d.n_gpus
         self.decode_steps += 1
         self.step_durations.append(dur)
-
-    def _complete_step(self, d: DecoderState, dur: float, now: float) -> None:
-        """Step ``d.step`` ended after ``dur``: book it; the requests whose drawn finish step it was are done."""
-        s = d.step
-        self._book_step(d, dur)
+        if accepted is not None:
+            return self._apply_real_acceptance(d, s, accepted, now)
         heap = d.heap
         if not heap or heap[0][0] > s:
             return
