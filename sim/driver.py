@@ -427,9 +427,16 @@ def simulate(
     # (a real environment's peek waits for work)
     gpeek = fp.next_time if fp is not None else peek
 
+    queue = env._queue
+    lq = fp.lq if fp is not None else []
     try:
         while True:
-            t = gpeek()
+            if fp is not None:  # gpeek(), inline
+                t = queue[0][0] if queue else inf
+                if lq and lq[0][0] < t:
+                    t = lq[0][0]
+            else:
+                t = peek()
             while nxt is not None and nxt.arrival_s <= t:
                 ta = nxt.arrival_s
                 if ta < last_arrival:

@@ -104,8 +104,8 @@ class DecodeLane:
 
     def advance(self, sched, t: float):
         """The step in flight ended at ``t``: the scheduler completes it and starts the next
-        (``advance_decoder``); returns ``(dur_s, parts)`` of the step started, or None when the decoder does not
-        step on (its process takes :attr:`handoff` over)."""
+        (``advance_decoder``); returns the duration of the step started (its StepTime fields: :attr:`parts`), or
+        None when the decoder does not step on (its process takes :attr:`handoff` over)."""
         res = sched.advance_decoder(self.wid, self.dur_s, t)
         if res is not None:
             self.handoff = res
@@ -158,21 +158,17 @@ class DecodeLane:
         else:
             self.plain = left
         self.ver = v.changes
-        return self.cost, self.parts
+        return self.cost
 
 
 #: kinds of a direct worker's queue entry (``DirectEvent.kind``)
 D_DONE, D_WAKE, D_TIMER, D_INIT, D_END = 0, 1, 2, 3, 4
 
-#: ``Result(dur)`` without the NamedTuple's Python-level ``__new__`` (one per direct worker's plan), checked once
-#: against the fields it fills
+#: ``_new_result(Result, (dur, None, None, False))`` is ``Result(dur)`` without the NamedTuple's Python-level
+#: ``__new__`` (one per direct worker's plan), checked here against the fields it fills
 _new_result = tuple.__new__
 if Result._fields != ("duration_s", "accepted", "failed", "woken"):  # pragma: no cover (a changed plans.Result)
-    raise ImportError("sim.fastpath: plans.Result's fields changed; update _result")
-
-
-def _result(dur: float) -> Result:
-    return _new_result(Result, (dur, None, None, False))
+    raise ImportError("sim.fastpath: plans.Result's fields changed; update the _new_result call")
 
 
 class DirectWorker:
@@ -225,8 +221,35 @@ def _direct_workers(sched, env, duration, spans: list, wake_ev: dict, flush, deb
     def start(wid: str) -> None:
         heappush(queue, (env._now, URGENT, next(eid), DirectEvent(D_INIT, DirectWorker(wid), None)))
 
-    def begin(w: DirectWorker, plan, t: float) -> None:
-        """The worker starts ``plan`` at ``t`` (the top of its process's loop)."""
+    def fire(ev: DirectEvent, t: float) -> None:
+        kind = ev.kind
+        w = ev.w
+        if kind == D_DONE:
+            plan = w.plan
+            tp = type(plan)
+            if tp is KvTransfer:
+                add_span((w.wid, SPAN_KV, w.t0, w.dur, plan.request_id, False))
+            elif tp is PrefillBatch:
+                add_span((w.wid, SPAN_PREFILL, w.t0, w.dur, plan.n_tokens, False))
+            sched_done(plan, _new_result(Result, (w.dur, None, None, False)), t)  # Result(w.dur)
+        elif kind == D_WAKE:
+            if wake_ev.get(w.wid) is ev:
+                del wake_ev[w.wid]
+            # the worker's Idle plan ends: Scheduler.done has nothing to account for an Idle plan (it only sets
+            # now_s, as sched_next below does), so it is not called
+        elif kind == D_TIMER:
+            if not w.triggered:  # w: the wake-up event the timer belongs to
+                w.succeed(False)
+            return
+        elif kind == D_END:
+            return
+        plan = sched_next(w.wid, t)
+        if type(plan) is Stop:
+            heappush(queue, (t, NORMAL, next(eid), DirectEvent(D_END, w, None)))  # the process's own event
+            return
+        if kind == D_INIT or sched.wakeups or sched.new_workers or debug_checks:
+            flush()
+        # the worker starts the plan (the top of its process's loop)
         w.plan = plan
         w.t0 = t
         if type(plan) is Idle:
@@ -237,47 +260,6 @@ def _direct_workers(sched, env, duration, spans: list, wake_ev: dict, flush, deb
         else:
             w.dur = dur = duration(plan, t)
             heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
-
-    def fire(ev: DirectEvent, t: float) -> None:
-        kind = ev.kind
-        if kind == D_DONE:
-            w = ev.w
-            plan = w.plan
-            tp = type(plan)
-            if tp is KvTransfer:
-                add_span((w.wid, SPAN_KV, w.t0, w.dur, plan.request_id, False))
-            elif tp is PrefillBatch:
-                add_span((w.wid, SPAN_PREFILL, w.t0, w.dur, plan.n_tokens, False))
-            sched_done(plan, _result(w.dur), t)
-        elif kind == D_WAKE:
-            w = ev.w
-            if wake_ev.get(w.wid) is ev:
-                del wake_ev[w.wid]
-            # the worker's Idle plan ends: Scheduler.done has nothing to account for an Idle plan (it only sets
-            # now_s, as sched_next below does), so it is not called
-        elif kind == D_TIMER:
-            wk = ev.w
-            if not wk.triggered:
-                wk.succeed(False)
-            return
-        elif kind == D_INIT:
-            w = ev.w
-            plan = sched_next(w.wid, t)
-            if type(plan) is Stop:
-                heappush(queue, (t, NORMAL, next(eid), DirectEvent(D_END, w, None)))  # the process's own event
-                return
-            flush()
-            begin(w, plan, t)
-            return
-        else:  # D_END
-            return
-        plan = sched_next(w.wid, t)
-        if type(plan) is Stop:
-            heappush(queue, (t, NORMAL, next(eid), DirectEvent(D_END, w, None)))
-            return
-        if sched.wakeups or sched.new_workers or debug_checks:
-            flush()
-        begin(w, plan, t)
 
     return start, fire
 
@@ -403,7 +385,10 @@ class FastPath:
                 # a plain step needs no sample due: the first one is checked here, the later ones stop before the
                 # sample time (stop_q) and come back here
                 nsample = sched.next_sample_s
-                stop_q = min(queue[0][0] if queue else stop, stop, nsample)
+                # stop_q = min(stop, nsample, SimPy's next event), without calls
+                stop_q = stop if nsample > stop else nsample  # noqa: FURB136
+                if queue and queue[0][0] < stop_q:
+                    stop_q = queue[0][0]
                 calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
                 spans0 = len(spans)  # every step taken below adds one span
                 tl = t
@@ -431,9 +416,9 @@ class FastPath:
                             ln.plain -= ln.k
                             ln.k = 0
                         busy_gpu_s["decode"] = busy
-                        r = ln.advance(sched, t)
+                        dur = ln.advance(sched, t)
                         busy = busy_gpu_s["decode"]
-                        if r is None:  # next() answered Idle/Stop: the process takes it over at this step end
+                        if dur is None:  # next() answered Idle/Stop: the process takes it over at this step end
                             resume = True
                             break
                         nsample = sched.next_sample_s
@@ -442,7 +427,7 @@ class FastPath:
                         if sched.wakeups or sched.new_workers or self.debug_checks:
                             self.flush()  # before the step's timeout, as the worker's process would
                         calm = lazy and not sched.wakeups
-                        dur, parts = r
+                        parts = ln.parts
                         b0 += parts[0]
                         b1 += parts[1]
                         b2 += parts[2]
@@ -452,7 +437,9 @@ class FastPath:
                         ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
                         ln.dng = dur * ln.ng
                         # the calls above may have queued events
-                        stop_q = min(queue[0][0] if queue else stop, stop, nsample)
+                        stop_q = stop if nsample > stop else nsample  # noqa: FURB136
+                        if queue and queue[0][0] < stop_q:
+                            stop_q = queue[0][0]
                     tl = t
                     head = lq[0]
                     t = head[0]

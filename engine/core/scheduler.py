@@ -103,11 +103,6 @@ from engine.core.state import (
     Sample,
 )
 
-#: ``tuple.__new__``: builds a plan NamedTuple from a tuple of all its fields without the class's Python-level
-#: ``__new__`` (the same object; a prefill batch, a KV transfer or an idle answer per scheduler call)
-_tnew = tuple.__new__
-
-
 KvChunks = Callable[[PrefillerGroup, DecoderGroup, int], int]
 
 
@@ -443,7 +438,7 @@ class Scheduler(FailureHandling):
         w.plan = None
         if self._log_on:
             self._add((now, "idle", w.id, -1, 0, 0, waits_for))
-        return _tnew(Idle, (w.id, until, waits_for))  # Idle(w.id, until, waits_for)
+        return Idle(w.id, until, waits_for)
 
     def _stop(self, w, now: float, reason: str) -> Stop:
         w.idle = False
@@ -500,7 +495,7 @@ class Scheduler(FailureHandling):
                 break
         if not items:
             return self._idle(pf, now, WAIT_KV_SPACE)
-        plan = _tnew(PrefillBatch, (pf.id, pf.batches, tuple(items), tokens))  # PrefillBatch(...)
+        plan = PrefillBatch(pf.id, pf.batches, tuple(items), tokens)
         pf.batches += 1
         pf.kv_held += tokens
         for r in running:
@@ -632,7 +627,7 @@ class Scheduler(FailureHandling):
             else:
                 flows = tuple([(nic, dst_nic, each) for nic in up])
             n_chunks = self.kv_chunks(pf.g, d.g, r.ctx0) if self.kv_chunks is not None else n_up
-            plan = _tnew(KvTransfer, (s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows))
+            plan = KvTransfer(s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows)
             r.owner = plan
             s.plan = plan
             s.req = r
