@@ -10,28 +10,14 @@ After every resumption the driver hands the scheduler's wake-ups to the idle wor
 for every new (scaled-up) worker. SimPy orders simultaneous events by (time, priority, insertion), so a run is a
 deterministic function of (deployment, requests, cost model, seed, faults).
 
-**Decode fast-forward.** Decode steps are ~85 % of a loaded rack's events. When the cost model prices a decode step
-from its busiest rank (``decode_point``, see :mod:`sim.executor`) and the environment and executor are the
-simulated ones, the main loop completes a decoder's step itself when its timeout comes up — through
-:meth:`~engine.core.scheduler.Scheduler.ff_decode_step`, which does what ``done`` + ``next`` would do without plan
-objects — and re-schedules the *same* timeout event for the next step exactly as ``env.timeout`` would (same time,
-priority and next insertion id), so the event queue, and with it every decision, evolves as step by step; the
-worker's process stays suspended until a step's completion would idle its decoder, or a fault interrupts it (then
-the step's plan is built and the process resumes with a fresh ``worker_loop``). ``fast_decode=False`` runs
-step by step; ``tests/test_sim_driver_fastdecode.py`` checks both give identical results. With the decision log
-off, the main loop takes *plain* steps (the scheduler says how many follow: ``Scheduler.ff_handle``) without calling
-the scheduler at all, booking their durations in step order and reporting them (``Scheduler.ff_advance``) before
-the scheduler is next asked about that decoder or a fault (``tests/test_sim_driver_lazydecode.py``). This reaches into SimPy
-4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway. The
-pending step ends of fast-forwarded decoders are kept in a small heap of their own (``lq``), merged with SimPy's
-queue by the main loop in (time, priority, insertion) order; an entry moves to SimPy's queue when SimPy must
-process it (the step resumes the worker's process).
-
-**Direct workers.** In a run without faults (nothing interrupts them) on the simulated environment and executor,
-prefillers, KV streams and the autoscaler have no SimPy process: the main loop runs their worker loop itself
-(``d_fire``), putting ``_DEv`` entries into SimPy's queue at the same time, priority and insertion order as their
-processes' events (start, timeouts, wake-up events and their timers, the process's end), so the run and its event
-count are the same; ``fast_decode=False`` turns this off too (``tests/test_sim_speed.py``).
+**Fast path.** With the simulated environment and executor, the events that need no SimPy process run in the main
+loop (:mod:`sim.fastpath`): a decoder's step ends complete and start steps through the scheduler without resuming
+its process (when the cost model has ``decode_point`` and the policies are certified), and in a run without
+faults prefillers, KV streams and the autoscaler have no process at all (their entries sit in SimPy's queue where
+their processes' events would). The queue, and with it every decision and the event count, evolves as with one
+process per worker; ``fast_decode=False`` runs every worker as a process (``tests/test_sim_driver_fastdecode.py``,
+``test_sim_driver_lazydecode.py``, ``test_sim_speed.py`` check both give identical results). This reaches into
+SimPy 4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway.
 """
 
 from __future__ import annotations
@@ -233,8 +219,6 @@ def simulate(
             for wid in sched.take_new_workers():
                 start_worker(wid)
 
-    # Fast-forward of plain decode steps (module docstring): only with the simulated environment and executor and
-    # a cost model that prices a decode step from its busiest rank (``decode_point``).
     # decode_point must be the cost model's own (a class attribute): a wrapper that delegates unknown attributes
     # to a wrapped model (``__getattr__``) and changes ``decode`` would otherwise be bypassed
     cm_point = getattr(cost_model, "decode_point", None) if hasattr(type(cost_model), "decode_point") else None

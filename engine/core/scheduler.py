@@ -2,9 +2,18 @@
 
 It is told the time and what finished; it answers what each worker does next, as frozen plans
 (:mod:`engine.core.plans`). It never reads a clock, sleeps, or touches a device; both the SimPy driver and the
-real driver call it through :func:`engine.core.worker_loop.worker_loop`. The SimPy driver also fast-forwards decode
-steps through :meth:`Scheduler.ff_decode_step` (``done`` + ``next`` of a decoder in one call, without plan objects;
-the same state changes).
+real driver call it through :func:`engine.core.worker_loop.worker_loop`: ``arrive`` routes a request, ``next``
+answers a worker's next plan (admitting queued requests into a decoder's batch at its step boundary), ``done``
+takes a plan's result, ``fail`` / ``recover`` take hardware down and back. The choices are policy objects
+(:mod:`engine.core.policies`: prefiller routing, decoder rank choice, decode admission); the state objects are in
+:mod:`engine.core.state`, worker creation and autoscaling in :mod:`engine.core.scaling`, failure handling in
+:mod:`engine.core.failures`, the invariants tests check in :mod:`engine.core.invariants`.
+
+A driver that runs decode steps without a plan object per step (the simulator's fast path, :mod:`sim.fastpath`)
+uses :meth:`Scheduler.advance_decoder` (``done`` + ``next`` of a decoder in one call, the plan of the step started
+built only on demand by :meth:`Scheduler.decode_plan`), :meth:`Scheduler.plain_steps` and the read-only
+:meth:`Scheduler.decoder_view`, whose ``changes`` counter moves whenever the decoder's status, queues or batch
+change.
 
 Request lifecycle (``RequestState``)::
 
@@ -12,16 +21,16 @@ Request lifecycle (``RequestState``)::
                  ↑______________ re-prefill after a failure that lost its KV ____________|
     any state before done → rejected(reason)
 
-- *queued_prefill*: routed to a prefiller (least queued tokens), waiting in its FIFO queue.
+- *queued_prefill*: routed to a prefiller (default policy: least queued tokens), waiting in its FIFO queue.
 - *prefilling*: in the prefiller's running batch (token budget; with chunked prefill a prompt may span batches).
 - When prefill completes the first output token exists: **TTFT = prefill completion − arrival** (the prefiller
   returns the first token to the user at that moment). A request with ``output_tokens == 1`` is done then.
 - *kv_pending*: prompt KV sits on the prefiller (counted against its KV buffer) until a KV stream picks it.
-- *kv_in_flight*: a decoder rank was chosen (fewest requests, most free KV), its KV reserved for the whole
+- *kv_in_flight*: a decoder rank was chosen (default: fewest requests, most free KV), its KV reserved for the whole
   sequence (``ctx + remaining output + draft_k`` tokens, rounded up to pages) and the transfer runs over the
   prefiller node's NICs. The prefiller's copy is freed when the transfer completes.
-- *queued_decode*: KV is on the decoder rank; the request joins the running batch at the next step boundary when
-  the rank's batch is under its cap.
+- *queued_decode*: KV is on the decoder rank; the request joins the running batch at a step boundary when the
+  rank's batch is under its cap and the admission policy takes it (default: first come, first admitted).
 - *decoding*: on admission the number of decode steps it needs is drawn (MTP: each step emits ``1 + accepted``
   tokens, see :mod:`engine.core.specdec`) and ``(finish_step, request id)`` goes on the group's heap, so a step
   costs O(ranks + finishing requests), not O(batch). A driver with real MTP outcomes passes
@@ -43,7 +52,7 @@ DP rank and request id. Same (requests, durations, seed) → same plans and the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from heapq import heappop, heappush
 from itertools import compress
 
@@ -53,7 +62,6 @@ from engine.core import autoscaler as autoscale
 from engine.core.decision_log import DecisionLog
 from engine.core.deployment import (
     DecoderGroup,
-    DecoderTemplate,
     Deployment,
     PrefillerGroup,
 )
@@ -62,7 +70,6 @@ from engine.core.invariants import check_invariants
 from engine.core.plans import (
     WAIT_KV_SPACE,
     WAIT_READY,
-    WAIT_TIMER,
     WAIT_WORK,
     DecodeStep,
     Idle,
@@ -74,6 +81,7 @@ from engine.core.plans import (
 )
 from engine.core.policies import Policies
 from engine.core.request import Request
+from engine.core.scaling import WorkerPool
 from engine.core.specdec import AcceptanceStream
 from engine.core.state import (
     ACTIVE,
@@ -106,7 +114,7 @@ from engine.core.state import (
 KvChunks = Callable[[PrefillerGroup, DecoderGroup, int], int]
 
 
-class Scheduler(FailureHandling):
+class Scheduler(WorkerPool, FailureHandling):
     """One scheduler for one deployment (see module docstring).
 
     rng:                   the run's seeded ``numpy.random.Generator`` (MTP acceptance draws).
@@ -201,68 +209,6 @@ class Scheduler(FailureHandling):
         self._refresh_limits()
 
     # ------------------------------------------------------------------ worker registry
-    def _cap_tps(self, g: PrefillerGroup) -> float:
-        p = self._ptps
-        if p is None:
-            return 0.0
-        return float(p(g) if callable(p) else p)
-
-    def _add_prefiller(self, g: PrefillerGroup, status: int, ready_at: float, now: float) -> PrefillerState:
-        pf = PrefillerState(g, self._order, status, ready_at, self._cap_tps(g), now)
-        self._order += 1
-        self._n_pf_created += 1
-        self.prefillers.append(pf)
-        self.workers[pf.id] = pf
-        self.new_workers.append(pf.id)
-        for j in range(g.template.kv_streams):
-            s = KvStreamState(f"{g.id}.kv{j}", pf)
-            pf.streams.append(s)
-            self.workers[s.id] = s
-            self.new_workers.append(s.id)
-        if status == STARTING:
-            pf.offset_tokens = int(max(0.0, ready_at - now) * pf.cap_tps)
-        for i, nic in enumerate(pf.nics):
-            if self.nic_down.get(nic):
-                pf.nic_up[i] = False
-        self._reroute_lists()
-        return pf
-
-    def _add_decoder(self, g: DecoderGroup, status: int, ready_at: float, now: float) -> DecoderState:
-        d = DecoderState(g, self._order, status, ready_at, self.k, self.p, now)
-        base = self._key_base
-        if d.kv_cap >= base:  # the rank keys need a larger base: every decoder's keys are recomputed
-            base = self._key_base = 1 << d.kv_cap.bit_length()
-            for x in self.decoders:
-                x.rank_key = [n * base - f for n, f in zip(x.rank_nreq, x.rank_free_kv)]
-        d.rank_key = [n * base - f for n, f in zip(d.rank_nreq, d.rank_free_kv)]
-        self._order += 1
-        self._n_dec_created += 1
-        self.decoders.append(d)
-        self.workers[d.id] = d
-        self.new_workers.append(d.id)
-        for r, nic in enumerate(d.rank_nics):
-            if self.nic_down.get(nic):
-                d.rank_up[r] = False
-        self._reroute_lists()
-        return d
-
-    def _reroute_lists(self) -> None:
-        for p in self.prefillers:  # called after every change of a NIC's state
-            p.up_nics = [n for n, u in zip(p.nics, p.nic_up) if u]
-        self._route_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE) and any(p.nic_up)]
-        self._route_d = [d for d in self.decoders if d.status == ACTIVE]
-
-    def _refresh_limits(self) -> None:
-        """Largest KV a request may need (decoder rank) / hold (prefiller), over live groups and templates."""
-        dks = [d.kv_cap // d.page * d.page for d in self.decoders if d.status in (STARTING, ACTIVE, DRAINING)]
-        pks = [p.kv_cap for p in self.prefillers if p.status in (STARTING, ACTIVE, DRAINING)]
-        if self.asc is not None:
-            t: DecoderTemplate = self.dep.decoder_template
-            dks.append(t.kv_capacity_tokens_per_rank // t.kv_page_tokens * t.kv_page_tokens)
-            pks.append(self.dep.prefiller_template.kv_capacity_tokens)
-        self.max_rank_kv = max(dks, default=0)
-        self.max_pf_kv = max(pks, default=0)
-
     def group(self, worker: str) -> PrefillerGroup | DecoderGroup | None:
         """The group a worker belongs to (a KV stream belongs to its prefiller group; None for the autoscaler)."""
         w = self.workers[worker]
@@ -291,10 +237,6 @@ class Scheduler(FailureHandling):
         """Idle workers that now have something to do (or must stop), in the order they were woken."""
         out, self.wakeups = self.wakeups, []
         return out
-
-    def _set_status(self, w, status: int) -> None:
-        w.status = status
-        w.changes += 1
 
     def _wake(self, w) -> None:
         if w.idle:
@@ -914,127 +856,6 @@ class Scheduler(FailureHandling):
         elif plan is None:
             plan = self._decode_plan(d, d.joined, d.left)
         return plan
-
-    # ------------------------------------------------------------------ autoscaler
-    def _next_autoscaler(self, a: AutoscalerState, now: float) -> Plan:
-        if self.finished:
-            return self._stop(a, now, "finished")
-        cfg = self.asc
-        if now >= self._last_tick + cfg.interval_s - 1e-12 and now > 0:
-            self._autoscale(now)
-        return self._idle(a, now, WAIT_TIMER, self._last_tick + cfg.interval_s)
-
-    def _autoscale(self, now: float) -> None:
-        cfg = self.asc
-        dt = max(now - self._last_tick, 1e-9)
-        rate = self._window_tokens / dt
-        self._window_tokens = 0
-        self._last_tick = now
-        live_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE)]
-        live_d = [d for d in self.decoders if d.status in (STARTING, ACTIVE)]
-        cap = self._cap_tps(self.prefillers[0].g) if self.prefillers else 0.0
-        if cap <= 0:
-            cap = self._template_cap()
-        dec_req = sum(d.nreq for d in self.decoders if d.status in (STARTING, ACTIVE, DRAINING))
-        dec_req += sum(len(p.pending) for p in self.prefillers)
-        obs = autoscale.Observation(
-            now_s=now, input_tokens_per_s=rate, queued_prefill_tokens=sum(p.queued_tokens for p in live_p),
-            prefill_capacity_tokens_per_s=cap, n_prefillers=len(live_p), n_decoders=len(live_d),
-            decode_requests=dec_req, ranks_per_decoder=self.dep.decoder_template.ep)
-        tgt = autoscale.decide(cfg, obs)
-        for _ in range(tgt.prefillers - len(live_p)):
-            if self._scale_up_prefiller(now) is None:
-                break
-        if tgt.prefillers < len(live_p):
-            act = [p for p in live_p if p.status == ACTIVE]
-            if len(act) > 1:
-                victim = min(act, key=lambda p: (p.queued_tokens, -p.order))
-                self._drain(victim, now, "prefill")
-        for _ in range(tgt.decoders - len(live_d)):
-            if self._scale_up_decoder(now) is None:
-                break
-        if tgt.decoders < len(live_d):
-            act = [d for d in live_d if d.status == ACTIVE]
-            if len(act) > 1:
-                victim = min(act, key=lambda d: (d.nreq, -d.order))
-                self._drain(victim, now, "decode")
-
-    def _template_cap(self) -> float:
-        t = self.dep.prefiller_template
-        g = PrefillerGroup(id="template", gpus=tuple(range(t.n_gpus)), host=0, nics=("nic:template",), template=t)
-        return self._cap_tps(g)
-
-    def _find_prefiller_gpus(self) -> tuple[int, ...] | None:
-        n = self.dep.prefiller_template.n_gpus
-        host = self.dep.gpu_host
-        by_host: dict[int, list[int]] = {}
-        for g in self.pool:
-            by_host.setdefault(host[g], []).append(g)
-        for h in sorted(by_host):
-            if len(by_host[h]) >= n:
-                return tuple(by_host[h][:n])
-        return None
-
-    def _find_decoder_gpus(self) -> tuple[int, ...] | None:
-        n = self.dep.decoder_template.ep
-        dom = self.dep.gpu_domain
-        by_dom: dict[int, list[int]] = {}
-        for g in self.pool:
-            by_dom.setdefault(dom.get(g, 0), []).append(g)
-        for k in sorted(by_dom):
-            if len(by_dom[k]) >= n:
-                return tuple(by_dom[k][:n])
-        return None
-
-    def _take_pool(self, gpus: Iterable[int]) -> None:
-        taken = set(gpus)
-        self.pool = [g for g in self.pool if g not in taken]
-
-    def _scale_up_prefiller(self, now: float) -> PrefillerState | None:
-        if self.asc is None:
-            return None
-        gpus = self._find_prefiller_gpus()
-        if gpus is None:
-            return None
-        self._take_pool(gpus)
-        host = self.dep.gpu_host[gpus[0]]
-        nics = tuple(sorted({self.dep.gpu_nic[g] for g in gpus}))
-        g = PrefillerGroup(id=f"P{self._n_pf_created}", gpus=gpus, host=host, nics=nics,
-                           template=self.dep.prefiller_template)
-        pf = self._add_prefiller(g, STARTING, now + self.asc.scale_up_delay_s, now)
-        self._add((now, "scale_up", pf.id, -1, len(gpus), 0, "prefill"))
-        self._refresh_limits()
-        return pf
-
-    def _scale_up_decoder(self, now: float) -> DecoderState | None:
-        if self.asc is None:
-            return None
-        gpus = self._find_decoder_gpus()
-        if gpus is None:
-            return None
-        self._take_pool(gpus)
-        g = DecoderGroup(id=f"D{self._n_dec_created}", gpus=gpus,
-                         rank_nics=tuple(self.dep.gpu_nic[x] for x in gpus), template=self.dep.decoder_template)
-        d = self._add_decoder(g, STARTING, now + self.asc.scale_up_delay_s, now)
-        self._add((now, "scale_up", d.id, -1, len(gpus), 0, "decode"))
-        self._refresh_limits()
-        return d
-
-    def _drain(self, w, now: float, role: str) -> None:
-        self._set_status(w, DRAINING)
-        self._reroute_lists()
-        self._add((now, "scale_down", w.id, -1, w.n_gpus, 0, role))
-        self._wake(w)
-
-    def _retire(self, w, now: float) -> None:
-        self._set_status(w, RETIRED)
-        w.ended_s = now
-        self.pool = sorted(set(self.pool) | (set(w.gpus) - self.failed_gpus))
-        self._reroute_lists()
-        self._refresh_limits()
-        if isinstance(w, PrefillerState):
-            for s in w.streams:
-                self._wake(s)
 
     # ------------------------------------------------------------------ end of run, samples, checks
     def finalize(self, now_s: float, reason: str = "horizon") -> None:
