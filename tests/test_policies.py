@@ -111,3 +111,15 @@ def test_policies_by_name():
     assert type(p.admission) is FifoAdmission and type(p.rank) is FewestRequests
     with pytest.raises(ValueError, match=r"policies.admission: unknown policy 'nope' \(one of fifo"):
         Policies.named(admission="nope")
+
+
+def test_scenarios_name_their_policies():
+    from sim.scenario import parse_scenario
+    from topology.errors import UserError
+
+    base = {"name": "x", "topology": "hgx-h200", "model": "qwen3-30b-a3b", "prefill": {"tp": 1, "ep": 1, "replicas": 1},
+            "decode": {"ep": 1, "replicas": 1}, "workload": {"kind": "trace", "name": "mooncake", "max_requests": 3}}
+    sc = parse_scenario(base)
+    assert type(sc.sim.policies.build().admission) is FifoAdmission
+    with pytest.raises(UserError, match=r"^x.yaml: sim.policies.admission: .*unknown policy 'nope'; one of fifo"):
+        parse_scenario({**base, "sim": {"policies": {"admission": "nope"}}}, source="x.yaml")

@@ -538,7 +538,7 @@ def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, wei
     try:
         res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
-                       kv_chunks=built.cost_model.kv_chunks, env=env,
+                       kv_chunks=built.cost_model.kv_chunks, env=env, policies=sc.sim.policies.build(),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
     finally:
         run.pool.stop()
@@ -581,5 +581,5 @@ def replay(built, requests, records, *, seed: int, deaths=()):
     faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in deaths]
     return simulate(built.deployment, requests, built.cost_model, seed=seed, progress=False, faults=faults,
                     slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
-                    executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
+                    policies=sc.sim.policies.build(), executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
 
