@@ -162,10 +162,35 @@ class FifoAdmission:
         return [pop() for _ in range(room)]
 
 
+class ShortestPromptFirst:
+    """The requests with the shortest prompts first (ties: the earlier KV arrival), while the rank's batch has room;
+    those left waiting keep their order. Short requests start decoding sooner; a long prompt can wait as long as
+    shorter ones keep arriving on its rank (no aging)."""
+
+    name: ClassVar[str] = "shortest_prompt"
+    state_only: ClassVar[bool] = True
+
+    def take(self, queue: deque[R], room: int) -> list[R]:
+        ranked = sorted(queue, key=_prompt)  # stable: ties keep queue order
+        if len(ranked) <= room:
+            queue.clear()
+            return ranked
+        out = ranked[:room]
+        taken = {id(r) for r in out}
+        rest = [r for r in queue if id(r) not in taken]
+        queue.clear()
+        queue.extend(rest)
+        return out
+
+
+def _prompt(r: QueuedRequest) -> int:
+    return r.prompt
+
+
 # ------------------------------------------------------------------ the bundle and the names scenarios use
 PREFILLER_ROUTING: dict[str, type] = {LeastQueuedTokens.name: LeastQueuedTokens}
 DECODER_RANK: dict[str, type] = {FewestRequests.name: FewestRequests}
-ADMISSION: dict[str, type] = {FifoAdmission.name: FifoAdmission}
+ADMISSION: dict[str, type] = {FifoAdmission.name: FifoAdmission, ShortestPromptFirst.name: ShortestPromptFirst}
 
 
 @dataclass(frozen=True)
