@@ -17,7 +17,7 @@ faults prefillers, KV streams and the autoscaler have no process at all (their e
 their processes' events would). The queue, and with it every decision and the event count, evolves as with one
 process per worker; ``fast_decode=False`` runs every worker as a process (``tests/test_sim_driver_fastdecode.py``,
 ``test_sim_driver_lazydecode.py``, ``test_sim_speed.py`` check both give identical results). This reaches into
-SimPy 4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway.
+the event queue of :class:`sim.simenv.SimEnv` (SimPy's environment with a queue and clock of its own).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from sim import fastpath
 from sim.executor import CostModel, Executor
 from sim.faults import Fault, parse_faults
 from sim.network import Network
+from sim.simenv import SimEnv
 
 #: span kinds in ``SimResult.spans``
 SPAN_PREFILL, SPAN_KV, SPAN_DECODE = 0, 1, 2
@@ -108,13 +109,6 @@ class SimResult:
     breakdown_s: dict
     nic_utilisation: dict
     perf: dict = field(default_factory=dict)
-
-
-class _Env(simpy.Environment):
-    """A SimPy environment the driver can move to an arrival time between events (never backwards)."""
-
-    def advance(self, t: float) -> None:
-        self._now = max(self._now, t)
 
 
 def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) -> float:
@@ -195,7 +189,7 @@ def simulate(
                       sample_interval_s=sample_interval_s, log=DecisionLog(enabled=decision_log), policies=policies)
     for f in fault_list:
         sched.check_target(f.target)
-    env = env if env is not None else _Env()
+    env = env if env is not None else SimEnv()
     net = Network(deployment.nic_GBps)
     ex = (executor_factory or Executor)(cost_model, net, sched.group)
     duration = ex.duration
@@ -226,7 +220,7 @@ def simulate(
     # that prices a decode step from its busiest rank (decode_point) and certified policies; direct workers a run
     # without faults (nothing interrupts them).
     fp: fastpath.FastPath | None = None
-    if fast_decode and type(ex) is Executor and type(env) is _Env:
+    if fast_decode and type(ex) is Executor and type(env) is SimEnv:
         fp = fastpath.FastPath(
             sched, env, duration, spans, ex.breakdown_s["decode"], wake_ev, flush,
             cm_point=cm_point if fastpath.certified(sched.policies) else None, direct=not fault_list,
@@ -388,7 +382,7 @@ def simulate(
     task = None
     step = env.step
     peek = env.peek
-    sim_env = type(env) is _Env
+    sim_env = type(env) is SimEnv
     end = float("inf") if until_s is None else until_s
     next_check = 4096
     arrival_iter = iter(requests)
@@ -411,7 +405,7 @@ def simulate(
     # (a real environment's peek waits for work)
     gpeek = fp.next_time if fp is not None else peek
 
-    queue = env._queue
+    queue = env.queue if fp is not None else None
     lq = fp.lq if fp is not None else []
     try:
         while True:

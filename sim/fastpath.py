@@ -209,17 +209,17 @@ def _direct_workers(sched, env, duration, spans: list, wake_ev: dict, flush, deb
     entry now, as ``env.process`` would); ``fire(ev, t)`` does what the worker's process would do when its entry
     ``ev`` comes up at ``t`` (popped, the clock set). Closures: ``fire`` runs once per prefill batch, KV transfer
     and idle period."""
-    queue = env._queue
-    eid = env._eid
+    queue = env.queue
+    eid = env.eids
     add_span = spans.append
     sched_next = sched.next
     sched_done = sched.done
 
     def push_now(ev: DirectEvent) -> None:
-        heappush(queue, (env._now, NORMAL, next(eid), ev))
+        heappush(queue, (env.now_s, NORMAL, next(eid), ev))
 
     def start(wid: str) -> None:
-        heappush(queue, (env._now, URGENT, next(eid), DirectEvent(D_INIT, DirectWorker(wid), None)))
+        heappush(queue, (env.now_s, URGENT, next(eid), DirectEvent(D_INIT, DirectWorker(wid), None)))
 
     def fire(ev: DirectEvent, t: float) -> None:
         kind = ev.kind
@@ -313,10 +313,8 @@ class FastPath:
         if lane is None:
             price = step_cost(self.cm_point, self.sched.group(wid), plan.draft_k)
             lane = self.lanes[wid] = DecodeLane(wid, self.sched.decoder_view(wid), price)
-        tmo = env.event()
-        tmo._ok = True
-        tmo._value = None
-        heappush(self.lq, (env._now + dur, NORMAL, next(env._eid), tmo))
+        tmo = env.ready_event()
+        heappush(self.lq, (env.now_s + dur, NORMAL, next(env.eids), tmo))
         lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
         lane.dng = dur * lane.ng
         lane.left = 0   # priced by the executor: the lane prices the next step itself
@@ -340,7 +338,7 @@ class FastPath:
 
     def next_time(self) -> float:
         """Time of the next event (SimPy's queue or ``lq``)."""
-        queue = self.env._queue
+        queue = self.env.queue
         t = queue[0][0] if queue else float("inf")
         lq = self.lq
         if lq and lq[0][0] < t:
@@ -357,9 +355,9 @@ class FastPath:
         sched = self.sched
         env = self.env
         lq = self.lq
-        queue = env._queue
+        queue = env.queue
         ticks = self.ticks
-        eid = env._eid
+        eid = env.eids
         spans = self.spans
         add_span = spans.append
         fire = self._fire if self.direct else None
@@ -422,7 +420,7 @@ class FastPath:
                             resume = True
                             break
                         nsample = sched.next_sample_s
-                        env._now = t
+                        env.now_s = t
                         add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
                         if sched.wakeups or sched.new_workers or self.debug_checks:
                             self.flush()  # before the step's timeout, as the worker's process would
@@ -445,7 +443,7 @@ class FastPath:
                     t = head[0]
                     if t >= stop_q or (ln := ticks.get(head[3])) is None:
                         break
-                env._now = tl  # the last step taken (a plain step does not move the clock itself)
+                env.now_s = tl  # the last step taken (a plain step does not move the clock itself)
                 k = len(spans) - spans0
                 n += k
                 n_fast += k
@@ -456,7 +454,7 @@ class FastPath:
                 if t >= stop:
                     break
                 heappop(queue)
-                env._now = t
+                env.now_s = t
                 fire(ev, t)
                 n += 1
             else:

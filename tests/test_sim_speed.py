@@ -28,6 +28,7 @@ from test_sim_driver_models import poisson_requests, small_deployment
 from engine.core.autoscaler import AutoscalerConfig
 from engine.core.specdec import AcceptanceStream, _geometric_by_inversion, draw_accepted
 from sim import driver, fastpath
+from sim.simenv import SimEnv
 
 
 class _RefStream:
@@ -111,13 +112,13 @@ def test_shortcuts_are_taken(monkeypatch):
     """A loaded fault-free run starts no SimPy process for prefillers / KV streams, and re-prices far fewer decode
     steps than it completes outside the plain-step path."""
     started = []
-    orig_process = driver._Env.process
+    orig_process = SimEnv.process
 
     def process(self, gen):
         started.append(gen)
         return orig_process(self, gen)
 
-    monkeypatch.setattr(driver._Env, "process", process)
+    monkeypatch.setattr(SimEnv, "process", process)
     priced = []
     orig_cost = fastpath.step_cost
 

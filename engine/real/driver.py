@@ -38,7 +38,7 @@ from pathlib import Path
 import simpy
 
 from engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
-from sim.driver import _Env
+from sim.simenv import SimEnv
 from topology.errors import UserError
 
 
@@ -150,7 +150,7 @@ class RankPool:
                 p.kill()
 
 
-class MeasuredClockEnv(_Env):
+class MeasuredClockEnv(SimEnv):
     """SimPy environment whose clock advances by measured durations (module docstring)."""
 
     def __init__(self, pool: RankPool, on_reply, stall_s: float = STALL_S) -> None:
@@ -295,8 +295,7 @@ class RealExecutor:
         if self.env.on_fault is not None:
             ev = self.env.event()
             ev.callbacks.append(lambda _e, t=f"gpu:{gpu}": self.env.on_fault(t))
-            ev._ok, ev._value = True, None
-            self.env.schedule(ev, delay=at - self.env.now)
+            self.env.trigger(ev, None, at - self.env.now)
 
 
 def deployment_groups(dep) -> list[tuple[str, tuple[int, ...], str]]:
@@ -486,10 +485,7 @@ class RealRun:
             return
         self._absorb(fl)
         self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
-        ev = fl.ev
-        ev._ok = True
-        ev._value = measured
-        self.env.schedule(ev, delay=max(fl.start_v + measured - self.env.now, 0.0))
+        self.env.trigger(fl.ev, measured, max(fl.start_v + measured - self.env.now, 0.0))
 
     def _absorb(self, fl: _Inflight) -> None:
         if fl.kind == "prefill":
