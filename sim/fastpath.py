@@ -44,9 +44,7 @@ from simpy.events import NORMAL, URGENT
 from engine.core.plans import Idle, KvTransfer, PrefillBatch, Result, Stop
 from engine.core.policies import Policies
 from engine.core.state import FP
-
-#: span kinds in ``SimResult.spans`` (also sim.driver.SPAN_*)
-SPAN_PREFILL, SPAN_KV, SPAN_DECODE = 0, 1, 2
+from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL
 
 
 def certified(policies: Policies) -> bool:
