@@ -350,19 +350,11 @@ class FastPath:
         Idle/Stop), or whose process was interrupted meanwhile, goes to SimPy's queue and SimPy processes it (the
         process resumes); then, or when SimPy's next event is not one of these, it returns. Returns the number of
         events run."""
-        sched = self.sched
-        env = self.env
-        lq = self.lq
-        queue = env.queue
-        ticks = self.ticks
-        eid = env.eids
-        spans = self.spans
-        add_span = spans.append
+        sched, env, lq, ticks, spans, bd = self.sched, self.env, self.lq, self.ticks, self.spans, self.bd
+        lazy = self.lazy
+        queue, eid, add_span, sd_append = env.queue, env.eids, spans.append, sched.step_durations.append
         fire = self._fire if self.direct else None
         busy_gpu_s = sched.busy_gpu_s
-        sd_append = sched.step_durations.append
-        lazy = self.lazy
-        bd = self.bd
         b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it while this runs
         busy = busy_gpu_s["decode"]  # Scheduler.advance_decoder adds to it: written back around each call
         n = 0
@@ -423,12 +415,8 @@ class FastPath:
                         if sched.wakeups or sched.new_workers or self.debug_checks:
                             self.flush()  # before the step's timeout, as the worker's process would
                         calm = lazy and not sched.wakeups
-                        parts = ln.parts
-                        b0 += parts[0]
-                        b1 += parts[1]
-                        b2 += parts[2]
-                        b3 += parts[3]
-                        b4 += parts[4]
+                        p0, p1, p2, p3, p4 = ln.parts
+                        b0, b1, b2, b3, b4 = b0 + p0, b1 + p1, b2 + p2, b3 + p3, b4 + p4
                         heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))  # this step's end -> the next's
                         ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
                         ln.dng = dur * ln.ng

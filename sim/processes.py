@@ -52,21 +52,29 @@ class WorkerProcesses:
         self.procs: dict[str, simpy.Process] = {}
         self.fast = None
         self.clock = lambda: env.now
+        self.flush = self._flusher()
 
-    def flush(self) -> None:
-        """Hand the scheduler's wake-ups to the idle workers named, start every new worker."""
+    def _flusher(self) -> Callable[[], None]:
+        """``flush()``: hand the scheduler's wake-ups to the idle workers named, start every new worker (a closure:
+        the driver calls it after every scheduling call)."""
         sched = self.sched
-        if self.debug_checks:
-            sched.check_invariants()
-        if sched.wakeups:
-            wake_ev = self.wake_ev
-            for wid in sched.take_wakeups():
-                ev = wake_ev.pop(wid, None)
-                if ev is not None and not ev.triggered:
-                    ev.succeed(True)
-        if sched.new_workers:
-            for wid in sched.take_new_workers():
-                self.start_worker(wid)
+        wake_ev = self.wake_ev
+        start_worker = self.start_worker
+        debug_checks = self.debug_checks
+
+        def flush() -> None:
+            if debug_checks:
+                sched.check_invariants()
+            if sched.wakeups:
+                for wid in sched.take_wakeups():
+                    ev = wake_ev.pop(wid, None)
+                    if ev is not None and not ev.triggered:
+                        ev.succeed(True)
+            if sched.new_workers:
+                for wid in sched.take_new_workers():
+                    start_worker(wid)
+
+        return flush
 
     def start_worker(self, wid: str) -> None:
         """``env.process(run_worker(wid))``, unless the fast path runs the worker itself."""

@@ -105,44 +105,42 @@ class Progress:
 
 
 class _Arrivals:
-    """The request stream, handed to the scheduler in arrival order (a stream out of order is a user error)."""
+    """The request stream: :attr:`nxt` arrives next, at :attr:`at` (inf when none is left before the end)."""
 
     def __init__(self, requests: Iterable, end: float) -> None:
         self.it: Iterator = iter(requests)
         self.end = end
         self.last = 0.0
         self.nxt = next(self.it, None)
-        self.at = self.nxt.arrival_s if self.nxt is not None else inf  # the next arrival's time
-
-    def take(self):
-        """The next request, to arrive at :attr:`at`; None (and ``at`` = inf) when none is left before the end."""
-        r = self.nxt
-        ta = self.at
-        if ta < self.last:
-            raise ValueError(f"requests: not sorted by arrival_s (request {r.id} at {ta} after {self.last})")
-        if ta > self.end:
-            self.nxt, self.at = None, inf
-            return None
-        self.last = ta
-        self.nxt = nxt = next(self.it, None)
-        self.at = nxt.arrival_s if nxt is not None else inf
-        return r
+        self.at = self.nxt.arrival_s if self.nxt is not None else inf
 
 
 def _arrive_due(env, sched, arrivals: _Arrivals, t: float, flush: Callable[[], None],
                 peek: Callable[[], float]) -> float:
-    """Hand the scheduler every request arriving no later than ``t`` (the next event), and close the arrivals
-    after the last; returns the time of the next event then."""
-    while arrivals.at <= t:
-        ta = arrivals.at
-        r = arrivals.take()
-        if r is None:
+    """Hand the scheduler every request arriving no later than ``t`` (the next event), in arrival order (a stream
+    out of order is a user error), and close the arrivals after the last; returns the time of the next event
+    then."""
+    nxt = arrivals.nxt
+    it = arrivals.it
+    end = arrivals.end
+    arrive = sched.arrive
+    advance = env.advance
+    while nxt is not None and nxt.arrival_s <= t:
+        ta = nxt.arrival_s
+        if ta < arrivals.last:
+            raise ValueError(f"requests: not sorted by arrival_s (request {nxt.id} at {ta} after {arrivals.last})")
+        if ta > end:
+            nxt = None
             break
-        env.advance(ta)
-        sched.arrive(r, ta)
+        arrivals.last = ta
+        advance(ta)
+        arrive(nxt, ta)
         flush()
+        nxt = next(it, None)
         t = peek()
-    if arrivals.nxt is None and not sched.closed:
+    arrivals.nxt = nxt
+    arrivals.at = nxt.arrival_s if nxt is not None else inf
+    if nxt is None and not sched.closed:
         sched.close_arrivals(env.now)
         flush()
         t = peek()

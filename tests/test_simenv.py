@@ -118,3 +118,28 @@ def test_ready_event_trigger_and_advance():
     assert r.ok and r.value is None and all(e[3] is not r for e in env.queue)
     with pytest.raises(simpy.core.EmptySchedule):
         env.step()
+
+
+_SIMPY_PRIVATE = {"_now", "_queue", "_eid", "_ok", "_value", "_defused"}
+
+
+def _private_simpy_uses(path: Path, imports: bool = False) -> list[str]:
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in _SIMPY_PRIVATE:
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+        elif imports and isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sim."):
+            out.extend(f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {a.name}"
+                       for a in node.names if a.name.startswith("_"))
+    return out
+
+
+def test_simpy_internals_stay_in_simenv():
+    """SimPy's private attributes are used in sim/simenv.py only, and the real engine imports no private name of
+    the simulator."""
+    bad = [x for p in (ROOT / "sim").rglob("*.py") if p.name != "simenv.py" for x in _private_simpy_uses(p)]
+    bad += [x for p in (ROOT / "engine").rglob("*.py") for x in _private_simpy_uses(p, imports=True)]
+    assert not bad, "\n".join(bad)
+    assert _private_simpy_uses(ROOT / "sim" / "simenv.py")  # the scanner sees them where they are

@@ -60,11 +60,7 @@ import numpy as np
 
 from engine.core import autoscaler as autoscale
 from engine.core.decision_log import DecisionLog
-from engine.core.deployment import (
-    DecoderGroup,
-    Deployment,
-    PrefillerGroup,
-)
+from engine.core.deployment import DecoderGroup, Deployment, PrefillerGroup
 from engine.core.failures import FailureHandling
 from engine.core.invariants import check_invariants
 from engine.core.plans import (
@@ -203,8 +199,7 @@ class Scheduler(WorkerPool, FailureHandling):
         for g in deployment.decoders:
             self._add_decoder(g, ACTIVE, 0.0, 0.0)
         if autoscaler is not None:
-            a = AutoscalerState()
-            self.workers[AUTOSCALER] = a
+            self.workers[AUTOSCALER] = AutoscalerState()
         self.new_workers.clear()
         self._refresh_limits()
 
@@ -218,11 +213,8 @@ class Scheduler(WorkerPool, FailureHandling):
 
     def groups(self) -> list[tuple[str, str, int, float, float, str]]:
         """``(id, role, n_gpus, created_s, ended_s, status)`` of every group ever created, in creation order."""
-        out = []
-        for w in sorted((*self.prefillers, *self.decoders), key=lambda w: w.order):
-            out.append((w.id, "prefill" if w.kind == "prefill" else "decode", w.n_gpus, w.created_s, w.ended_s,
-                        STATUS_NAMES[w.status]))
-        return out
+        return [(w.id, "prefill" if w.kind == "prefill" else "decode", w.n_gpus, w.created_s, w.ended_s,
+                 STATUS_NAMES[w.status]) for w in sorted((*self.prefillers, *self.decoders), key=lambda w: w.order)]
 
     def worker_ids(self) -> list[str]:
         """All worker ids created so far, in creation order."""
@@ -242,11 +234,6 @@ class Scheduler(WorkerPool, FailureHandling):
         if w.idle:
             w.idle = False
             self.wakeups.append(w.id)
-
-    def _wake_pf(self, pf: PrefillerState) -> None:
-        if pf.idle:
-            pf.idle = False
-            self.wakeups.append(pf.id)
 
     def _wake_blocked_streams(self) -> None:
         """Decoder KV was freed or a decoder became routable: retry the KV streams that found no room."""
@@ -536,7 +523,7 @@ class Scheduler(WorkerPool, FailureHandling):
                 pf.pending.popleft()
                 pf.kv_held -= r.ctx0
                 self._reject(r, now, "no_decoder")
-                self._wake_pf(pf)
+                self._wake(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k
             pick = self._choose_rank(self._route_d, need_probe)

@@ -1,12 +1,14 @@
 """The real (wall-clock) driver: the simulator's own loop, with GPUs instead of cost models.
 
-``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker loop, the same arrival and
-fault handling — and swaps two things, as STYLE.md asks ("the clock is swapped, the model code is not"):
+``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker processes
+(:mod:`sim.processes`), the same run loop merging arrivals with events (:mod:`sim.runloop`) and the same fault
+handling — and swaps two things, as STYLE.md asks ("the clock is swapped, the model code is not"):
 
 - the executor: :class:`RealExecutor` sends each plan to the rank processes that own its GPUs
   (``engine.real.worker``) and returns a SimPy event that fires when all of them have replied; its value is the
   **measured** duration (wall time from dispatch to the last reply, so IPC and host overheads are included);
-- the environment: :class:`MeasuredClockEnv` advances the clock by measured durations. Before it processes an event
+- the environment: :class:`MeasuredClockEnv` (a :class:`sim.simenv.SimEnv`) advances the clock by measured
+  durations; a plan's completion event succeeds at its measured end (``SimEnv.trigger``). Before it processes an event
   at time ``t`` it makes sure no plan still running could finish earlier: a plan dispatched at clock time ``s``
   and wall time ``w`` finishes no earlier than ``s + (wall_now - w)``, so the loop waits for replies until that
   bound passes ``t``. Events are therefore processed in the order of their measured times, exactly as the
