@@ -1,36 +1,41 @@
-"""The simulator's decode fast path: decoder steps run by the main loop instead of each decoder's SimPy process.
+"""The simulator's fast path: the events that need no SimPy process, run by the main loop (:meth:`FastPath.run`).
 
-Decode steps are ~85 % of a loaded rack's events. When the cost model prices a decode step from its busiest rank
-(``decode_point``, see :mod:`sim.executor`), the environment and executor are the simulated ones and the
-scheduler's policies are certified (:func:`certified`), a decoder's process yields its step's end as an entry of
-the decoders' own event heap (:class:`DecodeLanes`, ``lq``) instead of a SimPy timeout, and the main loop
-completes the step when that entry comes up: :meth:`DecodeLane.advance` asks the scheduler
-(:meth:`~engine.core.scheduler.Scheduler.advance_decoder`: ``done`` + ``next`` without the plan object) and, when
-the decoder steps on, re-schedules the *same* entry for the next step exactly as ``env.timeout`` would (same
-time, priority and next insertion id), so the event queue, and with it every decision, evolves as step by step.
-The process stays suspended until a step's end makes the scheduler answer Idle/Stop (the process then takes
-that answer over: :attr:`DecodeLane.handoff`) or a fault interrupts it (it asks the scheduler for the plan in
-flight: ``decode_plan``).
+Two kinds, both only with the simulated environment (:class:`sim.simenv.SimEnv`) and executor:
 
-**Price memo.** A lane keeps the price of its last step and the range it holds for: the cost depends on the
-busiest batch and on the longest context's bucket only (``decode_point``'s contract: the same step time for every
-context from the one asked up to ``ctx_hi``), so the contexts are recomputed only when the batch changed or they
-may have left that range — finishes keep the price unless the busiest batch changed or the rank that held the
-longest context fell below the context priced (running requests' contexts only grow); admissions keep it while
-the busiest batch is unchanged and their ranks' contexts stay <= ``ctx_hi``.
+**Decode lanes.** Decode steps are ~85 % of a loaded rack's events. When the cost model prices a decode step from
+its busiest rank (``decode_point``, see :mod:`sim.executor`) and the scheduler's policies are certified
+(:func:`certified`), a decoder's process yields its step's end as an entry of the decoders' own event heap
+(``FastPath.lq``) instead of a SimPy timeout, and the main loop completes the step when that entry comes up:
+:meth:`DecodeLane.advance` asks the scheduler (:meth:`~engine.core.scheduler.Scheduler.advance_decoder`: ``done``
++ ``next`` without the plan object) and, when the decoder steps on, re-schedules the *same* entry for the next step
+exactly as ``env.timeout`` would (same time, priority and next insertion id), so the event queue, and with it every
+decision, evolves as step by step. The process stays suspended until a step's end makes the scheduler answer
+Idle/Stop (the process then takes that answer over: :attr:`DecodeLane.handoff`) or a fault interrupts it (it asks
+the scheduler for the plan in flight: ``decode_plan``).
 
-**Plain steps.** With the decision log off, a step whose completion finishes nobody, admits nobody and keeps the
+*Price memo.* A lane keeps the price of its last step and the range it holds for: the cost depends on the busiest
+batch and on the longest context's bucket only (``decode_point``'s contract: the same step time for every context
+from the one asked up to ``ctx_hi``), so the contexts are recomputed only when the batch changed or they may have
+left that range — finishes keep the price unless the busiest batch changed or the rank that held the longest
+context fell below the context priced (running requests' contexts only grow); admissions keep it while the busiest
+batch is unchanged and their ranks' contexts stay <= ``ctx_hi``.
+
+*Plain steps.* With the decision log off, a step whose completion finishes nobody, admits nobody and keeps the
 price is *plain*: the main loop takes it without calling the scheduler, books its duration in completion order
 (``step_durations``, ``busy_gpu_s["decode"]``, the breakdown) and reports how many it took
-(:meth:`~engine.core.scheduler.Scheduler.plain_steps`) before the scheduler is next called about that decoder or
-a fault (:meth:`DecodeLanes.report`). How many of the coming steps are plain is derived from the decoder's
-read-only view after each :meth:`DecodeLane.advance`; it holds while the decoder's change counter
-(``DecoderView.changes``) stays where it was — a KV arrival, a drain or a failure moves it — and no sample falls
-due.
+(:meth:`~engine.core.scheduler.Scheduler.plain_steps`) before the scheduler is next called about that decoder or a
+fault (:meth:`FastPath.report`). How many of the coming steps are plain is derived from the decoder's read-only
+view after each :meth:`DecodeLane.advance`; it holds while the decoder's change counter (``DecoderView.changes``)
+stays where it was — a KV arrival, a drain or a failure moves it — and no sample falls due.
 
-``tests/test_sim_driver_fastdecode.py``, ``test_sim_driver_lazydecode.py`` and ``test_sim_speed.py`` check that
-runs with the fast path equal runs without it (``simulate(..., fast_decode=False)``): rows, decision logs, spans,
-samples, metrics, breakdowns, event counts.
+**Direct workers.** In a run without faults (nothing interrupts them) prefillers, KV streams and the autoscaler
+have no process: their entries (:class:`DirectEvent`) sit in the environment's queue at the same time, priority
+and insertion order as their processes' events would (start, timeouts, wake-up events and their timers, the
+process's end), and the main loop does what the process would when one comes up.
+
+``tests/test_sim_driver_fastdecode.py``, ``test_sim_driver_lazydecode.py``, ``test_sim_speed.py`` and
+``test_fastpath.py`` check that runs with the fast path equal runs without it (``simulate(..., fast_decode=False)``):
+rows, decision logs, spans, samples, metrics, breakdowns, event counts.
 """
 
 from __future__ import annotations
