@@ -683,7 +683,7 @@ def fit_dense_with_map(kind: str, xy: list[tuple[float, float]], kmap: KernelMap
     """Tabulated ``gemm_tflops`` points of a dense GEMM curve with a kernel map: :func:`kernel_block_times` at every
     m up to the map's ``full``, the form fitted on a thinned set of fit points (:func:`_thin`) above it and as the
     last resort inside. Returns ``(points, description)``."""
-    flops = lambda m: 2.0 * m * n * k  # noqa: E731
+    flops = lambda m: 2.0 * m * n * k
     xs = [x for x, _ in xy]
     keep = _thin(xs)
     sub = [(x, y) for x, y in xy if x in keep]
@@ -794,7 +794,7 @@ def fit_decode_with_map(kind: str, xy: list[tuple[float, float]], runs: tuple[tu
     """Tabulated ``decode_attn_GBps`` points of a decode curve with a kernel map: :func:`decode_run_times` at every
     context the map recorded, the curve's form (fitted on all its fit points) outside the map and as the fallback
     inside. Returns ``(points, description)``."""
-    kv = lambda x: 4.0 * key["seq_heads"] * key["head_dim"] * x  # noqa: E731 — K and V, bf16, bytes
+    kv = lambda x: 4.0 * key["seq_heads"] * key["head_dim"] * x
     form = choose_form(kind, xy, shape, sm_count)
     fb_pts = fit_curve(kind, xy, form)
     fb = CalibrationEntry(kind="decode_attn_GBps", gpu="-", points=fb_pts)

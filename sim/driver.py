@@ -1,107 +1,57 @@
-"""The SimPy driver: one process per worker running the shared worker loop, an arrival process, a fault process.
+"""The simulator: :func:`simulate` runs a deployment on the scheduler, a cost model and the network, in SimPy.
 
     result = simulate(deployment, requests, cost_model, seed=0)
     sim.outputs.write_all(result, "out/")
 
-Each worker process runs :func:`engine.core.worker_loop.worker_loop` (the generator the real driver runs too) and
-resolves what it yields: a work plan becomes ``env.timeout(executor.duration(plan, now))`` (interrupted by a
-fault), an :class:`~engine.core.plans.Idle` becomes a wait on the worker's wake-up event with an optional timer.
-After every resumption the driver hands the scheduler's wake-ups to the idle workers named and starts a process
-for every new (scaled-up) worker. SimPy orders simultaneous events by (time, priority, insertion), so a run is a
-deterministic function of (deployment, requests, cost model, seed, faults).
-
-**Decode fast-forward.** Decode steps are ~85 % of a loaded rack's events. When the cost model prices a decode step
-from its busiest rank (``decode_point``, see :mod:`sim.executor`) and the environment and executor are the
-simulated ones, the main loop completes a decoder's step itself when its timeout comes up — through
-:meth:`~engine.core.scheduler.Scheduler.ff_decode_step`, which does what ``done`` + ``next`` would do without plan
-objects — and re-schedules the *same* timeout event for the next step exactly as ``env.timeout`` would (same time,
-priority and next insertion id), so the event queue, and with it every decision, evolves as step by step; the
-worker's process stays suspended until a step's completion would idle its decoder, or a fault interrupts it (then
-the step's plan is built and the process resumes with a fresh ``worker_loop``). ``fast_decode=False`` runs
-step by step; ``tests/test_sim_driver_fastdecode.py`` checks both give identical results. With the decision log
-off, the main loop takes *plain* steps (the scheduler says how many follow: ``Scheduler.ff_handle``) without calling
-the scheduler at all, booking their durations in step order and reporting them (``Scheduler.ff_advance``) before
-the scheduler is next asked about that decoder or a fault (``tests/test_sim_driver_lazydecode.py``). This reaches into SimPy
-4's event queue (``Environment._queue`` / ``_eid``), which the driver's own ``_Env`` subclass owns anyway. The
-pending step ends of fast-forwarded decoders are kept in a small heap of their own (``lq``), merged with SimPy's
-queue by the main loop in (time, priority, insertion) order; an entry moves to SimPy's queue when SimPy must
-process it (the step resumes the worker's process).
-
-**Direct workers.** In a run without faults (nothing interrupts them) on the simulated environment and executor,
-prefillers, KV streams and the autoscaler have no SimPy process: the main loop runs their worker loop itself
-(``d_fire``), putting ``_DEv`` entries into SimPy's queue at the same time, priority and insertion order as their
-processes' events (start, timeouts, wake-up events and their timers, the process's end), so the run and its event
-count are the same; ``fast_decode=False`` turns this off too (``tests/test_sim_speed.py``).
+The parts: :class:`~engine.core.scheduler.Scheduler` decides, :class:`sim.executor.Executor` prices plans (cost
+model + :class:`sim.network.Network`), :mod:`sim.processes` runs one SimPy process per worker (the shared worker
+loop) and injects faults, :mod:`sim.runloop` merges arrivals with the events until the end — the same loop the
+real engine runs with a measured clock (``engine.real.driver`` passes its environment and executor) — and, with
+the simulated environment (:class:`sim.simenv.SimEnv`) and executor, :mod:`sim.fastpath` runs the events that
+need no SimPy process in the main loop: decoder steps (when the cost model has ``decode_point`` and the policies are
+certified) and, in a run without faults, the prefillers, KV streams and autoscaler. The event queue, and with it
+every decision and the event count, evolves as with one process per worker; ``fast_decode=False`` runs every
+worker as a process (``tests/test_sim_driver_fastdecode.py``, ``test_sim_driver_lazydecode.py``,
+``test_sim_speed.py`` check both give identical results). A run is a deterministic function of (deployment,
+requests, cost model, seed, faults, policies).
 """
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from heapq import heappop, heappush, heapreplace
-from math import nextafter
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL, URGENT
 
 from engine.core.autoscaler import AutoscalerConfig
 from engine.core.decision_log import DecisionLog
 from engine.core.deployment import Deployment, PrefillerGroup
 from engine.core.metrics import Slo, summarize
-from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result, Stop
+from engine.core.plans import PrefillBatch
+from engine.core.policies import Policies
 from engine.core.request import Request
-from engine.core.scheduler import ROW_FIELDS, KvChunks, Sample, Scheduler
-from engine.core.worker_loop import worker_loop
+from engine.core.scheduler import KvChunks, Scheduler
+from engine.core.state import ROW_FIELDS, Sample
+from sim import fastpath
 from sim.executor import CostModel, Executor
 from sim.faults import Fault, parse_faults
 from sim.network import Network
+from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL, WorkerProcesses
+from sim.runloop import Progress, collector_paused, run_loop
+from sim.simenv import SimEnv
 
-#: span kinds in ``SimResult.spans``
-SPAN_PREFILL, SPAN_KV, SPAN_DECODE = 0, 1, 2
+#: span kinds in ``SimResult.spans``: SPAN_PREFILL, SPAN_KV, SPAN_DECODE (0, 1, 2)
 SPAN_NAMES = ("prefill", "kv_transfer", "decode")
-
-#: the cyclic collector's young-generation threshold during a run with a real environment (see ``simulate``)
-_GC_GEN0 = 100_000
-#: events between two collections of the young generations while the collector is off (see ``simulate``)
-_GC_EVERY = 1 << 22
-
-
-def _gc_pause(off: bool) -> tuple:
-    """The cyclic collector's settings for a run: off (``off``) or with a larger young-generation threshold.
-    Returns what :func:`_gc_resume` needs to restore them."""
-    state = (off, gc.isenabled(), gc.get_threshold())
-    if off:
-        gc.disable()
-    else:
-        th = state[2]
-        gc.set_threshold(max(th[0], _GC_GEN0), *th[1:])
-    return state
-
-
-def _gc_resume(state: tuple) -> None:
-    """Undo :func:`_gc_pause`. After a run with the collector off, the objects made since are moved to the oldest
-    generation without a traversal (``gc.freeze`` then ``gc.unfreeze``; skipped when the process keeps frozen
-    objects of its own), where the oldest generation's next collection examines them as before, so that the
-    young generations' next collection does not traverse everything the run kept."""
-    off, was_enabled, th = state
-    if off:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-    else:
-        gc.set_threshold(*th)
+__all__ = ["SPAN_DECODE", "SPAN_KV", "SPAN_NAMES", "SPAN_PREFILL", "SimResult", "simulate"]
 
 
 @dataclass
 class SimResult:
     """Everything a run produced. ``metrics`` is deterministic for a seed; ``perf`` (wall time) is not.
 
-    rows:    one tuple per request (fields :data:`engine.core.scheduler.ROW_FIELDS`), in resolution order.
+    rows:    one tuple per request (fields :data:`engine.core.state.ROW_FIELDS`), in resolution order.
     spans:   ``(worker, kind, start_s, dur_s, arg, failed)`` per executed plan (kind: SPAN_*; arg: tokens for
              prefill, request id for KV, step number for decode), in completion order.
     samples: timeline (GPUs per role, requests per stage).
@@ -123,13 +73,6 @@ class SimResult:
     perf: dict = field(default_factory=dict)
 
 
-class _Env(simpy.Environment):
-    """A SimPy environment the driver can move to an arrival time between events (never backwards)."""
-
-    def advance(self, t: float) -> None:
-        self._now = max(self._now, t)
-
-
 def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) -> float:
     """Sustained prefill tokens/s of a group: full token-budget batches of mean-length prompts."""
     budget = group.template.max_batch_tokens
@@ -138,86 +81,6 @@ def _prefill_capacity(cm: CostModel, group: PrefillerGroup, mean_prompt: int) ->
     items = tuple((-1 - i, 0, per) for i in range(n))
     st = cm.prefill(PrefillBatch(group.id, 0, items, n * per), group)
     return n * per / max(st.total_s, 1e-12)
-
-
-class _Lane:
-    """The decode step a decoder's pending timeout stands for (it changes when the main loop fast-forwards)."""
-
-    __slots__ = ("cost", "d", "dng", "dur_s", "k", "ng", "parts", "start_s", "step", "virtual", "wid")
-
-    def __init__(self, wid: str, cost, d) -> None:
-        self.wid = wid
-        self.cost = cost
-        self.d = d            # the scheduler's state of the decoder (Scheduler.ff_handle): its ``ff_plain``
-        self.ng = d.n_gpus
-        self.k = 0            # plain steps the main loop took and has not yet reported (Scheduler.ff_advance)
-        self.parts = None     # the StepTime fields of the step in flight (when started by the fast-forward)
-        self.start_s = self.dur_s = self.dng = 0.0  # dng: dur_s * ng (GPU-seconds of the step)
-        self.step = 0
-        self.virtual = False  # True once the step is one the fast-forward started (no plan object yet)
-
-
-_tnew = tuple.__new__
-assert Result._fields == ("duration_s", "accepted", "failed", "woken")
-
-# kinds of a direct worker's queue entry (``_DEv.kind``)
-_D_DONE, _D_WAKE, _D_TIMER, _D_INIT, _D_END = 0, 1, 2, 3, 4
-
-
-class _DWorker:
-    """A worker the main loop drives itself (no SimPy process): its plan in flight, when it began, its duration."""
-
-    __slots__ = ("done_ev", "dur", "plan", "t0", "wid")
-
-    def __init__(self, wid: str) -> None:
-        self.wid = wid
-        self.plan = None
-        self.t0 = self.dur = 0.0
-        self.done_ev = _DEv(_D_DONE, self, None)
-
-
-class _DEv:
-    """A direct worker's entry in SimPy's event queue, standing where the worker's process would have put an event:
-    a plan's end (the process's timeout), an idle worker's wake-up event (``succeed`` as SimPy's), the wake-up's
-    timer, the process's start (``Initialize``) and end (the process event itself)."""
-
-    __slots__ = ("kind", "push", "triggered", "value", "w")
-
-    def __init__(self, kind: int, w, push) -> None:
-        self.kind = kind
-        self.w = w            # the _DWorker (the wake-up event for a timer)
-        self.push = push      # schedules this entry now, as ``env.schedule(event)`` (wake-up events only)
-        self.triggered = False
-        self.value = None
-
-    def succeed(self, value) -> None:
-        """``simpy.Event.succeed`` for a wake-up: the worker resumes at the current time with ``value``."""
-        self.triggered = True
-        self.value = value
-        self.push(self)
-
-
-def _step_cost(cm_point, group, draft_k: int):
-    """``(max_batch, max_context_tokens) -> (dur_s, ctx_hi, parts)`` of one decoder group (parts: the StepTime's
-    fields, in :data:`sim.executor._FIELDS` order), for
-    :meth:`~engine.core.scheduler.Scheduler.ff_decode_step`."""
-
-    memo: dict = {}
-    last: dict[int, tuple] = {}  # max_batch -> (ctx, ctx_hi, answer) of the last point asked for that batch
-
-    def cost(b: int, ctx: int):
-        hit = last.get(b)
-        if hit is not None and hit[0] <= ctx <= hit[1]:
-            return hit[2]  # decode_point's contract: the same StepTime for every context from hit[0] to ctx_hi
-        st, hi = cm_point(group, b, ctx, draft_k)
-        parts = memo.get(st)
-        if parts is None:  # one tuple per StepTime: the driver adds its fields to the breakdown
-            parts = memo[st] = (st.attn_s, st.moe_gemm_s, st.a2a_s, st.allreduce_s, st.other_s)
-        ans = (st.total_s, hi, parts)
-        last[b] = (ctx, hi, ans)
-        return ans
-
-    return cost
 
 
 def simulate(
@@ -239,6 +102,7 @@ def simulate(
     fast_decode: bool = True,
     env: simpy.Environment | None = None,
     executor_factory=None,
+    policies: Policies | None = None,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
 
@@ -251,510 +115,58 @@ def simulate(
                model (full budget batches of the mean prompt of the first 1000 requests, or 4096 tokens).
     debug_checks: assert the scheduler's invariants after every scheduling call (slow; for tests).
     decision_log: keep the decision log (False for long benchmark runs; decisions are the same).
-    fast_decode: fast-forward plain decode steps without SimPy events (module docstring); the result is the
-               same either way (False is for the test that checks so).
+    fast_decode: run what needs no SimPy process without one (:mod:`sim.fastpath`); the result is the same either
+               way (False is for the tests that check so).
+    env, executor_factory: another environment (with ``advance(t)``) and ``(cost_model, network, group_of) ->
+               executor`` (the real engine's measured clock and ranks; the fast path is then off).
+    policies:  the scheduler's policies (:class:`~engine.core.policies.Policies`; default: the reference rules).
     """
     t_wall0 = time.perf_counter()
     fault_list = parse_faults(faults)
     if until_s is not None and not until_s > 0:
         raise ValueError(f"until_s: must be > 0, got {until_s}")
-    if isinstance(requests, Sequence):
-        head = requests[:1000]
-        n_total: int | None = len(requests)
-    else:
-        head = []
-        n_total = None
-    mean_prompt = round(float(np.mean([r.prompt_tokens for r in head]))) if head else 4096
-    if prefill_tokens_per_s is None and deployment.prefillers:
-        caps: dict[int, float] = {}
-
-        def cap_of(g: PrefillerGroup) -> float:
-            key = id(g.template)
-            if key not in caps:
-                caps[key] = _prefill_capacity(cost_model, g, mean_prompt)
-            return caps[key]
-
-        ptps = cap_of
-    else:
-        ptps = prefill_tokens_per_s
+    head = requests[:1000] if isinstance(requests, Sequence) else []
+    ptps = prefill_tokens_per_s
+    if ptps is None and deployment.prefillers:
+        ptps = _prefill_rate(cost_model, head)
     if sample_interval_s is None:
         horizon = until_s if until_s is not None else (head[-1].arrival_s if head else 60.0)
         sample_interval_s = max(horizon / 400.0, 0.01)
-
-    rng = np.random.default_rng(seed)
-    sched = Scheduler(deployment, rng, prefill_tokens_per_s=ptps, kv_chunks=kv_chunks, autoscaler=autoscaler,
-                      sample_interval_s=sample_interval_s, log=DecisionLog(enabled=decision_log))
+    sched = Scheduler(deployment, np.random.default_rng(seed), prefill_tokens_per_s=ptps, kv_chunks=kv_chunks,
+                      autoscaler=autoscaler, sample_interval_s=sample_interval_s,
+                      log=DecisionLog(enabled=decision_log), policies=policies)
     for f in fault_list:
         sched.check_target(f.target)
-    env = env if env is not None else _Env()
+    env = env if env is not None else SimEnv()
     net = Network(deployment.nic_GBps)
     ex = (executor_factory or Executor)(cost_model, net, sched.group)
-    duration = ex.duration
     spans: list[tuple] = []
-    add_span = spans.append
-    wake_ev: dict[str, simpy.Event] = {}
-    procs: dict[str, simpy.Process] = {}
-    clock = lambda: env.now
-    timeout = env.timeout
-    event = env.event
-
-    def flush() -> None:
-        if debug_checks:
-            sched.check_invariants()
-        if sched.wakeups:
-            for wid in sched.take_wakeups():
-                ev = wake_ev.pop(wid, None)
-                if ev is not None and not ev.triggered:
-                    ev.succeed(True)
-        if sched.new_workers:
-            for wid in sched.take_new_workers():
-                start_worker(wid)
-
-    # Fast-forward of plain decode steps (module docstring): only with the simulated environment and executor and
-    # a cost model that prices a decode step from its busiest rank (``decode_point``).
-    # decode_point must be the cost model's own (a class attribute): a wrapper that delegates unknown attributes
-    # to a wrapped model (``__getattr__``) and changes ``decode`` would otherwise be bypassed
-    cm_point = getattr(cost_model, "decode_point", None) if hasattr(type(cost_model), "decode_point") else None
-    fast = fast_decode and cm_point is not None and type(ex) is Executor and type(env) is _Env
-    ticks: dict[simpy.Event, _Lane] = {}  # a decoder's step-end timeout -> the step it stands for
-    lanes: list[_Lane] = []  # every lane (report_plain reports those with plain steps taken: k > 0)
-
-    def run_worker(wid: str):
-        gen = worker_loop(sched, wid, clock)
-        try:
-            plan = next(gen)
-        except StopIteration:
-            return
-        flush()
-        send = gen.send
-        lane = None
-        while True:
-            tp = type(plan)
-            if tp is Idle:
-                t0 = env.now
-                ev = event()
-                wake_ev[wid] = ev
-                if plan.until_s is not None:
-                    tmo = timeout(max(plan.until_s - t0, 0.0))
-                    tmo.callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed(False))
-                woken = yield ev
-                if wake_ev.get(wid) is ev:
-                    del wake_ev[wid]
-                result = Result(env.now - t0, woken=bool(woken))
-            else:
-                t0 = env.now
-                dur = duration(plan, t0)
-                try:
-                    if type(dur) is float:
-                        if fast and tp is DecodeStep:
-                            # the main loop may complete this step and run the next ones on the same event:
-                            # env.timeout(dur), kept in the decoders' own queue (``lq``, main loop)
-                            tmo = event()
-                            tmo._ok = True
-                            tmo._value = None
-                            heappush(lq, (env._now + dur, NORMAL, next(eid), tmo))
-                            if lane is None:
-                                lane = _Lane(wid, _step_cost(cm_point, sched.group(wid), plan.draft_k),
-                                             sched.ff_handle(wid))
-                                lanes.append(lane)
-                            lane.start_s, lane.dur_s, lane.step, lane.virtual = t0, dur, plan.step, False
-                            lane.dng = dur * lane.ng
-                            ticks[tmo] = lane
-                            try:
-                                yield tmo
-                            finally:
-                                del ticks[tmo]
-                            if lane.virtual:
-                                t0, dur = lane.start_s, lane.dur_s
-                        else:
-                            yield timeout(dur)
-                        result = Result(dur)
-                    else:  # a real executor's completion event: its value is the measured duration
-                        done_value = yield dur
-                        dur, accepted = done_value if type(done_value) is tuple else (done_value, None)
-                        result = Result(dur, accepted=accepted)
-                    failed = False
-                except simpy.Interrupt as intr:
-                    if lane is not None and lane.virtual:
-                        t0 = lane.start_s
-                    result = Result(env.now - t0, failed=str(intr.cause))
-                    failed = True
-                if tp is DecodeStep:
-                    if lane is not None and lane.virtual:
-                        # the step that ended was started by the fast-forward: finish it by hand, then resume
-                        # the worker's loop with a fresh generator (its first call is next(), as after done())
-                        plan = sched.decode_plan_in_flight(wid)
-                        add_span((wid, SPAN_DECODE, t0, result.duration_s, plan.step, failed))
-                        lane.virtual = False
-                        sched.done(plan, result, env.now)
-                        gen.close()
-                        gen = worker_loop(sched, wid, clock)
-                        send = gen.send
-                        try:
-                            plan = next(gen)
-                        except StopIteration:
-                            return
-                        if sched.wakeups or sched.new_workers or debug_checks:
-                            flush()
-                        continue
-                    add_span((wid, SPAN_DECODE, t0, result.duration_s, plan.step, failed))
-                elif tp is PrefillBatch:
-                    add_span((wid, SPAN_PREFILL, t0, result.duration_s, plan.n_tokens, failed))
-                elif tp is KvTransfer:
-                    add_span((wid, SPAN_KV, t0, result.duration_s, plan.request_id, failed))
-            try:
-                plan = send(result)
-            except StopIteration:
-                return
-            if sched.wakeups or sched.new_workers or debug_checks:
-                flush()
-
-    # Direct workers (prefillers, KV streams, the autoscaler, when no fault can interrupt them): the main loop
-    # runs their loop itself, with entries in SimPy's queue (``_DEv``) exactly where their processes' events would
-    # be — same time, priority and insertion order, made in the same order — so every decision is the same.
-    direct = fast_decode and type(ex) is Executor and type(env) is _Env and not fault_list
-    queue = env._queue
-    eid = env._eid
-    # The pending step ends of fast-forwarded decoders: SimPy queue entries ``(time, priority, id, event)`` kept in
-    # a heap of their own (a few entries instead of all of SimPy's); the main loop takes the earlier head of the
-    # two, so events come in the same order. An entry goes to SimPy's queue when SimPy must process it.
-    lq: list[tuple] = []
-    workers = sched.workers
-    sched_next = sched.next
-    sched_done = sched.done
-
-    def push_now(ev: _DEv) -> None:
-        heappush(queue, (env._now, NORMAL, next(eid), ev))
-
-    def start_worker(wid: str) -> None:
-        """``env.process(run_worker(wid))``, or its direct equivalent (the start is an URGENT entry now)."""
-        if direct and workers[wid].kind != "decode":
-            heappush(queue, (env._now, URGENT, next(eid), _DEv(_D_INIT, _DWorker(wid), None)))
-        else:
-            procs[wid] = env.process(run_worker(wid))
-
-    def d_begin(w: _DWorker, plan, t: float) -> None:
-        """A direct worker starts ``plan`` at ``t`` (run_worker at the top of its loop)."""
-        w.plan = plan
-        w.t0 = t
-        if type(plan) is Idle:
-            ev = _DEv(_D_WAKE, w, push_now)
-            wake_ev[w.wid] = ev
-            if plan.until_s is not None:
-                heappush(queue, (t + max(plan.until_s - t, 0.0), NORMAL, next(eid), _DEv(_D_TIMER, ev, None)))
-        else:
-            w.dur = dur = duration(plan, t)
-            heappush(queue, (t + dur, NORMAL, next(eid), w.done_ev))
-
-    def d_fire(ev: _DEv, t: float) -> None:
-        """A direct worker's entry came up at ``t`` (popped, the clock set): what its process would do."""
-        kind = ev.kind
-        if kind == _D_DONE:
-            w = ev.w
-            plan = w.plan
-            tp = type(plan)
-            if tp is KvTransfer:
-                add_span((w.wid, SPAN_KV, w.t0, w.dur, plan.request_id, False))
-            elif tp is PrefillBatch:
-                add_span((w.wid, SPAN_PREFILL, w.t0, w.dur, plan.n_tokens, False))
-            sched_done(plan, _tnew(Result, (w.dur, None, None, False)), t)  # Result(w.dur), without its __new__
-        elif kind == _D_WAKE:
-            w = ev.w
-            if wake_ev.get(w.wid) is ev:
-                del wake_ev[w.wid]
-            # the worker's Idle plan ends: Scheduler.done has nothing to account for an Idle plan (it only sets
-            # now_s, as sched_next below does), so it is not called
-        elif kind == _D_TIMER:
-            wk = ev.w
-            if not wk.triggered:
-                wk.succeed(False)
-            return
-        elif kind == _D_INIT:
-            w = ev.w
-            plan = sched_next(w.wid, t)
-            if type(plan) is Stop:
-                heappush(queue, (t, NORMAL, next(eid), _DEv(_D_END, w, None)))  # the process's own event
-                return
-            flush()
-            d_begin(w, plan, t)
-            return
-        else:  # _D_END
-            return
-        plan = sched_next(w.wid, t)
-        if type(plan) is Stop:
-            heappush(queue, (t, NORMAL, next(eid), _DEv(_D_END, w, None)))
-            return
-        if sched.wakeups or sched.new_workers or debug_checks:
-            flush()
-        d_begin(w, plan, t)
-
-    def report_plain() -> None:
-        """Report the plain steps the main loop took (Scheduler.ff_advance); before any call that may read a
-        decoder's step counters."""
-        for x in lanes:
-            if x.k:
-                advance(x.d, x.k)
-                x.k = 0
-
-    def recover_later(f: Fault):
-        yield timeout(f.duration_s)
-        report_plain()
-        sched.recover(f.target, env.now)
-        flush()
-
-    def inject_fault(target: str) -> None:
-        """Fail ``target`` now (used for faults detected at run time, e.g. a dead worker process)."""
-        report_plain()
-        aborted = sched.fail(target, env.now, permanent=True)
-        for wid in dict.fromkeys(aborted):
-            p = procs.get(wid)
-            if p is not None and p.is_alive and wid not in wake_ev:
-                p.interrupt(target)
-        flush()
-
+    procs = WorkerProcesses(sched, env, ex.duration, spans, debug_checks=debug_checks)
+    sim_env = type(env) is SimEnv
+    if fast_decode and sim_env and type(ex) is Executor:
+        procs.fast = _fast_path(sched, env, ex, cost_model, spans, procs, direct=not fault_list,
+                                lazy=not decision_log and not debug_checks, debug_checks=debug_checks)
     if hasattr(env, "on_fault"):
-        env.on_fault = inject_fault
-
-    def fault_proc():
-        for f in fault_list:
-            if until_s is not None and f.at_s > until_s:
-                break
-            if f.at_s > env.now:
-                yield timeout(f.at_s - env.now)
-            if sched.finished:
-                return
-            report_plain()
-            aborted = sched.fail(f.target, env.now, permanent=f.duration_s is None)
-            seen = set()
-            for wid in aborted:
-                if wid in seen:
-                    continue
-                seen.add(wid)
-                p = procs.get(wid)
-                if p is not None and p.is_alive and wid not in wake_ev:
-                    p.interrupt(f.target)
-            flush()
-            if f.duration_s is not None:
-                env.process(recover_later(f))
-
+        env.on_fault = procs.inject_fault
     for wid in sched.worker_ids():
-        start_worker(wid)
+        procs.start_worker(wid)
     if fault_list:
-        env.process(fault_proc())
-
-    # ---- run, with a progress bar once it takes more than a second
-    # Arrivals are merged into the event loop instead of being a process: before the next event, every
-    # request arriving no later is handed to the scheduler at its arrival time (one SimPy event less per request;
-    # arrivals at time t go before the other events at t).
-    n_events = 0
-    n_fast = 0
-    ff_step = sched.ff_decode_step
-    bd = ex.breakdown_s["decode"] if fast else None
-    inf = float("inf")
-    bar = None
-    task = None
-    step = env.step
-    peek = env.peek
-    sim_env = type(env) is _Env
-    lazy = fast and not decision_log and not debug_checks  # plain decode steps without calling the scheduler
-    advance = sched.ff_advance
-    busy_gpu_s = sched.busy_gpu_s
-    sd_append = sched.step_durations.append
-    end = float("inf") if until_s is None else until_s
-    next_check = 4096
-    arrival_iter = iter(requests)
-    nxt = next(arrival_iter, None)
-    last_arrival = 0.0
-    arrive = sched.arrive
-    # The run allocates a few container objects per event and keeps many (spans, rows): CPython's default
-    # young-generation threshold (700) makes the cyclic collector run every few events and, every so often, rescan
-    # everything the run keeps. A larger threshold for the run only (restored after) saved ~5-9 % of a long run's
-    # CPU time in A/B runs; reference counting frees everything that is not in a cycle as before.
-    # With the simulated environment the collector is off for the run instead (a bench hour makes no more than a
-    # few hundred objects of cyclic garbage, in setup mostly) and what the run kept goes straight to the oldest
-    # generation at the end (_gc_resume), never traversed as young objects (~5 % of a bench hour's CPU time);
-    # every _GC_EVERY events a collection of the young generations frees whatever cycles a long run made.
-    gc_state = _gc_pause(sim_env)
-    gc_next = _GC_EVERY
-    end_x = nextafter(end, inf)  # t > end  <=>  t >= end_x
-
-    def gpeek() -> float:
-        """Time of the next event (SimPy's queue or the decoders' ``lq``)."""
-        if not sim_env:
-            return peek()  # a real env's peek waits for work (it has no lq)
-        t = queue[0][0] if queue else inf
-        if lq and lq[0][0] < t:
-            t = lq[0][0]
-        return t
-
-    try:
-        while True:
-            if sim_env:
-                t = queue[0][0] if queue else inf
-                if lq and lq[0][0] < t:
-                    t = lq[0][0]
-            else:
-                t = peek()  # a real env's peek waits for work
-            while nxt is not None and nxt.arrival_s <= t:
-                ta = nxt.arrival_s
-                if ta < last_arrival:
-                    raise ValueError(
-                        f"requests: not sorted by arrival_s (request {nxt.id} at {ta} after {last_arrival})")
-                if ta > end:
-                    nxt = None
-                    break
-                last_arrival = ta
-                env.advance(ta)
-                arrive(nxt, ta)
-                flush()
-                nxt = next(arrival_iter, None)
-                t = gpeek()
-            if nxt is None and not sched.closed:
-                sched.close_arrivals(env.now)
-                flush()
-                t = gpeek()
-            if t > end or t == inf:
-                break
-            lane_first = lq and (not queue or lq[0] < queue[0])  # the next event is a decoder's step end
-            if lane_first and (ln := ticks.get((head := lq[0])[3])) is None:
-                # a step end whose process was interrupted meanwhile: SimPy processes it (a no-op)
-                heappush(queue, heappop(lq))
-                step()
-                n_events += 1
-            elif lane_first:
-                # A decoder's step ends and it steps on: complete it and start the next without resuming its
-                # process; the same event stands for the new step, rescheduled as env.timeout would. Then the
-                # next decoder step ends, if nothing else comes first, and so on. A *plain* step (the scheduler
-                # said so: Scheduler.ff_handle) is taken here without calling the scheduler; the steps taken so
-                # are reported (ff_advance) before the scheduler is next called about that decoder or a fault
-                # (report_plain), and the float sums they add to are carried in locals and written back around
-                # every call, in step order.
-                ta_next = nxt.arrival_s if nxt is not None else (inf if sched.closed else -inf)
-                # the decoders' steps go on before anything else happens: an arrival, the end, SimPy's next event
-                # (a tie with it goes back to the comparison above)
-                stop = min(end_x, ta_next)
-                qt = queue[0][0] if queue else inf
-                b0, b1, b2, b3, b4 = bd  # Executor.acc_decode, inline: nothing else touches it in this loop
-                busy = busy_gpu_s["decode"]
-                # a plain step needs no sample due: the first one is checked here, the later ones stop before
-                # the sample time (stop_q) and come back here
-                nsample = sched.next_sample_s
-                stop_q = min(qt, stop, nsample)
-                calm = lazy and not sched.wakeups and t < nsample  # only the scheduler changes its wake-ups
-                fall = False
-                spans0 = len(spans)  # every step taken below adds one span: n_fast counts them after the loop
-                tl = t
-                while True:
-                    if calm and ln.k < ln.d.ff_plain:
-                        dur = ln.dur_s
-                        s = ln.step
-                        add_span((ln.wid, SPAN_DECODE, ln.start_s, dur, s, False))
-                        p0, p1, p2, p3, p4 = ln.parts
-                        b0 += p0
-                        b1 += p1
-                        b2 += p2
-                        b3 += p3
-                        b4 += p4
-                        busy += ln.dng  # dur * ng
-                        sd_append(dur)
-                        heapreplace(lq, (t + dur, NORMAL, next(eid), head[3]))
-                        ln.start_s = t
-                        ln.step = s + 1
-                        ln.k += 1
-                    else:
-                        if ln.k:  # this decoder's plain steps, before the scheduler looks at it again
-                            advance(ln.d, ln.k)
-                            ln.k = 0
-                        busy_gpu_s["decode"] = busy
-                        r = ff_step(ln.wid, t, ln.dur_s, ln.cost)
-                        if r is None:
-                            fall = True
-                            break
-                        busy = busy_gpu_s["decode"]
-                        nsample = sched.next_sample_s
-                        ev = head[3]
-                        env._now = t
-                        add_span((ln.wid, SPAN_DECODE, ln.start_s, ln.dur_s, ln.step, False))
-                        if sched.wakeups or sched.new_workers or debug_checks:
-                            flush()  # before the step's timeout, as the worker's process would
-                        calm = lazy and not sched.wakeups
-                        dur, parts = r
-                        ln.parts = parts
-                        b0 += parts[0]
-                        b1 += parts[1]
-                        b2 += parts[2]
-                        b3 += parts[3]
-                        b4 += parts[4]
-                        heapreplace(lq, (t + dur, NORMAL, next(eid), ev))  # pop this step's end, push the next
-                        ln.start_s, ln.dur_s, ln.step, ln.virtual = t, dur, ln.step + 1, True
-                        ln.dng = dur * ln.ng
-                        qt = queue[0][0] if queue else inf  # the calls above may have queued events
-                        stop_q = min(qt, stop, nsample)
-                    tl = t
-                    head = lq[0]
-                    t = head[0]
-                    if t >= stop_q or (ln := ticks.get(head[3])) is None:
-                        break
-                env._now = tl  # the last step taken (a plain step does not move the clock itself)
-                taken = len(spans) - spans0
-                n_fast += taken
-                n_events += taken
-                busy_gpu_s["decode"] = busy  # a decoder's process may add to it (Scheduler.done)
-                bd[:] = b0, b1, b2, b3, b4
-                if fall:  # SimPy resumes the decoder's process with this step's end
-                    heappush(queue, heappop(lq))
-                    step()
-                    n_events += 1
-            elif direct and type(ev := queue[0][3]) is _DEv:
-                heappop(queue)
-                env._now = t
-                d_fire(ev, t)
-                n_events += 1
-            else:
-                step()
-                n_events += 1
-            if n_events >= next_check:
-                next_check += 4096
-                if n_events >= gc_next and gc_state[0]:  # the collector is off: a collection now and then
-                    gc_next = n_events + _GC_EVERY
-                    gc.collect(1)
-                if progress:
-                    el = time.perf_counter() - t_wall0
-                    if bar is None and el > 1.0:
-                        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-                        bar = Progress(TextColumn("[bold]simulating"), BarColumn(),
-                                       TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
-                                       TextColumn("sim t={task.fields[t]:.1f}s"), TimeElapsedColumn(),
-                                       transient=True)
-                        bar.start()
-                        if n_total is not None:
-                            task = bar.add_task("sim", total=n_total, unit="requests", t=env.now)
-                        else:
-                            task = bar.add_task("sim", total=until_s or 0.0, unit="sim-s", t=env.now)
-                    if bar is not None:
-                        done_n = len(sched.rows) if n_total is not None else env.now
-                        bar.update(task, completed=done_n, t=env.now)
-    except BaseException:
-        _gc_resume(gc_state)
-        raise
-    finally:
-        if bar is not None:
-            bar.stop()
-    try:
-        report_plain()
+        env.process(procs.fault_process(fault_list, until_s))
+    bar = Progress(t_wall0, len(requests) if isinstance(requests, Sequence) else None, until_s) if progress else None
+    with collector_paused(sim_env) as collector_off:
+        n_events = run_loop(env, sched, requests, until_s=until_s, flush=procs.flush, fast=procs.fast,
+                            collect=collector_off, progress=bar)
+        if procs.fast is not None:
+            procs.fast.report()
         sim_end = until_s if until_s is not None else env.now
-        if until_s is not None:
-            sched.finalize(until_s)
-        else:  # open requests with nothing left to happen would be a scheduler bug: made visible as "stalled"
-            sched.finalize(env.now, reason="stalled")
+        # open requests with nothing left to happen would be a scheduler bug: made visible as "stalled"
+        sched.finalize(sim_end, reason="horizon" if until_s is not None else "stalled")
         metrics = summarize(
             sched.rows, ROW_FIELDS, duration_s=sim_end, slo=slo, groups=sched.groups(),
             busy_gpu_s=sched.busy_gpu_s, step_durations=sched.step_durations, decode_tokens=sched.decode_tokens,
             draft_k=deployment.mtp.draft_k, accept_p=deployment.mtp.accept_p)
-    finally:
-        _gc_resume(gc_state)
     wall = time.perf_counter() - t_wall0
+    n_fast = procs.fast.n_fast if procs.fast is not None else 0
     perf = {"wall_s": wall, "events": n_events, "fast_decode_steps": n_fast, "events_per_s": n_events / max(wall, 1e-9),
             "sim_s_per_wall_s": sim_end / max(wall, 1e-9), "decode_steps": sched.decode_steps,
             "decode_steps_per_wall_s": sched.decode_steps / max(wall, 1e-9), "decisions": len(sched.log)}
@@ -762,3 +174,29 @@ def simulate(
         deployment=deployment, seed=seed, sim_end_s=sim_end, rows=sched.rows, row_fields=ROW_FIELDS,
         log=sched.log, samples=sched.samples, spans=spans, groups=sched.groups(), metrics=metrics,
         breakdown_s=ex.breakdown(), nic_utilisation=net.utilisation(sim_end), perf=perf)
+
+
+def _prefill_rate(cost_model: CostModel, head: Sequence[Request]):
+    """One prefiller group's sustained prefill rate (tokens/s) as a function of the group, from the cost model:
+    full token-budget batches of the mean prompt of ``head`` (4096 tokens without requests), one per template."""
+    mean_prompt = round(float(np.mean([r.prompt_tokens for r in head]))) if head else 4096
+    caps: dict[int, float] = {}
+
+    def cap_of(g: PrefillerGroup) -> float:
+        key = id(g.template)
+        if key not in caps:
+            caps[key] = _prefill_capacity(cost_model, g, mean_prompt)
+        return caps[key]
+
+    return cap_of
+
+
+def _fast_path(sched, env, ex, cost_model, spans, procs, **kw) -> fastpath.FastPath:
+    """The run's fast path. Decode lanes need a cost model that prices a decode step from its busiest rank
+    (``decode_point``, the cost model's own: a wrapper that delegates unknown attributes through ``__getattr__``
+    and changes ``decode`` would otherwise be bypassed) and policies the fast path is certified for."""
+    cm_point = getattr(cost_model, "decode_point", None) if hasattr(type(cost_model), "decode_point") else None
+    if not fastpath.certified(sched.policies):
+        cm_point = None
+    return fastpath.FastPath(sched, env, ex.duration, spans, ex.breakdown_s["decode"], procs.wake_ev, procs.flush,
+                             cm_point=cm_point, **kw)

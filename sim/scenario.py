@@ -84,12 +84,38 @@ class FaultSection(_Strict):
     duration_s: float | None = Field(None, gt=0)
 
 
+class PoliciesSection(_Strict):
+    """The scheduler's policies by name (``engine.core.policies``: PREFILLER_ROUTING, DECODER_RANK, ADMISSION)."""
+
+    prefiller: str = "least_queued_tokens"
+    rank: str = "fewest_requests"
+    admission: str = "fifo"
+
+    @field_validator("prefiller", "rank", "admission")
+    @classmethod
+    def _known(cls, v: str, info) -> str:
+        from engine.core import policies
+
+        table = {"prefiller": policies.PREFILLER_ROUTING, "rank": policies.DECODER_RANK,
+                 "admission": policies.ADMISSION}[info.field_name]
+        if v not in table:
+            raise ValueError(f"unknown policy {v!r}; one of {', '.join(sorted(table))}")
+        return v
+
+    def build(self):
+        """The :class:`~engine.core.policies.Policies` named here."""
+        from engine.core.policies import Policies
+
+        return Policies.named(self.prefiller, self.rank, self.admission)
+
+
 class SimSection(_Strict):
     until_s: float | None = Field(None, gt=0)
     sample_interval_s: float | None = Field(None, gt=0)
     decision_log: bool = True
     chunked_prefill: bool = False
     shed_ttft_s: float | None = Field(None, gt=0)
+    policies: PoliciesSection = PoliciesSection()
 
 
 class KillSection(_Strict):
@@ -650,7 +676,7 @@ def simulate_scenario(sc: ServingScenario, *, progress: bool = False, built: Bui
     res = simulate(b.deployment, reqs, b.cost_model, seed=sc.seed, faults=faults, autoscaler=auto,
                    until_s=sc.sim.until_s, progress=progress, slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s),
                    kv_chunks=b.cost_model.kv_chunks, sample_interval_s=sc.sim.sample_interval_s,
-                   decision_log=sc.sim.decision_log)
+                   decision_log=sc.sim.decision_log, policies=sc.sim.policies.build())
     return b, res
 
 

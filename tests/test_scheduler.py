@@ -19,7 +19,6 @@ from test_sim_driver_models import KV_BYTES_PER_TOKEN, small_deployment
 from engine.core import autoscaler as asc
 from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result, Stop
 from engine.core.request import Request
-from engine.core.router import choose_decoder_rank, choose_prefiller
 from engine.core.scheduler import Scheduler
 from engine.core.specdec import AcceptanceStream, draw_accepted, draw_steps, expected_tokens_per_step
 from engine.core.worker_loop import worker_loop
@@ -220,53 +219,7 @@ def test_admission_rejections_with_reasons():
     assert [(r[0], r[5]) for r in s2.rows] == [(1, "ttft_slo_unreachable")]
 
 
-# ------------------------------------------------------------------ routing
-def test_router_least_queued_tokens_and_ties():
-    class P:
-        def __init__(self, q, n=0, m=None):
-            self.queued_tokens, self.n_queued, self.max_queue = q, n, m
-
-    a, b, c = P(10), P(5), P(5)
-    assert choose_prefiller([a, b, c]) is b      # tie b/c -> earlier
-    assert choose_prefiller([a, P(1, 3, 3), c]) is c
-    assert choose_prefiller([P(0, 1, 1)]) is None
-
-    class D:
-        def __init__(self, nreq, free, up=None):
-            self.rank_nreq, self.rank_free_kv = nreq, free
-            self.rank_up = up or [True] * len(nreq)
-
-    g0, g1 = D([2, 1], [100, 100]), D([1, 1], [100, 300])
-    assert choose_decoder_rank([g0, g1], 50) == (g1, 1)          # fewest requests, then most free KV
-    assert choose_decoder_rank([g0, D([1], [100])], 50) == (g0, 1)  # full tie -> earliest group
-    assert choose_decoder_rank([g0, g1], 200) == (g1, 1)
-    assert choose_decoder_rank([g0, D([1, 1], [100, 300], [True, False])], 50) == (g0, 1)
-    assert choose_decoder_rank([g0], 500) is None
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=4),
-                          st.lists(st.integers(0, 4), min_size=4, max_size=4)), min_size=1, max_size=4),
-       st.integers(0, 4))
-def test_router_matches_brute_force(groups, need):
-    class D:
-        pass
-
-    ds = []
-    for nreq, free in groups:
-        g = D()
-        g.rank_nreq, g.rank_free_kv, g.rank_up = nreq, free[: len(nreq)], [True] * len(nreq)
-        ds.append(g)
-    cands = [(g.rank_nreq[r], -g.rank_free_kv[r], gi, r) for gi, g in enumerate(ds) for r in range(len(g.rank_nreq))
-             if g.rank_free_kv[r] >= need]
-    got = choose_decoder_rank(ds, need)
-    if not cands:
-        assert got is None
-    else:
-        best = min(cands)
-        assert got == (ds[best[2]], best[3])
-
-
+# ------------------------------------------------------------------ routing (the policies alone: test_policies.py)
 def test_scheduler_routes_to_decoder_with_fewest_requests():
     s = Scheduler(small_deployment(n_pf=1, n_dec=2, ep=2, draft_k=0), np.random.default_rng(0))
     d = MiniDriver(s)

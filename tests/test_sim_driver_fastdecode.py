@@ -1,8 +1,9 @@
-"""The decode fast-forward (``Scheduler.ff_decode_step`` driven by ``sim.driver``'s main loop) changes nothing: a
-run with it and the same run step by step (``simulate(..., fast_decode=False)``) produce identical rows, decision
-logs, spans, samples, metrics, breakdowns and NIC figures — on random deployments, workloads, MTP settings, faults
-(which interrupt fast-forwarded steps) and autoscaling (draining decoders), with a cost model priced on a context
-grid (the fast-forward then skips recomputing contexts) and one priced exactly (recomputed every step)."""
+"""The decode fast path (``sim.fastpath``: decoder steps run by the main loop through ``Scheduler.advance_decoder``)
+changes nothing: a run with it and the same run step by step (``simulate(..., fast_decode=False)``) produce
+identical rows, decision logs, spans, samples, metrics, breakdowns and NIC figures — on random deployments,
+workloads, MTP settings, faults (which interrupt fast-forwarded steps) and autoscaling (draining decoders), with a
+cost model priced on a context grid (the fast path then skips recomputing contexts) and one priced exactly
+(recomputed every step)."""
 
 from __future__ import annotations
 

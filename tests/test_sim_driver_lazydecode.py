@@ -1,5 +1,5 @@
-"""Plain decode steps taken by ``sim.driver``'s main loop without calling the scheduler (``Scheduler.ff_handle`` /
-``ff_advance``, decision log off) change nothing: the same rows, spans, samples, metrics and breakdowns as step by
+"""Plain decode steps taken by the main loop without calling the scheduler (``sim.fastpath``, reported through
+``Scheduler.plain_steps``, decision log off) change nothing: the same rows, spans, samples, metrics and breakdowns as step by
 step — with autoscaling (draining decoders) and faults — and they are most of a loaded run's steps."""
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ def test_plain_steps_with_autoscaler_and_log_off(seed, rate, shift, fault):
 
 def test_plain_steps_do_the_work(monkeypatch):
     taken = []
-    orig = Scheduler.ff_advance
+    orig = Scheduler.plain_steps
 
-    def spy(self, d, k):
+    def spy(self, worker, k):
         taken.append(k)
-        return orig(self, d, k)
+        return orig(self, worker, k)
 
-    monkeypatch.setattr(Scheduler, "ff_advance", spy)
+    monkeypatch.setattr(Scheduler, "plain_steps", spy)
     dep = small_deployment(n_pf=2, n_dec=2, ep=4, batch_cap=16, draft_k=1)
     reqs = poisson_requests(300, 20.0, 5, prompt_mean=1500, out_mean=150)
     a, b = _both(dep, reqs, GridCost(10), seed=1, decision_log=False)

@@ -5,7 +5,7 @@
   ``tokens_after`` answer and the generator's state afterwards equal those of the list-and-``rng.geometric``
   stream it replaced (re-implemented below as the reference);
 - the main loop drives prefillers, KV streams and the autoscaler itself (no SimPy process) when no fault can
-  interrupt them, keeps the decoders' step ends in a queue of their own, and ``Scheduler.ff_decode_step`` keeps a
+  interrupt them, keeps the decoders' step ends in a queue of their own, and a decode lane (``sim.fastpath``) keeps a
   step's price across finishes / admissions that provably leave it unchanged: results, decision logs and event
   counts are those of the step-by-step run (``fast_decode=False``), and the shortcuts are taken.
 """
@@ -27,7 +27,8 @@ from test_sim_driver_models import poisson_requests, small_deployment
 
 from engine.core.autoscaler import AutoscalerConfig
 from engine.core.specdec import AcceptanceStream, _geometric_by_inversion, draw_accepted
-from sim import driver
+from sim import driver, fastpath
+from sim.simenv import SimEnv
 
 
 class _RefStream:
@@ -111,15 +112,15 @@ def test_shortcuts_are_taken(monkeypatch):
     """A loaded fault-free run starts no SimPy process for prefillers / KV streams, and re-prices far fewer decode
     steps than it completes outside the plain-step path."""
     started = []
-    orig_process = driver._Env.process
+    orig_process = SimEnv.process
 
     def process(self, gen):
         started.append(gen)
         return orig_process(self, gen)
 
-    monkeypatch.setattr(driver._Env, "process", process)
+    monkeypatch.setattr(SimEnv, "process", process)
     priced = []
-    orig_cost = driver._step_cost
+    orig_cost = fastpath.step_cost
 
     def step_cost(*a):
         cost = orig_cost(*a)
@@ -130,15 +131,15 @@ def test_shortcuts_are_taken(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(driver, "_step_cost", step_cost)
+    monkeypatch.setattr(fastpath, "step_cost", step_cost)
     general = []
-    orig_ff = driver.Scheduler.ff_decode_step
+    orig_ff = driver.Scheduler.advance_decoder
 
     def ff(self, *a):
         general.append(1)
         return orig_ff(self, *a)
 
-    monkeypatch.setattr(driver.Scheduler, "ff_decode_step", ff)
+    monkeypatch.setattr(driver.Scheduler, "advance_decoder", ff)
     dep = small_deployment(n_pf=2, n_dec=2, ep=8, batch_cap=32, draft_k=1)
     reqs = poisson_requests(600, 40.0, 3, prompt_mean=1500, out_mean=200)
     res = driver.simulate(dep, reqs, GridCost(12), seed=1, progress=False, decision_log=False)

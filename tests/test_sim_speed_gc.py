@@ -1,7 +1,7 @@
 """Simulator speed, round 6: the cyclic collector is off during a simulated run and is given back as it was.
 
 ``simulate`` turns the collector off for a run with the simulated environment (collecting the young generations
-every ``_GC_EVERY`` events) and afterwards moves what the run kept to the oldest generation without a traversal;
+every ``sim.runloop.GC_EVERY`` events) and afterwards moves what the run kept to the oldest generation without a traversal;
 with any other environment it raises the young-generation threshold instead. Either way the collector's state
 (enabled or not, thresholds, frozen objects) is the caller's again afterwards — also when the run raises — and the
 results are those of a run with the collector on.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sim_driver_fastdecode import GridCost
 from test_sim_driver_models import poisson_requests, small_deployment
 
-from sim import driver
+from sim import driver, runloop
 from sim.driver import simulate
 
 
@@ -39,18 +39,18 @@ def test_collector_state_is_restored(enabled):
         if not enabled:
             gc.disable()
         seen = []
-        orig = driver._gc_pause
+        orig = runloop._gc_pause
 
         def pause(off):
             state = orig(off)
             seen.append((off, gc.isenabled()))
             return state
 
-        driver._gc_pause = pause
+        runloop._gc_pause = pause
         try:
             _run()
         finally:
-            driver._gc_pause = orig
+            runloop._gc_pause = orig
         assert seen == [(True, False)]  # the simulated environment: off during the run
         assert gc.isenabled() is enabled
         assert gc.get_threshold() == th
@@ -67,7 +67,7 @@ def test_collector_state_is_restored_after_an_error(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(driver.Scheduler, "ff_decode_step", boom)
+    monkeypatch.setattr(driver.Scheduler, "advance_decoder", boom)
     with pytest.raises(RuntimeError, match="boom"):
         _run()
     assert gc.isenabled()
@@ -96,8 +96,8 @@ def test_periodic_collection_and_same_results(monkeypatch):
         calls.append(args)
         return orig_collect(*args)
 
-    monkeypatch.setattr(driver, "_GC_EVERY", 4096)
-    monkeypatch.setattr(driver.gc, "collect", collect)
+    monkeypatch.setattr(runloop, "GC_EVERY", 4096)
+    monkeypatch.setattr(runloop.gc, "collect", collect)
     b = _run(2000)
     assert calls and all(c == (1,) for c in calls)
     assert (a.rows, a.spans, a.samples, a.groups, a.breakdown_s, a.nic_utilisation) == \
@@ -110,10 +110,10 @@ def test_periodic_collection_and_same_results(monkeypatch):
 
 def test_real_environment_keeps_the_collector_on():
     th = gc.get_threshold()
-    state = driver._gc_pause(False)
+    state = runloop._gc_pause(False)
     try:
         assert gc.isenabled()
-        assert gc.get_threshold()[0] == max(th[0], driver._GC_GEN0)
+        assert gc.get_threshold()[0] == max(th[0], runloop.GC_GEN0)
     finally:
-        driver._gc_resume(state)
+        runloop._gc_resume(state)
     assert gc.get_threshold() == th

@@ -2,9 +2,19 @@
 
 It is told the time and what finished; it answers what each worker does next, as frozen plans
 (:mod:`engine.core.plans`). It never reads a clock, sleeps, or touches a device; both the SimPy driver and the
-real driver call it through :func:`engine.core.worker_loop.worker_loop`. The SimPy driver also fast-forwards decode
-steps through :meth:`Scheduler.ff_decode_step` (``done`` + ``next`` of a decoder in one call, without plan objects;
-the same state changes).
+real driver call it through :func:`engine.core.worker_loop.worker_loop`: ``arrive`` routes a request, ``next``
+answers a worker's next plan (admitting queued requests into a decoder's batch at its step boundary), ``done``
+takes a plan's result, ``fail`` / ``recover`` take hardware down and back. The choices are policy objects
+(:mod:`engine.core.policies`: prefiller routing, decoder rank choice, decode admission); the state objects are in
+:mod:`engine.core.state`, decoder admission and steps in :mod:`engine.core.decoding`, worker creation and
+autoscaling in :mod:`engine.core.scaling`, failure handling in :mod:`engine.core.failures` (the three are base
+classes of :class:`Scheduler`), the invariants tests check in :mod:`engine.core.invariants`.
+
+A driver that runs decode steps without a plan object per step (the simulator's fast path, :mod:`sim.fastpath`)
+uses :meth:`Scheduler.advance_decoder` (``done`` + ``next`` of a decoder in one call, the plan of the step started
+built only on demand by :meth:`Scheduler.decode_plan`), :meth:`Scheduler.plain_steps` and the read-only
+:meth:`Scheduler.decoder_view`, whose ``changes`` counter moves whenever the decoder's status, queues or batch
+change.
 
 Request lifecycle (``RequestState``)::
 
@@ -12,16 +22,16 @@ Request lifecycle (``RequestState``)::
                  ↑______________ re-prefill after a failure that lost its KV ____________|
     any state before done → rejected(reason)
 
-- *queued_prefill*: routed to a prefiller (least queued tokens), waiting in its FIFO queue.
+- *queued_prefill*: routed to a prefiller (default policy: least queued tokens), waiting in its FIFO queue.
 - *prefilling*: in the prefiller's running batch (token budget; with chunked prefill a prompt may span batches).
 - When prefill completes the first output token exists: **TTFT = prefill completion − arrival** (the prefiller
   returns the first token to the user at that moment). A request with ``output_tokens == 1`` is done then.
 - *kv_pending*: prompt KV sits on the prefiller (counted against its KV buffer) until a KV stream picks it.
-- *kv_in_flight*: a decoder rank was chosen (fewest requests, most free KV), its KV reserved for the whole
+- *kv_in_flight*: a decoder rank was chosen (default: fewest requests, most free KV), its KV reserved for the whole
   sequence (``ctx + remaining output + draft_k`` tokens, rounded up to pages) and the transfer runs over the
   prefiller node's NICs. The prefiller's copy is freed when the transfer completes.
-- *queued_decode*: KV is on the decoder rank; the request joins the running batch at the next step boundary when
-  the rank's batch is under its cap.
+- *queued_decode*: KV is on the decoder rank; the request joins the running batch at a step boundary when the
+  rank's batch is under its cap and the admission policy takes it (default: first come, first admitted).
 - *decoding*: on admission the number of decode steps it needs is drawn (MTP: each step emits ``1 + accepted``
   tokens, see :mod:`engine.core.specdec`) and ``(finish_step, request id)`` goes on the group's heap, so a step
   costs O(ranks + finishing requests), not O(batch). A driver with real MTP outcomes passes
@@ -43,28 +53,19 @@ DP rank and request id. Same (requests, durations, seed) → same plans and the 
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from heapq import heappop, heappush
-from itertools import compress, repeat
-from operator import add, mul
+from collections.abc import Callable
 
 import numpy as np
 
 from engine.core import autoscaler as autoscale
 from engine.core.decision_log import DecisionLog
-from engine.core.deployment import (
-    DecoderGroup,
-    DecoderTemplate,
-    Deployment,
-    PrefillerGroup,
-)
+from engine.core.decoding import Decoding
+from engine.core.deployment import DecoderGroup, Deployment, PrefillerGroup
+from engine.core.failures import FailureHandling
+from engine.core.invariants import check_invariants
 from engine.core.plans import (
     WAIT_KV_SPACE,
     WAIT_READY,
-    WAIT_TIMER,
     WAIT_WORK,
     DecodeStep,
     Idle,
@@ -74,236 +75,38 @@ from engine.core.plans import (
     Result,
     Stop,
 )
+from engine.core.policies import Policies
 from engine.core.request import Request
-from engine.core.router import choose_decoder_rank_keyed, choose_prefiller
+from engine.core.scaling import WorkerPool
 from engine.core.specdec import AcceptanceStream
-from topology.errors import UserError
-
-# ---------------------------------------------------------------- request states (ints: cheap to compare)
-ARRIVED, QUEUED_PREFILL, PREFILLING, KV_PENDING, KV_IN_FLIGHT, QUEUED_DECODE, DECODING, DONE, REJECTED = range(9)
-STATE_NAMES = ("arrived", "queued_prefill", "prefilling", "kv_pending", "kv_in_flight", "queued_decode",
-               "decoding", "done", "rejected")
-
-# worker status
-STARTING, ACTIVE, DRAINING, DEAD, RETIRED = range(5)
-STATUS_NAMES = ("starting", "active", "draining", "dead", "retired")
-
-AUTOSCALER = "autoscaler"
-_FP = 16  # fixed-point bits of the per-step context growth rate (exact integer running sums, no float drift)
-
-#: ``_Decoder.plan`` of a step started by ``Scheduler.ff_decode_step`` (no plan object built yet)
-_IN_FLIGHT = object()
-_STEPPING = (ACTIVE, DRAINING)  # decoder statuses that keep stepping
-
-#: ``tuple.__new__``: builds a plan NamedTuple from a tuple of all its fields without the class's Python-level
-#: ``__new__`` (the same object; a prefill batch, a KV transfer or an idle answer per scheduler call)
-_tnew = tuple.__new__
-
-#: per-request metric row, appended when a request resolves (see :data:`ROW_FIELDS`)
-ROW_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "status", "reason", "first_token_s",
-              "end_s", "prefill_start_s", "kv_start_s", "kv_done_s", "decode_start_s", "decode_steps",
-              "requeues", "prefiller", "decoder")
-
-
-class _Req:
-    __slots__ = (
-        "arrival_s",
-        "ctx0",
-        "cum",
-        "cum_i",
-        "decoder",
-        "finish_step",
-        "generated",
-        "id",
-        "out",
-        "owner",
-        "pf_done",
-        "prefiller",
-        "prompt",
-        "rank",
-        "rate_fp",
-        "reason",
-        "requeues",
-        "reserved",
-        "s0",
-        "state",
-        "steps",
-        "t_decode_start",
-        "t_first",
-        "t_kv_done",
-        "t_kv_start",
-        "t_prefill_start",
-    )
-
-    def __init__(self, r: Request) -> None:
-        self.id = r.id
-        self.arrival_s = r.arrival_s
-        self.prompt = r.prompt_tokens
-        self.out = r.output_tokens
-        self.state = ARRIVED
-        self.reason = ""
-        self.ctx0 = r.prompt_tokens   # tokens to prefill (prompt, plus generated ones after a KV loss)
-        self.pf_done = 0              # tokens of ctx0 prefilled so far (chunked prefill)
-        self.generated = 0            # output tokens produced so far (the first comes from prefill)
-        self.prefiller = None
-        self.decoder = None
-        self.rank = -1
-        self.reserved = 0             # decoder KV tokens reserved
-        self.cum = None               # acceptance-stream segment (list) and start: progress after a failure
-        self.cum_i = 0
-        self.s0 = 0                   # first decode step (group step number)
-        self.finish_step = -1
-        self.rate_fp = 0
-        self.owner = None             # the plan currently working on it (stale completions are ignored)
-        self.t_first = math.nan
-        self.t_prefill_start = math.nan
-        self.t_kv_start = math.nan
-        self.t_kv_done = math.nan
-        self.t_decode_start = math.nan
-        self.steps = 0
-        self.requeues = 0
-
-
-class _Prefiller:
-    """State of one prefiller group (its compute worker id is the group id)."""
-
-    kind = "prefill"
-
-    def __init__(self, g: PrefillerGroup, order: int, status: int, ready_at: float, cap_tps: float,
-                 created_s: float) -> None:
-        t = g.template
-        self.g = g
-        self.id = g.id
-        self.order = order
-        self.status = status
-        self.ready_at = ready_at
-        self.created_s = created_s
-        self.ended_s = math.nan
-        self.gpus = g.gpus
-        self.n_gpus = len(g.gpus)
-        self.nics = list(g.nics)
-        self.nic_up = [True] * len(g.nics)
-        self.up_nics = list(g.nics)   # the NICs whose link is up, in order (kept by Scheduler._reroute_lists)
-        self.budget = t.max_batch_tokens
-        self.kv_cap = t.kv_capacity_tokens
-        self.max_queue = t.max_queue_requests
-        self.cap_tps = cap_tps
-        self.queue: deque[_Req] = deque()
-        self.n_queued = 0
-        self.queued_tokens = 0        # remaining prefill tokens of queued + running requests
-        self.offset_tokens = 0        # routing penalty while starting (≈ tokens it could have done meanwhile)
-        self.kv_held = 0              # prompt KV tokens on the group (running batch, pending, in flight)
-        self.pending: deque[_Req] = deque()
-        self.running: list[_Req] = []
-        self.plan = None
-        self.idle = False
-        self.waits_for = ""
-        self.batches = 0
-        self.streams: list[_KvStream] = []
-
-
-class _KvStream:
-    kind = "kv"
-
-    def __init__(self, wid: str, pf: _Prefiller) -> None:
-        self.id = wid
-        self.pf = pf
-        self.plan = None
-        self.req = None
-        self.idle = False
-        self.blocked = False          # idle because no decoder rank could take the head request
-
-
-class _Decoder:
-    kind = "decode"
-
-    def __init__(self, g: DecoderGroup, order: int, status: int, ready_at: float, k: int, p: float,
-                 created_s: float) -> None:
-        t = g.template
-        ep = g.ep
-        self.g = g
-        self.id = g.id
-        self.order = order
-        self.status = status
-        self.ready_at = ready_at
-        self.created_s = created_s
-        self.ended_s = math.nan
-        self.gpus = g.gpus
-        self.n_gpus = ep
-        self.ep = ep
-        self.k = k
-        self.p = p
-        self.cap = t.max_batch_per_rank
-        self.page = t.kv_page_tokens
-        self.kv_cap = t.kv_capacity_tokens_per_rank
-        self.rank_nics = list(g.rank_nics)
-        self.rank_up = [True] * ep
-        self.rank_nreq = [0] * ep        # requests holding KV on the rank (in flight + queued + decoding)
-        self.rank_free_kv = [t.kv_capacity_tokens_per_rank] * ep
-        # rank_nreq * Scheduler._key_base - rank_free_kv, updated with them: the router's one-int key
-        # (engine.core.router.choose_decoder_rank_keyed); set by Scheduler._add_decoder
-        self.rank_key: list[int] = []
-        self.rank_batch = [0] * ep       # decoding
-        self.rank_queue: list[deque[_Req]] = [deque() for _ in range(ep)]
-        self.rank_rate = [0] * ep        # sum of fixed-point growth rates
-        # sum of (ctx at admission << _FP) - rate × first step: a rank's context at step s is
-        # (rank_c + s × rank_rate) >> _FP (= Σ ctx0 + ((s × Σ rate - Σ rate × s0) >> _FP), exactly)
-        self.rank_c = [0] * ep
-        self.n_qdec = 0
-        self.n_running = 0
-        self.running: dict[int, _Req] = {}
-        self.heap: list[tuple[int, int]] = []
-        self.step = 0
-        self.joined: list[tuple[int, int]] = []
-        self.left: list[int] = []
-        self.plan = None
-        self.idle = False
-        self.ff_left = 0                 # fast-forward: steps the cached step cost stays valid for
-        self.ff_cost = 0.0
-        self.ff_tag = None
-        self.ff_delta = None             # (joined, left) of a step ff_decode_step started
-        # what the last pricing in ff_decode_step saw: the busiest batch, a rank holding it, a rank with the
-        # longest context, and the end of the context range the price holds for (see ff_decode_step)
-        self.ff_b = 0
-        self.ff_rb = 0
-        self.ff_rx = 0
-        self.ff_hi = 0
-        self.ff_plain = 0                # ticks after the step in flight that are plain steps (ff_decode_step)
-        self.admit_blocked = False       # requests queue for decode only on full ranks (set by _admit)
-
-    @property
-    def nreq(self) -> int:
-        return sum(self.rank_nreq)
-
-
-class _Autoscaler:
-    kind = "autoscaler"
-
-    def __init__(self) -> None:
-        self.id = AUTOSCALER
-        self.idle = False
-        self.plan = None
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Timeline point (for plots): GPUs per role, and requests per stage."""
-
-    t_s: float
-    gpus_prefill: int
-    gpus_decode: int
-    gpus_starting: int
-    queued_prefill: int
-    prefilling: int
-    kv: int
-    queued_decode: int
-    decoding: int
-
+from engine.core.state import (
+    ACTIVE,
+    AUTOSCALER,
+    DEAD,
+    DONE,
+    DRAINING,
+    KV_IN_FLIGHT,
+    KV_PENDING,
+    PREFILLING,
+    QUEUED_DECODE,
+    QUEUED_PREFILL,
+    REJECTED,
+    RETIRED,
+    STARTING,
+    STATE_NAMES,
+    STATUS_NAMES,
+    AutoscalerState,
+    DecoderState,
+    KvStreamState,
+    PrefillerState,
+    RequestState,
+    Sample,
+)
 
 KvChunks = Callable[[PrefillerGroup, DecoderGroup, int], int]
 
 
-class Scheduler:
+class Scheduler(Decoding, WorkerPool, FailureHandling):
     """One scheduler for one deployment (see module docstring).
 
     rng:                   the run's seeded ``numpy.random.Generator`` (MTP acceptance draws).
@@ -313,6 +116,9 @@ class Scheduler:
                            contiguous chunk per sending NIC (HND layout).
     autoscaler:            policy config, or None for a fixed deployment.
     sample_interval_s:     spacing of timeline samples.
+    log:                   the decision log to append to (default: a new, enabled one).
+    policies:              prefiller routing, decoder rank choice and decode admission
+                           (:class:`~engine.core.policies.Policies`; default: the rules of the module docstring).
     """
 
     def __init__(
@@ -325,6 +131,7 @@ class Scheduler:
         autoscaler: autoscale.AutoscalerConfig | None = None,
         sample_interval_s: float = 1.0,
         log: DecisionLog | None = None,
+        policies: Policies | None = None,
     ) -> None:
         self.dep = deployment
         self.rng = rng
@@ -337,6 +144,10 @@ class Scheduler:
         self._ptps = prefill_tokens_per_s
         self.kv_chunks = kv_chunks
         self.asc = autoscaler
+        self.policies = policies = policies if policies is not None else Policies()
+        self._choose_prefiller = policies.prefiller.choose
+        self._choose_rank = policies.rank.choose
+        self._take_admitted = policies.admission.take
         self.log = log if log is not None else DecisionLog()
         self._add = self.log.add_record
         self._log_on = self.log.enabled
@@ -345,10 +156,10 @@ class Scheduler:
         self.samples: list[Sample] = []
 
         self.workers: dict[str, object] = {}
-        self.prefillers: list[_Prefiller] = []
-        self.decoders: list[_Decoder] = []
-        self._route_p: list[_Prefiller] = []   # routable prefillers (starting/active), creation order
-        self._route_d: list[_Decoder] = []     # routable decoders (active), creation order
+        self.prefillers: list[PrefillerState] = []
+        self.decoders: list[DecoderState] = []
+        self._route_p: list[PrefillerState] = []   # routable prefillers (starting/active), creation order
+        self._route_d: list[DecoderState] = []     # routable decoders (active), creation order
         self._order = 0
         self._n_pf_created = 0
         self._n_dec_created = 0
@@ -357,12 +168,12 @@ class Scheduler:
         self.nic_down: dict[str, bool] = {}
         self._permanent_nic_down: set[str] = set()
         self.wakeups: list[str] = []
-        self._blocked: list[_KvStream] = []
+        self._blocked: list[KvStreamState] = []
         self._key_base = 1                     # > every decoder rank's KV capacity (see _add_decoder)
         self._real_accept = False
         self.new_workers: list[str] = []
 
-        self.reqs: dict[int, _Req] = {}
+        self.reqs: dict[int, RequestState] = {}
         self.rows: list[tuple] = []
         self.n_arrived = 0
         self.n_open = 0
@@ -384,74 +195,11 @@ class Scheduler:
         for g in deployment.decoders:
             self._add_decoder(g, ACTIVE, 0.0, 0.0)
         if autoscaler is not None:
-            a = _Autoscaler()
-            self.workers[AUTOSCALER] = a
+            self.workers[AUTOSCALER] = AutoscalerState()
         self.new_workers.clear()
         self._refresh_limits()
 
     # ------------------------------------------------------------------ worker registry
-    def _cap_tps(self, g: PrefillerGroup) -> float:
-        p = self._ptps
-        if p is None:
-            return 0.0
-        return float(p(g) if callable(p) else p)
-
-    def _add_prefiller(self, g: PrefillerGroup, status: int, ready_at: float, now: float) -> _Prefiller:
-        pf = _Prefiller(g, self._order, status, ready_at, self._cap_tps(g), now)
-        self._order += 1
-        self._n_pf_created += 1
-        self.prefillers.append(pf)
-        self.workers[pf.id] = pf
-        self.new_workers.append(pf.id)
-        for j in range(g.template.kv_streams):
-            s = _KvStream(f"{g.id}.kv{j}", pf)
-            pf.streams.append(s)
-            self.workers[s.id] = s
-            self.new_workers.append(s.id)
-        if status == STARTING:
-            pf.offset_tokens = int(max(0.0, ready_at - now) * pf.cap_tps)
-        for i, nic in enumerate(pf.nics):
-            if self.nic_down.get(nic):
-                pf.nic_up[i] = False
-        self._reroute_lists()
-        return pf
-
-    def _add_decoder(self, g: DecoderGroup, status: int, ready_at: float, now: float) -> _Decoder:
-        d = _Decoder(g, self._order, status, ready_at, self.k, self.p, now)
-        base = self._key_base
-        if d.kv_cap >= base:  # the rank keys need a larger base: every decoder's keys are recomputed
-            base = self._key_base = 1 << d.kv_cap.bit_length()
-            for x in self.decoders:
-                x.rank_key = [n * base - f for n, f in zip(x.rank_nreq, x.rank_free_kv)]
-        d.rank_key = [n * base - f for n, f in zip(d.rank_nreq, d.rank_free_kv)]
-        self._order += 1
-        self._n_dec_created += 1
-        self.decoders.append(d)
-        self.workers[d.id] = d
-        self.new_workers.append(d.id)
-        for r, nic in enumerate(d.rank_nics):
-            if self.nic_down.get(nic):
-                d.rank_up[r] = False
-        self._reroute_lists()
-        return d
-
-    def _reroute_lists(self) -> None:
-        for p in self.prefillers:  # called after every change of a NIC's state
-            p.up_nics = [n for n, u in zip(p.nics, p.nic_up) if u]
-        self._route_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE) and any(p.nic_up)]
-        self._route_d = [d for d in self.decoders if d.status == ACTIVE]
-
-    def _refresh_limits(self) -> None:
-        """Largest KV a request may need (decoder rank) / hold (prefiller), over live groups and templates."""
-        dks = [d.kv_cap // d.page * d.page for d in self.decoders if d.status in (STARTING, ACTIVE, DRAINING)]
-        pks = [p.kv_cap for p in self.prefillers if p.status in (STARTING, ACTIVE, DRAINING)]
-        if self.asc is not None:
-            t: DecoderTemplate = self.dep.decoder_template
-            dks.append(t.kv_capacity_tokens_per_rank // t.kv_page_tokens * t.kv_page_tokens)
-            pks.append(self.dep.prefiller_template.kv_capacity_tokens)
-        self.max_rank_kv = max(dks, default=0)
-        self.max_pf_kv = max(pks, default=0)
-
     def group(self, worker: str) -> PrefillerGroup | DecoderGroup | None:
         """The group a worker belongs to (a KV stream belongs to its prefiller group; None for the autoscaler)."""
         w = self.workers[worker]
@@ -461,11 +209,8 @@ class Scheduler:
 
     def groups(self) -> list[tuple[str, str, int, float, float, str]]:
         """``(id, role, n_gpus, created_s, ended_s, status)`` of every group ever created, in creation order."""
-        out = []
-        for w in sorted((*self.prefillers, *self.decoders), key=lambda w: w.order):
-            out.append((w.id, "prefill" if w.kind == "prefill" else "decode", w.n_gpus, w.created_s, w.ended_s,
-                        STATUS_NAMES[w.status]))
-        return out
+        return [(w.id, "prefill" if w.kind == "prefill" else "decode", w.n_gpus, w.created_s, w.ended_s,
+                 STATUS_NAMES[w.status]) for w in sorted((*self.prefillers, *self.decoders), key=lambda w: w.order)]
 
     def worker_ids(self) -> list[str]:
         """All worker ids created so far, in creation order."""
@@ -486,11 +231,6 @@ class Scheduler:
             w.idle = False
             self.wakeups.append(w.id)
 
-    def _wake_pf(self, pf: _Prefiller) -> None:
-        if pf.idle:
-            pf.idle = False
-            self.wakeups.append(pf.id)
-
     def _wake_blocked_streams(self) -> None:
         """Decoder KV was freed or a decoder became routable: retry the KV streams that found no room."""
         blocked, self._blocked = self._blocked, []
@@ -504,7 +244,7 @@ class Scheduler:
     def arrive(self, req: Request, now_s: float) -> None:
         """A request arrives at ``now_s``: route it to a prefiller or reject it with a reason."""
         self.now_s = now_s
-        r = _Req(req)
+        r = RequestState(req)
         self.reqs[r.id] = r
         self.n_arrived += 1
         self.n_open += 1
@@ -530,7 +270,7 @@ class Scheduler:
             for w in self.workers.values():
                 self._wake(w)
 
-    def _reserve_tokens(self, ctx: int, remaining: int, d: _Decoder | None) -> int:
+    def _reserve_tokens(self, ctx: int, remaining: int, d: DecoderState | None) -> int:
         need = ctx + remaining + self.k
         page = d.page if d is not None else self.dep.decoder_template.kv_page_tokens
         return -(-need // page) * page
@@ -545,15 +285,12 @@ class Scheduler:
             return True
         return self.asc is not None and self._find_decoder_gpus() is not None
 
-    def _route_prefill(self, r: _Req, now: float, requeue: bool) -> None:
+    def _route_prefill(self, r: RequestState, now: float, requeue: bool) -> None:
         cands = self._route_p
         if not cands and self.asc is not None:
             self._scale_up_prefiller(now)  # emergency: nothing can take it right now
             cands = self._route_p
-        if requeue:  # re-routed work is never refused for a full queue
-            pf = min(cands, key=lambda p: (p.queued_tokens + p.offset_tokens, p.order), default=None)
-        else:
-            pf = choose_prefiller(cands) if self.asc is None else _choose_with_offset(cands)
+        pf = self._choose_prefiller(cands, requeue)
         if pf is None:
             return self._reject(r, now, "queue_full" if cands else "no_prefiller")
         if not requeue and self.shed_ttft_s is not None and pf.cap_tps > 0:
@@ -572,14 +309,14 @@ class Scheduler:
             pf.idle = False
             self.wakeups.append(pf.id)
 
-    def _reject(self, r: _Req, now: float, reason: str) -> None:
+    def _reject(self, r: RequestState, now: float, reason: str) -> None:
         r.state = REJECTED
         r.reason = reason
         r.owner = None
         self._add((now, "reject", "", r.id, r.prompt, r.out, reason))
         self._resolve(r, now)
 
-    def _resolve(self, r: _Req, now: float) -> None:
+    def _resolve(self, r: RequestState, now: float) -> None:
         pf = r.prefiller
         d = r.decoder
         self.rows.append((
@@ -626,7 +363,7 @@ class Scheduler:
         w.plan = None
         if self._log_on:
             self._add((now, "idle", w.id, -1, 0, 0, waits_for))
-        return _tnew(Idle, (w.id, until, waits_for))  # Idle(w.id, until, waits_for)
+        return Idle(w.id, until, waits_for)
 
     def _stop(self, w, now: float, reason: str) -> Stop:
         w.idle = False
@@ -635,12 +372,12 @@ class Scheduler:
         return Stop(w.id, reason)
 
     # ------------------------------------------------------------------ prefill
-    def _next_prefill(self, pf: _Prefiller, now: float) -> Plan:
+    def _next_prefill(self, pf: PrefillerState, now: float) -> Plan:
         st = pf.status
         if st == STARTING:
             if now < pf.ready_at:
                 return self._idle(pf, now, WAIT_READY, pf.ready_at)
-            pf.status = ACTIVE
+            self._set_status(pf, ACTIVE)
             pf.offset_tokens = 0
             for s in pf.streams:
                 self._wake(s)
@@ -683,7 +420,7 @@ class Scheduler:
                 break
         if not items:
             return self._idle(pf, now, WAIT_KV_SPACE)
-        plan = _tnew(PrefillBatch, (pf.id, pf.batches, tuple(items), tokens))  # PrefillBatch(...)
+        plan = PrefillBatch(pf.id, pf.batches, tuple(items), tokens)
         pf.batches += 1
         pf.kv_held += tokens
         for r in running:
@@ -744,7 +481,7 @@ class Scheduler:
                     if not n_new:
                         break
 
-    def _requeue_running_prefill(self, pf: _Prefiller, now: float, why: str) -> None:
+    def _requeue_running_prefill(self, pf: PrefillerState, now: float, why: str) -> None:
         """A failed batch on a live prefiller: its chunks are dropped, its prompts go back to the queue head."""
         back = []
         for r in pf.running:
@@ -758,11 +495,11 @@ class Scheduler:
             pf.n_queued += 1
             self._add((now, "requeue", pf.id, r.id, 0, 0, why))
 
-    def _pf_drained(self, pf: _Prefiller) -> bool:
+    def _pf_drained(self, pf: PrefillerState) -> bool:
         return not pf.queue and not pf.running and not pf.pending and pf.kv_held == 0
 
     # ------------------------------------------------------------------ KV transfer
-    def _next_kv(self, s: _KvStream, now: float) -> Plan:
+    def _next_kv(self, s: KvStreamState, now: float) -> Plan:
         pf = s.pf
         if pf.status in (DEAD, RETIRED):
             return self._stop(s, now, STATUS_NAMES[pf.status])
@@ -782,15 +519,15 @@ class Scheduler:
                 pf.pending.popleft()
                 pf.kv_held -= r.ctx0
                 self._reject(r, now, "no_decoder")
-                self._wake_pf(pf)
+                self._wake(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k
-            pick = choose_decoder_rank_keyed(self._route_d, need_probe)
+            pick = self._choose_rank(self._route_d, need_probe)
             if pick is not None:
                 d, rank = pick
                 need = -(-need_probe // d.page) * d.page  # _reserve_tokens(r.ctx0, remaining, d)
                 if need > d.rank_free_kv[rank]:  # page rounding: retry with the rounded size
-                    pick = choose_decoder_rank_keyed(self._route_d, need)
+                    pick = self._choose_rank(self._route_d, need)
                     if pick is not None:
                         d, rank = pick
                         need = -(-need_probe // d.page) * d.page
@@ -800,9 +537,7 @@ class Scheduler:
                     self._blocked.append(s)
                 return self._idle(s, now, WAIT_KV_SPACE)
             pf.pending.popleft()
-            d.rank_free_kv[rank] -= need
-            d.rank_nreq[rank] += 1
-            d.rank_key[rank] += self._key_base + need
+            self._hold_kv(d, rank, need)
             r.reserved = need
             r.decoder = d
             r.rank = rank
@@ -817,7 +552,7 @@ class Scheduler:
             else:
                 flows = tuple([(nic, dst_nic, each) for nic in up])
             n_chunks = self.kv_chunks(pf.g, d.g, r.ctx0) if self.kv_chunks is not None else n_up
-            plan = _tnew(KvTransfer, (s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows))
+            plan = KvTransfer(s.id, r.id, pf.id, d.id, rank, r.ctx0, n_bytes, n_chunks, flows)
             r.owner = plan
             s.plan = plan
             s.req = r
@@ -852,8 +587,8 @@ class Scheduler:
         r.state = QUEUED_DECODE
         d.rank_queue[r.rank].append(r)
         d.n_qdec += 1
+        d.changes += 1
         d.admit_blocked = False
-        d.ff_plain = 0
         if d.idle:
             d.idle = False
             self.wakeups.append(d.id)
@@ -861,743 +596,24 @@ class Scheduler:
             pf.idle = False
             self.wakeups.append(pf.id)
 
-    def _unreserve(self, r: _Req) -> None:
+    def _unreserve(self, r: RequestState) -> None:
         d = r.decoder
         if d is not None and r.rank >= 0:
-            d.rank_free_kv[r.rank] += r.reserved
-            d.rank_nreq[r.rank] -= 1
-            d.rank_key[r.rank] -= self._key_base + r.reserved
+            self._free_kv(d, r.rank, r.reserved)
         r.reserved = 0
         r.rank = -1
 
-    # ------------------------------------------------------------------ decode
-    def _next_decode(self, d: _Decoder, now: float) -> Plan:
-        d.ff_plain = 0
-        if d.status != ACTIVE:
-            st = d.status
-            if st == STARTING:
-                if now < d.ready_at:
-                    return self._idle(d, now, WAIT_READY, d.ready_at)
-                d.status = ACTIVE
-                self._reroute_lists()
-                self._wake_blocked_streams()
-            elif st in (DEAD, RETIRED):
-                return self._stop(d, now, STATUS_NAMES[st])
-        if d.n_qdec and not d.admit_blocked:
-            self._admit(d, now)
-        if d.n_running == 0:
-            if self.finished:
-                return self._stop(d, now, "finished")
-            if d.status == DRAINING and not any(d.rank_nreq):
-                self._retire(d, now)
-                return self._stop(d, now, "drained")
-            return self._idle(d, now, WAIT_WORK)
-        plan = d.plan = self._decode_plan(d)
-        d.ff_left = 0
-        if self._log_on:
-            self._add((now, "decode", d.id, -1, plan.step, d.n_running, ""))
-        return plan
+    def _hold_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
+        """A request reserves ``tokens`` of KV on ``rank`` of ``d`` (the rank's counts and key move together)."""
+        d.rank_free_kv[rank] -= tokens
+        d.rank_nreq[rank] += 1
+        d.rank_key[rank] += self._key_base + tokens
 
-    @staticmethod
-    def _decode_plan(d: _Decoder, consume: bool = True) -> DecodeStep:
-        s = d.step
-        ctx = tuple([(c + s * q) >> _FP for c, q in zip(d.rank_c, d.rank_rate)])
-        joined = tuple(d.joined) if d.joined else ()
-        left = tuple(d.left) if d.left else ()
-        if consume and joined:
-            d.joined.clear()
-        if consume and left:
-            d.left.clear()
-        return DecodeStep(d.id, s, tuple(d.rank_batch), ctx, d.k, joined, left)
-
-    def _admit(self, d: _Decoder, now: float) -> None:
-        # one admission per request served: the decoder's lists and counters are held in locals (and the counts
-        # written back once), which saves a dozen attribute look-ups per admission
-        cap = d.cap
-        s = d.step
-        take = self.acceptance.take
-        queues = d.rank_queue
-        batch = d.rank_batch
-        rate = d.rank_rate
-        c = d.rank_c
-        running = d.running
-        heap = d.heap
-        joined = d.joined
-        log_on = self._log_on
-        n_taken = 0
-        for rank in compress(range(len(queues)), queues):  # the ranks with a queue, in order (C-level skip)
-            q = queues[rank]
-            b = batch[rank]
-            while q and b < cap:
-                r = q.popleft()
-                n_taken += 1
-                m = r.out - r.generated
-                n, r.cum, r.cum_i = take(m)
-                r.s0 = s
-                rid = r.id
-                r.finish_step = fs = s + n - 1
-                r.rate_fp = rfp = (m << _FP) // n
-                r.state = DECODING
-                if r.t_decode_start != r.t_decode_start:
-                    r.t_decode_start = now
-                b += 1
-                rate[rank] += rfp
-                c[rank] += (r.ctx0 << _FP) - rfp * s
-                running[rid] = r
-                heappush(heap, (fs, rid))
-                joined.append((rid, rank))
-                if log_on:
-                    self._add((now, "admit", d.id, rid, rank, n, ""))
-            batch[rank] = b
-        d.n_running += n_taken
-        d.n_qdec -= n_taken
-        d.admit_blocked = d.n_qdec > 0  # whoever still waits is on a full rank: _admit is a no-op until that changes
-
-    def _done_decode(self, plan: DecodeStep, result: Result, now: float) -> None:
-        d = self.workers[plan.worker]
-        d.ff_plain = 0
-        if d.plan is not plan:
-            return
-        d.plan = None
-        if result.failed is not None:
-            return  # a failed step of a live group is simply retried (nothing advanced)
-        s = plan.step
-        d.step = s + 1
-        dur = result.duration_s
-        self.busy_gpu_s["decode"] += dur * d.n_gpus
-        self.decode_steps += 1
-        self.step_durations.append(dur)
-        heap = d.heap
-        running = d.running
-        if result.accepted is not None:
-            self._apply_real_acceptance(d, plan, result.accepted, now)
-            return
-        freed = False
-        while heap and heap[0][0] <= s:
-            fs, rid = heappop(heap)
-            r = running.get(rid)
-            if r is None or r.finish_step != fs:
-                continue
-            self._finish_decode(d, r, now, s - r.s0 + 1, r.out - r.generated)
-            freed = True
-        if freed and self._blocked:
-            self._wake_blocked_streams()
-
-    def ff_decode_step(self, worker: str, now_s: float, dur_s: float,
-                       step_cost: Callable[[int, int], tuple[float, int, object]]) -> tuple[float, object] | None:
-        """Fast-forward: complete the decode step of ``worker`` in flight (it ended at ``now_s`` after ``dur_s``)
-        and start the next one — exactly ``done(plan, Result(dur_s), now_s)`` then ``next(worker, now_s)`` —
-        without plan objects; or return None and change nothing when the decoder would not step again (no running
-        request left and nobody to admit: ``next`` would idle or stop it), so the driver goes the usual way.
-
-        The step started here gets its :class:`DecodeStep` only if :meth:`decode_plan_in_flight` asks for it (the
-        driver does on an interruption); its ``joined`` / ``left`` are kept for that. Wake-ups the completion
-        causes are in :attr:`wakeups` as after ``done``.
-
-        ``step_cost(max_batch, max_context_tokens) -> (dur_s, ctx_hi, tag)`` prices a step from its busiest ranks
-        and says up to which context the price holds (a cost model memoised on a context grid returns its
-        bucket's end): the same answer for every context from the one asked up to ``ctx_hi`` at that batch. So the
-        contexts are recomputed only when the batch changed or they may have left that range: finishes keep the
-        price unless they change the busiest batch or end a request on the rank that held the longest context
-        (running requests' contexts only grow, so the longest stays in range), admissions keep it while the
-        busiest batch is unchanged and their ranks' contexts stay <= ``ctx_hi``. Returns ``(dur_s, tag)`` of the
-        step started.
-        """
-        d = self.workers[worker]
-        s = d.step
-        heap = d.heap
-        if d.ff_left > 0 and (not heap or heap[0][0] > s) and now_s < self.next_sample_s and \
-                (not d.n_qdec or d.admit_blocked) and not d.joined and not d.left and d.plan is not None and \
-                d.status in _STEPPING and not self._real_accept:
-            # the common case, a plain step (nothing finishes, nobody to admit, same price, no sample due): what
-            # the general path below does then, in the same order
-            self.now_s = now_s
-            d.step = s + 1
-            self.busy_gpu_s["decode"] += dur_s * d.n_gpus
-            self.decode_steps += 1
-            self.step_durations.append(dur_s)
-            d.ff_delta = None
-            left = d.ff_left = d.ff_left - 1
-            d.plan = _IN_FLIGHT
-            d.ff_plain = min(left, heap[0][0] - s - 1) if heap else left
-            if self._log_on:
-                self._add((now_s, "decode", d.id, -1, s + 1, d.n_running, ""))
-            return d.ff_cost, d.ff_tag
-        if d.plan is None or d.status not in _STEPPING or self._real_accept:
-            return None
-        ending = None
-        if heap and heap[0][0] <= s:
-            running = d.running
-            ending = []
-            while heap and heap[0][0] <= s:
-                ending.append(heappop(heap))
-            n_fin = 0
-            for fs, rid in ending:
-                r = running.get(rid)
-                if r is not None and r.finish_step == fs:
-                    n_fin += 1
-            if n_fin >= d.n_running and not (d.n_qdec and self._admits_after(d, ending)):
-                for e in ending:  # next() would idle or stop the decoder: leave it to done()/next()
-                    heappush(heap, e)
-                return None
-        # complete step s: _done_decode (d.plan is set below)
-        self.now_s = now_s
-        d.step = s + 1
-        self.busy_gpu_s["decode"] += dur_s * d.n_gpus
-        self.decode_steps += 1
-        self.step_durations.append(dur_s)
-        left = d.ff_left  # steps from the one starting now that the price holds for (<= 0: price it again)
-        if ending:
-            running = d.running
-            freed = False
-            rx = d.ff_rx
-            for fs, rid in ending:
-                r = running.get(rid)
-                if r is None or r.finish_step != fs:
-                    continue
-                if r.rank == rx:
-                    left = 0
-                self._finish_decode(d, r, now_s, s - r.s0 + 1, r.out - r.generated)
-                freed = True
-            if freed and self._blocked:
-                self._wake_blocked_streams()
-        # start step s + 1: next() / _next_decode, with running requests
-        s += 1
-        if now_s >= self.next_sample_s:
-            self._sample(now_s)
-        nj = len(d.joined)
-        if d.n_qdec and not d.admit_blocked:
-            self._admit(d, now_s)
-        if left > 0:
-            # Keep the price when it provably stays the same (the step cost depends on the busiest batch and on
-            # the longest context's bucket only). Finishes lower contexts: the longest stays >= the one priced
-            # unless a request on the rank that held it finished. Admissions raise their ranks' contexts: the
-            # price holds while those stay <= ff_hi (steps counted below). The busiest batch must be unchanged.
-            batch = d.rank_batch
-            b = d.ff_b
-            if batch[d.ff_rb] != b:
-                left = 0
-            elif len(d.joined) > nj:
-                lim = (d.ff_hi + 1) << _FP  # contexts < lim (in fixed point) are <= ff_hi
-                for _, q in d.joined[nj:]:
-                    rq = d.rank_rate[q]
-                    x = d.rank_c[q] + s * rq
-                    if batch[q] > b or x >= lim:
-                        left = 0
-                        break
-                    if rq:
-                        w = -(-(lim - x) // rq)  # steps j = 0 .. w-1 keep x + j * rq < lim
-                        left = min(left, w)
-        d.ff_left = left
-        if d.joined or d.left:  # the step's plan deltas, for decode_plan_in_flight
-            d.ff_delta = (tuple(d.joined), tuple(d.left))
-            d.joined.clear()
-            d.left.clear()
-        elif d.ff_delta is not None:
-            d.ff_delta = None
-        if d.ff_left <= 0:
-            rate = d.rank_rate
-            # max over ranks of (c + s * rate) >> _FP = (max of c + s * rate) >> _FP, in C-level maps
-            xs = list(map(add, d.rank_c, map(mul, rate, repeat(s))))
-            mx = max(xs)
-            m = mx >> _FP
-            batch = d.rank_batch
-            b = max(batch)
-            d.ff_cost, hi, d.ff_tag = step_cost(b, m)
-            d.ff_b, d.ff_rb, d.ff_rx, d.ff_hi = b, batch.index(b), xs.index(mx), hi
-            # every rank's context after j more steps is <= m + j * max(rate) / 2**_FP + 1
-            qmax = max(rate)
-            d.ff_left = ((max(hi - m - 1, 0) << _FP) // qmax + 1) if qmax else 1 << 62
-        left = d.ff_left = d.ff_left - 1
-        d.plan = _IN_FLIGHT
-        if heap:  # max(min(left, heap[0][0] - s), 0), without the calls
-            f = heap[0][0] - s
-            if left < f:  # noqa: PLR1730
-                f = left
-            d.ff_plain = f if f > 0 else 0  # noqa: FURB136
-        else:
-            d.ff_plain = left
-        if self._log_on:
-            self._add((now_s, "decode", d.id, -1, s, d.n_running, ""))
-        return d.ff_cost, d.ff_tag
-
-    def ff_handle(self, worker: str):
-        """The decoder state :meth:`ff_decode_step` keeps for ``worker``. A driver may read its ``ff_plain``:
-        after a call to :meth:`ff_decode_step` returned, the next ``ff_plain`` completions of this decoder's steps
-        are *plain* — the step number advances, nothing finishes, nobody is admitted, the price stays — as long as
-        no sample falls due (``now_s < next_sample_s``) and no other call changes the decoder (those set
-        ``ff_plain`` to 0). Such steps can be taken without calling in: the driver books their durations itself
-        (:attr:`step_durations` and ``busy_gpu_s["decode"]``, in step order, the latter written back before any
-        other call) and reports how many it took with :meth:`ff_advance`. Only for a driver with the decision
-        log off (plain steps are logged by :meth:`ff_decode_step` only)."""
-        d = self.workers[worker]
-        if d.kind != "decode":
-            raise ValueError(f"{worker}: not a decoder")
-        return d
-
-    def ff_advance(self, d, k: int) -> None:
-        """``k`` plain steps of decoder state ``d`` (:meth:`ff_handle`) were taken by the driver: move its step
-        counters on as ``k`` calls of :meth:`ff_decode_step` would have (it books the durations itself). The driver
-        may report late — after other calls — but before any call concerning this decoder (its next
-        :meth:`ff_decode_step`, :meth:`decode_plan_in_flight`, ``done``/``next``) and before :meth:`fail`,
-        :meth:`recover` and :meth:`finalize`."""
-        d.step += k
-        d.ff_left -= k
-        d.ff_plain -= k
-        self.decode_steps += k
-        d.ff_delta = None
-
-    @staticmethod
-    def _admits_after(d: _Decoder, ending) -> bool:
-        """Would a request queued for decode be admitted once the ``ending`` heap entries have finished?"""
-        fin_rank = [0] * d.ep
-        running = d.running
-        for fs, rid in ending:
-            r = running.get(rid)
-            if r is not None and r.finish_step == fs:
-                fin_rank[r.rank] += 1
-        return any(q and d.rank_batch[rank] - fin_rank[rank] < d.cap for rank, q in enumerate(d.rank_queue))
-
-    def decode_plan_in_flight(self, worker: str) -> DecodeStep:
-        """The :class:`DecodeStep` of the step :meth:`ff_decode_step` started (built now as ``next`` would have
-        built it then: nothing it depends on changes while a step runs). Any other plan in flight is returned
-        as is; after a failure (no plan in flight) a detached plan the scheduler will ignore."""
-        d = self.workers[worker]
-        plan = d.plan
-        if plan is _IN_FLIGHT:
-            plan = self._decode_plan(d, consume=False)
-            if d.ff_delta is not None:
-                plan = plan._replace(joined=d.ff_delta[0], left=d.ff_delta[1])
-            d.plan = plan
-        elif plan is None:
-            plan = self._decode_plan(d, consume=False)
-        return plan
-
-    def _apply_real_acceptance(self, d: _Decoder, plan: DecodeStep, accepted, now: float) -> None:
-        s = plan.step
-        heap = d.heap
-        while heap and heap[0][0] <= s:
-            heappop(heap)  # drawn finish steps are not used with real acceptance
-        self._real_accept = True
-        done = []
-        for rid, r in d.running.items():
-            before = r.generated
-            r.generated = min(r.out, before + 1 + int(accepted.get(rid, 0)))
-            self.decode_tokens += r.generated - before
-            if r.generated >= r.out:
-                done.append(r)
-        for r in done:
-            r.generated = r.out
-            self._finish_decode(d, r, now, s - r.s0 + 1, 0)
-        if done and self._blocked:
-            self._wake_blocked_streams()
-
-    def _finish_decode(self, d: _Decoder, r: _Req, now: float, steps: int, gained: int) -> None:
-        rank = r.rank
-        rid = r.id
-        rfp = r.rate_fp
-        reserved = r.reserved
-        del d.running[rid]
-        d.admit_blocked = False
-        d.n_running -= 1
-        d.rank_batch[rank] -= 1
-        d.rank_rate[rank] -= rfp
-        d.rank_c[rank] -= (r.ctx0 << _FP) - rfp * r.s0
-        d.rank_free_kv[rank] += reserved
+    def _free_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
+        """A request's reservation of ``tokens`` on ``rank`` of ``d`` is released."""
+        d.rank_free_kv[rank] += tokens
         d.rank_nreq[rank] -= 1
-        d.rank_key[rank] -= self._key_base + reserved
-        d.left.append(rid)
-        r.generated += gained
-        r.steps += steps
-        self.decode_tokens += gained
-        r.state = DONE
-        if self._log_on:
-            self._add((now, "finish", d.id, r.id, r.generated, r.steps, ""))
-        self._resolve(r, now)
-
-    # ------------------------------------------------------------------ autoscaler
-    def _next_autoscaler(self, a: _Autoscaler, now: float) -> Plan:
-        if self.finished:
-            return self._stop(a, now, "finished")
-        cfg = self.asc
-        if now >= self._last_tick + cfg.interval_s - 1e-12 and now > 0:
-            self._autoscale(now)
-        return self._idle(a, now, WAIT_TIMER, self._last_tick + cfg.interval_s)
-
-    def _autoscale(self, now: float) -> None:
-        cfg = self.asc
-        dt = max(now - self._last_tick, 1e-9)
-        rate = self._window_tokens / dt
-        self._window_tokens = 0
-        self._last_tick = now
-        live_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE)]
-        live_d = [d for d in self.decoders if d.status in (STARTING, ACTIVE)]
-        cap = self._cap_tps(self.prefillers[0].g) if self.prefillers else 0.0
-        if cap <= 0:
-            cap = self._template_cap()
-        dec_req = sum(d.nreq for d in self.decoders if d.status in (STARTING, ACTIVE, DRAINING))
-        dec_req += sum(len(p.pending) for p in self.prefillers)
-        obs = autoscale.Observation(
-            now_s=now, input_tokens_per_s=rate, queued_prefill_tokens=sum(p.queued_tokens for p in live_p),
-            prefill_capacity_tokens_per_s=cap, n_prefillers=len(live_p), n_decoders=len(live_d),
-            decode_requests=dec_req, ranks_per_decoder=self.dep.decoder_template.ep)
-        tgt = autoscale.decide(cfg, obs)
-        for _ in range(tgt.prefillers - len(live_p)):
-            if self._scale_up_prefiller(now) is None:
-                break
-        if tgt.prefillers < len(live_p):
-            act = [p for p in live_p if p.status == ACTIVE]
-            if len(act) > 1:
-                victim = min(act, key=lambda p: (p.queued_tokens, -p.order))
-                self._drain(victim, now, "prefill")
-        for _ in range(tgt.decoders - len(live_d)):
-            if self._scale_up_decoder(now) is None:
-                break
-        if tgt.decoders < len(live_d):
-            act = [d for d in live_d if d.status == ACTIVE]
-            if len(act) > 1:
-                victim = min(act, key=lambda d: (d.nreq, -d.order))
-                self._drain(victim, now, "decode")
-
-    def _template_cap(self) -> float:
-        t = self.dep.prefiller_template
-        g = PrefillerGroup(id="template", gpus=tuple(range(t.n_gpus)), host=0, nics=("nic:template",), template=t)
-        return self._cap_tps(g)
-
-    def _find_prefiller_gpus(self) -> tuple[int, ...] | None:
-        n = self.dep.prefiller_template.n_gpus
-        host = self.dep.gpu_host
-        by_host: dict[int, list[int]] = {}
-        for g in self.pool:
-            by_host.setdefault(host[g], []).append(g)
-        for h in sorted(by_host):
-            if len(by_host[h]) >= n:
-                return tuple(by_host[h][:n])
-        return None
-
-    def _find_decoder_gpus(self) -> tuple[int, ...] | None:
-        n = self.dep.decoder_template.ep
-        dom = self.dep.gpu_domain
-        by_dom: dict[int, list[int]] = {}
-        for g in self.pool:
-            by_dom.setdefault(dom.get(g, 0), []).append(g)
-        for k in sorted(by_dom):
-            if len(by_dom[k]) >= n:
-                return tuple(by_dom[k][:n])
-        return None
-
-    def _take_pool(self, gpus: Iterable[int]) -> None:
-        taken = set(gpus)
-        self.pool = [g for g in self.pool if g not in taken]
-
-    def _scale_up_prefiller(self, now: float) -> _Prefiller | None:
-        if self.asc is None:
-            return None
-        gpus = self._find_prefiller_gpus()
-        if gpus is None:
-            return None
-        self._take_pool(gpus)
-        host = self.dep.gpu_host[gpus[0]]
-        nics = tuple(sorted({self.dep.gpu_nic[g] for g in gpus}))
-        g = PrefillerGroup(id=f"P{self._n_pf_created}", gpus=gpus, host=host, nics=nics,
-                           template=self.dep.prefiller_template)
-        pf = self._add_prefiller(g, STARTING, now + self.asc.scale_up_delay_s, now)
-        self._add((now, "scale_up", pf.id, -1, len(gpus), 0, "prefill"))
-        self._refresh_limits()
-        return pf
-
-    def _scale_up_decoder(self, now: float) -> _Decoder | None:
-        if self.asc is None:
-            return None
-        gpus = self._find_decoder_gpus()
-        if gpus is None:
-            return None
-        self._take_pool(gpus)
-        g = DecoderGroup(id=f"D{self._n_dec_created}", gpus=gpus,
-                         rank_nics=tuple(self.dep.gpu_nic[x] for x in gpus), template=self.dep.decoder_template)
-        d = self._add_decoder(g, STARTING, now + self.asc.scale_up_delay_s, now)
-        self._add((now, "scale_up", d.id, -1, len(gpus), 0, "decode"))
-        self._refresh_limits()
-        return d
-
-    def _drain(self, w, now: float, role: str) -> None:
-        w.status = DRAINING
-        if w.kind == "decode":
-            w.ff_plain = 0
-        self._reroute_lists()
-        self._add((now, "scale_down", w.id, -1, w.n_gpus, 0, role))
-        self._wake(w)
-
-    def _retire(self, w, now: float) -> None:
-        w.status = RETIRED
-        w.ended_s = now
-        self.pool = sorted(set(self.pool) | (set(w.gpus) - self.failed_gpus))
-        self._reroute_lists()
-        self._refresh_limits()
-        if isinstance(w, _Prefiller):
-            for s in w.streams:
-                self._wake(s)
-
-    # ------------------------------------------------------------------ failures
-    def fail(self, target: str, now_s: float, *, permanent: bool = True) -> list[str]:
-        """Take ``target`` down at ``now_s``: ``"gpu:<i>"``, ``"node:<host>"`` or ``"nic:<k>"`` (the NIC's link).
-
-        Groups using a failed GPU die; their work is re-queued (see module docstring). A NIC going down fails the
-        transfers using it (they are retried); a prefiller whose NICs are all permanently down dies too.
-        Returns the worker ids whose in-flight plan was aborted (the driver interrupts them; their ``done`` is
-        then ignored).
-        """
-        self.check_target(target)
-        self.now_s = now_s
-        for d in self.decoders:
-            d.ff_plain = 0
-        self._add((now_s, "fault", "", -1, 0, 0, target))
-        kind, _, ident = target.partition(":")
-        aborted: list[str] = []
-        if kind == "gpu":
-            self._fail_gpus([int(ident)], now_s, aborted)
-        elif kind == "node":
-            h = int(ident)
-            gpus = sorted(g for g, hh in self.dep.gpu_host.items() if hh == h)
-            self._fail_gpus(gpus, now_s, aborted)
-            for nic in sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic}):
-                self._fail_nic(nic, now_s, aborted, permanent)
-        elif kind == "nic":
-            self._fail_nic(target, now_s, aborted, permanent)
-        else:
-            raise ValueError(f"fault target {target!r}: expected gpu:<i>, node:<host> or nic:<k>")
-        self._after_failure(now_s)
-        return aborted
-
-    def check_target(self, target: str) -> None:
-        """Raise a one-line ``UserError`` unless ``target`` names a GPU, host or NIC of this deployment."""
-        kind, _, ident = target.partition(":")
-        ok = False
-        if ident.isdigit():
-            if kind == "gpu":
-                ok = int(ident) in self.dep.gpu_host
-            elif kind == "node":
-                ok = int(ident) in set(self.dep.gpu_host.values())
-            elif kind == "nic":
-                ok = target in self.dep.nic_GBps
-        if not ok:
-            raise UserError(f"faults: target {target!r} is not a GPU, node or NIC of deployment {self.dep.name!r}")
-
-    def recover(self, target: str, now_s: float) -> None:
-        """Bring ``target`` back: a NIC serves transfers again; GPUs return to the spare pool (dead groups stay
-        dead — the autoscaler may build new ones)."""
-        self.check_target(target)
-        self.now_s = now_s
-        for d in self.decoders:
-            d.ff_plain = 0
-        kind, _, ident = target.partition(":")
-        self._add((now_s, "fault", "", -1, 1, 0, "recover " + target))
-        nics: list[str] = []
-        gpus: list[int] = []
-        if kind == "gpu":
-            gpus = [int(ident)]
-        elif kind == "node":
-            h = int(ident)
-            gpus = sorted(g for g, hh in self.dep.gpu_host.items() if hh == h)
-            nics = sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic})
-        elif kind == "nic":
-            nics = [target]
-        for g in gpus:
-            if g in self.failed_gpus:
-                self.failed_gpus.discard(g)
-                if not any(g in w.gpus for w in (*self.prefillers, *self.decoders)
-                           if w.status in (STARTING, ACTIVE, DRAINING)):
-                    self.pool = sorted(set(self.pool) | {g})
-        for nic in nics:
-            self.nic_down.pop(nic, None)
-            self._permanent_nic_down.discard(nic)
-            for pf in self.prefillers:
-                for i, n in enumerate(pf.nics):
-                    if n == nic:
-                        pf.nic_up[i] = True
-                if pf.status in (ACTIVE, STARTING):
-                    for s in pf.streams:
-                        self._wake(s)
-            for d in self.decoders:
-                for r, n in enumerate(d.rank_nics):
-                    if n == nic:
-                        d.rank_up[r] = True
-        self._reroute_lists()
-        self._refresh_limits()
-        self._wake_blocked_streams()
-
-    def _fail_gpus(self, gpus: list[int], now: float, aborted: list[str]) -> None:
-        gs = set(gpus)
-        self.failed_gpus |= gs
-        self.pool = [g for g in self.pool if g not in gs]
-        for pf in list(self.prefillers):
-            if pf.status in (STARTING, ACTIVE, DRAINING) and gs & set(pf.gpus):
-                self._kill_prefiller(pf, now, aborted, "gpu_failed")
-        for d in list(self.decoders):
-            if d.status in (STARTING, ACTIVE, DRAINING) and gs & set(d.gpus):
-                self._kill_decoder(d, now, aborted, "gpu_failed")
-
-    def _fail_nic(self, nic: str, now: float, aborted: list[str], permanent: bool) -> None:
-        self.nic_down[nic] = True
-        if permanent:
-            self._permanent_nic_down.add(nic)
-        for pf in self.prefillers:
-            for i, n in enumerate(pf.nics):
-                if n == nic:
-                    pf.nic_up[i] = False
-        for d in self.decoders:
-            for r, n in enumerate(d.rank_nics):
-                if n == nic:
-                    d.rank_up[r] = False
-        # transfers using the NIC fail and are retried from the prefiller's copy
-        for pf in self.prefillers:
-            for s in pf.streams:
-                plan = s.plan
-                if plan is not None and any(nic in (f[0], f[1]) for f in plan.flows):
-                    r = s.req
-                    s.plan = None
-                    s.req = None
-                    aborted.append(s.id)
-                    if r is not None and r.owner is plan:
-                        r.owner = None
-                        self._unreserve(r)
-                        r.state = KV_PENDING
-                        pf.pending.appendleft(r)
-                        self._add((now, "requeue", s.id, r.id, 0, 0, "link_failed"))
-        for pf in list(self.prefillers):
-            if pf.status in (STARTING, ACTIVE, DRAINING) and not any(pf.nic_up) and \
-                    all(n in self._permanent_nic_down for n in pf.nics):
-                self._kill_prefiller(pf, now, aborted, "nics_failed")
-        self._reroute_lists()
-
-    def _kill_prefiller(self, pf: _Prefiller, now: float, aborted: list[str], why: str) -> None:
-        pf.status = DEAD
-        pf.ended_s = now
-        self._reroute_lists()
-        self._refresh_limits()
-        if pf.plan is not None:
-            aborted.append(pf.id)
-        pf.plan = None
-        lost: list[_Req] = []
-        # transfers in flight: KV source gone; free the decoder reservation, re-prefill
-        for s in pf.streams:
-            if s.plan is not None:
-                aborted.append(s.id)
-                r = s.req
-                if r is not None and r.owner is s.plan:
-                    r.owner = None
-                    self._unreserve(r)
-                    lost.append(r)
-            s.plan = None
-            s.req = None
-            self._wake(s)
-        redo = [r for r in pf.running] + list(pf.queue)
-        lost.extend(pf.pending)
-        pf.running = []
-        pf.queue.clear()
-        pf.pending.clear()
-        pf.n_queued = 0
-        pf.queued_tokens = 0
-        pf.kv_held = 0
-        self._wake(pf)
-        for r in sorted(redo, key=lambda r: r.id):
-            r.owner = None
-            self._requeue_prefill(r, now, why, lost_kv=False)
-        for r in sorted(lost, key=lambda r: r.id):
-            r.owner = None
-            self._requeue_prefill(r, now, why, lost_kv=True)
-
-    def _kill_decoder(self, d: _Decoder, now: float, aborted: list[str], why: str) -> None:
-        d.status = DEAD
-        d.ended_s = now
-        self._reroute_lists()
-        self._refresh_limits()
-        if d.plan is not None:
-            aborted.append(d.id)
-        d.plan = None
-        lost: list[_Req] = []
-        done_steps = d.step
-        for r in d.running.values():
-            steps = done_steps - r.s0
-            if steps > 0:
-                if not self._real_accept and r.cum is not None:
-                    got = self.acceptance.tokens_after(r.cum, r.cum_i, steps, r.out - r.generated)
-                    r.generated += got
-                    self.decode_tokens += got
-                r.steps += steps
-            lost.append(r)
-        for q in d.rank_queue:
-            lost.extend(q)
-            q.clear()
-        d.running.clear()
-        d.heap.clear()
-        d.n_running = d.n_qdec = 0
-        # KV in flight to this decoder is still on its prefiller: send it elsewhere
-        for pf in self.prefillers:
-            for s in pf.streams:
-                r = s.req
-                if s.plan is not None and r is not None and r.decoder is d and r.owner is s.plan:
-                    aborted.append(s.id)
-                    r.owner = None
-                    s.plan = None
-                    s.req = None
-                    r.reserved = 0
-                    r.rank = -1
-                    r.state = KV_PENDING
-                    pf.pending.appendleft(r)
-                    self._add((now, "requeue", s.id, r.id, 0, 0, why))
-                    self._wake(s)
-        d.rank_nreq = [0] * d.ep
-        d.rank_free_kv = [0] * d.ep
-        d.rank_key = [0] * d.ep
-        d.rank_batch = [0] * d.ep
-        self._wake(d)
-        for r in sorted(lost, key=lambda r: r.id):
-            r.owner = None
-            r.reserved = 0
-            r.rank = -1
-            r.cum = None
-            if r.generated >= r.out:  # finished within the lost step's predecessors
-                r.state = DONE
-                self._add((now, "finish", d.id, r.id, r.generated, r.steps, ""))
-                self._resolve(r, now)
-                continue
-            self._requeue_prefill(r, now, why, lost_kv=True)
-        self._wake_blocked_streams()
-
-    def _requeue_prefill(self, r: _Req, now: float, why: str, lost_kv: bool) -> None:
-        r.requeues += 1
-        self._add((now, "requeue", r.prefiller.id if r.prefiller is not None else "", r.id, int(lost_kv), 0, why))
-        if lost_kv:
-            # prefill again: the prompt and every token generated so far (the last one is produced again)
-            r.ctx0 = r.prompt + r.generated - 1 if r.generated > 0 else r.prompt
-            r.generated = max(r.generated - 1, 0)
-        r.pf_done = 0
-        r.state = ARRIVED
-        if not self._prefillers_possible():
-            return self._reject(r, now, "no_prefiller")
-        if r.ctx0 > self.max_pf_kv:
-            return self._reject(r, now, "exceeds_prefiller_kv")
-        self._route_prefill(r, now, requeue=True)
-
-    def _after_failure(self, now: float) -> None:
-        # requests that can never be served any more
-        if not self._decoders_possible():
-            for pf in self.prefillers:
-                for s in pf.streams:
-                    self._wake(s)
-        if not self._prefillers_possible():
-            for r in sorted([r for r in self.reqs.values() if r.state == QUEUED_PREFILL], key=lambda r: r.id):
-                pf = r.prefiller
-                if pf is not None and pf.status == DRAINING:
-                    continue
-                if r in pf.queue:
-                    pf.queue.remove(r)
-                    pf.n_queued -= 1
-                    pf.queued_tokens -= r.ctx0 - r.pf_done
-                    pf.kv_held -= r.pf_done
-                self._reject(r, now, "no_prefiller")
-        self._maybe_finish(now)
+        d.rank_key[rank] -= self._key_base + tokens
 
     # ------------------------------------------------------------------ end of run, samples, checks
     def finalize(self, now_s: float, reason: str = "horizon") -> None:
@@ -1640,87 +656,7 @@ class Scheduler:
         raise KeyError(request_id)
 
     def check_invariants(self) -> None:
-        """Assert the internal invariants (for tests): every open request is in exactly one place matching its
-        state; decoder KV reservations add up and never exceed capacity; batches within caps; prefiller KV within
-        its buffer; token counters consistent."""
-        where: dict[int, str] = {}
-
-        def put(r: _Req, place: str, states: tuple[int, ...]) -> None:
-            assert r.id not in where, f"request {r.id} in {where[r.id]} and {place}"
-            assert r.state in states, f"request {r.id} is {STATE_NAMES[r.state]} in {place}"
-            assert self.reqs.get(r.id) is r, f"request {r.id} in {place} but not open"
-            where[r.id] = place
-
-        for pf in self.prefillers:
-            if pf.status in (DEAD, RETIRED):
-                assert not pf.queue and not pf.running and not pf.pending, f"{pf.id} dead but holds work"
-                continue
-            for r in pf.queue:
-                put(r, f"{pf.id}.queue", (QUEUED_PREFILL,))
-                assert r.prefiller is pf
-            for r in pf.running:
-                if r.owner is not None:
-                    put(r, f"{pf.id}.running", (PREFILLING,))
-            for r in pf.pending:
-                put(r, f"{pf.id}.pending", (KV_PENDING,))
-            assert pf.n_queued == len(pf.queue)
-            qt = sum(r.ctx0 - r.pf_done for r in pf.queue) + sum(
-                r.ctx0 - r.pf_done for r in pf.running if r.owner is not None)
-            assert pf.queued_tokens == qt, f"{pf.id}: queued_tokens {pf.queued_tokens} != {qt}"
-            assert 0 <= pf.kv_held <= pf.kv_cap, f"{pf.id}: kv_held {pf.kv_held} outside [0, {pf.kv_cap}]"
-            held = sum(r.pf_done for r in pf.queue) + sum(r.ctx0 for r in pf.pending) + sum(
-                s.req.ctx0 for s in pf.streams if s.req is not None and s.plan is not None)
-            if pf.plan is not None:
-                held += sum(r.pf_done for r in pf.running if r.owner is not None) + pf.plan.n_tokens
-            assert pf.kv_held == held, f"{pf.id}: kv_held {pf.kv_held} != {held}"
-            for s in pf.streams:
-                if s.req is not None and s.plan is not None:
-                    put(s.req, s.id, (KV_IN_FLIGHT,))
-        for d in self.decoders:
-            if d.status in (DEAD, RETIRED):
-                assert not d.running and not any(d.rank_queue), f"{d.id} dead but holds work"
-                continue
-            used = [0] * d.ep
-            nreq = [0] * d.ep
-            batch = [0] * d.ep
-            for r in d.running.values():
-                put(r, f"{d.id}.running", (DECODING,))
-                used[r.rank] += r.reserved
-                nreq[r.rank] += 1
-                batch[r.rank] += 1
-            for rank, q in enumerate(d.rank_queue):
-                for r in q:
-                    put(r, f"{d.id}.queue{rank}", (QUEUED_DECODE,))
-                    assert r.rank == rank
-                    used[rank] += r.reserved
-                    nreq[rank] += 1
-            for pf in self.prefillers:
-                for s in pf.streams:
-                    r = s.req
-                    if r is not None and s.plan is not None and r.decoder is d:
-                        used[r.rank] += r.reserved
-                        nreq[r.rank] += 1
-            for rank in range(d.ep):
-                assert used[rank] <= d.kv_cap, f"{d.id} rank {rank}: KV {used[rank]} > capacity {d.kv_cap}"
-                assert d.rank_free_kv[rank] == d.kv_cap - used[rank], f"{d.id} rank {rank}: free KV mismatch"
-                assert d.rank_nreq[rank] == nreq[rank], f"{d.id} rank {rank}: nreq mismatch"
-                assert d.rank_key[rank] == nreq[rank] * self._key_base - d.rank_free_kv[rank], f"{d.id} rank {rank}"
-                assert 0 <= d.rank_free_kv[rank] < self._key_base
-                assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
-            assert d.n_running == len(d.running)
-        missing = [rid for rid in self.reqs if rid not in where]
-        assert not missing, f"open requests in no place: {missing[:5]}"
-        assert self.n_open == len(self.reqs)
+        """Assert the internal invariants (for tests): see :func:`engine.core.invariants.check_invariants`."""
+        check_invariants(self)
 
 
-def _choose_with_offset(cands: list[_Prefiller]) -> _Prefiller | None:
-    """:func:`choose_prefiller` with a starting prefiller's routing penalty added to its queued tokens."""
-    best = None
-    best_load = 0
-    for p in cands:
-        if p.max_queue is not None and p.n_queued >= p.max_queue:
-            continue
-        load = p.queued_tokens + p.offset_tokens
-        if best is None or load < best_load:
-            best, best_load = p, load
-    return best

@@ -24,13 +24,16 @@ from collections.abc import Callable, Generator
 from engine.core.plans import Plan, Result, Stop
 
 
-def worker_loop(scheduler, worker: str, clock: Callable[[], float]) -> Generator[Plan, Result, Stop]:
-    """Drive ``worker`` until the scheduler stops it. Yields plans, receives results, returns the Stop plan."""
+def worker_loop(scheduler, worker: str, clock: Callable[[], float],
+                first: Plan | None = None) -> Generator[Plan, Result, Stop]:
+    """Drive ``worker`` until the scheduler stops it. Yields plans, receives results, returns the Stop plan.
+    ``first``: the plan the scheduler already answered for ``worker`` (a driver that asked ``next`` itself)."""
     next_plan = scheduler.next
     done = scheduler.done
+    plan = first if first is not None else next_plan(worker, clock())
     while True:
-        plan = next_plan(worker, clock())
         if type(plan) is Stop:
             return plan
         result = yield plan
         done(plan, result, clock())
+        plan = next_plan(worker, clock())

@@ -1,12 +1,14 @@
 """The real (wall-clock) driver: the simulator's own loop, with GPUs instead of cost models.
 
-``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker loop, the same arrival and
-fault handling — and swaps two things, as STYLE.md asks ("the clock is swapped, the model code is not"):
+``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker processes
+(:mod:`sim.processes`), the same run loop merging arrivals with events (:mod:`sim.runloop`) and the same fault
+handling — and swaps two things, as STYLE.md asks ("the clock is swapped, the model code is not"):
 
 - the executor: :class:`RealExecutor` sends each plan to the rank processes that own its GPUs
   (``engine.real.worker``) and returns a SimPy event that fires when all of them have replied; its value is the
   **measured** duration (wall time from dispatch to the last reply, so IPC and host overheads are included);
-- the environment: :class:`MeasuredClockEnv` advances the clock by measured durations. Before it processes an event
+- the environment: :class:`MeasuredClockEnv` (a :class:`sim.simenv.SimEnv`) advances the clock by measured
+  durations; a plan's completion event succeeds at its measured end (``SimEnv.trigger``). Before it processes an event
   at time ``t`` it makes sure no plan still running could finish earlier: a plan dispatched at clock time ``s``
   and wall time ``w`` finishes no earlier than ``s + (wall_now - w)``, so the loop waits for replies until that
   bound passes ``t``. Events are therefore processed in the order of their measured times, exactly as the
@@ -38,7 +40,7 @@ from pathlib import Path
 import simpy
 
 from engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
-from sim.driver import _Env
+from sim.simenv import SimEnv
 from topology.errors import UserError
 
 
@@ -150,7 +152,7 @@ class RankPool:
                 p.kill()
 
 
-class MeasuredClockEnv(_Env):
+class MeasuredClockEnv(SimEnv):
     """SimPy environment whose clock advances by measured durations (module docstring)."""
 
     def __init__(self, pool: RankPool, on_reply, stall_s: float = STALL_S) -> None:
@@ -295,8 +297,7 @@ class RealExecutor:
         if self.env.on_fault is not None:
             ev = self.env.event()
             ev.callbacks.append(lambda _e, t=f"gpu:{gpu}": self.env.on_fault(t))
-            ev._ok, ev._value = True, None
-            self.env.schedule(ev, delay=at - self.env.now)
+            self.env.trigger(ev, None, at - self.env.now)
 
 
 def deployment_groups(dep) -> list[tuple[str, tuple[int, ...], str]]:
@@ -486,10 +487,7 @@ class RealRun:
             return
         self._absorb(fl)
         self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
-        ev = fl.ev
-        ev._ok = True
-        ev._value = measured
-        self.env.schedule(ev, delay=max(fl.start_v + measured - self.env.now, 0.0))
+        self.env.trigger(fl.ev, measured, max(fl.start_v + measured - self.env.now, 0.0))
 
     def _absorb(self, fl: _Inflight) -> None:
         if fl.kind == "prefill":
@@ -538,7 +536,7 @@ def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, wei
     try:
         res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
-                       kv_chunks=built.cost_model.kv_chunks, env=env,
+                       kv_chunks=built.cost_model.kv_chunks, env=env, policies=sc.sim.policies.build(),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
     finally:
         run.pool.stop()
@@ -581,5 +579,5 @@ def replay(built, requests, records, *, seed: int, deaths=()):
     faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in deaths]
     return simulate(built.deployment, requests, built.cost_model, seed=seed, progress=False, faults=faults,
                     slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
-                    executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
+                    policies=sc.sim.policies.build(), executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
 

@@ -1,0 +1,94 @@
+"""The scheduler's internal invariants, checked by tests after every scheduling call (``debug_checks``).
+
+Every open request is in exactly one place matching its state; decoder KV reservations add up and never exceed
+capacity; batches stay within their caps; a prefiller's KV stays within its buffer; the token counters and the
+rank keys agree with what they count.
+"""
+
+from __future__ import annotations
+
+from engine.core.state import (
+    DEAD,
+    DECODING,
+    KV_IN_FLIGHT,
+    KV_PENDING,
+    PREFILLING,
+    QUEUED_DECODE,
+    QUEUED_PREFILL,
+    RETIRED,
+    STATE_NAMES,
+    RequestState,
+)
+
+
+def check_invariants(sched) -> None:
+    """Assert the invariants of ``sched`` (a :class:`~engine.core.scheduler.Scheduler`); AssertionError names the
+    first one broken."""
+    where: dict[int, str] = {}
+
+    def put(r: RequestState, place: str, states: tuple[int, ...]) -> None:
+        assert r.id not in where, f"request {r.id} in {where[r.id]} and {place}"
+        assert r.state in states, f"request {r.id} is {STATE_NAMES[r.state]} in {place}"
+        assert sched.reqs.get(r.id) is r, f"request {r.id} in {place} but not open"
+        where[r.id] = place
+
+    for pf in sched.prefillers:
+        if pf.status in (DEAD, RETIRED):
+            assert not pf.queue and not pf.running and not pf.pending, f"{pf.id} dead but holds work"
+            continue
+        for r in pf.queue:
+            put(r, f"{pf.id}.queue", (QUEUED_PREFILL,))
+            assert r.prefiller is pf
+        for r in pf.running:
+            if r.owner is not None:
+                put(r, f"{pf.id}.running", (PREFILLING,))
+        for r in pf.pending:
+            put(r, f"{pf.id}.pending", (KV_PENDING,))
+        assert pf.n_queued == len(pf.queue)
+        qt = sum(r.ctx0 - r.pf_done for r in pf.queue) + sum(
+            r.ctx0 - r.pf_done for r in pf.running if r.owner is not None)
+        assert pf.queued_tokens == qt, f"{pf.id}: queued_tokens {pf.queued_tokens} != {qt}"
+        assert 0 <= pf.kv_held <= pf.kv_cap, f"{pf.id}: kv_held {pf.kv_held} outside [0, {pf.kv_cap}]"
+        held = sum(r.pf_done for r in pf.queue) + sum(r.ctx0 for r in pf.pending) + sum(
+            s.req.ctx0 for s in pf.streams if s.req is not None and s.plan is not None)
+        if pf.plan is not None:
+            held += sum(r.pf_done for r in pf.running if r.owner is not None) + pf.plan.n_tokens
+        assert pf.kv_held == held, f"{pf.id}: kv_held {pf.kv_held} != {held}"
+        for s in pf.streams:
+            if s.req is not None and s.plan is not None:
+                put(s.req, s.id, (KV_IN_FLIGHT,))
+    for d in sched.decoders:
+        if d.status in (DEAD, RETIRED):
+            assert not d.running and not any(d.rank_queue), f"{d.id} dead but holds work"
+            continue
+        used = [0] * d.ep
+        nreq = [0] * d.ep
+        batch = [0] * d.ep
+        for r in d.running.values():
+            put(r, f"{d.id}.running", (DECODING,))
+            used[r.rank] += r.reserved
+            nreq[r.rank] += 1
+            batch[r.rank] += 1
+        for rank, q in enumerate(d.rank_queue):
+            for r in q:
+                put(r, f"{d.id}.queue{rank}", (QUEUED_DECODE,))
+                assert r.rank == rank
+                used[rank] += r.reserved
+                nreq[rank] += 1
+        for pf in sched.prefillers:
+            for s in pf.streams:
+                r = s.req
+                if r is not None and s.plan is not None and r.decoder is d:
+                    used[r.rank] += r.reserved
+                    nreq[r.rank] += 1
+        for rank in range(d.ep):
+            assert used[rank] <= d.kv_cap, f"{d.id} rank {rank}: KV {used[rank]} > capacity {d.kv_cap}"
+            assert d.rank_free_kv[rank] == d.kv_cap - used[rank], f"{d.id} rank {rank}: free KV mismatch"
+            assert d.rank_nreq[rank] == nreq[rank], f"{d.id} rank {rank}: nreq mismatch"
+            assert d.rank_key[rank] == nreq[rank] * sched._key_base - d.rank_free_kv[rank], f"{d.id} rank {rank}"
+            assert 0 <= d.rank_free_kv[rank] < sched._key_base
+            assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
+        assert d.n_running == len(d.running)
+    missing = [rid for rid in sched.reqs if rid not in where]
+    assert not missing, f"open requests in no place: {missing[:5]}"
+    assert sched.n_open == len(sched.reqs)

@@ -1,0 +1,214 @@
+"""Scheduling policies: the choices the scheduler delegates, each a small object with one implementation.
+
+- :class:`PrefillerRouting` — which prefiller a request is queued on (on arrival, and again after a failure);
+- :class:`DecoderRankChoice` — which decoder group and DP rank receive a request's KV (and hold it while it decodes);
+- :class:`DecodeAdmission` — which requests waiting on a decoder rank join its running batch at a step boundary.
+
+:class:`Policies` bundles one of each (``Scheduler(..., policies=Policies(admission=...))``); the defaults are
+the rules the module docstring of :mod:`engine.core.scheduler` describes. A policy reads the scheduler's state
+objects (:mod:`engine.core.state`) through the few attributes its Protocol names and changes nothing but what its
+method says (an admission policy removes the requests it admits from the queue it is given). Every choice is
+deterministic: candidates come in worker creation order (ranks in order inside a decoder group, requests in
+queue order) and ties go to the earliest.
+
+A new policy is one class: implement the Protocol, give it a ``name`` and add it to :data:`ADMISSION` (or
+:data:`PREFILLER_ROUTING` / :data:`DECODER_RANK`) so scenarios can name it (``sim.policies``). An admission policy
+also says whether it is *state-only* (its choice depends on nothing but the queue and the free batch slots it is
+given — not on the time, a step count or randomness): drivers that skip the steps in which a decoder's state does
+not change (``sim.fastpath``) are used only with state-only admission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, TypeVar
+
+
+# ------------------------------------------------------------------ what the policies read
+class PrefillerLoad(Protocol):
+    queued_tokens: int         # prefill tokens routed to it and not yet prefilled (its running batch included)
+    offset_tokens: int         # routing penalty of a prefiller still starting (tokens it could have done meanwhile)
+    n_queued: int              # requests waiting in its queue
+    max_queue: int | None      # queue bound (None: unbounded)
+
+
+class DecoderLoad(Protocol):
+    rank_nreq: list[int]       # requests holding KV on each rank (decoding + queued for decode + KV in flight)
+    rank_free_kv: list[int]    # free KV tokens on each rank
+    rank_up: list[bool]        # rank can receive KV (its NIC is up)
+    # rank_nreq[r] * base - rank_free_kv[r], kept with them by the scheduler (one base for all groups, larger than
+    # any rank's KV capacity): (requests, -free KV) as one int, in the same order
+    rank_key: list[int]
+
+
+class QueuedRequest(Protocol):
+    id: int
+    prompt: int                # prompt tokens
+    ctx0: int                  # KV tokens it holds (prompt, plus tokens generated before a failure forced a re-prefill)
+    out: int                   # output tokens it generates in all
+    generated: int             # output tokens generated so far
+    arrival_s: float
+
+
+P = TypeVar("P", bound=PrefillerLoad)
+D = TypeVar("D", bound=DecoderLoad)
+R = TypeVar("R", bound=QueuedRequest)
+
+
+# ------------------------------------------------------------------ the three choices
+class PrefillerRouting(Protocol):
+    name: ClassVar[str]
+
+    def choose(self, candidates: Sequence[P], requeue: bool) -> P | None:
+        """The prefiller to queue a request on, among the routable ones (creation order); None: none can take it
+        (the request is rejected ``queue_full``). ``requeue``: the request is routed again after a failure (such
+        work is never refused)."""
+        ...
+
+
+class DecoderRankChoice(Protocol):
+    name: ClassVar[str]
+
+    def choose(self, candidates: Iterable[D], need_tokens: int) -> tuple[D, int] | None:
+        """``(group, rank)`` to reserve ``need_tokens`` of KV on, among the routable decoder groups (creation
+        order); None when no rank can take it now (the KV waits on its prefiller until KV is freed)."""
+        ...
+
+
+class DecodeAdmission(Protocol):
+    name: ClassVar[str]
+    #: the choice depends only on the queue and the room given (see the module docstring)
+    state_only: ClassVar[bool]
+
+    def take(self, queue: deque[R], room: int) -> list[R]:
+        """Remove from one decoder rank's ``queue`` (arrival order of their KV) the requests that join its batch
+        now and return them in the order they join; ``room`` (>= 1): free batch slots on the rank. Returning fewer
+        than ``min(room, len(queue))`` requests leaves the others waiting with free slots: the scheduler then asks
+        again at every step boundary."""
+        ...
+
+
+# ------------------------------------------------------------------ the default policies
+class LeastQueuedTokens:
+    """The prefiller with the least queued tokens (plus its start-up penalty), skipping full queues unless the
+    request is re-routed; ties → the earliest prefiller."""
+
+    name: ClassVar[str] = "least_queued_tokens"
+
+    def choose(self, candidates: Sequence[P], requeue: bool) -> P | None:
+        best = None
+        best_load = 0
+        for p in candidates:
+            load = p.queued_tokens + p.offset_tokens
+            if best is not None and load >= best_load:  # cannot win: the cheap test first
+                continue
+            if not requeue and p.max_queue is not None and p.n_queued >= p.max_queue:
+                continue
+            best, best_load = p, load
+        return best
+
+
+class FewestRequests:
+    """Among ranks whose NIC is up and whose free KV covers the need: the fewest requests holding KV there, then
+    the most free KV; ties → the earliest group, then the lowest rank.
+
+    Reads ``rank_key`` (``(requests, -free KV)`` as one int): a group's unconstrained minimum is one C-level
+    ``min`` + ``index`` (first index = lowest rank on ties); only when that rank lacks KV room or its NIC is down
+    are the group's ranks scanned. The scheduler asks once per KV transfer, and ranks mostly tie on requests
+    (batches at their cap), which a scan of (requests, free KV) pairs would pay for in Python.
+    ``tests/test_policies.py`` checks the choice against the rule written out."""
+
+    name: ClassVar[str] = "fewest_requests"
+
+    def choose(self, candidates: Iterable[D], need_tokens: int) -> tuple[D, int] | None:
+        best = None
+        best_rank = -1
+        best_key = 0
+        for g in candidates:
+            keys = g.rank_key
+            if not keys:
+                continue
+            k = min(keys)
+            if best is not None and k >= best_key:  # no rank of this group is strictly better
+                continue
+            r = keys.index(k)
+            free = g.rank_free_kv
+            up = g.rank_up
+            if free[r] >= need_tokens and up[r]:
+                best, best_rank, best_key = g, r, k
+                continue
+            for r, k in enumerate(keys):  # the minimum does not qualify: the qualifying ranks, in order
+                if (best is None or k < best_key) and free[r] >= need_tokens and up[r]:
+                    best, best_rank, best_key = g, r, k
+        if best is None:
+            return None
+        return best, best_rank
+
+
+class FifoAdmission:
+    """First come (first KV arrived on the rank), first admitted, while the rank's batch has room."""
+
+    name: ClassVar[str] = "fifo"
+    state_only: ClassVar[bool] = True
+
+    def take(self, queue: deque[R], room: int) -> list[R]:
+        if len(queue) <= room:
+            out = list(queue)
+            queue.clear()
+            return out
+        pop = queue.popleft
+        return [pop() for _ in range(room)]
+
+
+class ShortestPromptFirst:
+    """The requests with the shortest prompts first (ties: the earlier KV arrival), while the rank's batch has room;
+    those left waiting keep their order. Short requests start decoding sooner; a long prompt can wait as long as
+    shorter ones keep arriving on its rank (no aging)."""
+
+    name: ClassVar[str] = "shortest_prompt"
+    state_only: ClassVar[bool] = True
+
+    def take(self, queue: deque[R], room: int) -> list[R]:
+        ranked = sorted(queue, key=_prompt)  # stable: ties keep queue order
+        if len(ranked) <= room:
+            queue.clear()
+            return ranked
+        out = ranked[:room]
+        taken = {id(r) for r in out}
+        rest = [r for r in queue if id(r) not in taken]
+        queue.clear()
+        queue.extend(rest)
+        return out
+
+
+def _prompt(r: QueuedRequest) -> int:
+    return r.prompt
+
+
+# ------------------------------------------------------------------ the bundle and the names scenarios use
+PREFILLER_ROUTING: dict[str, type] = {LeastQueuedTokens.name: LeastQueuedTokens}
+DECODER_RANK: dict[str, type] = {FewestRequests.name: FewestRequests}
+ADMISSION: dict[str, type] = {FifoAdmission.name: FifoAdmission, ShortestPromptFirst.name: ShortestPromptFirst}
+
+
+@dataclass(frozen=True)
+class Policies:
+    """The scheduler's policies (one of each; the defaults describe :mod:`engine.core.scheduler`)."""
+
+    prefiller: PrefillerRouting = field(default_factory=LeastQueuedTokens)
+    rank: DecoderRankChoice = field(default_factory=FewestRequests)
+    admission: DecodeAdmission = field(default_factory=FifoAdmission)
+
+    @classmethod
+    def named(cls, prefiller: str = LeastQueuedTokens.name, rank: str = FewestRequests.name,
+              admission: str = FifoAdmission.name) -> Policies:
+        """The policies registered under these names; ValueError (one line, naming the choices) otherwise."""
+        picked = []
+        for what, name, table in (("prefiller", prefiller, PREFILLER_ROUTING), ("rank", rank, DECODER_RANK),
+                                  ("admission", admission, ADMISSION)):
+            if name not in table:
+                raise ValueError(f"policies.{what}: unknown policy {name!r} (one of {', '.join(sorted(table))})")
+            picked.append(table[name]())
+        return cls(*picked)
