@@ -2,7 +2,7 @@
 
 ``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker processes
 (:mod:`sim.processes`), the same run loop merging arrivals with events (:mod:`sim.runloop`) and the same fault
-handling — and swaps two things, as STYLE.md asks ("the clock is swapped, the model code is not"):
+handling — and swaps two things (the clock is swapped, the model code is not):
 
 - the executor: :class:`RealExecutor` sends each plan to the rank processes that own its GPUs
   (``engine.real.worker``) and returns a SimPy event that fires when all of them have replied; its value is the
