@@ -96,14 +96,10 @@ class RequestState:
         self.requeues = 0
 
 
-class PrefillerState:
-    """State of one prefiller group (its compute worker id is the group id)."""
+class _GroupState:
+    """What every worker group's state holds: the group, its place in creation order, its status and its life."""
 
-    kind = "prefill"
-
-    def __init__(self, g: PrefillerGroup, order: int, status: int, ready_at: float, cap_tps: float,
-                 created_s: float) -> None:
-        t = g.template
+    def _init_group(self, g, order: int, status: int, ready_at: float, created_s: float) -> None:
         self.g = g
         self.id = g.id
         self.order = order
@@ -112,6 +108,17 @@ class PrefillerState:
         self.created_s = created_s
         self.ended_s = math.nan
         self.gpus = g.gpus
+
+
+class PrefillerState(_GroupState):
+    """State of one prefiller group (its compute worker id is the group id)."""
+
+    kind = "prefill"
+
+    def __init__(self, g: PrefillerGroup, order: int, status: int, ready_at: float, cap_tps: float,
+                 created_s: float) -> None:
+        t = g.template
+        self._init_group(g, order, status, ready_at, created_s)
         self.n_gpus = len(g.gpus)
         self.nics = list(g.nics)
         self.nic_up = [True] * len(g.nics)
@@ -147,21 +154,14 @@ class KvStreamState:
         self.blocked = False          # idle because no decoder rank could take the head request
 
 
-class DecoderState:
+class DecoderState(_GroupState):
     kind = "decode"
 
     def __init__(self, g: DecoderGroup, order: int, status: int, ready_at: float, k: int, p: float,
                  created_s: float) -> None:
         t = g.template
         ep = g.ep
-        self.g = g
-        self.id = g.id
-        self.order = order
-        self.status = status
-        self.ready_at = ready_at
-        self.created_s = created_s
-        self.ended_s = math.nan
-        self.gpus = g.gpus
+        self._init_group(g, order, status, ready_at, created_s)
         self.n_gpus = ep
         self.ep = ep
         self.k = k
