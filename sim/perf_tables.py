@@ -68,6 +68,7 @@ from sim.perf_tables_base import (
     _sig,
     _source,
     _table_meta,
+    cached_rows,
     find_tables,
     latency_s,
     read_rows,
@@ -106,11 +107,12 @@ def import_gemm(root: Path, system: str, backend: str, gpu: str) -> Imported:
     out = Imported(grid={"gemm_tflops": ("n", "k")})
     tabs = find_tables(root, system, "gemm", backend, "gemm_perf.parquet")
     cols = ("gemm_dtype", "m", "n", "k", "latency")
-    t = _pick(tabs, lambda t: len(read_rows(t, cols)))
+    cache: dict = {}
+    t = _pick(tabs, lambda t: len(cached_rows(t, cols, cache)))
     if t is None:
         out.notes.append(f"no GEMM table for {system}/{backend}")
         return out
-    rows = read_rows(t, cols)
+    rows = cached_rows(t, cols, cache)
     curves: dict[tuple, Curve] = {}
     used = 0
     for r in rows:
@@ -154,11 +156,12 @@ def import_moe(root: Path, system: str, backend: str, gpu: str) -> Imported:
         return (str(r["moe_dtype"]) in GEMM_FMT and str(r["distribution"]) == "balanced"
                 and "nongated" not in str(r["kernel_source"]))
 
-    t = _pick(tabs, lambda t: sum(1 for r in read_rows(t, cols) if usable(r)))
+    cache: dict = {}
+    t = _pick(tabs, lambda t: sum(1 for r in cached_rows(t, cols, cache) if usable(r)))
     if t is None:
         out.notes.append(f"no MoE table for {system}/{backend}")
         return out
-    rows = read_rows(t, cols)
+    rows = cached_rows(t, cols, cache)
     curves: dict[tuple, Curve] = {}
     used = 0
     for r in rows:

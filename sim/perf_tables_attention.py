@@ -67,14 +67,13 @@ from sim.costs import constants as C
 from sim.perf_tables_base import (
     Curve,
     Imported,
-    Table,
     _gpu,
     _pick,
     _sig,
     _source,
     _table_meta,
+    cached_rows,
     find_tables,
-    read_rows,
 )
 
 #: head dims imported (GQA models: 64 gpt-oss, 128 Qwen3 / Llama / Mixtral, 256 Qwen3.5 / Qwen3-Next)
@@ -121,12 +120,6 @@ def _model(n_q_heads: int, n_kv_heads: int, head_dim: int):
     return _attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
 
 
-def _rows(t: Table, cols: tuple[str, ...], cache: dict) -> list[dict]:
-    if t.rel not in cache:
-        cache[t.rel] = read_rows(t, cols)
-    return cache[t.rel]
-
-
 def _summary_pct(errs: list[float]) -> str:
     s = sorted(errs)
     p90 = s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
@@ -146,11 +139,11 @@ def import_context_attention(root: Path, system: str, backend: str, gpu: str) ->
     out = Imported(grid={"flash_tflops": ("n_q_heads", "n_kv_heads")})
     cache: dict = {}
     tabs = find_tables(root, system, "attention", backend, "context_attention_perf.parquet")
-    t = _pick(tabs, lambda t: sum(1 for r in _rows(t, CTX_COLS, cache) if _ctx_usable(r) and r["batch_size"] == 1))
+    t = _pick(tabs, lambda t: sum(1 for r in cached_rows(t, CTX_COLS, cache) if _ctx_usable(r) and r["batch_size"] == 1))
     if t is None:
         out.notes.append(f"no context-attention table for {system}/{backend}")
         return out
-    rows = _rows(t, CTX_COLS, cache)
+    rows = cached_rows(t, CTX_COLS, cache)
     usable = [r for r in rows if _ctx_usable(r)]
     single = {(int(r["head_dim"]), int(r["num_heads"]), int(r["num_key_value_heads"])) for r in usable
               if int(r["batch_size"]) == 1}
@@ -262,12 +255,12 @@ def import_generation_attention(root: Path, system: str, backend: str, gpu: str)
     out = Imported()
     cache: dict = {}
     tabs = find_tables(root, system, "attention", backend, "generation_attention_perf.parquet")
-    t = _pick(tabs, lambda t: sum(1 for r in _rows(t, GEN_COLS, cache)
+    t = _pick(tabs, lambda t: sum(1 for r in cached_rows(t, GEN_COLS, cache)
                                   if _gen_usable(r) and str(r["kv_cache_dtype"]) in BF16))
     if t is None:
         out.notes.append(f"no generation-attention table for {system}/{backend}")
         return out
-    rows = _rows(t, GEN_COLS, cache)
+    rows = cached_rows(t, GEN_COLS, cache)
     curves: dict[tuple, Curve] = {}
     used = 0
     for r in rows:

@@ -210,6 +210,13 @@ def _table_meta(t: Table, n_rows: int, n_used: int, framework: str | None = None
             "rows": n_rows, "rows_used": n_used, "latency_unit": LATENCY_UNIT.get(t.name, "ms")}
 
 
+def cached_rows(t: Table, cols: tuple[str, ...], cache: dict) -> list[dict]:
+    """:func:`read_rows` once per table and importer call (choosing a version reads the rows it then imports)."""
+    if t.rel not in cache:
+        cache[t.rel] = read_rows(t, cols)
+    return cache[t.rel]
+
+
 def _pick(tables: list[Table], count: Callable[[Table], int]) -> Table | None:
     """The version with the most usable rows (ties: the newest)."""
     best, best_n = None, 0
