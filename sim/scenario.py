@@ -13,7 +13,6 @@ lookup; the prefill cost is evaluated exactly per batch.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from math import ceil as _ceil
@@ -235,15 +234,6 @@ class Built:
     caveats: list[str] = field(default_factory=list)
 
 
-@functools.lru_cache(maxsize=32)
-def _shipped_calibration(gpu_name: str, **selection):
-    """``sim.calibrate.default_calibration_for``, memoised per process on every argument: parsing a shipped table
-    takes ~0.2 s, and a search builds a cost model for every option it prices (tables are frozen)."""
-    from sim.calibrate import default_calibration_for
-
-    return default_calibration_for(gpu_name, **selection)
-
-
 def _load_calibration(sc: ServingScenario, gpu_name: str):
     """``(table or None, the one line that says what priced the run)`` for the scenario's GPU and stack."""
     if sc.calibration == "none":
@@ -253,10 +243,10 @@ def _load_calibration(sc: ServingScenario, gpu_name: str):
 
         return load_calibration(sc.calibration), f"calibrated: {gpu_name} from {sc.calibration}"
     try:
-        from sim.calibrate import describe_calibration
+        from sim.calibrate import default_calibration_for, describe_calibration
     except ImportError:
         return None, "uncalibrated: first-principles cost models"
-    table = _shipped_calibration(gpu_name, stack=sc.stack)
+    table = default_calibration_for(gpu_name, stack=sc.stack)  # read once per process (sim.calibrate caches it)
     if table is None:
         return None, f"uncalibrated: no shipped calibration for {gpu_name}; first-principles cost models"
     return table, describe_calibration(table)
