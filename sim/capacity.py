@@ -4,8 +4,8 @@
 GPUs carry under the SLOs, at how many tokens/s per GPU and per user, and how do two racks compare". This module
 poses it with the search as it is — by sweeping the request rate:
 
-    python -m sim.capacity --out results/capacity --tag before      # the shipped specs (below)
-    python -m sim.capacity scenarios/sweeps/capacity-qwen235-h200.yaml --out DIR --jobs 2
+    rackbed capacity --out results/capacity --tag before      # the shipped specs (below)
+    rackbed capacity scenarios/sweeps/capacity-qwen235-h200.yaml --out DIR --jobs 2
 
 A capacity spec (YAML ``kind: capacity``) is a search spec (:class:`sim.search.SearchSpec`, key ``search``; its
 workload synthetic) plus the request rates to try, optionally several values of the search's prefill headroom, and
@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sim.search import SearchSpec
 from topology.errors import UserError, from_validation
 
-#: The specs ``python -m sim.capacity`` runs when none is named (under ``scenarios/sweeps/``).
+#: The specs ``rackbed capacity`` runs when none is named (under ``scenarios/sweeps/``).
 DEFAULT_SPECS = ("capacity-qwen235-gb200", "capacity-qwen235-h200")
 
 
@@ -534,16 +534,3 @@ def _rounded(x, digits: int = 6):
     if isinstance(x, (list, tuple)):
         return [_rounded(v, digits) for v in x]
     return x
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sim.capacity [SPEC ...] --out DIR``: the same as ``rackbed capacity``."""
-    import sys
-
-    from engine.cli.main import main as cli_main
-
-    return cli_main(["capacity", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -34,7 +34,7 @@ between points: topologies and models are cheap, but the decode cost memo of ``S
 results are identical to a fresh run (the memo is a pure function of its key; it is not reused when an autoscaler
 or faults can change the placement during the run).
 
-``python -m sim.sweep --bench`` times a 1,000-point spec (``scenarios/sweeps/bench-1000.yaml``) and the parallel
+``rackbed sweep --bench`` times a 1,000-point spec (``scenarios/sweeps/bench-1000.yaml``) and the parallel
 efficiency from 1 to 2 processes (see :func:`bench`).
 """
 
@@ -684,16 +684,3 @@ def format_bench(res: Mapping) -> str:
 
 def _fmt_load(x) -> str:
     return "n/a" if not x else " ".join(f"{v:.2f}" for v in x)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sim.sweep [SPEC] [--bench] ...``: the same as ``rackbed sweep``."""
-    import sys
-
-    from engine.cli.main import main as cli_main
-
-    return cli_main(["sweep", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

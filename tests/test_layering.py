@@ -28,8 +28,6 @@ PREFIXES = (("topology", "topology"), ("scenarios", "scenarios"), ("engine.core"
 #: (file, imported layer) still crossing, and why
 KNOWN = {
     ("kernels/bench.py", "engine/cli"): "`python -m kernels.bench` reuses the CLI's argument parser",
-    ("sim/capacity.py", "engine/cli"): "`python -m sim.capacity` forwards to `rackbed capacity`",
-    ("sim/sweep.py", "engine/cli"): "`python -m sim.sweep` forwards to `rackbed sweep`",
     ("engine/real/bench_decode.py", "sim"): "the decode benchmark prints the simulator's prediction beside the step",
     ("engine/real/check_peer_a2a.py", "sim"): "the check compares the engine's dispatch with the simulator's cost",
     ("engine/real/check_tp_allreduce.py", "sim"): "the check compares the all-reduce with the simulator's cost",

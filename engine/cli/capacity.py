@@ -1,7 +1,7 @@
 """``rackbed capacity``: the best deployment on a fixed GPU budget under SLOs, by a request-rate sweep of searches.
 
     rackbed capacity --out results/capacity --tag before       # scenarios/sweeps/capacity-qwen235-{gb200,h200}.yaml
-    python -m sim.capacity scenarios/sweeps/capacity-qwen235-h200.yaml --out DIR --jobs 2
+    rackbed capacity scenarios/sweeps/capacity-qwen235-h200.yaml --out DIR --jobs 2
 
 Writes OUT/<tag>.json and OUT/<tag>.md (see ``sim.capacity``); the searches go to WORK (resumable).
 """
@@ -41,7 +41,7 @@ def _main(args: argparse.Namespace) -> int:
         raise ValueError(f"--tag: expected a plain file name stem, got {args.tag!r}")
     names = args.specs or list(cap.DEFAULT_SPECS)
     specs = [cap.load_capacity(s) for s in names]
-    command = shlex.join(["python", "-m", "sim.capacity", *args.specs, "--out", str(args.out), "--tag", args.tag,
+    command = shlex.join(["rackbed", "capacity", *args.specs, "--out", str(args.out), "--tag", args.tag,
                           *(["--work", str(args.work)] if args.work else []), "--jobs", str(args.jobs)])
     meta = cap.provenance(command)
     work = args.work or Path("rackbed-out") / f"capacity-{args.tag}-{(meta['git_commit'] or 'nogit')[:12]}"
