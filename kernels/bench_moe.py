@@ -75,7 +75,7 @@ def _relerr(out, ref) -> float:
 
 def _gemm_cases():
     """(name, counts list) for 128 experts: m tokens on E_act experts (spread), and routed decode batches."""
-    from engine.core.moe import route
+    from kernels.moe_reference import route
 
     cases = []
     for e_act in (8, 32, 128):

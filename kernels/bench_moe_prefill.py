@@ -125,9 +125,9 @@ def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
     """``sweep``: every variant of kernels.grouped_gemm_wgmma.VARIANTS (v1 included), else the default ones."""
     import torch
 
-    from engine.core.moe import route
     from kernels import grouped_gemm as gg
     from kernels import grouped_gemm_wgmma as gw
+    from kernels.moe_reference import route
 
     t_start = time.time()
     dev = torch.device("cuda", 0)

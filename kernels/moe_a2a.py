@@ -8,10 +8,10 @@
     a2a.combine_send(y)                              # y [ep*Tmax, D] bf16 in the receive layout (already weighted)
     a2a.combine_recv(out_tokens, T)                  # out_tokens [T, D] bf16 = sum of the returned rows per token
 
-Semantics are those of ``engine.core.moe.DpEpDecodePlan`` with dp == ep (rank i is dp rank i and ep rank i): a token
-goes once to each rank owning at least one of its top-k experts (experts split contiguously, ``E % ep == 0``), in
-token order within a source's slot; the ids travel unchanged (global expert ids; the receiver keeps the local ones),
-the weights with them; combine sums, per token, the rows returned by its destination ranks in rank order (fp32
+Semantics are those of ``kernels.moe_reference.DpEpDecodePlan`` with dp == ep (rank i is dp rank i and ep rank i): a
+token goes once to each rank owning at least one of its top-k experts (experts split contiguously, ``E % ep == 0``),
+in token order within a source's slot; the ids travel unchanged (global expert ids; the receiver keeps the local
+ones), the weights with them; combine sums, per token, the rows returned by its destination ranks in rank order (fp32
 sum, one rounding to bf16). Each dispatch must be followed by exactly one combine (they share the parity).
 
 Send and receive halves are separate launches (overlap work between them); all four run on

@@ -106,7 +106,7 @@ def _time_eager(fn, iters: int, reps: int = REPS, warm: int = 2, limit_s: float 
 
 def _routing(kind: str, T: int, rank: int, seed: int):
     """(ids [T, K] int64, weights [T, K] float) for one rank."""
-    from engine.core.moe import route
+    from kernels.moe_reference import route
 
     rng = np.random.default_rng(seed)
     if kind == "one":  # every token on experts 0..K-1 (all on rank 0): the other rank receives nothing

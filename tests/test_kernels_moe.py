@@ -1,5 +1,5 @@
-"""MoE kernels: CPU-side checks (MX bit-identity, a2a layout/emulation vs engine.core.moe, grouped SwiGLU torch path
-and argument checks, fp8 row packing, the torch a2a backend over gloo); GPU checks skip without CUDA/CuTe DSL."""
+"""MoE kernels: CPU-side checks (MX bit-identity, a2a layout/emulation vs kernels.moe_reference, grouped SwiGLU torch
+path and argument checks, fp8 row packing, the torch a2a backend over gloo); GPU checks skip without CUDA/CuTe DSL."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core import formats as ref
-from engine.core.moe import DpEpDecodePlan, Routing, reference_moe_dp_ep_decode, route
+from kernels.moe_reference import DpEpDecodePlan, Routing, reference_moe_dp_ep_decode, route
 from kernels import grouped_gemm as gg
 from kernels import moe_a2a
 from kernels import mx

@@ -1,4 +1,4 @@
-"""engine.core.moe: routing, EP prefill and DP-EP decode plans, and the numpy references."""
+"""kernels.moe_reference: routing, EP prefill and DP-EP decode plans, and the numpy references."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core import moe
-from engine.core.moe import (
+from kernels import moe_reference as moe
+from kernels.moe_reference import (
     ACTIVATION_BYTES_PER_ELEMENT_FALLBACK,
     DpEpDecodePlan,
     EpPrefillPlan,
