@@ -3,12 +3,12 @@
 ``torch.matmul`` lets cuBLAS pick the kernel for each problem size, and on Hopper it picks some kernels at a single
 token count (``64x224`` at m = 416 of the 4096 x 8192 output projection, 15 % slower than its neighbours). A
 simulator that interpolates the measured curve cannot price such a kernel from the other sizes: no other size ran
-it. This module runs that kernel *by choice* at other sizes, so that ``kernels/measure.py`` can time it there
+it. This module runs that kernel *by choice* at other sizes, so that ``kernels/bench/measure.py`` can time it there
 (``gemm_forced`` rows) and ``sim/calibrate.py`` can price it like any other kernel, from its own timed points.
 
 How a kernel is chosen: cuBLASLt's heuristic is asked for its candidate algorithms at the size where the library
 picks the kernel (:meth:`CublasLt.candidates`), each candidate is run once under the profiler
-(``kernels.measure.kernel_names``) and the one that launches the same kernels is kept. An algorithm is a
+(``kernels.bench.measure.kernel_names``) and the one that launches the same kernels is kept. An algorithm is a
 configuration (tile, stages, cluster, split-K), not a size, so it runs at other sizes: :meth:`CublasLt.supports`
 asks cuBLASLt first (``cublasLtMatmulAlgoCheck``).
 

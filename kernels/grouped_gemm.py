@@ -17,7 +17,7 @@ Implementations (``impl=``):
                SwiGLU. Needs CUDA, bf16, contiguous 16-byte aligned tensors, D % 256 == 0, F % 256 == 0, CuTe DSL.
   "auto"       the first rule of DECODE_DISPATCH whose mean-rows-per-expert bound (R / E, host-known) and
                minimum expert count match, if that kernel can take the tensors; else "torch" (the lead sets the
-               rules from the measured table: ``python -m kernels.bench_moe --suite moe_gemm`` prints a suggestion).
+               rules from the measured table: ``python -m kernels.bench.moe --suite moe_gemm`` prints a suggestion).
                No host synchronisation either way (counts stay on the device): CUDA-graph safe.
 
 Reference for tests: :func:`grouped_swiglu_reference` (fp32 or fp64 loop over experts, any device).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 
 DECODE_MAX_MEAN_ROWS = 2  # mean rows per expert up to which the weight-streaming kernel is used (measured:
-# 1.2-1.5x over torch._grouped_mm at 1-2 rows/expert with >= 32 experts, 0.6x at 8 rows; kernels/MOE_KERNELS.md)
+# 1.2-1.5x over torch._grouped_mm at 1-2 rows/expert with >= 32 experts, 0.6x at 8 rows; docs/KERNELS.md)
 # impl="auto": (max mean rows per expert R/E, min experts E, impl), first match wins, else "torch". The GEMV rule is
 # the measured one; "cute_mma" enters once it is measured (bench_moe's moe_gemm suite prints suggested rules).
 # Measured 2026-11-29 on one H200 (results/h200x2/moe/decode_gemm_v3_sweep.json, CUDA-graph replay, same run as
@@ -37,7 +37,7 @@ DECODE_DISPATCH: tuple[tuple[float, int, str], ...] = ((8.0, 1, "cute_mma"),)
 IMPLS = ("auto", "cute_gemv", "cute_mma", "wgmma", "torch")
 # impl="auto" at prefill shapes: the wgmma/TMA grouped GEMM (kernels/grouped_gemm_wgmma.py) is taken when the mean
 # rows per expert R/E is >= this bound. None = off until the GPU benchmark shows it faster than torch._grouped_mm
-# (``python -m kernels.bench_moe_prefill``); the lead flips it here or with RACKBED_PREFILL_WGMMA_MIN_ROWS=<rows>.
+# (``python -m kernels.bench.moe_prefill``); the lead flips it here or with RACKBED_PREFILL_WGMMA_MIN_ROWS=<rows>.
 PREFILL_WGMMA_MIN_MEAN_ROWS: float | None = None
 _GU_RW, _DOWN_RW, _WARPS = 1, 2, 8  # rows per warp (gate_up: 1 gate + 1 up row; down: 2 rows); warps per block
 
@@ -220,7 +220,7 @@ MMA_SMEM_MAX = 48 * 1024  # static shared memory a CTA may use (expert list + sp
 MMA_V2 = {"gate_up": {"rb": 1, "warps": 8, "ctas": 2, "depth": 0, "hint": 0, "tn": 1},
           "down": {"rb": 2, "warps": 8, "ctas": 2, "depth": 0, "hint": 0, "tn": 1}}
 # (max mean rows per expert R/E, min experts E, gate_up config, down config): first match wins, else MMA_V2. Set from
-# the sweep of ``python -m kernels.bench_moe --suite moe_gemm`` (it prints a suggestion); empty until measured.
+# the sweep of ``python -m kernels.bench.moe --suite moe_gemm`` (it prints a suggestion); empty until measured.
 # From the same sweep's suggestion (best gate_up + down variant per mean-rows bucket).
 _MMA_DOWN_H1 = {"rb": 2, "warps": 8, "ctas": 2, "depth": 0, "hint": 1, "tn": 1}
 MMA_TUNED: tuple[tuple[float, int, dict, dict], ...] = (

@@ -3,7 +3,7 @@
 Same job and byte stream as kernels/grouped_gemm_cute.py (each active expert's weights read once per <= 8 rows),
 but the arithmetic runs on the tensor cores with the *weights as the M = 16 side* and the *tokens as the N = 8
 side* (swap-AB), so 8 rows cost one MMA instead of 8 FMA + convert per weight element (the GEMV's bottleneck at
->= 4 rows, kernels/MOE_KERNELS.md section 1).
+>= 4 rows, docs/KERNELS.md, decode grouped SwiGLU).
 
 Operands straight from global memory into the MMA fragments (no shared-memory staging): lane (g = lane/4,
 t = lane%4) of a warp loads 16 bytes = 8 bf16 of weight rows g and g+8 and of token row g at physical K offset
@@ -22,7 +22,7 @@ n_active * tiles, so empty experts cost nothing and few experts still spread ove
 An expert with more than 8 rows loops over token chunks of 8 inside the item (the second pass re-reads the tile
 from L2).
 
-Compile-time knobs (v3, swept by ``python -m kernels.bench_moe --suite moe_gemm``; chosen by
+Compile-time knobs (v3, swept by ``python -m kernels.bench.moe --suite moe_gemm``; chosen by
 ``grouped_gemm.MMA_TUNED``): ``depth`` K chunks of loads issued ahead of the MMAs (register prefetch; 0 = chunk by
 chunk as v2), ``hint`` weight-load flavour (0 plain, 1 ``ld.global.nc.L1::no_allocate.L2::256B``, 2
 ``ld.global.nc.L1::no_allocate``), ``tn`` token groups of 8 per weight pass (2: an expert with 9-16 rows streams its

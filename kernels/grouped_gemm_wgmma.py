@@ -25,7 +25,7 @@ SCALE_BLOCK = 128  # fp8 block-scale granularity along K (and along N for the we
 SMEM_BYTES = 227 * 1024  # sm_90 dynamic shared memory per block
 
 
-# Compile-time variants of the kernel (kernels/grouped_gemm_wgmma_cute.py), swept by kernels/bench_moe_prefill.py.
+# Compile-time variants of the kernel (kernels/grouped_gemm_wgmma_cute.py), swept by kernels/bench/moe_prefill.py.
 #   tile_n     CTA tile N (tile M is always 128, tile K is 128 bytes: 64 bf16 / 128 fp8)
 #   pingpong   False: the 2 consumer warpgroups share each 128-row tile (64 rows each, "cooperative");
 #              True: each consumer warpgroup owns whole 128 x tile_n tiles, alternating, so one warpgroup's
@@ -69,10 +69,10 @@ VARIANTS: dict[str, dict] = {
                      "stages": None, "cluster_n": 4, "max_ctas": 128},
 }
 # The variant grouped_mm uses when none is named (env RACKBED_WGMMA_VARIANT_BF16 / _FP8 override); set from the
-# sweep in results/h200x2/moe/ (kernels/MOE_KERNELS.md section 2).
+# sweep in results/h200x2/moe/ (docs/KERNELS.md, prefill grouped GEMM).
 DEFAULT_VARIANT = {"bf16": "bf16_coop_smem", "fp8": "fp8_dbuf_smem"}  # v4 sweep: best bf16; best fp8 without N % 256
 # Diagnostic variants (gap analysis): a real variant with one cost removed, so that the time it costs can be
-# measured beside it in the same run (kernels/bench_moe_prefill.py --diagnose). They compute WRONG results on
+# measured beside it in the same run (kernels/bench/moe_prefill.py --diagnose). They compute WRONG results on
 # purpose: kept out of VARIANTS (so out of --sweep and the best-variant pick), refused by default_variant (env
 # override) and by grouped_mm unless ``diagnostic=True``.
 #   diag="no_epilogue"  mainloop identical; the tile's epilogue (smem staging + global stores) sits behind a runtime

@@ -1,6 +1,6 @@
 """Cross-source check: rackbed's own H200 measurements against the imported H200 tables, raw row against raw row.
 
-``calibration/h200.yaml`` is fitted from rackbed's measurements (``kernels/measure.py``: torch / cuBLAS / cuDNN /
+``calibration/h200.yaml`` is fitted from rackbed's measurements (``kernels/bench/measure.py``: torch / cuBLAS / cuDNN /
 NCCL, CUDA-graph replay, interleaved rounds, median); the ``trtllm`` calibration of the same GPU is built from
 aiconfigurator-core's measured tables (:mod:`sim.perf_tables`: TensorRT-LLM's operators, NCCL's own benchmark).
 This module puts the **measured rows** of both side by side where they measure the same operation at the same
@@ -112,7 +112,7 @@ def join(rackbed: dict[Hashable, float], table: dict[Hashable, list[float]]) -> 
 
 
 def load_measurements(path: str | Path) -> dict:
-    """A rackbed measurement file (``kernels/measure.py`` output); a missing file, bad JSON, another schema or no
+    """A rackbed measurement file (``kernels/bench/measure.py`` output); a missing file, bad JSON, another schema or no
     rows is one UserError naming the file."""
     p = Path(path)
     if not p.is_file():

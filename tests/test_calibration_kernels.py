@@ -129,7 +129,7 @@ def test_kv_block_form_is_a_staircase_and_its_residual_holds_within_a_block():
 
 
 def test_runs_of_encodes_a_kernel_choice_and_kernel_maps_read_it_back():
-    from kernels.measure import runs_of
+    from kernels.bench.measure import runs_of
 
     ms = [1, 2, 3, 4, 8, 16]
     names = [(SPLITK.split(" + ")[0], "reduce"), (SPLITK.split(" + ")[0], "reduce"), (FP8,), (FP8,), (FP8,), ("x",)]

@@ -15,7 +15,7 @@ import topology
 from engine.cli.main import main
 from engine.cli.validate import validate_kernels
 from engine.core.model import get_model
-from kernels import measure
+from kernels.bench import measure
 from sim.calibrate import (
     Holdout,
     calibrate,
@@ -315,7 +315,7 @@ def test_allreduce_worker_exit_is_bounded_when_the_barrier_hangs(tmp_path):
     import sys
     import time
 
-    code = ("import threading, kernels.measure as m\n"
+    code = ("import threading, kernels.bench.measure as m\n"
             "m.EXIT_BARRIER_S = 0.5\n"
             "class D:\n"
             "    def barrier(self): threading.Event().wait()\n"
@@ -324,7 +324,7 @@ def test_allreduce_worker_exit_is_bounded_when_the_barrier_hangs(tmp_path):
             "print('not reached')\n")
     t0 = time.time()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
-                       cwd=str(measure.Path(measure.__file__).resolve().parents[1]))
+                       cwd=str(measure.Path(measure.__file__).resolve().parents[2]))
     assert p.returncode == 0, p.stderr
     assert "before" in p.stdout and "not reached" not in p.stdout
     assert time.time() - t0 < 30
@@ -347,7 +347,7 @@ def test_stop_terminates_only_live_processes():
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30), st.integers(1, 3))
 def test_short_runs_and_where_they_are_forced(lengths, longest):
-    from kernels.measure import FORCED_OFFSETS, forced_ms, short_runs
+    from kernels.bench.measure import FORCED_OFFSETS, forced_ms, short_runs
 
     runs, m = [], 1
     for i, n in enumerate(lengths):  # kernel i % 5 over n consecutive m: kernels recur, as cuBLAS's do

@@ -305,7 +305,7 @@ def test_pingpong_needs_the_order_barrier():
 
 
 def test_sweep_groups_isolate_unverified_variants():
-    from kernels import bench_moe_prefill as bp
+    from kernels.bench import moe_prefill as bp
 
     groups = bp.sweep_groups()
     flat = [v for g in groups for v in g]
@@ -349,7 +349,7 @@ def test_diagnostic_variants_never_selectable(monkeypatch):
     default (env override refused), and grouped_mm (what impl="auto" calls) refuses them without diagnostic=True."""
     import torch
 
-    from kernels import bench_moe_prefill as bp
+    from kernels.bench import moe_prefill as bp
 
     assert gw.DIAG_VARIANTS and not set(gw.DIAG_VARIANTS) & set(gw.VARIANTS)
     assert set(gw.DEFAULT_VARIANT.values()) <= set(gw.VARIANTS)
@@ -372,7 +372,7 @@ def test_diagnostic_variants_never_selectable(monkeypatch):
 
 
 def test_tail_free_shape_gives_every_cta_equal_full_tiles():
-    from kernels import bench_moe_prefill as bp
+    from kernels.bench import moe_prefill as bp
 
     counts = bp.tail_free_counts()
     assert len(counts) == bp.N_EXPERTS and all(c % 128 == 0 for c in counts)
@@ -384,7 +384,7 @@ def test_tail_free_shape_gives_every_cta_equal_full_tiles():
 
 
 def test_diag_shares():
-    from kernels import bench_moe_prefill as bp
+    from kernels.bench import moe_prefill as bp
 
     def v(us, diag=None, base="b"):
         return {"us": us, "TFLOPs": 1000 / us, "diag": diag, "base": base, "ok": True if diag is None else None}

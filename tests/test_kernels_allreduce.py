@@ -171,7 +171,7 @@ def _check_worker(rank, world, port, path):
     import torch.distributed as dist
 
     from kernels.allreduce import PeerAllReduce
-    from kernels.allreduce_bench import check_correctness
+    from kernels.bench.allreduce import check_correctness
 
     torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -193,7 +193,7 @@ def test_device_allreduce_correct(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
-    from kernels.bench import _free_port
+    from kernels.bench.suites import _free_port
 
     path = str(tmp_path / "check.json")
     mp.spawn(_check_worker, args=(torch.cuda.device_count(), _free_port(), path), nprocs=torch.cuda.device_count())

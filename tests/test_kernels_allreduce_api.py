@@ -78,7 +78,7 @@ def test_cli_bench_errors_are_one_line(capsys):
 
 
 def test_suite_registry_rejects_unknown_and_duplicates():
-    from kernels.bench import BenchConfig, register_suite, run_suites
+    from kernels.bench.suites import BenchConfig, register_suite, run_suites
     from topology.errors import UserError
 
     with pytest.raises(UserError, match="unknown suite 'nope'"):
@@ -89,7 +89,7 @@ def test_suite_registry_rejects_unknown_and_duplicates():
 
 def test_cli_bench_kernels_default_runs_every_registered_suite(monkeypatch):
     """`rackbed bench kernels` with no --suite runs the MoE suites too (they register when their module loads)."""
-    import kernels.bench as kb
+    import kernels.bench.suites as kb
 
     seen = {}
     monkeypatch.setattr(kb, "run_suites", lambda names, cfg, out=None: seen.setdefault("names", names))

@@ -1,5 +1,5 @@
 """kernels/moe_block.py (the engine's graph-capturable MoE block) and the FP8 block-scale helpers of
-kernels/measure.py, on the CPU."""
+kernels/bench/measure.py, on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.formats import get_format
-from kernels import measure
+from kernels.bench import measure
 from kernels.grouped_gemm import grouped_swiglu_reference
 from kernels.moe_block import moe_block, permute, route, unpermute
 

@@ -27,7 +27,6 @@ PREFIXES = (("topology", "topology"), ("scenarios", "scenarios"), ("engine.core"
 
 #: (file, imported layer) still crossing, and why
 KNOWN = {
-    ("kernels/bench.py", "engine/cli"): "`python -m kernels.bench` reuses the CLI's argument parser",
     ("engine/real/bench_decode.py", "sim"): "the decode benchmark prints the simulator's prediction beside the step",
     ("engine/real/check_peer_a2a.py", "sim"): "the check compares the engine's dispatch with the simulator's cost",
     ("engine/real/check_tp_allreduce.py", "sim"): "the check compares the all-reduce with the simulator's cost",

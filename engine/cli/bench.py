@@ -3,7 +3,7 @@
     rackbed bench kernels [--suite allreduce] [--sizes 8K 1M 128M] [--dtypes bf16 fp32] [--out results/x.json]
     rackbed bench sim [--sim-s 3600] [--rate 20] [--out results/bench_sim.json]
 
-``kernels`` runs kernel suites (kernels/bench.py) on the local GPUs, prints a table with the baseline ratios
+``kernels`` runs kernel suites (kernels/bench/suites.py) on the local GPUs, prints a table with the baseline ratios
 and writes a results JSON. ``sim`` times the simulator on a fully loaded GB200 NVL72 (sim/bench.py) and prints
 simulated seconds per wall second, events/s and decode steps/s as JSON. Heavy imports (torch) happen inside the
 runner.
@@ -15,7 +15,7 @@ import argparse
 
 
 def _run_kernels(args: argparse.Namespace) -> int:
-    from kernels.bench import SUITES, config_from_args, load_suites, run_suites
+    from kernels.bench.suites import SUITES, config_from_args, load_suites, run_suites
 
     load_suites()  # the MoE suites register on import: "all registered" must see them
     names = args.suite or sorted(SUITES)

@@ -4,7 +4,7 @@
                       [--from-measurements FILE ...] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
     rackbed calibrate --from-aiconfigurator SYSTEM [--backend trtllm|sglang|vllm] [--out FILE.json]
 
-Runs ``kernels/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``: the
+Runs ``kernels/bench/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``: the
 ``rackbed.measure/1`` format or ``/2``, graph-replayed rounds with their spread; several files of one GPU model are
 fitted together, e.g. a full run and a later run of benchmarks it lacked — ``meta.measurements`` lists them and
 ``meta.sources`` says what each is),
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else
                                           (args.from_measurements[0] if len(docs) == 1 else list(args.from_measurements)))
     else:
-        from kernels.measure import run
+        from kernels.bench.measure import run
 
         mpath = args.measurements_out or str(Path(args.out).with_suffix("").as_posix() + "_measure.json")
         meas = run(quick=args.quick, dry_run=args.dry_run, only=args.only, partial_out=mpath)
@@ -152,10 +152,10 @@ def register(subparsers) -> None:
                    help="the serving stack whose tables to read (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="every other size, fewer repeats")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
-    p.add_argument("--only", nargs="+", help="subset of kernels/measure.py benchmarks")
+    p.add_argument("--only", nargs="+", help="subset of kernels/bench/measure.py benchmarks")
     p.add_argument("--measurements-out", help="where to write the raw measurements JSON")
     p.add_argument("--from-measurements", nargs="+", metavar="FILE",
-                   help="fit earlier kernels/measure.py JSON instead of measuring (several files of one GPU model: "
+                   help="fit earlier kernels/bench/measure.py JSON instead of measuring (several files of one GPU model: "
                         "fitted together)")
     p.add_argument("--from-bench", action="append", help="add rows from 'rackbed bench kernels --out' JSON")
     p.add_argument("--gpu", help="GPU model name for the entries (default: from the device name)")

@@ -3,7 +3,7 @@
     rackbed validate [--measurements FILE] [--calibration FILE] [--topology h200x2] [--all]
                      [--out results/h200x2/validation_kernels.json]
 
-**Kernel level** (:func:`validate_kernels`): for every measured row of ``kernels/measure.py`` that the
+**Kernel level** (:func:`validate_kernels`): for every measured row of ``kernels/bench/measure.py`` that the
 calibration did *not* fit (its ``meta.holdout`` ids: every third point of each curve, whole held-out GEMM
 shapes), the simulator's prediction — the cost function the simulator calls (``gemm_time``,
 ``grouped_gemm_time``, ``full_attention_prefill`` / ``_decode``, ``hbm_rate_Bps``, ``allreduce_time``,
@@ -305,12 +305,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("validate", help="simulator vs measurements: kernel level, and engine level with --engine DIR",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--measurements", nargs="+", metavar="FILE",
-                   help="kernels/measure.py JSON, one or several files fitted together (default: the calibration's "
+                   help="kernels/bench/measure.py JSON, one or several files fitted together (default: the calibration's "
                         "meta.measurements)")
     p.add_argument("--calibration", help="calibration file (default: the shipped one for the topology's GPU)")
     p.add_argument("--topology", default="h200x2", help="topology the measurements were taken on")
     p.add_argument("--all", action="store_true", help="also list the fitted rows")
-    p.add_argument("--repeat", nargs="+", metavar="FILE", help="a second kernels/measure.py run of the same grid "
+    p.add_argument("--repeat", nargs="+", metavar="FILE", help="a second kernels/bench/measure.py run of the same grid "
                    "(several files: of the measurements' files): per-row run-to-run differences beside the errors")
     p.add_argument("--cross-validate", type=int, metavar="K", help="kernel level, instead of the calibration's "
                    "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "

@@ -15,7 +15,7 @@ on both ranks) and per path, eagerly (see GRAPH_NOTE), medians of ``--reps`` rep
 
 a2a_us = comm_us - route_us, experts_us = layer_us - comm_us, a2a share = a2a_us / layer_us; the saving per layer
 (all_to_all minus peer) is compared with what the kernel benchmark (``results/h200x2/moe/a2a/cases.jsonl``,
-``python -m kernels.moe_a2a_bench``) measured for dispatch + combine alone, NCCL on fixed slots minus peer, under
+``python -m kernels.bench.moe_a2a``) measured for dispatch + combine alone, NCCL on fixed slots minus peer, under
 CUDA graphs and eagerly. A machine without 2 CUDA GPUs gets one line and exit status 2.
 """
 

@@ -464,7 +464,7 @@ class ShardedQwen3Moe:
             o = self._paged_attention(q, st[page_table], mask)
             x = x + o @ w["o_proj"].T
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
-            # kernels.moe_block: the block kernels/measure.py times (bench moe_block)
+            # kernels.moe_block: the block kernels/bench/measure.py times (bench moe_block)
             x = x + moe_block(h, h @ w["router"].T, w["gate_up"], w["down"], cfg.top_k, swiglu=grouped_swiglu,
                               norm_topk_prob=cfg.norm_topk_prob)
         return self._logits(x)

@@ -2,7 +2,7 @@
 
 A serving stack runs the routed experts of a layer as one block: routing / top-k, permute, the expert GEMMs,
 unpermute and the weighted sum. Measured whole (the imported per-operator tables do this, and so does
-``kernels/measure.py`` for the engine in this repository), the block carries the fixed costs that a grouped-GEMM
+``kernels/bench/measure.py`` for the engine in this repository), the block carries the fixed costs that a grouped-GEMM
 roofline misses at small batch: one Qwen3-235B layer at a handful of tokens is dominated by them.
 
 ``x`` of a ``moe_us`` curve is the number of tokens entering the EP group's MoE (the whole batch the group's routed

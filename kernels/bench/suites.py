@@ -1,10 +1,12 @@
-"""``rackbed bench kernels``: a registry of kernel benchmark suites, run on the local GPUs.
+"""``rackbed bench kernels``: a registry of kernel benchmark suites, run on the local GPUs (the command is the entry;
+this module has no ``__main__``, so the kernels do not import the CLI).
 
 A suite is a function ``run(cfg: BenchConfig) -> dict`` registered with ``@register_suite(name, ...)``; the dict
 holds at least ``rows`` (one per measurement, each with ``impl``, ``size_bytes``, ``graph``, ``median_us``) and
 ``meta`` (device, driver, versions, date). ``run_suites`` runs the chosen suites, prints each suite's table
-(``table(result)``) and writes one JSON file ``{"suites": {name: result}}``. Add the MoE kernels as another
-suite in their own module and import it in ``load_suites``.
+(``table(result)``) and writes one JSON file ``{"suites": {name: result}}``. A suite in another module
+registers on import; ``load_suites`` imports those modules (:mod:`kernels.bench.moe`, which imports
+:mod:`kernels.bench.moe_prefill`).
 
 Suites:
   allreduce   peer-memory all-reduce (kernels/allreduce.py) vs NCCL and torch symm_mem, bf16 (+ fp32),
@@ -106,7 +108,7 @@ def run_allreduce(cfg: BenchConfig) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from kernels import allreduce_bench
+    from kernels.bench import allreduce as allreduce_bench
 
     world = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +125,7 @@ def load_suites() -> None:
     import importlib
 
     if "moe_gemm" not in SUITES:
-        importlib.import_module("kernels.bench_moe")
+        importlib.import_module("kernels.bench.moe")
 
 
 def run_suites(names: list[str], cfg: BenchConfig, out: str | Path | None = None, echo=print) -> dict:
@@ -167,14 +169,3 @@ def config_from_args(sizes: list[str] | None, dtypes: list[str] | None, reps: in
     return BenchConfig(sizes=tuple(sizes_from_args(sizes)), dtypes=dts, reps=reps, check=check,
                        impls=tuple(impls or ()))
 
-
-if __name__ == "__main__":  # same options as `rackbed bench kernels`, without the other subcommands
-    import argparse
-    import sys
-
-    from engine.cli import bench as _cli
-
-    _parser = argparse.ArgumentParser(prog="python -m kernels.bench")
-    _cli.register(_parser.add_subparsers(dest="command"))
-    _args = _parser.parse_args(["bench"] + sys.argv[1:])
-    sys.exit(_args.func(_args))

@@ -1,7 +1,7 @@
 """MoE kernel benchmarks and device checks: grouped GEMM (decode + prefill baselines), MX kernels, and the decode
-dispatch/combine over peer memory. Registers suites "moe_gemm" (1 GPU) and "moe_a2a" (2+ GPUs) in kernels.bench.
+dispatch/combine over peer memory. Registers suites "moe_gemm" (1 GPU) and "moe_a2a" (2+ GPUs) in kernels.bench.suites.
 
-    python -m kernels.bench_moe --out results/h200x2/moe.json      # both suites, one command, table printed last
+    python -m kernels.bench.moe --out results/h200x2/moe.json      # both suites, one command, table printed last
 
 Shapes (Qwen3-235B-A22B MoE layer): D = 4096, F = 1536 (gate_up 4096 -> 3072, down 1536 -> 4096), 128 experts,
 top-8. Each case: fresh random inputs, outputs poisoned (NaN) before the checked run, ‖out − ref‖/‖ref‖ against an
@@ -25,13 +25,13 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 import numpy as np
 
-from kernels.bench import register_suite
+from kernels.bench.suites import register_suite
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K = 4096, 1536, 128, 8
 
 
 def _meta() -> dict:
-    from kernels.allreduce_bench import _meta as ar_meta
+    from kernels.bench.allreduce import _meta as ar_meta
 
     m = ar_meta(0)
     try:
@@ -494,9 +494,9 @@ register_suite("moe_gemm", "MoE grouped SwiGLU (CuTe GEMV + tensor-core decode k
 
 
 def run_a2a(cfg=None) -> dict:
-    """The dispatch/combine suite: kernels/moe_a2a_bench.py (watchdog parent, bounded waits, one JSON per case).
+    """The dispatch/combine suite: kernels/bench/moe_a2a.py (watchdog parent, bounded waits, one JSON per case).
     Case files go to $RACKBED_A2A_OUT (default: a fresh temporary directory); returns the summary."""
-    from kernels import moe_a2a_bench
+    from kernels.bench import moe_a2a as moe_a2a_bench
 
     out = os.environ.get("RACKBED_A2A_OUT") or tempfile.mkdtemp(prefix="rackbed-a2a-")
     return moe_a2a_bench.run(out, echo=lambda *a, **k: print(*a, flush=True))
@@ -509,10 +509,10 @@ def a2a_table(res: dict) -> str:
 register_suite("moe_a2a", "decode DP-EP dispatch/combine over peer memory vs NCCL all_to_all_single", a2a_table,
                min_gpus=2)(run_a2a)
 
-from kernels.bench import SUITES  # noqa: E402
+from kernels.bench.suites import SUITES  # noqa: E402
 
-if "moe_prefill_gemm" not in SUITES:  # kernels/bench_moe_prefill.py registers it (unless it is __main__)
-    import kernels.bench_moe_prefill  # noqa: E402,F401
+if "moe_prefill_gemm" not in SUITES:  # kernels/bench/moe_prefill.py registers it (unless it is __main__)
+    import kernels.bench.moe_prefill  # noqa: E402,F401
 
 
 def main(argv=None) -> int:
@@ -522,7 +522,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--suite", action="append", choices=["moe_gemm", "moe_a2a", "moe_prefill_gemm"])
     a = p.parse_args(argv)
-    from kernels.bench import BenchConfig, run_suites
+    from kernels.bench.suites import BenchConfig, run_suites
 
     t0 = time.time()
     base, ext = os.path.splitext(a.out)

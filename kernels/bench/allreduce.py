@@ -1,4 +1,4 @@
-"""All-reduce benchmark and device correctness check: one process per GPU, run by ``kernels.bench``.
+"""All-reduce benchmark and device correctness check: one process per GPU, run by ``kernels.bench.suites``.
 
 Per rank (``worker``): init torch.distributed (gloo for objects, NCCL for tensors), build ``PeerAllReduce``,
 check it (fresh random inputs, poisoned output, odd sizes, both schedules, eager and CUDA-graph replay), measure

@@ -1,8 +1,8 @@
 """Device check and benchmark of the decode DP-EP dispatch/combine (kernels/moe_a2a.py), safe against hangs.
 
-    timeout 240 python -m kernels.moe_a2a_bench --out $OUT/a2a        # 2 GPUs; < 4 min even if a kernel hangs
+    timeout 240 python -m kernels.bench.moe_a2a --out $OUT/a2a        # 2 GPUs; < 4 min even if a kernel hangs
 
-Also registered as suite "moe_a2a" of ``python -m kernels.bench_moe`` (through kernels/bench_moe.py).
+Also registered as suite "moe_a2a" of ``python -m kernels.bench.moe`` (through kernels/bench/moe.py).
 
 Structure: a parent process (no CUDA) starts one worker process per GPU and watches them. Every step is a *case*
 that both workers run in the same order; a worker announces each case (name, time budget) before starting it and
@@ -464,7 +464,7 @@ def run(out_dir: str, deadline_s: float = 200.0, tokens=TOKENS, full: bool = Fal
     import multiprocessing as mp
     import queue as queue_mod
 
-    from kernels.bench import _free_port
+    from kernels.bench.suites import _free_port
 
     os.makedirs(os.path.join(out_dir, "cases"), exist_ok=True)
     t_start = time.time()

@@ -53,7 +53,7 @@ dry run). Every device wait polls with a deadline (no unbounded synchronize); ``
 fit; the JSON is rewritten after every curve, so a time-out keeps what was measured.
 ``--dry-run`` runs tiny sizes on CPU tensors (host clock) to test the plumbing; its numbers mean nothing.
 
-Usage: ``python -m kernels.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``
+Usage: ``python -m kernels.bench.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``
 (the command line is kept in the file's ``env.command``).
 """
 
@@ -136,7 +136,7 @@ def grid(*parts: list[int]) -> list[int]:
 GEMM_M = grid(pow2(1, 32), [48], geo(64, 1024, 4, 8), pow2(2048, 16384))
 #: dense GEMMs (the /3 grid): every multiple of 8 up to 1024. cuBLAS changes kernel (tile, split-K, cluster) from
 #: one multiple of 8 to the next and FP8's single 128x128 kernel runs a saw-tooth over each 128-row tile
-#: (kernels/probe.py, results/h200x2/probe/): no sparse grid can place that, so the curve is measured densely and
+#: (kernels/bench/probe.py, results/h200x2/probe/): no sparse grid can place that, so the curve is measured densely and
 #: the kernel each m runs is recorded (``gemm_kernels`` rows, :func:`kernel_names`)
 DENSE_M = grid([1, 2, 4], range(8, 1025, 8), pow2(2048, 16384))
 #: bf16 dense GEMMs are timed at every m up to 1024: cuBLAS runs some kernels over fewer than 8 consecutive m
@@ -1312,8 +1312,8 @@ def bench_allreduce(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ar.json")
-        # by its importable name (not __main__'s), so spawned children find it under `python -m kernels.measure`
-        from kernels.measure import _allreduce_worker as worker
+        # by its importable name (not __main__'s), so spawned children find it under `python -m kernels.bench.measure`
+        from kernels.bench.measure import _allreduce_worker as worker
 
         ctx = mp.start_processes(worker, args=(world, port, sizes, timer.rounds, path,
                                                           time.time() + limit - 25),
@@ -1456,7 +1456,7 @@ class _null:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.measure", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kernels.bench.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="measure.json")
     ap.add_argument("--quick", action="store_true", help="every other size, fewer rounds")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
@@ -1467,7 +1467,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     echo = lambda *m: print(*m, flush=True)
     doc = run(a.quick, a.dry_run, a.only, echo=echo, partial_out=a.out, budget_s=a.budget_s, rounds=a.rounds,
-              command=" ".join(["python -m kernels.measure", *(argv if argv is not None else sys.argv[1:])]))
+              command=" ".join(["python -m kernels.bench.measure", *(argv if argv is not None else sys.argv[1:])]))
     print(f"wrote {a.out} ({len(doc['rows'])} rows)", flush=True)
     return 0
 

@@ -2,9 +2,9 @@
 kernels/grouped_gemm_wgmma.py (bf16; FP8 e4m3 with 1x128 / 128x128 block scales) against torch._grouped_mm bf16
 and torch._scaled_grouped_mm rowwise FP8, in the same run.
 
-    timeout 230 python -m kernels.bench_moe_prefill --out $OUT/prefill.json    # JSON rewritten after every step
-    timeout 235 python -u -m kernels.bench_moe_prefill --sweep --out $OUT/prefill.json   # every variant (v4 sweep)
-    timeout 90 python -u -m kernels.bench_moe_prefill --diagnose --out $OUT/diag.json    # gap analysis (< 70 s)
+    timeout 230 python -m kernels.bench.moe_prefill --out $OUT/prefill.json    # JSON rewritten after every step
+    timeout 235 python -u -m kernels.bench.moe_prefill --sweep --out $OUT/prefill.json   # every variant (v4 sweep)
+    timeout 90 python -u -m kernels.bench.moe_prefill --diagnose --out $OUT/diag.json    # gap analysis (< 70 s)
 
 Steps (each printed with flush): compile each (shape, variant) (a failing compile prints its full traceback and the
 variant is skipped); small checks (8 experts, rows 0/1/127/128/129/300/0/5: empty experts, partial tiles, tiles
@@ -29,7 +29,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 import numpy as np
 
-from kernels.bench import register_suite
+from kernels.bench.suites import register_suite
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K, ROWS = 4096, 1536, 128, 8, 375
 HANG_S = 20.0
@@ -132,7 +132,7 @@ def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
     t_start = time.time()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    from kernels.allreduce_bench import _meta
+    from kernels.bench.allreduce import _meta
 
     variants = list(variants or _variants(sweep))
     vfp8 = {v: gw.variant_config(v)["fp8"] for v in variants}
@@ -416,7 +416,7 @@ def _run_group(flag: str, grp, part: str, limit: float):
     ``limit`` s, and read the suite it wrote to ``part``: ``(return code or "timeout", suite dict)``; a missing
     JSON or a failed child becomes an error entry, never an exception."""
     try:
-        rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench_moe_prefill", flag, ",".join(grp),
+        rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench.moe_prefill", flag, ",".join(grp),
                              "--out", part], check=False, timeout=limit).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
