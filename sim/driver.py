@@ -5,9 +5,9 @@
 
 The parts: :class:`~engine.core.scheduler.Scheduler` decides, :class:`sim.executor.Executor` prices plans (cost
 model + :class:`sim.network.Network`), :mod:`sim.processes` runs one SimPy process per worker (the shared worker
-loop) and injects faults, :mod:`sim.runloop` merges arrivals with the events until the end — the same loop the
+loop) and injects faults, :mod:`engine.loop.runloop` merges arrivals with the events until the end — the same loop the
 real engine runs with a measured clock (``engine.real.driver`` passes its environment and executor) — and, with
-the simulated environment (:class:`sim.simenv.SimEnv`) and executor, :mod:`sim.fastpath` runs the events that
+the simulated environment (:class:`engine.loop.simenv.SimEnv`) and executor, :mod:`sim.fastpath` runs the events that
 need no SimPy process in the main loop: decoder steps (when the cost model has ``decode_point`` and the policies are
 certified) and, in a run without faults, the prefillers, KV streams and autoscaler. The event queue, and with it
 every decision and the event count, evolves as with one process per worker; ``fast_decode=False`` runs every
@@ -34,13 +34,13 @@ from engine.core.policies import Policies
 from engine.core.request import Request
 from engine.core.scheduler import KvChunks, Scheduler
 from engine.core.state import ROW_FIELDS, Sample
+from engine.loop.runloop import Progress, collector_paused, run_loop
+from engine.loop.simenv import SimEnv
 from sim import fastpath
 from sim.executor import CostModel, Executor
 from sim.faults import Fault, parse_faults
 from sim.network import Network
 from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL, WorkerProcesses
-from sim.runloop import Progress, collector_paused, run_loop
-from sim.simenv import SimEnv
 
 #: span kinds in ``SimResult.spans``: SPAN_PREFILL, SPAN_KV, SPAN_DECODE (0, 1, 2)
 SPAN_NAMES = ("prefill", "kv_transfer", "decode")

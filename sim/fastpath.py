@@ -1,6 +1,6 @@
 """The simulator's fast path: the events that need no SimPy process, run by the main loop (:meth:`FastPath.run`).
 
-Two kinds, both only with the simulated environment (:class:`sim.simenv.SimEnv`) and executor:
+Two kinds, both only with the simulated environment (:class:`engine.loop.simenv.SimEnv`) and executor:
 
 **Decode lanes.** Decode steps are ~85 % of a loaded rack's events. When the cost model prices a decode step from
 its busiest rank (``decode_point``, see :mod:`sim.executor`) and the scheduler's policies are certified

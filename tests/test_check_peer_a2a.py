@@ -1,4 +1,4 @@
-"""engine/real/check_peer_a2a.py on the CPU: the rank function end to end on a tiny model over gloo (the peer path
+"""engine/bench/peer_a2a.py on the CPU: the rank function end to end on a tiny model over gloo (the peer path
 driven by the torch backend of kernels.moe_a2a, as tests/test_moe_a2a.py does), the summary and the kernel-bench
 prediction it reads, argument checks, and the one-line exit on a machine without 2 GPUs."""
 
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.real import check_peer_a2a as cpa
+from engine.bench import peer_a2a as cpa
 from engine.real.launch import spawn_local
 
 

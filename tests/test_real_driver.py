@@ -16,6 +16,7 @@ from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 from engine.core.workload import generate
 from engine.real.driver import replay, run_real
 from engine.real.model import TorchModelConfig
+from sim.driver import simulate
 from sim.scenario import build, parse_scenario
 
 
@@ -46,7 +47,8 @@ def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(
     sc = _scenario(d)
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
-    res, run = run_real(b, reqs, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256, decode_pages=256,
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
+                        decode_pages=256,
                         tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
     assert res.metrics["requests"]["done"] == len(reqs)
     for r in reqs:
@@ -54,7 +56,7 @@ def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(
         with torch.no_grad():
             ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
         assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
-    rep = replay(b, reqs, run.records, seed=sc.seed, deaths=run.deaths)
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
     assert len(res.log.decisions()) > 50
 
@@ -67,14 +69,15 @@ def test_killed_decoder_rank_is_detected_and_no_request_is_lost(ckpt):
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     gpu_d0 = b.deployment.decoders[0].gpus[0]
-    res, run = run_real(b, reqs, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256, decode_pages=256,
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
+                        decode_pages=256,
                         kill_after_steps=[(5, gpu_d0)],
                         tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
     m = res.metrics["requests"]
     assert [g for _, _, g in run.deaths] == [gpu_d0]
     assert m["done"] + m["rejected"] == m["total"] == len(reqs)
     assert m["requeued"] >= 1 and m["done"] == len(reqs)     # a second decoder is left to finish them
-    rep = replay(b, reqs, run.records, seed=sc.seed, deaths=run.deaths)
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
 
 

@@ -27,8 +27,8 @@ from test_sim_driver_models import poisson_requests, small_deployment
 
 from engine.core.autoscaler import AutoscalerConfig
 from engine.core.specdec import AcceptanceStream, _geometric_by_inversion, draw_accepted
+from engine.loop.simenv import SimEnv
 from sim import driver, fastpath
-from sim.simenv import SimEnv
 
 
 class _RefStream:

@@ -1,8 +1,8 @@
 """Simulator speed, round 6: the cyclic collector is off during a simulated run and is given back as it was.
 
 ``simulate`` turns the collector off for a run with the simulated environment (collecting the young generations
-every ``sim.runloop.GC_EVERY`` events) and afterwards moves what the run kept to the oldest generation without a traversal;
-with any other environment it raises the young-generation threshold instead. Either way the collector's state
+every ``engine.loop.runloop.GC_EVERY`` events) and afterwards moves what the run kept to the oldest generation
+without a traversal; with any other environment it raises the young-generation threshold instead. Either way the collector's state
 (enabled or not, thresholds, frozen objects) is the caller's again afterwards — also when the run raises — and the
 results are those of a run with the collector on.
 """
@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sim_driver_fastdecode import GridCost
 from test_sim_driver_models import poisson_requests, small_deployment
 
-from sim import driver, runloop
+from engine.loop import runloop
+from sim import driver
 from sim.driver import simulate
 
 

@@ -1,6 +1,6 @@
-"""``sim.simenv.SimEnv`` (SimPy's environment with a clock and queue of its own) is tied to the SimPy versions it is
-tested with: this fails on another version, the pin in pyproject.toml names the same versions, and random event
-programs (processes, timeouts, events succeeded by other processes, interrupts, conditions, failures) run exactly
+"""``engine.loop.simenv.SimEnv`` (SimPy's environment with a clock and queue of its own) is tied to the SimPy
+versions it is tested with: this fails on another version, the pin in pyproject.toml names the same versions, and
+random event programs (processes, timeouts, events succeeded by other processes, interrupts, conditions, failures) run exactly
 as in ``simpy.Environment``."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.simenv import TESTED_SIMPY, SimEnv
+from engine.loop.simenv import TESTED_SIMPY, SimEnv
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_simpy_is_a_tested_version():
     assert simpy.__version__ in TESTED_SIMPY, (
-        f"simpy {simpy.__version__} is not one sim/simenv.py is tested with ({', '.join(TESTED_SIMPY)}): check "
-        "simpy.Environment's now/schedule/peek/step against SimEnv's and extend TESTED_SIMPY and the pin")
+        f"simpy {simpy.__version__} is not one engine/loop/simenv.py is tested with ({', '.join(TESTED_SIMPY)}): "
+        "check simpy.Environment's now/schedule/peek/step against SimEnv's and extend TESTED_SIMPY and the pin")
 
 
 def test_pyproject_pins_the_tested_versions():
@@ -137,9 +137,10 @@ def _private_simpy_uses(path: Path, imports: bool = False) -> list[str]:
 
 
 def test_simpy_internals_stay_in_simenv():
-    """SimPy's private attributes are used in sim/simenv.py only, and the real engine imports no private name of
-    the simulator."""
-    bad = [x for p in (ROOT / "sim").rglob("*.py") if p.name != "simenv.py" for x in _private_simpy_uses(p)]
-    bad += [x for p in (ROOT / "engine").rglob("*.py") for x in _private_simpy_uses(p, imports=True)]
+    """SimPy's private attributes are used in engine/loop/simenv.py only, and the real engine imports no private
+    name of the simulator."""
+    simenv = ROOT / "engine" / "loop" / "simenv.py"
+    bad = [x for p in (ROOT / "sim").rglob("*.py") for x in _private_simpy_uses(p)]
+    bad += [x for p in (ROOT / "engine").rglob("*.py") if p != simenv for x in _private_simpy_uses(p, imports=True)]
     assert not bad, "\n".join(bad)
-    assert _private_simpy_uses(ROOT / "sim" / "simenv.py")  # the scanner sees them where they are
+    assert _private_simpy_uses(simenv)  # the scanner sees them where they are

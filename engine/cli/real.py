@@ -44,6 +44,7 @@ def _main(args: argparse.Namespace) -> int:
     import scenarios
     from engine.core.workload import generate
     from engine.real.driver import replay, run_real
+    from sim.driver import simulate
     from sim.outputs import write_all
     from sim.scenario import build, load_scenario, print_summary
 
@@ -56,13 +57,13 @@ def _main(args: argparse.Namespace) -> int:
         reqs = reqs[: args.max_requests]
     rs = sc.real
     tiny = None
-    res, run = run_real(b, reqs, device=args.device or rs.device, dtype=rs.dtype, weights=rs.weights,
-                        seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
-                        kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny)
+    res, run = run_real(b, reqs, simulate=simulate, device=args.device or rs.device, dtype=rs.dtype,
+                        weights=rs.weights, seed=rs.weights_seed, prefill_pages=rs.prefill_pages,
+                        decode_pages=rs.decode_pages, kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny)
     out = args.out or Path("rackbed-out") / f"{path.stem}-real"
     out.mkdir(parents=True, exist_ok=True)
     write_all(res, out)
-    rep = replay(b, reqs, run.records, seed=sc.seed, deaths=run.deaths)
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     same = res.log.decisions() == rep.log.decisions()
     doc = {
         "scenario": str(path), "versions": _versions(),

@@ -1,13 +1,14 @@
 """The real (wall-clock) driver: the simulator's own loop, with GPUs instead of cost models.
 
-``run_real`` calls :func:`sim.driver.simulate` — the same scheduler, the same per-worker processes
-(:mod:`sim.processes`), the same run loop merging arrivals with events (:mod:`sim.runloop`) and the same fault
-handling — and swaps two things (the clock is swapped, the model code is not):
+``run_real`` runs the loop it is given — ``simulate``, the caller passes :func:`sim.driver.simulate`: the same
+scheduler, the same per-worker processes, the same run loop merging arrivals with events
+(:mod:`engine.loop.runloop`) and the same fault handling — and swaps two things (the clock is swapped, the model
+code is not):
 
 - the executor: :class:`RealExecutor` sends each plan to the rank processes that own its GPUs
   (``engine.real.worker``) and returns a SimPy event that fires when all of them have replied; its value is the
   **measured** duration (wall time from dispatch to the last reply, so IPC and host overheads are included);
-- the environment: :class:`MeasuredClockEnv` (a :class:`sim.simenv.SimEnv`) advances the clock by measured
+- the environment: :class:`MeasuredClockEnv` (an :class:`engine.loop.simenv.SimEnv`) advances the clock by measured
   durations; a plan's completion event succeeds at its measured end (``SimEnv.trigger``). Before it processes an event
   at time ``t`` it makes sure no plan still running could finish earlier: a plan dispatched at clock time ``s``
   and wall time ``w`` finishes no earlier than ``s + (wall_now - w)``, so the loop waits for replies until that
@@ -23,6 +24,12 @@ group per rank, beside the compute loop): the driver sends ``kv_send`` to the pr
 the decoder rank in one go — the decoder reserves its pages and offers them to the sources itself — and the plan
 completes when the last of them replies, while the decoder keeps stepping and the prefiller keeps prefilling. A
 rank runs its transfers one at a time, in dispatch order (several KV streams of one prefiller share its lane).
+
+The loop is passed in rather than imported because it is the simulator's: ``engine/real`` owns the ranks, the
+measured clock and the executor and builds on the layers below it (``engine/core``, the event loop in
+``engine/loop``, ``kernels``), not on ``sim``; the caller (``engine/cli/real.py``, ``engine/cli/torchrun.py``), which
+may import both, hands over ``sim.driver.simulate`` and the scenario ``sim.scenario.build`` made. Any loop with
+``simulate``'s signature and use of ``env`` / ``executor_factory`` would do.
 
 Limits (documented, not hidden): random-weight runs draw MTP acceptance
 from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
@@ -40,7 +47,7 @@ from pathlib import Path
 import simpy
 
 from engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
-from sim.simenv import SimEnv
+from engine.loop.simenv import SimEnv
 from topology.errors import UserError
 
 
@@ -159,7 +166,7 @@ class MeasuredClockEnv(SimEnv):
         super().__init__()
         self.pool = pool
         self.on_reply = on_reply          # (token, rank, status, payload, wall) -> None
-        self.on_fault = None              # set by sim.driver.simulate: inject_fault(target)
+        self.on_fault = None              # set by the loop (sim.driver.simulate): inject_fault(target)
         self.on_death = None              # (rank) -> None, set by the executor
         self.stall_s = stall_s
         self._progress_w = time.perf_counter()  # wall time of the last reply or death
@@ -505,15 +512,15 @@ class RealRun:
                         self.generated.setdefault(rid, []).append(tok)
 
 
-def run_real(built, requests, *, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
+def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
              prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None,
              pool=None, stall_s: float = STALL_S):
-    """Run ``built`` (``sim.scenario.build``) for real on ``requests``. Failure drills: ``kill`` ``[(at_s, gpu)]``
-    kills that GPU's rank process at clock time ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its
-    decoder's n-th step (with a non-empty batch) is in flight. ``stall_s``: no rank reply for that long with work
-    in flight raises :class:`RealRunStalled` (the ranks are stopped). Returns ``(SimResult, RealRun)``."""
+    """Run ``built`` (``sim.scenario.build``) for real on ``requests`` through ``simulate`` (``sim.driver.simulate``,
+    module docstring). Failure drills: ``kill`` ``[(at_s, gpu)]`` kills that GPU's rank process at clock time
+    ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
+    in flight. ``stall_s``: no rank reply for that long with work in flight raises :class:`RealRunStalled` (the
+    ranks are stopped). Returns ``(result of simulate, RealRun)``."""
     from engine.core.metrics import Slo
-    from sim.driver import simulate
 
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
@@ -569,15 +576,16 @@ class ReplayExecutor:
         return float(self.table[k].pop(0))
 
 
-def replay(built, requests, records, *, seed: int, deaths=()):
-    """Simulate ``built`` with the recorded durations of a real run (same scheduler, simulated clock); ``deaths``
-    (``RealRun.deaths``: ``(t, rank, gpu)``) become faults at the same times."""
+def replay(built, requests, records, *, simulate, seed: int, deaths=()):
+    """Simulate ``built`` through ``simulate`` (``sim.driver.simulate``) with the recorded durations of a real run
+    (same scheduler, simulated clock); ``deaths`` (``RealRun.deaths``: ``(t, rank, gpu)``) become faults at the same
+    times."""
     from engine.core.metrics import Slo
-    from sim.driver import simulate
 
     sc = built.scenario
     faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in deaths]
     return simulate(built.deployment, requests, built.cost_model, seed=seed, progress=False, faults=faults,
                     slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
-                    policies=sc.sim.policies.build(), executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
+                    policies=sc.sim.policies.build(),
+                    executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
 

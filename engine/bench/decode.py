@@ -1,4 +1,4 @@
-"""Decode step of the real engine against its HBM roofline, on one GPU (``python -m engine.real.bench_decode``).
+"""Decode step of the real engine against its HBM roofline, on one GPU (``python -m engine.bench.decode``).
 
 For each batch size the step's bytes are counted from the model: attention projections and norms of every layer,
 the router, the weights of every expert the step's routing actually touched (counted from the routing of the timed

@@ -2,7 +2,7 @@
 (``kernels.moe_a2a.PeerMoeAllToAll``, CuTe DSL) against the existing NCCL ``all_to_all_single`` path: same outputs
 (both also against the unsharded experts on one GPU), and the time of a decode-step MoE layer of each, in one run.
 
-    python -m engine.real.check_peer_a2a --out peer_a2a.json
+    python -m engine.bench.peer_a2a --out peer_a2a.json
 
 Model: Qwen3-235B-A22B MoE width (hidden 4096, 128 experts, top-8, moe_intermediate 1536), ``--layers`` layers,
 bf16, EP=2 (rank i holds experts 64i..64i+63; DP attention is not run). Per batch size B (tokens per rank, the same
@@ -355,7 +355,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m engine.real.check_peer_a2a", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.bench.peer_a2a", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--layers", type=int, default=2, choices=range(2, 9), metavar="2..8")
     ap.add_argument("--sizes", type=_sizes, default=SIZES, help="tokens per rank, comma-separated (default "

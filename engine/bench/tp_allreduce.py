@@ -1,5 +1,5 @@
 """TP=2 prefill of a Qwen3-235B-width model with NCCL vs the peer-memory all-reduce (``kernels.allreduce``) behind
-``Comm.tp_allreduce_impl``: same logits, and the step time of each (``python -m engine.real.check_tp_allreduce``)."""
+``Comm.tp_allreduce_impl``: same logits, and the step time of each (``python -m engine.bench.tp_allreduce``)."""
 
 from __future__ import annotations
 

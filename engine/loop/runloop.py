@@ -1,6 +1,6 @@
 """The run loop: arrivals and events in time order until the end, for the simulated and the measured clock alike.
 
-:func:`run_loop` drives an environment — :class:`sim.simenv.SimEnv`, or the real engine's measured-clock
+:func:`run_loop` drives an environment — :class:`engine.loop.simenv.SimEnv`, or the real engine's measured-clock
 environment — through four methods: ``now``, ``peek()`` (the time of the next event; a measured clock waits there
 until no plan still running could finish earlier), ``step()`` and ``advance(t)`` (move the clock to an arrival
 between events). Arrivals are merged into the loop instead of being a process: before the next event, every request

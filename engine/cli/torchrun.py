@@ -1,0 +1,133 @@
+"""Multi-node real runs under torchrun: one process per GPU of the topology, global rank = topology GPU id.
+
+    # on each of the 18 compute trays of a GB200 NVL72 (4 GPUs each), node rank 0..17:
+    torchrun --nnodes=18 --nproc-per-node=4 --node-rank=$NODE_RANK \\
+             --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 --rdzv-id=rackbed \\
+             -m engine.cli.torchrun scenarios/nvl72-default.yaml --out rackbed-out/nvl72-real
+
+    # SLURM: srun --nodes=18 --ntasks-per-node=1 torchrun ... (same line, NODE_RANK=$SLURM_NODEID)
+
+Every process builds the scenario and the same rank table (``engine.real.driver.rank_specs``), creates every
+group's process group in the same order, and serves plan commands for its GPU (ranks whose GPU the deployment
+does not use only wait for the stop). Global rank 0 also runs the driver — the simulator's loop
+(``sim.driver.simulate``, passed to ``engine.real.driver.run_real``) with the real executor — in its main thread
+while its own rank serves in a second thread, and writes the simulator's output files plus ``real.json``.
+Commands, replies and liveness cross hosts through a TCPStore (``engine.real.torchrun``: ``StoreQueue``,
+``heartbeat``, ``store_pool``); collectives and KV transfers use the process groups (NCCL over NVLink inside the
+NVLink domain and InfiniBand beyond it; gloo on CPU for the tests, where several torchrun "nodes" on one machine
+stand in for trays).
+
+The entry lives here, above ``engine/real``, because it builds the scenario (``sim.scenario``) and writes the
+outputs (``sim.outputs``) with the simulator's modules, which ``engine/real`` does not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from datetime import timedelta
+
+
+def main(argv=None) -> int:
+    """One torchrun process: serve this rank's GPU; on global rank 0 also drive the run and write its outputs."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.core.workload import generate
+    from engine.real.driver import rank_specs, real_model_config, run_real
+    from engine.real.torchrun import StoreQueue, heartbeat, store_pool
+    from engine.real.worker import Rank, make_groups
+    from sim.driver import simulate
+    from sim.scenario import build, load_scenario
+
+    ap = argparse.ArgumentParser(description="a rackbed real run under torchrun (see the module docstring)")
+    ap.add_argument("scenario")
+    ap.add_argument("--out", default="rackbed-out/real-torchrun")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    sc = load_scenario(a.scenario)
+    rs = sc.real
+    device = a.device or rs.device
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local)
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    store = dist.TCPStore(host, port, world, is_master=(rank == 0), timeout=timedelta(seconds=120))
+    stop_hb = threading.Event()
+    threading.Thread(target=heartbeat, args=(host, port, rank, stop_hb), daemon=True).start()
+    b = build(sc)
+    if b.topology.n_gpus != world:
+        raise SystemExit(f"rackbed: error: {a.scenario}: torchrun started {world} processes but topology "
+                         f"{sc.topology} has {b.topology.n_gpus} GPUs (one process per GPU)")
+    cfg = real_model_config(b, weights=rs.weights)
+    reqs = generate(sc.workload, sc.seed)
+    specs = rank_specs(b, cfg, {g: g for g in range(world)}, world, use_cuda=use_cuda, dtype=rs.dtype,
+                       seed=rs.weights_seed, weights=rs.weights, prefill_pages=rs.prefill_pages,
+                       decode_pages=rs.decode_pages, backend="nccl" if use_cuda else "gloo",
+                       local_device=lambda g: f"cuda:{local}" if use_cuda else "cpu", requests=reqs)
+    any_spec = next(iter(specs.values()))
+    # every process creates every group, then the KV group, in the same order
+    groups, kv_group = make_groups(any_spec.all_groups, world)
+
+    def serve() -> None:
+        cmd_q = StoreQueue(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120)), f"cmd/{rank}")
+        res_q = StoreQueue(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120)), "res")
+        if rank in specs:
+            worker = Rank(specs[rank], groups[specs[rank].group_id], kv_group)
+            res_q.put((None, rank, "ready", None))
+            worker.serve(cmd_q, res_q)
+        else:
+            while cmd_q.get()[0] != "stop":
+                pass
+
+    if rank != 0:
+        serve()
+    else:
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        from pathlib import Path
+
+        from sim.outputs import write_all
+
+        pool = store_pool(store, world)
+        try:
+            res, run = run_real(b, reqs, simulate=simulate, device=device, dtype=rs.dtype, weights=rs.weights,
+                                seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
+                                pool=pool)
+        finally:
+            pool.stop()
+        t.join(timeout=60)
+        import json
+
+        from engine.real.driver import replay
+
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_all(res, out)
+        same = res.log.decisions() == replay(b, reqs, run.records, simulate=simulate, seed=sc.seed,
+                                                deaths=run.deaths).log.decisions()
+        (out / "real.json").write_text(json.dumps({
+            "scenario": str(a.scenario), "world": world, "replay_identical_decisions": same,
+            "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
+            "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},
+            "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},
+            "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
+                      for w, k, key, m, ws in run.records], "metrics": res.metrics}, indent=1, default=str))
+        m = res.metrics["requests"]
+        print(f"real run over {world} ranks: {m['done']}/{m['total']} done, {m['rejected']} rejected; "
+              f"replay identical: {same}; wrote {out}")
+    stop_hb.set()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
