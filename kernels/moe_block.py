@@ -4,8 +4,9 @@
     y = moe_block(h, logits, gate_up, down, top_k, swiglu=grouped_swiglu)   # what the engine's static decode runs
 
 ``engine/real/model.py``'s graph-captured decode step (``forward_decode_static``, one expert group) runs these
-functions, and ``kernels/bench/measure.py`` (bench ``moe_block``) times them, whole and part by part, so the measured block
-is the engine's own. Parts, in order (shapes: T tokens, D hidden, E experts, k = top_k, F expert width):
+functions, and ``kernels/bench/measure.py`` (bench ``moe_block``) times them, whole and part by part, so the
+measured block is the engine's own. Parts, in order (shapes: T tokens, D hidden, E experts, k = top_k, F expert
+width):
 
 * :func:`route` — softmax over the router logits ``[T, E]`` (fp32), top-k, optional renormalisation (Qwen3-MoE's
   ``norm_topk_prob``); the router GEMM ``h @ router.T`` that makes the logits is the caller's;

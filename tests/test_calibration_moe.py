@@ -1,5 +1,5 @@
-"""The MoE block (``moe_us``) and router rows of kernels/bench/measure.py, several measurement files fitted together, and
-what the shipped H200 file carries from them (fp8_block GEMMs, the MoE block). CPU only."""
+"""The MoE block (``moe_us``) and router rows of kernels/bench/measure.py, several measurement files fitted
+together, and what the shipped H200 file carries from them (fp8_block GEMMs, the MoE block). CPU only."""
 
 from __future__ import annotations
 

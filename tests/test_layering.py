@@ -80,3 +80,16 @@ def test_every_module_is_in_a_layer():
                      if not any((rel := p.relative_to(ROOT).as_posix()).startswith(layer + "/") for layer in ALLOWED)
                      and rel != "engine/__init__.py")
     assert not outside, f"modules in no layer (add the folder to ALLOWED): {outside}"
+
+
+def test_device_code_does_not_import_its_benchmarks():
+    """kernels/bench measures kernels/; the device code and its references never import the benchmarks."""
+    bad = []
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if isinstance(node, ast.ImportFrom) and node.module == "kernels":
+                names = [f"kernels.{a.name}" for a in node.names]
+            bad += [f"kernels/{path.name}: {n}" for n in names if n == "kernels.bench" or n.startswith("kernels.bench.")]
+    assert not bad, bad

@@ -2,9 +2,9 @@
 
 ``simulate`` turns the collector off for a run with the simulated environment (collecting the young generations
 every ``engine.loop.runloop.GC_EVERY`` events) and afterwards moves what the run kept to the oldest generation
-without a traversal; with any other environment it raises the young-generation threshold instead. Either way the collector's state
-(enabled or not, thresholds, frozen objects) is the caller's again afterwards — also when the run raises — and the
-results are those of a run with the collector on.
+without a traversal; with any other environment it raises the young-generation threshold instead. Either way the
+collector's state (enabled or not, thresholds, frozen objects) is the caller's again afterwards — also when the run
+raises — and the results are those of a run with the collector on.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``engine.loop.simenv.SimEnv`` (SimPy's environment with a clock and queue of its own) is tied to the SimPy
 versions it is tested with: this fails on another version, the pin in pyproject.toml names the same versions, and
-random event programs (processes, timeouts, events succeeded by other processes, interrupts, conditions, failures) run exactly
-as in ``simpy.Environment``."""
+random event programs (processes, timeouts, events succeeded by other processes, interrupts, conditions, failures)
+run exactly as in ``simpy.Environment``."""
 
 from __future__ import annotations
 

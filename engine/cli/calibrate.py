@@ -155,8 +155,8 @@ def register(subparsers) -> None:
     p.add_argument("--only", nargs="+", help="subset of kernels/bench/measure.py benchmarks")
     p.add_argument("--measurements-out", help="where to write the raw measurements JSON")
     p.add_argument("--from-measurements", nargs="+", metavar="FILE",
-                   help="fit earlier kernels/bench/measure.py JSON instead of measuring (several files of one GPU model: "
-                        "fitted together)")
+                   help="fit earlier kernels/bench/measure.py JSON instead of measuring (several files of one GPU "
+                        "model: fitted together)")
     p.add_argument("--from-bench", action="append", help="add rows from 'rackbed bench kernels --out' JSON")
     p.add_argument("--gpu", help="GPU model name for the entries (default: from the device name)")
     p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth point of each curve (0: none)")

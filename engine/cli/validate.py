@@ -305,8 +305,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("validate", help="simulator vs measurements: kernel level, and engine level with --engine DIR",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--measurements", nargs="+", metavar="FILE",
-                   help="kernels/bench/measure.py JSON, one or several files fitted together (default: the calibration's "
-                        "meta.measurements)")
+                   help="kernels/bench/measure.py JSON, one or several files fitted together (default: the "
+                        "calibration's meta.measurements)")
     p.add_argument("--calibration", help="calibration file (default: the shipped one for the topology's GPU)")
     p.add_argument("--topology", default="h200x2", help="topology the measurements were taken on")
     p.add_argument("--all", action="store_true", help="also list the fitted rows")
