@@ -22,7 +22,7 @@ FLOPs / bytes / GEMM shapes the cost models price (``base.AttentionKind`` lists 
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,9 +32,9 @@ from engine.core.layers.gdn import DELTANET_FLOPS_PER_STATE_ELEM, GdnAttention
 from engine.core.layers.gqa import GqaAttention, SlidingWindowAttention, tp_kv_head_shards
 from engine.core.layers.mla import MlaAttention
 
-Attention = Annotated[Union[GqaAttention, SlidingWindowAttention, GdnAttention, MlaAttention],
+Attention = Annotated[GqaAttention | SlidingWindowAttention | GdnAttention | MlaAttention,
                       Field(discriminator="kind")]
-Ffn = Annotated[Union[DenseFfn, MoeFfn], Field(discriminator="kind")]
+Ffn = Annotated[DenseFfn | MoeFfn, Field(discriminator="kind")]
 
 
 class Layer(BaseModel):
