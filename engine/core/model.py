@@ -168,12 +168,12 @@ class ModelSpec(BaseModel):
     def attention_counts(self, include_mtp: bool = False) -> tuple[tuple[AttentionKind, int], ...]:
         """(token-mixer kind, number of layers) per distinct kind, in first-layer order; ``include_mtp`` adds
         the MTP layers to the full-attention count."""
-        counts: dict[str, list] = {}
-        for layer in self.layers:
-            counts.setdefault(layer.attention.kind, [layer.attention, 0])[1] += 1
-        if include_mtp and self.n_mtp_layers:
-            counts.setdefault("full", [self.kinds.full, 0])[1] += self.n_mtp_layers
-        return tuple((a, n) for a, n in counts.values())
+        counts = self.kinds.counts
+        if not (include_mtp and self.n_mtp_layers):
+            return counts
+        if all(a.kind != "full" for a, _ in counts):
+            return (*counts, (self.kinds.full, self.n_mtp_layers))
+        return tuple((a, n + self.n_mtp_layers if a.kind == "full" else n) for a, n in counts)
 
     # ---- layer structure -----------------------------------------------------------------------------------
 
@@ -420,11 +420,15 @@ _KINDS: dict[int, tuple[ModelSpec, _Kinds]] = {}
 class _Kinds:
     """The distinct kinds of a ``ModelSpec`` (layers of one kind share one object) and the per-layer list."""
 
-    __slots__ = ("dense", "full", "layers", "linear", "moe")
+    __slots__ = ("counts", "dense", "full", "layers", "linear", "moe")
 
     def __init__(self, full: GqaAttention, linear: GdnAttention | None, moe: MoeFfn | None,
                  dense: DenseFfn | None, layers: tuple[Layer, ...]) -> None:
         self.full, self.linear, self.moe, self.dense, self.layers = full, linear, moe, dense, layers
+        counts: dict[str, list] = {}
+        for layer in layers:
+            counts.setdefault(layer.attention.kind, [layer.attention, 0])[1] += 1
+        self.counts = tuple((a, n) for a, n in counts.values())
 
     @classmethod
     def of(cls, m: ModelSpec) -> _Kinds:

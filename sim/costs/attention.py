@@ -39,13 +39,15 @@ Gated DeltaNet (Qwen3.5 "linear" layers; Hv value heads, Dk = Dv = linear_head_d
 * decode core: the fp32 state ``Hv * Dk * Dv * 4`` B per sequence is read and written once per step
   (memory-bound), plus the conv state.
 
-All functions return an :class:`AttentionCost` for ONE layer on ONE rank, in seconds.
+All functions return an :class:`AttentionCost` for ONE layer on ONE rank, in seconds. The dimensions come from the
+model's layer kinds (``model.mixer("full")`` / ``("linear")``, :mod:`engine.core.layers`): head counts per rank,
+projection GEMM shapes, core FLOPs and KV / state bytes; ``MIXER_COSTS`` maps each kind's tag to its functions.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sim.costs import constants as C
@@ -280,3 +282,50 @@ def linear_attention_decode(gpu: GpuSpec, model, n_seqs: int, *, tp: int = 1, fm
     core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
     proj = linear_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
     return AttentionCost(proj.total_s, core_s, flops, state)
+
+
+# ------------------------------------------------------------------------------------------------ per-kind registry
+
+
+@dataclass(frozen=True)
+class MixerCosts:
+    """How the step cost model (:mod:`sim.costs.step`) prices one token-mixer kind (``AttentionKind.kind``).
+
+    prefix:  the breakdown terms' prefix (``<prefix>_proj``, ``<prefix>_core``).
+    prefill: ``(gpu, model, seqs, tp=, fmt=, calib=) -> AttentionCost`` of one layer on one rank.
+    decode:  ``(gpu, model, rank_batch, front, kw) -> AttentionCost`` of one layer on the slowest DP rank;
+             ``front`` = the (sequences, context tokens) pairs that can be slowest (``step.pareto_ranks``),
+             ``kw`` = fmt, q_per_seq, kv_elem_bytes, page_tokens, calib.
+    """
+
+    prefix: str
+    prefill: Callable[..., AttentionCost]
+    decode: Callable[..., AttentionCost]
+
+
+def _full_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
+    return max((full_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
+               key=lambda a: a.total_s)
+
+
+def _linear_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
+    return linear_attention_decode(gpu, model, max(rank_batch), fmt=kw["fmt"], q_per_seq=kw["q_per_seq"],
+                                   calib=kw["calib"])
+
+
+#: kind tag -> its costs, in the order the step adds their terms
+MIXER_COSTS: dict[str, MixerCosts] = {
+    "full": MixerCosts("attn", full_attention_prefill, _full_decode_slowest),
+    "linear": MixerCosts("linear_attn", linear_attention_prefill, _linear_decode_slowest),
+}
+
+
+def mixer_counts(model) -> list[tuple[MixerCosts, int]]:
+    """(costs, layer count) of each token-mixer kind of ``model`` in ``MIXER_COSTS`` order; ``UserError`` for a
+    kind without a cost model."""
+    counts = {a.kind: n for a, n in model.attention_counts()}
+    missing = sorted(set(counts) - set(MIXER_COSTS))
+    if missing:
+        raise UserError(f"{model.name}: no cost model for attention kind {missing[0]!r} "
+                        f"(sim.costs.attention.MIXER_COSTS has {', '.join(MIXER_COSTS)})")
+    return [(c, counts[k]) for k, c in MIXER_COSTS.items() if counts.get(k)]
