@@ -16,6 +16,9 @@ A ``ModelSpec`` describes a decoder-only MoE transformer of the Qwen3 / Qwen3-Ne
   hidden state, fc: 2*hidden -> hidden, one full-attention decoder layer with the model's MLP, a final
   RMSNorm; embeddings and lm_head shared with the main model).
 
+The fields are the loader's view (presets, HF configs); ``layers`` / ``mixer`` / ``attention_counts`` give the same
+model as layer kinds (``engine.core.layers``), which the counts below and every consumer read.
+
 Counting conventions (all documented per method): ``total_params()`` and ``active_params()`` exclude MTP by
 default (published model sizes do); ``active_params`` counts embeddings and lm_head (as the published "A22B"
 does); ``flops_*`` count 2 FLOPs per multiply-accumulate.

@@ -53,14 +53,19 @@ class TorchModelConfig:
     @classmethod
     def from_spec(cls, spec, n_layers: int | None = None, **overrides) -> TorchModelConfig:
         """From a ModelSpec (Qwen3-MoE family: full attention in every layer, MoE in every layer)."""
-        if any(t != "full" for t in spec.layer_types):
+        kinds = {x.attention.kind for x in spec.layers}
+        if kinds != {"full"}:
             raise ValueError(f"model {spec.name}: the torch engine runs full-attention Qwen3-MoE models only "
                              "(linear-attention layers are simulated, not run)")
-        if spec.n_shared_experts:
+        moe = spec.layers[0].ffn
+        if any(x.ffn is not moe for x in spec.layers) or moe.kind != "moe":
+            raise ValueError(f"model {spec.name}: the torch engine runs models with an MoE in every layer")
+        if moe.n_shared:
             raise ValueError(f"model {spec.name}: shared experts are not supported by the torch engine yet")
-        kw = dict(hidden=spec.hidden, n_layers=n_layers or spec.n_layers, n_q_heads=spec.n_q_heads,
-                  n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, n_experts=spec.n_experts, top_k=spec.top_k,
-                  moe_intermediate=spec.moe_intermediate, vocab=spec.vocab, tie_embeddings=spec.tie_embeddings)
+        att = spec.mixer("full")
+        kw = dict(hidden=spec.hidden, n_layers=n_layers or spec.n_layers, n_q_heads=att.n_q_heads,
+                  n_kv_heads=att.n_kv_heads, head_dim=att.head_dim, n_experts=moe.n_experts, top_k=moe.top_k,
+                  moe_intermediate=moe.intermediate, vocab=spec.vocab, tie_embeddings=spec.tie_embeddings)
         kw.update(overrides)
         return cls(**kw)
 
