@@ -11,11 +11,21 @@ attention TP group of ``tp`` ranks (``tp = 1``: a DP rank holding its own reques
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from topology.errors import UserError
+
+
+@functools.lru_cache(maxsize=4096)
+def local_counts(counts: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """``ceil(n / tp)``, at least 1, of each head count: what one of ``tp`` ranks computes with (a replica when
+    ``tp > n``). Cached: the cost models ask per step."""
+    if tp < 1:
+        raise UserError(f"tp must be >= 1, got {tp}")
+    return tuple(max(1, -(-n // tp)) for n in counts)
 
 
 def split_heads(n_heads: int, tp: int, rank: int, what: str) -> range:
@@ -116,4 +126,4 @@ class AttentionKind(BaseModel):
         return sum(n for n, _ in self.proj_gemms(tp))
 
 
-__all__ = ["AttentionKind", "split_heads"]
+__all__ = ["AttentionKind", "local_counts", "split_heads"]

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from engine.core.layers.base import AttentionKind
+from engine.core.layers.base import AttentionKind, local_counts
 from topology.errors import UserError
 
 #: FLOPs per recurrent-state element per token of a Gated DeltaNet head: decay (1), retrieval S^T k (2),
@@ -77,9 +77,7 @@ class GdnAttention(AttentionKind):
 
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(key heads, value heads) of one rank: ``ceil(n / tp)``, at least 1."""
-        if tp < 1:
-            raise UserError(f"tp must be >= 1, got {tp}")
-        return max(1, -(-self.n_k_heads // tp)), max(1, -(-self.n_v_heads // tp))
+        return local_counts((self.n_k_heads, self.n_v_heads), tp)
 
     def proj_gemms(self, tp: int = 1, phase: str = "prefill") -> tuple[tuple[int, int], ...]:
         """in_proj_qkvz + in_proj_ba ``[T, hidden] @ [hidden, 2*Hk*Dk + 2*Hv*Dv + 2*Hv]``, out_proj ``[T, Hv*Dv]``."""

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from engine.core.layers.base import AttentionKind, split_heads
+from engine.core.layers.base import AttentionKind, local_counts, split_heads
 from topology.errors import UserError
 
 
@@ -122,9 +122,7 @@ class GqaAttention(AttentionKind):
 
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) one rank computes with: ``ceil(n / tp)``, at least 1 (KV replication)."""
-        if tp < 1:
-            raise UserError(f"tp must be >= 1, got {tp}")
-        return max(1, -(-self.n_q_heads // tp)), max(1, -(-self.n_kv_heads // tp))
+        return local_counts((self.n_q_heads, self.n_kv_heads), tp)
 
     def proj_gemms(self, tp: int = 1, phase: str = "prefill") -> tuple[tuple[int, int], ...]:
         """Fused QKV ``[T, hidden] @ [hidden, H*D*(2 if gated) + 2*Hkv*D]``, then O ``[T, H*D] @ [H*D, hidden]``."""

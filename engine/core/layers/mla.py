@@ -23,7 +23,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from engine.core.layers.base import AttentionKind, split_heads
+from engine.core.layers.base import AttentionKind, local_counts, split_heads
 from topology.errors import UserError
 
 
@@ -82,9 +82,7 @@ class MlaAttention(AttentionKind):
     # ---- cost-model facts ------------------------------------------------------------------------------------
 
     def local_heads(self, tp: int) -> int:
-        if tp < 1:
-            raise UserError(f"tp must be >= 1, got {tp}")
-        return max(1, -(-self.n_heads // tp))
+        return local_counts((self.n_heads,), tp)[0]
 
     def proj_gemms(self, tp: int = 1, phase: str = "prefill") -> tuple[tuple[int, int], ...]:
         """q (a, b), kv_a (replicated: every rank needs the whole latent), then prefill: kv_b on the new tokens
