@@ -93,6 +93,11 @@ def test_hybrid_preset_layers():
     assert m.n_linear_layers * lin.state_bytes_per_seq(4, 2) == m.linear_state_bytes_per_seq(4, conv_elem_bytes=2)
     assert m.attention_counts() == ((lin, 45), (m.mixer("full"), 15))
     assert m.attention_counts(include_mtp=True)[1] == (m.mixer("full"), 16)
+    dec = m.flops_breakdown("decode", 1000)
+    assert dec["attn_core"] == 15 * m.mixer("full").decode_core_flops(1000)
+    assert dec["linear_core"] == 45 * lin.model_core_flops_per_token()
+    # the cost model's recurrence is the state update only (the conv is priced with the projections' bytes)
+    assert lin.decode_core_flops(1000) == 7 * 64 * 128 * 128
     moe = m.layers[0].ffn
     assert isinstance(moe, MoeFfn) and moe.n_shared == 1
     assert moe.params() == m.params_moe_layer()
@@ -135,6 +140,9 @@ def test_head_sharded_kv_sums_to_the_whole(n_kv, group, tp_exp, elem):
     per_rank = [a.kv_bytes_per_token_per_rank(tp, elem)] * tp
     assert sum(per_rank) == a.kv_bytes_per_token(elem) * a.kv_replication(tp)
     assert sorted(h for s in shards for h in s) == sorted(list(range(n_kv)) * a.kv_replication(tp))
+    # query heads split evenly: the ranks' attention FLOPs add up to the whole layer's
+    assert tp * a.decode_core_flops(1000, tp) == a.decode_core_flops(1000)
+    assert tp * a.prefill_core_flops(100, 50, tp) == a.prefill_core_flops(100, 50)
     for r in range(tp):
         assert tuple(a.kv_heads_of_tp_rank(tp, r)) == shards[r]
         assert len(a.q_heads_of_tp_rank(tp, r)) == n_kv * group // tp

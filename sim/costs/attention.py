@@ -208,7 +208,7 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     att = model.mixer("full")
     (h, hkv), d = att.local_heads(tp), att.head_dim
     kv_bytes = att.kv_read_bytes(paged_tokens, tp, kv_elem_bytes)
-    flops = att.core_flops_per_pair(tp) * total_ctx * q_per_seq
+    flops = att.decode_core_flops(total_ctx, tp, q_per_seq)
     # calibration kind decode_attn_GBps (the measured decode kernel per sequences x KV heads, context and KV
     # format), else hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times
     # DECODE_ATTN_BW_EFFICIENCY

@@ -120,6 +120,20 @@ class AttentionKind(BaseModel):
         q, c = new_tokens, cached_tokens
         return q * c + q * (q + 1) / 2
 
+    def prefill_core_flops(self, new_tokens: int, cached_tokens: int, tp: int = 1) -> float:
+        """The mixer's core (attention / recurrence, projections excluded) for one sequence's prefill chunk of
+        ``new_tokens`` after ``cached_tokens``, on one rank."""
+        raise NotImplementedError
+
+    def decode_core_flops(self, context_tokens: float, tp: int = 1, q_per_seq: int = 1) -> float:
+        """The core of a decode step over ``context_tokens`` cached tokens (summed over the rank's sequences),
+        ``q_per_seq`` query tokens per sequence, on one rank."""
+        raise NotImplementedError
+
+    def kv_read_bytes(self, kv_tokens: float, tp: int = 1, elem_bytes: float = 2.0) -> float:
+        """Per-token cache bytes one rank reads for ``kv_tokens`` cached tokens (0 without a per-token cache)."""
+        return 0.0
+
     def activation_width(self, tp: int) -> int:
         """Activation elements per token one rank writes in the mixer's stage (projection outputs), for the
         activation reserve of the memory budget."""

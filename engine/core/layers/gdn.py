@@ -98,6 +98,14 @@ class GdnAttention(AttentionKind):
         dk = self.head_dim
         return hv * 2.0 * (2 * chunk * dk + chunk * dk + 3 * dk * dk) + 2.0 * self.conv * (2 * hk + hv) * dk
 
+    def prefill_core_flops(self, new_tokens: int, cached_tokens: int, tp: int = 1, chunk: int = 64) -> float:
+        """The chunked delta rule over the new tokens (the cached ones only through the stored state)."""
+        return self.prefill_flops_per_token(tp, chunk) * new_tokens
+
+    def decode_core_flops(self, context_tokens: float, tp: int = 1, q_per_seq: int = 1) -> float:
+        """Per sequence and query token, whatever the context (``context_tokens`` is not read)."""
+        return q_per_seq * self.decode_flops_per_token(tp)
+
     def prefill_act_bytes_per_token(self, tp: int) -> float:
         """q, k, v in and o out (bf16) per token on one rank."""
         hk, hv = self.local_heads(tp)

@@ -139,6 +139,10 @@ class GqaAttention(AttentionKind):
         """Causal attention core of one sequence's prefill chunk on one rank."""
         return self.core_flops_per_pair(tp) * self.attended_pairs(new_tokens, cached_tokens)
 
+    def decode_core_flops(self, context_tokens: float, tp: int = 1, q_per_seq: int = 1) -> float:
+        """QK^T and PV of every query token against its sequence's context, on one rank."""
+        return self.core_flops_per_pair(tp) * context_tokens * q_per_seq
+
     def kv_read_bytes(self, kv_tokens: float, tp: int = 1, elem_bytes: float = 2.0) -> float:
         """KV bytes one rank reads for ``kv_tokens`` cached tokens (K and V of its local KV heads)."""
         _, hkv = self.local_heads(tp)
