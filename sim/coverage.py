@@ -90,7 +90,8 @@ def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[s
     if not any(e.gpu == name for e in calib.entries):
         return [f"the calibration has no curves for {name}: first-principles cost models"]
     tp = prefill_plan.tp
-    q_n = (model.n_q_heads * model.head_dim) // tp + 2 * max(1, model.n_kv_heads // tp) * model.head_dim
+    att = model.mixer("full")
+    q_n = (att.n_q_heads * att.head_dim) // tp + 2 * att.kv_units_per_rank(tp) * att.head_dim
     for what, n, k in (("attention projection", q_n, model.hidden), ("LM head", model.vocab, model.hidden)):
         gap = _gemm_gap(calib, name, fmt if what != "LM head" else "bf16", n, k, what)
         if gap:

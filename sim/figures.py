@@ -450,7 +450,7 @@ def _fig_prefill_parallelism(sc: PrefillParallelismFigure) -> Result:
             world = cfg.tp
             gpus = _check_gpus(topo, world, f"hardware {hw.name}, tp={cfg.tp}")
             plan = ParallelPlan(role="prefill", tp=cfg.tp, ep=cfg.ep, dp=1, gpus=gpus,
-                                weight_format=hw.weight_format, kv_replication=max(1, cfg.tp // model.n_kv_heads))
+                                weight_format=hw.weight_format, kv_replication=model.mixer("full").kv_replication(cfg.tp))
             bd = prefill_step_breakdown(model, plan, topo, seqs)
             label = cfg.label or f"TP={cfg.tp}/EP={cfg.ep}"
             cats = bd.by_category()

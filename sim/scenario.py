@@ -346,7 +346,7 @@ def prefill_plan_for(sc: ServingScenario, model, gpus):
     from engine.core.sharding import ParallelPlan
 
     p = sc.prefill
-    kv_rep = p.kv_replication or (max(1, p.tp // model.n_kv_heads) if p.tp > model.n_kv_heads else 1)
+    kv_rep = p.kv_replication or model.mixer("full").kv_replication(p.tp)
     return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, max(p.tp, p.ep) // p.tp), kv_replication=kv_rep,
                         gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
                         page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens)

@@ -162,8 +162,8 @@ def main(argv=None) -> int:
         return ids, wts
 
     model._route = route
-    Dh, D, E = cfg.head_dim, cfg.hidden, cfg.n_experts
-    attn_b = (cfg.n_q_heads * Dh * D * 2 + cfg.n_kv_heads * Dh * D * 2 + 2 * Dh + 2 * D) * 2
+    D, E = cfg.hidden, cfg.n_experts
+    attn_b = (cfg.attention.params() + 2 * D) * 2  # q, k, v, o, qk norms + the layer's two RMSNorms, bf16
     expert_b = 3 * D * cfg.moe_intermediate * 2
     router_b = E * D * 2
     head_b = cfg.vocab * D * 2 + D * 2

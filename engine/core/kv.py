@@ -104,10 +104,21 @@ class KvLayout:
                    n_pages, order)
 
     @classmethod
+    def for_attention(cls, attention, n_layers: int, elem_bytes: int, page_tokens: int, tp: int, n_pages: int,
+                      order: Order = "HND") -> KvLayout:
+        """The layout of ``n_layers`` layers of a head-sharded token-mixer kind (``GqaAttention``) over a TP group
+        of ``tp`` ranks: its KV heads as ``kv_shards(tp)`` places them."""
+        if attention.kv_tp_sharding != "heads":
+            raise ValueError(f"KvLayout holds K|V per head; attention kind {attention.kind!r} is not head-sharded")
+        return cls(n_layers, attention.n_kv_units(), attention.head_dim, elem_bytes, page_tokens,
+                   attention.kv_shards(tp), n_pages, order)
+
+    @classmethod
     def for_plan(cls, plan, model, n_pages: int, order: Order = "HND") -> KvLayout:
-        """The layout of one DP group of a ``ParallelPlan`` (rank r = TP rank r, GPU ``plan.gpus[g*tp + r]``)."""
-        return cls.tp_sharded(model.n_full_layers + model.n_mtp_layers, model.n_kv_heads, model.head_dim,
-                              KV_DTYPE_BYTES[plan.kv_dtype], plan.page_tokens, plan.tp, n_pages, order)
+        """The layout of one DP group of a ``ParallelPlan`` (rank r = TP rank r, GPU ``plan.gpus[g*tp + r]``):
+        the full-attention layers, MTP included."""
+        (full, n), = [(a, n) for a, n in model.attention_counts(include_mtp=True) if a.kind == "full"]
+        return cls.for_attention(full, n, KV_DTYPE_BYTES[plan.kv_dtype], plan.page_tokens, plan.tp, n_pages, order)
 
     def with_order(self, order: Order) -> KvLayout:
         return replace(self, order=order)

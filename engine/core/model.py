@@ -16,6 +16,9 @@ A ``ModelSpec`` describes a decoder-only MoE transformer of the Qwen3 / Qwen3-Ne
   hidden state, fc: 2*hidden -> hidden, one full-attention decoder layer with the model's MLP, a final
   RMSNorm; embeddings and lm_head shared with the main model).
 
+The fields are the loader's view (presets, HF configs); ``layers`` / ``mixer`` / ``attention_counts`` give the same
+model as layer kinds (``engine.core.layers``), which the counts below and every consumer read.
+
 Counting conventions (all documented per method): ``total_params()`` and ``active_params()`` exclude MTP by
 default (published model sizes do); ``active_params`` counts embeddings and lm_head (as the published "A22B"
 does); ``flops_*`` count 2 FLOPs per multiply-accumulate.
@@ -45,15 +48,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.core.formats import get_format
+from engine.core.layers import (
+    DELTANET_FLOPS_PER_STATE_ELEM,
+    AttentionKind,
+    DenseFfn,
+    GdnAttention,
+    GqaAttention,
+    Layer,
+    MoeFfn,
+)
 from topology.errors import UserError, one_line
 
 LayerKind = Literal["full", "linear"]
 Phase = Literal["prefill", "decode"]
-
-#: FLOPs per recurrent-state element per token of a Gated DeltaNet head: decay (1), retrieval S^T k (2),
-#: rank-1 delta update (2), readout S^T q (2). Chunked prefill kernels do the same work in a different order
-#: (plus an intra-chunk term of order chunk_size * (Dk + Dv) per head that is ignored here).
-DELTANET_FLOPS_PER_STATE_ELEM = 7
 
 SUPPORTED_HF_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
 
@@ -127,6 +134,50 @@ class ModelSpec(BaseModel):
             raise ValueError("shared_intermediate must be > 0 when n_shared_experts > 0")
         return self
 
+    # ---- layer kinds ---------------------------------------------------------------------------------------
+
+    @property
+    def kinds(self) -> _Kinds:
+        """The layer kinds (``engine.core.layers``) this spec's fields describe, built once per object."""
+        hit = _KINDS.get(id(self))
+        if hit is not None and hit[0] is self:
+            return hit[1]
+        out = _Kinds.of(self)
+        if len(_KINDS) > 256:
+            _KINDS.clear()
+        _KINDS[id(self)] = (self, out)
+        return out
+
+    @property
+    def layers(self) -> tuple[Layer, ...]:
+        """Per layer: its token mixer and its FFN kind (MTP layers excluded; see ``mtp_layer``)."""
+        return self.kinds.layers
+
+    @property
+    def mtp_layer(self) -> Layer:
+        """One MTP module's decoder layer: full attention with the model's MLP (MoE, or dense without experts)."""
+        k = self.kinds
+        return Layer(attention=k.full, ffn=k.moe or k.dense)
+
+    def mixer(self, kind: str) -> AttentionKind | None:
+        """The token mixer of layers tagged ``kind`` ("full" | "linear"); None if the model has none. The full
+        kind always exists (MTP layers use it)."""
+        if kind == "full":
+            return self.kinds.full
+        if kind == "linear":
+            return self.kinds.linear
+        raise ValueError(f"attention kind must be 'full' or 'linear', got {kind!r}")
+
+    def attention_counts(self, include_mtp: bool = False) -> tuple[tuple[AttentionKind, int], ...]:
+        """(token-mixer kind, number of layers) per distinct kind, in first-layer order; ``include_mtp`` adds
+        the MTP layers to the full-attention count."""
+        counts = self.kinds.counts
+        if not (include_mtp and self.n_mtp_layers):
+            return counts
+        if all(a.kind != "full" for a, _ in counts):
+            return (*counts, (self.kinds.full, self.n_mtp_layers))
+        return tuple((a, n + self.n_mtp_layers if a.kind == "full" else n) for a, n in counts)
+
     # ---- layer structure -----------------------------------------------------------------------------------
 
     @property
@@ -154,29 +205,14 @@ class ModelSpec(BaseModel):
     # ---- parameters (element counts) -----------------------------------------------------------------------
 
     def _attn_matmul_params(self, kind: LayerKind) -> int:
-        """Projection weights of one token mixer (the part that is quantized)."""
-        h = self.hidden
-        if kind == "full":
-            q_out = self.n_q_heads * self.head_dim * (2 if self.gated_attn else 1)  # query (+ output gate)
-            kv_out = 2 * self.n_kv_heads * self.head_dim
-            o_in = self.n_q_heads * self.head_dim
-            return h * q_out + h * kv_out + o_in * h
-        if kind == "linear":
-            key_dim = self.linear_n_k_heads * self.linear_head_dim
-            value_dim = self.linear_n_v_heads * self.linear_head_dim
-            in_qkvz = h * (2 * key_dim + 2 * value_dim)
-            in_ba = h * 2 * self.linear_n_v_heads
-            return in_qkvz + in_ba + value_dim * h
-        raise ValueError(f"attention kind must be 'full' or 'linear', got {kind!r}")
+        """Projection weights of one token mixer (the part that is quantized); 0 for a kind the model lacks."""
+        m = self.mixer(kind)
+        return m.proj_params() if m is not None else 0
 
     def _attn_small_params(self, kind: LayerKind) -> int:
         """Non-matmul parameters of one token mixer (kept in bf16): qk norms; conv1d, A_log, dt_bias, norm."""
-        if kind == "full":
-            return 2 * self.head_dim if self.qk_norm else 0
-        if kind == "linear":
-            conv = self.linear_conv_channels * self.linear_conv
-            return conv + 2 * self.linear_n_v_heads + self.linear_head_dim
-        raise ValueError(f"attention kind must be 'full' or 'linear', got {kind!r}")
+        m = self.mixer(kind)
+        return m.small_params() if m is not None else 0
 
     @property
     def linear_conv_channels(self) -> int:
@@ -200,23 +236,26 @@ class ModelSpec(BaseModel):
 
     def params_shared_experts(self) -> int:
         """All shared experts of one MoE layer, each with its sigmoid gate (hidden -> 1)."""
-        return self.n_shared_experts * (3 * self.hidden * self.shared_intermediate + self.hidden)
+        moe = self.kinds.moe
+        return moe.shared_params() if moe is not None else 0
 
     def params_router(self) -> int:
         return self.n_experts * self.hidden
 
     def params_moe_layer(self) -> int:
         """One MoE MLP: routed experts + router + shared experts (and their gates)."""
-        return self.n_experts * self.params_expert() + self.params_router() + self.params_shared_experts()
+        moe = self.kinds.moe
+        return moe.params() if moe is not None else 0
 
     def params_dense_mlp(self) -> int:
-        return 3 * self.hidden * self.dense_intermediate
+        dense = self.kinds.dense
+        return dense.params() if dense is not None else 0
 
     def params_mtp_layer(self) -> int:
         """One MTP module (Qwen3-Next/3.5 layout; embeddings and lm_head shared, not counted)."""
         h = self.hidden
-        mlp = self.params_moe_layer() if self.n_experts > 0 else self.params_dense_mlp()
-        return 2 * h * h + 3 * h + 2 * h + self.params_attention_layer("full") + mlp
+        mtp = self.mtp_layer
+        return 2 * h * h + 3 * h + 2 * h + mtp.attention.params() + mtp.ffn.params()
 
     def params_breakdown(self, include_mtp: bool = False) -> dict[str, int]:
         """Parameter counts by group; the values sum to ``total_params(include_mtp)``.
@@ -281,23 +320,21 @@ class ModelSpec(BaseModel):
     # ---- cache sizes ---------------------------------------------------------------------------------------
 
     def kv_bytes_per_token(self, elem_bytes: float = 2, include_mtp: bool = False) -> float:
-        """K and V bytes per token over all full-attention layers:
-        n_full * 2 * n_kv_heads * head_dim * elem_bytes (Qwen3-235B bf16: 94 * 2 * 4 * 128 * 2 = 192,512).
-        ``include_mtp`` adds the MTP layers' KV."""
-        layers = self.n_full_layers + (self.n_mtp_layers if include_mtp else 0)
-        return layers * 2 * self.n_kv_heads * self.head_dim * elem_bytes
+        """KV bytes per token over all layers with a per-token cache (each kind's ``kv_bytes_per_token``;
+        full attention: n_full * 2 * n_kv_heads * head_dim * elem_bytes, Qwen3-235B bf16: 94 * 2 * 4 * 128 * 2 =
+        192,512). ``include_mtp`` adds the MTP layers' KV."""
+        return sum(n * a.kv_bytes_per_token(elem_bytes) for a, n in self.attention_counts(include_mtp)
+                   if a.kv_values_per_token())
 
     def linear_state_bytes_per_seq(self, elem_bytes: float = 2,
                                    conv_elem_bytes: float | None = None) -> float:
         """Recurrent state per sequence over all Gated DeltaNet layers (independent of sequence length):
         Hv * Dk * Dv state elements (``elem_bytes`` each; 4 for an fp32 state) plus (linear_conv - 1) *
         conv channels of conv state (``conv_elem_bytes``, default ``elem_bytes``)."""
-        if not self.n_linear_layers:
+        lin = self.kinds.linear
+        if lin is None:
             return 0
-        cb = elem_bytes if conv_elem_bytes is None else conv_elem_bytes
-        state = self.linear_n_v_heads * self.linear_head_dim * self.linear_head_dim * elem_bytes
-        conv = (self.linear_conv - 1) * self.linear_conv_channels * cb
-        return self.n_linear_layers * (state + conv)
+        return self.n_linear_layers * lin.state_bytes_per_seq(elem_bytes, conv_elem_bytes)
 
     # ---- FLOPs ---------------------------------------------------------------------------------------------
 
@@ -327,13 +364,12 @@ class ModelSpec(BaseModel):
         ctx = context_len if phase == "decode" else prefix_len + (context_len + 1) / 2
         moe = self.n_moe_layers
         lin = self.n_linear_layers
+        full, linear = self.kinds.full, self.kinds.linear
         out = {
-            "attn_proj": 2.0 * self.n_full_layers * self._attn_matmul_params("full"),
-            "attn_core": 4.0 * self.n_full_layers * self.n_q_heads * self.head_dim * ctx,
-            "linear_proj": 2.0 * lin * self._attn_matmul_params("linear") if lin else 0.0,
-            "linear_core": float(lin * (
-                DELTANET_FLOPS_PER_STATE_ELEM * self.linear_n_v_heads * self.linear_head_dim ** 2
-                + 2 * self.linear_conv * self.linear_conv_channels)) if lin else 0.0,
+            "attn_proj": 2.0 * self.n_full_layers * full.proj_params(),
+            "attn_core": self.n_full_layers * full.core_flops_per_pair() * ctx,
+            "linear_proj": 2.0 * lin * linear.proj_params() if lin else 0.0,
+            "linear_core": float(lin * linear.model_core_flops_per_token()) if lin else 0.0,
             "moe_experts": 2.0 * moe * self.top_k * self.params_expert(),
             "moe_shared": 2.0 * moe * (self.params_shared_experts() - self.n_shared_experts * self.hidden),
             "router": 2.0 * moe * (self.params_router() + self.n_shared_experts * self.hidden),
@@ -379,6 +415,43 @@ class ModelSpec(BaseModel):
             return cls(name=name, source=f"{path} (model_type {mtype})", **spec_kwargs)
         except ValidationError as exc:
             raise UserError(one_line(exc, path)) from None
+
+
+_KINDS: dict[int, tuple[ModelSpec, _Kinds]] = {}
+
+
+class _Kinds:
+    """The distinct kinds of a ``ModelSpec`` (layers of one kind share one object) and the per-layer list."""
+
+    __slots__ = ("counts", "dense", "full", "layers", "linear", "moe")
+
+    def __init__(self, full: GqaAttention, linear: GdnAttention | None, moe: MoeFfn | None,
+                 dense: DenseFfn | None, layers: tuple[Layer, ...]) -> None:
+        self.full, self.linear, self.moe, self.dense, self.layers = full, linear, moe, dense, layers
+        counts: dict[str, list] = {}
+        for layer in layers:
+            counts.setdefault(layer.attention.kind, [layer.attention, 0])[1] += 1
+        self.counts = tuple((a, n) for a, n in counts.values())
+
+    @classmethod
+    def of(cls, m: ModelSpec) -> _Kinds:
+        full = GqaAttention(hidden=m.hidden, n_q_heads=m.n_q_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                            qk_norm=m.qk_norm, gated=m.gated_attn)
+        linear = GdnAttention(hidden=m.hidden, n_k_heads=m.linear_n_k_heads, n_v_heads=m.linear_n_v_heads,
+                              head_dim=m.linear_head_dim, conv=m.linear_conv) if m.n_linear_layers else None
+        moe = MoeFfn(hidden=m.hidden, n_experts=m.n_experts, top_k=m.top_k, intermediate=m.moe_intermediate,
+                     n_shared=m.n_shared_experts, shared_intermediate=m.shared_intermediate) if m.n_experts else None
+        dense = DenseFfn(hidden=m.hidden, intermediate=m.dense_intermediate) if m.dense_intermediate else None
+        mixers = {"full": full, "linear": linear}
+        pairs: dict[tuple[str, bool], Layer] = {}
+        layers = []
+        for i, t in enumerate(m.layer_types):
+            is_moe = m.is_moe_layer(i)
+            key = (t, is_moe)
+            if key not in pairs:
+                pairs[key] = Layer(attention=mixers[t], ffn=moe if is_moe else dense)
+            layers.append(pairs[key])
+        return cls(full, linear, moe, dense, tuple(layers))
 
 
 # Defaults of transformers' config classes (transformers 5.x configuration_qwen3_moe.py,

@@ -63,6 +63,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.core.layers import tp_kv_head_shards
 from topology.errors import UserError, from_validation, one_line
 
 Role = Literal["prefill", "decode"]
@@ -157,9 +158,10 @@ class WeightParts:
     def of(cls, model) -> WeightParts:
         b = model.params_breakdown(include_mtp=True)
         h, n_mtp = model.hidden, model.n_mtp_layers
+        full = model.mixer("full")
         n_full = model.n_full_layers + n_mtp
-        kv_proj = n_full * h * 2 * model.n_kv_heads * model.head_dim
-        attn_full_proj = b["attn_full_proj"] + n_mtp * model._attn_matmul_params("full")
+        kv_proj = n_full * full.kv_proj_params()
+        attn_full_proj = b["attn_full_proj"] + n_mtp * full.proj_params()
         n_moe = model.n_moe_layers + (n_mtp if model.n_experts else 0)
         experts = n_moe * model.n_experts * model.params_expert()
         shared_gates = n_moe * model.n_shared_experts * h
@@ -255,31 +257,52 @@ class ParallelPlan(BaseModel):
         """GPU ids of DP group ``g``'s TP group (ranks ``g*tp .. g*tp+tp-1``)."""
         return tuple(self.gpus[g * self.tp:(g + 1) * self.tp])
 
+    def tp_rank(self, rank: int) -> int:
+        """Rank ``rank``'s index in its TP group."""
+        return rank % self.tp
+
+    def ep_rank(self, rank: int) -> int:
+        """Rank ``rank``'s index in the EP group (ranks ``e*expert_tp ..`` share EP rank ``e``)."""
+        return rank // self.expert_tp
+
+    def q_heads_of_rank(self, model, rank: int) -> range:
+        """Query heads rank ``rank`` computes (its TP rank's contiguous block)."""
+        return model.mixer("full").q_heads_of_tp_rank(self.tp, self.tp_rank(rank))
+
+    def kv_heads_of_rank(self, model, rank: int) -> range:
+        """KV heads rank ``rank`` holds: those its query heads read (``kv_heads_of_tp_rank``)."""
+        return model.mixer("full").kv_heads_of_tp_rank(self.tp, self.tp_rank(rank))
+
     def kv_heads_of_tp_rank(self, model, tp_rank: int) -> tuple[int, ...]:
         """Global KV head ids TP rank ``tp_rank`` holds: a contiguous block when ``tp <= n_kv_heads``, else head
         ``tp_rank // kv_replication`` (replicated on ``kv_replication`` consecutive ranks)."""
-        return tp_kv_head_shards(model.n_kv_heads, self.tp)[tp_rank]
+        return model.mixer("full").kv_shards(self.tp)[tp_rank]
 
     def experts_of_rank(self, model, rank: int) -> range:
         """Routed experts held (whole or split expert_tp ways) by rank ``rank``."""
         per = model.n_experts // self.ep
-        e = rank // self.expert_tp
+        e = self.ep_rank(rank)
         return range(e * per, (e + 1) * per)
 
     def kv_heads_per_rank(self, model) -> int:
         """KV heads each rank holds: ``n_kv_heads / tp``, or 1 (a replica) when ``tp > n_kv_heads``."""
-        return max(model.n_kv_heads // self.tp, 1)
+        return model.mixer("full").kv_units_per_rank(self.tp)
 
     def kv_bytes_per_token_per_rank(self, model) -> int:
-        """KV bytes one rank stores per token (all full-attention layers, K and V)."""
-        total = model.kv_bytes_per_token(self.kv_elem_bytes, include_mtp=True)
-        return int(total) * self.kv_heads_per_rank(model) // model.n_kv_heads
+        """KV bytes one rank stores per token (every layer with a per-token cache, MTP included): each kind's
+        share of its cache units (``AttentionKind.kv_units_per_rank``)."""
+        out = 0
+        for a, n in model.attention_counts(include_mtp=True):
+            if a.kv_values_per_token():
+                out += int(n * a.kv_bytes_per_token(self.kv_elem_bytes)) * a.kv_units_per_rank(self.tp) \
+                    // a.n_kv_units()
+        return out
 
     def state_bytes_per_seq_per_rank(self, model) -> int:
-        """Linear-attention state (recurrent + conv) one rank keeps per sequence, BF16; 0 without linear layers."""
-        if "linear" not in tuple(model.layer_types):
-            return 0
-        return int(model.linear_state_bytes_per_seq(2)) // self.tp
+        """Per-request state (Gated DeltaNet recurrent + conv) one rank keeps per sequence, BF16, split ``tp``
+        ways; 0 without such layers."""
+        total = sum(n * a.state_bytes_per_seq(2) for a, n in model.attention_counts(include_mtp=True))
+        return int(total) // self.tp if total else 0
 
     # --- validation -------------------------------------------------------------------------------------------
 
@@ -302,29 +325,8 @@ class ParallelPlan(BaseModel):
         if model.n_experts and model.moe_intermediate % self.expert_tp:
             raise UserError(f"expert_tp = world/ep = {self.expert_tp} does not divide moe_intermediate "
                             f"{model.moe_intermediate}")
-        if model.n_q_heads % tp:
-            raise UserError(f"tp={tp} does not divide {model.n_q_heads} query heads of {model.name}")
-        kvh = model.n_kv_heads
-        if tp > kvh:
-            need = tp // kvh
-            if tp % kvh:
-                raise UserError(f"tp={tp} is not a multiple of {kvh} KV heads, so heads cannot be replicated "
-                                f"evenly; use tp<={kvh} or a multiple of {kvh}")
-            if self.kv_replication != need:
-                raise UserError(f"tp={tp} exceeds {kvh} KV heads; set kv_replication={need} or tp<={kvh}"
-                                + (f" (got kv_replication={self.kv_replication})" if self.kv_replication > 1
-                                   else ""))
-        else:
-            if kvh % tp:
-                raise UserError(f"tp={tp} does not divide {kvh} KV heads of {model.name}")
-            if self.kv_replication != 1:
-                raise UserError(f"kv_replication={self.kv_replication} but tp={tp} <= {kvh} KV heads needs "
-                                f"no replication; set kv_replication=1")
-        if "linear" in tuple(model.layer_types):
-            for what, n in (("linear-attention key heads", model.linear_n_k_heads),
-                            ("linear-attention value heads", model.linear_n_v_heads)):
-                if n % tp:
-                    raise UserError(f"tp={tp} does not divide {n} {what} of {model.name}")
+        for mixer in _mixers(model):
+            mixer.check_tp(tp, self.kv_replication, model.name)
         for g in range(dp):
             group = self.tp_group(g)
             domain = topology.nvlink_domain(group[0])
@@ -363,14 +365,7 @@ class ParallelPlan(BaseModel):
         """The activation reserve formula of the module docstring, per rank, bytes."""
         T, S = self.batch_tokens, self.batch_seqs
         h = model.hidden
-        q_local = model.n_q_heads * model.head_dim * (2 if model.gated_attn else 1) // self.tp
-        o_local = model.n_q_heads * model.head_dim // self.tp
-        kv_local = self.kv_heads_per_rank(model) * model.head_dim
-        linear_local = 0
-        if "linear" in tuple(model.layer_types):
-            linear_local = (2 * model.linear_n_k_heads + 2 * model.linear_n_v_heads) * model.linear_head_dim \
-                // self.tp
-        attn = ACT_BYTES * T * (3 * h + q_local + 2 * kv_local + o_local + linear_local)
+        attn = ACT_BYTES * T * (3 * h + sum(m.activation_width(self.tp) for m in _mixers(model)))
         moe = 0
         if model.n_experts:
             per_rank = model.n_experts // self.ep
@@ -391,7 +386,8 @@ class ParallelPlan(BaseModel):
         parts = WeightParts.of(model)
         bpe = get_format(self.weight_format).bytes_per_element("weight")
         tp, world = self.tp, self.world
-        kv_frac = self.kv_heads_per_rank(model) / model.n_kv_heads
+        full = model.mixer("full")
+        kv_frac = full.kv_units_per_rank(tp) / full.n_kv_units()
         attention_params = parts.attn_split / tp + parts.kv_proj * kv_frac + parts.linear_attn / tp
         attention_bytes = round(attention_params * bpe)
         expert_bytes = round(parts.experts / world * bpe)
@@ -426,18 +422,9 @@ class ParallelPlan(BaseModel):
         )
 
 
-def tp_kv_head_shards(n_kv_heads: int, tp: int) -> tuple[tuple[int, ...], ...]:
-    """KV heads of each TP rank: contiguous blocks when ``tp <= n_kv_heads`` (tp must divide), otherwise one head
-    per rank, head ``r // (tp / n_kv_heads)`` (each replicated on consecutive ranks)."""
-    if tp <= n_kv_heads:
-        if n_kv_heads % tp:
-            raise UserError(f"tp={tp} does not divide {n_kv_heads} KV heads")
-        per = n_kv_heads // tp
-        return tuple(tuple(range(r * per, (r + 1) * per)) for r in range(tp))
-    if tp % n_kv_heads:
-        raise UserError(f"tp={tp} is not a multiple of {n_kv_heads} KV heads")
-    rep = tp // n_kv_heads
-    return tuple((r // rep,) for r in range(tp))
+def _mixers(model) -> tuple:
+    """The model's distinct token-mixer kinds, full attention first (always deployed: MTP layers use it)."""
+    return (model.mixer("full"),) + tuple(a for a, _ in model.attention_counts() if a.kind != "full")
 
 
 @dataclass(frozen=True)

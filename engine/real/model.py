@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F_
 
+from engine.core.layers import GqaAttention, MoeFfn
 from engine.real.comm import Comm
 from kernels.moe_block import moe_block, route
 
@@ -51,14 +53,19 @@ class TorchModelConfig:
     @classmethod
     def from_spec(cls, spec, n_layers: int | None = None, **overrides) -> TorchModelConfig:
         """From a ModelSpec (Qwen3-MoE family: full attention in every layer, MoE in every layer)."""
-        if any(t != "full" for t in spec.layer_types):
+        kinds = {x.attention.kind for x in spec.layers}
+        if kinds != {"full"}:
             raise ValueError(f"model {spec.name}: the torch engine runs full-attention Qwen3-MoE models only "
                              "(linear-attention layers are simulated, not run)")
-        if spec.n_shared_experts:
+        moe = spec.layers[0].ffn
+        if any(x.ffn is not moe for x in spec.layers) or moe.kind != "moe":
+            raise ValueError(f"model {spec.name}: the torch engine runs models with an MoE in every layer")
+        if moe.n_shared:
             raise ValueError(f"model {spec.name}: shared experts are not supported by the torch engine yet")
-        kw = dict(hidden=spec.hidden, n_layers=n_layers or spec.n_layers, n_q_heads=spec.n_q_heads,
-                  n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, n_experts=spec.n_experts, top_k=spec.top_k,
-                  moe_intermediate=spec.moe_intermediate, vocab=spec.vocab, tie_embeddings=spec.tie_embeddings)
+        att = spec.mixer("full")
+        kw = dict(hidden=spec.hidden, n_layers=n_layers or spec.n_layers, n_q_heads=att.n_q_heads,
+                  n_kv_heads=att.n_kv_heads, head_dim=att.head_dim, n_experts=moe.n_experts, top_k=moe.top_k,
+                  moe_intermediate=moe.intermediate, vocab=spec.vocab, tie_embeddings=spec.tie_embeddings)
         kw.update(overrides)
         return cls(**kw)
 
@@ -87,17 +94,27 @@ class TorchModelConfig:
                    norm_topk_prob=bool(get("norm_topk_prob", True)),
                    tie_embeddings=bool(get("tie_word_embeddings", False)))
 
+    @cached_property
+    def attention(self) -> GqaAttention:
+        """The token-mixer kind every layer runs (Qwen3-MoE: GQA with qk-norm, ungated)."""
+        return GqaAttention(hidden=self.hidden, n_q_heads=self.n_q_heads, n_kv_heads=self.n_kv_heads,
+                            head_dim=self.head_dim, qk_norm=True, gated=False)
+
+    @cached_property
+    def moe(self) -> MoeFfn:
+        """The FFN kind every layer runs (routed experts, no shared expert)."""
+        return MoeFfn(hidden=self.hidden, n_experts=self.n_experts, top_k=self.top_k, intermediate=self.moe_intermediate)
+
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * elem_bytes
+        return self.n_layers * self.attention.kv_bytes_per_token(elem_bytes)
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Which slice of the model one rank holds.
-
-    attn_tp / attn_rank: the attention TP group (1 for a DP decoder rank); ep / ep_rank: the expert group.
-    Query heads are split contiguously; each rank holds the KV heads its query heads read (so with tp > KV heads a
-    KV head is replicated on tp / KV-heads ranks). Experts are split contiguously.
+    """Which slice of the model one rank holds: its place in the attention TP group (``attn_tp`` ranks, 1 for a DP
+    decoder rank) and in the expert group (``ep`` ranks). The heads and experts of that place are the layer kinds'
+    (``GqaAttention.q_heads_of_tp_rank`` / ``kv_heads_of_tp_rank``, ``MoeFfn.experts_of_ep_rank``), the same
+    derivation ``ParallelPlan`` uses; ``of_plan`` takes the place from a plan.
     """
 
     attn_tp: int = 1
@@ -105,22 +122,26 @@ class Shard:
     ep: int = 1
     ep_rank: int = 0
 
+    @classmethod
+    def of_plan(cls, plan, rank: int) -> Shard:
+        """Rank ``rank`` of a ``ParallelPlan``. The torch engine holds whole experts, so the plan's expert group
+        must be all ranks (``ep = world``) or none (``ep = 1``, experts replicated)."""
+        if 1 < plan.ep < plan.world:
+            raise ValueError(f"ep={plan.ep} over {plan.world} ranks splits experts {plan.expert_tp} ways; the torch "
+                             "engine holds whole experts (use ep equal to the group size, or 1)")
+        return cls(attn_tp=plan.tp, attn_rank=plan.tp_rank(rank), ep=plan.ep,
+                   ep_rank=plan.ep_rank(rank) if plan.ep > 1 else 0)
+
     def q_heads(self, cfg: TorchModelConfig) -> range:
-        if cfg.n_q_heads % self.attn_tp:
-            raise ValueError(f"tp={self.attn_tp} does not divide {cfg.n_q_heads} query heads")
-        per = cfg.n_q_heads // self.attn_tp
-        return range(self.attn_rank * per, (self.attn_rank + 1) * per)
+        return cfg.attention.q_heads_of_tp_rank(self.attn_tp, self.attn_rank)
 
     def kv_heads(self, cfg: TorchModelConfig) -> range:
-        group = cfg.n_q_heads // cfg.n_kv_heads
-        q = self.q_heads(cfg)
-        return range(q.start // group, (q.stop - 1) // group + 1)
+        """The KV heads this rank's query heads read (with tp > KV heads, a KV head replicated on tp / KV heads
+        ranks)."""
+        return cfg.attention.kv_heads_of_tp_rank(self.attn_tp, self.attn_rank)
 
     def experts(self, cfg: TorchModelConfig) -> range:
-        if cfg.n_experts % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide {cfg.n_experts} experts")
-        per = cfg.n_experts // self.ep
-        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+        return cfg.moe.experts_of_ep_rank(self.ep, self.ep_rank)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -344,7 +365,8 @@ class ShardedQwen3Moe:
 
     def _gqa_map(self) -> torch.Tensor:
         """For each local query head, the index of its KV head among the local KV heads."""
-        group = self.cfg.n_q_heads // self.cfg.n_kv_heads
+        att = self.cfg.attention
+        group = att.n_q_heads // att.n_kv_heads
         return torch.tensor([h // group - self.kv_heads.start for h in self.q_heads])
 
     def _route(self, w, h: torch.Tensor):

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from engine.core.kv import KvLayout
+from engine.core.sharding import ParallelPlan
 from engine.real.comm import Comm
 from engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, TorchModelConfig
 from engine.real.transfer import KvBackend, TransferEngine
@@ -106,6 +107,15 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def rank_plan(spec: RankSpec) -> ParallelPlan:
+    """The ``ParallelPlan`` of ``spec``'s group, ranks numbered within the group: a prefiller is ``tp`` attention
+    ranks (dp = group / tp), a decoder ``len(group)`` DP ranks; ``ep`` as the spec says."""
+    n = len(spec.group_ranks)
+    tp = spec.tp if spec.role == "prefill" else 1
+    return ParallelPlan(role=spec.role, tp=tp, dp=n // tp, ep=spec.ep, gpus=tuple(range(n)),
+                        kv_replication=spec.cfg.attention.kv_replication(tp))
+
+
 def make_groups(all_groups, world: int):
     """Every group's process group (None for a single rank), then the KV group over all ``world`` ranks. Every
     process of the job calls this with the same arguments (``new_group`` is collective, in creation order)."""
@@ -154,8 +164,8 @@ class Rank:
         me = spec.group_ranks.index(spec.rank)
         self.me = me
         dev, dt = torch.device(spec.device), _dtype(spec.dtype)
+        shard = Shard.of_plan(rank_plan(spec), me)
         if spec.role == "prefill":
-            shard = Shard(attn_tp=spec.tp, attn_rank=me, ep=spec.ep, ep_rank=me % spec.ep)
             comm = Comm(tp_group=group if spec.tp > 1 else None, ep_group=group if spec.ep > 1 else None)
             if dev.type == "cuda" and spec.tp > 1 and os.environ.get("RACKBED_PEER_ALLREDUCE", "1") == "1":
                 # the TP all-reduce and the prefill MoE combine through the peer-memory kernels (NCCL fallback)
@@ -165,7 +175,6 @@ class Rank:
                 comm.tp_allreduce_impl = lambda x, ar=ar: ar.all_reduce(x, out=x) if \
                     x.numel() * x.element_size() <= (64 << 20) else _nccl_all_reduce(x, group)
         else:
-            shard = Shard(attn_tp=1, attn_rank=0, ep=spec.ep, ep_rank=me)
             comm = Comm(ep_group=group if spec.ep > 1 else None)
         if spec.weights:
             self.model = ShardedQwen3Moe.from_state_dict(_load_state(spec.weights), spec.cfg, shard, comm,
@@ -175,10 +184,9 @@ class Rank:
         self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
-        src = KvLayout.tp_sharded(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, eb, spec.page_tokens, spec.prefill_tp,
-                                  spec.prefill_pages)
-        dst = KvLayout.tp_sharded(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, eb, spec.page_tokens, 1,
-                                  spec.decode_pages)
+        src = KvLayout.for_attention(cfg.attention, cfg.n_layers, eb, spec.page_tokens, spec.prefill_tp,
+                                     spec.prefill_pages)
+        dst = KvLayout.for_attention(cfg.attention, cfg.n_layers, eb, spec.page_tokens, 1, spec.decode_pages)
         self.transfer = TransferEngine(src, dst, KvBackend(kv_group))
         self.seqs: dict[int, _Seq] = {}        # prefiller: KV awaiting shipment; decoder: received / running
         self.running: list[int] = []           # decoder: request ids in the batch, in join order

@@ -39,13 +39,15 @@ Gated DeltaNet (Qwen3.5 "linear" layers; Hv value heads, Dk = Dv = linear_head_d
 * decode core: the fp32 state ``Hv * Dk * Dv * 4`` B per sequence is read and written once per step
   (memory-bound), plus the conv state.
 
-All functions return an :class:`AttentionCost` for ONE layer on ONE rank, in seconds.
+All functions return an :class:`AttentionCost` for ONE layer on ONE rank, in seconds. The dimensions come from the
+model's layer kinds (``model.mixer("full")`` / ``("linear")``, :mod:`engine.core.layers`): head counts per rank,
+projection GEMM shapes, core FLOPs and KV / state bytes; ``MIXER_COSTS`` maps each kind's tag to its functions.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sim.costs import constants as C
@@ -93,11 +95,16 @@ def full_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 
     """QKV + O projection GEMMs of one full-attention layer on one rank for ``n_tokens`` tokens."""
     if n_tokens <= 0:
         return ZERO_GEMM
-    h, d = local_heads(model.n_q_heads, tp), model.head_dim
-    hkv = local_heads(model.n_kv_heads, tp)
-    qkv_n = h * d * (2 if model.gated_attn else 1) + 2 * hkv * d
-    return (gemm_time(gpu, n_tokens, qkv_n, model.hidden, fmt, calib=calib)
-            + gemm_time(gpu, n_tokens, model.hidden, h * d, fmt, calib=calib))
+    return _gemms(gpu, model.mixer("full").proj_gemms(tp), n_tokens, fmt, calib)
+
+
+def _gemms(gpu: GpuSpec, shapes, n_tokens: int, fmt: str, calib: CalibrationTable | None) -> GemmCost:
+    """The sum of a kind's projection GEMMs (``AttentionKind.proj_gemms``: ``(n, k)`` each) for ``n_tokens``."""
+    (n0, k0), *rest = shapes
+    out = gemm_time(gpu, n_tokens, n0, k0, fmt, calib=calib)
+    for n, k in rest:
+        out = out + gemm_time(gpu, n_tokens, n, k, fmt, calib=calib)
+    return out
 
 
 def _copies(total: float, own: float) -> float:
@@ -133,10 +140,10 @@ def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]],
     sequence (chunked prefill / prefix-cache hits have ``cached_tokens > 0``); the sequences share one kernel
     (module docstring: each is priced at the rate of ``F / f_i`` copies of itself)."""
     _check_seqs(seqs)
-    h, d = local_heads(model.n_q_heads, tp), model.head_dim
-    hkv = local_heads(model.n_kv_heads, tp)
+    att = model.mixer("full")
+    (h, hkv), d = att.local_heads(tp), att.head_dim
     peak = gpu.dense_tflops.bf16 * 1e12
-    work = [(q, c, 4.0 * h * d * (q * c + q * (q + 1) / 2)) for q, c in seqs if q]
+    work = [(q, c, att.prefill_core_flops(q, c, tp)) for q, c in seqs if q]
     total = sum(f for _, _, f in work)
     flops, core_s, kv_bytes, alone_s = 0.0, 0.0, 0.0, 0.0
     mixed = len({(q, c) for q, c, _ in work}) > 1
@@ -146,7 +153,7 @@ def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]],
         rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, q + c)
         core_s += f / rate
         flops += f
-        kv_bytes += (q + c) * 2 * hkv * d * 2
+        kv_bytes += att.kv_read_bytes(q + c, tp, 2)
         if measured is not None and mixed:
             # a mixed batch is never faster than its slowest sequence alone (the copies rule is measured on
             # equal sequences only; a short sequence beside a long cached one would otherwise borrow a batch's rate)
@@ -198,10 +205,10 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
         raise UserError(f"q_per_seq must be >= 1, got {q_per_seq}")
     if n_seqs <= 0:
         return AttentionCost(0.0, 0.0, 0.0, 0.0)
-    h, d = local_heads(model.n_q_heads, tp), model.head_dim
-    hkv = local_heads(model.n_kv_heads, tp)
-    kv_bytes = paged_tokens * 2 * hkv * d * kv_elem_bytes
-    flops = 4.0 * h * d * total_ctx * q_per_seq
+    att = model.mixer("full")
+    (h, hkv), d = att.local_heads(tp), att.head_dim
+    kv_bytes = att.kv_read_bytes(paged_tokens, tp, kv_elem_bytes)
+    flops = att.decode_core_flops(total_ctx, tp, q_per_seq)
     # calibration kind decode_attn_GBps (the measured decode kernel per sequences x KV heads, context and KV
     # format), else hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times
     # DECODE_ATTN_BW_EFFICIENCY
@@ -225,19 +232,21 @@ def linear_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int 
     """in_proj_qkvz + in_proj_ba and out_proj GEMMs of one Gated DeltaNet layer on one rank."""
     if n_tokens <= 0:
         return ZERO_GEMM
-    dk = model.linear_head_dim
-    hk, hv = local_heads(model.linear_n_k_heads, tp), local_heads(model.linear_n_v_heads, tp)
-    in_n = 2 * hk * dk + 2 * hv * dk + 2 * hv
-    return (gemm_time(gpu, n_tokens, in_n, model.hidden, fmt, calib=calib)
-            + gemm_time(gpu, n_tokens, model.hidden, hv * dk, fmt, calib=calib))
+    return _gemms(gpu, _gdn(model).proj_gemms(tp), n_tokens, fmt, calib)
+
+
+def _gdn(model):
+    """The model's Gated DeltaNet kind (``UserError`` without one)."""
+    att = model.mixer("linear")
+    if att is None:
+        raise UserError(f"{model.name} has no linear-attention layers")
+    return att
 
 
 def _gdn_state_bytes(model, tp: int) -> float:
-    """fp32 recurrent state + conv state of one sequence in one DeltaNet layer on one rank."""
-    dk = model.linear_head_dim
-    hk, hv = local_heads(model.linear_n_k_heads, tp), local_heads(model.linear_n_v_heads, tp)
-    conv_channels = (2 * hk + hv) * dk
-    return hv * dk * dk * C.GDN_STATE_ELEM_BYTES + (model.linear_conv - 1) * conv_channels * 2
+    """Recurrent state (``GDN_STATE_ELEM_BYTES`` per element) + bf16 conv state of one sequence in one DeltaNet
+    layer on one rank."""
+    return _gdn(model).local_state_bytes(tp, C.GDN_STATE_ELEM_BYTES, 2)
 
 
 def linear_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
@@ -245,17 +254,13 @@ def linear_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]
     """One Gated DeltaNet layer on one rank for a prefill batch (``(new_tokens, cached_tokens)`` per sequence;
     cached tokens only matter through the stored state, read once)."""
     _check_seqs(seqs)
-    if not model.n_linear_layers:
-        raise UserError(f"{model.name} has no linear-attention layers")
-    dk = model.linear_head_dim
-    hk, hv = local_heads(model.linear_n_k_heads, tp), local_heads(model.linear_n_v_heads, tp)
-    ch = C.GDN_CHUNK_TOKENS
-    per_tok = hv * 2.0 * (2 * ch * dk + ch * dk + 3 * dk * dk) + 2.0 * model.linear_conv * (2 * hk + hv) * dk
+    att = _gdn(model)
+    per_tok = att.prefill_flops_per_token(tp, C.GDN_CHUNK_TOKENS)
     n_tokens = sum(q for q, _ in seqs)
     n_seqs = sum(1 for q, _ in seqs if q)
     flops = per_tok * n_tokens
     state_bytes = n_seqs * _gdn_state_bytes(model, tp) * 2  # read initial + write final state
-    act_bytes = n_tokens * (2 * hk + 2 * hv) * dk * 2  # q, k, v in; o out (bf16)
+    act_bytes = n_tokens * att.prefill_act_bytes_per_token(tp)  # q, k, v in; o out (bf16)
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.GDN_EFFICIENCY)
     memory_s = (state_bytes + act_bytes) / hbm_rate_Bps(gpu, state_bytes + act_bytes, calib)
     core_s = (max(compute_s, memory_s) + kernel_fixed_us(calib, gpu) * 1e-6) if n_tokens else 0.0
@@ -267,16 +272,60 @@ def linear_attention_decode(gpu: GpuSpec, model, n_seqs: int, *, tp: int = 1, fm
                             q_per_seq: int = 1, calib: CalibrationTable | None = None) -> AttentionCost:
     """One Gated DeltaNet layer on one rank for a decode step of ``n_seqs`` sequences (``q_per_seq`` tokens each,
     processed recurrently with the state held on chip): state read + written once per sequence."""
-    if not model.n_linear_layers:
-        raise UserError(f"{model.name} has no linear-attention layers")
+    att = _gdn(model)
     if n_seqs <= 0:
         return AttentionCost(0.0, 0.0, 0.0, 0.0)
-    dk = model.linear_head_dim
-    hv = local_heads(model.linear_n_v_heads, tp)
     state = n_seqs * _gdn_state_bytes(model, tp) * 2
-    flops = n_seqs * q_per_seq * 7.0 * hv * dk * dk  # decay, S^T k, rank-1 update, S^T q (model.py's count)
+    flops = n_seqs * q_per_seq * att.decode_flops_per_token(tp)  # decay, S^T k, rank-1 update, S^T q
     memory_s = state / hbm_rate_Bps(gpu, state, calib)
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.GDN_EFFICIENCY)
     core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
     proj = linear_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
     return AttentionCost(proj.total_s, core_s, flops, state)
+
+
+# ------------------------------------------------------------------------------------------------ per-kind registry
+
+
+@dataclass(frozen=True)
+class MixerCosts:
+    """How the step cost model (:mod:`sim.costs.step`) prices one token-mixer kind (``AttentionKind.kind``).
+
+    prefix:  the breakdown terms' prefix (``<prefix>_proj``, ``<prefix>_core``).
+    prefill: ``(gpu, model, seqs, tp=, fmt=, calib=) -> AttentionCost`` of one layer on one rank.
+    decode:  ``(gpu, model, rank_batch, front, kw) -> AttentionCost`` of one layer on the slowest DP rank;
+             ``front`` = the (sequences, context tokens) pairs that can be slowest (``step.pareto_ranks``),
+             ``kw`` = fmt, q_per_seq, kv_elem_bytes, page_tokens, calib.
+    """
+
+    prefix: str
+    prefill: Callable[..., AttentionCost]
+    decode: Callable[..., AttentionCost]
+
+
+def _full_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
+    return max((full_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
+               key=lambda a: a.total_s)
+
+
+def _linear_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
+    return linear_attention_decode(gpu, model, max(rank_batch), fmt=kw["fmt"], q_per_seq=kw["q_per_seq"],
+                                   calib=kw["calib"])
+
+
+#: kind tag -> its costs, in the order the step adds their terms
+MIXER_COSTS: dict[str, MixerCosts] = {
+    "full": MixerCosts("attn", full_attention_prefill, _full_decode_slowest),
+    "linear": MixerCosts("linear_attn", linear_attention_prefill, _linear_decode_slowest),
+}
+
+
+def mixer_counts(model) -> list[tuple[MixerCosts, int]]:
+    """(costs, layer count) of each token-mixer kind of ``model`` in ``MIXER_COSTS`` order; ``UserError`` for a
+    kind without a cost model."""
+    counts = {a.kind: n for a, n in model.attention_counts()}
+    missing = sorted(set(counts) - set(MIXER_COSTS))
+    if missing:
+        raise UserError(f"{model.name}: no cost model for attention kind {missing[0]!r} "
+                        f"(sim.costs.attention.MIXER_COSTS has {', '.join(MIXER_COSTS)})")
+    return [(c, counts[k]) for k, c in MIXER_COSTS.items() if counts.get(k)]

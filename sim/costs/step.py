@@ -1,7 +1,8 @@
 """Step time of a whole model under a ``ParallelPlan``: a prefill batch, a decode step (with MTP draft + verify).
 
 Both functions are pure and O(ranks) per call: layers of one kind are identical, so a per-layer cost is computed
-once and multiplied by the layer count (costs are exactly linear in layer counts); GEMM costs are memoised per
+once per kind (token mixers: ``sim.costs.attention.MIXER_COSTS`` keyed by the layer kind's tag) and multiplied by
+the layer count (costs are exactly linear in layer counts); GEMM costs are memoised per
 shape (``sim.costs.gemm``). They return ``StepTime`` (``*_step_time``) or the term-by-term
 :class:`~sim.costs.breakdown.StepBreakdown` (``*_step_breakdown``) whose categories sum to it.
 
@@ -38,12 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sim.costs import constants as C
-from sim.costs.attention import (
-    full_attention_decode_totals,
-    full_attention_prefill,
-    linear_attention_decode,
-    linear_attention_prefill,
-)
+from sim.costs.attention import full_attention_decode_totals, mixer_counts
 from sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
 from sim.costs.calibration import CalibrationTable, host_step_s, kernel_fixed_us
 from sim.costs.collective import allreduce_time, group_links
@@ -141,15 +137,11 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
     b = BreakdownBuilder()
     if n_tokens <= 0:
         return b.build()
-    nf, nl, n_moe, n_dense = layer_counts(model)
-    if nf:
-        a = full_attention_prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
-        b.add("attn_proj", "attn_s", nf * a.proj_s)
-        b.add("attn_core", "attn_s", nf * a.core_s)
-    if nl:
-        a = linear_attention_prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
-        b.add("linear_attn_proj", "attn_s", nl * a.proj_s)
-        b.add("linear_attn_core", "attn_s", nl * a.core_s)
+    _, _, n_moe, n_dense = layer_counts(model)
+    for costs, n in mixer_counts(model):
+        a = costs.prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
+        b.add(f"{costs.prefix}_proj", "attn_s", n * a.proj_s)
+        b.add(f"{costs.prefix}_core", "attn_s", n * a.core_s)
     tp_group = plan.tp_group(0)
     act_bytes = n_tokens * model.hidden * 2
     ar = allreduce_time(topo, tp_group, act_bytes, algo=allreduce_algo, calib=calib)
@@ -250,18 +242,13 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
         return b.build()
     kw = {"fmt": fmt, "q_per_seq": q, "kv_elem_bytes": plan.kv_elem_bytes, "page_tokens": plan.page_tokens,
           "calib": calib}
-    nf, nl, n_moe, n_dense = layer_counts(model)
+    _, _, n_moe, n_dense = layer_counts(model)
     front = pareto_ranks(rank_batch, rank_context_tokens)
     # verify pass: slowest rank's attention per layer kind
-    if nf:
-        worst = max((full_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
-                    key=lambda a: a.total_s)
-        b.add("attn_proj", "attn_s", nf * worst.proj_s)
-        b.add("attn_core", "attn_s", nf * worst.core_s)
-    if nl:
-        worst = linear_attention_decode(gpu, model, max(rank_batch), fmt=fmt, q_per_seq=q, calib=calib)
-        b.add("linear_attn_proj", "attn_s", nl * worst.proj_s)
-        b.add("linear_attn_core", "attn_s", nl * worst.core_s)
+    for costs, n in mixer_counts(model):
+        worst = costs.decode(gpu, model, rank_batch, front, kw)
+        b.add(f"{costs.prefix}_proj", "attn_s", n * worst.proj_s)
+        b.add(f"{costs.prefix}_core", "attn_s", n * worst.core_s)
     tokens = [n * q for n in rank_batch]
     _moe_decode_layer(b, "", n_moe, gpu, model, plan, topo, tokens, tokens_per_expert, send_matrix, fmt, calib)
     if n_dense:

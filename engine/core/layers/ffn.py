@@ -1,0 +1,93 @@
+"""Feed-forward kinds of a decoder layer: a dense SwiGLU MLP, or a mixture of SwiGLU experts.
+
+``DenseFfn``: gate, up (hidden -> intermediate) and down projections, split ``tp`` ways.
+``MoeFfn``: ``n_experts`` routed experts of width ``intermediate``, ``top_k`` active per token, a router
+hidden -> n_experts, plus ``n_shared`` always-on experts of width ``shared_intermediate``, each with a sigmoid gate
+hidden -> 1 (Qwen3-Next / Qwen3.5). Routed experts spread over the EP group (``n_experts / ep`` contiguous
+experts per EP rank); shared experts split ``tp`` ways like a dense MLP; router and gates are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from topology.errors import UserError
+
+
+class DenseFfn(BaseModel):
+    """A dense SwiGLU MLP."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["dense"] = "dense"
+    hidden: int = Field(gt=0)
+    intermediate: int = Field(gt=0)
+
+    def params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    def active_params(self) -> int:
+        return self.params()
+
+    def quantizable_params(self) -> int:
+        return self.params()
+
+
+class MoeFfn(BaseModel):
+    """A mixture of experts, with or without shared experts (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["moe"] = "moe"
+    hidden: int = Field(gt=0)
+    n_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    intermediate: int = Field(gt=0)
+    n_shared: int = Field(default=0, ge=0)
+    shared_intermediate: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if self.n_shared > 0 and self.shared_intermediate <= 0:
+            raise ValueError("shared_intermediate must be > 0 when n_shared_experts > 0")
+        return self
+
+    def expert_params(self) -> int:
+        """One routed SwiGLU expert: gate, up (hidden -> intermediate) and down projections."""
+        return 3 * self.hidden * self.intermediate
+
+    def shared_params(self) -> int:
+        """All shared experts, each with its sigmoid gate (hidden -> 1)."""
+        return self.n_shared * (3 * self.hidden * self.shared_intermediate + self.hidden)
+
+    def shared_gate_params(self) -> int:
+        return self.n_shared * self.hidden
+
+    def router_params(self) -> int:
+        return self.n_experts * self.hidden
+
+    def params(self) -> int:
+        """Routed experts + router + shared experts (and their gates)."""
+        return self.n_experts * self.expert_params() + self.router_params() + self.shared_params()
+
+    def active_params(self) -> int:
+        """What one token touches: ``top_k`` routed experts, the router, the shared experts and gates."""
+        return self.params() - (self.n_experts - self.top_k) * self.expert_params()
+
+    def quantizable_params(self) -> int:
+        """Routed and shared experts (the router and the shared-expert gates stay bf16)."""
+        return self.n_experts * self.expert_params() + self.shared_params() - self.shared_gate_params()
+
+    def experts_of_ep_rank(self, ep: int, ep_rank: int) -> range:
+        """The contiguous routed experts EP rank ``ep_rank`` of ``ep`` holds."""
+        if self.n_experts % ep:
+            raise UserError(f"ep={ep} does not divide {self.n_experts} experts")
+        per = self.n_experts // ep
+        return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+__all__ = ["DenseFfn", "MoeFfn"]
