@@ -166,3 +166,27 @@ def test_cli_errors_name_the_flag(capsys, argv, flag):
     assert main(["run", *argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"rackbed: error: {flag}") and "\n" not in err
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(1e-4, 1e4), min_size=2, max_size=200))
+def test_log_axis_exactly_when_the_body_is_squashed(xs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from sim.outputs import LOG_X_SPREAD, plot_cdf, squashed
+
+    x = np.asarray(xs)
+    assert squashed(x) == (np.percentile(x, 90) * LOG_X_SPREAD < x.max())
+    fig, ax = plt.subplots()
+    plot_cdf(ax, x, "TPOT (ms)", slo=1.0)
+    assert ax.get_xscale() == ("log" if squashed(x) else "linear")
+    line = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert line and line[0].get_xdata()[0] == 1.0 and f"{np.mean(x <= 1.0):.1%}" in line[0].get_label()
+    plt.close(fig)
