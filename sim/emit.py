@@ -92,11 +92,13 @@ def plan_of(sc) -> Plan:
 
 def unmapped(sc, engine: str, pl: Plan) -> list[str]:
     """Settings of the scenario the engine's files cannot express (one comment line each)."""
-    notes = [f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; speculative decoding needs a draft model "
-             "(${DRAFT_MODEL_PATH})"] if pl.draft_k and not pl.model_has_mtp else []
-    notes += [f"MTP acceptance {sc.mtp.accept_p} is a simulation input: the engine measures its own",
-             f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
-             "backend's"]
+    notes = []
+    if pl.draft_k and not pl.model_has_mtp:
+        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; speculative decoding needs a draft "
+                     "model (${DRAFT_MODEL_PATH})")
+    notes.append(f"MTP acceptance {sc.mtp.accept_p} is a simulation input: the engine measures its own")
+    notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
+                 "backend's")
     if sc.prefill.max_queue_requests is not None:
         notes.append(f"prefill max_queue_requests={sc.prefill.max_queue_requests}: no flag; the router queues")
     if sc.prefill.kv_replication:
@@ -175,9 +177,10 @@ def _shell(args: list[str]) -> str:
 
 
 def _script(pl: Plan, notes: list[str], lines: list[str]) -> str:
-    head = ["#!/usr/bin/env bash", f"# {pl.name}: {len(pl.prefill)} prefill + {len(pl.decode)} decode groups "
-            "(emitted by `rackbed emit`). Run each command on the host it names; set HOST_<n> to the topology's "
-            "hosts.", f': "${{MODEL_PATH:={pl.model_id}}}"', *(f"# no equivalent: {n}" for n in notes), ""]
+    title = (f"# {pl.name}: {len(pl.prefill)} prefill + {len(pl.decode)} decode groups (emitted by `rackbed emit`). "
+             "Run each command on the host it names; set HOST_<n> to the topology's hosts.")
+    head = ["#!/usr/bin/env bash", title, f': "${{MODEL_PATH:={pl.model_id}}}"',
+            *(f"# no equivalent: {n}" for n in notes), ""]
     return "\n".join(head + lines) + "\n"
 
 

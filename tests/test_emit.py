@@ -123,3 +123,14 @@ def test_bad_engine_is_one_line_exit_2(capsys, tmp_path):
 def test_cli_writes_the_files(capsys, tmp_path):
     assert main(["emit", "i_h200_mooncake", "--engine", "trtllm", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx.yaml", "disagg.yaml", "gen.yaml", "launch.sh"]
+
+
+def test_scripts_are_valid_bash(case):
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    for e in ("sglang", "trtllm"):
+        r = subprocess.run(["bash", "-n"], input=case[1][e]["launch.sh"], text=True, capture_output=True)
+        assert r.returncode == 0, r.stderr
