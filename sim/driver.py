@@ -34,6 +34,7 @@ from engine.core.policies import Policies
 from engine.core.request import Request
 from engine.core.scheduler import KvChunks, Scheduler
 from engine.core.state import ROW_FIELDS, Sample
+from engine.core.workload import ClosedLoop
 from engine.loop.runloop import Progress, collector_paused, run_loop
 from engine.loop.simenv import SimEnv
 from sim import fastpath
@@ -103,6 +104,7 @@ def simulate(
     env: simpy.Environment | None = None,
     executor_factory=None,
     policies: Policies | None = None,
+    closed_loop: ClosedLoop | None = None,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
 
@@ -120,6 +122,8 @@ def simulate(
     env, executor_factory: another environment (with ``advance(t)``) and ``(cost_model, network, group_of) ->
                executor`` (the real engine's measured clock and ranks; the fast path is then off).
     policies:  the scheduler's policies (:class:`~engine.core.policies.Policies`; default: the reference rules).
+    closed_loop: at most that many requests in flight (:class:`~engine.core.workload.ClosedLoop`; the workload's
+               ``closed_loop()``); runs every worker as a process (a send follows the event that resolves one).
     """
     t_wall0 = time.perf_counter()
     fault_list = parse_faults(faults)
@@ -143,7 +147,7 @@ def simulate(
     spans: list[tuple] = []
     procs = WorkerProcesses(sched, env, ex.duration, spans, debug_checks=debug_checks)
     sim_env = type(env) is SimEnv
-    if fast_decode and sim_env and type(ex) is Executor:
+    if fast_decode and sim_env and type(ex) is Executor and closed_loop is None:
         procs.fast = _fast_path(sched, env, ex, cost_model, spans, procs, direct=not fault_list,
                                 lazy=not decision_log and not debug_checks, debug_checks=debug_checks)
     if hasattr(env, "on_fault"):
@@ -155,7 +159,7 @@ def simulate(
     bar = Progress(t_wall0, len(requests) if isinstance(requests, Sequence) else None, until_s) if progress else None
     with collector_paused(sim_env) as collector_off:
         n_events = run_loop(env, sched, requests, until_s=until_s, flush=procs.flush, fast=procs.fast,
-                            collect=collector_off, progress=bar)
+                            collect=collector_off, progress=bar, closed_loop=closed_loop)
         if procs.fast is not None:
             procs.fast.report()
         sim_end = until_s if until_s is not None else env.now

@@ -109,6 +109,35 @@ def perfetto_trace(result: SimResult, max_events: int = TRACE_MAX_EVENTS) -> dic
             "otherData": {"spans_total": len(result.spans), "spans_written": len(events)}}
 
 
+#: a CDF's x axis goes logarithmic when 90 % of the values sit in the first 1/LOG_X_SPREAD of a linear axis
+LOG_X_SPREAD = 10.0
+
+
+def squashed(x: np.ndarray) -> bool:
+    """Whether a linear axis squashes the CDF of ``x``: all positive and p90 < max / ``LOG_X_SPREAD`` (a long
+    tail would leave the body a sliver at the left)."""
+    if x.size < 2 or not np.all(x > 0):
+        return False
+    return bool(np.percentile(x, 90) * LOG_X_SPREAD < np.max(x))
+
+
+def plot_cdf(ax, x: np.ndarray, name: str, slo: float | None = None) -> None:
+    """The empirical CDF of ``x`` on ``ax``; the SLO (same unit) as a dashed line with the fraction meeting it;
+    a log x axis where the body would be squashed (:func:`squashed`)."""
+    if x.size:
+        xs = np.sort(x)
+        ax.plot(xs, np.arange(1, xs.size + 1) / xs.size)
+        if squashed(xs):
+            ax.set_xscale("log")
+    if slo is not None:
+        met = float(np.mean(x <= slo)) if x.size else float("nan")
+        ax.axvline(slo, color="tab:red", ls="--", lw=1, label=f"SLO {slo:g}: {met:.1%} meet it")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlabel(name)
+    ax.set_ylabel("CDF")
+    ax.grid(alpha=0.3, which="both")
+
+
 def plot_all(result: SimResult, out: Path) -> list[Path]:
     import matplotlib
 
@@ -123,13 +152,10 @@ def plot_all(result: SimResult, out: Path) -> list[Path]:
     tpot = ((a["end_s"] - a["first_token_s"])[multi] / (a["output_tokens"][multi] - 1))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, x, name in ((axes[0], ttft, "TTFT (s)"), (axes[1], tpot * 1e3, "TPOT (ms)")):
-        if x.size:
-            xs = np.sort(x)
-            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size)
-        ax.set_xlabel(name)
-        ax.set_ylabel("CDF")
-        ax.grid(alpha=0.3)
+    gp = result.metrics.get("goodput", {})
+    slo_ttft, slo_tpot = gp.get("slo_ttft_s"), gp.get("slo_tpot_s")
+    plot_cdf(axes[0], ttft, "TTFT (s)", slo_ttft)
+    plot_cdf(axes[1], tpot * 1e3, "TPOT (ms)", slo_tpot * 1e3 if slo_tpot is not None else None)
     fig.suptitle(f"{result.deployment.name}: {int(done.sum())} requests done")
     fig.tight_layout()
     p = out / "ttft_tpot_cdf.png"

@@ -666,28 +666,40 @@ def simulate_scenario(sc: ServingScenario, *, progress: bool = False, built: Bui
     res = simulate(b.deployment, reqs, b.cost_model, seed=sc.seed, faults=faults, autoscaler=auto,
                    until_s=sc.sim.until_s, progress=progress, slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s),
                    kv_chunks=b.cost_model.kv_chunks, sample_interval_s=sc.sim.sample_interval_s,
-                   decision_log=sc.sim.decision_log, policies=sc.sim.policies.build())
+                   decision_log=sc.sim.decision_log, policies=sc.sim.policies.build(),
+                   closed_loop=sc.workload.closed_loop())
     return b, res
 
 
-def run_serving(path: Path, out: Path, *, console, seed: int | None = None, progress: bool = True) -> dict:
-    """``rackbed run`` for a serving scenario: simulate, write outputs, print the summary."""
+def run_serving(path: Path, out: Path, *, console, seed: int | None = None, progress: bool = True,
+                overrides: dict | None = None) -> dict:
+    """``rackbed run`` for a serving scenario: simulate, write outputs, print the summary. ``overrides``: the
+    command line's (``sim.overrides.apply_overrides`` keywords)."""
     from sim.outputs import write_all
 
     sc = load_scenario(path)
     if seed is not None:
         sc = sc.model_copy(update={"seed": seed})
+    if overrides:
+        from sim.overrides import apply_overrides
+
+        sc = apply_overrides(sc, **overrides)
     try:
         b = build(sc)
-    except ValueError as exc:       # name the file: the messages name the field and the rule
+    except ValueError as exc:       # name the file (or the flags): the messages name the field and the rule
         msg = str(exc)
-        raise UserError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+        where = f"{path} with {_flags(overrides)}" if overrides else str(path)
+        raise UserError(msg if msg.startswith(str(path)) else f"{where}: {msg}") from None
     b, res = simulate_scenario(sc, progress=progress, built=b)
     out.mkdir(parents=True, exist_ok=True)
     files = write_all(res, out)
     print_summary(console, b, res)
     console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]" if files else f"wrote {out}")
     return res.metrics
+
+
+def _flags(overrides: dict) -> str:
+    return " ".join(f"--{k.removesuffix('_s')} {v}" for k, v in overrides.items())
 
 
 def print_summary(console, b: Built, res) -> None:
@@ -698,6 +710,11 @@ def print_summary(console, b: Built, res) -> None:
     console.print(f"[bold]{sc.name}[/bold] — {sc.model} ({sc.weight_format}) on {sc.topology}: "
                   f"prefill TP={sc.prefill.tp}/EP={sc.prefill.ep}, decode DP-EP={sc.decode.ep}, "
                   f"MTP k={sc.mtp.draft_k} p={sc.mtp.accept_p}")
+    dep = b.deployment
+    pg = sum(len(g.gpus) for g in dep.prefillers)
+    dg = sum(len(g.gpus) for g in dep.decoders)
+    console.print(f"GPUs in use: {pg + dg} of {b.topology.n_gpus} — {len(dep.prefillers)} prefiller(s) ({pg} GPUs), "
+                  f"{len(dep.decoders)} decoder(s) ({dg} GPUs); per-GPU rates below divide by the GPUs in use")
     console.print(f"[dim]{b.calibration_note}[/dim]")
     for c in b.caveats:
         console.print(f"[yellow]caveat:[/yellow] {c}")

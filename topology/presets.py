@@ -15,6 +15,9 @@ Presets (``topology.load(name)``):
   rate, 385 GB/s measured), one x86 CPU, no scale-out NIC.
 - ``NAME*N``: N copies of a preset's rack joined by its fabric (e.g. ``hgx-h200*2``, ``gb200-nvl72*2``). GPU
   ids run 0..N*g-1, hosts are numbered globally, fabric switches are rebuilt for all NICs.
+- ``NAME@G``: a rack of several nodes populated with its first G GPUs (whole nodes; e.g. ``gb200-nvl72@16`` =
+  4 compute trays on the rack's 18 NVLink switch ASICs). :func:`resized` picks ``NAME*N`` or ``NAME@G`` for a
+  GPU count (``rackbed run --gpus``).
 
 Numbering (every builder output): rack by rack, node by node; within a node GPUs, then CPUs, then NICs
 (NIC ``k`` of GPU ``i`` is ``nic:i*nics_per_gpu+k``), then in-node NVSwitches; rack-level NVSwitches after the
@@ -96,6 +99,7 @@ PRESETS: dict[str, ClusterSpec] = {
 }
 
 _MULTI = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)\s*\*\s*(?P<n>[^*]+)$")
+_PART = re.compile(r"^(?P<name>[A-Za-z0-9._-]+)\s*@\s*(?P<g>[^@]+)$")
 MAX_COPIES = 64
 
 
@@ -104,7 +108,10 @@ def preset_names() -> list[str]:
 
 
 def cluster_spec(name: str) -> ClusterSpec:
-    """The ClusterSpec of a preset name or ``NAME*N``; UserError for unknown names or bad N."""
+    """The ClusterSpec of a preset name, ``NAME*N`` or ``NAME@G``; UserError for unknown names or bad N / G."""
+    part = _PART.match(name.strip())
+    if part:
+        return _partial_rack(name, part.group("name"), part.group("g").strip())
     m = _MULTI.match(name.strip())
     base, n = (m.group("name"), m.group("n").strip()) if m else (name.strip(), None)
     if base not in PRESETS:
@@ -119,6 +126,42 @@ def cluster_spec(name: str) -> ClusterSpec:
     if copies > 1 and spec.fabric is None:
         raise UserError(f"topology {name!r}: {base} has no scale-out network to join copies with")
     return spec.model_copy(update={"name": f"{base}*{copies}", "n_racks": spec.n_racks * copies})
+
+
+def _partial_rack(name: str, base: str, g: str) -> ClusterSpec:
+    """``NAME@G``: the preset's rack with its first ``G / node GPUs`` nodes."""
+    if base not in PRESETS:
+        raise UserError(f"unknown topology {name!r}: {base!r} is not a preset ({', '.join(PRESETS)})")
+    spec = PRESETS[base]
+    per_node, n_nodes = spec.rack.node.n_gpus, spec.rack.n_nodes
+    if not g.isdigit() or not 1 <= int(g) <= per_node * n_nodes or int(g) % per_node:
+        raise UserError(f"topology {name!r}: G in NAME@G must be a multiple of {per_node} (GPUs per node) up to "
+                        f"{per_node * n_nodes} (one {spec.rack.name})")
+    rack = spec.rack.model_copy(update={"n_nodes": int(g) // per_node})
+    return spec.model_copy(update={"name": f"{base}@{int(g)}", "rack": rack})
+
+
+def resized(name: str, n_gpus: int) -> str:
+    """The preset name with ``n_gpus`` GPUs built from ``name``'s rack: ``NAME`` (one rack), ``NAME*N`` (N racks)
+    or ``NAME@G`` (part of a rack of several nodes). UserError (naming ``--gpus``) when no such layout exists."""
+    m = _MULTI.match(name.strip()) or _PART.match(name.strip())
+    base = m.group("name") if m else name.strip()
+    if base not in PRESETS:
+        raise UserError(f"--gpus: the topology {name!r} is not a preset (a topology file has a fixed size)")
+    rack = PRESETS[base].rack
+    per_rack = rack.node.n_gpus * rack.n_nodes
+    if n_gpus >= per_rack and n_gpus % per_rack == 0:
+        copies = n_gpus // per_rack
+        if copies > MAX_COPIES:
+            raise UserError(f"--gpus {n_gpus}: more than {MAX_COPIES} copies of {base} ({per_rack} GPUs each)")
+        if copies > 1 and PRESETS[base].fabric is None:
+            raise UserError(f"--gpus {n_gpus}: {base} has {per_rack} GPUs and no scale-out network to join more")
+        return base if copies == 1 else f"{base}*{copies}"
+    if rack.n_nodes > 1 and 0 < n_gpus < per_rack and n_gpus % rack.node.n_gpus == 0:
+        return f"{base}@{n_gpus}"
+    hint = (f"a multiple of {rack.node.n_gpus} up to {per_rack}, or" if rack.n_nodes > 1 else "")
+    raise UserError(f"--gpus {n_gpus}: {base} comes in {rack.node.n_gpus}-GPU nodes, {per_rack} per "
+                    f"{rack.name}; give {hint} a multiple of {per_rack}".replace("  ", " "))
 
 
 def preset(name: str) -> Topology:

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "model": "engine.cli.model",
     "plan": "engine.cli.plan",
     "run": "engine.cli.run",
+    "emit": "engine.cli.emit",
     "sweep": "engine.cli.sweep",
     "search": "engine.cli.search",
     "capacity": "engine.cli.capacity",

@@ -15,12 +15,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Simulate a scenario and write metrics, plots and a Perfetto trace. "
         "SCENARIO is a YAML file or the name of a shipped scenario (see `rackbed run --list`).",
     )
-    p.add_argument("scenario", nargs="?", default="nvl72-default", help="YAML file or shipped name")
+    p.add_argument("scenario", nargs="?", default="nvl72-default", help="YAML file or shipped name (default: nvl72-default)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>)")
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios, one line each, and exit")
+    o = p.add_argument_group("overrides of a serving scenario (default: the scenario's own; docs/SCENARIOS.md)")
+    o.add_argument("--rate", type=float, metavar="R", help="arrival rate, requests/s (a trace: its replayed mean rate)")
+    o.add_argument("--isl", metavar="N|LO-HI|MEAN:STD",
+                   help="prompt tokens: fixed, uniform or log-normal (a trace becomes synthetic, its outputs kept)")
+    o.add_argument("--osl", metavar="N|LO-HI|MEAN:STD", help="output tokens, as --isl")
+    o.add_argument("--concurrency", type=int, metavar="C",
+                   help="closed loop: at most C requests in flight, the next sent when one finishes (with --rate: "
+                        "paced by it)")
+    o.add_argument("--duration", type=float, metavar="S", help="send requests for S seconds (no request-count cap)")
+    o.add_argument("--gpus", type=int, metavar="N",
+                   help="resize the topology preset to N GPUs; prefiller/decoder counts scale with it")
+    o.add_argument("--prefillers", type=int, metavar="N", help="prefiller groups")
+    o.add_argument("--decoders", type=int, metavar="N", help="decoder groups")
     p.set_defaults(func=_main)
+
+
+OVERRIDES = ("rate", "isl", "osl", "concurrency", "duration", "gpus", "prefillers", "decoders")
+
+
+def overrides_of(args: argparse.Namespace) -> dict:
+    """The override flags given, as :func:`sim.overrides.apply_overrides` keywords."""
+    given = {k: getattr(args, k, None) for k in OVERRIDES}
+    given["duration_s"] = given.pop("duration")
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -43,19 +66,26 @@ def _main(args: argparse.Namespace) -> int:
     data = load_yaml(path)
     kind = data.get("kind", "serving")
     out = args.out or Path("rackbed-out") / path.stem
+    over = overrides_of(args)
+    if over and kind != "serving":
+        raise ValueError(f"--{next(iter(over)).split('_')[0]}: applies to serving scenarios; {path.name} is a "
+                         f"{kind} file")
     if kind == "figure":
         from sim.figures import run_figure
 
         run_figure(path, out, console=console)
+        console.print(f"output folder: {out}")
         return 0
     if kind == "serving_study":
         from sim.serving_figures import run_serving_study
 
         run_serving_study(path, out, console=console, progress=not args.no_progress)
+        console.print(f"output folder: {out}")
         return 0
     if kind == "serving":
         from sim.scenario import run_serving
 
-        run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress)
+        run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress, overrides=over)
+        console.print(f"output folder: {out}")
         return 0
     raise ValueError(f"{path}: kind: expected 'serving', 'figure' or 'serving_study', got {kind!r}")

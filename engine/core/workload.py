@@ -36,7 +36,7 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -96,7 +96,17 @@ class Constant(_Spec):
     rate_per_s: PositiveFloat
 
 
-Arrival = Annotated[Poisson | GammaBursty | Constant, Field(discriminator="kind")]
+class Immediate(_Spec):
+    """Every request at time 0: with ``max_concurrency``, a pure closed loop (``--request-rate inf``)."""
+
+    kind: Literal["immediate"] = "immediate"
+
+    def gaps_s(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """(n,) zeros."""
+        return np.zeros(n)
+
+
+Arrival = Annotated[Poisson | GammaBursty | Constant | Immediate, Field(discriminator="kind")]
 
 
 # ---------------------------------------------------------------------------------------------------- lengths
@@ -229,7 +239,34 @@ def _check_trace_name(name: str | None) -> None:
 # ---------------------------------------------------------------------------------------------------- workloads
 
 
-class Synthetic(_Spec):
+class ClosedLoop(NamedTuple):
+    """At most ``max_concurrency`` requests in flight (sent, not yet done or rejected), as ``vllm bench serve
+    --max-concurrency`` sends them. The next request of the stream is sent when there is room: at its own arrival
+    time if ``paced``, else at once (a pure closed loop: the first C at time 0, then one each time one finishes);
+    its ``arrival_s`` becomes the send time. With ``until_s``, nothing is sent at or after it. The run loop
+    (``engine.loop.runloop``) applies it, for the simulated and the measured clock alike."""
+
+    max_concurrency: int
+    paced: bool
+    until_s: float | None
+
+
+class _Workload(_Spec):
+    """Fields every workload kind has: the closed loop (:class:`ClosedLoop`)."""
+
+    #: closed loop: at most this many requests in flight (None: open loop, every request at its arrival time)
+    max_concurrency: PositiveInt | None = None
+    #: with max_concurrency: send each request no earlier than its arrival time (else as soon as there is room)
+    paced: bool = False
+
+    def closed_loop(self) -> ClosedLoop | None:
+        """The run loop's :class:`ClosedLoop` (None for an open loop); ``duration_s`` also ends the sending."""
+        if self.max_concurrency is None:
+            return None
+        return ClosedLoop(self.max_concurrency, self.paced, getattr(self, "duration_s", None))
+
+
+class Synthetic(_Workload):
     """Generated requests: arrivals from ``arrival``, lengths from ``prompt`` / ``output``.
 
     Stops after ``n_requests`` or at ``duration_s`` (arrivals ``>= duration_s`` dropped), whichever is first;
@@ -248,10 +285,12 @@ class Synthetic(_Spec):
     def _bounded(self) -> Synthetic:
         if self.n_requests is None and self.duration_s is None:
             raise ValueError("give n_requests or duration_s (or both)")
+        if isinstance(self.arrival, Immediate) and self.n_requests is None:
+            raise ValueError("arrival: immediate needs n_requests (every request arrives at time 0)")
         return self
 
 
-class TraceReplay(_Spec):
+class TraceReplay(_Workload):
     """Replay a trace file, optionally sped up, windowed, clipped and looped.
 
     Precisely, with ``a_i`` = seconds of request i since the first request of the file (:class:`Trace`):

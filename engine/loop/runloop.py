@@ -5,7 +5,9 @@ environment — through four methods: ``now``, ``peek()`` (the time of the next 
 until no plan still running could finish earlier), ``step()`` and ``advance(t)`` (move the clock to an arrival
 between events). Arrivals are merged into the loop instead of being a process: before the next event, every request
 arriving no later is handed to the scheduler at its arrival time (arrivals at time t go before the other events at
-t); after the last one the scheduler is told no more will come. Events after ``until_s`` are not run. With a fast
+t); after the last one the scheduler is told no more will come. Events after ``until_s`` are not run. A closed loop
+(:class:`engine.core.workload.ClosedLoop`) holds the next request back while ``max_concurrency`` are in flight and
+sends it (its ``arrival_s`` set to the send time) after the event that resolves one. With a fast
 path (:mod:`sim.fastpath`) the loop lets it run the events that need no SimPy process before stepping the
 environment.
 
@@ -20,6 +22,7 @@ import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from math import inf, nextafter
 
 #: the cyclic collector's young-generation threshold during a run with a real environment (see collector_paused)
@@ -105,14 +108,36 @@ class Progress:
 
 
 class _Arrivals:
-    """The request stream: :attr:`nxt` arrives next, at :attr:`at` (inf when none is left before the end)."""
+    """The request stream: :attr:`nxt` arrives next, at :attr:`at` (inf when none is left before the end, or while
+    a closed loop is full: then :attr:`blocked`)."""
 
-    def __init__(self, requests: Iterable, end: float) -> None:
+    def __init__(self, requests: Iterable, end: float, closed=None, sched=None) -> None:
         self.it: Iterator = iter(requests)
         self.end = end
         self.last = 0.0
+        self.closed, self.sched = closed, sched
+        self.sent = 0
+        self.blocked = False
         self.nxt = next(self.it, None)
         self.at = self.nxt.arrival_s if self.nxt is not None else inf
+        if closed is not None:
+            self.refresh(0.0)
+
+    def refresh(self, now: float) -> None:
+        """A closed loop's next send time (:attr:`at`) at clock ``now``: inf while full; the stream ends at the
+        loop's ``until_s``."""
+        cl = self.closed
+        if self.nxt is None:
+            self.at, self.blocked = inf, False
+            return
+        self.blocked = self.sent - len(self.sched.rows) >= cl.max_concurrency
+        if self.blocked:
+            self.at = inf
+            return
+        at = max(self.nxt.arrival_s if cl.paced else 0.0, now)
+        if cl.until_s is not None and at >= cl.until_s:
+            self.nxt, at = None, inf
+        self.at = at
 
 
 def _arrive_due(env, sched, arrivals: _Arrivals, t: float, flush: Callable[[], None],
@@ -125,8 +150,9 @@ def _arrive_due(env, sched, arrivals: _Arrivals, t: float, flush: Callable[[], N
     end = arrivals.end
     arrive = sched.arrive
     advance = env.advance
-    while nxt is not None and nxt.arrival_s <= t:
-        ta = nxt.arrival_s
+    closed = arrivals.closed is not None
+    while nxt is not None and arrivals.at <= t:
+        ta = arrivals.at
         if ta < arrivals.last:
             raise ValueError(f"requests: not sorted by arrival_s (request {nxt.id} at {ta} after {arrivals.last})")
         if ta > end:
@@ -134,12 +160,21 @@ def _arrive_due(env, sched, arrivals: _Arrivals, t: float, flush: Callable[[], N
             break
         arrivals.last = ta
         advance(ta)
+        if closed and nxt.arrival_s != ta:
+            nxt = replace(nxt, arrival_s=ta)
         arrive(nxt, ta)
         flush()
-        nxt = next(it, None)
+        arrivals.nxt = nxt = next(it, None)
+        if closed:
+            arrivals.sent += 1
+            arrivals.refresh(ta)
+            nxt = arrivals.nxt
+        else:
+            arrivals.at = nxt.arrival_s if nxt is not None else inf
         t = peek()
     arrivals.nxt = nxt
-    arrivals.at = nxt.arrival_s if nxt is not None else inf
+    if nxt is None:
+        arrivals.at, arrivals.blocked = inf, False
     if nxt is None and not sched.closed:
         sched.close_arrivals(env.now)
         flush()
@@ -148,14 +183,16 @@ def _arrive_due(env, sched, arrivals: _Arrivals, t: float, flush: Callable[[], N
 
 
 def run_loop(env, sched, requests: Iterable, *, until_s: float | None, flush: Callable[[], None], fast=None,
-             collect: bool = False, progress: Progress | None = None) -> int:
+             collect: bool = False, progress: Progress | None = None, closed_loop=None) -> int:
     """Run ``env`` (module docstring) with ``requests`` arriving until ``until_s`` (None: until no event is left);
     ``flush`` hands the scheduler's wake-ups and new workers to the driver; ``fast``: a :class:`sim.fastpath.FastPath`
-    (its ``next_time`` replaces ``env.peek``); ``collect``: the cyclic collector is off (collect now and then).
-    Returns the number of events run."""
+    (its ``next_time`` replaces ``env.peek``; not with a closed loop, whose sends follow each resolving event);
+    ``collect``: the cyclic collector is off (collect now and then); ``closed_loop``: a
+    :class:`~engine.core.workload.ClosedLoop` or None. Returns the number of events run."""
     end = inf if until_s is None else until_s
     end_x = nextafter(end, inf)  # t > end  <=>  t >= end_x
-    arrivals = _Arrivals(requests, end)
+    assert closed_loop is None or fast is None, "a closed loop sends after each event: no fast path"
+    arrivals = _Arrivals(requests, end, closed_loop, sched)
     peek = fast.next_time if fast is not None else env.peek
     step = env.step
     n = 0
@@ -175,6 +212,8 @@ def run_loop(env, sched, requests: Iterable, *, until_s: float | None, flush: Ca
             else:  # the environment's next event
                 step()
                 n += 1
+                if arrivals.blocked:  # a closed loop: did this event resolve a request?
+                    arrivals.refresh(env.now)
             if n >= next_check:
                 next_check += 4096
                 if collect and n >= gc_next:  # the collector is off: a collection now and then

@@ -544,6 +544,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
         res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
                        kv_chunks=built.cost_model.kv_chunks, env=env, policies=sc.sim.policies.build(),
+                       closed_loop=sc.workload.closed_loop(),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
     finally:
         run.pool.stop()

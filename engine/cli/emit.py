@@ -1,0 +1,37 @@
+"""``rackbed emit SCENARIO --engine sglang|trtllm|dynamo --out DIR``: a scenario's deployment as real engines' launch
+settings (``sim.emit``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from sim.emit import ENGINES
+
+    p = sub.add_parser(
+        "emit", help="write a scenario's deployment as SGLang / TensorRT-LLM / Dynamo launch settings",
+        description="Write launch commands and configs of a real serving engine for a serving scenario's "
+                    "deployment (prefill/decode groups, TP/EP/DP, batch caps, chunk size, MTP). See docs/DEPLOY.md.")
+    p.add_argument("scenario", nargs="?", default="nvl72-default",
+                   help="YAML file or shipped name (default: nvl72-default)")
+    p.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>/<engine>)")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import scenarios
+    from sim.emit import ENGINES, write_emit
+    from sim.scenario import load_scenario
+    from topology.errors import UserError
+
+    if args.engine not in ENGINES:  # before loading anything
+        raise UserError(f"--engine {args.engine}: unknown engine; one of {', '.join(ENGINES)}")
+    path = scenarios.resolve(args.scenario)
+    sc = load_scenario(path)
+    out = args.out or Path("rackbed-out") / path.stem / args.engine
+    for p in write_emit(sc, args.engine, out):
+        print(p)
+    return 0

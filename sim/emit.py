@@ -1,0 +1,289 @@
+"""A deployable answer: a serving scenario's deployment as the launch settings of real engines.
+
+:func:`emit_files` turns a scenario (prefiller / decoder counts, TP / EP / attention DP per group, batch caps, the
+prefill token budget, MTP draft tokens, model, KV dtype, weight format, where each group's GPUs are) into files a
+user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`):
+
+* ``sglang``: ``launch.sh`` — one ``python -m sglang.launch_server`` line per group and node
+  (``--disaggregation-mode prefill|decode``, ``--tp``, ``--dp`` + ``--enable-dp-attention``, ``--ep-size``,
+  ``--max-running-requests``, ``--chunked-prefill-size``, ``--page-size``, ``--kv-cache-dtype``, speculative
+  flags; ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` for a group across nodes) and the PD router.
+* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers), ``disagg.yaml``
+  (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh``.
+* ``dynamo``: ``graph.yaml`` — a ``DynamoGraphDeployment`` (frontend, prefill and decode worker services on the
+  SGLang backend, the same engine arguments as ``sglang``).
+
+Flag names follow the engines' public documentation; a setting rackbed models that an engine has no flag for is
+named in a comment at the top of the file (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the
+topology's host numbers) and the checkpoint is ``${MODEL_PATH}`` (default: the model's Hugging Face id).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from topology.errors import UserError
+
+ENGINES = ("sglang", "trtllm", "dynamo")
+PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
+
+#: rackbed weight formats -> SGLang's --quantization (None: the checkpoint's own; absent: no flag known)
+SGLANG_QUANT = {"bf16": None, "fp8": "fp8", "fp8_block": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One placed group as an engine sees it: its id, GPUs per host (in host order) and parallelism."""
+
+    id: str
+    role: str                       # "prefill" | "decode"
+    hosts: tuple[int, ...]
+    gpus_per_host: int
+    tp: int                         # attention tensor parallelism (decode: 1, one DP rank per GPU)
+    ep: int
+    dp: int                         # attention data-parallel ranks: GPUs / tp (1 = none)
+
+    @property
+    def n_gpus(self) -> int:
+        return self.gpus_per_host * len(self.hosts)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every engine file is made of (from a scenario; :func:`plan_of`)."""
+
+    name: str
+    model_id: str
+    weight_format: str
+    kv_dtype: str
+    prefill: tuple[Group, ...]
+    decode: tuple[Group, ...]
+    prefill_tokens: int             # token budget of one prefill batch = chunk size
+    decode_batch_per_rank: int
+    page_tokens: int
+    draft_k: int
+    model_has_mtp: bool
+
+
+def plan_of(sc) -> Plan:
+    """The :class:`Plan` of a :class:`~sim.scenario.ServingScenario` (built: its groups placed on GPUs)."""
+    from sim.scenario import build
+
+    if sc.autoscaler is not None and sc.autoscaler.enabled:
+        sc = sc.model_copy(update={"autoscaler": None})  # the starting counts are what gets launched
+    b = build(sc, engine_calibration=False)
+    dep, p, d = b.deployment, sc.prefill, sc.decode
+
+    def group(g, role, tp, ep) -> Group:
+        hosts = tuple(sorted({dep.gpu_host[x] for x in g.gpus}))
+        n = len(g.gpus)
+        return Group(g.id, role, hosts, n // len(hosts), tp, ep, max(1, n // tp))
+
+    src = b.model.source.split()[0] if "/" in (b.model.source or "") else sc.model
+    return Plan(sc.name, src, sc.weight_format, sc.kv_dtype,
+                tuple(group(g, "prefill", p.tp, p.ep) for g in dep.prefillers),
+                tuple(group(g, "decode", 1, d.ep) for g in dep.decoders),
+                p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers))
+
+
+def unmapped(sc, engine: str, pl: Plan) -> list[str]:
+    """Settings of the scenario the engine's files cannot express (one comment line each)."""
+    notes = []
+    if pl.draft_k and not pl.model_has_mtp:
+        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; speculative decoding needs a draft "
+                     "model (${DRAFT_MODEL_PATH})")
+    notes.append(f"MTP acceptance {sc.mtp.accept_p} is a simulation input: the engine measures its own")
+    notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
+                 "backend's")
+    if sc.prefill.max_queue_requests is not None:
+        notes.append(f"prefill max_queue_requests={sc.prefill.max_queue_requests}: no flag; the router queues")
+    if sc.prefill.kv_replication:
+        notes.append(f"prefill kv_replication={sc.prefill.kv_replication}: the engine replicates KV heads itself")
+    if sc.sim.policies.model_dump() != type(sc.sim.policies)().model_dump():
+        notes.append(f"scheduler policies {sc.sim.policies.model_dump()}: no equivalent; the engine's own apply")
+    if engine in ("sglang", "dynamo") and sc.weight_format not in SGLANG_QUANT:
+        notes.append(f"weight_format {sc.weight_format}: no --quantization value; use a checkpoint quantised so")
+    if engine == "trtllm":
+        notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
+                     "servers' max_batch_size is set to that budget")
+    if engine == "trtllm" and sc.weight_format != "bf16":
+        notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the (pre-quantised) checkpoint")
+    if sc.autoscaler is not None and sc.autoscaler.enabled:
+        notes.append("autoscaler: not emitted; the files launch the starting group counts")
+    return notes
+
+
+# ------------------------------------------------------------------------------------------------ SGLang
+
+
+def sglang_args(pl: Plan, g: Group) -> list[str]:
+    """``sglang.launch_server`` arguments of a group (no host, port or node placement)."""
+    a = ["--model-path", "${MODEL_PATH}", "--disaggregation-mode", g.role, "--tp", str(g.n_gpus)]
+    if g.dp > 1:
+        a += ["--dp", str(g.dp), "--enable-dp-attention"]
+    if g.ep > 1:
+        a += ["--ep-size", str(g.ep)]
+    a += ["--page-size", str(pl.page_tokens),
+          "--kv-cache-dtype", "fp8_e4m3" if pl.kv_dtype == "fp8" else "auto"]
+    quant = SGLANG_QUANT.get(pl.weight_format)
+    if quant:
+        a += ["--quantization", quant]
+    if g.role == "prefill":
+        a += ["--chunked-prefill-size", str(pl.prefill_tokens), "--max-prefill-tokens", str(pl.prefill_tokens)]
+    else:
+        a += ["--max-running-requests", str(pl.decode_batch_per_rank * g.dp),
+              "--cuda-graph-max-bs", str(pl.decode_batch_per_rank)]
+        if pl.draft_k:
+            a += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(pl.draft_k),
+                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(pl.draft_k + 1)]
+            if not pl.model_has_mtp:
+                a += ["--speculative-draft-model-path", "${DRAFT_MODEL_PATH}"]
+    return a
+
+
+def _sglang_lines(pl: Plan) -> list[str]:
+    lines = []
+    for role, groups in (("prefill", pl.prefill), ("decode", pl.decode)):
+        for i, g in enumerate(groups):
+            port = (PREFILL_PORT if role == "prefill" else DECODE_PORT) + i
+            head = f"${{HOST_{g.hosts[0]}}}"
+            for rank, h in enumerate(g.hosts):
+                lines.append(f"# {g.id}: {role}, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), node {rank} of "
+                             f"{len(g.hosts)}: run on ${{HOST_{h}}}")
+                a = ["python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
+                     "--port", str(port)]
+                if role == "prefill":
+                    a += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT + i)]
+                if len(g.hosts) > 1:
+                    a += ["--nnodes", str(len(g.hosts)), "--node-rank", str(rank),
+                          "--dist-init-addr", f"{head}:{DIST_PORT + i + (100 if role == 'decode' else 0)}"]
+                lines.append(_shell(a))
+    router = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for i, g in enumerate(pl.prefill):
+        router += ["--prefill", f"http://${{HOST_{g.hosts[0]}}}:{PREFILL_PORT + i}", str(BOOTSTRAP_PORT + i)]
+    for i, g in enumerate(pl.decode):
+        router += ["--decode", f"http://${{HOST_{g.hosts[0]}}}:{DECODE_PORT + i}"]
+    router += ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    return [*lines, "# the PD router (the OpenAI-compatible endpoint)", _shell(router)]
+
+
+def _shell(args: list[str]) -> str:
+    """One shell line; ``${VAR}`` placeholders stay expandable (double quotes), everything else is quoted."""
+    return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
+
+
+def _script(pl: Plan, notes: list[str], lines: list[str]) -> str:
+    title = (f"# {pl.name}: {len(pl.prefill)} prefill + {len(pl.decode)} decode groups (emitted by `rackbed emit`). "
+             "Run each command on the host it names; set HOST_<n> to the topology's hosts.")
+    head = ["#!/usr/bin/env bash", title, f': "${{MODEL_PATH:={pl.model_id}}}"',
+            *(f"# no equivalent: {n}" for n in notes), ""]
+    return "\n".join(head + lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ TensorRT-LLM
+
+
+def trtllm_options(pl: Plan, role: str) -> dict:
+    """The LLM API options (``--extra_llm_api_options``) of the context (prefill) or generation (decode) servers."""
+    g = (pl.prefill if role == "prefill" else pl.decode)[0]
+    kv = {"dtype": "fp8" if pl.kv_dtype == "fp8" else "auto", "tokens_per_block": pl.page_tokens}
+    o = {"tensor_parallel_size": g.n_gpus, "moe_expert_parallel_size": g.ep, "enable_attention_dp": g.dp > 1,
+         "kv_cache_config": kv, "cache_transceiver_config": {"backend": "DEFAULT"}}
+    if role == "prefill":
+        # rackbed caps a prefill batch by tokens only; one token per request is the equivalent request cap
+        o.update(max_num_tokens=pl.prefill_tokens, max_batch_size=pl.prefill_tokens, disable_overlap_scheduler=True)
+    else:
+        o.update(max_batch_size=pl.decode_batch_per_rank,
+                 max_num_tokens=pl.decode_batch_per_rank * (pl.draft_k + 1))
+        if pl.draft_k:
+            o["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+    return o
+
+
+def _trtllm_files(pl: Plan, notes: list[str]) -> dict[str, str]:
+    opts = {r: trtllm_options(pl, r) for r in ("prefill", "decode")}
+    servers = {}
+    for key, role, groups, port in (("context_servers", "prefill", pl.prefill, PREFILL_PORT),
+                                    ("generation_servers", "decode", pl.decode, DECODE_PORT)):
+        servers[key] = {"num_instances": len(groups), **opts[role],
+                        "urls": [f"${{HOST_{g.hosts[0]}}}:{port + i}" for i, g in enumerate(groups)]}
+    disagg = {"hostname": "0.0.0.0", "port": ROUTER_PORT, "backend": "pytorch", **servers}
+    lines = []
+    for role, groups, port, f in (("prefill", pl.prefill, PREFILL_PORT, "ctx.yaml"),
+                                  ("decode", pl.decode, DECODE_PORT, "gen.yaml")):
+        for i, g in enumerate(groups):
+            lines.append(f"# {g.id}: {role}, {g.n_gpus} GPUs on hosts {', '.join(f'${{HOST_{h}}}' for h in g.hosts)}"
+                         + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
+                            if len(g.hosts) > 1 else ""))
+            lines.append(_shell(["trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0", "--port", str(port + i),
+                                 "--backend", "pytorch", "--tp_size", str(g.n_gpus), "--ep_size", str(g.ep),
+                                 "--extra_llm_api_options", f]))
+    lines += ["# the disaggregated front end", _shell(["trtllm-serve", "disaggregated", "-c", "disagg.yaml"])]
+    comment = "".join(f"# no equivalent: {n}\n" for n in notes)
+    return {"ctx.yaml": comment + yaml.safe_dump(opts["prefill"], sort_keys=False),
+            "gen.yaml": comment + yaml.safe_dump(opts["decode"], sort_keys=False),
+            "disagg.yaml": comment + yaml.safe_dump(disagg, sort_keys=False),
+            "launch.sh": _script(pl, notes, lines)}
+
+
+# ------------------------------------------------------------------------------------------------ Dynamo
+
+
+def _dynamo_graph(pl: Plan, notes: list[str]) -> str:
+    name = "".join(c if c.isalnum() else "-" for c in pl.name.lower()).strip("-") or "rackbed"
+    services: dict = {"Frontend": {"componentType": "frontend", "replicas": 1, "extraPodSpec": {"mainContainer": {
+        "image": "${DYNAMO_IMAGE}", "command": ["python3", "-m", "dynamo.frontend"]}}}}
+    for label, groups in (("Prefill", pl.prefill), ("Decode", pl.decode)):
+        if not groups:
+            continue
+        g = groups[0]
+        svc = {"componentType": "worker", "subComponentType": g.role, "replicas": len(groups),
+               "resources": {"limits": {"gpu": str(g.gpus_per_host)}},
+               "extraPodSpec": {"mainContainer": {"image": "${DYNAMO_IMAGE}",
+                                                  "command": ["python3", "-m", "dynamo.sglang"],
+                                                  "args": sglang_args(pl, g)}}}
+        if len(g.hosts) > 1:
+            svc["multinode"] = {"nodeCount": len(g.hosts)}
+        services[f"SGLang{label}Worker"] = svc
+    doc = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment", "metadata": {"name": name},
+           "spec": {"services": services}}
+    comment = "".join(f"# no equivalent: {n}\n" for n in notes)
+    return (f"# {pl.name} as a Dynamo disaggregated graph on the SGLang backend (emitted by `rackbed emit`); set "
+            f"${{DYNAMO_IMAGE}} and ${{MODEL_PATH}} (e.g. {pl.model_id})\n" + comment
+            + yaml.safe_dump(doc, sort_keys=False))
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+
+
+def emit_files(sc, engine: str) -> dict[str, str]:
+    """``{file name: text}`` of the launch settings of ``sc`` for ``engine`` (module docstring)."""
+    if engine not in ENGINES:
+        raise UserError(f"--engine {engine}: unknown engine; one of {', '.join(ENGINES)}")
+    pl = plan_of(sc)
+    notes = unmapped(sc, engine, pl)
+    if engine == "sglang":
+        return {"launch.sh": _script(pl, notes, _sglang_lines(pl))}
+    if engine == "trtllm":
+        return _trtllm_files(pl, notes)
+    return {"graph.yaml": _dynamo_graph(pl, notes)}
+
+
+def write_emit(sc, engine: str, out: str | Path) -> list[Path]:
+    """Write :func:`emit_files` into ``out`` (created); returns the paths. ``rackbed emit`` and, with the
+    configuration it chose, ``rackbed search`` call this."""
+    files = emit_files(sc, engine)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in files.items():
+        p = out / name
+        p.write_text(text)
+        if name.endswith(".sh"):
+            p.chmod(0o755)
+        paths.append(p)
+    return paths
