@@ -184,6 +184,7 @@ class AggregatedServing:
         if r.generated >= r.out:
             self._free_kv(w, rank, r.reserved)
             r.reserved = 0
+            w.left.append(r.id)  # its KV leaves the rank with the next step (a real rank frees it then)
             r.state = DONE
             if self._log_on:
                 self._add((now, "finish", w.id, r.id, r.generated, r.steps, ""))
