@@ -15,10 +15,10 @@ deterministic: candidates come in worker creation order (ranks in order inside a
 queue order) and ties go to the earliest.
 
 A new policy is one class: implement the Protocol, give it a ``name`` and add it to :data:`ADMISSION` (or
-:data:`PREFILLER_ROUTING` / :data:`DECODER_RANK`) so scenarios can name it (``sim.policies``). An admission policy
-also says whether it is *state-only* (its choice depends on nothing but the queue and the free batch slots it is
-given — not on the time, a step count or randomness): drivers that skip the steps in which a decoder's state does
-not change (``sim.fastpath``) are used only with state-only admission.
+:data:`PREFILLER_ROUTING` / :data:`DECODER_RANK` / :data:`WORKER_ROUTING`) so scenarios can name it
+(``sim.policies``). An admission policy also says whether it is *state-only* (its choice depends on nothing but the
+queue and the free batch slots it is given — not on the time, a step count or randomness): drivers that skip the
+steps in which a decoder's state does not change (``sim.fastpath``) are used only with state-only admission.
 """
 
 from __future__ import annotations

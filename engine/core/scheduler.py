@@ -39,6 +39,10 @@ Request lifecycle (``RequestState``)::
   ``Result.accepted`` and the scheduler counts real tokens instead (O(batch), fine for real runs).
 - **TPOT** = (e2e − TTFT) / (output_tokens − 1).
 
+Aggregated workers (a deployment of kind aggregated) run both halves of this lifecycle on one worker, without the
+KV states: queued_prefill → prefilling (a rank holds the sequence's KV) → queued_decode → decoding → done (see
+:mod:`engine.core.aggregated`).
+
 Failures (:meth:`Scheduler.fail`): a dead prefiller's queued and running prompts are routed again; KV it held
 is lost, so those requests are prefilled again elsewhere; KV in flight to a dead decoder is re-sent from the
 prefiller (which still holds it); a dead decoder's queued/decoding requests lose their KV and are prefilled again
