@@ -101,8 +101,9 @@ def build_aggregated(sc, topo, model, kv_view):
     # the engine calibrations are fitted to whole prefill and decode steps of the disaggregated engine: a mixed step
     # is priced from the kernel calibration alone
     cm, calib, note = cost_model_for(sc, model, topo, plan, plan, engine_calibration=False)
-    caveats = calibration_caveats(calib, topo, model, plan, plan) if plan.tp == 1 else \
-        calibration_caveats(calib, topo, model, plan, None)
+    # the parts a mixed step prices: DP ranks have no TP or EP-combine all-reduce, one TP group no all-to-all
+    skip = ("prefill TP", "prefill EP combine") if plan.tp == 1 else ("decode dispatch/combine",)
+    caveats = [c for c in calibration_caveats(calib, topo, model, plan, plan) if not c.startswith(skip)]
     return Built(sc, topo, model, dep, plan, plan, budget, budget, cm, calib, note, caveats)
 
 
