@@ -213,6 +213,7 @@ class AggregatedState(DecoderState):
     prefills on that rank, chunk by chunk (:attr:`rank_prefill`, state prefilling), joins the rank's decode queue
     when its prompt is done and the batch at the next step. Its ranks receive no KV over a NIC (no ``rank_nics``).
     The routing policy reads ``queued_tokens`` / ``offset_tokens`` / ``n_queued`` / ``max_queue`` as a prefiller's.
+    Timeline samples count its GPUs as decode GPUs and its queued / prefilling requests as prefill stages.
     """
 
     kind = "agg"
@@ -232,7 +233,6 @@ class AggregatedState(DecoderState):
         self.offset_tokens = 0
         self.rank_prefill: list[deque[RequestState]] = [deque() for _ in range(g.ranks)]
         self.n_prefilling = 0         # requests in rank_prefill
-        self.items: tuple = ()        # the prefill chunks of the step in flight
 
 
 class AutoscalerState:
