@@ -41,11 +41,11 @@ from sim import fastpath
 from sim.executor import CostModel, Executor
 from sim.faults import Fault, parse_faults
 from sim.network import Network
-from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL, WorkerProcesses
+from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_MIXED, SPAN_PREFILL, WorkerProcesses
 
-#: span kinds in ``SimResult.spans``: SPAN_PREFILL, SPAN_KV, SPAN_DECODE (0, 1, 2)
-SPAN_NAMES = ("prefill", "kv_transfer", "decode")
-__all__ = ["SPAN_DECODE", "SPAN_KV", "SPAN_NAMES", "SPAN_PREFILL", "SimResult", "simulate"]
+#: span kinds in ``SimResult.spans``: SPAN_PREFILL, SPAN_KV, SPAN_DECODE, SPAN_MIXED (0, 1, 2, 3)
+SPAN_NAMES = ("prefill", "kv_transfer", "decode", "mixed")
+__all__ = ["SPAN_DECODE", "SPAN_KV", "SPAN_MIXED", "SPAN_NAMES", "SPAN_PREFILL", "SimResult", "simulate"]
 
 
 @dataclass
@@ -130,6 +130,8 @@ def simulate(
     if until_s is not None and not until_s > 0:
         raise ValueError(f"until_s: must be > 0, got {until_s}")
     head = requests[:1000] if isinstance(requests, Sequence) else []
+    if deployment.aggregated and autoscaler is not None:
+        raise ValueError("autoscaler: aggregated workers are not autoscaled")
     ptps = prefill_tokens_per_s
     if ptps is None and deployment.prefillers:
         ptps = _prefill_rate(cost_model, head)
@@ -147,7 +149,7 @@ def simulate(
     spans: list[tuple] = []
     procs = WorkerProcesses(sched, env, ex.duration, spans, debug_checks=debug_checks)
     sim_env = type(env) is SimEnv
-    if fast_decode and sim_env and type(ex) is Executor and closed_loop is None:
+    if fast_decode and sim_env and type(ex) is Executor and closed_loop is None and fastpath.handles(deployment):
         procs.fast = _fast_path(sched, env, ex, cost_model, spans, procs, direct=not fault_list,
                                 lazy=not decision_log and not debug_checks, debug_checks=debug_checks)
     if hasattr(env, "on_fault"):

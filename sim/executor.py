@@ -5,6 +5,8 @@
 - ``prefill(plan: PrefillBatch, group: PrefillerGroup) -> StepTime``
 - ``decode(plan: DecodeStep, group: DecoderGroup) -> StepTime`` (the slowest rank sets a synchronous step:
   ``plan.rank_batch`` / ``plan.rank_context_tokens`` carry every rank's load)
+- ``mixed(plan: MixedStep, group: AggregatedGroup) -> StepTime``: an aggregated worker's step (decode batches and
+  prefill chunks in one forward); needed only for deployments with aggregated workers
 - optional ``decode_point(group, max_batch, max_context_tokens, draft_k) -> (StepTime, ctx_hi)``: for a cost model
   whose decode step depends on the plan only through ``max(rank_batch)``, ``max(rank_context_tokens)`` and
   ``draft_k`` — the same StepTime as ``decode`` for any such plan, and the same for every ``max_context_tokens``
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from engine.core.deployment import DecoderGroup, PrefillerGroup
-from engine.core.plans import DecodeStep, KvTransfer, Plan, PrefillBatch
+from engine.core.plans import DecodeStep, KvTransfer, MixedStep, Plan, PrefillBatch
 from sim.costs.steptime import StepTime
 from sim.network import Network
 
@@ -70,7 +72,7 @@ class Executor:
         self.net = network
         self._group_of = group_of
         self._groups: dict[str, object] = {}
-        self.breakdown_s = {"prefill": [0.0] * 5, "decode": [0.0] * 5}
+        self.breakdown_s = {"prefill": [0.0] * 5, "decode": [0.0] * 5}  # "aggregated" too once a MixedStep ran
         self.kv_fixed_s = 0.0
         # defined on the class, not reached through a wrapper's __getattr__ (which may change kv_transfer)
         self._kv_fixed = cost_model.kv_fixed_s if hasattr(type(cost_model), "kv_fixed_s") else None
@@ -117,6 +119,9 @@ class Executor:
             return self._acc("decode", self.cm.decode(plan, g))
         if tp is PrefillBatch:
             return self._acc("prefill", self.cm.prefill(plan, self._group(plan.worker)))
+        if tp is MixedStep:
+            self.breakdown_s.setdefault("aggregated", [0.0] * 5)
+            return self._acc("aggregated", self.cm.mixed(plan, self._group(plan.worker)))
         raise TypeError(f"executor cannot run {tp.__name__}")
 
     def breakdown(self) -> dict[str, dict[str, float]]:

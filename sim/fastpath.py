@@ -52,6 +52,13 @@ from engine.core.state import FP
 from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL
 
 
+def handles(deployment) -> bool:
+    """Whether the fast path is certified for the deployment's kinds of worker: prefillers, KV streams, decoders
+    and the autoscaler. An aggregated worker's mixed steps are run by its process, the reference path (a
+    deployment with aggregated workers runs without the fast path)."""
+    return not deployment.aggregated
+
+
 def certified(policies: Policies) -> bool:
     """Whether the fast path gives the reference path's results under ``policies``: it skips calling the scheduler
     for steps in which a decoder's state did not change, which holds when decode admission is state-only (the

@@ -97,7 +97,7 @@ def perfetto_trace(result: SimResult, max_events: int = TRACE_MAX_EVENTS) -> dic
         return tids[worker]
 
     events = []
-    arg_names = ("tokens", "request", "step")
+    arg_names = ("tokens", "request", "step", "step")
     for worker, kind, start_s, dur_s, arg, failed in result.spans[:max_events]:
         pid, tid = ids(worker)
         ev = {"ph": "X", "name": SPAN_NAMES[kind], "cat": SPAN_NAMES[kind], "pid": pid, "tid": tid,

@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable
 
 import simpy
 
-from engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result
+from engine.core.plans import DecodeStep, Idle, KvTransfer, MixedStep, PrefillBatch, Result
 from engine.core.worker_loop import worker_loop
 from sim.faults import Fault
 
 #: span kinds in ``SimResult.spans``
-SPAN_PREFILL, SPAN_KV, SPAN_DECODE = 0, 1, 2
+SPAN_PREFILL, SPAN_KV, SPAN_DECODE, SPAN_MIXED = 0, 1, 2, 3
 
 
 class _Restart:
@@ -161,6 +161,8 @@ class WorkerProcesses:
             self.add_span((wid, SPAN_PREFILL, t0, result.duration_s, plan.n_tokens, failed))
         elif tp is KvTransfer:
             self.add_span((wid, SPAN_KV, t0, result.duration_s, plan.request_id, failed))
+        elif tp is MixedStep:
+            self.add_span((wid, SPAN_MIXED, t0, result.duration_s, plan.step, failed))
         return result
 
     def _interrupted_on_lane(self, wid: str, lane, intr) -> _Restart:

@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.core.workload import WorkloadSpec
+from sim.aggregated import AggregatedSection, check_aggregated
 from topology.errors import UserError, from_validation
 
 
@@ -89,14 +90,15 @@ class PoliciesSection(_Strict):
     prefiller: str = "least_queued_tokens"
     rank: str = "fewest_requests"
     admission: str = "fifo"
+    worker: str = "least_requests"  # aggregated workers
 
-    @field_validator("prefiller", "rank", "admission")
+    @field_validator("prefiller", "rank", "admission", "worker")
     @classmethod
     def _known(cls, v: str, info) -> str:
         from engine.core import policies
 
         table = {"prefiller": policies.PREFILLER_ROUTING, "rank": policies.DECODER_RANK,
-                 "admission": policies.ADMISSION}[info.field_name]
+                 "admission": policies.ADMISSION, "worker": policies.WORKER_ROUTING}[info.field_name]
         if v not in table:
             raise ValueError(f"unknown policy {v!r}; one of {', '.join(sorted(table))}")
         return v
@@ -105,7 +107,7 @@ class PoliciesSection(_Strict):
         """The :class:`~engine.core.policies.Policies` named here."""
         from engine.core.policies import Policies
 
-        return Policies.named(self.prefiller, self.rank, self.admission)
+        return Policies.named(self.prefiller, self.rank, self.admission, self.worker)
 
 
 class SimSection(_Strict):
@@ -158,6 +160,10 @@ class ServingScenario(_Strict):
     #: measurements), ``trtllm`` / ``sglang`` / ``vllm`` (imported per-operator tables), ``auto`` (the first shipped
     #: for the GPU, in that order)
     stack: Literal["auto", "rackbed", "trtllm", "sglang", "vllm"] = "auto"
+    #: ``disaggregated``: prefillers hand KV to decoders (``prefill`` / ``decode``); ``aggregated``: workers that
+    #: prefill and decode on the same GPUs (``aggregated``, :mod:`sim.aggregated`)
+    deployment: Literal["disaggregated", "aggregated"] = "disaggregated"
+    aggregated: AggregatedSection | None = None
     prefill: PrefillSection = PrefillSection()
     decode: DecodeSection = DecodeSection()
     mtp: MtpSection = MtpSection()
@@ -180,9 +186,11 @@ class ServingScenario(_Strict):
 
 def parse_scenario(data: dict, source: str | Path | None = None) -> ServingScenario:
     try:
-        return ServingScenario.model_validate(data)
+        sc = ServingScenario.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc, source) from None
+    check_aggregated(sc, source)
+    return sc
 
 
 def load_scenario(path: str | Path) -> ServingScenario:
@@ -297,6 +305,10 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
     topo = topo_mod.load(sc.topology)
     model = scenario_model(sc)
+    if sc.deployment == "aggregated":
+        from sim.aggregated import build_aggregated
+
+        return build_aggregated(sc, topo, model, _KvPathView(topo))
     p, d = sc.prefill, sc.decode
     n_p, n_d = p.replicas, d.replicas
     if sc.autoscaler is not None and sc.autoscaler.enabled:
@@ -492,6 +504,12 @@ class ScenarioCostModel:
         fp = (self.topo.gpu_spec(pl.gpus[0]).name, group_links(self.topo, pl.gpus),
               group_links(self.topo, pl.tp_group(0)))
         return self._pclass_ids.setdefault(fp, (len(self._pclass_ids),))  # a small key, cheap to hash
+
+    def mixed(self, plan, group):
+        """An aggregated worker's :class:`~engine.core.plans.MixedStep` (:func:`sim.aggregated.price_mixed`)."""
+        from sim.aggregated import price_mixed
+
+        return price_mixed(self, plan, group)
 
     def decode(self, plan, group):
         return self.decode_point(group, max(plan.rank_batch), max(plan.rank_context_tokens), plan.draft_k)[0]
@@ -707,8 +725,11 @@ def print_summary(console, b: Built, res) -> None:
 
     m = res.metrics
     sc = b.scenario
-    console.print(f"[bold]{sc.name}[/bold] — {sc.model} ({sc.weight_format}) on {sc.topology}: "
-                  f"prefill TP={sc.prefill.tp}/EP={sc.prefill.ep}, decode DP-EP={sc.decode.ep}, "
+    a = sc.aggregated or AggregatedSection()
+    shape = (f"{a.workers} aggregated workers TP={a.tp}/DP={a.dp}/EP={a.ep} (budget {a.max_batch_tokens} tokens, "
+             f"chunks {a.chunk_tokens})" if sc.deployment == "aggregated" else
+             f"prefill TP={sc.prefill.tp}/EP={sc.prefill.ep}, decode DP-EP={sc.decode.ep}")
+    console.print(f"[bold]{sc.name}[/bold] — {sc.model} ({sc.weight_format}) on {sc.topology}: {shape}, "
                   f"MTP k={sc.mtp.draft_k} p={sc.mtp.accept_p}")
     dep = b.deployment
     pg = sum(len(g.gpus) for g in dep.prefillers)
@@ -749,6 +770,7 @@ def print_summary(console, b: Built, res) -> None:
         ("input tokens/s per prefill GPU", _num(th.get("input_tokens_per_s_per_prefill_gpu"))),
         ("tokens/s per user (p50)", _num((th.get("tokens_per_s_per_user") or {}).get("p50"))),
         ("utilisation prefill / decode", f"{_num(ut.get('prefill'))} / {_num(ut.get('decode'))}"),
+        *((("utilisation aggregated", _num(ut["aggregated"])),) if "aggregated" in ut else ()),
         (f"goodput (TTFT<={gp.get('slo_ttft_s')} s, TPOT<={gp.get('slo_tpot_s')} s)",
          f"{_num(gp.get('fraction'))} of requests, {_num(gp.get('tokens_per_s'))} tok/s"),
     ]

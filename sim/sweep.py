@@ -58,6 +58,9 @@ from topology.errors import UserError, one_line
 SWEEPS_DIR = Path(__file__).resolve().parent.parent / "scenarios" / "sweeps"
 KEY_HEX = 20
 _NOT_HASHED = ("name", "description", "claim")
+#: fields added to the scenario schema after keys were first made (path -> default): left out of the key while at
+#: their default, so a configuration keeps the key it had before they existed
+_ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "policies", "worker"): "least_requests"}
 DONE_STATUSES = ("ok", "invalid")
 
 
@@ -136,8 +139,21 @@ def scenario_dict(sc) -> dict:
 def point_key(scenario: Mapping) -> str:
     """The point key (module docstring) of a fully expanded scenario dict."""
     body = {k: v for k, v in scenario.items() if k not in _NOT_HASHED}
+    for path, default in _ADDED.items():
+        body = _without(body, path, default)
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:KEY_HEX]
+
+
+def _without(d: Mapping, path: tuple[str, ...], default) -> Mapping:
+    """``d`` without the value at ``path`` when it equals ``default`` (a copy of what changes)."""
+    head, rest = path[0], path[1:]
+    if head not in d:
+        return d
+    if not rest:
+        return {k: v for k, v in d.items() if k != head} if d[head] == default else d
+    sub = d[head]
+    return {**d, head: _without(sub, rest, default)} if isinstance(sub, Mapping) else d
 
 
 def _label(overrides: Mapping) -> str:

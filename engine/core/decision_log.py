@@ -11,13 +11,14 @@ note a short string (``""`` when unused). Meanings:
 =============  ============================  ==========================  ===========================
 kind           worker                        a                           b / note
 =============  ============================  ==========================  ===========================
-route_prefill  chosen prefiller              its queued tokens before    b: prompt tokens
+route_prefill  chosen prefiller (or worker)  its queued tokens before    b: prompt tokens
 reject         ``""``                        prompt tokens               note: reason
 prefill        prefiller                     batch number                b: batch tokens; note: n seqs
-route_decode   chosen decoder group          DP rank                     b: KV tokens reserved
+route_decode   chosen decoder group (worker) DP rank                     b: KV tokens reserved
 kv_transfer    KV stream                     bytes                       b: chunks; note: dst group
 admit          decoder group                 DP rank                     b: decode steps drawn (-1 real)
 decode         decoder group                 step number                 b: total batch
+mixed          aggregated worker             step number                 b: decode batch; note: prefill tokens
 finish         decoder group / prefiller     tokens generated            b: decode steps used
 requeue        failed/drained worker         0                           note: reason
 idle           worker                        0                           note: what it waits for
@@ -45,7 +46,7 @@ Record = tuple[float, str, str, int, int, int, str]
 FIELDS = ("t_s", "kind", "worker", "request_id", "a", "b", "note")
 KINDS = (
     "route_prefill", "reject", "prefill", "route_decode", "kv_transfer", "admit", "decode", "finish",
-    "requeue", "idle", "stop", "scale_up", "scale_down", "fault",
+    "requeue", "idle", "stop", "scale_up", "scale_down", "fault", "mixed",
 )
 
 

@@ -153,7 +153,7 @@ class Decoding:
         (or, given the real MTP outcomes ``accepted``, those that have all their tokens)."""
         s = d.step
         d.step = s + 1
-        self.busy_gpu_s["decode"] += dur * d.n_gpus
+        self.busy_gpu_s[d.busy_key] += dur * d.n_gpus
         self.decode_steps += 1
         self.step_durations.append(dur)
         if accepted is not None:

@@ -9,7 +9,11 @@ A :class:`Deployment` is what the scheduler serves with. It carries no behaviour
 - a **decoder group** is one DP-EP deployment of ``ep`` GPUs; each GPU is a DP rank with its own batch
   (``max_batch_per_rank``) and KV cache (``kv_capacity_tokens_per_rank`` tokens, allocated in pages of
   ``kv_page_tokens``); KV arrives at a rank through that GPU's NIC;
-- ``spare_gpus`` is the pool the autoscaler may grow into, using ``prefiller_template`` / ``decoder_template``.
+- ``spare_gpus`` is the pool the autoscaler may grow into, using ``prefiller_template`` / ``decoder_template``;
+- an **aggregated worker** (a deployment of kind aggregated, instead of prefillers and decoders) is ``tp × dp``
+  GPUs of one NVLink domain that prefill and decode together: ``dp`` ranks (DP attention, each with its own batch
+  and KV cache; ``tp`` GPUs each) share the experts (EP over the worker's GPUs); every step runs the ranks' decode
+  batches plus prefill chunks up to a per-rank token budget, and KV never leaves the rank that prefilled it.
 
 GPU ids are the topology's global ints; NIC ids its strings (``"nic:<k>"``). ``gpu_host``, ``gpu_nic``,
 ``gpu_domain`` (NVLink domain index) and ``nic_GBps`` (per direction, 1e9 B/s) are the slice of the topology
@@ -74,6 +78,66 @@ class DecoderTemplate:
     def __post_init__(self) -> None:
         for name in ("ep", "max_batch_per_rank", "kv_capacity_tokens_per_rank", "kv_page_tokens"):
             _need(getattr(self, name) >= 1, f"decoder.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class AggregatedTemplate:
+    """Shape of one aggregated worker (prefill and decode on the same GPUs, mixed steps).
+
+    tp, dp, ep:                  attention TP within a rank, DP attention ranks, expert parallelism over the
+                                 worker's ``tp * dp`` GPUs (the cost models cover ``tp == 1`` or ``dp == 1``).
+    max_batch_per_rank:          sequences a rank holds at once, prefilling or decoding (``max_num_seqs``).
+    max_batch_tokens:            a rank's token budget per step (``max_num_batched_tokens``): its decode tokens
+                                 (``1 + draft_k`` per sequence) first, prefill chunks in the rest.
+    chunk_tokens:                most prompt tokens of one request per step; None: no chunked prefill (a prompt
+                                 is prefilled whole in one step, alone if it exceeds the room left).
+    kv_capacity_tokens_per_rank: KV tokens a rank holds (pages of ``kv_page_tokens``).
+    max_queue_requests:          queued requests beyond which new arrivals are not routed here (None = unbounded).
+    """
+
+    tp: int = 1
+    dp: int = 8
+    ep: int = 8
+    max_batch_per_rank: int = 64
+    max_batch_tokens: int = 8192
+    chunk_tokens: int | None = 2048
+    kv_capacity_tokens_per_rank: int = 400_000
+    kv_page_tokens: int = 1
+    max_queue_requests: int | None = None
+
+    @property
+    def n_gpus(self) -> int:
+        return self.tp * self.dp
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "ep", "max_batch_per_rank", "max_batch_tokens", "kv_capacity_tokens_per_rank",
+                     "kv_page_tokens"):
+            _need(getattr(self, name) >= 1, f"aggregated.{name}: must be >= 1, got {getattr(self, name)}")
+        _need(self.chunk_tokens is None or self.chunk_tokens >= 1,
+              f"aggregated.chunk_tokens: must be >= 1 or null, got {self.chunk_tokens}")
+        _need(self.max_queue_requests is None or self.max_queue_requests >= 1,
+              f"aggregated.max_queue_requests: must be >= 1 or null, got {self.max_queue_requests}")
+        _need(self.n_gpus % self.ep == 0, f"aggregated.ep: {self.ep} does not divide the worker's "
+                                          f"tp*dp = {self.n_gpus} GPUs")
+
+
+@dataclass(frozen=True)
+class AggregatedGroup:
+    """One placed aggregated worker: DP rank ``r`` is GPUs ``gpus[r*tp:(r+1)*tp]``."""
+
+    id: str
+    gpus: tuple[int, ...]
+    template: AggregatedTemplate = field(default_factory=AggregatedTemplate)
+
+    def __post_init__(self) -> None:
+        _need(len(self.gpus) == self.template.n_gpus,
+              f"aggregated {self.id}: {len(self.gpus)} GPUs for tp*dp = {self.template.n_gpus}")
+        _need(len(set(self.gpus)) == len(self.gpus), f"aggregated {self.id}: repeated GPU in {self.gpus}")
+
+    @property
+    def ranks(self) -> int:
+        """DP ranks (each its own batch and KV cache)."""
+        return self.template.dp
 
 
 @dataclass(frozen=True)
@@ -148,15 +212,19 @@ class Deployment:
     prefiller_template: PrefillerTemplate = field(default_factory=PrefillerTemplate)
     decoder_template: DecoderTemplate = field(default_factory=DecoderTemplate)
     name: str = "deployment"
+    aggregated: tuple[AggregatedGroup, ...] = ()
 
     def __post_init__(self) -> None:
         _need(self.kv_bytes_per_token >= 1, f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}")
         _need(self.shed_ttft_s is None or self.shed_ttft_s > 0,
               f"shed_ttft_s: must be > 0 or null, got {self.shed_ttft_s}")
-        ids = [g.id for g in self.prefillers] + [g.id for g in self.decoders]
+        _need(not (self.aggregated and (self.prefillers or self.decoders)),
+              "deployment: aggregated workers cannot be combined with prefillers and decoders")
+        _need(not (self.aggregated and self.spare_gpus), "deployment: aggregated workers have no spare pool")
+        ids = [g.id for g in (*self.prefillers, *self.decoders, *self.aggregated)]
         _need(len(set(ids)) == len(ids), f"deployment: duplicate group id in {ids}")
         seen: dict[int, str] = {}
-        for g in (*self.prefillers, *self.decoders):
+        for g in (*self.prefillers, *self.decoders, *self.aggregated):
             for gpu in g.gpus:
                 _need(gpu not in seen, f"deployment: GPU {gpu} is in both {seen.get(gpu)} and {g.id}")
                 seen[gpu] = g.id
@@ -174,7 +242,7 @@ class Deployment:
     @property
     def n_gpus(self) -> int:
         """GPUs in use at the start plus the spare pool."""
-        return sum(len(g.gpus) for g in (*self.prefillers, *self.decoders)) + len(self.spare_gpus)
+        return sum(len(g.gpus) for g in (*self.prefillers, *self.decoders, *self.aggregated)) + len(self.spare_gpus)
 
     def host_nics(self, host: int) -> tuple[str, ...]:
         """The NICs of a host (those of its GPUs), sorted, deduplicated."""
@@ -218,15 +286,7 @@ def place(
     """
     ptpl = prefiller or PrefillerTemplate()
     dtpl = decoder or DecoderTemplate()
-    gpus = sorted(topo.gpu_ids)
-    gpu_host = {g: topo.host_of(g) for g in gpus}
-    gpu_nic = {g: topo.nic_of_gpu(g) for g in gpus}
-    nic_GBps = {n: float(topo.nic_spec(n).GBps) for n in sorted(set(gpu_nic.values()))}
-    domains: dict[frozenset[int], int] = {}
-    gpu_domain: dict[int, int] = {}
-    for g in gpus:
-        d = topo.nvlink_domain(g)
-        gpu_domain[g] = domains.setdefault(d, len(domains))
+    gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
     free = list(gpus)
     hosts = sorted(set(gpu_host.values()))
     pgroups = []
@@ -245,15 +305,7 @@ def place(
         pgroups.append(PrefillerGroup(id=f"P{i}", gpus=mine, host=gpu_host[mine[0]], nics=nics, template=ptpl))
     dgroups = []
     for i in range(n_decoders):
-        for d in sorted(set(gpu_domain.values())):
-            cand = [g for g in free if gpu_domain[g] == d]
-            if len(cand) >= dtpl.ep:
-                mine = tuple(cand[: dtpl.ep])
-                break
-        else:
-            raise UserError(
-                f"deployment: decoder {i} needs {dtpl.ep} free GPUs in one NVLink domain; none left "
-                f"(n_decoders={n_decoders}, {len(gpus)} GPUs)")
+        mine = _in_one_domain(free, gpu_domain, dtpl.ep, f"decoder {i}", f"n_decoders={n_decoders}, {len(gpus)} GPUs")
         free = [g for g in free if g not in mine]
         dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=tuple(gpu_nic[g] for g in mine),
                                     template=dtpl))
@@ -265,3 +317,47 @@ def place(
         chunked_prefill=chunked_prefill, shed_ttft_s=shed_ttft_s,
         spare_gpus=tuple(free) if spare == "rest" else (), prefiller_template=ptpl, decoder_template=dtpl,
         name=name)
+
+
+def _topology_slice(topo: TopologyView):
+    """``(gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain)``: what a :class:`Deployment` copies of the topology."""
+    gpus = sorted(topo.gpu_ids)
+    gpu_host = {g: topo.host_of(g) for g in gpus}
+    gpu_nic = {g: topo.nic_of_gpu(g) for g in gpus}
+    nic_GBps = {n: float(topo.nic_spec(n).GBps) for n in sorted(set(gpu_nic.values()))}
+    domains: dict[frozenset[int], int] = {}
+    gpu_domain: dict[int, int] = {}
+    for g in gpus:
+        d = topo.nvlink_domain(g)
+        gpu_domain[g] = domains.setdefault(d, len(domains))
+    return gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain
+
+
+def _in_one_domain(free: list[int], gpu_domain: dict[int, int], n: int, what: str, ctx: str) -> tuple[int, ...]:
+    """The lowest ``n`` free GPUs of the first NVLink domain that has that many; a one-line UserError if none."""
+    for d in sorted(set(gpu_domain.values())):
+        cand = [g for g in free if gpu_domain[g] == d]
+        if len(cand) >= n:
+            return tuple(cand[:n])
+    raise UserError(f"deployment: {what} needs {n} free GPUs in one NVLink domain; none left ({ctx})")
+
+
+def place_aggregated(topo: TopologyView, *, n_workers: int, kv_bytes_per_token: int, template: AggregatedTemplate,
+                     mtp: MtpSpec | None = None, shed_ttft_s: float | None = None,
+                     name: str = "deployment") -> Deployment:
+    """Lay out ``n_workers`` aggregated workers (``A0``, ``A1``, ...) on ``topo``: each takes the lowest free GPUs
+    of one NVLink domain (its TP and EP collectives stay on NVLink). Raises a one-line ``UserError`` when they do
+    not fit."""
+    gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
+    _need(n_workers >= 1, f"aggregated.workers: must be >= 1, got {n_workers}")
+    free = list(gpus)
+    groups = []
+    for i in range(n_workers):
+        mine = _in_one_domain(free, gpu_domain, template.n_gpus, f"aggregated worker {i}",
+                              f"aggregated.workers={n_workers}, {len(gpus)} GPUs")
+        free = [g for g in free if g not in mine]
+        groups.append(AggregatedGroup(id=f"A{i}", gpus=mine, template=template))
+    return Deployment(
+        prefillers=(), decoders=(), kv_bytes_per_token=int(kv_bytes_per_token), gpu_host=gpu_host, gpu_nic=gpu_nic,
+        nic_GBps=nic_GBps, gpu_domain=gpu_domain, mtp=mtp or MtpSpec(), shed_ttft_s=shed_ttft_s, name=name,
+        aggregated=tuple(groups))

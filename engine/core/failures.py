@@ -214,6 +214,7 @@ class FailureHandling:
         for q in d.rank_queue:
             lost.extend(q)
             q.clear()
+        redo = self._drop_aggregated_prefill(d) if d.kind == "agg" else []
         d.running.clear()
         d.heap.clear()
         d.n_running = d.n_qdec = 0
@@ -237,6 +238,8 @@ class FailureHandling:
         d.rank_key = [0] * d.ep
         d.rank_batch = [0] * d.ep
         self._wake(d)
+        for r in sorted(redo, key=lambda r: r.id):
+            self._requeue_prefill(r, now, why, lost_kv=False)
         for r in sorted(lost, key=lambda r: r.id):
             r.owner = None
             r.reserved = 0
@@ -259,6 +262,8 @@ class FailureHandling:
             r.generated = max(r.generated - 1, 0)
         r.pf_done = 0
         r.state = ARRIVED
+        if self.agg:
+            return self._route_aggregated(r, now, requeue=True)
         if not self._prefillers_possible():
             return self._reject(r, now, "no_prefiller")
         if r.ctx0 > self.max_pf_kv:
@@ -271,7 +276,7 @@ class FailureHandling:
             for pf in self.prefillers:
                 for s in pf.streams:
                     self._wake(s)
-        if not self._prefillers_possible():
+        if not self.agg and not self._prefillers_possible():
             for r in sorted([r for r in self.reqs.values() if r.state == QUEUED_PREFILL], key=lambda r: r.id):
                 pf = r.prefiller
                 if pf is not None and pf.status == DRAINING:

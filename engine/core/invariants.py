@@ -2,13 +2,16 @@
 
 Every open request is in exactly one place matching its state; decoder KV reservations add up and never exceed
 capacity; batches stay within their caps; a prefiller's KV stays within its buffer; the token counters and the
-rank keys agree with what they count.
+rank keys agree with what they count. An aggregated worker is checked as a decoder whose ranks also hold the KV of
+their prefilling requests (whole-sequence reservations, page-rounded), whose requests per rank stay within the
+cap, and whose queue and prompt-token counters agree with its queues.
 """
 
 from __future__ import annotations
 
 from engine.core.state import (
     DEAD,
+    AggregatedState,
     DECODING,
     KV_IN_FLIGHT,
     KV_PENDING,
@@ -75,6 +78,8 @@ def check_invariants(sched) -> None:
                 assert r.rank == rank
                 used[rank] += r.reserved
                 nreq[rank] += 1
+        if d.kind == "agg":
+            _check_aggregated(d, put, used, nreq)
         for pf in sched.prefillers:
             for s in pf.streams:
                 r = s.req
@@ -92,3 +97,24 @@ def check_invariants(sched) -> None:
     missing = [rid for rid in sched.reqs if rid not in where]
     assert not missing, f"open requests in no place: {missing[:5]}"
     assert sched.n_open == len(sched.reqs)
+
+
+def _check_aggregated(w: AggregatedState, put, used: list[int], nreq: list[int]) -> None:
+    """The aggregated worker's own places: its queue (no KV yet) and its ranks' prefilling requests (KV held)."""
+    for r in w.queue:
+        put(r, f"{w.id}.queue", (QUEUED_PREFILL,))
+        assert r.prefiller is w and r.rank == -1 and r.reserved == 0, f"{w.id}: queued request {r.id} holds KV"
+    n_pf = 0
+    for rank, q in enumerate(w.rank_prefill):
+        for r in q:
+            put(r, f"{w.id}.prefill{rank}", (PREFILLING,))
+            assert r.rank == rank and r.decoder is w and 0 <= r.pf_done < r.ctx0
+            assert r.reserved % w.page == 0 and r.reserved >= r.ctx0 + r.out - r.generated - 1, f"request {r.id}"
+            used[rank] += r.reserved
+            nreq[rank] += 1
+            n_pf += 1
+    assert w.n_queued == len(w.queue) and w.n_prefilling == n_pf, f"{w.id}: queue counters"
+    qt = sum(r.ctx0 - r.pf_done for r in w.queue) + sum(r.ctx0 - r.pf_done for q in w.rank_prefill for r in q)
+    assert w.queued_tokens == qt, f"{w.id}: queued_tokens {w.queued_tokens} != {qt}"
+    for rank in range(w.ep):
+        assert nreq[rank] <= w.cap, f"{w.id} rank {rank}: {nreq[rank]} requests > cap {w.cap}"

@@ -13,7 +13,9 @@ Definitions (seconds unless noted):
   batch − KV arrival (last attempt); ``kv_transfer`` = KV arrival − transfer start.
 - **throughput**: output (input) tokens of completed requests per second of the run; *per GPU* divides by the
   mean number of GPUs allocated (GPU-seconds of every group, starting ones included, / run time).
-- **utilisation per role** = busy GPU-seconds (steps running × group GPUs) / allocated GPU-seconds of that role.
+- **utilisation per role** = busy GPU-seconds (steps running × group GPUs) / allocated GPU-seconds of that role
+  (roles ``prefill``, ``decode``, and ``aggregated`` when the run has aggregated workers; their mixed steps with a
+  decode batch are ITL samples, and a request's ``kv_transfer`` is 0: its KV never moves).
 - **goodput**: completed requests meeting both SLO bounds (a missing bound always holds), per second and as a
   fraction of all requests; ``goodput_tokens_per_s`` counts their output tokens.
 
@@ -136,6 +138,7 @@ def summarize(
     seq_steps = int(a["decode_steps"].sum())
 
     sel = lambda m, x: x[m]
+    roles = ("prefill", "decode", "aggregated") if "aggregated" in alloc else ("prefill", "decode")
     return {
         "requests": {
             "total": n,
@@ -168,9 +171,9 @@ def summarize(
         },
         "utilisation": {
             role: (busy_gpu_s.get(role, 0.0) / alloc[role] if alloc.get(role, 0.0) > 0 else None)
-            for role in ("prefill", "decode")
+            for role in roles
         },
-        "gpu_seconds": {role: alloc[role] for role in ("prefill", "decode")},
+        "gpu_seconds": {role: alloc[role] for role in roles},
         "goodput": {
             "slo_ttft_s": slo.ttft_s,
             "slo_tpot_s": slo.tpot_s,

@@ -15,6 +15,7 @@ Worker ids (strings) name the executing entity:
 - a prefiller group ``"P<i>"`` (TP×EP GPUs in one node) runs :class:`PrefillBatch`;
 - its KV sender streams ``"P<i>.kv<j>"`` run :class:`KvTransfer` over that node's NICs;
 - a decoder group ``"D<i>"`` (one DP-EP deployment of ``ep`` GPUs, each a DP rank) runs :class:`DecodeStep`;
+- an aggregated worker ``"A<i>"`` (prefill and decode on the same GPUs) runs :class:`MixedStep`;
 - ``"autoscaler"`` only ever idles; its wake-ups are the periodic scaling decisions.
 """
 
@@ -96,6 +97,40 @@ class DecodeStep(NamedTuple):
         return sum(self.rank_batch)
 
 
+class MixedStep(NamedTuple):
+    """One step of an aggregated worker: every DP rank's decode batch plus prefill chunks, in one forward.
+
+    The first seven fields mean what they mean in :class:`DecodeStep` (the decode part; ``rank_batch`` may be all
+    zeros in a step that only prefills). ``prefill``: ``(request_id, rank, start_token, n_tokens)`` per chunk, in
+    the order the ranks took them (``start_token > 0``: tokens ``[0, start_token)`` are in the rank's KV cache
+    from earlier steps); a chunk that ends its prompt yields the request's next token. ``rank_prefill_tokens``:
+    prefill tokens per rank (the chunks' sum per rank). ``step`` numbers every step of the worker, those that
+    only prefill too.
+    """
+
+    worker: str
+    step: int
+    rank_batch: tuple[int, ...]
+    rank_context_tokens: tuple[int, ...]
+    draft_k: int
+    joined: tuple[tuple[int, int], ...]
+    left: tuple[int, ...]
+    prefill: tuple[tuple[int, int, int, int], ...]
+    rank_prefill_tokens: tuple[int, ...]
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.rank_batch)
+
+    @property
+    def total_batch(self) -> int:
+        return sum(self.rank_batch)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.rank_prefill_tokens)
+
+
 #: ``Idle.waits_for`` values: what the worker sleeps on (besides ``until_s``).
 WAIT_WORK = "work"              # new requests routed to it / KV arriving / batch slots
 WAIT_KV_SPACE = "kv_space"      # prefiller KV buffer full, or no decoder rank can take the next KV
@@ -123,7 +158,7 @@ class Stop(NamedTuple):
     reason: str
 
 
-Plan = PrefillBatch | KvTransfer | DecodeStep | Idle | Stop
+Plan = PrefillBatch | KvTransfer | DecodeStep | MixedStep | Idle | Stop
 
 
 class Result(NamedTuple):

@@ -2,7 +2,10 @@
 
 - :class:`PrefillerRouting` — which prefiller a request is queued on (on arrival, and again after a failure);
 - :class:`DecoderRankChoice` — which decoder group and DP rank receive a request's KV (and hold it while it decodes);
-- :class:`DecodeAdmission` — which requests waiting on a decoder rank join its running batch at a step boundary.
+- :class:`DecodeAdmission` — which requests waiting on a decoder rank join its running batch at a step boundary;
+- worker routing (a :class:`PrefillerRouting` over aggregated workers) — which aggregated worker a request is
+  queued on (an aggregated worker's ranks are then chosen by the :class:`DecoderRankChoice`, its decode batch
+  admitted by the :class:`DecodeAdmission`).
 
 :class:`Policies` bundles one of each (``Scheduler(..., policies=Policies(admission=...))``); the defaults are
 the rules the module docstring of :mod:`engine.core.scheduler` describes. A policy reads the scheduler's state
@@ -12,10 +15,10 @@ deterministic: candidates come in worker creation order (ranks in order inside a
 queue order) and ties go to the earliest.
 
 A new policy is one class: implement the Protocol, give it a ``name`` and add it to :data:`ADMISSION` (or
-:data:`PREFILLER_ROUTING` / :data:`DECODER_RANK`) so scenarios can name it (``sim.policies``). An admission policy
-also says whether it is *state-only* (its choice depends on nothing but the queue and the free batch slots it is
-given — not on the time, a step count or randomness): drivers that skip the steps in which a decoder's state does
-not change (``sim.fastpath``) are used only with state-only admission.
+:data:`PREFILLER_ROUTING` / :data:`DECODER_RANK` / :data:`WORKER_ROUTING`) so scenarios can name it
+(``sim.policies``). An admission policy also says whether it is *state-only* (its choice depends on nothing but the
+queue and the free batch slots it is given — not on the time, a step count or randomness): drivers that skip the
+steps in which a decoder's state does not change (``sim.fastpath``) are used only with state-only admission.
 """
 
 from __future__ import annotations
@@ -52,7 +55,12 @@ class QueuedRequest(Protocol):
     arrival_s: float
 
 
+class WorkerLoad(PrefillerLoad, Protocol):
+    rank_nreq: list[int]       # requests holding KV on each of the worker's ranks (prefilling or decoding)
+
+
 P = TypeVar("P", bound=PrefillerLoad)
+W = TypeVar("W", bound=WorkerLoad)
 D = TypeVar("D", bound=DecoderLoad)
 R = TypeVar("R", bound=QueuedRequest)
 
@@ -107,6 +115,26 @@ class LeastQueuedTokens:
             if not requeue and p.max_queue is not None and p.n_queued >= p.max_queue:
                 continue
             best, best_load = p, load
+        return best
+
+
+class LeastRequests:
+    """The aggregated worker with the fewest requests routed to it and not finished (queued, prefilling, decoding),
+    then the least queued prompt tokens, skipping full queues unless the request is re-routed; ties → the earliest
+    worker. Unlike least queued tokens it spreads decode load too: a worker whose prompts are all prefilled is not
+    thereby idle."""
+
+    name: ClassVar[str] = "least_requests"
+
+    def choose(self, candidates: Sequence[W], requeue: bool) -> W | None:
+        best = None
+        best_load = (0, 0)
+        for w in candidates:
+            if not requeue and w.max_queue is not None and w.n_queued >= w.max_queue:
+                continue
+            load = (w.n_queued + sum(w.rank_nreq), w.queued_tokens)
+            if best is None or load < best_load:
+                best, best_load = w, load
         return best
 
 
@@ -191,6 +219,7 @@ def _prompt(r: QueuedRequest) -> int:
 PREFILLER_ROUTING: dict[str, type] = {LeastQueuedTokens.name: LeastQueuedTokens}
 DECODER_RANK: dict[str, type] = {FewestRequests.name: FewestRequests}
 ADMISSION: dict[str, type] = {FifoAdmission.name: FifoAdmission, ShortestPromptFirst.name: ShortestPromptFirst}
+WORKER_ROUTING: dict[str, type] = {LeastRequests.name: LeastRequests, LeastQueuedTokens.name: LeastQueuedTokens}
 
 
 @dataclass(frozen=True)
@@ -200,14 +229,15 @@ class Policies:
     prefiller: PrefillerRouting = field(default_factory=LeastQueuedTokens)
     rank: DecoderRankChoice = field(default_factory=FewestRequests)
     admission: DecodeAdmission = field(default_factory=FifoAdmission)
+    worker: PrefillerRouting = field(default_factory=LeastRequests)  # aggregated workers
 
     @classmethod
     def named(cls, prefiller: str = LeastQueuedTokens.name, rank: str = FewestRequests.name,
-              admission: str = FifoAdmission.name) -> Policies:
+              admission: str = FifoAdmission.name, worker: str = LeastRequests.name) -> Policies:
         """The policies registered under these names; ValueError (one line, naming the choices) otherwise."""
         picked = []
         for what, name, table in (("prefiller", prefiller, PREFILLER_ROUTING), ("rank", rank, DECODER_RANK),
-                                  ("admission", admission, ADMISSION)):
+                                  ("admission", admission, ADMISSION), ("worker", worker, WORKER_ROUTING)):
             if name not in table:
                 raise ValueError(f"policies.{what}: unknown policy {name!r} (one of {', '.join(sorted(table))})")
             picked.append(table[name]())

@@ -59,7 +59,11 @@ class WorkerPool:
         return pf
 
     def _add_decoder(self, g: DecoderGroup, status: int, ready_at: float, now: float) -> DecoderState:
-        d = DecoderState(g, self._order, status, ready_at, self.k, self.p, now)
+        return self._register_decoder(DecoderState(g, self._order, status, ready_at, self.k, self.p, now))
+
+    def _register_decoder(self, d: DecoderState) -> DecoderState:
+        """Make ``d`` (a decoder, or an aggregated worker: a decoder that also prefills) a worker: rank keys,
+        creation order, the worker registry, the NICs already down, the routing lists."""
         base = self._key_base
         if d.kv_cap >= base:  # the rank keys need a larger base: every decoder's keys are recomputed
             base = self._key_base = 1 << d.kv_cap.bit_length()

@@ -1,4 +1,4 @@
-"""The sans-I/O scheduler of a disaggregated prefill/decode deployment.
+"""The sans-I/O scheduler of a disaggregated prefill/decode deployment (or of aggregated workers).
 
 It is told the time and what finished; it answers what each worker does next, as frozen plans
 (:mod:`engine.core.plans`). It never reads a clock, sleeps, or touches a device; both the SimPy driver and the
@@ -7,8 +7,9 @@ answers a worker's next plan (admitting queued requests into a decoder's batch a
 takes a plan's result, ``fail`` / ``recover`` take hardware down and back. The choices are policy objects
 (:mod:`engine.core.policies`: prefiller routing, decoder rank choice, decode admission); the state objects are in
 :mod:`engine.core.state`, decoder admission and steps in :mod:`engine.core.decoding`, worker creation and
-autoscaling in :mod:`engine.core.scaling`, failure handling in :mod:`engine.core.failures` (the three are base
-classes of :class:`Scheduler`), the invariants tests check in :mod:`engine.core.invariants`.
+autoscaling in :mod:`engine.core.scaling`, failure handling in :mod:`engine.core.failures`, aggregated workers
+(prefill and decode on the same GPUs, mixed steps) in :mod:`engine.core.aggregated` (the four are base classes of
+:class:`Scheduler`), the invariants tests check in :mod:`engine.core.invariants`.
 
 A driver that runs decode steps without a plan object per step (the simulator's fast path, :mod:`sim.fastpath`)
 uses :meth:`Scheduler.advance_decoder` (``done`` + ``next`` of a decoder in one call, the plan of the step started
@@ -38,6 +39,10 @@ Request lifecycle (``RequestState``)::
   ``Result.accepted`` and the scheduler counts real tokens instead (O(batch), fine for real runs).
 - **TPOT** = (e2e − TTFT) / (output_tokens − 1).
 
+Aggregated workers (a deployment of kind aggregated) run both halves of this lifecycle on one worker, without the
+KV states: queued_prefill → prefilling (a rank holds the sequence's KV) → queued_decode → decoding → done (see
+:mod:`engine.core.aggregated`).
+
 Failures (:meth:`Scheduler.fail`): a dead prefiller's queued and running prompts are routed again; KV it held
 is lost, so those requests are prefilled again elsewhere; KV in flight to a dead decoder is re-sent from the
 prefiller (which still holds it); a dead decoder's queued/decoding requests lose their KV and are prefilled again
@@ -58,6 +63,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.core import autoscaler as autoscale
+from engine.core.aggregated import AggregatedServing
 from engine.core.decision_log import DecisionLog
 from engine.core.decoding import Decoding
 from engine.core.deployment import DecoderGroup, Deployment, PrefillerGroup
@@ -70,6 +76,7 @@ from engine.core.plans import (
     DecodeStep,
     Idle,
     KvTransfer,
+    MixedStep,
     Plan,
     PrefillBatch,
     Result,
@@ -104,9 +111,10 @@ from engine.core.state import (
 )
 
 KvChunks = Callable[[PrefillerGroup, DecoderGroup, int], int]
+_ROLES = {"prefill": "prefill", "agg": "aggregated"}  # worker kind -> role in groups() (decoders: "decode")
 
 
-class Scheduler(Decoding, WorkerPool, FailureHandling):
+class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
     """One scheduler for one deployment (see module docstring).
 
     rng:                   the run's seeded ``numpy.random.Generator`` (MTP acceptance draws).
@@ -147,6 +155,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
         self.policies = policies = policies if policies is not None else Policies()
         self._choose_prefiller = policies.prefiller.choose
         self._choose_rank = policies.rank.choose
+        self._choose_worker = policies.worker.choose
         self._take_admitted = policies.admission.take
         self.log = log if log is not None else DecisionLog()
         self._add = self.log.add_record
@@ -157,7 +166,9 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
 
         self.workers: dict[str, object] = {}
         self.prefillers: list[PrefillerState] = []
-        self.decoders: list[DecoderState] = []
+        self.decoders: list[DecoderState] = []     # decoders and aggregated workers (decoders that also prefill)
+        self._aggs: list = []                       # the aggregated workers
+        self.agg = bool(deployment.aggregated)
         self._route_p: list[PrefillerState] = []   # routable prefillers (starting/active), creation order
         self._route_d: list[DecoderState] = []     # routable decoders (active), creation order
         self._order = 0
@@ -183,6 +194,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
         self._window_tokens = 0
         self._last_tick = 0.0
         self.busy_gpu_s = {"prefill": 0.0, "decode": 0.0}
+        if self.agg:
+            self.busy_gpu_s["aggregated"] = 0.0
         self.kv_busy_s = 0.0
         self.decode_steps = 0
         self.decode_tokens = 0
@@ -194,6 +207,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
             self._add_prefiller(g, ACTIVE, 0.0, 0.0)
         for g in deployment.decoders:
             self._add_decoder(g, ACTIVE, 0.0, 0.0)
+        for g in deployment.aggregated:
+            self._add_aggregated(g, ACTIVE, 0.0, 0.0)
         if autoscaler is not None:
             self.workers[AUTOSCALER] = AutoscalerState()
         self.new_workers.clear()
@@ -209,7 +224,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
 
     def groups(self) -> list[tuple[str, str, int, float, float, str]]:
         """``(id, role, n_gpus, created_s, ended_s, status)`` of every group ever created, in creation order."""
-        return [(w.id, "prefill" if w.kind == "prefill" else "decode", w.n_gpus, w.created_s, w.ended_s,
+        return [(w.id, _ROLES.get(w.kind, "decode"), w.n_gpus, w.created_s, w.ended_s,
                  STATUS_NAMES[w.status]) for w in sorted((*self.prefillers, *self.decoders), key=lambda w: w.order)]
 
     def worker_ids(self) -> list[str]:
@@ -249,6 +264,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
         self.n_arrived += 1
         self.n_open += 1
         self._window_tokens += r.prompt
+        if self.agg:
+            return self._arrive_aggregated(r, now_s)
         if not self._prefillers_possible():
             return self._reject(r, now_s, "no_prefiller")
         if r.out > 1 and not self._decoders_possible():
@@ -343,6 +360,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
             return self._next_prefill(w, now_s)
         if kind == "kv":
             return self._next_kv(w, now_s)
+        if kind == "agg":
+            return self._next_aggregated(w, now_s)
         return self._next_autoscaler(w, now_s)
 
     def done(self, plan: Plan, result: Result, now_s: float) -> None:
@@ -355,6 +374,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
             self._done_prefill(plan, result, now_s)
         elif tp is KvTransfer:
             self._done_kv(plan, result, now_s)
+        elif tp is MixedStep:
+            self._done_aggregated(plan, result, now_s)
         # Idle / Stop: nothing to account
 
     def _idle(self, w, now: float, waits_for: str, until: float | None = None) -> Idle:
@@ -639,8 +660,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling):
         gs = sum(w.n_gpus for w in (*self.prefillers, *self.decoders) if w.status == STARTING)
         self.samples.append(Sample(
             t_s=now, gpus_prefill=gp, gpus_decode=gd, gpus_starting=gs,
-            queued_prefill=sum(p.n_queued for p in self.prefillers),
-            prefilling=sum(len(p.running) for p in self.prefillers),
+            queued_prefill=sum(p.n_queued for p in (*self.prefillers, *self._aggs)),
+            prefilling=sum(len(p.running) for p in self.prefillers) + sum(w.n_prefilling for w in self._aggs),
             kv=sum(len(p.pending) + sum(1 for s in p.streams if s.req is not None) for p in self.prefillers),
             queued_decode=sum(d.n_qdec for d in self.decoders),
             decoding=sum(d.n_running for d in self.decoders)))

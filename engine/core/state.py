@@ -157,19 +157,25 @@ class KvStreamState:
 class DecoderState(_GroupState):
     kind = "decode"
 
+    #: ``Scheduler.busy_gpu_s`` key its steps are booked under
+    busy_key = "decode"
+
     def __init__(self, g: DecoderGroup, order: int, status: int, ready_at: float, k: int, p: float,
                  created_s: float) -> None:
-        t = g.template
-        ep = g.ep
         self._init_group(g, order, status, ready_at, created_s)
-        self.n_gpus = ep
+        self.n_gpus = g.ep
+        self._init_ranks(g.ep, g.template, k, p, g.rank_nics)
+
+    def _init_ranks(self, ep: int, t, k: int, p: float, rank_nics) -> None:
+        """The ranks' batches, queues and KV (``t``: a template with ``max_batch_per_rank``, ``kv_page_tokens``,
+        ``kv_capacity_tokens_per_rank``)."""
         self.ep = ep
         self.k = k
         self.p = p
         self.cap = t.max_batch_per_rank
         self.page = t.kv_page_tokens
         self.kv_cap = t.kv_capacity_tokens_per_rank
-        self.rank_nics = list(g.rank_nics)
+        self.rank_nics = list(rank_nics)
         self.rank_up = [True] * ep
         self.rank_nreq = [0] * ep        # requests holding KV on the rank (in flight + queued + decoding)
         self.rank_free_kv = [t.kv_capacity_tokens_per_rank] * ep
@@ -198,6 +204,35 @@ class DecoderState(_GroupState):
     @property
     def nreq(self) -> int:
         return sum(self.rank_nreq)
+
+
+class AggregatedState(DecoderState):
+    """State of one aggregated worker: a decoder's ranks (batches, decode queues, KV reservations, the finish heap:
+    :mod:`engine.core.decoding` runs its decode part) plus prefill. A routed request waits in :attr:`queue` (state
+    queued_prefill) until a rank reserves its whole sequence's KV (``rank_nreq`` counts it from then on); it then
+    prefills on that rank, chunk by chunk (:attr:`rank_prefill`, state prefilling), joins the rank's decode queue
+    when its prompt is done and the batch at the next step. Its ranks receive no KV over a NIC (no ``rank_nics``).
+    The routing policy reads ``queued_tokens`` / ``offset_tokens`` / ``n_queued`` / ``max_queue`` as a prefiller's.
+    Timeline samples count its GPUs as decode GPUs and its queued / prefilling requests as prefill stages.
+    """
+
+    kind = "agg"
+    busy_key = "aggregated"
+
+    def __init__(self, g, order: int, status: int, ready_at: float, k: int, p: float, created_s: float) -> None:
+        t = g.template
+        self._init_group(g, order, status, ready_at, created_s)
+        self.n_gpus = len(g.gpus)
+        self._init_ranks(g.ranks, t, k, p, ())
+        self.budget = t.max_batch_tokens
+        self.chunk = t.chunk_tokens
+        self.max_queue = t.max_queue_requests
+        self.queue: deque[RequestState] = deque()
+        self.n_queued = 0
+        self.queued_tokens = 0        # prompt tokens routed here and not yet prefilled (queued and placed)
+        self.offset_tokens = 0
+        self.rank_prefill: list[deque[RequestState]] = [deque() for _ in range(g.ranks)]
+        self.n_prefilling = 0         # requests in rank_prefill
 
 
 class AutoscalerState:

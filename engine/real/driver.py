@@ -31,9 +31,12 @@ measured clock and the executor and builds on the layers below it (``engine/core
 may import both, hands over ``sim.driver.simulate`` and the scenario ``sim.scenario.build`` made. Any loop with
 ``simulate``'s signature and use of ``env`` / ``executor_factory`` would do.
 
+Aggregated workers (``deployment: aggregated``) run as one rank each: a mixed step is one ``mixed`` command (the
+batch decodes, then the step's prompts are prefilled into the same cache); no KV moves.
+
 Limits (documented, not hidden): random-weight runs draw MTP acceptance
 from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
-and chunked prefill are simulated only.
+and chunked prefill are simulated only; aggregated workers are one GPU each (``tp = dp = ep = 1``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from pathlib import Path
 
 import simpy
 
-from engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
+from engine.core.plans import DecodeStep, KvTransfer, MixedStep, PrefillBatch
 from engine.loop.simenv import SimEnv
 from topology.errors import UserError
 
@@ -235,19 +238,32 @@ class RealExecutor:
             pass  # the death handler fails this plan's worker
         return ev
 
+    def _prefill_items(self, items) -> list[tuple[int, list[int]]]:
+        """``(rid, token ids)`` of ``(rid, start, n)`` prefill items (whole prompts only)."""
+        run = self.run
+        out = []
+        for rid, start, n in items:
+            if start != 0:
+                raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false, "
+                                "aggregated.chunk_tokens: null)")
+            out.append((rid, run.token_ids(rid, n)))
+            run.prefill_n[rid] = n
+        return out
+
     def duration(self, plan, now_s: float):
         tp = type(plan)
         run = self.run
         if tp is PrefillBatch:
             g = self.group_of(plan.worker)
-            items = []
-            for rid, start, n in plan.items:
-                if start != 0:
-                    raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
-                items.append((rid, run.token_ids(rid, n)))
-                run.prefill_n[rid] = n
+            items = self._prefill_items(plan.items)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
             return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", {"items": items}) for r in ranks],
+                                  now_s)
+        if tp is MixedStep:
+            g = self.group_of(plan.worker)
+            args = {"joined": list(plan.joined), "left": list(plan.left),
+                    "items": self._prefill_items([(rid, start, n) for rid, _, start, n in plan.prefill])}
+            return self._dispatch(plan, "mixed", plan.step, [(run.gpu_rank[gpu], "mixed", args) for gpu in g.gpus],
                                   now_s)
         if tp is KvTransfer:
             start_w = time.perf_counter()
@@ -310,7 +326,8 @@ class RealExecutor:
 def deployment_groups(dep) -> list[tuple[str, tuple[int, ...], str]]:
     """``(group id, GPUs, role)`` of every group, prefillers first — the order every rank creates groups in."""
     return [(g.id, tuple(g.gpus), "prefill") for g in dep.prefillers] + \
-        [(g.id, tuple(g.gpus), "decode") for g in dep.decoders]
+        [(g.id, tuple(g.gpus), "decode") for g in dep.decoders] + \
+        [(g.id, tuple(g.gpus), "aggregated") for g in dep.aggregated]
 
 
 def graph_pages(requests, page_tokens: int, draft_k: int = 0) -> tuple[int, int]:
@@ -345,7 +362,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     gpages = graph_pages(requests, built.decode_plan.page_tokens, dep.mtp.draft_k) if gmax else (0, 0)
     out = {}
     for gid, gs, role in groups:
-        tpl = dep.prefillers[0].template if role == "prefill" else dep.decoders[0].template
+        tpl = {"prefill": dep.prefillers, "decode": dep.decoders, "aggregated": dep.aggregated}[role][0].template
         for gpu in gs:
             r = gpu_rank[gpu]
             dev = local_device(gpu) if local_device else ("cuda:0" if use_cuda else "cpu")
@@ -373,6 +390,8 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
         raise UserError("real mode: autoscaling is simulated only (set autoscaler.enabled: false)")
     if dep.chunked_prefill:
         raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
+    if any(len(g.gpus) > 1 for g in dep.aggregated):
+        raise UserError("real mode: aggregated workers of one GPU only (aggregated.tp, dp and ep = 1)")
     if tiny_cfg is None and weights:
         cfg_path = Path(weights) / "config.json"
         if not cfg_path.exists():
@@ -498,18 +517,27 @@ class RealRun:
 
     def _absorb(self, fl: _Inflight) -> None:
         if fl.kind == "prefill":
-            first = next(v for v in fl.replies.values() if v is not None)
-            for rid, (tok, pages) in first.items():
-                self.src_pages[rid] = pages
-                gen = self.generated.setdefault(rid, [])
-                # a re-prefill covers the prompt and the first g generated tokens; its output is token g+1
-                del gen[self.prefill_n[rid] - self.prompt_len[rid]:]
-                gen.append(tok)
+            self._absorb_prefill(next(v for v in fl.replies.values() if v is not None))
         elif fl.kind == "decode":
-            for v in fl.replies.values():
-                if v:
-                    for rid, tok in v.items():
-                        self.generated.setdefault(rid, []).append(tok)
+            self._absorb_decode(fl.replies.values())
+        elif fl.kind == "mixed":  # one rank: its decode tokens, then its prompts' first tokens
+            (v,) = fl.replies.values()
+            self._absorb_decode([v["decode"]])
+            self._absorb_prefill(v["prefill"])
+
+    def _absorb_prefill(self, reply: dict) -> None:
+        for rid, (tok, pages) in reply.items():
+            self.src_pages[rid] = pages
+            gen = self.generated.setdefault(rid, [])
+            # a re-prefill covers the prompt and the first g generated tokens; its output is token g+1
+            del gen[self.prefill_n[rid] - self.prompt_len[rid]:]
+            gen.append(tok)
+
+    def _absorb_decode(self, replies) -> None:
+        for v in replies:
+            if v:
+                for rid, tok in v.items():
+                    self.generated.setdefault(rid, []).append(tok)
 
 
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
@@ -570,6 +598,8 @@ class ReplayExecutor:
             k = (plan.worker, "prefill", plan.batch)
         elif tp is KvTransfer:
             k = (plan.worker, "kv", plan.request_id)
+        elif tp is MixedStep:
+            k = (plan.worker, "mixed", plan.step)
         else:
             k = (plan.worker, "decode", plan.step)
         if not self.table.get(k):

@@ -9,6 +9,8 @@ command and runs it together (collectives inside the group), then replies on the
   free it -> reply bytes
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
 - ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
+- ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
+  ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
 
 Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
@@ -49,7 +51,7 @@ class RankSpec:
 
     rank: int
     world: int
-    role: str                       # "prefill" | "decode"
+    role: str                       # "prefill" | "decode" | "aggregated" (one GPU: prefills and decodes)
     group_id: str
     group_ranks: tuple[int, ...]    # global ranks of this group, index = rank within the group
     all_groups: tuple[tuple[str, tuple[int, ...]], ...]  # every group, in creation order (for dist.new_group)
@@ -154,7 +156,7 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
                 pass
 
 
-COMPUTE_OPS = frozenset({"prefill", "decode", "drop"})
+COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop"})
 TRANSFER_OPS = frozenset({"kv_send", "kv_recv"})
 
 
@@ -422,3 +424,8 @@ class Rank:
             s.last_token = tok
             out[rid] = tok
         return out
+
+    def _op_mixed(self, joined, left, items):
+        """An aggregated worker's step: the running batch decodes, then the prompts of ``items`` are prefilled into
+        the same cache (their KV and next token stay here for the decode steps they join later)."""
+        return {"decode": self._op_decode(joined, left), "prefill": self._op_prefill(items) if items else {}}
