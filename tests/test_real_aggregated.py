@@ -17,6 +17,7 @@ from engine.core.workload import generate
 from engine.real.driver import replay, run_real
 from engine.real.model import TorchModelConfig
 from sim.scenario import build
+from sim.driver import simulate
 from topology.errors import UserError
 
 #: requests arrive faster than they finish, so the workers' steps mix prompts into running batches
@@ -34,7 +35,7 @@ def ckpt(tmp_path_factory):
 def _run(d, sc):
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
-    res, run = run_real(b, reqs, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256, decode_pages=256,
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256, decode_pages=256,
                         tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
     return b, reqs, res, run
 
@@ -52,7 +53,7 @@ def test_aggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckp
         with torch.no_grad():
             ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
         assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
-    rep = replay(b, reqs, run.records, seed=sc.seed, deaths=run.deaths)
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
     assert len(res.log.decisions()) > 50
     # the disaggregated run of the same requests generates the same tokens
@@ -65,4 +66,4 @@ def test_real_mode_names_what_it_cannot_run(ckpt):
     _, _, d = ckpt
     sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "dp": 2, "ep": 2})
     with pytest.raises(UserError, match="aggregated workers of one GPU only"):
-        run_real(build(sc), generate(sc.workload, sc.seed), device="cpu", dtype="fp32", weights=str(d))
+        run_real(build(sc), generate(sc.workload, sc.seed), simulate=simulate, device="cpu", dtype="fp32", weights=str(d))

@@ -111,10 +111,10 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
 
 def rank_plan(spec: RankSpec) -> ParallelPlan:
     """The ``ParallelPlan`` of ``spec``'s group, ranks numbered within the group: a prefiller is ``tp`` attention
-    ranks (dp = group / tp), a decoder ``len(group)`` DP ranks; ``ep`` as the spec says."""
+    ranks (dp = group / tp), a decoder or an aggregated worker ``len(group)`` DP ranks; ``ep`` as the spec says."""
     n = len(spec.group_ranks)
     tp = spec.tp if spec.role == "prefill" else 1
-    return ParallelPlan(role=spec.role, tp=tp, dp=n // tp, ep=spec.ep, gpus=tuple(range(n)),
+    return ParallelPlan(role="prefill" if spec.role == "prefill" else "decode", tp=tp, dp=n // tp, ep=spec.ep, gpus=tuple(range(n)),
                         kv_replication=spec.cfg.attention.kv_replication(tp))
 
 
