@@ -78,7 +78,7 @@ def m_tiles(kernel: str, m: int) -> int:
 
 def kernel_maps(rows: list[dict]) -> dict[tuple, KernelMap]:
     """The ``gemm_kernels`` rows (``kernels/measure.py``) by their dense curve's key ``(fmt, n, k)`` (as
-    :func:`curve_of` keys it)."""
+    :func:`~sim.calibration.measurements.curve_of` keys it)."""
     out = {}
     for r in rows:
         if r.get("bench") == "gemm_kernels" and not r.get("error") and r.get("runs"):
@@ -277,7 +277,8 @@ _GRID_RE = re.compile(r"<<<(\d+),(\d+),(\d+)>>>")
 
 def attn_maps(rows: list[dict]) -> dict[tuple, tuple[tuple[int, int, str], ...]]:
     """The ``attn_kernels`` rows (``kernels/measure.py``) by their decode curve's key ``(head_dim, seq_heads)``
-    (as :func:`curve_of` keys it): runs ``(ctx_first, ctx_last, kernels with grids)``."""
+    (as :func:`~sim.calibration.measurements.curve_of` keys it): runs ``(ctx_first, ctx_last, kernels with
+    grids)``."""
     out = {}
     for r in rows:
         if r.get("bench") == "attn_kernels" and not r.get("error") and r.get("runs"):

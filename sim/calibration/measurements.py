@@ -216,7 +216,7 @@ def merge_measurements(docs: list[tuple[str, dict]]) -> dict:
                "nccl": env.get("nccl"), "command": env.get("command"),
                "schema": d.get("schema", MEASURE_SCHEMAS[0]), "n_rows": len(d.get("rows", []))}
         sources.append({k: v for k, v in src.items() if v is not None})
-    # every row says which file it came from (the ``source`` of its curve, :func:`fit_entries`)
+    # every row says which file it came from (the ``source`` of its curve, :func:`sim.calibrate.fit_entries`)
     return {**{k: v for k, v in first.items() if k != "rows"},
             "rows": [{**r, "from": path} for path, d in docs for r in d["rows"]],
             "complete": all(d.get("complete", True) is not False for _, d in docs), "sources": sources}
@@ -308,7 +308,7 @@ def split_rows(rows: list[dict], holdout: Holdout) -> tuple[set[str], set[str]]:
 
 
 def shape_of(r: dict) -> dict:
-    """The shape fields of a measured row that the curve's base form needs (:func:`form_for`)."""
+    """The shape fields of a measured row that the curve's base form needs (:func:`~sim.calibration.forms.form_for`)."""
     if r["bench"] == "gemm":
         return {"n": r["n"], "n_experts": r.get("n_experts", 1)}
     if r["bench"] == "flash_prefill":
