@@ -18,7 +18,7 @@ trying a lower one lets the simulation, not the heuristic, say whether the queue
 Searches write to ``WORK/<spec>/<topology>/<format>/rate-<r>-h<headroom>/results.jsonl`` and are resumable; the
 default WORK holds the git commit, so a re-run on other code starts afresh.
 
-A case's **chosen** point: among the simulated points that meet the SLOs (:func:`sim.search.meets_slo`: every
+A case's **chosen** point: among the simulated points that meet the SLOs (:func:`sim.search_results.meets_slo`: every
 request completed, TTFT and TPOT at the SLO percentile within bounds) and use at most ``gpu_budget`` GPUs, the one
 at the highest rate (the load the budget carries); at that rate the one using the fewest GPUs, then the fastest
 per user (whichever headroom sized it). Figures:
@@ -160,7 +160,7 @@ def point_of(rec: Mapping, rate_per_s: float, gpu_budget: int, slo) -> dict:
     if rec.get("status") != "ok":
         p["reason"] = rec.get("reason", "")
         return p
-    from sim.search import meets_slo
+    from sim.search_results import meets_slo
 
     s = rec["summary"]
     tpot90 = s.get("tpot_p90_s")

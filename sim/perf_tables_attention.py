@@ -89,7 +89,7 @@ GENERIC_DECODE_HEADS = (8, 1)
 #: the per-kernel fixed cost imported rates are net of (the cost functions add ``kernel_fixed_us``; imported
 #: calibrations carry none, so it is the constant)
 FIXED_S = C.KERNEL_FIXED_US * 1e-6
-#: as ``sim.calibrate.NET_FLOOR``: a row's time less the fixed cost is never taken below this fraction of it
+#: as ``sim.calibration.measurements.NET_FLOOR``: a row's time less the fixed cost is never taken below this fraction of it
 NET_FLOOR = 0.1
 
 CTX_COLS = ("kernel_source", "batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "window_size",
@@ -115,9 +115,9 @@ def decode_kv_bytes(batch: int, ctx: int, n_kv_heads: int, head_dim: int, elem_b
 
 @lru_cache(maxsize=256)
 def _model(n_q_heads: int, n_kv_heads: int, head_dim: int):
-    from sim.calibrate import _attn_model
+    from sim.calibration.predict import attn_model
 
-    return _attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
+    return attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
 
 
 def _summary_pct(errs: list[float]) -> str:

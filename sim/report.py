@@ -32,7 +32,8 @@ class Table:
 class ReportData:
     """What a report shows. ``records`` are sweep records (``sim.sweep``); ``eligible`` the keys that meet the
     SLOs; ``front`` / ``best`` records on the front / the best few (best first); ``explanations``: key ->
-    ``sim.search.explain`` dict; ``color_by``: a dotted override path to colour points by (None: one colour)."""
+    ``sim.search_results.explain`` dict; ``color_by``: a dotted override path to colour points by (None: one
+    colour)."""
 
     title: str
     intro: list[str] = field(default_factory=list)

@@ -34,6 +34,9 @@ For a model, candidate hardware, a workload and SLOs, the search
 5. prints the best few with **why**: their prefill and decode ``StepBreakdown`` at the operating point (the
    simulated mean batch per rank), i.e. where the step time goes.
 
+Steps 4-5 and the report's tables read the simulated records with :mod:`sim.search_results` (shared with
+``rackbed sweep``).
+
 The spec (YAML ``kind: search``, or CLI flags) is :class:`SearchSpec`.
 """
 
@@ -49,7 +52,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.core.workload import WorkloadSpec
-from sim.pareto import pareto_indices, pareto_layers
+from sim.pareto import pareto_layers
+from sim.search_results import explain, front_of, meets_slo
 from topology.errors import UserError, from_validation, one_line
 
 
@@ -532,95 +536,6 @@ def select_for_simulation(cands: Sequence[Candidate], budget: int) -> list[Candi
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# After simulation: eligibility, front, explanations
-
-
-def meets_slo(rec: Mapping, ttft_s: float | None, tpot_s: float | None, percentile: str = "p90") -> bool:
-    """An ``ok`` record whose every request completed and whose TTFT / TPOT at ``percentile`` meet the bounds
-    (a None bound always holds; a run with no multi-token request has no TPOT and passes it)."""
-    if rec.get("status") != "ok":
-        return False
-    s = rec["summary"]
-    if not s.get("done") or s.get("done") != s.get("requests"):
-        return False
-    ttft = s.get(f"ttft_{percentile}_s")
-    tpot = s.get(f"tpot_{percentile}_s")
-    if ttft_s is not None and (ttft is None or ttft > ttft_s):
-        return False
-    if tpot_s is not None and tpot is not None and tpot > tpot_s:
-        return False
-    return s.get("tokens_per_s_per_gpu") is not None and s.get("tokens_per_s_per_user") is not None
-
-
-def record_slo(rec: Mapping) -> tuple[float | None, float | None]:
-    """The SLO bounds a record's own scenario had (from its metrics' goodput section)."""
-    g = (rec.get("metrics") or {}).get("goodput") or {}
-    return g.get("slo_ttft_s"), g.get("slo_tpot_s")
-
-
-def front_of(records: Sequence[Mapping]) -> list[Mapping]:
-    """Records on the Pareto front of (tokens/s per GPU, tokens/s per user), both maximised."""
-    vals = [(r["summary"]["tokens_per_s_per_gpu"], r["summary"]["tokens_per_s_per_user"]) for r in records]
-    return [records[i] for i in pareto_indices(vals)]
-
-
-def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
-    """Where time goes for a point: its prefill step (a full batch of the mean prompt) and decode step (at the
-    simulated mean batch per rank when ``rec`` has metrics, else at the batch cap) as StepBreakdowns in a JSON-able
-    dict ``{"prefill": {...}, "decode": {...}}`` with ``at`` (the step evaluated), ``total_s``, ``by_category``
-    (StepTime fields) and ``terms`` (seconds per named term)."""
-    from sim.scenario import build, parse_scenario
-
-    sc = parse_scenario(dict(scenario))
-    b = build(sc)
-    cm = b.cost_model  # what the simulation priced the point with
-    m = (rec or {}).get("metrics") or {}
-    th = m.get("throughput") or {}
-    rps = th.get("requests_per_s") or 0
-    prompt = (th.get("input_tokens_per_s") or 0) / rps if rps else 0
-    output = (th.get("output_tokens_per_s") or 0) / rps if rps else 0
-    if not prompt:
-        from engine.core.workload import WorkloadStats, generate
-
-        st = WorkloadStats.from_requests(generate(sc.workload, sc.seed))
-        prompt, output = st.prompt_tokens_mean, st.output_tokens_mean
-    out: dict[str, Any] = {}
-    mbt = sc.prefill.max_batch_tokens
-    each = max(1, min(round(prompt), mbt) if sc.sim.chunked_prefill else round(prompt))  # as prefill_options
-    n_seqs = max(1, mbt // each)
-    pb = cm.prefill_breakdown([(each, 0)] * n_seqs)
-    out["prefill"] = _bd_dict(pb, f"{n_seqs} x {each}-token prompts (TP={sc.prefill.tp}, EP={sc.prefill.ep})")
-    dec = m.get("decode") or {}
-    ep = sc.decode.ep
-    n_groups = max(1, sc.decode.replicas)
-    if dec.get("steps"):
-        per_group_step = dec["sequence_steps"] / dec["steps"]
-        bsz = max(1, round(per_group_step / ep))
-        how = "simulated mean"
-    else:
-        bsz, how = sc.decode.max_batch_per_rank, "batch cap"
-    _ = n_groups
-    ctx = prompt + output / 2
-    db = cm.decode_breakdown(bsz, bsz * ctx, sc.mtp.draft_k)
-    out["decode"] = _bd_dict(db, f"{bsz} seqs/rank ({how}) x {ctx:.0f} ctx tokens, EP={ep}, MTP k={sc.mtp.draft_k}")
-    return out
-
-
-def _bd_dict(bd, at: str) -> dict:
-    return {"at": at, "total_s": bd.total_s, "by_category": bd.by_category(), "terms": bd.seconds()}
-
-
-def where_time_goes(bd: Mapping, n_terms: int = 3) -> str:
-    """One line: the categories' shares and the biggest terms of a breakdown dict from :func:`explain`."""
-    tot = bd["total_s"] or 1e-30
-    cats = sorted(bd["by_category"].items(), key=lambda kv: -kv[1])
-    terms = sorted(bd["terms"].items(), key=lambda kv: -kv[1])[:n_terms]
-    c = ", ".join(f"{k[:-2]} {v / tot:.0%}" for k, v in cats if v > 0)
-    t = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in terms)
-    return f"{bd['total_s'] * 1e3:.2f} ms: {c} (top: {t})"
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # The whole search
 
 
@@ -690,105 +605,6 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
             expl[r["key"]] = {"error": one_line(exc)}
     return SearchResult(spec, load, pre, dec, cands, chosen, recs, elig, front, best, expl, scen,
                         wall_s=time.perf_counter() - t0)
-
-
-def axis_table(res: SearchResult) -> list[dict]:
-    """For each knob with more than one candidate value: per value, the analytic best and the simulated best
-    eligible point (tokens/s per GPU, and at tokens/s per user >= the median of all eligible points) — the numbers
-    behind comparisons like "TP=4 beats TP=8" or "EP16 beats EP8"."""
-    import statistics
-
-    axes = {"topology": "topology", "weight_format": "weight_format", "prefill TP/EP": None,
-            "decode.ep": "decode.ep", "decode.max_batch_per_rank": "decode.max_batch_per_rank",
-            "mtp.draft_k": "mtp.draft_k"}
-    elig_keys = {r["key"] for r in res.eligible}
-    u_med = statistics.median([r["summary"]["tokens_per_s_per_user"] for r in res.eligible]) if res.eligible else None
-    rows = []
-    for axis, path in axes.items():
-        def val(ov, path=path):
-            return f"TP={ov['prefill.tp']}/EP={ov['prefill.ep']}" if path is None else ov[path]
-
-        values = sorted({val(c.overrides) for c in res.candidates}, key=str)
-        if len(values) < 2:
-            continue
-        for v in values:
-            cs = [c for c in res.candidates if val(c.overrides) == v]
-            alive = [c for c in cs if c.pruned is None]
-            sim = [r for r, c in zip(res.records, res.simulated) if val(c.overrides) == v and r["key"] in elig_keys]
-            row = {"axis": axis, "value": v, "candidates": len(cs), "pruned": len(cs) - len(alive),
-                   "simulated": sum(1 for c in res.simulated if val(c.overrides) == v), "eligible": len(sim)}
-            if axis == "prefill TP/EP" and alive:
-                po = max((c.prefill for c in alive), key=lambda o: o.capacity_tokens_per_s)
-                row["est_prefill_input_tokens_per_s_per_gpu"] = po.capacity_tokens_per_s / max(po.tp, po.ep)
-                row["est_ttft_floor_s"] = po.ttft_floor_s
-            if alive:
-                a = max(alive, key=lambda c: c.est_tokens_per_s_per_gpu)
-                row["est_best_tokens_per_s_per_gpu"] = a.est_tokens_per_s_per_gpu
-                row["est_best_tokens_per_s_per_user"] = a.est_tokens_per_s_per_user
-            else:
-                reasons = sorted({c.pruned for c in cs if c.pruned})
-                row["pruned_because"] = reasons[0] if reasons else ""
-            if sim:
-                s = max(sim, key=lambda r: r["summary"]["tokens_per_s_per_gpu"])
-                row["sim_best_tokens_per_s_per_gpu"] = s["summary"]["tokens_per_s_per_gpu"]
-                row["sim_best_tokens_per_s_per_user"] = s["summary"]["tokens_per_s_per_user"]
-                row["sim_best_label"] = s.get("candidate")
-                if u_med is not None:
-                    fast = [r for r in sim if r["summary"]["tokens_per_s_per_user"] >= u_med]
-                    if fast:
-                        row["sim_best_tokens_per_s_per_gpu_at_median_user"] = max(
-                            r["summary"]["tokens_per_s_per_gpu"] for r in fast)
-                row["median_user_tokens_per_s"] = u_med
-            rows.append(row)
-    return rows
-
-
-def prefill_table(res: SearchResult) -> list[dict]:
-    """Per prefill option: the analytic TTFT floor, capacity per GPU and the step's split — the numbers behind
-    "TP=4/EP=4 beats TP=8/EP=8" (input tokens/s per GPU at the same batch)."""
-    rows = []
-    for o in res.prefill:
-        row = {"topology": o.topology, "weight_format": o.weight_format, "tp": o.tp, "ep": o.ep,
-               "max_batch_tokens": o.max_batch_tokens, "ttft_floor_s": o.ttft_floor_s, "pruned": o.pruned or ""}
-        if o.breakdown is not None:
-            n = max(o.tp, o.ep)
-            row.update(step_s=o.breakdown.total_s, batch=f"{o.batch[0]} x {o.batch[1]}",
-                       input_tokens_per_s_per_gpu=o.capacity_tokens_per_s / n, replicas=o.replicas,
-                       **{k: v for k, v in o.breakdown.by_category().items()})
-        rows.append(row)
-    return rows
-
-
-def decode_table(res: SearchResult) -> list[dict]:
-    """Per decode option at its batch cap (equal batch per rank across EP degrees): step time, TPOT, tokens/s per
-    user and per decode GPU, and the step's split — the numbers behind "EP16 beats EP8 on GB200" and "EP16 over
-    EFA loses to EP8 on H200"."""
-    from engine.core.specdec import expected_tokens_per_step
-
-    rows = []
-    for o in res.decode:
-        row = {"topology": o.topology, "weight_format": o.weight_format, "ep": o.ep, "cap": o.max_batch_per_rank,
-               "draft_k": o.draft_k, "b": o.b_max, "pruned": o.pruned or ""}
-        bd = o.breakdown_at_cap
-        if bd is not None:
-            e = expected_tokens_per_step(o.draft_k, res.spec.mtp_accept_p)
-            tpot = bd.total_s / e
-            row.update(step_s=bd.total_s, tpot_s=tpot, tokens_per_s_per_user=1.0 / tpot,
-                       tokens_per_s_per_decode_gpu=o.b_max / tpot, **bd.by_category())
-        rows.append(row)
-    return rows
-
-
-def prune_summary(res: SearchResult) -> dict[str, int]:
-    """How many candidates each pruning reason removed (reasons with numbers stripped to group alike ones)."""
-    import re
-
-    out: dict[str, int] = {}
-    for c in res.candidates:
-        if c.pruned:
-            k = re.sub(r"[0-9][0-9.,]*", "N", c.pruned)
-            out[k] = out.get(k, 0) + 1
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Sequence[str], rate_per_s: float,

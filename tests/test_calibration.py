@@ -19,7 +19,6 @@ from sim.calibrate import (
     default_calibration_for,
     describe_calibration,
     dump_calibration,
-    fit_curve,
     load_calibration_file,
     load_measurements,
     measurement_paths,
@@ -27,6 +26,7 @@ from sim.calibrate import (
     row_id,
     split_rows,
 )
+from sim.calibration.forms import fit_curve
 from sim.costs.calibration import CalibrationEntry
 from sim.costs.gemm import gemm_time, grouped_gemm_time
 from sim.costs.step import decode_step_time

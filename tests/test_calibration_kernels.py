@@ -1,4 +1,4 @@
-"""Dense GEMM curves with a kernel map (``gemm_kernels`` rows): the block model of ``sim.calibrate``."""
+"""Dense GEMM curves with a kernel map (``gemm_kernels`` rows): the block model of ``sim.calibration.kernel_maps``."""
 
 from __future__ import annotations
 
@@ -8,21 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.calibrate import (
+from sim.calibrate import Holdout, calibrate, calibration_rows, curve_of, row_id, split_rows
+from sim.calibration.kernel_maps import (
     KernelMap,
-    Holdout,
     attn_maps,
-    calibrate,
-    calibration_rows,
-    curve_of,
     decode_map_grid,
     decode_run_times,
     decode_work_x,
     kernel_block_times,
     kernel_maps,
     kernel_tile,
-    row_id,
-    split_rows,
     tabulate_exact,
 )
 from topology.errors import UserError
@@ -114,7 +109,7 @@ def test_calibrate_with_a_kernel_map_predicts_held_out_rows_of_a_sawtooth():
 
 
 def test_kv_block_form_is_a_staircase_and_its_residual_holds_within_a_block():
-    from sim.calibrate import Form, _hybrid, candidate_forms
+    from sim.calibration.forms import Form, _hybrid, candidate_forms
 
     f = Form("kvblocks", tile=(256, 1))
     assert [f.w(x) for x in (1, 256, 257, 512, 513)] == [256.0, 256.0, 512.0, 512.0, 768.0]

@@ -12,6 +12,7 @@ from engine.core.model import get_model
 from engine.core.sharding import ParallelPlan
 from engine.core.specdec import expected_tokens_per_step
 from sim import search as se
+from sim import search_results as sr
 from sim.costs.step import decode_step_breakdown, prefill_step_breakdown
 from topology.errors import UserError
 
@@ -120,13 +121,13 @@ def test_cost_and_slo_eligibility():
     assert se.cost_per_mtok_usd(6.0, 0.0) is None
     ok = {"status": "ok", "summary": {"done": 10, "requests": 10, "ttft_p90_s": 0.5, "tpot_p90_s": 0.02,
                                       "tokens_per_s_per_gpu": 100.0, "tokens_per_s_per_user": 50.0}}
-    assert se.meets_slo(ok, 1.0, 0.05)
-    assert not se.meets_slo(ok, 0.4, 0.05)
-    assert not se.meets_slo(ok, 1.0, 0.01)
-    assert se.meets_slo(ok, None, None)
+    assert sr.meets_slo(ok, 1.0, 0.05)
+    assert not sr.meets_slo(ok, 0.4, 0.05)
+    assert not sr.meets_slo(ok, 1.0, 0.01)
+    assert sr.meets_slo(ok, None, None)
     short = {**ok, "summary": {**ok["summary"], "done": 9}}
-    assert not se.meets_slo(short, 1.0, 0.05)  # a rejected request disqualifies
-    assert not se.meets_slo({"status": "invalid"}, 1.0, 0.05)
+    assert not sr.meets_slo(short, 1.0, 0.05)  # a rejected request disqualifies
+    assert not sr.meets_slo({"status": "invalid"}, 1.0, 0.05)
 
 
 def test_selection_takes_whole_analytic_layers_within_budget():

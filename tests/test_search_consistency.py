@@ -24,6 +24,7 @@ import topology
 from engine.core.formats import FORMAT_NAMES
 from engine.core.plans import PrefillBatch
 from sim import search as se
+from sim import search_results as sr
 from sim.engine_calibration import EngineCalibratedCostModel
 from sim.scenario import ScenarioCostModel, build, parse_scenario, scenario_model, simulate_scenario
 from sim.sweep import SweepSpec, expand
@@ -124,6 +125,6 @@ def test_the_analytic_stage_prices_with_the_cost_model_the_simulation_builds(lay
     assert c.decode.breakdown.total_s == pytest.approx(step.total_s, rel=1e-12 if layers else 0.02)
     for bd in (c.prefill.breakdown, c.decode.breakdown, c.decode.breakdown_at_cap):
         assert sum(bd.by_category().values()) == pytest.approx(bd.total_s)
-    ex = se.explain(scenario)
+    ex = sr.explain(scenario)
     assert ex["decode"]["total_s"] == pytest.approx(
         b.cost_model.decode_breakdown(32, 32 * (prompt + out / 2), k).total_s)

@@ -27,7 +27,9 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SIZES = (1, 8, 32, 64, 128)
 #: extra correctness cases, tokens per rank: a batch needing two chunks of max_tokens (256) on one rank only, and a
@@ -161,95 +163,159 @@ def _rank(rank: int, world: int, o: dict) -> dict:
 
 def _rank_body(rank: int, world: int, o: dict) -> dict:
     import torch
-    import torch.distributed as dist
-
-    from engine.real.comm import Comm
-    from engine.real.model import Shard, ShardedQwen3Moe, shard_layer
-    from kernels.moe_a2a import PeerMoeAllToAll
 
     os.environ["RACKBED_PEER_A2A"] = "1"
-    t_start = time.perf_counter()
-    cuda = o["device"] == "cuda"
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    r = _RankRun.start(rank, world, o)
+    info = r.attach_peer()
+    correctness = _check_paths(r)
+    timing = _time_paths(r)
+    if r.peer is not None and r.cuda:
+        r.peer.check_error()
+        r.barrier()
+        r.peer.close()
+    r.m._a2a = False
+    info.update(correctness=correctness, timing=timing, wall_s=round(time.perf_counter() - r.t_start, 1))
+    if r.cuda:
+        info.update(device_name=torch.cuda.get_device_name(r.dev),
+                    max_memory_gib=round(torch.cuda.max_memory_allocated(r.dev) / 2**30, 1))
+    return info
 
-    def say(msg: str, all_ranks: bool = False) -> None:
-        if rank == 0 or all_ranks:
-            print(f"[check_peer_a2a r{rank} {time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
+@dataclass
+class _RankRun:
+    """One rank of the check: the EP-sharded model ``m`` and the unsharded reference ``full`` (same random weights),
+    the peer object (None when the engine fell back to all_to_all), the paths to compare, and the helpers the
+    correctness and timing stages share (log line, device sync, barrier, inputs, routing)."""
 
-    group = dist.new_group(list(range(world)))
-    flag = torch.zeros(1, device=dev)
+    rank: int
+    o: dict
+    cfg: Any
+    dev: Any
+    group: Any
+    flag: Any
+    t_start: float
+    m: Any = None
+    full: Any = None
+    peer: Any = None
+    paths: tuple[str, ...] = ("a2a",)
 
-    def barrier() -> None:
-        sync()
-        dist.all_reduce(flag, group=group)
-        sync()
+    @classmethod
+    def start(cls, rank: int, world: int, o: dict) -> _RankRun:
+        """The rank's group and its model sharded over ``world`` expert-parallel ranks."""
+        import torch
+        import torch.distributed as dist
 
-    cfg = _config(o)
-    bf16 = torch.bfloat16
-    full = ShardedQwen3Moe.random(cfg, Shard(), Comm(), seed=o["seed"], device=dev, dtype=bf16)
-    shard = Shard(attn_tp=1, ep=world, ep_rank=rank)
-    m = ShardedQwen3Moe(cfg, shard, Comm(ep_group=group), [shard_layer(w, cfg, shard) for w in full.layers],
-                        full.glob)
-    sync()
-    say(f"weights ready ({cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts, top-{cfg.top_k}, "
-        f"F {cfg.moe_intermediate}, experts {m.experts.start}..{m.experts.stop - 1} here)", all_ranks=True)
+        from engine.real.comm import Comm
+        from engine.real.model import Shard, ShardedQwen3Moe, shard_layer
 
-    # the peer object: built by the engine itself on its first bf16 CUDA call (collective), or injected on the CPU
-    info = {"rank": rank, "peer_backend": None, "fallback_reason": None}
-    if cuda:
-        m._peer_a2a(torch.zeros(1, cfg.hidden, dtype=bf16, device=dev))
-        peer = m._a2a or None
-        if peer is None:  # ask the object why (collective, like the engine's attempt)
-            probe = PeerMoeAllToAll(group, max_tokens=32, hidden=cfg.hidden, top_k=cfg.top_k,
-                                    n_experts=cfg.n_experts, payload="bf16", backend="auto")
-            info["fallback_reason"] = probe.fallback_reason or f"engine declined backend {probe.backend!r}"
-            probe.close()
-    else:
-        peer = PeerMoeAllToAll(group, max_tokens=o["max_tokens"], hidden=cfg.hidden, top_k=cfg.top_k,
-                               n_experts=cfg.n_experts, backend="torch")
-        peer.device = dev
-        m._a2a, m._a2a_out, m._a2a_chunks = peer, peer.alloc_outputs(), 1
-    if peer is not None:
-        info.update(peer_backend=peer.backend, max_tokens=peer.lay.max_tokens,
-                    direct_launch=getattr(peer, "direct_launch", None))
-    say(f"peer path: backend={info['peer_backend']} fallback={info['fallback_reason']}")
-    paths = ("peer", "a2a") if peer is not None else ("a2a",)
+        t_start = time.perf_counter()
+        cuda = o["device"] == "cuda"
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        group = dist.new_group(list(range(world)))
+        r = cls(rank, o, None, dev, group, torch.zeros(1, device=dev), t_start)
+        cfg = r.cfg = _config(o)
+        r.full = ShardedQwen3Moe.random(cfg, Shard(), Comm(), seed=o["seed"], device=dev, dtype=torch.bfloat16)
+        shard = Shard(attn_tp=1, ep=world, ep_rank=rank)
+        r.m = m = ShardedQwen3Moe(cfg, shard, Comm(ep_group=group),
+                                  [shard_layer(w, cfg, shard) for w in r.full.layers], r.full.glob)
+        r.sync()
+        r.say(f"weights ready ({cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts, "
+              f"top-{cfg.top_k}, F {cfg.moe_intermediate}, experts {m.experts.start}..{m.experts.stop - 1} here)",
+              all_ranks=True)
+        return r
 
-    def use(path: str) -> None:
-        m._a2a = peer if path == "peer" else False
+    @property
+    def cuda(self) -> bool:
+        return self.o["device"] == "cuda"
 
-    def hidden_states(B: int, tag: int, li: int):
-        g = torch.Generator().manual_seed(o["seed"] * 7919 + tag * 101 + li * 13 + rank)
-        return torch.randn(B, cfg.hidden, generator=g).to(dev, bf16)
+    def say(self, msg: str, all_ranks: bool = False) -> None:
+        if self.rank == 0 or all_ranks:
+            print(f"[check_peer_a2a r{self.rank} {time.perf_counter() - self.t_start:6.1f} s] {msg}", flush=True)
 
-    def route(li: int, h):
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.dev)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        self.sync()
+        dist.all_reduce(self.flag, group=self.group)
+        self.sync()
+
+    def attach_peer(self) -> dict:
+        """The peer object: built by the engine itself on its first bf16 CUDA call (collective), or injected on the
+        CPU (the torch backend). Returns the rank's ``info`` (backend, or why the engine fell back)."""
+        import torch
+
+        from kernels.moe_a2a import PeerMoeAllToAll
+
+        cfg, m, dev, o = self.cfg, self.m, self.dev, self.o
+        info = {"rank": self.rank, "peer_backend": None, "fallback_reason": None}
+        if self.cuda:
+            m._peer_a2a(torch.zeros(1, cfg.hidden, dtype=torch.bfloat16, device=dev))
+            peer = m._a2a or None
+            if peer is None:  # ask the object why (collective, like the engine's attempt)
+                probe = PeerMoeAllToAll(self.group, max_tokens=32, hidden=cfg.hidden, top_k=cfg.top_k,
+                                        n_experts=cfg.n_experts, payload="bf16", backend="auto")
+                info["fallback_reason"] = probe.fallback_reason or f"engine declined backend {probe.backend!r}"
+                probe.close()
+        else:
+            peer = PeerMoeAllToAll(self.group, max_tokens=o["max_tokens"], hidden=cfg.hidden, top_k=cfg.top_k,
+                                   n_experts=cfg.n_experts, backend="torch")
+            peer.device = dev
+            m._a2a, m._a2a_out, m._a2a_chunks = peer, peer.alloc_outputs(), 1
+        if peer is not None:
+            info.update(peer_backend=peer.backend, max_tokens=peer.lay.max_tokens,
+                        direct_launch=getattr(peer, "direct_launch", None))
+        self.say(f"peer path: backend={info['peer_backend']} fallback={info['fallback_reason']}")
+        self.peer = peer
+        self.paths = ("peer", "a2a") if peer is not None else ("a2a",)
+        return info
+
+    def use(self, path: str) -> None:
+        self.m._a2a = self.peer if path == "peer" else False
+
+    def hidden_states(self, B: int, tag: int, li: int):
+        import torch
+
+        g = torch.Generator().manual_seed(self.o["seed"] * 7919 + tag * 101 + li * 13 + self.rank)
+        return torch.randn(B, self.cfg.hidden, generator=g).to(self.dev, torch.bfloat16)
+
+    def route(self, li: int, h):
+        import torch
+
         if h.shape[0]:
-            return m._route(m.layers[li], h)
-        return (torch.zeros(0, cfg.top_k, dtype=torch.long, device=dev),
-                torch.zeros(0, cfg.top_k, dtype=bf16, device=dev))
+            return self.m._route(self.m.layers[li], h)
+        return (torch.zeros(0, self.cfg.top_k, dtype=torch.long, device=self.dev),
+                torch.zeros(0, self.cfg.top_k, dtype=torch.bfloat16, device=self.dev))
 
-    # -- (1) correctness: peer vs all_to_all vs the unsharded experts, every layer in order ---------------------
+
+def _check_paths(r: _RankRun) -> list[dict]:
+    """(1) correctness: peer vs all_to_all vs the unsharded experts, every layer in order, per case of tokens per
+    rank (the timed sizes on both ranks, then the extra cases)."""
+    import torch
+
+    cfg, m, o = r.cfg, r.m, r.o
     cases = [(B, B) for B in o["sizes"]] + [tuple(c) for c in o["extra_cases"]]
     correctness = []
     with torch.inference_mode():
         for ci, batches in enumerate(cases):
-            B = batches[rank]
+            B = batches[r.rank]
             rec = {"batch_per_rank": list(batches), "ok": True, "chunks": 0, "peer_err": 0.0, "a2a_err": 0.0,
                    "peer_vs_a2a": 0.0, "layers": []}
             for li in range(cfg.n_layers):
-                h = hidden_states(B, 1000 + ci, li)
-                topi, topw = route(li, h)
+                h = r.hidden_states(B, 1000 + ci, li)
+                topi, topw = r.route(li, h)
                 outs = {}
-                for path in paths:
-                    use(path)
+                for path in r.paths:
+                    r.use(path)
                     outs[path] = m._moe_dp_ep(m.layers[li], h, topi, topw)
                     if path == "peer" and li == 0:
                         rec["chunks"] = m._a2a_chunks
-                ref = full._local_experts(full.layers[li], h, topi, topw)
+                ref = r.full._local_experts(r.full.layers[li], h, topi, topw)
                 scale = ref.float().abs().max().item() if B else 0.0
 
                 def err(a, b, scale=scale, B=B):
@@ -272,12 +338,20 @@ def _rank_body(rank: int, world: int, o: dict) -> dict:
                 rec["ok"] = rec["ok"] and ok
                 rec["layers"].append(lay)
             correctness.append(rec)
-            say(f"check {batches}: ok={rec['ok']} chunks={rec['chunks']} peer_err={rec['peer_err']:.2e} "
-                f"a2a_err={rec['a2a_err']:.2e} peer_vs_a2a={rec['peer_vs_a2a']:.2e}")
-    if peer is not None and cuda:
-        peer.check_error()
+            r.say(f"check {batches}: ok={rec['ok']} chunks={rec['chunks']} peer_err={rec['peer_err']:.2e} "
+                  f"a2a_err={rec['a2a_err']:.2e} peer_vs_a2a={rec['peer_vs_a2a']:.2e}")
+    if r.peer is not None and r.cuda:
+        r.peer.check_error()
+    return correctness
 
-    # -- (2) timing: eager, both paths interleaved in the same run ---------------------------------------------
+
+def _time_paths(r: _RankRun) -> list[dict]:
+    """(2) timing: eager, both paths interleaved in the same run; per size, the medians (and range) of each of
+    ``MEASURES`` per path."""
+    import torch
+
+    cfg, m, o = r.cfg, r.m, r.o
+
     def identity(w, x, ids, wts):  # the local experts replaced by nothing: communication and bookkeeping only
         return x
 
@@ -285,38 +359,39 @@ def _rank_body(rank: int, world: int, o: dict) -> dict:
 
     def run(measure: str, hs: list) -> None:
         if measure == "route":
-            route(last, hs[last])
+            r.route(last, hs[last])
             return
         if measure == "comm":
             m._local_experts = identity
         try:
             for li in (range(cfg.n_layers) if measure == "step" else (last,)):
-                topi, topw = route(li, hs[li])
+                topi, topw = r.route(li, hs[li])
                 m._moe_dp_ep(m.layers[li], hs[li], topi, topw)
         finally:
             m.__dict__.pop("_local_experts", None)
 
     def timed(measure: str, hs: list) -> float:
-        barrier()
+        r.barrier()
         t0 = time.perf_counter()
         for _ in range(o["inner"]):
             run(measure, hs)
-        sync()
+        r.sync()
         return (time.perf_counter() - t0) / o["inner"] * 1e6
 
+    paths = r.paths
     timing = []
     with torch.inference_mode():
         for B in o["sizes"]:
-            hs = [hidden_states(B, B, li) for li in range(cfg.n_layers)]
+            hs = [r.hidden_states(B, B, li) for li in range(cfg.n_layers)]
             for path in paths:  # warm-up (compiles the expert kernels picked for these row counts); step first
-                use(path)
+                r.use(path)
                 for measure in ("step", "layer", "comm", "route"):
                     for _ in range(2):
                         run(measure, hs)
             samples = {path: {ms: [] for ms in MEASURES} for path in paths}
             for rep in range(o["reps"]):
                 for path in (paths if rep % 2 == 0 else paths[::-1]):
-                    use(path)
+                    r.use(path)
                     run("step", hs)  # agree the chunk count for this B before timing single layers
                     for measure in MEASURES:
                         samples[path][measure].append(timed(measure, hs))
@@ -325,20 +400,11 @@ def _rank_body(rank: int, world: int, o: dict) -> dict:
                 row[path] = {ms: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v)}
                              for ms, v in samples[path].items()}
             timing.append(row)
-            say(f"time B={B}: " + "  ".join(
+            r.say(f"time B={B}: " + "  ".join(
                 f"{path} layer {row[path]['layer']['median_us']:.0f} comm {row[path]['comm']['median_us']:.0f} "
                 f"route {row[path]['route']['median_us']:.0f} step {row[path]['step']['median_us']:.0f} us"
                 for path in paths))
-    if peer is not None and cuda:
-        peer.check_error()
-        barrier()
-        peer.close()
-    m._a2a = False
-    info.update(correctness=correctness, timing=timing, wall_s=round(time.perf_counter() - t_start, 1))
-    if cuda:
-        info.update(device_name=torch.cuda.get_device_name(dev),
-                    max_memory_gib=round(torch.cuda.max_memory_allocated(dev) / 2**30, 1))
-    return info
+    return timing
 
 
 # ------------------------------------------------------------------------------------------------ main

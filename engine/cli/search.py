@@ -99,7 +99,7 @@ def print_search(console, res) -> None:
     from rich.table import Table
 
     from sim.report import fmt
-    from sim.search import axis_table, prune_summary, where_time_goes
+    from sim.search_results import axis_table, prune_summary, where_time_goes
 
     sp, ld = res.spec, res.load
     console.print(f"[bold]search {sp.name}[/bold]: {sp.model}; load {ld.rate_per_s:.3g} req/s, prompt "
@@ -161,7 +161,7 @@ def print_search(console, res) -> None:
 def option_tables(res):
     """The analytic prefill and decode options as ``sim.report.Table``s (pruned ones with their reason)."""
     from sim.report import Table, fmt
-    from sim.search import decode_table, prefill_table
+    from sim.search_results import decode_table, prefill_table
 
     def ms(x):
         return fmt(None if x is None else x * 1e3)
@@ -202,7 +202,7 @@ def _status_counts(records) -> str:
 def search_report_data(res):
     """``sim.report.ReportData`` of a search result (front, best, breakdowns, per-knob table, pruning)."""
     from sim.report import ReportData, Table, fmt
-    from sim.search import axis_table, prune_summary
+    from sim.search_results import axis_table, prune_summary
 
     sp, ld = res.spec, res.load
     rows = [[r["axis"], r["value"], r["candidates"], r["pruned"], r["simulated"], r["eligible"],

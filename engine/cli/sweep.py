@@ -88,7 +88,7 @@ def sweep_report_data(spec, points, records, *, top: int = 5):
     """Eligibility (each point against its own scenario's SLOs, p90), the front, the best few with their
     StepTime breakdowns, as ``sim.report.ReportData``."""
     from sim.report import ReportData
-    from sim.search import explain, front_of, meets_slo, record_slo
+    from sim.search_results import explain, front_of, meets_slo, record_slo
     from topology.errors import one_line
 
     scen = {p.key: p.scenario for p in points}
@@ -116,7 +116,7 @@ def _print_best(console, data) -> None:
     from rich.table import Table
 
     from sim.report import best_table
-    from sim.search import where_time_goes
+    from sim.search_results import where_time_goes
 
     t = best_table(data)
     rt = Table(title=t.title)
