@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from kernels.allreduce_schedule import ALGOS, TWO_SHOT_ALGO, launch_shape, make_layout, select_algo
+from rackbed.kernels.allreduce_schedule import ALGOS, TWO_SHOT_ALGO, launch_shape, make_layout, select_algo
 
 # never NVLink multicast (NVLS): it can take a shared host's GPUs down; see kernels/README.md
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -87,13 +87,13 @@ class PeerAllReduce:
         bad = [r for r in reasons if r]
         if bad:
             if backend == "cute":
-                from kernels.peer_memory import PeerAccessError
+                from rackbed.kernels.peer_memory import PeerAccessError
 
                 raise PeerAccessError(f"PeerAllReduce: backend='cute' unavailable: {bad[0]}")
             self.fallback_reason = bad[0]
             return
-        from kernels import allreduce_cute
-        from kernels.peer_memory import PeerBuffer
+        from rackbed.kernels import allreduce_cute
+        from rackbed.kernels.peer_memory import PeerBuffer
 
         self.layout = make_layout(self.world_size, self.max_bytes, max_blocks)
         try:
@@ -106,8 +106,7 @@ class PeerAllReduce:
         self._cute = allreduce_cute
         # peer table in this rank's buffer: bases (global rank order), rank, own base
         import numpy as np
-
-        from kernels.peer_memory import check
+        from rackbed.kernels.peer_memory import check
 
         table = np.array(self._buf.ptrs + [self.rank, self._buf.local_ptr], dtype=np.int64)
         check(self._buf._drv.cuMemcpyHtoD(self._buf.local_ptr + self.layout.table_off, table, table.nbytes),
@@ -217,7 +216,7 @@ class PeerAllReduce:
         if self.backend != "cute":
             return
         torch.cuda.synchronize()
-        from kernels.peer_memory import check
+        from rackbed.kernels.peer_memory import check
 
         check(self._buf._drv.cuMemcpyDtoH(self._err, self._buf.local_ptr + self.layout.err_off, 4), "cuMemcpyDtoH")
         if int(self._err[0]):

@@ -32,7 +32,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 ALGOS = ("one_shot", "two_shot", "two_shot_pull")
 DTYPES = {"bf16": 2, "fp32": 4}  # name -> bytes per element

@@ -1,6 +1,6 @@
 """Grouped GEMMs for the MoE experts: a drop-in ``grouped_swiglu`` with a CuTe DSL decode kernel, torch elsewhere.
 
-    from kernels.grouped_gemm import grouped_swiglu
+    from rackbed.kernels.grouped_gemm import grouped_swiglu
     y = grouped_swiglu(x, gate_up, down, counts)      # same call and semantics as engine/real/model.py
 
 Shapes (the engine's): ``x [R, D]`` rows sorted by expert, ``counts [E]`` rows per expert (int, on x's device,
@@ -17,7 +17,7 @@ Implementations (``impl=``):
                SwiGLU. Needs CUDA, bf16, contiguous 16-byte aligned tensors, D % 256 == 0, F % 256 == 0, CuTe DSL.
   "auto"       the first rule of DECODE_DISPATCH whose mean-rows-per-expert bound (R / E, host-known) and
                minimum expert count match, if that kernel can take the tensors; else "torch" (the lead sets the
-               rules from the measured table: ``python -m kernels.bench.moe --suite moe_gemm`` prints a suggestion).
+               rules from the measured table: ``python -m rackbed.kernels.bench.moe --suite moe_gemm`` prints a suggestion).
                No host synchronisation either way (counts stay on the device): CUDA-graph safe.
 
 Reference for tests: :func:`grouped_swiglu_reference` (fp32 or fp64 loop over experts, any device).
@@ -37,7 +37,7 @@ DECODE_DISPATCH: tuple[tuple[float, int, str], ...] = ((8.0, 1, "cute_mma"),)
 IMPLS = ("auto", "cute_gemv", "cute_mma", "wgmma", "torch")
 # impl="auto" at prefill shapes: the wgmma/TMA grouped GEMM (kernels/grouped_gemm_wgmma.py) is taken when the mean
 # rows per expert R/E is >= this bound. None = off until the GPU benchmark shows it faster than torch._grouped_mm
-# (``python -m kernels.bench.moe_prefill``); the lead flips it here or with RACKBED_PREFILL_WGMMA_MIN_ROWS=<rows>.
+# (``python -m rackbed.kernels.bench.moe_prefill``); the lead flips it here or with RACKBED_PREFILL_WGMMA_MIN_ROWS=<rows>.
 PREFILL_WGMMA_MIN_MEAN_ROWS: float | None = None
 _GU_RW, _DOWN_RW, _WARPS = 1, 2, 8  # rows per warp (gate_up: 1 gate + 1 up row; down: 2 rows); warps per block
 
@@ -57,7 +57,7 @@ def cute_unavailable() -> str | None:
                 reason = "RACKBED_NO_CUTE=1"
             else:
                 import cutlass.cute  # noqa: F401
-                from kernels import grouped_gemm_cute  # noqa: F401
+                from rackbed.kernels import grouped_gemm_cute  # noqa: F401
         except Exception as exc:  # ImportError, driver errors: fall back
             reason = f"CuTe DSL not importable ({type(exc).__name__}: {exc})"
         _cute_state["reason"] = reason
@@ -197,8 +197,7 @@ def expert_offsets(counts, out=None):
 def gemv_launch(x, w, offs, out, fuse: bool):
     """One launch of the CuTe kernel: x [R, K], w [E, N, K], offs int32 [E+1], out [R, N] or [R, N/2] (fuse)."""
     import torch
-
-    from kernels import grouped_gemm_cute as gc
+    from rackbed.kernels import grouped_gemm_cute as gc
 
     E, N, K = w.shape
     rw = _GU_RW if fuse else _DOWN_RW
@@ -220,7 +219,7 @@ MMA_SMEM_MAX = 48 * 1024  # static shared memory a CTA may use (expert list + sp
 MMA_V2 = {"gate_up": {"rb": 1, "warps": 8, "ctas": 2, "depth": 0, "hint": 0, "tn": 1},
           "down": {"rb": 2, "warps": 8, "ctas": 2, "depth": 0, "hint": 0, "tn": 1}}
 # (max mean rows per expert R/E, min experts E, gate_up config, down config): first match wins, else MMA_V2. Set from
-# the sweep of ``python -m kernels.bench.moe --suite moe_gemm`` (it prints a suggestion); empty until measured.
+# the sweep of ``python -m rackbed.kernels.bench.moe --suite moe_gemm`` (it prints a suggestion); empty until measured.
 # From the same sweep's suggestion (best gate_up + down variant per mean-rows bucket).
 _MMA_DOWN_H1 = {"rb": 2, "warps": 8, "ctas": 2, "depth": 0, "hint": 1, "tn": 1}
 MMA_TUNED: tuple[tuple[float, int, dict, dict], ...] = (
@@ -280,9 +279,9 @@ def mma_unsupported(x, gate_up, down, n_rows: int | None = None) -> str | None:
         if why:
             return why
     try:
-        from kernels import grouped_gemm_mma  # noqa: F401
+        from rackbed.kernels import grouped_gemm_mma  # noqa: F401
     except Exception as exc:  # a CuTe DSL version without what this kernel uses: the other paths stay usable
-        return f"kernels.grouped_gemm_mma not importable ({type(exc).__name__}: {exc})"
+        return f"rackbed.kernels.grouped_gemm_mma not importable ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -294,8 +293,7 @@ def mma_launch(x, w, offs, out, fuse: bool, n_rows: int, cfg: dict | None = None
     ``cfg`` (default :func:`mma_config`) as in MMA_V2. The persistent grid is min(ctas x SMs, items of min(E, R)
     active experts) CTAs."""
     import torch
-
-    from kernels import grouped_gemm_mma as gm
+    from rackbed.kernels import grouped_gemm_mma as gm
 
     E, N, K = w.shape
     c = cfg or mma_config(fuse, n_rows, E)
@@ -363,7 +361,7 @@ def use_prefill_wgmma(n_rows: int, n_experts: int) -> bool:
 
 def wgmma_unsupported(x, gate_up, down, counts) -> str | None:
     """Why the wgmma prefill kernel cannot run both GEMMs of the SwiGLU here (None when it can)."""
-    from kernels import grouped_gemm_wgmma as gw
+    from rackbed.kernels import grouped_gemm_wgmma as gw
 
     why = cute_unavailable() or gw.kernel_unsupported(x, gate_up, counts)
     if why:
@@ -378,8 +376,7 @@ def wgmma_unsupported(x, gate_up, down, counts) -> str | None:
 def grouped_swiglu_wgmma(x, gate_up, down, counts):
     """Prefill path: gate_up on the wgmma kernel, SwiGLU in torch, down on the wgmma kernel (bf16)."""
     import torch.nn.functional as F_
-
-    from kernels import grouped_gemm_wgmma as gw
+    from rackbed.kernels import grouped_gemm_wgmma as gw
 
     R, E, D, F = check_swiglu_args(x, gate_up, down, counts)
     offs = gw.tile_offsets(counts)

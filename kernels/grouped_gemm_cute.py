@@ -25,10 +25,10 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
+from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
-from cuda.bindings import driver as cuda
 
 VEC = 8  # bf16 elements per 16-byte load
 WARP = 32

@@ -22,7 +22,7 @@ n_active * tiles, so empty experts cost nothing and few experts still spread ove
 An expert with more than 8 rows loops over token chunks of 8 inside the item (the second pass re-reads the tile
 from L2).
 
-Compile-time knobs (v3, swept by ``python -m kernels.bench.moe --suite moe_gemm``; chosen by
+Compile-time knobs (v3, swept by ``python -m rackbed.kernels.bench.moe --suite moe_gemm``; chosen by
 ``grouped_gemm.MMA_TUNED``): ``depth`` K chunks of loads issued ahead of the MMAs (register prefetch; 0 = chunk by
 chunk as v2), ``hint`` weight-load flavour (0 plain, 1 ``ld.global.nc.L1::no_allocate.L2::256B``, 2
 ``ld.global.nc.L1::no_allocate``), ``tn`` token groups of 8 per weight pass (2: an expert with 9-16 rows streams its
@@ -45,12 +45,11 @@ import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir import ir
-
-from kernels.grouped_gemm import MMA_KC as KC
-from kernels.grouped_gemm import mma_config as config  # noqa: F401  (re-exported)
-from kernels.grouped_gemm import mma_items as n_items  # noqa: F401
-from kernels.grouped_gemm import mma_tiling_unsupported as unsupported
-from kernels.grouped_gemm_cute import _ld_i32, _st_bf16  # the GEMV kernel's scalar load / bf16 store
+from rackbed.kernels.grouped_gemm import MMA_KC as KC
+from rackbed.kernels.grouped_gemm import mma_config as config  # noqa: F401  (re-exported)
+from rackbed.kernels.grouped_gemm import mma_items as n_items  # noqa: F401
+from rackbed.kernels.grouped_gemm import mma_tiling_unsupported as unsupported
+from rackbed.kernels.grouped_gemm_cute import _ld_i32, _st_bf16  # the GEMV kernel's scalar load / bf16 store
 
 WARP = 32
 TOK = 8  # tokens per MMA (the N side)

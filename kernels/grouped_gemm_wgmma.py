@@ -1,6 +1,6 @@
 """Prefill MoE grouped GEMM on Hopper (wgmma + TMA, CuTe DSL): host side, argument checks, references.
 
-    from kernels.grouped_gemm_wgmma import grouped_mm
+    from rackbed.kernels.grouped_gemm_wgmma import grouped_mm
     y = grouped_mm(x, w, counts)                                    # bf16:  y[r] = x[r] @ w[e(r)].T
     y = grouped_mm(xq, wq, counts, x_scale=sx, w_scale=sw)          # FP8 e4m3, block scales, fp32 accumulation
 
@@ -360,7 +360,7 @@ def quantize_fp8_block(t, role: str):
 
 
 def from_mx(q):
-    """kernels.mx TorchQuantized ("fp8_block") -> (codes float8_e4m3fn, fp32 scales) for :func:`grouped_mm`."""
+    """rackbed.kernels.mx TorchQuantized ("fp8_block") -> (codes float8_e4m3fn, fp32 scales) for :func:`grouped_mm`."""
     import torch
 
     codes = q.codes.to(torch.uint8).view(torch.float8_e4m3fn)
@@ -383,7 +383,7 @@ def grouped_mm(x, w, counts, *, x_scale=None, w_scale=None, out=None, offsets=No
     why = kernel_unsupported(x, w, counts, x_scale, w_scale, variant)
     if why:
         raise ValueError(f"grouped_mm(wgmma): {why}")
-    from kernels import grouped_gemm_wgmma_cute as gc
+    from rackbed.kernels import grouped_gemm_wgmma_cute as gc
 
     if out is None:
         out = torch.empty(R, N, dtype=torch.bfloat16, device=x.device)

@@ -42,16 +42,13 @@ Requirements (checked by :func:`check_args`): K % 128 == 0, N % tile_n == 0, con
 from __future__ import annotations
 
 import functools
+import os
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute, pipeline, utils
-
-import os
-
-from kernels.grouped_gemm_wgmma import EPI_N, EPI_PAD, SCALE_BLOCK, variant_config
-
+from rackbed.kernels.grouped_gemm_wgmma import EPI_N, EPI_PAD, SCALE_BLOCK, variant_config
 
 _DEBUG_LAYOUT = bool(os.environ.get("RACKBED_WGMMA_DEBUG_LAYOUT"))
 _ORDER_BAR = 3  # pingpong mainloop-order named barriers 3 (wakes consumer 0) and 4 (consumer 1); 1, 2: smem epilogue

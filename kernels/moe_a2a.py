@@ -203,7 +203,7 @@ def pack_fp8_rows(x, exact: bool = False):
     amax = torch.where(torch.isfinite(xb), xb.abs(), torch.zeros_like(xb)).amax(-1, keepdim=True)
     s = amax / torch.full_like(amax, 448.0)
     if exact:
-        from kernels import mx
+        from rackbed.kernels import mx
 
         q = mx.quantize(x.reshape(T, D), "fp8_block", "activation")
         codes = q.codes.reshape(T, D)
@@ -264,8 +264,7 @@ class PeerMoeAllToAll:
             reason = None
             try:
                 import cutlass.cute  # noqa: F401
-
-                from kernels import moe_a2a_cute  # noqa: F401
+                from rackbed.kernels import moe_a2a_cute  # noqa: F401
                 if not torch.cuda.is_available():
                     reason = "no CUDA device"
             except Exception as exc:
@@ -278,14 +277,14 @@ class PeerMoeAllToAll:
             if bad:
                 self.fallback_reason = bad[0]
             else:
-                from kernels.peer_memory import PeerBuffer, check
+                from rackbed.kernels.peer_memory import PeerBuffer, check
 
                 self._buf = PeerBuffer(group, self.lay.total_bytes)
                 table = np.array(self._buf.ptrs + [self.rank, self._buf.local_ptr], dtype=np.int64)
                 check(self._buf._drv.cuMemcpyHtoD(self._buf.local_ptr + self.lay.table_off, table.ctypes.data,
                                                   table.nbytes), "cuMemcpyHtoD")
                 self._table = self._buf.local_ptr + self.lay.table_off
-                from kernels import moe_a2a_cute
+                from rackbed.kernels import moe_a2a_cute
 
                 tns = int(spin_timeout_s * 1e9)
                 self._k = {kind: moe_a2a_cute.compiled(kind, self.n, self.lay, 128, tns)
@@ -438,7 +437,7 @@ class PeerMoeAllToAll:
         if self.backend != "cute":
             return
         torch.cuda.synchronize()
-        from kernels.peer_memory import check
+        from rackbed.kernels.peer_memory import check
 
         err = np.zeros(1, dtype=np.int32)
         check(self._buf._drv.cuMemcpyDtoH(err.ctypes.data, self._buf.local_ptr + self.lay.err_off, 4), "cuMemcpyDtoH")
@@ -458,7 +457,7 @@ class PeerMoeAllToAll:
             return
         if not t.is_cuda:
             raise ValueError("PeerMoeAllToAll.error_to: t must be on the GPU")
-        from kernels.peer_memory import check
+        from rackbed.kernels.peer_memory import check
 
         drv = self._buf._drv
         check(drv.cuMemcpyDtoDAsync(t.data_ptr(), self._buf.local_ptr + self.lay.err_off, 4,

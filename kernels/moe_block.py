@@ -1,6 +1,6 @@
 """The routed-expert block of a Qwen3-MoE layer without host synchronisation (CUDA-graph capturable).
 
-    from kernels.moe_block import moe_block
+    from rackbed.kernels.moe_block import moe_block
     y = moe_block(h, logits, gate_up, down, top_k, swiglu=grouped_swiglu)   # what the engine's static decode runs
 
 ``engine/real/model.py``'s graph-captured decode step (``forward_decode_static``, one expert group) runs these

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-
-from engine.core import collectives
-from topology.errors import UserError
+from rackbed.engine.core import collectives
+from rackbed.topology.errors import UserError
 
 __all__ = [
     "ACTIVATION_BYTES_PER_ELEMENT_FALLBACK",
@@ -69,9 +68,9 @@ def activation_bytes_per_element(fmt: str) -> float:
     (imported lazily: it is written in parallel), else :data:`ACTIVATION_BYTES_PER_ELEMENT_FALLBACK`.
     """
     try:
-        from engine.core import formats
+        from rackbed.engine.core import formats
     except ModuleNotFoundError as exc:
-        if exc.name != "engine.core.formats":
+        if exc.name != "rackbed.engine.core.formats":
             raise
         formats = None
     if formats is not None and hasattr(formats, "get_format"):

@@ -1,7 +1,7 @@
 """MX / NVFP4 / FP8 quantize and dequantize as torch tensor programs (GPU or CPU), bit-identical to
 engine/core/formats.py.
 
-    from kernels import mx
+    from rackbed.kernels import mx
     q = mx.quantize(x, "mxfp4", role="weight")   # x: float tensor (any device); q.codes uint8, q.scale_codes uint8
     y = mx.dequantize(q)                          # float64 tensor, same shape as x
 
@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from engine.core import formats as ref
+from rackbed.engine.core import formats as ref
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from rackbed import shipped
+
+HERE = shipped("scenarios")
 
 
 def available() -> list[str]:
@@ -18,7 +20,7 @@ def available() -> list[str]:
 def summary(name: str) -> str:
     """One line about a shipped scenario for ``rackbed run --list``: its ``description`` (serving scenarios), else its
     ``title`` (figures and studies), else the first sentence of its ``claim``; whitespace folded to single spaces."""
-    from topology.yamlio import load_yaml
+    from rackbed.topology.yamlio import load_yaml
 
     data = load_yaml(HERE / f"{name}.yaml")
     for key in ("description", "title", "claim"):

@@ -12,8 +12,7 @@ scenario's cost model prices their :class:`~engine.core.plans.MixedStep`\\ s wit
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 class AggregatedSection(BaseModel):
@@ -64,7 +63,7 @@ def aggregated_plan_for(sc, model, gpus):
     """The ParallelPlan of an aggregated worker on ``gpus``: DP attention ranks (``tp == 1``, priced as a decode
     plan) or one TP group (``dp == 1``, as a prefill plan); ``max_batch_tokens`` / ``max_batch_per_rank`` size
     the activation reserve."""
-    from engine.core.sharding import ParallelPlan
+    from rackbed.engine.core.sharding import ParallelPlan
 
     a = sc.aggregated or AggregatedSection()
     kv_rep = a.kv_replication or (max(1, a.tp // model.n_kv_heads) if a.tp > model.n_kv_heads else 1)
@@ -77,9 +76,9 @@ def aggregated_plan_for(sc, model, gpus):
 def build_aggregated(sc, topo, model, kv_view):
     """``sim.scenario.build`` for ``deployment: aggregated``: the placed workers, their plan (as both the
     ``prefill_plan`` and the ``decode_plan`` of :class:`~sim.scenario.Built`) and the cost model."""
-    from engine.core.deployment import AggregatedTemplate, MtpSpec, place_aggregated
-    from sim.coverage import calibration_caveats
-    from sim.scenario import Built, cost_model_for
+    from rackbed.engine.core.deployment import AggregatedTemplate, MtpSpec, place_aggregated
+    from rackbed.sim.coverage import calibration_caveats
+    from rackbed.sim.scenario import Built, cost_model_for
 
     a = sc.aggregated or AggregatedSection()
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
@@ -111,7 +110,7 @@ def price_mixed(cm, plan, group):
     """The StepTime of a :class:`~engine.core.plans.MixedStep` on ``group`` for the scenario cost model ``cm``
     (its plans, calibration), memoised on the step's shape (the busiest decode contexts at ``cm.CTX_BITS``
     resolution: decode attention is priced per rank from totals anyway)."""
-    from sim.costs.mixed import mixed_step_time
+    from rackbed.sim.costs.mixed import mixed_step_time
 
     memo = cm.__dict__.setdefault("_mixed_memo", {})
     ctx = tuple(_bucket(c, cm.CTX_BITS) for c in plan.rank_context_tokens)

@@ -32,7 +32,7 @@ DEFAULT_RATE_PER_S = 20.0
 
 def bench_scenario(sim_s: float = 3600.0, rate_per_s: float = DEFAULT_RATE_PER_S):
     """The benchmark's :class:`~sim.scenario.ServingScenario` (module docstring)."""
-    from sim.scenario import parse_scenario
+    from rackbed.sim.scenario import parse_scenario
 
     if not sim_s > 0:
         raise ValueError(f"--sim-s: must be > 0, got {sim_s}")
@@ -58,10 +58,10 @@ def bench_scenario(sim_s: float = 3600.0, rate_per_s: float = DEFAULT_RATE_PER_S
 
 def run_bench(sim_s: float = 3600.0, rate_per_s: float = DEFAULT_RATE_PER_S, progress: bool = False) -> dict:
     """Build and simulate the benchmark scenario; return the figures (module docstring)."""
-    from engine.core.metrics import Slo
-    from engine.core.workload import iter_requests
-    from sim.driver import simulate
-    from sim.scenario import build
+    from rackbed.engine.core.metrics import Slo
+    from rackbed.engine.core.workload import iter_requests
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build
 
     t0 = time.perf_counter()
     sc = bench_scenario(sim_s, rate_per_s)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from sim.calibration.files import (
+from rackbed.sim.calibration.files import (
     CALIBRATION_DIR,
     FILE_SCHEMA,
     CalibrationFile,
@@ -45,8 +45,8 @@ from sim.calibration.files import (
     dump_calibration,
     load_calibration_file,
 )
-from sim.calibration.forms import POINTS_PER_OCTAVE, choose_form, fit_curve, geomean
-from sim.calibration.kernel_maps import (
+from rackbed.sim.calibration.forms import POINTS_PER_OCTAVE, choose_form, fit_curve, geomean
+from rackbed.sim.calibration.kernel_maps import (
     attn_maps,
     fit_decode_with_map,
     fit_dense_with_map,
@@ -54,7 +54,7 @@ from sim.calibration.kernel_maps import (
     kernel_maps,
     thin,
 )
-from sim.calibration.measurements import (
+from rackbed.sim.calibration.measurements import (
     MEASURE_SCHEMAS,
     Holdout,
     calibration_rows,
@@ -70,10 +70,10 @@ from sim.calibration.measurements import (
     shape_of,
     split_rows,
 )
-from sim.calibration.predict import Prediction, predict_row
-from sim.costs import constants as C
-from sim.costs.calibration import CalibrationEntry, CalibrationTable
-from topology.errors import UserError
+from rackbed.sim.calibration.predict import Prediction, predict_row
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
+from rackbed.topology.errors import UserError
 
 #: the calibration API: this module's fit, and what the :mod:`sim.calibration` modules define for other code
 __all__ = [

@@ -50,9 +50,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from sim.search import SearchSpec
-from topology.errors import UserError, from_validation
+from rackbed.sim.search import SearchSpec
+from rackbed.topology.errors import UserError, from_validation
 
 #: The specs ``rackbed capacity`` runs when none is named (under ``scenarios/sweeps/``).
 DEFAULT_SPECS = ("capacity-qwen235-gb200", "capacity-qwen235-h200")
@@ -96,8 +95,8 @@ def parse_capacity(data: Mapping, source: str | Path | None = None) -> CapacityS
 
 def load_capacity(path: str | Path) -> CapacitySpec:
     """A capacity spec from a YAML file, or a name under ``scenarios/sweeps/``."""
-    from topology.yamlio import load_yaml
-    from sim.sweep import SWEEPS_DIR
+    from rackbed.sim.sweep import SWEEPS_DIR
+    from rackbed.topology.yamlio import load_yaml
 
     p = Path(path)
     if not p.exists() and p.suffix not in (".yaml", ".yml") and (SWEEPS_DIR / f"{path}.yaml").exists():
@@ -110,7 +109,7 @@ def load_capacity(path: str | Path) -> CapacitySpec:
 
 
 def _check_budget(spec: CapacitySpec, source) -> None:
-    import topology
+    from rackbed import topology
 
     if spec.gpu_budget is None:
         return
@@ -160,7 +159,7 @@ def point_of(rec: Mapping, rate_per_s: float, gpu_budget: int, slo) -> dict:
     if rec.get("status") != "ok":
         p["reason"] = rec.get("reason", "")
         return p
-    from sim.search_results import meets_slo
+    from rackbed.sim.search_results import meets_slo
 
     s = rec["summary"]
     tpot90 = s.get("tpot_p90_s")
@@ -195,7 +194,7 @@ def per_gpu_at_user(points: Sequence[Mapping], u: float, per: str = "budget") ->
 
 def front(points: Sequence[Mapping]) -> list[Mapping]:
     """Pareto front of (tokens/s per budget GPU, tokens/s per user), by tokens/s per budget GPU descending."""
-    from sim.pareto import pareto_indices
+    from rackbed.sim.pareto import pareto_indices
 
     idx = pareto_indices([(p["tokens_per_s_per_budget_gpu"], p["user"]) for p in points])
     return sorted((points[i] for i in idx), key=lambda p: -p["tokens_per_s_per_budget_gpu"])
@@ -271,8 +270,9 @@ DEFINITIONS = {
 def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, *, jobs: int = 1,
              progress: bool = False, log=None) -> dict:
     """Every rate of one case; the case's dict for the JSON (module docstring)."""
-    import topology as topo_mod
-    from sim.search import run_search
+    from rackbed.sim.search import run_search
+
+    from rackbed import topology as topo_mod
 
     budget = spec.gpu_budget or topo_mod.load(topology).n_gpus
     slo = spec.search.slo
@@ -344,7 +344,7 @@ def _calibration(scenario: Mapping | None) -> tuple[str | None, list[str]]:
     """The calibration note and caveats ``rackbed run`` prints for a scenario (``sim.scenario.build``)."""
     if scenario is None:
         return None, []
-    from sim.scenario import build, parse_scenario
+    from rackbed.sim.scenario import build, parse_scenario
 
     b = build(parse_scenario(dict(scenario)))
     return b.calibration_note, list(b.caveats)

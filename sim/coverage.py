@@ -10,7 +10,7 @@ returns one line per gap (an empty list: everything measured).
 
 from __future__ import annotations
 
-from sim.costs import constants as C
+from rackbed.sim.costs import constants as C
 
 UNCALIBRATED_BLACKWELL = ("Blackwell figures extrapolate: GPU rates and NVLink/NVLS parameters come from datasheets "
                           "and NCCL's tuning tables, not from measurements (see calibration/README.md)")
@@ -31,7 +31,7 @@ def _gemm_gap(calib, gpu: str, fmt: str, n: int, k: int, what: str) -> str | Non
 
 
 def _moe_gap(calib, gpu: str, model, fmt: str, tp: int, ep: int, role: str) -> str | None:
-    from sim.costs.moe_block import moe_key
+    from rackbed.sim.costs.moe_block import moe_key
 
     key = moe_key(model, fmt, tp, ep)
     if calib.entry("moe_us", gpu, **key) is None:
@@ -101,7 +101,7 @@ def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[s
             gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, plan.ep, role)
             if gap and gap not in out:
                 out.append(gap)
-    from sim.costs.collective import group_links
+    from rackbed.sim.costs.collective import group_links
 
     for what, n, gpus in (("prefill TP", prefill_plan.tp, prefill_plan.tp_group(0)),
                           ("prefill EP combine", prefill_plan.ep, prefill_plan.gpus)):
@@ -109,7 +109,7 @@ def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[s
         if gap and gap not in out:
             out.append(gap)
     if getattr(decode_plan, "ep", 1) > 1:
-        from sim.costs.collective import group_links
+        from rackbed.sim.costs.collective import group_links
 
         gap = _a2a_gap(calib, name, decode_plan.ep, model, group_links(topo, decode_plan.gpus).one_domain)
         if gap:

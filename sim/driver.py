@@ -24,24 +24,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
-
-from engine.core.autoscaler import AutoscalerConfig
-from engine.core.decision_log import DecisionLog
-from engine.core.deployment import Deployment, PrefillerGroup
-from engine.core.metrics import Slo, summarize
-from engine.core.plans import PrefillBatch
-from engine.core.policies import Policies
-from engine.core.request import Request
-from engine.core.scheduler import KvChunks, Scheduler
-from engine.core.state import ROW_FIELDS, Sample
-from engine.core.workload import ClosedLoop
-from engine.loop.runloop import Progress, collector_paused, run_loop
-from engine.loop.simenv import SimEnv
-from sim import fastpath
-from sim.executor import CostModel, Executor
-from sim.faults import Fault, parse_faults
-from sim.network import Network
-from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_MIXED, SPAN_PREFILL, WorkerProcesses
+from rackbed.engine.core.autoscaler import AutoscalerConfig
+from rackbed.engine.core.decision_log import DecisionLog
+from rackbed.engine.core.deployment import Deployment, PrefillerGroup
+from rackbed.engine.core.metrics import Slo, summarize
+from rackbed.engine.core.plans import PrefillBatch
+from rackbed.engine.core.policies import Policies
+from rackbed.engine.core.request import Request
+from rackbed.engine.core.scheduler import KvChunks, Scheduler
+from rackbed.engine.core.state import ROW_FIELDS, Sample
+from rackbed.engine.core.workload import ClosedLoop
+from rackbed.engine.loop.runloop import Progress, collector_paused, run_loop
+from rackbed.engine.loop.simenv import SimEnv
+from rackbed.sim import fastpath
+from rackbed.sim.executor import CostModel, Executor
+from rackbed.sim.faults import Fault, parse_faults
+from rackbed.sim.network import Network
+from rackbed.sim.processes import SPAN_DECODE, SPAN_KV, SPAN_MIXED, SPAN_PREFILL, WorkerProcesses
 
 #: span kinds in ``SimResult.spans``: SPAN_PREFILL, SPAN_KV, SPAN_DECODE, SPAN_MIXED (0, 1, 2, 3)
 SPAN_NAMES = ("prefill", "kv_transfer", "decode", "mixed")

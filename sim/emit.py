@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 ENGINES = ("sglang", "trtllm", "dynamo")
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
@@ -71,7 +70,7 @@ class Plan:
 
 def plan_of(sc) -> Plan:
     """The :class:`Plan` of a :class:`~sim.scenario.ServingScenario` (built: its groups placed on GPUs)."""
-    from sim.scenario import build
+    from rackbed.sim.scenario import build
 
     if sc.autoscaler is not None and sc.autoscaler.enabled:
         sc = sc.model_copy(update={"autoscaler": None})  # the starting counts are what gets launched

@@ -34,10 +34,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from rackbed.topology.errors import UserError, from_validation
 
-from topology.errors import UserError, from_validation
+from rackbed import shipped
 
-ENGINE_DIR = Path(__file__).resolve().parents[1] / "calibration"
+ENGINE_DIR = shipped("calibration")
 
 
 def attn_pairs(items) -> float:
@@ -127,7 +128,7 @@ class EngineCalibratedCostModel:
     @staticmethod
     def _scaled_breakdown(bd, total: float):
         """A StepBreakdown whose terms keep their proportions and sum to ``total`` (as :meth:`_scaled`)."""
-        from sim.costs.breakdown import StepBreakdown
+        from rackbed.sim.costs.breakdown import StepBreakdown
 
         t = bd.total_s
         if t <= 0:
@@ -172,7 +173,7 @@ class _Replayed:
         return self.breakdown_s
 
     def duration(self, plan, now_s: float) -> float:
-        from engine.core.plans import KvTransfer, PrefillBatch
+        from rackbed.engine.core.plans import KvTransfer, PrefillBatch
 
         tp = type(plan)
         k = (plan.worker, "prefill", plan.batch) if tp is PrefillBatch else \
@@ -187,9 +188,9 @@ class _Replayed:
 def _replay_plans(real: dict, built) -> dict[tuple, list]:
     """The real run's plans, rebuilt by replaying it through the simulator with its measured times (the scheduler
     is the same, so the decisions are: ``tests/test_real_driver.py``): ``(worker, kind, key) -> [plan, ...]``."""
-    from engine.core.metrics import Slo
-    from engine.core.workload import generate
-    from sim.driver import simulate
+    from rackbed.engine.core.metrics import Slo
+    from rackbed.engine.core.workload import generate
+    from rackbed.sim.driver import simulate
 
     sc = built.scenario
     ex = _Replayed(real["plans"])
@@ -297,7 +298,7 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
     run_dir = Path(run_dir)
     real = json.loads((run_dir / "real.json").read_text())
     if built is None:
-        from sim.scenario import build, load_scenario
+        from rackbed.sim.scenario import build, load_scenario
 
         built = build(load_scenario(real["scenario"]), engine_calibration=False)
     plans = _plans(run_dir, built, kv_bytes_per_token)
@@ -332,9 +333,9 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
     """Engine-level validation of a real run: fit on the plans not held out, then (1) per-plan error on the
     held-out plans, (2) re-simulate the run's scenario with the engine-calibrated cost model and compare the
     serving metrics (TTFT/TPOT p50/p90, decode step and prefill medians) with the real run's."""
-    from engine.core.workload import generate
-    from sim.driver import simulate
-    from sim.scenario import build, load_scenario
+    from rackbed.engine.core.workload import generate
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build, load_scenario
 
     run_dir = Path(run_dir)
     real = json.loads((run_dir / "real.json").read_text())
@@ -352,7 +353,7 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
                      "rel_error": (pred - p["measured_s"]) / p["measured_s"]})
     per_kind = {k: _err_stats([r for r in rows if r["kind"] == k]) for k in ("decode", "prefill", "kv")}
     # (2) serving metrics: the scenario re-simulated with the engine calibration vs the real run
-    from engine.core.metrics import Slo
+    from rackbed.engine.core.metrics import Slo
 
     cm = EngineCalibratedCostModel(b.cost_model, cal)
     reqs = generate(sc.workload, sc.seed)

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from engine.core.deployment import DecoderGroup, PrefillerGroup
-from engine.core.plans import DecodeStep, KvTransfer, MixedStep, Plan, PrefillBatch
-from sim.costs.steptime import StepTime
-from sim.network import Network
+from rackbed.engine.core.deployment import DecoderGroup, PrefillerGroup
+from rackbed.engine.core.plans import DecodeStep, KvTransfer, MixedStep, Plan, PrefillBatch
+from rackbed.sim.costs.steptime import StepTime
+from rackbed.sim.network import Network
 
 _FIELDS = ("attn_s", "moe_gemm_s", "a2a_s", "allreduce_s", "other_s")
 

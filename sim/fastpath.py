@@ -44,12 +44,11 @@ from heapq import heappop, heappush, heapreplace
 from itertools import repeat
 from operator import add, mul
 
+from rackbed.engine.core.plans import Idle, KvTransfer, PrefillBatch, Result, Stop
+from rackbed.engine.core.policies import Policies
+from rackbed.engine.core.state import FP
+from rackbed.sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL
 from simpy.events import NORMAL, URGENT
-
-from engine.core.plans import Idle, KvTransfer, PrefillBatch, Result, Stop
-from engine.core.policies import Policies
-from engine.core.state import FP
-from sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL
 
 
 def handles(deployment) -> bool:
@@ -178,7 +177,7 @@ D_DONE, D_WAKE, D_TIMER, D_INIT, D_END = 0, 1, 2, 3, 4
 #: ``__new__`` (one per direct worker's plan), checked here against the fields it fills
 _new_result = tuple.__new__
 if Result._fields != ("duration_s", "accepted", "failed", "woken"):  # pragma: no cover (a changed plans.Result)
-    raise ImportError("sim.fastpath: plans.Result's fields changed; update the _new_result call")
+    raise ImportError("rackbed.sim.fastpath: plans.Result's fields changed; update the _new_result call")
 
 
 class DirectWorker:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 _TARGET = re.compile(r"^(gpu|node|nic):\d+$")
 

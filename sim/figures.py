@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
-
-from topology.errors import UserError, from_validation
+from rackbed.topology.errors import UserError, from_validation
 
 # ------------------------------------------------------------------------------------------------ schema
 
@@ -156,7 +155,7 @@ _TOPOS: dict[str, Any] = {}
 
 def _topo(name: str):
     """Load a topology once per process (topologies are immutable)."""
-    import topology
+    from rackbed import topology
 
     if name not in _TOPOS:
         _TOPOS[name] = topology.load(name)
@@ -164,7 +163,7 @@ def _topo(name: str):
 
 
 def _model(name: str):
-    from engine.core.model import get_model
+    from rackbed.engine.core.model import get_model
 
     return get_model(name)
 
@@ -196,11 +195,11 @@ class Result:
 
 
 def _fig_allreduce(sc: AllreduceFigure) -> Result:
-    from engine.core.collectives import sharp_cut, sharp_cut_per_direction
-    from engine.core.sharding import ParallelPlan
-    from sim.costs.collective import allreduce_time
-    from sim.costs.constants import NVLS_EFFICIENCY
-    from sim.costs.step import prefill_step_time
+    from rackbed.engine.core.collectives import sharp_cut, sharp_cut_per_direction
+    from rackbed.engine.core.sharding import ParallelPlan
+    from rackbed.sim.costs.collective import allreduce_time
+    from rackbed.sim.costs.constants import NVLS_EFFICIENCY
+    from rackbed.sim.costs.step import prefill_step_time
 
     model = _model(sc.model)
     n_bytes = sc.tokens * model.hidden * sc.elem_bytes
@@ -272,7 +271,7 @@ def _fig_allreduce(sc: AllreduceFigure) -> Result:
 
 
 def _fig_ep_prefill(sc: EpPrefillFigure) -> Result:
-    from sim.costs.moe_comm import ep_prefill_combine, ep_prefill_dispatch
+    from rackbed.sim.costs.moe_comm import ep_prefill_combine, ep_prefill_dispatch
 
     model = _model(sc.model)
     rows = []
@@ -318,7 +317,7 @@ def _fig_ep_prefill(sc: EpPrefillFigure) -> Result:
 
 
 def _fig_decode_a2a(sc: DecodeA2aFigure) -> Result:
-    from sim.costs.moe_comm import dpep_decode_combine, dpep_decode_dispatch
+    from rackbed.sim.costs.moe_comm import dpep_decode_combine, dpep_decode_dispatch
 
     model = _model(sc.model)
     rows = []
@@ -374,7 +373,7 @@ def _fig_decode_a2a(sc: DecodeA2aFigure) -> Result:
 
 
 def _fig_grouped_gemm(sc: GroupedGemmFigure) -> Result:
-    from sim.costs.gemm import expert_mlp_time, format_execution
+    from rackbed.sim.costs.gemm import expert_mlp_time, format_execution
 
     model = _model(sc.model)
     rows, notes = [], {}
@@ -437,8 +436,8 @@ def _fig_grouped_gemm(sc: GroupedGemmFigure) -> Result:
 
 
 def _fig_prefill_parallelism(sc: PrefillParallelismFigure) -> Result:
-    from engine.core.sharding import ParallelPlan
-    from sim.costs.step import prefill_step_breakdown
+    from rackbed.engine.core.sharding import ParallelPlan
+    from rackbed.sim.costs.step import prefill_step_breakdown
 
     model = _model(sc.model)
     rows, terms = [], {}
@@ -501,10 +500,10 @@ def _fig_prefill_parallelism(sc: PrefillParallelismFigure) -> Result:
 
 
 def _fig_decode_ep_trade(sc: DecodeEpTradeFigure) -> Result:
-    from engine.core.sharding import ParallelPlan
-    from sim.costs.gemm import binomial_histogram, expert_mlp_time
-    from sim.costs.moe_comm import dpep_decode_combine, dpep_decode_dispatch
-    from sim.costs.step import decode_step_breakdown
+    from rackbed.engine.core.sharding import ParallelPlan
+    from rackbed.sim.costs.gemm import binomial_histogram, expert_mlp_time
+    from rackbed.sim.costs.moe_comm import dpep_decode_combine, dpep_decode_dispatch
+    from rackbed.sim.costs.step import decode_step_breakdown
 
     model = _model(sc.model)
     hw = sc.hardware

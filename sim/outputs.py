@@ -25,9 +25,8 @@ import math
 from pathlib import Path
 
 import numpy as np
-
-from engine.core.metrics import clean, request_arrays
-from sim.driver import SPAN_NAMES, SimResult
+from rackbed.engine.core.metrics import clean, request_arrays
+from rackbed.sim.driver import SPAN_NAMES, SimResult
 
 #: spans beyond this many are left out of trace.json (the UI stays responsive); the metrics keep everything
 TRACE_MAX_EVENTS = 300_000

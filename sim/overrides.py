@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 _FIXED = re.compile(r"^\d+$")
 _UNIFORM = re.compile(r"^(\d+)-(\d+)$")
@@ -58,7 +58,7 @@ def _positive(flag: str, value, integer: bool = False) -> None:
 def apply_overrides(sc, *, rate=None, isl=None, osl=None, concurrency=None, duration_s=None, gpus=None,
                     prefillers=None, decoders=None):
     """``sc`` (a :class:`~sim.scenario.ServingScenario`) with the command-line overrides applied (module doc)."""
-    from sim.scenario import parse_scenario
+    from rackbed.sim.scenario import parse_scenario
 
     for flag, v, integer in (("--rate", rate, False), ("--concurrency", concurrency, True),
                              ("--duration", duration_s, False), ("--gpus", gpus, True),
@@ -110,7 +110,7 @@ def _workload(wl, rate, isl, osl, concurrency, duration_s) -> dict:
 def _trace_to_synthetic(wl, rate) -> dict:
     """A trace workload as a synthetic one (for --isl / --osl): Poisson arrivals, the trace's request count and
     its length columns as empirical distributions."""
-    from engine.core.workload import iter_requests
+    from rackbed.engine.core.workload import iter_requests
 
     r = rate if rate is not None else wl.rate_per_s
     if r is None:
@@ -133,8 +133,9 @@ def _resize(sc, data: dict, gpus, prefillers, decoders) -> None:
     gp, gd = max(sc.prefill.tp, sc.prefill.ep), sc.decode.ep
     n_p, n_d = sc.prefill.replicas, sc.decode.replicas
     if gpus is not None:
-        import topology
-        from topology.presets import resized
+        from rackbed.topology.presets import resized
+
+        from rackbed import topology
 
         data["topology"] = resized(sc.topology, int(gpus))
         used = n_p * gp + n_d * gd

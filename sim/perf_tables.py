@@ -49,8 +49,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from sim import perf_tables_attention as pta
-from sim.perf_tables_base import (
+from rackbed.sim import perf_tables_attention as pta
+from rackbed.sim.perf_tables_base import (
     BACKENDS,
     GEMM_FMT,
     GEMM_MIN_NK,
@@ -74,7 +74,7 @@ from sim.perf_tables_base import (
     read_rows,
     resolve_system,
 )
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 def data_root() -> Path:
@@ -135,7 +135,7 @@ def import_gemm(root: Path, system: str, backend: str, gpu: str) -> Imported:
     out.notes.append(f"GEMM formats measured: {', '.join(fmts)}")
 
     def predict(calib, c: Curve, x: float) -> float:
-        from sim.costs.gemm import gemm_time
+        from rackbed.sim.costs.gemm import gemm_time
 
         return gemm_time(_gpu(gpu), int(x), c.key["n"], c.key["k"], c.key["fmt"], calib=calib).total_s
 
@@ -336,7 +336,7 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
                       progress: Callable[[str], None] | None = None) -> dict:
     """The calibration document (``meta`` + table fields) for ``system`` under ``backend``: every importer's curves,
     held-out rows predicted by the simulator's cost functions with the fitted table."""
-    from sim.costs.calibration import CalibrationEntry, CalibrationTable
+    from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
 
     system = resolve_system(system)
     if backend not in BACKENDS:

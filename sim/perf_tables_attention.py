@@ -63,8 +63,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-from sim.costs import constants as C
-from sim.perf_tables_base import (
+from rackbed.sim.costs import constants as C
+from rackbed.sim.perf_tables_base import (
     Curve,
     Imported,
     _gpu,
@@ -115,7 +115,7 @@ def decode_kv_bytes(batch: int, ctx: int, n_kv_heads: int, head_dim: int, elem_b
 
 @lru_cache(maxsize=256)
 def _model(n_q_heads: int, n_kv_heads: int, head_dim: int):
-    from sim.calibration.predict import attn_model
+    from rackbed.sim.calibration.predict import attn_model
 
     return attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
 
@@ -182,7 +182,7 @@ def import_context_attention(root: Path, system: str, backend: str, gpu: str) ->
                      + _pair_note(paired, curves))
 
     def predict(calib, c: Curve, x: float) -> float:
-        from sim.costs.attention import full_attention_prefill
+        from rackbed.sim.costs.attention import full_attention_prefill
 
         d = c.key["head_dim"]
         h, kv, b = rep.get((d, c.key["n_q_heads"], c.key["n_kv_heads"]), (c.key["n_q_heads"], c.key["n_kv_heads"], 1))
@@ -217,8 +217,8 @@ def batch_note(batched: list[dict], curves: list[Curve], gpu: str) -> str | None
     """How the curves (all their points) price the table's batched prefills of 2 to ``NOTE_MAX_BATCH`` sequences
     of at least ``NOTE_MIN_ISL`` tokens through ``full_attention_prefill`` (|predicted / measured - 1|, median and
     p90); the held-out rows of the batched curves are in ``meta.validation_groups``."""
-    from sim.costs.attention import full_attention_prefill
-    from sim.costs.calibration import CalibrationEntry, CalibrationTable
+    from rackbed.sim.costs.attention import full_attention_prefill
+    from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
 
     entries = [CalibrationEntry(kind="flash_tflops", gpu=gpu, key=c.key,
                                 points=tuple((x, c.points[x]) for x in sorted(c.points))) for c in curves]
@@ -294,7 +294,7 @@ def import_generation_attention(root: Path, system: str, backend: str, gpu: str)
                      f"sequences x KV heads")
 
     def predict(calib, c: Curve, x: float) -> float:
-        from sim.costs.attention import full_attention_decode
+        from rackbed.sim.costs.attention import full_attention_decode
 
         h = int(c.key.get("n_q_heads", GENERIC_DECODE_HEADS[0]))
         kv = int(c.key.get("n_kv_heads", GENERIC_DECODE_HEADS[1]))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 PACKAGE = "aiconfigurator-core"
 SCHEMA = "rackbed.calibration/2"
@@ -228,7 +228,7 @@ def _pick(tables: list[Table], count: Callable[[Table], int]) -> Table | None:
 
 
 def _gpu(name: str):
-    from topology.specs import GPUS
+    from rackbed.topology.specs import GPUS
 
     return GPUS[name]
 

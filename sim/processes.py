@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import simpy
-
-from engine.core.plans import DecodeStep, Idle, KvTransfer, MixedStep, PrefillBatch, Result
-from engine.core.worker_loop import worker_loop
-from sim.faults import Fault
+from rackbed.engine.core.plans import DecodeStep, Idle, KvTransfer, MixedStep, PrefillBatch, Result
+from rackbed.engine.core.worker_loop import worker_loop
+from rackbed.sim.faults import Fault
 
 #: span kinds in ``SimResult.spans``
 SPAN_PREFILL, SPAN_KV, SPAN_DECODE, SPAN_MIXED = 0, 1, 2, 3

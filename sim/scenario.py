@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from engine.core.workload import WorkloadSpec
-from sim.aggregated import AggregatedSection, check_aggregated
-from topology.errors import UserError, from_validation
+from rackbed.engine.core.workload import WorkloadSpec
+from rackbed.sim.aggregated import AggregatedSection, check_aggregated
+from rackbed.topology.errors import UserError, from_validation
 
 
 class _Strict(BaseModel):
@@ -95,7 +94,7 @@ class PoliciesSection(_Strict):
     @field_validator("prefiller", "rank", "admission", "worker")
     @classmethod
     def _known(cls, v: str, info) -> str:
-        from engine.core import policies
+        from rackbed.engine.core import policies
 
         table = {"prefiller": policies.PREFILLER_ROUTING, "rank": policies.DECODER_RANK,
                  "admission": policies.ADMISSION, "worker": policies.WORKER_ROUTING}[info.field_name]
@@ -105,7 +104,7 @@ class PoliciesSection(_Strict):
 
     def build(self):
         """The :class:`~engine.core.policies.Policies` named here."""
-        from engine.core.policies import Policies
+        from rackbed.engine.core.policies import Policies
 
         return Policies.named(self.prefiller, self.rank, self.admission, self.worker)
 
@@ -177,7 +176,7 @@ class ServingScenario(_Strict):
     @field_validator("weight_format")
     @classmethod
     def _fmt(cls, v: str) -> str:
-        from engine.core.formats import FORMAT_NAMES
+        from rackbed.engine.core.formats import FORMAT_NAMES
 
         if v not in FORMAT_NAMES:
             raise ValueError(f"unknown format {v!r}; one of {', '.join(FORMAT_NAMES)}")
@@ -194,7 +193,7 @@ def parse_scenario(data: dict, source: str | Path | None = None) -> ServingScena
 
 
 def load_scenario(path: str | Path) -> ServingScenario:
-    from topology.yamlio import load_yaml
+    from rackbed.topology.yamlio import load_yaml
 
     path = Path(path)
     sc = parse_scenario(load_yaml(path), path)
@@ -247,11 +246,11 @@ def _load_calibration(sc: ServingScenario, gpu_name: str):
     if sc.calibration == "none":
         return None, "uncalibrated: first-principles cost models (calibration: none)"
     if sc.calibration != "auto":
-        from sim.costs.calibration import load_calibration
+        from rackbed.sim.costs.calibration import load_calibration
 
         return load_calibration(sc.calibration), f"calibrated: {gpu_name} from {sc.calibration}"
     try:
-        from sim.calibrate import default_calibration_for, describe_calibration
+        from rackbed.sim.calibrate import default_calibration_for, describe_calibration
     except ImportError:
         return None, "uncalibrated: first-principles cost models"
     table = default_calibration_for(gpu_name, stack=sc.stack)  # read once per process (sim.calibrate caches it)
@@ -300,13 +299,14 @@ def truncate_model(model, n_layers: int):
 
 def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
-    import topology as topo_mod
-    from engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
+    from rackbed.engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
+
+    from rackbed import topology as topo_mod
 
     topo = topo_mod.load(sc.topology)
     model = scenario_model(sc)
     if sc.deployment == "aggregated":
-        from sim.aggregated import build_aggregated
+        from rackbed.sim.aggregated import build_aggregated
 
         return build_aggregated(sc, topo, model, _KvPathView(topo))
     p, d = sc.prefill, sc.decode
@@ -339,7 +339,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
-    from sim.coverage import calibration_caveats
+    from rackbed.sim.coverage import calibration_caveats
 
     caveats = calibration_caveats(calib, topo, model, pplan, dplan)
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
@@ -347,7 +347,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
 def scenario_model(sc: ServingScenario):
     """The scenario's model (its first ``model_layers`` layers when given)."""
-    from engine.core.model import get_model
+    from rackbed.engine.core.model import get_model
 
     model = get_model(sc.model)
     return model if sc.model_layers is None else truncate_model(model, sc.model_layers)
@@ -355,7 +355,7 @@ def scenario_model(sc: ServingScenario):
 
 def prefill_plan_for(sc: ServingScenario, model, gpus):
     """The ParallelPlan of a prefiller group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
-    from engine.core.sharding import ParallelPlan
+    from rackbed.engine.core.sharding import ParallelPlan
 
     p = sc.prefill
     kv_rep = p.kv_replication or model.mixer("full").kv_replication(p.tp)
@@ -366,7 +366,7 @@ def prefill_plan_for(sc: ServingScenario, model, gpus):
 
 def decode_plan_for(sc: ServingScenario, model, gpus):
     """The ParallelPlan of a decoder group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
-    from engine.core.sharding import ParallelPlan
+    from rackbed.engine.core.sharding import ParallelPlan
 
     d = sc.decode
     return ParallelPlan(role="decode", tp=1, ep=d.ep, dp=d.ep, gpus=tuple(gpus), weight_format=sc.weight_format,
@@ -386,7 +386,7 @@ def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, 
     # the engine calibration describes this repository's engine: only for a run priced as the rackbed stack
     stack = (getattr(calib, "meta", None) or {}).get("stack") or "rackbed"
     if engine_calibration and sc.calibration != "none" and stack == "rackbed":
-        from sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
+        from rackbed.sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
 
         found = find_engine_calibration(gpu_name, model.name)
         if found is not None:
@@ -419,7 +419,7 @@ class ScenarioCostModel:
     thousand prefill batches instead of ~50 000.
     """
 
-    from sim.executor import TransferCost as _TransferCost
+    from rackbed.sim.executor import TransferCost as _TransferCost
 
     CTX_BITS = 7  # decode memo resolution: contexts that agree in their top 7 bits share a step (<= 1.6 % apart)
 
@@ -479,7 +479,7 @@ class ScenarioCostModel:
     def prefill_breakdown(self, seqs, group=None):
         """Term by term (a ``StepBreakdown``), the prefill step :meth:`prefill` prices for a batch of ``seqs``
         ``(new_tokens, cached_tokens)`` on ``group`` (None: the template plan, group 0's)."""
-        from sim.costs.step import prefill_step_breakdown
+        from rackbed.sim.costs.step import prefill_step_breakdown
 
         pl = self.pplan0 if group is None else self._plan_for(group)
         return prefill_step_breakdown(self.model, pl, self.topo, seqs, calib=self.calib)
@@ -488,7 +488,7 @@ class ScenarioCostModel:
         """Term by term, the decode step :meth:`decode_point` prices when the busiest ranks hold ``max_batch``
         sequences and ``max_context_tokens`` KV tokens (every rank priced so, as there), at the context itself
         rather than its memo bucket's middle; ``group`` None: the template plan."""
-        from sim.costs.step import decode_step_breakdown
+        from rackbed.sim.costs.step import decode_step_breakdown
 
         pl = self.dplan0 if group is None else self._plan_for(group)
         n = pl.world
@@ -498,7 +498,7 @@ class ScenarioCostModel:
     def _prefill_class(self, group) -> tuple[int] | tuple[str]:
         """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU
         model and the :class:`~sim.costs.collective.GroupLinks` of its EP group and of its first TP group."""
-        from sim.costs.collective import group_links
+        from rackbed.sim.costs.collective import group_links
 
         pl = self._plan_for(group)
         fp = (self.topo.gpu_spec(pl.gpus[0]).name, group_links(self.topo, pl.gpus),
@@ -507,7 +507,7 @@ class ScenarioCostModel:
 
     def mixed(self, plan, group):
         """An aggregated worker's :class:`~engine.core.plans.MixedStep` (:func:`sim.aggregated.price_mixed`)."""
-        from sim.aggregated import price_mixed
+        from rackbed.sim.aggregated import price_mixed
 
         return price_mixed(self, plan, group)
 
@@ -544,7 +544,7 @@ class ScenarioCostModel:
     # change shape, the check fails and the model falls back to direct evaluation (same numbers, slower).
 
     def _decode_at(self, group, b: int, ctx_q: int, k: int):
-        from sim.costs.step import decode_step_time
+        from rackbed.sim.costs.step import decode_step_time
 
         pl = self._plan_for(group)
         n = pl.world
@@ -552,7 +552,7 @@ class ScenarioCostModel:
             return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib)
         base = self._decode_base.get((group.id, b, k))
         if base is None:
-            from sim.costs.step import decode_step_breakdown, layer_counts
+            from rackbed.sim.costs.step import decode_step_breakdown, layer_counts
 
             bd = decode_step_breakdown(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
                                        calib=self.calib)
@@ -569,7 +569,7 @@ class ScenarioCostModel:
         return self._assemble(base, pl, b, ctx_q, k)
 
     def _assemble(self, base, pl, b: int, ctx_q: int, k: int):
-        from sim.costs.steptime import StepTime
+        from rackbed.sim.costs.steptime import StepTime
 
         terms, nf, passes, gpu = base
         kw = {"fmt": pl.weight_format, "kv_elem_bytes": pl.kv_elem_bytes, "page_tokens": pl.page_tokens,
@@ -587,7 +587,7 @@ class ScenarioCostModel:
         return StepTime(**cats)
 
     def _attn(self, gpu, b: int, ctx_q: int, q: int, kw: dict):
-        from sim.costs.attention import full_attention_decode_totals
+        from rackbed.sim.costs.attention import full_attention_decode_totals
 
         key = (gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], b, ctx_q, q)
         a = self._attn_memo.get(key)
@@ -599,7 +599,7 @@ class ScenarioCostModel:
         nic = plan.flows[0][0] if plan.flows else None
         per_chunk_us = self._kv_chunk_us.get(nic)
         if per_chunk_us is None:
-            from sim.costs import constants as C
+            from rackbed.sim.costs import constants as C
 
             kind = "ib" if nic is None or nic.startswith("nvlink:") else self.topo.nic_spec(nic).kind
             per_chunk_us = self._kv_chunk_us[nic] = C.KV_CHUNK_OVERHEAD_US[kind]
@@ -649,7 +649,7 @@ class ScenarioCostModel:
         key = ("per_page", pt.tp, dt.kv_page_tokens)
         per_page = self._chunk_memo.get(key)
         if per_page is None:
-            from engine.core.kv import KvLayout, transfer_stats
+            from rackbed.engine.core.kv import KvLayout, transfer_stats
 
             pl, dl = self.pplan0, self.dplan0
             src = KvLayout.for_plan(pl, self.model, 1)
@@ -667,10 +667,10 @@ class ScenarioCostModel:
 
 def simulate_scenario(sc: ServingScenario, *, progress: bool = False, built: Built | None = None):
     """Build and simulate; returns (Built, SimResult)."""
-    from engine.core.autoscaler import AutoscalerConfig
-    from engine.core.metrics import Slo
-    from engine.core.workload import iter_requests
-    from sim.driver import simulate
+    from rackbed.engine.core.autoscaler import AutoscalerConfig
+    from rackbed.engine.core.metrics import Slo
+    from rackbed.engine.core.workload import iter_requests
+    from rackbed.sim.driver import simulate
 
     b = built or build(sc)
     auto = None
@@ -693,13 +693,13 @@ def run_serving(path: Path, out: Path, *, console, seed: int | None = None, prog
                 overrides: dict | None = None) -> dict:
     """``rackbed run`` for a serving scenario: simulate, write outputs, print the summary. ``overrides``: the
     command line's (``sim.overrides.apply_overrides`` keywords)."""
-    from sim.outputs import write_all
+    from rackbed.sim.outputs import write_all
 
     sc = load_scenario(path)
     if seed is not None:
         sc = sc.model_copy(update={"seed": seed})
     if overrides:
-        from sim.overrides import apply_overrides
+        from rackbed.sim.overrides import apply_overrides
 
         sc = apply_overrides(sc, **overrides)
     try:

@@ -50,11 +50,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from engine.core.workload import WorkloadSpec
-from sim.pareto import pareto_layers
-from sim.search_results import explain, front_of, meets_slo
-from topology.errors import UserError, from_validation, one_line
+from rackbed.engine.core.workload import WorkloadSpec
+from rackbed.sim.pareto import pareto_layers
+from rackbed.sim.search_results import explain, front_of, meets_slo
+from rackbed.topology.errors import UserError, from_validation, one_line
 
 
 class _Strict(BaseModel):
@@ -78,7 +77,7 @@ class SearchSpace(_Strict):
     @field_validator("weight_format")
     @classmethod
     def _formats(cls, v):
-        from engine.core.formats import FORMAT_NAMES
+        from rackbed.engine.core.formats import FORMAT_NAMES
 
         bad = [f for f in v if f not in FORMAT_NAMES]
         if bad or not v:
@@ -137,8 +136,8 @@ def parse_search(data: Mapping, source: str | Path | None = None) -> SearchSpec:
 
 
 def load_search(path: str | Path) -> SearchSpec:
-    from topology.yamlio import load_yaml
-    from sim.sweep import SWEEPS_DIR
+    from rackbed.sim.sweep import SWEEPS_DIR
+    from rackbed.topology.yamlio import load_yaml
 
     p = Path(path)
     if not p.exists() and p.suffix not in (".yaml", ".yml") and (SWEEPS_DIR / f"{path}.yaml").exists():
@@ -172,7 +171,7 @@ class Load:
 
 
 def workload_load(workload, seed: int = 0) -> Load:
-    from engine.core.workload import WorkloadStats, generate
+    from rackbed.engine.core.workload import WorkloadStats, generate
 
     st = WorkloadStats.from_requests(generate(workload, seed))
     if st.count < 2 or st.mean_rate_per_s <= 0:
@@ -256,8 +255,8 @@ def _scenario(base: Mapping, overrides: Mapping):
     """The ServingScenario of ``base`` (:func:`base_scenario`) with dotted ``overrides`` (a candidate's knobs)."""
     import copy
 
-    from sim.scenario import parse_scenario
-    from sim.sweep import set_path
+    from rackbed.sim.scenario import parse_scenario
+    from rackbed.sim.sweep import set_path
 
     raw = copy.deepcopy(dict(base))
     for k, v in overrides.items():
@@ -277,7 +276,7 @@ def prefill_alone_s(cm, prompt: int, max_batch_tokens: int, chunked: bool) -> fl
 
 def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[PrefillOption]:
     """Prefill options with their analytic figures, pruned ones included (``pruned`` says why)."""
-    from sim.scenario import cost_model_for, prefill_plan_for
+    from rackbed.sim.scenario import cost_model_for, prefill_plan_for
 
     sp = spec.space
     base = base_scenario(spec)
@@ -319,8 +318,8 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
 
 def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
     """Decode options with their analytic figures (module docstring), pruned ones included."""
-    from engine.core.specdec import expected_tokens_per_step
-    from sim.scenario import cost_model_for, decode_plan_for
+    from rackbed.engine.core.specdec import expected_tokens_per_step
+    from rackbed.sim.scenario import cost_model_for, decode_plan_for
 
     sp = spec.space
     base = base_scenario(spec)
@@ -384,9 +383,9 @@ def kv_transfer_s(built, tokens: int) -> float:
     decoder 0 of ``built`` (``sim.scenario.build``) over an idle network: the plan as ``Scheduler._next_kv`` makes
     it (the bytes split evenly over the prefiller node's NICs, all into the rank's NIC; the cost model's chunk
     count), timed by the simulator's own executor and network."""
-    from engine.core.plans import KvTransfer
-    from sim.executor import Executor
-    from sim.network import Network
+    from rackbed.engine.core.plans import KvTransfer
+    from rackbed.sim.executor import Executor
+    from rackbed.sim.network import Network
 
     dep = built.deployment
     pf, d = dep.prefillers[0], dep.decoders[0]
@@ -404,7 +403,7 @@ def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, to
     depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
     key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep)
     if key not in cache:
-        from sim.scenario import build
+        from rackbed.sim.scenario import build
 
         ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
               "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
@@ -417,7 +416,7 @@ def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, to
 
 
 def _get(d: Mapping, dotted: str, default=None):
-    from sim.sweep import get_path
+    from rackbed.sim.sweep import get_path
 
     v = get_path(d, dotted)
     return default if v is None else v
@@ -509,7 +508,7 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
 
 def base_scenario(spec: SearchSpec) -> dict:
     """The scenario every candidate's overrides are applied to."""
-    from sim.sweep import deep_merge
+    from rackbed.sim.sweep import deep_merge
 
     base = {"kind": "serving", "name": spec.name, "seed": spec.seed, "topology": spec.space.topology[0],
             "model": spec.model, "kv_dtype": spec.kv_dtype, "weight_format": spec.space.weight_format[0],
@@ -561,9 +560,10 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     """The whole search (module docstring); simulations go to ``out_dir/results.jsonl`` (resumable)."""
     import time
 
-    import topology as topo_mod
-    from sim.scenario import parse_scenario, scenario_model
-    from sim.sweep import SweepSpec, expand, run_points
+    from rackbed.sim.scenario import parse_scenario, scenario_model
+    from rackbed.sim.sweep import SweepSpec, expand, run_points
+
+    from rackbed import topology as topo_mod
 
     t0 = time.perf_counter()
     model = scenario_model(parse_scenario(base_scenario(spec), f"search {spec.name}"))

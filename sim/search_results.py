@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sim.pareto import pareto_indices
+from rackbed.sim.pareto import pareto_indices
 
 if TYPE_CHECKING:
-    from sim.search import SearchResult
+    from rackbed.sim.search import SearchResult
 
 
 def meets_slo(rec: Mapping, ttft_s: float | None, tpot_s: float | None, percentile: str = "p90") -> bool:
@@ -47,7 +47,7 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
     simulated mean batch per rank when ``rec`` has metrics, else at the batch cap) as StepBreakdowns in a JSON-able
     dict ``{"prefill": {...}, "decode": {...}}`` with ``at`` (the step evaluated), ``total_s``, ``by_category``
     (StepTime fields) and ``terms`` (seconds per named term)."""
-    from sim.scenario import build, parse_scenario
+    from rackbed.sim.scenario import build, parse_scenario
 
     sc = parse_scenario(dict(scenario))
     b = build(sc)
@@ -58,7 +58,7 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
     prompt = (th.get("input_tokens_per_s") or 0) / rps if rps else 0
     output = (th.get("output_tokens_per_s") or 0) / rps if rps else 0
     if not prompt:
-        from engine.core.workload import WorkloadStats, generate
+        from rackbed.engine.core.workload import WorkloadStats, generate
 
         st = WorkloadStats.from_requests(generate(sc.workload, sc.seed))
         prompt, output = st.prompt_tokens_mean, st.output_tokens_mean
@@ -173,7 +173,7 @@ def decode_table(res: SearchResult) -> list[dict]:
     """Per decode option at its batch cap (equal batch per rank across EP degrees): step time, TPOT, tokens/s per
     user and per decode GPU, and the step's split — the numbers behind "EP16 beats EP8 on GB200" and "EP16 over
     EFA loses to EP8 on H200"."""
-    from engine.core.specdec import expected_tokens_per_step
+    from rackbed.engine.core.specdec import expected_tokens_per_step
 
     rows = []
     for o in res.decode:

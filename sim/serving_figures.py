@@ -45,8 +45,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from topology.errors import UserError, from_validation
+from rackbed.topology.errors import UserError, from_validation
 
 # ------------------------------------------------------------------------------------------------ schema
 
@@ -79,7 +78,7 @@ class FrontierConfig(_S):
     @field_validator("weight_format")
     @classmethod
     def _fmt(cls, v: str) -> str:
-        from engine.core.formats import FORMAT_NAMES
+        from rackbed.engine.core.formats import FORMAT_NAMES
 
         if v not in FORMAT_NAMES:
             raise ValueError(f"unknown format {v!r}; one of {', '.join(FORMAT_NAMES)}")
@@ -160,7 +159,7 @@ _ADAPTER = TypeAdapter(ServingStudy)
 
 def load_study(path: str | Path) -> Any:
     """Parse and validate a serving-study file; one-line UserError naming the file and the field."""
-    from topology.yamlio import load_yaml
+    from rackbed.topology.yamlio import load_yaml
 
     p = Path(path)
     data = load_yaml(p)
@@ -172,7 +171,7 @@ def load_study(path: str | Path) -> Any:
 
 def resolve_ref(ref: str, base_dir: Path) -> Path:
     """A scenario referenced by a study: a path relative to the study file, else a path or shipped name."""
-    import scenarios
+    from rackbed import scenarios
 
     cand = Path(base_dir) / ref
     if cand.is_file():
@@ -184,7 +183,7 @@ def resolve_ref(ref: str, base_dir: Path) -> Path:
 
 
 def _arrays(res) -> dict[str, np.ndarray]:
-    from engine.core.metrics import request_arrays
+    from rackbed.engine.core.metrics import request_arrays
 
     return request_arrays(res.rows, res.row_fields)
 
@@ -245,7 +244,7 @@ def decode_window(res, start_s: float, end_s: float) -> dict:
 
 def _frontier_scenario(st: DecodeFrontierStudy, cfg: FrontierConfig, topology: str, ep: int, replicas_d: int,
                        n_prefill: int, b: int, rate_per_s: float, duration_s: float):
-    from sim.scenario import parse_scenario
+    from rackbed.sim.scenario import parse_scenario
 
     lo, hi = st.output_tokens
     return parse_scenario({
@@ -268,10 +267,11 @@ def build_point(sc):
     one DP-EP group (memory budget and KV capacity from the merged plan, its all-to-all priced over the
     scale-out network). Returns ``sim.scenario.Built``.
     """
-    import topology as topo_mod
-    from engine.core.deployment import DecoderGroup, DecoderTemplate
-    from engine.core.sharding import ParallelPlan
-    from sim.scenario import ScenarioCostModel, build
+    from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate
+    from rackbed.engine.core.sharding import ParallelPlan
+    from rackbed.sim.scenario import ScenarioCostModel, build
+
+    from rackbed import topology as topo_mod
 
     topo = topo_mod.load(sc.topology)
     dom = len(topo.nvlink_domain(0))
@@ -310,8 +310,8 @@ def _decoder_route(topo, gpus) -> str:
 
 def _step_model(built, b: int, ctx_tokens: float, draft_k: int, accept_p: float) -> tuple[float, float]:
     """(step seconds, expected tokens per step) of the decoder at ``b`` sequences per rank."""
-    from engine.core.specdec import expected_tokens_per_step
-    from sim.costs.step import decode_step_time
+    from rackbed.engine.core.specdec import expected_tokens_per_step
+    from rackbed.sim.costs.step import decode_step_time
 
     plan = built.decode_plan
     n = plan.world
@@ -341,8 +341,8 @@ def frontier_point(st: DecodeFrontierStudy, cfg: FrontierConfig, b: int, *, prog
     """Plan, build and simulate one (config, target batch) point; returns its table row."""
     import time
 
-    from sim.driver import _prefill_capacity
-    from sim.scenario import simulate_scenario
+    from rackbed.sim.driver import _prefill_capacity
+    from rackbed.sim.scenario import simulate_scenario
 
     lo, hi = st.output_tokens
     out_mean = (lo + hi) / 2.0
@@ -675,7 +675,7 @@ def fault_drill_result(st: FaultDrillStudy, sc, res) -> StudyResult:
 
 def compute_study(st, base_dir: Path, *, progress: bool = False, console=None) -> StudyResult:
     """Run the simulations of a validated study and compute its result (no files written)."""
-    from sim.scenario import load_scenario, simulate_scenario
+    from rackbed.sim.scenario import load_scenario, simulate_scenario
 
     if isinstance(st, DecodeFrontierStudy):
         return frontier_result(st, frontier_rows(st, progress=progress, console=console))

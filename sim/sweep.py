@@ -53,9 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from topology.errors import UserError, one_line
+from rackbed.topology.errors import UserError, one_line
 
-SWEEPS_DIR = Path(__file__).resolve().parent.parent / "scenarios" / "sweeps"
+from rackbed import shipped
+
+SWEEPS_DIR = shipped("scenarios", "sweeps")
 KEY_HEX = 20
 _NOT_HASHED = ("name", "description", "claim")
 #: fields added to the scenario schema after keys were first made (path -> default): left out of the key while at
@@ -187,7 +189,7 @@ def _check_path(base: dict, dotted: str, where: str) -> None:
 
 def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | None = None) -> SweepSpec:
     """Validate a sweep spec mapping (module docstring); one-line UserErrors naming ``source`` and the field."""
-    from sim.scenario import load_scenario, parse_scenario
+    from rackbed.sim.scenario import load_scenario, parse_scenario
 
     src = str(source)
     if not isinstance(data, Mapping):
@@ -200,7 +202,7 @@ def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | 
         raise UserError(f"{src}: kind: expected 'sweep', got {data.get('kind')!r}")
     base: dict = {}
     if data.get("base") is not None:
-        import scenarios
+        from rackbed import scenarios
 
         ref = str(data["base"])
         p = Path(ref)
@@ -244,7 +246,7 @@ def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | 
 
 def load_sweep(path: str | Path) -> SweepSpec:
     """A sweep spec from a YAML file path or a shipped name (``scenarios/sweeps/<name>.yaml``)."""
-    from topology.yamlio import load_yaml
+    from rackbed.topology.yamlio import load_yaml
 
     p = Path(path)
     if not p.exists() and p.suffix not in (".yaml", ".yml"):
@@ -272,7 +274,7 @@ def iter_overrides(spec: SweepSpec) -> Iterable[dict]:
 def expand(spec: SweepSpec) -> list[SweepPoint]:
     """Every point of the spec, validated (a point whose scenario does not validate carries its reason and a key
     hashed from the raw dict)."""
-    from sim.scenario import parse_scenario
+    from rackbed.sim.scenario import parse_scenario
 
     out = []
     for i, ov in enumerate(iter_overrides(spec)):
@@ -354,8 +356,8 @@ def summarize_metrics(m: Mapping) -> dict:
 def run_point(payload: Mapping) -> dict:
     """Simulate one point; never raises for a bad point. ``payload``: ``{index, key, label, overrides, scenario}``.
     Returns the record (module docstring). Top level so that process pools can pickle it."""
-    from engine.core.metrics import clean
-    from sim.scenario import build, parse_scenario, simulate_scenario
+    from rackbed.engine.core.metrics import clean
+    from rackbed.sim.scenario import build, parse_scenario, simulate_scenario
 
     t0, c0 = time.perf_counter(), time.process_time()
     rec = {"key": payload["key"], "index": payload["index"], "label": payload["label"],
@@ -380,8 +382,9 @@ def run_point(payload: Mapping) -> dict:
 
 def _worker_init() -> None:
     """Import the simulator once per worker process, before the first point is timed."""
-    import sim.driver
-    import sim.scenario  # noqa: F401
+    import rackbed.sim.driver
+    import rackbed.sim.scenario  # noqa: F401
+
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -10,15 +10,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core.model import get_model
-from engine.core.sharding import ParallelPlan
-from engine.core.workload import generate
-from sim.costs.mixed import aggregated_operating_point, mixed_step_time
-from sim.costs.step import decode_step_time, prefill_step_time
-from sim.driver import simulate
-from sim.scenario import build, load_scenario, parse_scenario
-from topology.errors import UserError
+from rackbed.engine.core.model import get_model
+from rackbed.engine.core.sharding import ParallelPlan
+from rackbed.engine.core.workload import generate
+from rackbed.sim.costs.mixed import aggregated_operating_point, mixed_step_time
+from rackbed.sim.costs.step import decode_step_time, prefill_step_time
+from rackbed.sim.driver import simulate
+from rackbed.sim.scenario import build, load_scenario, parse_scenario
+from rackbed.topology.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "scenarios" / "agg_h200_node.yaml"
@@ -57,8 +56,9 @@ def test_workers_that_do_not_fit_the_topology_are_a_one_line_error():
 # ------------------------------------------------------------------ the mixed step against its parts
 @functools.cache
 def _h200():
-    import topology
-    from sim.calibrate import default_calibration_for
+    from rackbed.sim.calibrate import default_calibration_for
+
+    from rackbed import topology
 
     return topology.load("hgx-h200"), get_model("qwen3-30b-a3b"), default_calibration_for("H200-SXM", stack="rackbed")
 

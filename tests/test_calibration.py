@@ -8,10 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.core.model import get_model
-from sim.calibrate import (
+from rackbed.engine.core.model import get_model
+from rackbed.sim.calibrate import (
     Holdout,
     calibrate,
     calibration_for_topology,
@@ -26,11 +24,13 @@ from sim.calibrate import (
     row_id,
     split_rows,
 )
-from sim.calibration.forms import fit_curve
-from sim.costs.calibration import CalibrationEntry
-from sim.costs.gemm import gemm_time, grouped_gemm_time
-from sim.costs.step import decode_step_time
-from topology.errors import UserError
+from rackbed.sim.calibration.forms import fit_curve
+from rackbed.sim.costs.calibration import CalibrationEntry
+from rackbed.sim.costs.gemm import gemm_time, grouped_gemm_time
+from rackbed.sim.costs.step import decode_step_time
+from rackbed.topology.errors import UserError
+
+from rackbed import topology
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = topology.load("h200x2")
@@ -158,7 +158,7 @@ def test_calibration_file_changes_predictions_as_the_table_says(tmp_path):
 
 def test_decode_step_time_changes_with_the_calibration(tmp_path):
     """Slower measured kernels -> slower simulated decode step; faster -> faster; and only with the table."""
-    from engine.core.sharding import ParallelPlan
+    from rackbed.engine.core.sharding import ParallelPlan
 
     model = get_model("qwen3-235b-a22b")
     plan = ParallelPlan(role="decode", tp=1, ep=2, dp=2, gpus=(0, 1), weight_format="bf16")
@@ -170,7 +170,7 @@ def test_decode_step_time_changes_with_the_calibration(tmp_path):
     t_fast = decode_step_time(*args, calib=fast).total_s
     assert t_slow > base > t_fast
     # the GEMM part moves by what the table says: every grouped expert GEMM at >= 400 µs per call
-    br = __import__("sim.costs.step", fromlist=["x"]).decode_step_breakdown(*args, calib=slow)
+    br = __import__("rackbed.sim.costs.step", fromlist=["x"]).decode_step_breakdown(*args, calib=slow)
     assert br.to_steptime().total_s == pytest.approx(t_slow)
 
 

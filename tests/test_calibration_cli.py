@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from rackbed.engine.cli.calibrate import bench_rows
+from rackbed.engine.cli.main import main
+from rackbed.engine.cli.validate import validate_engine, validate_kernels
+from rackbed.sim.calibrate import calibrate, dump_calibration, load_calibration_file
+from rackbed.topology.errors import UserError
 
-import topology
-from engine.cli.calibrate import bench_rows
-from engine.cli.main import main
-from engine.cli.validate import validate_engine, validate_kernels
-from sim.calibrate import calibrate, dump_calibration, load_calibration_file
-from topology.errors import UserError
+from rackbed import topology
 
 
 def test_dry_run_calibrate_then_validate(tmp_path, capsys):
@@ -59,7 +59,7 @@ def test_bench_rows_conversion():
 
 
 def test_cross_validation_holds_every_inner_point_out_once(tmp_path, capsys):
-    from engine.cli.validate import cross_validate
+    from rackbed.engine.cli.validate import cross_validate
 
     rows = [{"bench": "gemm", "op": "grouped", "fmt": "bf16", "m": m, "n": 3072, "k": 4096, "n_experts": 4,
              "median_us": 30.0 + m} for m in (1, 2, 4, 8, 16, 32, 64, 128)]

@@ -9,10 +9,8 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.core.model import get_model
-from sim.calibrate import (
+from rackbed.engine.core.model import get_model
+from rackbed.sim.calibrate import (
     Holdout,
     calibrate,
     calibration_rows,
@@ -26,24 +24,26 @@ from sim.calibrate import (
     row_id,
     split_rows,
 )
-from sim.costs import constants as C
-from sim.costs.attention import (
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.attention import (
     full_attention_decode,
     full_attention_prefill,
     linear_attention_decode,
     linear_attention_prefill,
 )
-from sim.costs.calibration import CalibrationTable, kernel_fixed_us, load_calibration
-from sim.costs.collective import allreduce_time
-from sim.costs.gemm import gemm_time
-from sim.costs.moe_comm import (
+from rackbed.sim.costs.calibration import CalibrationTable, kernel_fixed_us, load_calibration
+from rackbed.sim.costs.collective import allreduce_time
+from rackbed.sim.costs.gemm import gemm_time
+from rackbed.sim.costs.moe_comm import (
     dpep_decode_combine,
     dpep_decode_dispatch,
     ep_prefill_combine,
     ep_prefill_dispatch,
 )
-from sim.costs.step import _embed_s, _norms_s
-from topology.errors import UserError
+from rackbed.sim.costs.step import _embed_s, _norms_s
+from rackbed.topology.errors import UserError
+
+from rackbed import topology
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = topology.load("h200x2")

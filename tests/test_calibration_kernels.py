@@ -7,9 +7,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim.calibrate import Holdout, calibrate, calibration_rows, curve_of, row_id, split_rows
-from sim.calibration.kernel_maps import (
+from rackbed.sim.calibrate import Holdout, calibrate, calibration_rows, curve_of, row_id, split_rows
+from rackbed.sim.calibration.kernel_maps import (
     KernelMap,
     attn_maps,
     decode_map_grid,
@@ -20,8 +19,8 @@ from sim.calibration.kernel_maps import (
     kernel_tile,
     tabulate_exact,
 )
-from topology.errors import UserError
-from sim.costs.calibration import CalibrationEntry
+from rackbed.sim.costs.calibration import CalibrationEntry
+from rackbed.topology.errors import UserError
 
 FP8 = "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT"
 SPLITK = "nvjet_sm90_tst_192x8_64x8_4x1_v_bz_splitK_TNT + void cublasLt::splitKreduce_kernel<32, 16, int>"
@@ -109,7 +108,7 @@ def test_calibrate_with_a_kernel_map_predicts_held_out_rows_of_a_sawtooth():
 
 
 def test_kv_block_form_is_a_staircase_and_its_residual_holds_within_a_block():
-    from sim.calibration.forms import Form, _hybrid, candidate_forms
+    from rackbed.sim.calibration.forms import Form, _hybrid, candidate_forms
 
     f = Form("kvblocks", tile=(256, 1))
     assert [f.w(x) for x in (1, 256, 257, 512, 513)] == [256.0, 256.0, 512.0, 512.0, 768.0]
@@ -124,7 +123,7 @@ def test_kv_block_form_is_a_staircase_and_its_residual_holds_within_a_block():
 
 
 def test_runs_of_encodes_a_kernel_choice_and_kernel_maps_read_it_back():
-    from kernels.bench.measure import runs_of
+    from rackbed.kernels.bench.measure import runs_of
 
     ms = [1, 2, 3, 4, 8, 16]
     names = [(SPLITK.split(" + ")[0], "reduce"), (SPLITK.split(" + ")[0], "reduce"), (FP8,), (FP8,), (FP8,), ("x",)]
@@ -136,8 +135,7 @@ def test_runs_of_encodes_a_kernel_choice_and_kernel_maps_read_it_back():
 
 def test_a_malformed_kernel_map_is_one_user_error():
     import pytest
-
-    from topology.errors import UserError
+    from rackbed.topology.errors import UserError
 
     for runs in ([[1, 2]], [[5, 1, "k"]], [[1, 8, "a"], [8, 9, "b"]], "x"):
         with pytest.raises(UserError, match="gemm_kernels row fp8/s"):
@@ -212,9 +210,10 @@ def _decode_doc():
 
 
 def test_calibrate_with_a_decode_map_predicts_held_out_contexts():
-    import topology
-    from engine.cli.validate import validate_kernels
-    from sim.calibrate import CalibrationFile
+    from rackbed.engine.cli.validate import validate_kernels
+    from rackbed.sim.calibrate import CalibrationFile
+
+    from rackbed import topology
 
     doc = _decode_doc()
     assert set(attn_maps(doc["rows"])) == {(("head_dim", 128), ("seq_heads", 4))}
@@ -339,7 +338,7 @@ def test_a_kernel_run_at_one_m_with_other_launch_parameters_is_its_own_configura
 
 
 def test_curves_fitted_in_worker_processes_are_the_serial_fit(monkeypatch):
-    import sim.calibrate as cal
+    import rackbed.sim.calibrate as cal
 
     doc = _forced_doc({400: 55.2, 408: 55.6, 424: 56.4, 432: 56.8})
     doc["rows"] += [{"bench": "hbm_copy", "kernel": "elementwise", "size_bytes": s, "bytes": 2 * s,

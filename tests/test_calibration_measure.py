@@ -10,13 +10,11 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.cli.main import main
-from engine.cli.validate import validate_kernels
-from engine.core.model import get_model
-from kernels.bench import measure
-from sim.calibrate import (
+from rackbed.engine.cli.main import main
+from rackbed.engine.cli.validate import validate_kernels
+from rackbed.engine.core.model import get_model
+from rackbed.kernels.bench import measure
+from rackbed.sim.calibrate import (
     Holdout,
     calibrate,
     check_measurements,
@@ -27,10 +25,12 @@ from sim.calibrate import (
     row_noise,
     split_rows,
 )
-from sim.costs import constants as C
-from sim.costs.attention import full_attention_decode
-from sim.costs.calibration import CalibrationEntry, CalibrationTable
-from topology.errors import UserError
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.attention import full_attention_decode
+from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
+from rackbed.topology.errors import UserError
+
+from rackbed import topology
 
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)
@@ -347,7 +347,7 @@ def test_stop_terminates_only_live_processes():
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30), st.integers(1, 3))
 def test_short_runs_and_where_they_are_forced(lengths, longest):
-    from kernels.bench.measure import FORCED_OFFSETS, forced_ms, short_runs
+    from rackbed.kernels.bench.measure import FORCED_OFFSETS, forced_ms, short_runs
 
     runs, m = [], 1
     for i, n in enumerate(lengths):  # kernel i % 5 over n consecutive m: kernels recur, as cuBLAS's do

@@ -9,11 +9,9 @@ import math
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.cli.main import main
-from engine.cli.validate import validate_kernels
-from sim.calibrate import (
+from rackbed.engine.cli.main import main
+from rackbed.engine.cli.validate import validate_kernels
+from rackbed.sim.calibrate import (
     Holdout,
     calibrate,
     curve_of,
@@ -24,9 +22,11 @@ from sim.calibrate import (
     row_id,
     split_rows,
 )
-from sim.costs.calibration import CalibrationTable
-from sim.costs.gemm import binomial_histogram, expert_mlp_time, gemm_time, grouped_gemm_time
-from topology.errors import UserError
+from rackbed.sim.costs.calibration import CalibrationTable
+from rackbed.sim.costs.gemm import binomial_histogram, expert_mlp_time, gemm_time, grouped_gemm_time
+from rackbed.topology.errors import UserError
+
+from rackbed import topology
 
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)
@@ -203,7 +203,7 @@ def test_shipped_file_prices_fp8_block_and_the_moe_block_from_measurements():
 
 def test_shipped_moe_and_fp8_block_holdouts_are_within_target():
     """Held-out rows of the new kinds (every third point of each curve), the shipped file's own rule."""
-    from sim.calibrate import load_measurements, measurement_paths
+    from rackbed.sim.calibrate import load_measurements, measurement_paths
 
     meas = load_measurements(measurement_paths(SHIPPED.meta))
     rows = [r for r in meas["rows"] if r["bench"] == "moe_block" or r.get("fmt") == "fp8_block"]

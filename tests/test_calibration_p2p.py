@@ -10,10 +10,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.cli.validate import validate_kernels
-from sim.calibrate import (
+from rackbed.engine.cli.validate import validate_kernels
+from rackbed.sim.calibrate import (
     CalibrationFile,
     Holdout,
     calibrate,
@@ -23,8 +21,10 @@ from sim.calibrate import (
     row_id,
     split_rows,
 )
-from sim.costs.calibration import CalibrationEntry, CalibrationTable
-from sim.costs.collective import p2p_copy_time
+from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
+from rackbed.sim.costs.collective import p2p_copy_time
+
+from rackbed import topology
 
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)

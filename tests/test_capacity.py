@@ -1,4 +1,4 @@
-"""sim.capacity: a tiny rate sweep end to end (the chosen point checked against its own sweep record), the choice /
+"""rackbed.sim.capacity: a tiny rate sweep end to end (the chosen point checked against its own sweep record), the choice /
 front / equal-user-speed functions as properties, and one-line spec errors."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim import capacity as cap
-from sim.sweep import read_results
-from topology.errors import UserError
+from rackbed.sim import capacity as cap
+from rackbed.sim.sweep import read_results
+from rackbed.topology.errors import UserError
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.05}
 
@@ -147,7 +146,7 @@ def test_spec_errors_are_one_line(tmp_path, capsys):
     y.write_text(json.dumps(tiny(gpu_budget=20)))  # JSON is YAML
     with pytest.raises(UserError, match=r"big.yaml: gpu_budget: 20 GPUs exceeds hgx-h200\*2's 16 GPUs"):
         cap.load_capacity(y)
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     assert main(["capacity", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

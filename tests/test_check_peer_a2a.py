@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.bench import peer_a2a as cpa
-from engine.real.launch import spawn_local
+from rackbed.engine.bench import peer_a2a as cpa
+from rackbed.engine.real.launch import spawn_local
 
 
 def test_rank_function_on_cpu_checks_and_times_both_paths():

@@ -1,4 +1,4 @@
-"""engine.core.collectives: all-reduce schedules, their traffic counters, the executor, the link mapping."""
+"""rackbed.engine.core.collectives: all-reduce schedules, their traffic counters, the executor, the link mapping."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.core.collectives import (
+from rackbed.engine.core.collectives import (
     ALGORITHMS,
     Step,
     execute,

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "engine" / "core"
 MODULES = sorted(
-    "engine.core" + ("" if p.name == "__init__.py" else "." + ".".join(p.relative_to(CORE).with_suffix("").parts))
+    "rackbed.engine.core" + ("" if p.name == "__init__.py" else "." + ".".join(p.relative_to(CORE).with_suffix("").parts))
     for p in CORE.rglob("*.py")
 )
 SOURCES = sorted(CORE.rglob("*.py"))
@@ -30,7 +30,7 @@ NP_RANDOM_ALLOWED = {"default_rng", "Generator", "SeedSequence", "BitGenerator",
 
 
 def test_modules_found():
-    assert "engine.core.sharding" in MODULES and "engine.core.kv" in MODULES
+    assert "rackbed.engine.core.sharding" in MODULES and "rackbed.engine.core.kv" in MODULES
 
 
 def test_importing_engine_core_loads_no_torch_or_simpy():

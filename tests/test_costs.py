@@ -9,16 +9,14 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.core.kv import KvLayout, reshard_plan
-from engine.core.model import get_model
-from engine.core.sharding import ParallelPlan
-from sim.costs import constants as C
-from sim.costs.attention import full_attention_decode, full_attention_prefill, linear_attention_decode
-from sim.costs.calibration import CalibrationTable, load_calibration
-from sim.costs.collective import _estimate, allreduce_time, available_algos, group_links
-from sim.costs.gemm import (
+from rackbed.engine.core.kv import KvLayout, reshard_plan
+from rackbed.engine.core.model import get_model
+from rackbed.engine.core.sharding import ParallelPlan
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.attention import full_attention_decode, full_attention_prefill, linear_attention_decode
+from rackbed.sim.costs.calibration import CalibrationTable, load_calibration
+from rackbed.sim.costs.collective import _estimate, allreduce_time, available_algos, group_links
+from rackbed.sim.costs.gemm import (
     binomial_histogram,
     expert_mlp_time,
     format_execution,
@@ -26,18 +24,25 @@ from sim.costs.gemm import (
     grouped_gemm_time,
     histogram,
 )
-from sim.costs.kv_transfer import kv_transfer_time
-from sim.costs.moe_comm import (
+from rackbed.sim.costs.kv_transfer import kv_transfer_time
+from rackbed.sim.costs.moe_comm import (
     dpep_decode_combine,
     dpep_decode_dispatch,
     ep_prefill_combine,
     ep_prefill_dispatch,
     expected_dest_ranks,
 )
-from sim.costs.step import decode_step_breakdown, decode_step_time, prefill_step_breakdown, prefill_step_time
-from topology.errors import UserError
-from topology.presets import PRESETS
-from topology.specs import GB200_GPU, H200_SXM
+from rackbed.sim.costs.step import (
+    decode_step_breakdown,
+    decode_step_time,
+    prefill_step_breakdown,
+    prefill_step_time,
+)
+from rackbed.topology.errors import UserError
+from rackbed.topology.presets import PRESETS
+from rackbed.topology.specs import GB200_GPU, H200_SXM
+
+from rackbed import topology
 
 SET = settings(max_examples=150, deadline=None)
 SLOW = settings(max_examples=50, deadline=None)

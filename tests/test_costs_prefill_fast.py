@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rackbed.sim.costs import gemm as G
+from rackbed.sim.costs.calibration import CalibrationTable
+from rackbed.sim.costs.collective import _estimate, allreduce_time, available_algos, group_links
+from rackbed.topology.presets import PRESETS
 
-import topology
-from sim.costs import gemm as G
-from sim.costs.calibration import CalibrationTable
-from sim.costs.collective import _estimate, allreduce_time, available_algos, group_links
-from topology.presets import PRESETS
+from rackbed import topology
 
 
 def _general(topo, gpus, n_bytes, algo, calib):
@@ -74,7 +74,7 @@ def _grouped_reference(gpu, hist, n, k, fmt, grouped):
     """The GEMM model as written before the loop rewrite (three sum() passes), for the identity check."""
     import math
 
-    from sim.costs import constants as C
+    from rackbed.sim.costs import constants as C
 
     fe = G.format_execution(gpu, fmt)
     n_exp = sum(c for _, c in hist)

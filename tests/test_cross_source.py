@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim import cross_source as xs
-from topology.errors import UserError
+from rackbed.sim import cross_source as xs
+from rackbed.sim.calibration.measurements import read_json
+from rackbed.topology.errors import UserError
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("aiconfigurator_core")
@@ -57,7 +57,7 @@ def test_structure_and_ratios(doc):
 
 def test_gemm_points_are_exact_matches_of_raw_rows(doc):
     """Each GEMM point is a measured rackbed row and a measured table row at the same (m, n, k) — nothing fitted."""
-    meas = json.loads((REPO / xs.DEFAULT_MEASUREMENTS).read_text())
+    meas = read_json(REPO / xs.DEFAULT_MEASUREMENTS)
     rows = {(r["fmt"], r["m"], r["n"], r["k"]): r["median_us"] for r in meas["rows"]
             if r.get("bench") == "gemm" and r.get("op") == "dense" and "median_us" in r}
     for name, fmt in (("gemm_bf16", "bf16"), ("gemm_fp8", "fp8")):
@@ -80,7 +80,7 @@ def test_allreduce_bytes_are_twice_the_message_size(doc):
 
 def test_committed_result_is_what_the_shipped_files_give(doc):
     """results/calibration/cross_source_h200.{json,md} are this code's output on the shipped files (refresh with
-    `python -m sim.cross_source --out results/calibration/cross_source_h200.json`)."""
+    `python -m rackbed.sim.cross_source --out results/calibration/cross_source_h200.json`)."""
     shipped = json.loads(SHIPPED_JSON.read_text())
     if shipped["tables"]["package_version"] != doc["tables"]["package_version"]:
         pytest.skip("another aiconfigurator-core version is installed")

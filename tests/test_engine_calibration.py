@@ -9,10 +9,9 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-
-from engine.core.plans import PrefillBatch
-from sim.costs.steptime import StepTime
-from sim.engine_calibration import (
+from rackbed.engine.core.plans import PrefillBatch
+from rackbed.sim.costs.steptime import StepTime
+from rackbed.sim.engine_calibration import (
     EngineCalibratedCostModel,
     EngineCalibration,
     _lstsq_nonneg,
@@ -81,7 +80,7 @@ RUN = ROOT / "results/h200x2/real_lab"
 @pytest.mark.skipif(not (RUN / "real.json").exists(), reason="no committed real run")
 def test_held_out_prefills_of_the_h200_run():
     """The committed 2xH200 run: the attention term predicts held-out prefill batches within 10 %."""
-    from sim.engine_calibration import validate_engine_run
+    from rackbed.sim.engine_calibration import validate_engine_run
 
     cwd = os.getcwd()
     os.chdir(ROOT)

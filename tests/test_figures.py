@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from rackbed.sim.figures import load_figure, run_figure
 from rich.console import Console
 
-import scenarios
-from sim.figures import load_figure, run_figure
+from rackbed import scenarios
 
 REL = 0.03  # goldens are model outputs; a change in a constant or a formula must be a deliberate update
 FIGS = ["fig_allreduce_nvls", "fig_ep_prefill_comm", "fig_decode_a2a", "fig_grouped_gemm", "fig_prefill_tp_ep",
@@ -119,7 +119,7 @@ def test_decode_ep_trade_golden(results):
 
 
 def test_cli_runs_a_figure(tmp_path, capsys):
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     rc = main(["run", str(scenarios.resolve("fig_ep_prefill_comm")), "--out", str(tmp_path)])
     assert rc == 0

@@ -1,4 +1,4 @@
-"""engine.core.formats: minifloat grids, exact round-to-nearest-even, MX / NVFP4 / FP8 / BF16 quantizers.
+"""rackbed.engine.core.formats: minifloat grids, exact round-to-nearest-even, MX / NVFP4 / FP8 / BF16 quantizers.
 
 Properties (hypothesis): RNE equals a brute-force nearest search with ties to the even code; exactly
 representable tensors round-trip exactly; error is bounded by the element's unit round-off times the block
@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from engine.core.formats import (
+from rackbed.engine.core.formats import (
     E2M1,
     E2M3,
     E3M2,
@@ -405,7 +404,7 @@ def test_relative_error_orders_the_formats():
 
 
 def test_cli_formats_table(capsys):
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     assert main(["formats", "--rows", "8", "--cols", "512"]) == 0
     out = capsys.readouterr().out
@@ -415,7 +414,7 @@ def test_cli_formats_table(capsys):
 
 
 def test_cli_formats_json_and_errors(capsys):
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     assert main(["formats", "--rows", "4", "--cols", "256", "--json", "--all"]) == 0
     rows = json.loads(capsys.readouterr().out)

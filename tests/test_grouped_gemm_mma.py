@@ -16,10 +16,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kernels import grouped_gemm as gg
+from rackbed.kernels import grouped_gemm as gg
 
 # ------------------------------------------------------------------------------------- emulation of the kernel
 

@@ -14,9 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kernels import grouped_gemm as gg
-from kernels import grouped_gemm_wgmma as gw
+from rackbed.kernels import grouped_gemm as gg
+from rackbed.kernels import grouped_gemm_wgmma as gw
 
 
 @settings(max_examples=200, deadline=None)
@@ -109,7 +108,7 @@ def test_reference_bf16_matches_loop():
 
 
 def test_fp8_reference_equals_mx_dequantized_gemm():
-    from kernels import mx
+    from rackbed.kernels import mx
 
     g = torch.Generator().manual_seed(1)
     counts = [3, 0, 5]
@@ -129,7 +128,7 @@ def test_fp8_reference_equals_mx_dequantized_gemm():
 
 
 def test_fast_quantizer_matches_mx():
-    from kernels import mx
+    from rackbed.kernels import mx
 
     g = torch.Generator().manual_seed(2)
     for role, shape in (("activation", (16, 384)), ("weight", (2, 256, 384))):
@@ -167,7 +166,7 @@ _has_cute = importlib.util.find_spec("cutlass") is not None
 @pytest.mark.parametrize("variant", list(gw.VARIANTS) + list(gw.DIAG_VARIANTS))
 def test_compiles_for_sm90a(variant, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    from kernels import grouped_gemm_wgmma_cute as gc
+    from rackbed.kernels import grouped_gemm_wgmma_cute as gc
 
     assert gc.compiled(512 * gw.variant_config(variant)["cluster_n"], 256, variant) is not None
 
@@ -305,7 +304,7 @@ def test_pingpong_needs_the_order_barrier():
 
 
 def test_sweep_groups_isolate_unverified_variants():
-    from kernels.bench import moe_prefill as bp
+    from rackbed.kernels.bench import moe_prefill as bp
 
     groups = bp.sweep_groups()
     flat = [v for g in groups for v in g]
@@ -348,8 +347,7 @@ def test_diagnostic_variants_never_selectable(monkeypatch):
     """Diagnostic twins (wrong results on purpose) are not in VARIANTS (so not in --sweep or the best pick), never a
     default (env override refused), and grouped_mm (what impl="auto" calls) refuses them without diagnostic=True."""
     import torch
-
-    from kernels.bench import moe_prefill as bp
+    from rackbed.kernels.bench import moe_prefill as bp
 
     assert gw.DIAG_VARIANTS and not set(gw.DIAG_VARIANTS) & set(gw.VARIANTS)
     assert set(gw.DEFAULT_VARIANT.values()) <= set(gw.VARIANTS)
@@ -372,7 +370,7 @@ def test_diagnostic_variants_never_selectable(monkeypatch):
 
 
 def test_tail_free_shape_gives_every_cta_equal_full_tiles():
-    from kernels.bench import moe_prefill as bp
+    from rackbed.kernels.bench import moe_prefill as bp
 
     counts = bp.tail_free_counts()
     assert len(counts) == bp.N_EXPERTS and all(c % 128 == 0 for c in counts)
@@ -384,7 +382,7 @@ def test_tail_free_shape_gives_every_cta_equal_full_tiles():
 
 
 def test_diag_shares():
-    from kernels.bench import moe_prefill as bp
+    from rackbed.kernels.bench import moe_prefill as bp
 
     def v(us, diag=None, base="b"):
         return {"us": us, "TFLOPs": 1000 / us, "diag": diag, "base": base, "ok": True if diag is None else None}

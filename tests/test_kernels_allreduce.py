@@ -7,8 +7,7 @@ import importlib.util
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kernels.allreduce_schedule import (
+from rackbed.kernels.allreduce_schedule import (
     ONE_SHOT_MAX_BYTES,
     block_range,
     bound_us,
@@ -22,7 +21,7 @@ from kernels.allreduce_schedule import (
     traffic_bytes,
     vector_width,
 )
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 @given(count=st.integers(0, 5000), nblk=st.integers(1, 300))
@@ -135,7 +134,7 @@ def test_emulated_protocol_is_correct_under_any_interleaving(calls, n, seed):
 def test_emulation_detects_a_broken_protocol(monkeypatch):
     """The emulation can fail: with a single one-shot buffer (no parity halves) a fast rank overwrites a slot
     that a slow peer has not reduced yet, and some seed exposes it."""
-    import kernels.allreduce_schedule as sch
+    import rackbed.kernels.allreduce_schedule as sch
 
     orig = sch._block_program
 
@@ -169,9 +168,8 @@ def _check_worker(rank, world, port, path):
 
     import torch
     import torch.distributed as dist
-
-    from kernels.allreduce import PeerAllReduce
-    from kernels.bench.allreduce import check_correctness
+    from rackbed.kernels.allreduce import PeerAllReduce
+    from rackbed.kernels.bench.allreduce import check_correctness
 
     torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -192,8 +190,7 @@ def test_device_allreduce_correct(tmp_path):
 
     import torch
     import torch.multiprocessing as mp
-
-    from kernels.bench.suites import _free_port
+    from rackbed.kernels.bench.suites import _free_port
 
     path = str(tmp_path / "check.json")
     mp.spawn(_check_worker, args=(torch.cuda.device_count(), _free_port(), path), nprocs=torch.cuda.device_count())

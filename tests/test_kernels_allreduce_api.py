@@ -6,8 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-
-from engine.cli.main import main  # noqa: E402
+from rackbed.engine.cli.main import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +18,7 @@ def group(tmp_path_factory):
 
 
 def test_fallback_sums_and_checks_arguments(group):
-    from kernels.allreduce import PeerAllReduce
+    from rackbed.kernels.allreduce import PeerAllReduce
 
     ar = PeerAllReduce(group, max_bytes=1 << 16, dtype=torch.float32, backend="auto")
     assert ar.backend == "torch" and ar.fallback_reason
@@ -45,8 +44,8 @@ def test_fallback_sums_and_checks_arguments(group):
 
 
 def test_cute_backend_refuses_clearly_without_gpu(group):
-    from kernels.allreduce import PeerAllReduce
-    from kernels.peer_memory import PeerAccessError
+    from rackbed.kernels.allreduce import PeerAllReduce
+    from rackbed.kernels.peer_memory import PeerAccessError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -55,7 +54,7 @@ def test_cute_backend_refuses_clearly_without_gpu(group):
 
 
 def test_fabric_handle_needs_explicit_opt_in(group, monkeypatch):
-    from kernels.peer_memory import PeerAccessError, PeerBuffer
+    from rackbed.kernels.peer_memory import PeerAccessError, PeerBuffer
 
     monkeypatch.delenv("RACKBED_ALLOW_FABRIC", raising=False)
     with pytest.raises(PeerAccessError, match="RACKBED_ALLOW_FABRIC"):
@@ -78,8 +77,8 @@ def test_cli_bench_errors_are_one_line(capsys):
 
 
 def test_suite_registry_rejects_unknown_and_duplicates():
-    from kernels.bench.suites import BenchConfig, register_suite, run_suites
-    from topology.errors import UserError
+    from rackbed.kernels.bench.suites import BenchConfig, register_suite, run_suites
+    from rackbed.topology.errors import UserError
 
     with pytest.raises(UserError, match="unknown suite 'nope'"):
         run_suites(["nope"], BenchConfig(sizes=(8,)))
@@ -89,7 +88,7 @@ def test_suite_registry_rejects_unknown_and_duplicates():
 
 def test_cli_bench_kernels_default_runs_every_registered_suite(monkeypatch):
     """`rackbed bench kernels` with no --suite runs the MoE suites too (they register when their module loads)."""
-    import kernels.bench.suites as kb
+    import rackbed.kernels.bench.suites as kb
 
     seen = {}
     monkeypatch.setattr(kb, "run_suites", lambda names, cfg, out=None: seen.setdefault("names", names))

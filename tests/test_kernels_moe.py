@@ -3,7 +3,6 @@ path and argument checks, fp8 row packing, the torch a2a backend over gloo); GPU
 
 from __future__ import annotations
 
-import os
 import socket
 
 import numpy as np
@@ -11,12 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core import formats as ref
-from kernels.moe_reference import DpEpDecodePlan, Routing, reference_moe_dp_ep_decode, route
-from kernels import grouped_gemm as gg
-from kernels import moe_a2a
-from kernels import mx
+from rackbed.engine.core import formats as ref
+from rackbed.kernels import grouped_gemm as gg
+from rackbed.kernels import moe_a2a, mx
+from rackbed.kernels.moe_reference import DpEpDecodePlan, Routing, reference_moe_dp_ep_decode, route
 
 ALL_FMTS = ref.FORMAT_NAMES + ref.EXTRA_FORMAT_NAMES
 

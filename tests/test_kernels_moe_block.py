@@ -8,11 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core.formats import get_format
-from kernels.bench import measure
-from kernels.grouped_gemm import grouped_swiglu_reference
-from kernels.moe_block import moe_block, permute, route, unpermute
+from rackbed.engine.core.formats import get_format
+from rackbed.kernels.bench import measure
+from rackbed.kernels.grouped_gemm import grouped_swiglu_reference
+from rackbed.kernels.moe_block import moe_block, permute, route, unpermute
 
 
 def _loop_swiglu(xs, gate_up, down, counts):
@@ -110,8 +109,8 @@ def test_dry_run_measures_every_part_of_the_moe_block(tmp_path):
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_engine_static_decode_runs_the_block(T):
     """``forward_decode_static`` (the graph-captured step) runs kernels/moe_block.py and equals the eager step."""
-    import engine.real.model as M
-    from engine.real.comm import Comm
+    import rackbed.engine.real.model as M
+    from rackbed.engine.real.comm import Comm
 
     cfg = M.TorchModelConfig(hidden=32, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8, n_experts=6, top_k=2,
                              moe_intermediate=16, vocab=50)

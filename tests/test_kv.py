@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.core.kv import (
+from rackbed.engine.core.kv import (
     KvLayout,
     TransferPlan,
     chunk_stats,
@@ -25,7 +24,7 @@ from engine.core.kv import (
     source_rank,
     transfer_stats,
 )
-from engine.core.sharding import tp_kv_head_shards
+from rackbed.engine.core.sharding import tp_kv_head_shards
 
 N_EXAMPLES = 300
 SETTINGS = settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core.kv import KvLayout
-from engine.core.layers import (
+from rackbed.engine.core.kv import KvLayout
+from rackbed.engine.core.layers import (
     DenseFfn,
     GdnAttention,
     GqaAttention,
@@ -18,9 +17,9 @@ from engine.core.layers import (
     MoeFfn,
     SlidingWindowAttention,
 )
-from engine.core.model import get_model
-from engine.core.sharding import ParallelPlan
-from topology.errors import UserError
+from rackbed.engine.core.model import get_model
+from rackbed.engine.core.sharding import ParallelPlan
+from rackbed.topology.errors import UserError
 
 # DeepSeek-V3 (config.json): hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64,
 # v_head_dim 128
@@ -194,7 +193,7 @@ def test_experts_partition_over_ep_ranks(ep_exp, n_exp):
 
 def test_plan_and_real_shard_share_one_derivation():
     torch = pytest.importorskip("torch")  # noqa: F841
-    from engine.real.model import Shard, TorchModelConfig
+    from rackbed.engine.real.model import Shard, TorchModelConfig
 
     m = get_model("qwen3-30b-a3b")
     cfg = TorchModelConfig.from_spec(m, n_layers=1)

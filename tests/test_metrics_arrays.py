@@ -9,9 +9,8 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core.metrics import request_arrays
-from engine.core.state import ROW_FIELDS
+from rackbed.engine.core.metrics import request_arrays
+from rackbed.engine.core.state import ROW_FIELDS
 
 _TEXT = ("status", "reason", "prefiller", "decoder")
 _INT = ("id", "prompt_tokens", "output_tokens", "decode_steps", "requeues")

@@ -1,4 +1,4 @@
-"""engine.core.model: presets, parameter / byte / FLOP / KV / state arithmetic against hand calculations.
+"""rackbed.engine.core.model: presets, parameter / byte / FLOP / KV / state arithmetic against hand calculations.
 
 Hand calculations are written out term by term (sizes from the models' Hugging Face config.json files);
 properties over random specs (hypothesis) tie the methods to each other.
@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-from engine.core.formats import FORMAT_NAMES, get_format
-from engine.core.model import DELTANET_FLOPS_PER_STATE_ELEM, PRESET_NAMES, ModelSpec, get_model
+from rackbed.engine.core.formats import FORMAT_NAMES, get_format
+from rackbed.engine.core.model import DELTANET_FLOPS_PER_STATE_ELEM, PRESET_NAMES, ModelSpec, get_model
 
 # ---- Qwen3-235B-A22B by hand
 # ----------------------------------------------------------------------------------
@@ -286,7 +285,7 @@ def test_get_model_errors():
 
 
 def test_cli_model_show_and_list(capsys):
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     assert main(["model", "show", "qwen3-235b-a22b", "--context", "6000"]) == 0
     out = capsys.readouterr().out
@@ -299,7 +298,7 @@ def test_cli_model_show_and_list(capsys):
 
 
 def test_cli_model_show_json_config_file(tmp_path, capsys):
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     cfg = tmp_path / "tiny" / "config.json"
     cfg.parent.mkdir()
@@ -328,7 +327,7 @@ def test_cli_model_show_json_config_file(tmp_path, capsys):
 
 
 def test_cli_model_errors(capsys, tmp_path):
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     assert main(["model", "show", "qwen9"]) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""kernels.moe_reference: routing, EP prefill and DP-EP decode plans, and the numpy references."""
+"""rackbed.kernels.moe_reference: routing, EP prefill and DP-EP decode plans, and the numpy references."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kernels import moe_reference as moe
-from kernels.moe_reference import (
+from rackbed.kernels import moe_reference as moe
+from rackbed.kernels.moe_reference import (
     ACTIVATION_BYTES_PER_ELEMENT_FALLBACK,
     DpEpDecodePlan,
     EpPrefillPlan,
@@ -196,9 +195,9 @@ def test_decode_plan_by_hand():
 def test_activation_bytes_fallback_matches_formats(monkeypatch):
     for name, value in ACTIVATION_BYTES_PER_ELEMENT_FALLBACK.items():
         assert activation_bytes_per_element(name) == pytest.approx(value)
-    import engine.core
+    from rackbed import engine
 
-    monkeypatch.setitem(sys.modules, "engine.core.formats", None)  # as if formats.py did not exist yet
+    monkeypatch.setitem(sys.modules, "rackbed.engine.core.formats", None)  # as if formats.py did not exist yet
     monkeypatch.delattr(engine.core, "formats", raising=False)
     assert activation_bytes_per_element("fp8_block") == 1 + 4 / 128
     with pytest.raises(ValueError, match="unknown activation format"):

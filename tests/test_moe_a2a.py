@@ -14,10 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-
-from engine.real.launch import spawn_local  # noqa: E402
-from kernels import moe_a2a  # noqa: E402
-from kernels.moe_reference import route  # noqa: E402
+from rackbed.engine.real.launch import spawn_local  # noqa: E402
+from rackbed.kernels import moe_a2a  # noqa: E402
+from rackbed.kernels.moe_reference import route  # noqa: E402
 
 D, K, E, TM = 512, 4, 8, 32  # fp8 rows need D % 512 == 0 (16-byte rows)
 
@@ -99,8 +98,8 @@ def test_torch_backend_matches_emulation_on_edge_routings():
 
 def _engine_rank(rank, world):
     """The engine's peer path (torch backend injected, max_tokens 32) vs its all-to-all path vs unsharded."""
-    from engine.real.comm import Comm
-    from engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig
+    from rackbed.engine.real.comm import Comm
+    from rackbed.engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig
 
     cfg = TorchModelConfig(hidden=128, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32, n_experts=8, top_k=2,
                            moe_intermediate=64, vocab=64, rope_theta=10000.0)
@@ -144,7 +143,7 @@ def test_engine_peer_path_matches_all_to_all_path_and_unsharded():
 def _cute():
     try:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-        from kernels import moe_a2a_cute
+        from rackbed.kernels import moe_a2a_cute
 
         return moe_a2a_cute
     except Exception as exc:  # CuTe DSL not installed (CI)

@@ -17,8 +17,7 @@ def _fake_worker(rank, world, port, q, opts):
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from kernels.bench.moe_a2a import _Ctx
+    from rackbed.kernels.bench.moe_a2a import _Ctx
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -32,7 +31,7 @@ def _fake_worker(rank, world, port, q, opts):
 
 
 def test_watchdog_kills_a_hung_case_and_keeps_the_earlier_records(tmp_path):
-    from kernels.bench import moe_a2a as moe_a2a_bench
+    from rackbed.kernels.bench import moe_a2a as moe_a2a_bench
 
     t0 = time.time()
     s = moe_a2a_bench.run(str(tmp_path), deadline_s=120, worker=_fake_worker, echo=lambda *a, **k: None)
@@ -55,7 +54,7 @@ def test_watchdog_kills_a_hung_case_and_keeps_the_earlier_records(tmp_path):
 
 
 def test_ranks_that_fall_out_of_step_stop_instead_of_pairing_wrong_calls(tmp_path):
-    from kernels.bench import moe_a2a as moe_a2a_bench
+    from rackbed.kernels.bench import moe_a2a as moe_a2a_bench
 
     t0 = time.time()
     s = moe_a2a_bench.run(str(tmp_path), deadline_s=120, tokens=(0,), worker=_fake_worker, echo=lambda *a, **k: None)

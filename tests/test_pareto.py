@@ -1,4 +1,4 @@
-"""sim.pareto: the front is exactly the set of non-dominated points (hypothesis, against the definition)."""
+"""rackbed.sim.pareto: the front is exactly the set of non-dominated points (hypothesis, against the definition)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim.pareto import dominates, pareto_front, pareto_indices, pareto_layers
+from rackbed.sim.pareto import dominates, pareto_front, pareto_indices, pareto_layers
 
 
 def brute_dominated(values, i, sense=None):

@@ -19,13 +19,13 @@ pytest.importorskip("aiconfigurator_core", reason="needs the tables extra: pip i
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from engine.cli.main import main  # noqa: E402
-from sim import perf_tables as pt  # noqa: E402
-from sim.calibrate import default_calibration_for, load_calibration_file  # noqa: E402
-from sim.costs.calibration import CalibrationTable  # noqa: E402
-from sim.costs.gemm import gemm_time  # noqa: E402
-from topology.errors import UserError  # noqa: E402
-from topology.specs import GPUS  # noqa: E402
+from rackbed.engine.cli.main import main  # noqa: E402
+from rackbed.sim import perf_tables as pt  # noqa: E402
+from rackbed.sim.calibrate import default_calibration_for, load_calibration_file  # noqa: E402
+from rackbed.sim.costs.calibration import CalibrationTable  # noqa: E402
+from rackbed.sim.costs.gemm import gemm_time  # noqa: E402
+from rackbed.topology.errors import UserError  # noqa: E402
+from rackbed.topology.specs import GPUS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MEDIAN, TARGET_P90 = 5.0, 15.0
@@ -50,8 +50,8 @@ def test_real_h200_tables_import_end_to_end(h200_doc):
         assert v["median_pct"] <= TARGET_MEDIAN and v["p90_pct"] <= TARGET_P90, (kind, v)
     # the table loads as a calibration and prices the Qwen3-235B prefill MoE block from a measured curve
     table = CalibrationTable.model_validate({k: v for k, v in h200_doc.items() if k != "meta"})
-    from engine.core.model import get_model
-    from sim.costs.moe_block import moe_block_s
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.costs.moe_block import moe_block_s
 
     m = get_model("qwen3-235b-a22b")
     s = moe_block_s(table, GPUS["H200-SXM"], m, "fp8_block", 1, 4, 4 * 375 * 128 // 8 // 4)
@@ -182,8 +182,9 @@ def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
 
 
 def _built(name="nvl72-default", **over):
-    import scenarios
-    from sim.scenario import build, load_scenario
+    from rackbed.sim.scenario import build, load_scenario
+
+    from rackbed import scenarios
 
     sc = load_scenario(scenarios.resolve(name))
     return build(sc.model_copy(update=over))
@@ -204,8 +205,8 @@ def test_gb200_scenario_prints_the_measured_table_line_and_only_real_gaps():
 
 
 def test_a_missing_table_is_a_caveat_naming_what_is_extrapolated():
-    from sim.calibrate import CalibrationFile
-    from sim.coverage import calibration_caveats
+    from rackbed.sim.calibrate import CalibrationFile
+    from rackbed.sim.coverage import calibration_caveats
 
     b = _built(weight_format="fp8")
     full = b.calibration

@@ -10,12 +10,11 @@ import statistics
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core.model import get_model
-from sim import perf_tables as pt
-from sim import perf_tables_attention as pta
-from sim.calibrate import default_calibration_for
-from sim.costs.attention import (
+from rackbed.engine.core.model import get_model
+from rackbed.sim import perf_tables as pt
+from rackbed.sim import perf_tables_attention as pta
+from rackbed.sim.calibrate import default_calibration_for
+from rackbed.sim.costs.attention import (
     flash_efficiency,
     flash_rate,
     full_attention_decode,
@@ -24,9 +23,9 @@ from sim.costs.attention import (
     kv_format,
     local_heads,
 )
-from sim.costs.calibration import CalibrationEntry, CalibrationTable, kernel_fixed_us
-from topology.errors import UserError
-from topology.specs import GPUS
+from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable, kernel_fixed_us
+from rackbed.topology.errors import UserError
+from rackbed.topology.specs import GPUS
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("aiconfigurator_core")
@@ -223,7 +222,7 @@ def test_generic_decode_curves_price_other_head_counts(h200_table):
 def test_notes_say_what_the_curves_are(h200_parts):
     """Batched prefills and fp8 KV caches are curves now: the notes say so, with the evidence, and none of them is
     the per-sequence note that ``sim.coverage`` turns into a caveat."""
-    from sim.coverage import PER_SEQUENCE_PREFILL_NOTE
+    from rackbed.sim.coverage import PER_SEQUENCE_PREFILL_NOTE
 
     notes = [n for p in h200_parts for n in p.notes]
     text = " ".join(notes)
@@ -389,10 +388,11 @@ def test_fp8_queries_never_take_bf16_curves(h200_table):
 def test_caveats_only_where_the_calibration_lacks_the_curves():
     """GB200 runs with an fp8 KV cache print no attention caveat (the shipped file has fp8-KV and batched prefill
     curves); a calibration without fp8-KV curves, or with the per-sequence prefill note, says so."""
-    import scenarios
-    from sim.calibrate import CalibrationFile
-    from sim.coverage import PER_SEQUENCE_PREFILL_NOTE, calibration_caveats
-    from sim.scenario import build, load_scenario
+    from rackbed.sim.calibrate import CalibrationFile
+    from rackbed.sim.coverage import PER_SEQUENCE_PREFILL_NOTE, calibration_caveats
+    from rackbed.sim.scenario import build, load_scenario
+
+    from rackbed import scenarios
 
     sc = load_scenario(scenarios.resolve("nvl72-default"))
     b = build(sc.model_copy(update={"kv_dtype": "fp8", "weight_format": "fp8"}))
@@ -478,9 +478,9 @@ def test_engine_entries_match_queries_with_head_counts(engine_cal, h, kv, x, sh)
 def test_adding_a_sequence_never_makes_a_prefill_batch_faster(h200_table, seqs, extra):
     """More work in one kernel never takes less time (also for short and cached sequences, which the equal-
     sequence copies rule alone would let borrow a long neighbour's batch rate)."""
-    from engine.core.model import get_model
-    from sim.costs.attention import full_attention_prefill
-    from topology.specs import GPUS
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.costs.attention import full_attention_prefill
+    from rackbed.topology.specs import GPUS
 
     g, m = GPUS["H200-SXM"], get_model("qwen3-235b-a22b")
     base = full_attention_prefill(g, m, seqs, tp=4, calib=h200_table).core_s

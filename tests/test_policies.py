@@ -8,8 +8,7 @@ from collections import deque
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.core.policies import FewestRequests, FifoAdmission, LeastQueuedTokens, Policies
+from rackbed.engine.core.policies import FewestRequests, FifoAdmission, LeastQueuedTokens, Policies
 
 
 class _D:
@@ -114,8 +113,8 @@ def test_policies_by_name():
 
 
 def test_scenarios_name_their_policies():
-    from sim.scenario import parse_scenario
-    from topology.errors import UserError
+    from rackbed.sim.scenario import parse_scenario
+    from rackbed.topology.errors import UserError
 
     base = {"name": "x", "topology": "hgx-h200", "model": "qwen3-30b-a3b", "prefill": {"tp": 1, "ep": 1, "replicas": 1},
             "decode": {"ep": 1, "replicas": 1}, "workload": {"kind": "trace", "name": "mooncake", "max_requests": 3}}

@@ -11,13 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from rackbed.engine.core.workload import generate
+from rackbed.engine.real.driver import replay, run_real
+from rackbed.engine.real.model import TorchModelConfig
+from rackbed.sim.driver import simulate
+from rackbed.sim.scenario import build, parse_scenario
 from tiny_qwen3moe import save_checkpoint, tiny_hf_model
-
-from engine.core.workload import generate
-from engine.real.driver import replay, run_real
-from engine.real.model import TorchModelConfig
-from sim.driver import simulate
-from sim.scenario import build, parse_scenario
 
 
 def _tiny_checkpoint(tmp_path):
@@ -86,7 +85,7 @@ def test_a_run_whose_ranks_stop_answering_ends_with_one_clear_error():
     peer), the run stops with RealRunStalled naming the operations instead of waiting forever."""
     import time
 
-    from engine.real.driver import MeasuredClockEnv, RealRunStalled, _Inflight
+    from rackbed.engine.real.driver import MeasuredClockEnv, RealRunStalled, _Inflight
 
     class SilentPool:
         def __init__(self):
@@ -132,7 +131,7 @@ def test_a_rank_killed_while_replying_does_not_silence_the_others():
     import multiprocessing as mp
     import time
 
-    from engine.real.driver import RankPool
+    from rackbed.engine.real.driver import RankPool
 
     ctx = mp.get_context("spawn")
     qs = [ctx.Queue(), ctx.Queue()]

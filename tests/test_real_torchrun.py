@@ -53,7 +53,7 @@ real: {{device: cpu, dtype: fp32, prefill_pages: 64, decode_pages: 64, weights: 
     def node(i):
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={i}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "engine.cli.torchrun", str(scen),
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "rackbed.engine.cli.torchrun", str(scen),
              "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     nodes = [node(1), node(0)]

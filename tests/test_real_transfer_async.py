@@ -16,11 +16,10 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from rackbed.engine.real.driver import RealRun, graph_pages
+from rackbed.engine.real.model import DecodeGraphRunner, TorchModelConfig
+from rackbed.sim.scenario import build, parse_scenario
 from tiny_qwen3moe import save_checkpoint, tiny_hf_model
-
-from engine.real.driver import RealRun, graph_pages
-from engine.real.model import DecodeGraphRunner, TorchModelConfig
-from sim.scenario import build, parse_scenario
 
 
 def _collect(pool, need: dict[int, int], timeout_s: float) -> dict[int, dict[int, tuple]]:

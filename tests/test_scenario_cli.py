@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.cli.main import main
+from rackbed.engine.cli.main import main
 
 BASE = """kind: serving
 name: t
@@ -70,7 +69,7 @@ def test_list_shows_every_shipped_scenario_with_its_one_line_description(capsys)
     (figures, studies), the second column aligned."""
     import yaml
 
-    import scenarios
+    from rackbed import scenarios
 
     assert main(["run", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -1,4 +1,4 @@
-"""sim.search: analytic pruning and sizing (hand-checked against sim.costs.step with the calibration the simulation
+"""rackbed.sim.search: analytic pruning and sizing (hand-checked against sim.costs.step with the calibration the simulation
 selects), SLO eligibility, cost, and a small end-to-end search through the sweep machinery and the report."""
 
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 
 import pytest
+from rackbed.engine.core.model import get_model
+from rackbed.engine.core.sharding import ParallelPlan
+from rackbed.engine.core.specdec import expected_tokens_per_step
+from rackbed.sim import search as se
+from rackbed.sim import search_results as sr
+from rackbed.sim.costs.step import decode_step_breakdown, prefill_step_breakdown
+from rackbed.topology.errors import UserError
 
-import topology
-from engine.core.model import get_model
-from engine.core.sharding import ParallelPlan
-from engine.core.specdec import expected_tokens_per_step
-from sim import search as se
-from sim import search_results as sr
-from sim.costs.step import decode_step_breakdown, prefill_step_breakdown
-from topology.errors import UserError
+from rackbed import topology
 
 
 def make_spec(**kw):
@@ -43,7 +43,7 @@ def parts(spec):
 def selected_calibration(spec, topo):
     """The kernel calibration the simulation of the spec's candidates selects for the topology's GPU (None where
     none ships): the analytic stage prices steps with it too."""
-    from sim.scenario import _load_calibration, parse_scenario
+    from rackbed.sim.scenario import _load_calibration, parse_scenario
 
     return _load_calibration(parse_scenario(se.base_scenario(spec)), topo.gpu_spec(0).name)[0]
 
@@ -166,8 +166,8 @@ def test_small_search_end_to_end(tmp_path):
         for role in ("prefill", "decode"):
             assert sum(ex[role]["by_category"].values()) == pytest.approx(ex[role]["total_s"])
             assert sum(ex[role]["terms"].values()) == pytest.approx(ex[role]["total_s"])
-    from engine.cli.search import search_report_data
-    from sim.report import write_report
+    from rackbed.engine.cli.search import search_report_data
+    from rackbed.sim.report import write_report
 
     files = write_report(tmp_path, search_report_data(res))
     html = files[1].read_text()
@@ -181,7 +181,7 @@ def test_spec_errors_and_cli_flags(tmp_path, capsys):
     with pytest.raises(UserError, match="t.yaml: spaec: unknown key"):
         se.parse_search({"model": "m", "workload": {}, "slo": {}, "spaec": {}} | {
             "workload": make_spec().workload.model_dump(), "slo": {"ttft_s": 1, "tpot_s": 1}}, "t.yaml")
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     assert main(["search"]) == 2
     assert "--rate" in capsys.readouterr().err

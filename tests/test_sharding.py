@@ -10,12 +10,10 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import topology
-from engine.cli.main import main
-from engine.core.formats import get_format
-from engine.core.model import PRESET_NAMES, get_model
-from engine.core.sharding import (
+from rackbed.engine.cli.main import main
+from rackbed.engine.core.formats import get_format
+from rackbed.engine.core.model import PRESET_NAMES, get_model
+from rackbed.engine.core.sharding import (
     KV_DTYPE_BYTES,
     RUNTIME_OVERHEAD_BYTES,
     ParallelPlan,
@@ -26,7 +24,9 @@ from engine.core.sharding import (
     parse_gpus,
     tp_kv_head_shards,
 )
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
+
+from rackbed import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_FILES = sorted((ROOT / "scenarios" / "plans").glob("*.yaml"))
@@ -323,7 +323,7 @@ def test_scenario_file_embeds_plan(tmp_path):
 
 def test_cli_subprocess_no_traceback(tmp_path):
     f = write(tmp_path, {**BASE, "decode": {"tp": 1, "ep": 5, "dp": 5, "gpus": "0-4"}})
-    r = subprocess.run([sys.executable, "-m", "engine.cli.main", "plan", "check", str(f)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "rackbed.engine.cli.main", "plan", "check", str(f)], capture_output=True,
                        text=True, cwd=ROOT, check=False)
     assert r.returncode == 2
     assert r.stderr.strip() == f"rackbed: error: {f}: decode: ep=5 does not divide 128 experts of qwen3-235b-a22b"

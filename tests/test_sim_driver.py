@@ -13,20 +13,19 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rackbed.engine.core.autoscaler import AutoscalerConfig
+from rackbed.engine.core.metrics import Slo
+from rackbed.engine.core.request import Request
+from rackbed.sim.driver import simulate
+from rackbed.sim.faults import Fault, parse_faults
+from rackbed.sim.network import Network
+from rackbed.sim.outputs import metrics_json, perfetto_trace, requests_csv, write_all
 from test_sim_driver_models import (
     KV_BYTES_PER_TOKEN,
     AnalyticCost,
     poisson_requests,
     small_deployment,
 )
-
-from engine.core.autoscaler import AutoscalerConfig
-from engine.core.metrics import Slo
-from engine.core.request import Request
-from sim.driver import simulate
-from sim.faults import Fault, parse_faults
-from sim.network import Network
-from sim.outputs import metrics_json, perfetto_trace, requests_csv, write_all
 
 
 def _run(seed=0, **kw):

@@ -10,12 +10,11 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.cli.main import main as cli_main
-from engine.core.plans import PrefillBatch
-from sim.bench import bench_scenario, run_bench
-from sim.costs.step import decode_step_time, prefill_batch_time
-from sim.scenario import build, parse_scenario
+from rackbed.engine.cli.main import main as cli_main
+from rackbed.engine.core.plans import PrefillBatch
+from rackbed.sim.bench import bench_scenario, run_bench
+from rackbed.sim.costs.step import decode_step_time, prefill_batch_time
+from rackbed.sim.scenario import build, parse_scenario
 
 _BUILT: dict[str, object] = {}
 

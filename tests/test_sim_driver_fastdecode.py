@@ -16,12 +16,11 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rackbed.engine.core.autoscaler import AutoscalerConfig
+from rackbed.engine.core.plans import DecodeStep
+from rackbed.sim.costs.steptime import StepTime
+from rackbed.sim.driver import simulate
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost, poisson_requests, small_deployment
-
-from engine.core.autoscaler import AutoscalerConfig
-from engine.core.plans import DecodeStep
-from sim.costs.steptime import StepTime
-from sim.driver import simulate
 
 
 class GridCost(AnalyticCost):

@@ -8,8 +8,7 @@ can be computed by hand; the real cost models live in ``sim/costs``. Imported by
 from __future__ import annotations
 
 import numpy as np
-
-from engine.core.deployment import (
+from rackbed.engine.core.deployment import (
     DecoderGroup,
     DecoderTemplate,
     Deployment,
@@ -17,10 +16,10 @@ from engine.core.deployment import (
     PrefillerGroup,
     PrefillerTemplate,
 )
-from engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
-from engine.core.request import Request
-from sim.costs.steptime import StepTime
-from sim.executor import TransferCost
+from rackbed.engine.core.plans import DecodeStep, KvTransfer, PrefillBatch
+from rackbed.engine.core.request import Request
+from rackbed.sim.costs.steptime import StepTime
+from rackbed.sim.executor import TransferCost
 
 KV_BYTES_PER_TOKEN = 192_512  # Qwen3-235B-A22B, bf16
 

@@ -17,12 +17,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rackbed.engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
+from rackbed.engine.core.request import Request
+from rackbed.sim.costs.steptime import StepTime
+from rackbed.sim.driver import simulate
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost
-
-from engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
-from engine.core.request import Request
-from sim.costs.steptime import StepTime
-from sim.driver import simulate
 
 
 class PointCost(AnalyticCost):
@@ -102,7 +101,7 @@ def bench(sim_s: float, rate_per_s: float = 50.0, progress: bool = False, decisi
 
 
 def test_nvl72_layout_matches_topology_preset():
-    import topology
+    from rackbed import topology
 
     real = nvl72_deployment(topology.load("gb200-nvl72"))
     light = nvl72_deployment()
@@ -113,7 +112,7 @@ def test_nvl72_layout_matches_topology_preset():
 
 
 def test_point_cost_is_analytic_cost():
-    from engine.core.plans import DecodeStep
+    from rackbed.engine.core.plans import DecodeStep
 
     a, p = AnalyticCost(), PointCost()
     for plan in (DecodeStep("D0", 0, (3, 5), (1000, 200), 2), DecodeStep("D0", 0, (64, 1), (7, 900_001), 0)):

@@ -22,13 +22,12 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rackbed.engine.core.autoscaler import AutoscalerConfig
+from rackbed.engine.core.specdec import AcceptanceStream, _geometric_by_inversion, draw_accepted
+from rackbed.engine.loop.simenv import SimEnv
+from rackbed.sim import driver, fastpath
 from test_sim_driver_fastdecode import GridCost, _assert_same, _both
 from test_sim_driver_models import poisson_requests, small_deployment
-
-from engine.core.autoscaler import AutoscalerConfig
-from engine.core.specdec import AcceptanceStream, _geometric_by_inversion, draw_accepted
-from engine.loop.simenv import SimEnv
-from sim import driver, fastpath
 
 
 class _RefStream:

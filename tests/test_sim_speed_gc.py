@@ -18,12 +18,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rackbed.engine.loop import runloop
+from rackbed.sim import driver
+from rackbed.sim.driver import simulate
 from test_sim_driver_fastdecode import GridCost
 from test_sim_driver_models import poisson_requests, small_deployment
-
-from engine.loop import runloop
-from sim import driver
-from sim.driver import simulate
 
 
 def _run(n=120, **kw):

@@ -1,4 +1,4 @@
-"""sim.sweep: expansion, keys, resumability, invalid points recorded (not crashed on), the Ray import guard, CLI."""
+"""rackbed.sim.sweep: expansion, keys, resumability, invalid points recorded (not crashed on), the Ray import guard, CLI."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import json
 import sys
 
 import pytest
-
-from sim import sweep as sw
-from topology.errors import UserError
+from rackbed.sim import sweep as sw
+from rackbed.topology.errors import UserError
 
 # A tiny, fast scenario: ~12 requests over 3 s on an NVL72, so each point simulates in well under a second.
 BASE = {
@@ -143,8 +142,7 @@ def test_cost_model_reuse_gives_identical_results(tmp_path):
 
 def test_cli_sweep_writes_results_and_report(tmp_path, capsys):
     import yaml
-
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     spec_path = tmp_path / "s.yaml"
     spec_path.write_text(yaml.safe_dump({"kind": "sweep", "name": "cli", "scenario": BASE,

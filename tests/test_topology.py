@@ -9,12 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-import topology
-from topology import UserError, load
-from topology.graph import Topology
-from topology.presets import build
-from topology.specs import (
+from rackbed.topology import UserError, load
+from rackbed.topology.graph import Topology
+from rackbed.topology.presets import build
+from rackbed.topology.specs import (
     B200_HGX,
     C2C,
     CX7_IB,
@@ -38,6 +36,8 @@ from topology.specs import (
     RackSpec,
     SwitchSpec,
 )
+
+from rackbed import topology
 
 # ------------------------------------------------------------------------------------------------ specs
 

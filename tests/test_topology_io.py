@@ -1,4 +1,4 @@
-"""topology.io: YAML/JSON round trips (property-tested) and one-line errors naming field path and rule."""
+"""rackbed.topology.io: YAML/JSON round trips (property-tested) and one-line errors naming field path and rule."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import topology
-from topology import UserError, dumps, from_dict, load, load_file
-from topology.graph import Topology
-from topology.specs import (
+from rackbed.topology import UserError, dumps, from_dict, load, load_file
+from rackbed.topology.graph import Topology
+from rackbed.topology.specs import (
     CX7_IB,
     GRACE,
     H200_SXM,
@@ -24,6 +22,8 @@ from topology.specs import (
     XEON_8480C,
     LinkSpec,
 )
+
+from rackbed import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "scenarios" / "topologies").glob("*.yaml"))

@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
-from engine.core.request import Request
-from engine.core.workload import (
+from rackbed.engine.core.request import Request
+from rackbed.engine.core.workload import (
     CHUNK,
     Constant,
     Empirical,
@@ -32,7 +31,7 @@ from engine.core.workload import (
     iter_requests,
     parse_workload,
 )
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,7 +229,7 @@ def test_empirical_values():
 
 
 def test_empirical_from_trace():
-    from engine.core.traces import load_trace, trace_path
+    from rackbed.engine.core.traces import load_trace, trace_path
 
     col = set(load_trace(trace_path("azure-code")).output_tokens.tolist())
     reqs = generate(_spec(output=Empirical(name="azure-code", column="output"), n_requests=3000))

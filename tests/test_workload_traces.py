@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.core.traces import TRACE_FILES, load_trace, trace_path
-from engine.core.workload import TraceReplay, describe, generate, iter_requests
-from topology.errors import UserError
+from rackbed.engine.core.traces import TRACE_FILES, load_trace, trace_path
+from rackbed.engine.core.workload import TraceReplay, describe, generate, iter_requests
+from rackbed.topology.errors import UserError
 
 # the shipped traces are the first 2000 lines of the published ones (engine/core/data/TRACES.md); where a folder of
 # the full originals is at hand, RACKBED_FULL_TRACES=DIR also checks the loader on them (skipped otherwise)

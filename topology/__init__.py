@@ -4,11 +4,11 @@
 ``hgx-h200-efa``, ``hgx-b200``, ``h200x2``, ``NAME*N``) or a YAML / JSON topology file.
 """
 
-from topology.errors import UserError
-from topology.graph import Hop, Topology
-from topology.io import dump, dumps, from_dict, load, load_file, to_dict
-from topology.presets import PRESETS, build, preset, preset_names
-from topology.specs import (
+from rackbed.topology.errors import UserError
+from rackbed.topology.graph import Hop, Topology
+from rackbed.topology.io import dump, dumps, from_dict, load, load_file, to_dict
+from rackbed.topology.presets import PRESETS, build, preset, preset_names
+from rackbed.topology.specs import (
     ClusterSpec,
     CpuSpec,
     FabricSpec,

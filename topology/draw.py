@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from topology.graph import Topology
+from rackbed.topology.graph import Topology
 
 _ROW = {"nvsw": 4.0, "gpu": 3.0, "cpu": 2.0, "nic": 1.2, "ibsw": 0.4, "spine": -0.4}
 _NODE_COLOR = {"gpu": "#76b900", "nvsw": "#1f77b4", "cpu": "#9467bd", "nic": "#ff7f0e", "ibsw": "#d62728"}

@@ -26,9 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import networkx as nx
-
-from topology.errors import UserError
-from topology.specs import CpuSpec, GpuSpec, LinkSpec, NicSpec, SwitchSpec
+from rackbed.topology.errors import UserError
+from rackbed.topology.specs import CpuSpec, GpuSpec, LinkSpec, NicSpec, SwitchSpec
 
 NODE_KINDS: dict[str, type] = {"gpu": GpuSpec, "nvsw": SwitchSpec, "cpu": CpuSpec, "nic": NicSpec,
                                "ibsw": SwitchSpec}
@@ -515,7 +514,7 @@ class Topology:
 
     def to_dict(self) -> dict:
         """The file form (see ``topology.io``); ``topology.io.from_dict(t.to_dict()) == t``."""
-        from topology.io import to_dict
+        from rackbed.topology.io import to_dict
 
         return to_dict(self)
 

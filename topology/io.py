@@ -34,10 +34,9 @@ from pathlib import Path
 import networkx as nx
 import yaml
 from pydantic import Field, ValidationError
-
-from topology.errors import UserError, from_validation
-from topology.graph import NODE_KINDS, Topology, parse_id
-from topology.specs import (
+from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.graph import NODE_KINDS, Topology, parse_id
+from rackbed.topology.specs import (
     CATALOGUES,
     ClusterSpec,
     CpuSpec,
@@ -95,7 +94,7 @@ class ClusterFile(_Spec):
 
 def load(spec: str | Path) -> Topology:
     """A preset name (``hgx-h200``, ``gb200-nvl72*2``, ...) or a ``.yaml`` / ``.yml`` / ``.json`` file path."""
-    from topology.presets import preset
+    from rackbed.topology.presets import preset
 
     path = Path(spec)
     if isinstance(spec, Path) or path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
@@ -134,7 +133,7 @@ def from_dict(data, source: str | Path | None = None) -> Topology:
             cf = ClusterFile.model_validate(data)
         except ValidationError as exc:
             raise from_validation(exc, source) from None
-        from topology.presets import build
+        from rackbed.topology.presets import build
 
         try:
             return build(cf.cluster)

@@ -30,10 +30,9 @@ import math
 import re
 
 import networkx as nx
-
-from topology.errors import UserError
-from topology.graph import Topology
-from topology.specs import (
+from rackbed.topology.errors import UserError
+from rackbed.topology.graph import Topology
+from rackbed.topology.specs import (
     B200_HGX,
     C2C,
     CX7_IB,

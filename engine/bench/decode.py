@@ -1,4 +1,4 @@
-"""Decode step of the real engine against its HBM roofline, on one GPU (``python -m engine.bench.decode``).
+"""Decode step of the real engine against its HBM roofline, on one GPU (``python -m rackbed.engine.bench.decode``).
 
 For each batch size the step's bytes are counted from the model: attention projections and norms of every layer,
 the router, the weights of every expert the step's routing actually touched (counted from the routing of the timed
@@ -124,10 +124,10 @@ def graph_step_overhead(runner, tok, pos, table, reps: int = 20) -> dict:
 
 
 def main(argv=None) -> int:
-    import engine.real.model as M
-    from engine.core.model import get_model
-    from engine.real.comm import Comm
-    from sim.scenario import truncate_model
+    import rackbed.engine.real.model as M
+    from rackbed.engine.core.model import get_model
+    from rackbed.engine.real.comm import Comm
+    from rackbed.sim.scenario import truncate_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-235b-a22b")

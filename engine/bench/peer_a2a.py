@@ -2,7 +2,7 @@
 (``kernels.moe_a2a.PeerMoeAllToAll``, CuTe DSL) against the existing NCCL ``all_to_all_single`` path: same outputs
 (both also against the unsharded experts on one GPU), and the time of a decode-step MoE layer of each, in one run.
 
-    python -m engine.bench.peer_a2a --out peer_a2a.json
+    python -m rackbed.engine.bench.peer_a2a --out peer_a2a.json
 
 Model: Qwen3-235B-A22B MoE width (hidden 4096, 128 experts, top-8, moe_intermediate 1536), ``--layers`` layers,
 bf16, EP=2 (rank i holds experts 64i..64i+63; DP attention is not run). Per batch size B (tokens per rank, the same
@@ -15,7 +15,7 @@ on both ranks) and per path, eagerly (see GRAPH_NOTE), medians of ``--reps`` rep
 
 a2a_us = comm_us - route_us, experts_us = layer_us - comm_us, a2a share = a2a_us / layer_us; the saving per layer
 (all_to_all minus peer) is compared with what the kernel benchmark (``results/h200x2/moe/a2a/cases.jsonl``,
-``python -m kernels.bench.moe_a2a``) measured for dispatch + combine alone, NCCL on fixed slots minus peer, under
+``python -m rackbed.kernels.bench.moe_a2a``) measured for dispatch + combine alone, NCCL on fixed slots minus peer, under
 CUDA graphs and eagerly. A machine without 2 CUDA GPUs gets one line and exit status 2.
 """
 
@@ -140,9 +140,9 @@ def format_table(summary: dict) -> str:
 
 
 def _config(o: dict):
-    from engine.core.model import get_model
-    from engine.real.model import TorchModelConfig
-    from sim.scenario import truncate_model
+    from rackbed.engine.core.model import get_model
+    from rackbed.engine.real.model import TorchModelConfig
+    from rackbed.sim.scenario import truncate_model
 
     if o.get("tiny"):  # the CPU test's model
         return TorchModelConfig(hidden=128, n_layers=o["layers"], n_q_heads=4, n_kv_heads=2, head_dim=32,
@@ -204,9 +204,8 @@ class _RankRun:
         """The rank's group and its model sharded over ``world`` expert-parallel ranks."""
         import torch
         import torch.distributed as dist
-
-        from engine.real.comm import Comm
-        from engine.real.model import Shard, ShardedQwen3Moe, shard_layer
+        from rackbed.engine.real.comm import Comm
+        from rackbed.engine.real.model import Shard, ShardedQwen3Moe, shard_layer
 
         t_start = time.perf_counter()
         cuda = o["device"] == "cuda"
@@ -249,8 +248,7 @@ class _RankRun:
         """The peer object: built by the engine itself on its first bf16 CUDA call (collective), or injected on the
         CPU (the torch backend). Returns the rank's ``info`` (backend, or why the engine fell back)."""
         import torch
-
-        from kernels.moe_a2a import PeerMoeAllToAll
+        from rackbed.kernels.moe_a2a import PeerMoeAllToAll
 
         cfg, m, dev, o = self.cfg, self.m, self.dev, self.o
         info = {"rank": self.rank, "peer_backend": None, "fallback_reason": None}
@@ -421,7 +419,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m engine.bench.peer_a2a", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rackbed.engine.bench.peer_a2a", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--layers", type=int, default=2, choices=range(2, 9), metavar="2..8")
     ap.add_argument("--sizes", type=_sizes, default=SIZES, help="tokens per rank, comma-separated (default "
@@ -455,7 +453,7 @@ def main(argv=None) -> int:
     if n_gpus < 2:
         print(f"check_peer_a2a: needs 2 CUDA GPUs, found {n_gpus}; nothing run", flush=True)
         return 2
-    from engine.real.launch import RankFailed, spawn_local
+    from rackbed.engine.real.launch import RankFailed, spawn_local
 
     opts = {"device": "cuda", "layers": a.layers, "sizes": list(a.sizes), "extra_cases": [list(c) for c in EXTRA_CASES],
             "reps": a.reps, "inner": a.inner, "seed": 0}

@@ -1,5 +1,5 @@
 """TP=2 prefill of a Qwen3-235B-width model with NCCL vs the peer-memory all-reduce (``kernels.allreduce``) behind
-``Comm.tp_allreduce_impl``: same logits, and the step time of each (``python -m engine.bench.tp_allreduce``)."""
+``Comm.tp_allreduce_impl``: same logits, and the step time of each (``python -m rackbed.engine.bench.tp_allreduce``)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ import time
 def _rank(rank, world, layers, tokens, reps):
     import torch
     import torch.distributed as dist
-
-    from engine.core.model import get_model
-    from engine.real.comm import Comm
-    from engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig
-    from kernels.allreduce import PeerAllReduce
-    from sim.scenario import truncate_model
+    from rackbed.engine.core.model import get_model
+    from rackbed.engine.real.comm import Comm
+    from rackbed.engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig
+    from rackbed.kernels.allreduce import PeerAllReduce
+    from rackbed.sim.scenario import truncate_model
 
     dev = torch.device("cuda", rank)
     group = dist.new_group(list(range(world)))
@@ -53,7 +52,7 @@ def _rank(rank, world, layers, tokens, reps):
 
 
 def main(argv=None) -> int:
-    from engine.real.launch import spawn_local
+    from rackbed.engine.real.launch import spawn_local
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)

@@ -15,7 +15,7 @@ import argparse
 
 
 def _run_kernels(args: argparse.Namespace) -> int:
-    from kernels.bench.suites import SUITES, config_from_args, load_suites, run_suites
+    from rackbed.kernels.bench.suites import SUITES, config_from_args, load_suites, run_suites
 
     load_suites()  # the MoE suites register on import: "all registered" must see them
     names = args.suite or sorted(SUITES)
@@ -25,7 +25,7 @@ def _run_kernels(args: argparse.Namespace) -> int:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from sim.bench import run_cli
+    from rackbed.sim.bench import run_cli
 
     return run_cli(args)
 

@@ -26,7 +26,7 @@ import argparse
 import json
 from pathlib import Path
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 def bench_rows(doc: dict, source: str) -> list[dict]:
@@ -60,7 +60,7 @@ def bench_rows(doc: dict, source: str) -> list[dict]:
 
 
 def _run_tables(args: argparse.Namespace) -> int:
-    from sim import perf_tables as pt
+    from rackbed.sim import perf_tables as pt
 
     out = Path(args.out) if args.out else pt.default_out(args.from_aiconfigurator, args.backend)
     if out.suffix != ".json":
@@ -89,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.from_aiconfigurator:
         return _run_tables(args)
     args.out = args.out or "calibration/h200.yaml"
-    from sim.calibrate import (
+    from rackbed.sim.calibrate import (
         Holdout,
         calibrate,
         describe_calibration,
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else
                                           (args.from_measurements[0] if len(docs) == 1 else list(args.from_measurements)))
     else:
-        from kernels.bench.measure import run
+        from rackbed.kernels.bench.measure import run
 
         mpath = args.measurements_out or str(Path(args.out).with_suffix("").as_posix() + "_measure.json")
         meas = run(quick=args.quick, dry_run=args.dry_run, only=args.only, partial_out=mpath)
@@ -168,6 +168,6 @@ def register(subparsers) -> None:
 if __name__ == "__main__":
     import sys
 
-    from engine.cli.main import main
+    from rackbed.engine.cli.main import main
 
     sys.exit(main(["calibrate", *sys.argv[1:]]))

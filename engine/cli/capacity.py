@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import sys
 
-    from sim import capacity as cap
+    from rackbed.sim import capacity as cap
 
     if not args.tag or "/" in args.tag:
         raise ValueError(f"--tag: expected a plain file name stem, got {args.tag!r}")

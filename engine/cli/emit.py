@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from sim.emit import ENGINES
+    from rackbed.sim.emit import ENGINES
 
     p = sub.add_parser(
         "emit", help="write a scenario's deployment as SGLang / TensorRT-LLM / Dynamo launch settings",
@@ -22,10 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    import scenarios
-    from sim.emit import ENGINES, write_emit
-    from sim.scenario import load_scenario
-    from topology.errors import UserError
+    from rackbed.sim.emit import ENGINES, write_emit
+    from rackbed.sim.scenario import load_scenario
+    from rackbed.topology.errors import UserError
+
+    from rackbed import scenarios
 
     if args.engine not in ENGINES:  # before loading anything
         raise UserError(f"--engine {args.engine}: unknown engine; one of {', '.join(ENGINES)}")

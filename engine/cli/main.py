@@ -13,19 +13,19 @@ import sys
 
 # name -> module; each module defines register(subparsers).
 SUBCOMMANDS = {
-    "topo": "engine.cli.topo",
-    "formats": "engine.cli.formats",
-    "model": "engine.cli.model",
-    "plan": "engine.cli.plan",
-    "run": "engine.cli.run",
-    "emit": "engine.cli.emit",
-    "sweep": "engine.cli.sweep",
-    "search": "engine.cli.search",
-    "capacity": "engine.cli.capacity",
-    "real": "engine.cli.real",
-    "bench": "engine.cli.bench",
-    "calibrate": "engine.cli.calibrate",
-    "validate": "engine.cli.validate",
+    "topo": "rackbed.engine.cli.topo",
+    "formats": "rackbed.engine.cli.formats",
+    "model": "rackbed.engine.cli.model",
+    "plan": "rackbed.engine.cli.plan",
+    "run": "rackbed.engine.cli.run",
+    "emit": "rackbed.engine.cli.emit",
+    "sweep": "rackbed.engine.cli.sweep",
+    "search": "rackbed.engine.cli.search",
+    "capacity": "rackbed.engine.cli.capacity",
+    "real": "rackbed.engine.cli.real",
+    "bench": "rackbed.engine.cli.bench",
+    "calibrate": "rackbed.engine.cli.calibrate",
+    "validate": "rackbed.engine.cli.validate",
 }
 
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from topology.errors import one_line
+    from rackbed.topology.errors import one_line
 
     parser = build_parser()
     args = parser.parse_args(argv)

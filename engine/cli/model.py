@@ -33,7 +33,7 @@ def register(subparsers) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from engine.core.model import PRESET_NAMES, get_model
+    from rackbed.engine.core.model import PRESET_NAMES, get_model
 
     for name in PRESET_NAMES:
         m = get_model(name)
@@ -44,7 +44,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def model_summary(model, context_len: int = 6000) -> dict:
     """Every derived quantity ``rackbed model show`` prints, as plain data (counts, bytes, FLOPs/token)."""
-    from engine.core.formats import FORMAT_NAMES
+    from rackbed.engine.core.formats import FORMAT_NAMES
 
     if context_len < 1:
         raise ValueError(f"--context must be >= 1 token, got {context_len}")
@@ -95,7 +95,7 @@ def _si(x: float, unit: str) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from engine.core.model import get_model
+    from rackbed.engine.core.model import get_model
 
     s = model_summary(get_model(args.model), args.context)
     if args.json:

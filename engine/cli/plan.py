@@ -46,7 +46,7 @@ def register(subparsers) -> None:
 
 
 def _print_table(budgets, title: str, markdown: bool) -> None:
-    from engine.core.sharding import MemoryBudget
+    from rackbed.engine.core.sharding import MemoryBudget
 
     cols = MemoryBudget.COLUMNS
     rows = [b.row() for b in budgets]
@@ -68,7 +68,7 @@ def _print_table(budgets, title: str, markdown: bool) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from engine.core.sharding import check_plan_file
+    from rackbed.engine.core.sharding import check_plan_file
 
     pf, budgets = check_plan_file(args.file)
     _print_table(budgets, f"{args.file}: {pf.model} on {pf.topology}", markdown=False)
@@ -78,9 +78,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _plans_from_flags(args: argparse.Namespace):
     from pydantic import ValidationError
-
-    from engine.core.sharding import ParallelPlan, PlanFile
-    from topology.errors import UserError, from_validation
+    from rackbed.engine.core.sharding import ParallelPlan, PlanFile
+    from rackbed.topology.errors import UserError, from_validation
 
     if not args.model or not args.topology:
         raise UserError("plan show: give FILE.yaml, or --model and --topology (plus --tp/--ep/--dp ...)")
@@ -97,8 +96,8 @@ def _plans_from_flags(args: argparse.Namespace):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from engine.core.sharding import load_plan_file
-    from topology.errors import UserError
+    from rackbed.engine.core.sharding import load_plan_file
+    from rackbed.topology.errors import UserError
 
     if args.file:
         path = Path(args.file)
@@ -126,8 +125,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _with_format(plan, fmt: str, where: str):
     from pydantic import ValidationError
-
-    from topology.errors import from_validation
+    from rackbed.topology.errors import from_validation
 
     try:
         return type(plan).model_validate({**plan.model_dump(), "weight_format": fmt})
@@ -138,9 +136,8 @@ def _with_format(plan, fmt: str, where: str):
 def _show_kv(pf, model, seq_len: int, markdown: bool) -> None:
     """HND vs NHD chunk counts of one sequence's prefill -> decode transfer (fragmented page tables)."""
     import numpy as np
-
-    from engine.core.kv import KvLayout, chunk_stats, pages_needed, reshard_plan
-    from topology.errors import UserError
+    from rackbed.engine.core.kv import KvLayout, chunk_stats, pages_needed, reshard_plan
+    from rackbed.topology.errors import UserError
 
     if pf.prefill is None or pf.decode is None:
         raise UserError("--kv-seq-len needs both a prefill and a decode plan")

@@ -39,14 +39,14 @@ def _versions() -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import replay, run_real
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.outputs import write_all
+    from rackbed.sim.scenario import build, load_scenario, print_summary
     from rich.console import Console
 
-    import scenarios
-    from engine.core.workload import generate
-    from engine.real.driver import replay, run_real
-    from sim.driver import simulate
-    from sim.outputs import write_all
-    from sim.scenario import build, load_scenario, print_summary
+    from rackbed import scenarios
 
     console = Console()
     path = scenarios.resolve(args.scenario)

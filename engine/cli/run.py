@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from topology.yamlio import load_yaml
+from rackbed.topology.yamlio import load_yaml
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +51,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    import scenarios
+    from rackbed import scenarios
 
     # piped output (CI logs, files) gets wide tables instead of rich's 80-column default
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -71,19 +71,19 @@ def _main(args: argparse.Namespace) -> int:
         raise ValueError(f"--{next(iter(over)).split('_')[0]}: applies to serving scenarios; {path.name} is a "
                          f"{kind} file")
     if kind == "figure":
-        from sim.figures import run_figure
+        from rackbed.sim.figures import run_figure
 
         run_figure(path, out, console=console)
         console.print(f"output folder: {out}")
         return 0
     if kind == "serving_study":
-        from sim.serving_figures import run_serving_study
+        from rackbed.sim.serving_figures import run_serving_study
 
         run_serving_study(path, out, console=console, progress=not args.no_progress)
         console.print(f"output folder: {out}")
         return 0
     if kind == "serving":
-        from sim.scenario import run_serving
+        from rackbed.sim.scenario import run_serving
 
         run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress, overrides=over)
         console.print(f"output folder: {out}")

@@ -62,9 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import os
 
+    from rackbed.sim import search as se
     from rich.console import Console
-
-    from sim import search as se
 
     console = Console() if Console().is_terminal else Console(width=160)
     if args.spec:
@@ -88,7 +87,7 @@ def _main(args: argparse.Namespace) -> int:
                         console=console)
     print_search(console, res)
     if not args.no_report:
-        from sim.report import write_report
+        from rackbed.sim.report import write_report
 
         files = write_report(out, search_report_data(res))
         console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
@@ -96,10 +95,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def print_search(console, res) -> None:
+    from rackbed.sim.report import fmt
+    from rackbed.sim.search_results import axis_table, prune_summary, where_time_goes
     from rich.table import Table
-
-    from sim.report import fmt
-    from sim.search_results import axis_table, prune_summary, where_time_goes
 
     sp, ld = res.spec, res.load
     console.print(f"[bold]search {sp.name}[/bold]: {sp.model}; load {ld.rate_per_s:.3g} req/s, prompt "
@@ -160,8 +158,8 @@ def print_search(console, res) -> None:
 
 def option_tables(res):
     """The analytic prefill and decode options as ``sim.report.Table``s (pruned ones with their reason)."""
-    from sim.report import Table, fmt
-    from sim.search_results import decode_table, prefill_table
+    from rackbed.sim.report import Table, fmt
+    from rackbed.sim.search_results import decode_table, prefill_table
 
     def ms(x):
         return fmt(None if x is None else x * 1e3)
@@ -201,8 +199,8 @@ def _status_counts(records) -> str:
 
 def search_report_data(res):
     """``sim.report.ReportData`` of a search result (front, best, breakdowns, per-knob table, pruning)."""
-    from sim.report import ReportData, Table, fmt
-    from sim.search_results import axis_table, prune_summary
+    from rackbed.sim.report import ReportData, Table, fmt
+    from rackbed.sim.search_results import axis_table, prune_summary
 
     sp, ld = res.spec, res.load
     rows = [[r["axis"], r["value"], r["candidates"], r["pruned"], r["simulated"], r["eligible"],

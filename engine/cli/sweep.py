@@ -40,9 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import os
 
+    from rackbed.sim import sweep as sw
     from rich.console import Console
-
-    from sim import sweep as sw
 
     console = Console() if Console().is_terminal else Console(width=160)
     jobs = args.jobs or os.cpu_count() or 1
@@ -72,7 +71,7 @@ def _main(args: argparse.Namespace) -> int:
     data = sweep_report_data(spec, points, run.records, top=args.top)
     _print_best(console, data)
     if not args.no_report:
-        from sim.report import write_report
+        from rackbed.sim.report import write_report
 
         files = write_report(out, data)
         console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
@@ -87,9 +86,9 @@ def _main(args: argparse.Namespace) -> int:
 def sweep_report_data(spec, points, records, *, top: int = 5):
     """Eligibility (each point against its own scenario's SLOs, p90), the front, the best few with their
     StepTime breakdowns, as ``sim.report.ReportData``."""
-    from sim.report import ReportData
-    from sim.search_results import explain, front_of, meets_slo, record_slo
-    from topology.errors import one_line
+    from rackbed.sim.report import ReportData
+    from rackbed.sim.search_results import explain, front_of, meets_slo, record_slo
+    from rackbed.topology.errors import one_line
 
     scen = {p.key: p.scenario for p in points}
     elig = [r for r in records if meets_slo(r, *record_slo(r))]
@@ -113,10 +112,9 @@ def sweep_report_data(spec, points, records, *, top: int = 5):
 
 
 def _print_best(console, data) -> None:
+    from rackbed.sim.report import best_table
+    from rackbed.sim.search_results import where_time_goes
     from rich.table import Table
-
-    from sim.report import best_table
-    from sim.search_results import where_time_goes
 
     t = best_table(data)
     rt = Table(title=t.title)

@@ -51,7 +51,7 @@ def _help(p: argparse.ArgumentParser) -> int:
 
 
 def cmd_list(args) -> int:
-    from topology import PRESETS
+    from rackbed.topology import PRESETS
 
     for name, spec in PRESETS.items():
         node = spec.rack.node
@@ -100,7 +100,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
 
 
 def cmd_show(args) -> int:
-    from topology import load
+    from rackbed.topology import load
 
     t = load(args.topology)
     s = t.summary()
@@ -120,7 +120,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from topology import load_file
+    from rackbed.topology import load_file
 
     t = load_file(args.topology)
     c = t.counts()
@@ -132,8 +132,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_draw(args) -> int:
-    from topology import load
-    from topology.draw import draw
+    from rackbed.topology import load
+    from rackbed.topology.draw import draw
 
     out = draw(load(args.topology), args.out)
     print(f"wrote {out}")
@@ -141,7 +141,7 @@ def cmd_draw(args) -> int:
 
 
 def cmd_dump(args) -> int:
-    from topology import dump, load
+    from rackbed.topology import dump, load
 
     t = load(args.topology)
     text = dump(t, args.out, args.format)

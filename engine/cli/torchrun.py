@@ -3,7 +3,7 @@
     # on each of the 18 compute trays of a GB200 NVL72 (4 GPUs each), node rank 0..17:
     torchrun --nnodes=18 --nproc-per-node=4 --node-rank=$NODE_RANK \\
              --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 --rdzv-id=rackbed \\
-             -m engine.cli.torchrun scenarios/nvl72-default.yaml --out rackbed-out/nvl72-real
+             -m rackbed.engine.cli.torchrun scenarios/nvl72-default.yaml --out rackbed-out/nvl72-real
 
     # SLURM: srun --nodes=18 --ntasks-per-node=1 torchrun ... (same line, NODE_RANK=$SLURM_NODEID)
 
@@ -33,13 +33,12 @@ def main(argv=None) -> int:
     """One torchrun process: serve this rank's GPU; on global rank 0 also drive the run and write its outputs."""
     import torch
     import torch.distributed as dist
-
-    from engine.core.workload import generate
-    from engine.real.driver import rank_specs, real_model_config, run_real
-    from engine.real.torchrun import StoreQueue, heartbeat, store_pool
-    from engine.real.worker import Rank, make_groups
-    from sim.driver import simulate
-    from sim.scenario import build, load_scenario
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import rank_specs, real_model_config, run_real
+    from rackbed.engine.real.torchrun import StoreQueue, heartbeat, store_pool
+    from rackbed.engine.real.worker import Rank, make_groups
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build, load_scenario
 
     ap = argparse.ArgumentParser(description="a rackbed real run under torchrun (see the module docstring)")
     ap.add_argument("scenario")
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
         t.start()
         from pathlib import Path
 
-        from sim.outputs import write_all
+        from rackbed.sim.outputs import write_all
 
         pool = store_pool(store, world)
         try:
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
         t.join(timeout=60)
         import json
 
-        from engine.real.driver import replay
+        from rackbed.engine.real.driver import replay
 
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import math
 import statistics
 from pathlib import Path
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 #: kernel-level targets: |relative error| on held-out rows
 TARGET_MEDIAN, TARGET_MAX = 0.03, 0.10
@@ -81,7 +81,14 @@ def validate_kernels(measurements: dict, calib, topo, *, include_fit: bool = Fal
     ``repeat``: a second measurement of the same grid (``--repeat``): each row also gets ``repeat_rel`` (its
     median in the repeat over this one, less 1), and the summary the run-to-run differences of the held-out rows,
     so a miss far beyond them is a reproducible property of the kernel, not noise."""
-    from sim.calibrate import calibration_rows, check_measurements, curve_of, predict_row, row_id, row_noise
+    from rackbed.sim.calibrate import (
+        calibration_rows,
+        check_measurements,
+        curve_of,
+        predict_row,
+        row_id,
+        row_noise,
+    )
 
     check_measurements(measurements)
     if repeat is not None:
@@ -148,7 +155,7 @@ def cross_validate(measurements: dict, topo, folds: int = 3, *, gpu: str | None 
     :func:`validate_kernels`' over all folds' rows)."""
     import tempfile
 
-    from sim.calibrate import Holdout, calibrate, dump_calibration, load_calibration_file
+    from rackbed.sim.calibrate import Holdout, calibrate, dump_calibration, load_calibration_file
 
     if folds < 2:
         raise UserError(f"validate: --cross-validate needs at least 2 folds, got {folds}")
@@ -198,7 +205,7 @@ def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
     the simulator then uses automatically for that model and GPU."""
     if not getattr(args, "engine", None):
         return None
-    from sim.engine_calibration import validate_engine_run
+    from rackbed.sim.engine_calibration import validate_engine_run
 
     wc = Path(args.write_engine_calibration) if getattr(args, "write_engine_calibration", None) else None
     res = validate_engine_run(args.engine, holdout_every=args.holdout_every, write_calibration=wc)
@@ -258,14 +265,15 @@ def print_table(res: dict, echo=print) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import topology
-    from sim.calibrate import (
+    from rackbed.sim.calibrate import (
         calibration_for_topology,
         describe_calibration,
         load_calibration_file,
         load_measurements,
         measurement_paths,
     )
+
+    from rackbed import topology
 
     topo = topology.load(args.topology)
     calib = load_calibration_file(args.calibration) if args.calibration else calibration_for_topology(topo)

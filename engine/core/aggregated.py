@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from itertools import compress
 
-from engine.core.plans import WAIT_KV_SPACE, WAIT_WORK, MixedStep, Plan, Result
-from engine.core.state import (
+from rackbed.engine.core.plans import WAIT_KV_SPACE, WAIT_WORK, MixedStep, Plan, Result
+from rackbed.engine.core.state import (
     DEAD,
     DONE,
     PREFILLING,

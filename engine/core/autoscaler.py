@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 @dataclass(frozen=True)

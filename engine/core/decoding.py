@@ -22,8 +22,8 @@ from __future__ import annotations
 from heapq import heappop, heappush
 from itertools import compress
 
-from engine.core.plans import WAIT_READY, WAIT_WORK, DecodeStep, Plan, Result
-from engine.core.state import (
+from rackbed.engine.core.plans import WAIT_READY, WAIT_WORK, DecodeStep, Plan, Result
+from rackbed.engine.core.state import (
     ACTIVE,
     DEAD,
     DECODING,

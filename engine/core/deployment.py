@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 def _need(cond: bool, msg: str) -> None:

@@ -9,7 +9,7 @@ inherits these methods; they change its state like every other scheduling call.
 
 from __future__ import annotations
 
-from engine.core.state import (
+from rackbed.engine.core.state import (
     ACTIVE,
     ARRIVED,
     DEAD,
@@ -22,7 +22,7 @@ from engine.core.state import (
     PrefillerState,
     RequestState,
 )
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 class FailureHandling:

@@ -9,9 +9,8 @@ cap, and whose queue and prompt-token counters agree with its queues.
 
 from __future__ import annotations
 
-from engine.core.state import (
+from rackbed.engine.core.state import (
     DEAD,
-    AggregatedState,
     DECODING,
     KV_IN_FLIGHT,
     KV_PENDING,
@@ -20,6 +19,7 @@ from engine.core.state import (
     QUEUED_PREFILL,
     RETIRED,
     STATE_NAMES,
+    AggregatedState,
     RequestState,
 )
 

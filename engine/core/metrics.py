@@ -29,8 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 @dataclass(frozen=True)

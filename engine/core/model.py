@@ -46,9 +46,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from engine.core.formats import get_format
-from engine.core.layers import (
+from rackbed.engine.core.formats import get_format
+from rackbed.engine.core.layers import (
     DELTANET_FLOPS_PER_STATE_ELEM,
     AttentionKind,
     DenseFfn,
@@ -57,7 +56,7 @@ from engine.core.layers import (
     Layer,
     MoeFfn,
 )
-from topology.errors import UserError, one_line
+from rackbed.topology.errors import UserError, one_line
 
 LayerKind = Literal["full", "linear"]
 Phase = Literal["prefill", "decode"]

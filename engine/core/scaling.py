@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.core import autoscaler as autoscale
-from engine.core.deployment import DecoderGroup, DecoderTemplate, PrefillerGroup
-from engine.core.plans import WAIT_TIMER, Plan
-from engine.core.state import (
+from rackbed.engine.core import autoscaler as autoscale
+from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate, PrefillerGroup
+from rackbed.engine.core.plans import WAIT_TIMER, Plan
+from rackbed.engine.core.state import (
     ACTIVE,
     DRAINING,
     RETIRED,

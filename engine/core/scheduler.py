@@ -61,15 +61,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
-from engine.core import autoscaler as autoscale
-from engine.core.aggregated import AggregatedServing
-from engine.core.decision_log import DecisionLog
-from engine.core.decoding import Decoding
-from engine.core.deployment import DecoderGroup, Deployment, PrefillerGroup
-from engine.core.failures import FailureHandling
-from engine.core.invariants import check_invariants
-from engine.core.plans import (
+from rackbed.engine.core import autoscaler as autoscale
+from rackbed.engine.core.aggregated import AggregatedServing
+from rackbed.engine.core.decision_log import DecisionLog
+from rackbed.engine.core.decoding import Decoding
+from rackbed.engine.core.deployment import DecoderGroup, Deployment, PrefillerGroup
+from rackbed.engine.core.failures import FailureHandling
+from rackbed.engine.core.invariants import check_invariants
+from rackbed.engine.core.plans import (
     WAIT_KV_SPACE,
     WAIT_READY,
     WAIT_WORK,
@@ -82,11 +81,11 @@ from engine.core.plans import (
     Result,
     Stop,
 )
-from engine.core.policies import Policies
-from engine.core.request import Request
-from engine.core.scaling import WorkerPool
-from engine.core.specdec import AcceptanceStream
-from engine.core.state import (
+from rackbed.engine.core.policies import Policies
+from rackbed.engine.core.request import Request
+from rackbed.engine.core.scaling import WorkerPool
+from rackbed.engine.core.specdec import AcceptanceStream
+from rackbed.engine.core.state import (
     ACTIVE,
     AUTOSCALER,
     DEAD,

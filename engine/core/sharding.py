@@ -62,9 +62,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from engine.core.layers import tp_kv_head_shards
-from topology.errors import UserError, from_validation, one_line
+from rackbed.engine.core.layers import tp_kv_head_shards
+from rackbed.topology.errors import UserError, from_validation, one_line
 
 Role = Literal["prefill", "decode"]
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
@@ -224,7 +223,7 @@ class ParallelPlan(BaseModel):
     @field_validator("weight_format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        from engine.core.formats import get_format
+        from rackbed.engine.core.formats import get_format
 
         get_format(v)  # raises a ValueError naming the unknown format
         return v
@@ -381,7 +380,7 @@ class ParallelPlan(BaseModel):
         The HBM is that of the smallest GPU the plan uses (``topology``), or ``hbm_bytes`` if given.
         Structural constraints are not checked here (see ``check_structure``); divisions round down.
         """
-        from engine.core.formats import get_format
+        from rackbed.engine.core.formats import get_format
 
         parts = WeightParts.of(model)
         bpe = get_format(self.weight_format).bytes_per_element("weight")
@@ -539,8 +538,9 @@ class PlanFile(BaseModel):
 
     def resolve(self, base_dir: str | Path | None = None):
         """(model spec, topology) named by this file."""
-        import topology as topo_pkg
-        from engine.core.model import get_model
+        from rackbed.engine.core.model import get_model
+
+        from rackbed import topology as topo_pkg
 
         topo_name = self.topology
         if base_dir is not None and topo_name.endswith((".yaml", ".yml", ".json")):

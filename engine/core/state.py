@@ -12,8 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.core.deployment import DecoderGroup, PrefillerGroup
-from engine.core.request import Request
+from rackbed.engine.core.deployment import DecoderGroup, PrefillerGroup
+from rackbed.engine.core.request import Request
 
 # ---------------------------------------------------------------- request states (ints: cheap to compare)
 ARRIVED, QUEUED_PREFILL, PREFILLING, KV_PENDING, KV_IN_FLIGHT, QUEUED_DECODE, DECODING, DONE, REJECTED = range(9)

@@ -35,12 +35,13 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from rackbed.topology.errors import UserError
 
-from topology.errors import UserError
+from rackbed import shipped
 
 TraceFormat = Literal["azure", "mooncake", "auto"]
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = shipped("engine.core", "data")
 
 #: Names of the trimmed traces shipped with the package -> file name under ``engine/core/data/``.
 TRACE_FILES: dict[str, str] = {

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 
-from engine.core.plans import Plan, Result, Stop
+from rackbed.engine.core.plans import Plan, Result, Stop
 
 
 def worker_loop(scheduler, worker: str, clock: Callable[[], float],

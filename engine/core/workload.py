@@ -40,10 +40,9 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
-
-from engine.core.request import Request
-from engine.core.traces import TRACE_FILES, Trace, TraceFormat, load_trace, resolve_trace
-from topology.errors import UserError, from_validation
+from rackbed.engine.core.request import Request
+from rackbed.engine.core.traces import TRACE_FILES, Trace, TraceFormat, load_trace, resolve_trace
+from rackbed.topology.errors import UserError, from_validation
 
 #: Requests drawn per vectorised step. Part of the definition of a seeded stream: changing it changes outputs.
 CHUNK = 4096

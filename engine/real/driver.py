@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import simpy
-
-from engine.core.plans import DecodeStep, KvTransfer, MixedStep, PrefillBatch
-from engine.loop.simenv import SimEnv
-from topology.errors import UserError
+from rackbed.engine.core.plans import DecodeStep, KvTransfer, MixedStep, PrefillBatch
+from rackbed.engine.loop.simenv import SimEnv
+from rackbed.topology.errors import UserError
 
 
 class RankDied(RuntimeError):
@@ -346,7 +345,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     """Every rank's ``RankSpec``, a pure function of the scenario and the GPU -> rank map (so each torchrun process
     computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank; ``requests`` (the
     run's) size the decode CUDA-graph buckets captured at warm-up."""
-    from engine.real.worker import RankSpec
+    from rackbed.engine.real.worker import RankSpec
 
     dep = built.deployment
     groups = deployment_groups(dep)
@@ -383,7 +382,7 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
     else derived from the scenario's ModelSpec."""
     import json
 
-    from engine.real.model import TorchModelConfig
+    from rackbed.engine.real.model import TorchModelConfig
 
     dep = built.deployment
     if dep.spare_gpus:
@@ -409,8 +408,7 @@ class RealRun:
                  requests=None) -> None:
         import torch
         import torch.multiprocessing as mp
-
-        from engine.real.worker import rank_main
+        from rackbed.engine.real.worker import rank_main
 
         self.built = built
         dep = built.deployment
@@ -548,7 +546,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
     ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
     in flight. ``stall_s``: no rank reply for that long with work in flight raises :class:`RealRunStalled` (the
     ranks are stopped). Returns ``(result of simulate, RealRun)``."""
-    from engine.core.metrics import Slo
+    from rackbed.engine.core.metrics import Slo
 
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
@@ -611,7 +609,7 @@ def replay(built, requests, records, *, simulate, seed: int, deaths=()):
     """Simulate ``built`` through ``simulate`` (``sim.driver.simulate``) with the recorded durations of a real run
     (same scheduler, simulated clock); ``deaths`` (``RealRun.deaths``: ``(t, rank, gpu)``) become faults at the same
     times."""
-    from engine.core.metrics import Slo
+    from rackbed.engine.core.metrics import Slo
 
     sc = built.scenario
     faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in deaths]

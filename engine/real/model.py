@@ -25,10 +25,9 @@ from functools import cached_property
 
 import torch
 import torch.nn.functional as F_
-
-from engine.core.layers import GqaAttention, MoeFfn
-from engine.real.comm import Comm
-from kernels.moe_block import moe_block, route
+from rackbed.engine.core.layers import GqaAttention, MoeFfn
+from rackbed.engine.real.comm import Comm
+from rackbed.kernels.moe_block import moe_block, route
 
 
 @dataclass(frozen=True)
@@ -536,7 +535,7 @@ class ShardedQwen3Moe:
         self._a2a = False
         if (h.is_cuda and h.dtype == torch.bfloat16 and self.comm.ep_group is not None and
                 os.environ.get("RACKBED_PEER_A2A", "1") != "0" and self.cfg.hidden % 128 == 0):
-            from kernels.moe_a2a import PeerMoeAllToAll
+            from rackbed.kernels.moe_a2a import PeerMoeAllToAll
 
             tm = -(-int(os.environ.get("RACKBED_A2A_MAX_TOKENS", "256")) // 32) * 32
             obj = PeerMoeAllToAll(self.comm.ep_group, max_tokens=tm, hidden=self.cfg.hidden, top_k=self.cfg.top_k,
@@ -592,7 +591,7 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
     that have rows.
     """
     if x.is_cuda:
-        from kernels.grouped_gemm import grouped_swiglu as kernel
+        from rackbed.kernels.grouped_gemm import grouped_swiglu as kernel
 
         return kernel(x, gate_up, down, counts, impl=GROUPED_IMPL)
     Fw = down.shape[-1]

@@ -1,6 +1,6 @@
 """Real runs under torchrun, the transport: commands, replies and liveness between hosts through a c10d store.
 
-The entry is ``engine/cli/torchrun.py`` (``torchrun ... -m engine.cli.torchrun SCENARIO``): one process per GPU of
+The entry is ``engine/cli/torchrun.py`` (``torchrun ... -m rackbed.engine.cli.torchrun SCENARIO``): one process per GPU of
 the topology, global rank = topology GPU id; global rank 0 also runs the driver. This module holds what crosses
 hosts: commands and replies are pickled messages in a TCPStore that rank 0 hosts at ``MASTER_PORT + 1``
 (:class:`StoreQueue`: one writer counter per queue, one reader); liveness is a heartbeat key per rank
@@ -73,7 +73,7 @@ class _RemoteProc:
 
 def store_pool(store, world: int):
     """The driver's rank pool over the store: every rank's command queue, one reply queue, heartbeat liveness."""
-    from engine.real.driver import RankPool
+    from rackbed.engine.real.driver import RankPool
 
     class StorePool(RankPool):
         def newly_dead(self) -> list[int]:

@@ -27,8 +27,7 @@ from functools import reduce
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from engine.core.kv import KvLayout, reshard_plan
+from rackbed.engine.core.kv import KvLayout, reshard_plan
 
 
 def _unit(offsets: np.ndarray, sizes: np.ndarray, total: int) -> int:

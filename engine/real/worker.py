@@ -37,12 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-from engine.core.kv import KvLayout
-from engine.core.sharding import ParallelPlan
-from engine.real.comm import Comm
-from engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, TorchModelConfig
-from engine.real.transfer import KvBackend, TransferEngine
+from rackbed.engine.core.kv import KvLayout
+from rackbed.engine.core.sharding import ParallelPlan
+from rackbed.engine.real.comm import Comm
+from rackbed.engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, TorchModelConfig
+from rackbed.engine.real.transfer import KvBackend, TransferEngine
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,7 @@ class Rank:
             comm = Comm(tp_group=group if spec.tp > 1 else None, ep_group=group if spec.ep > 1 else None)
             if dev.type == "cuda" and spec.tp > 1 and os.environ.get("RACKBED_PEER_ALLREDUCE", "1") == "1":
                 # the TP all-reduce and the prefill MoE combine through the peer-memory kernels (NCCL fallback)
-                from kernels.allreduce import PeerAllReduce
+                from rackbed.kernels.allreduce import PeerAllReduce
 
                 ar = PeerAllReduce(group, max_bytes=64 << 20, dtype=dt)
                 comm.tp_allreduce_impl = lambda x, ar=ar: ar.all_reduce(x, out=x) if \
@@ -199,7 +198,7 @@ class Rank:
         self.graphs = None
         self.graph_info: dict = {}
         if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
-            from engine.real.model import DecodeGraphRunner
+            from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
         self._warm_up()

@@ -214,9 +214,8 @@ def worker(rank: int, world: int, port: int, cfg: dict, result_path: str) -> Non
     """One rank of the benchmark; ``cfg``: sizes (bytes), dtypes, check (bool), reps, impls."""
     import torch
     import torch.distributed as dist
-
-    from kernels.allreduce import PeerAllReduce
-    from kernels.allreduce_schedule import bound_us, predicted_us
+    from rackbed.kernels.allreduce import PeerAllReduce
+    from rackbed.kernels.allreduce_schedule import bound_us, predicted_us
 
     torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -358,8 +357,7 @@ def _tune(rank: int, world: int, sizes: list[int], cfg: dict) -> list[dict]:
     """CTA-count sweep for the two-shot kernels at sizes >= 16 MiB (bf16, CUDA graphs): max_blocks 66/132/264."""
     import torch
     import torch.distributed as dist
-
-    from kernels.allreduce import PeerAllReduce
+    from rackbed.kernels.allreduce import PeerAllReduce
 
     out_rows = []
     big = [nb for nb in sizes if nb >= 16 << 20]

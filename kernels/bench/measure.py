@@ -53,7 +53,7 @@ dry run). Every device wait polls with a deadline (no unbounded synchronize); ``
 fit; the JSON is rewritten after every curve, so a time-out keeps what was measured.
 ``--dry-run`` runs tiny sizes on CPU tensors (host clock) to test the plumbing; its numbers mean nothing.
 
-Usage: ``python -m kernels.bench.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``
+Usage: ``python -m rackbed.kernels.bench.measure --out measure.json [--quick] [--dry-run] [--only ...] [--budget-s 210]``
 (the command line is kept in the file's ``env.command``).
 """
 
@@ -511,8 +511,7 @@ def gemm_forced_cases(device, name: str, n: int, k: int, runs: list, ws: list, x
     (``check: true``) times the forced kernel where the library picks it, to show that the two agree: calibration
     never reads those."""
     import torch
-
-    from kernels.cublaslt import CublasLt
+    from rackbed.kernels.cublaslt import CublasLt
 
     groups = short_runs(runs)
     if not groups:
@@ -1025,9 +1024,8 @@ def bench_moe_block(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import functools
 
     import torch
-
-    from kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_reference
-    from kernels.moe_block import moe_block, permute, route, unpermute
+    from rackbed.kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_reference
+    from rackbed.kernels.moe_block import moe_block, permute, route, unpermute
 
     D, F, E, K = (HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K) if not dry else (64, 32, 8, 2)
     tokens = _sizes(MOE_TOKENS, quick, dry, [1, 4, 16])
@@ -1312,8 +1310,8 @@ def bench_allreduce(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ar.json")
-        # by its importable name (not __main__'s), so spawned children find it under `python -m kernels.bench.measure`
-        from kernels.bench.measure import _allreduce_worker as worker
+        # by its importable name (not __main__'s), so spawned children find it under `python -m rackbed.kernels.bench.measure`
+        from rackbed.kernels.bench.measure import _allreduce_worker as worker
 
         ctx = mp.start_processes(worker, args=(world, port, sizes, timer.rounds, path,
                                                           time.time() + limit - 25),
@@ -1456,7 +1454,7 @@ class _null:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.bench.measure", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m rackbed.kernels.bench.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="measure.json")
     ap.add_argument("--quick", action="store_true", help="every other size, fewer rounds")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
@@ -1467,7 +1465,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     echo = lambda *m: print(*m, flush=True)
     doc = run(a.quick, a.dry_run, a.only, echo=echo, partial_out=a.out, budget_s=a.budget_s, rounds=a.rounds,
-              command=" ".join(["python -m kernels.bench.measure", *(argv if argv is not None else sys.argv[1:])]))
+              command=" ".join(["python -m rackbed.kernels.bench.measure", *(argv if argv is not None else sys.argv[1:])]))
     print(f"wrote {a.out} ({len(doc['rows'])} rows)", flush=True)
     return 0
 

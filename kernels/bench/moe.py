@@ -1,7 +1,7 @@
 """MoE kernel benchmarks and device checks: grouped GEMM (decode + prefill baselines), MX kernels, and the decode
 dispatch/combine over peer memory. Registers suites "moe_gemm" (1 GPU) and "moe_a2a" (2+ GPUs) in kernels.bench.suites.
 
-    python -m kernels.bench.moe --out results/h200x2/moe.json      # both suites, one command, table printed last
+    python -m rackbed.kernels.bench.moe --out results/h200x2/moe.json      # both suites, one command, table printed last
 
 Shapes (Qwen3-235B-A22B MoE layer): D = 4096, F = 1536 (gate_up 4096 -> 3072, down 1536 -> 4096), 128 experts,
 top-8. Each case: fresh random inputs, outputs poisoned (NaN) before the checked run, ‖out − ref‖/‖ref‖ against an
@@ -24,14 +24,13 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ[_k] = _v
 
 import numpy as np
-
-from kernels.bench.suites import register_suite
+from rackbed.kernels.bench.suites import register_suite
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K = 4096, 1536, 128, 8
 
 
 def _meta() -> dict:
-    from kernels.bench.allreduce import _meta as ar_meta
+    from rackbed.kernels.bench.allreduce import _meta as ar_meta
 
     m = ar_meta(0)
     try:
@@ -75,7 +74,7 @@ def _relerr(out, ref) -> float:
 
 def _gemm_cases():
     """(name, counts list) for 128 experts: m tokens on E_act experts (spread), and routed decode batches."""
-    from kernels.moe_reference import route
+    from rackbed.kernels.moe_reference import route
 
     cases = []
     for e_act in (8, 32, 128):
@@ -214,8 +213,7 @@ def run_gemm(cfg=None) -> dict:
     Times: eager CUDA events (host launch overhead included, as v1/v2 measured) and CUDA-graph replay (kernel time;
     weights rotated over experts so a case never runs out of L2)."""
     import torch
-
-    from kernels import grouped_gemm as gg
+    from rackbed.kernels import grouped_gemm as gg
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -240,7 +238,7 @@ def run_gemm(cfg=None) -> dict:
     res["mma_variants"] = variants
     ok_var = {"gate_up": {}, "down": {}}
     if res["mma_unavailable"] is None:  # compile every variant up front (bounded: each ~1-10 s), failures skipped
-        from kernels import grouped_gemm_mma as gm
+        from rackbed.kernels import grouped_gemm_mma as gm
 
         for part, (n_w, k, fuse) in (("gate_up", (2 * F, D, True)), ("down", (D, F, False))):
             for name, c in variants[part].items():
@@ -416,9 +414,8 @@ def _prefill_baselines(gate_up, dev, g) -> dict:
 def _mx_check(dev) -> dict:
     """GPU quantize/dequantize vs the numpy reference, bit for bit; plus GPU time for a 4096x4096 tensor."""
     import torch
-
-    from engine.core import formats as ref
-    from kernels import mx
+    from rackbed.engine.core import formats as ref
+    from rackbed.kernels import mx
 
     out = {"formats": {}}
     rng = np.random.default_rng(3)
@@ -496,7 +493,7 @@ register_suite("moe_gemm", "MoE grouped SwiGLU (CuTe GEMV + tensor-core decode k
 def run_a2a(cfg=None) -> dict:
     """The dispatch/combine suite: kernels/bench/moe_a2a.py (watchdog parent, bounded waits, one JSON per case).
     Case files go to $RACKBED_A2A_OUT (default: a fresh temporary directory); returns the summary."""
-    from kernels.bench import moe_a2a as moe_a2a_bench
+    from rackbed.kernels.bench import moe_a2a as moe_a2a_bench
 
     out = os.environ.get("RACKBED_A2A_OUT") or tempfile.mkdtemp(prefix="rackbed-a2a-")
     return moe_a2a_bench.run(out, echo=lambda *a, **k: print(*a, flush=True))
@@ -509,10 +506,11 @@ def a2a_table(res: dict) -> str:
 register_suite("moe_a2a", "decode DP-EP dispatch/combine over peer memory vs NCCL all_to_all_single", a2a_table,
                min_gpus=2)(run_a2a)
 
-from kernels.bench.suites import SUITES  # noqa: E402
+from rackbed.kernels.bench.suites import SUITES  # noqa: E402
 
 if "moe_prefill_gemm" not in SUITES:  # kernels/bench/moe_prefill.py registers it (unless it is __main__)
-    import kernels.bench.moe_prefill  # noqa: E402,F401
+    import rackbed.kernels.bench.moe_prefill  # noqa: E402,F401
+
 
 
 def main(argv=None) -> int:
@@ -522,7 +520,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--suite", action="append", choices=["moe_gemm", "moe_a2a", "moe_prefill_gemm"])
     a = p.parse_args(argv)
-    from kernels.bench.suites import BenchConfig, run_suites
+    from rackbed.kernels.bench.suites import BenchConfig, run_suites
 
     t0 = time.time()
     base, ext = os.path.splitext(a.out)

@@ -1,8 +1,8 @@
 """Device check and benchmark of the decode DP-EP dispatch/combine (kernels/moe_a2a.py), safe against hangs.
 
-    timeout 240 python -m kernels.bench.moe_a2a --out $OUT/a2a        # 2 GPUs; < 4 min even if a kernel hangs
+    timeout 240 python -m rackbed.kernels.bench.moe_a2a --out $OUT/a2a        # 2 GPUs; < 4 min even if a kernel hangs
 
-Also registered as suite "moe_a2a" of ``python -m kernels.bench.moe`` (through kernels/bench/moe.py).
+Also registered as suite "moe_a2a" of ``python -m rackbed.kernels.bench.moe`` (through kernels/bench/moe.py).
 
 Structure: a parent process (no CUDA) starts one worker process per GPU and watches them. Every step is a *case*
 that both workers run in the same order; a worker announces each case (name, time budget) before starting it and
@@ -106,7 +106,7 @@ def _time_eager(fn, iters: int, reps: int = REPS, warm: int = 2, limit_s: float 
 
 def _routing(kind: str, T: int, rank: int, seed: int):
     """(ids [T, K] int64, weights [T, K] float) for one rank."""
-    from kernels.moe_reference import route
+    from rackbed.kernels.moe_reference import route
 
     rng = np.random.default_rng(seed)
     if kind == "one":  # every token on experts 0..K-1 (all on rank 0): the other rank receives nothing
@@ -119,8 +119,7 @@ def _routing(kind: str, T: int, rank: int, seed: int):
 
 def _rows(payload: str, T: int, dev, gen):
     import torch
-
-    from kernels.moe_a2a import pack_fp8_rows
+    from rackbed.kernels.moe_a2a import pack_fp8_rows
 
     x = torch.randn(T, D, device=dev, generator=gen).to(torch.bfloat16)
     return x if payload == "bf16" else pack_fp8_rows(x)
@@ -129,8 +128,7 @@ def _rows(payload: str, T: int, dev, gen):
 def _expert_standin(payload: str, xr, ids, w, rank: int, world: int):
     """y = dequant(x) * (sum of the row's weights on this rank's experts), bf16 (weighted, like the engine)."""
     import torch
-
-    from kernels.moe_a2a import unpack_fp8_rows
+    from rackbed.kernels.moe_a2a import unpack_fp8_rows
 
     per = E // world
     lw = torch.where((ids >= rank * per) & (ids < (rank + 1) * per), w, torch.zeros_like(w)).sum(1)
@@ -224,8 +222,7 @@ def _worker(rank: int, world: int, port: int, q, opts: dict) -> None:
 def _run_cases(cx, state, tokens, opts) -> None:
     import torch
     import torch.distributed as dist
-
-    from kernels.moe_a2a import PeerMoeAllToAll, emulate, A2aLayout, row_bytes_for
+    from rackbed.kernels.moe_a2a import A2aLayout, PeerMoeAllToAll, emulate, row_bytes_for
 
     rank, world, dev = cx.rank, cx.world, cx.dev
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
@@ -311,7 +308,7 @@ def _run_cases(cx, state, tokens, opts) -> None:
 
     def timing(payload, T):
         def fn():
-            from kernels.moe_a2a import destinations
+            from rackbed.kernels.moe_a2a import destinations
 
             a = state["a2a"][payload]
             o1 = state["out"][payload][0]
@@ -464,7 +461,7 @@ def run(out_dir: str, deadline_s: float = 200.0, tokens=TOKENS, full: bool = Fal
     import multiprocessing as mp
     import queue as queue_mod
 
-    from kernels.bench.suites import _free_port
+    from rackbed.kernels.bench.suites import _free_port
 
     os.makedirs(os.path.join(out_dir, "cases"), exist_ok=True)
     t_start = time.time()

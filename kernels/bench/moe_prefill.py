@@ -2,9 +2,9 @@
 kernels/grouped_gemm_wgmma.py (bf16; FP8 e4m3 with 1x128 / 128x128 block scales) against torch._grouped_mm bf16
 and torch._scaled_grouped_mm rowwise FP8, in the same run.
 
-    timeout 230 python -m kernels.bench.moe_prefill --out $OUT/prefill.json    # JSON rewritten after every step
-    timeout 235 python -u -m kernels.bench.moe_prefill --sweep --out $OUT/prefill.json   # every variant (v4 sweep)
-    timeout 90 python -u -m kernels.bench.moe_prefill --diagnose --out $OUT/diag.json    # gap analysis (< 70 s)
+    timeout 230 python -m rackbed.kernels.bench.moe_prefill --out $OUT/prefill.json    # JSON rewritten after every step
+    timeout 235 python -u -m rackbed.kernels.bench.moe_prefill --sweep --out $OUT/prefill.json   # every variant (v4 sweep)
+    timeout 90 python -u -m rackbed.kernels.bench.moe_prefill --diagnose --out $OUT/diag.json    # gap analysis (< 70 s)
 
 Steps (each printed with flush): compile each (shape, variant) (a failing compile prints its full traceback and the
 variant is skipped); small checks (8 experts, rows 0/1/127/128/129/300/0/5: empty experts, partial tiles, tiles
@@ -28,8 +28,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ[_k] = _v
 
 import numpy as np
-
-from kernels.bench.suites import register_suite
+from rackbed.kernels.bench.suites import register_suite
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K, ROWS = 4096, 1536, 128, 8, 375
 HANG_S = 20.0
@@ -99,7 +98,7 @@ def _expert_rows(counts_l, experts):
 
 
 def _variants(sweep: bool) -> list[str]:
-    from kernels import grouped_gemm_wgmma as gw
+    from rackbed.kernels import grouped_gemm_wgmma as gw
 
     if sweep:
         return list(gw.VARIANTS)
@@ -124,15 +123,14 @@ def _pick_best(row: dict) -> None:
 def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
     """``sweep``: every variant of kernels.grouped_gemm_wgmma.VARIANTS (v1 included), else the default ones."""
     import torch
-
-    from kernels import grouped_gemm as gg
-    from kernels import grouped_gemm_wgmma as gw
-    from kernels.moe_reference import route
+    from rackbed.kernels import grouped_gemm as gg
+    from rackbed.kernels import grouped_gemm_wgmma as gw
+    from rackbed.kernels.moe_reference import route
 
     t_start = time.time()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    from kernels.bench.allreduce import _meta
+    from rackbed.kernels.bench.allreduce import _meta
 
     variants = list(variants or _variants(sweep))
     vfp8 = {v: gw.variant_config(v)["fp8"] for v in variants}
@@ -153,7 +151,7 @@ def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
                 res["compile"][f"{sname}/{var}"] = {"ok": False, "error": f"unsupported: {why}"}
                 continue
             try:
-                from kernels import grouped_gemm_wgmma_cute as gc
+                from rackbed.kernels import grouped_gemm_wgmma_cute as gc
 
                 gc.compiled(N, K, var)
                 ok[(sname, var)] = True
@@ -372,7 +370,7 @@ def sweep_groups() -> list[list[str]]:
     """Variant groups of ``--sweep``, each run in its own fresh child process (a launch failure poisons that
     process's CUDA context, a hang ends it: either loses only its group). The variants verified correct on the GPU
     (SAFE_VARIANTS, v1 first) share the first group; every other variant gets a group of its own."""
-    from kernels import grouped_gemm_wgmma as gw
+    from rackbed.kernels import grouped_gemm_wgmma as gw
 
     safe = [v for v in SAFE_VARIANTS if v in gw.VARIANTS]
     return [safe] + [[v] for v in gw.VARIANTS if v not in SAFE_VARIANTS]
@@ -416,7 +414,7 @@ def _run_group(flag: str, grp, part: str, limit: float):
     ``limit`` s, and read the suite it wrote to ``part``: ``(return code or "timeout", suite dict)``; a missing
     JSON or a failed child becomes an error entry, never an exception."""
     try:
-        rc = subprocess.run([sys.executable, "-u", "-m", "kernels.bench.moe_prefill", flag, ",".join(grp),
+        rc = subprocess.run([sys.executable, "-u", "-m", "rackbed.kernels.bench.moe_prefill", flag, ",".join(grp),
                              "--out", part], check=False, timeout=limit).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -480,9 +478,8 @@ def run_diagnose_child(variants: list[str], out_path: str) -> dict:
     (real variant first, so its numbers are in the JSON before any diagnostic twin runs)."""
     global _partial_path
     import torch
-
-    from kernels import grouped_gemm_wgmma as gw
-    from kernels import grouped_gemm_wgmma_cute as gc
+    from rackbed.kernels import grouped_gemm_wgmma as gw
+    from rackbed.kernels import grouped_gemm_wgmma_cute as gc
 
     _partial_path = out_path
     dev = torch.device("cuda", 0)

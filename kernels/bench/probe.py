@@ -6,9 +6,9 @@
 
 The dense-GEMM probe of ``results/h200x2/probe/probe_v1.json`` (kernel maps, every multiple of 8 timed; commit
 a8f4c61) is what ``kernels.bench.measure`` now does itself (``DENSE_M``, ``gemm_kernels`` rows): run
-``python -m kernels.bench.measure --only gemm``.
+``python -m rackbed.kernels.bench.measure --only gemm``.
 
-Usage: ``python -m kernels.bench.probe --out probe.json [--budget-s 200]``. Writes
+Usage: ``python -m rackbed.kernels.bench.probe --out probe.json [--budget-s 200]``. Writes
 ``{"schema": "rackbed.probe/1", "env": ..., "rows": [...]}``.
 """
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kernels.bench import measure as M
+from rackbed.kernels.bench import measure as M
 
 SCHEMA = "rackbed.probe/1"
 #: copy probe sizes (MiB)
@@ -66,7 +66,7 @@ PARTS = {"copy": probe_copy}
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    ap = argparse.ArgumentParser(prog="python -m kernels.bench.probe", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m rackbed.kernels.bench.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="probe.json")
     ap.add_argument("--only", nargs="*", choices=list(PARTS), default=list(PARTS))
     ap.add_argument("--budget-s", type=float, default=None)

@@ -23,8 +23,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kernels.allreduce_schedule import sizes_from_args
-from topology.errors import UserError
+from rackbed.kernels.allreduce_schedule import sizes_from_args
+from rackbed.topology.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +107,7 @@ def run_allreduce(cfg: BenchConfig) -> dict:
     """Spawn one process per local GPU (all of them) and return rank 0's result dict."""
     import torch
     import torch.multiprocessing as mp
-
-    from kernels.bench import allreduce as allreduce_bench
+    from rackbed.kernels.bench import allreduce as allreduce_bench
 
     world = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +124,7 @@ def load_suites() -> None:
     import importlib
 
     if "moe_gemm" not in SUITES:
-        importlib.import_module("kernels.bench.moe")
+        importlib.import_module("rackbed.kernels.bench.moe")
 
 
 def run_suites(names: list[str], cfg: BenchConfig, out: str | Path | None = None, echo=print) -> dict:
@@ -158,7 +157,7 @@ def run_suites(names: list[str], cfg: BenchConfig, out: str | Path | None = None
 def config_from_args(sizes: list[str] | None, dtypes: list[str] | None, reps: int, check: bool,
                      impls: list[str] | None = None) -> BenchConfig:
     """Validate CLI-level arguments into a BenchConfig (one-line UserError on a bad value)."""
-    from kernels.allreduce_schedule import DTYPES
+    from rackbed.kernels.allreduce_schedule import DTYPES
 
     dts = tuple(dtypes or ("bf16",))
     for d in dts:

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
+from rackbed.sim.costs.calibration import _YAML_LOADER, CalibrationTable
+from rackbed.topology.errors import UserError, from_validation
 
-from sim.costs.calibration import _YAML_LOADER, CalibrationTable
-from topology.errors import UserError, from_validation
+from rackbed import shipped
 
 #: calibration file schema (``meta.schema``) written; /2 adds the table's ``kernel_fixed_us`` (CalibrationTable
 #: version 2). Every schema in ``FILE_SCHEMAS`` is read (/1 files get the default fixed cost).
 FILE_SCHEMA = "rackbed.calibration/2"
 FILE_SCHEMAS = ("rackbed.calibration/1", FILE_SCHEMA)
 #: where the shipped calibration files live (package data next to sim/)
-CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
+CALIBRATION_DIR = shipped("calibration")
 
 
 class CalibrationFile(CalibrationTable):

@@ -17,9 +17,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sim.calibration.forms import choose_form, fit_curve, geomean, sig
-from sim.costs.calibration import CalibrationEntry
-from topology.errors import UserError
+from rackbed.sim.calibration.forms import choose_form, fit_curve, geomean, sig
+from rackbed.sim.costs.calibration import CalibrationEntry
+from rackbed.topology.errors import UserError
 
 # ---------------------------------------------------------------------------------------- dense GEMMs by kernel
 

@@ -5,7 +5,7 @@ docstring for the FLOP / byte conventions, which are the cost models'), in forma
 repeats per row) or ``rackbed.measure/2`` (CUDA-graph replay, interleaved rounds: ``median_us`` is the median of the
 rounds, with ``min_us`` / ``max_us`` / ``q1_us`` / ``q3_us``, which :func:`row_noise` turns into the row's
 measurement spread for ``rackbed validate``). Several documents of one GPU model merge into one
-(:func:`merge_measurements`); ``python -m engine.bench.decode --overhead`` output reads as ``step_overhead``
+(:func:`merge_measurements`); ``python -m rackbed.engine.bench.decode --overhead`` output reads as ``step_overhead``
 rows (:func:`step_overhead_measurements`).
 
 * :func:`curve_of`: the ``(kind, key, x, y)`` point a row gives, net of the per-kernel fixed cost for the rate kinds;
@@ -15,16 +15,17 @@ rows (:func:`step_overhead_measurements`).
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from sim.calibration.files import CALIBRATION_DIR
-from sim.calibration.forms import sig
-from sim.costs import constants as C
-from sim.costs.calibration import KINDS
-from topology.errors import UserError
+from rackbed.sim.calibration.files import CALIBRATION_DIR
+from rackbed.sim.calibration.forms import sig
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import KINDS
+from rackbed.topology.errors import UserError
 
 #: torch device name -> topology GpuSpec.name
 DEVICE_TO_GPU = {"NVIDIA H200": "H200-SXM", "NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA B200": "B200-HGX"}
@@ -230,6 +231,12 @@ def measurement_paths(meta: dict) -> list[str]:
     return [str(m)] if isinstance(m, str) else [str(x) for x in m]
 
 
+def read_json(p: Path):
+    """A JSON document from ``p``; ``*.gz`` files (the shipped measurements are compressed) are decompressed first."""
+    data = p.read_bytes()
+    return json.loads(gzip.decompress(data) if p.suffix == ".gz" else data)
+
+
 def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
     """Read and merge (:func:`merge_measurements`) ``kernels/bench/measure.py`` JSON files; a relative path that does not
     exist from here is taken relative to ``root`` (default: the repository, where ``meta.measurements`` paths
@@ -240,12 +247,14 @@ def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
         if not p.is_absolute() and not p.exists():
             p = Path(root or CALIBRATION_DIR.parent) / p
         try:
-            doc = json.loads(p.read_text())
+            doc = read_json(p)
             docs.append((str(path), step_overhead_measurements(doc) if _is_overhead_doc(doc) else doc))
         except OSError as exc:
             raise UserError(f"{path}: cannot read measurements: {exc.strerror or exc}") from exc
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{path}: not a JSON text file (byte {exc.start} is not UTF-8)") from exc
     return merge_measurements(docs)
 
 
@@ -255,7 +264,7 @@ def _is_overhead_doc(doc) -> bool:
 
 
 def step_overhead_measurements(doc: dict) -> dict:
-    """A ``kernels/bench/measure.py`` document from ``python -m engine.bench.decode --overhead`` output: per graph-
+    """A ``kernels/bench/measure.py`` document from ``python -m rackbed.engine.bench.decode --overhead`` output: per graph-
     replayed decode step, ``step_overhead`` rows whose time is the runner's whole call less the graph replay (the
     bucket's input copies and bookkeeping: framework work per step that no kernel accounts for), x = the batch."""
     rows = []
@@ -267,7 +276,7 @@ def step_overhead_measurements(doc: dict) -> dict:
                          "median_us": round(o["call_us"] - o["replay_us"], 3),
                          "call_us": o["call_us"], "replay_us": o["replay_us"]})
     env = {"gpu_name": doc.get("device"), "date": doc.get("date"), "torch": doc.get("torch"), "cuda": doc.get("cuda"),
-           "command": "python -m engine.real.bench_decode --overhead"}
+           "command": "python -m rackbed.engine.bench.decode --overhead"}
     return {"schema": MEASURE_SCHEMAS[-1], "env": {k: v for k, v in env.items() if v}, "rows": rows}
 
 

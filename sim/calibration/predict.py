@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sim.calibration.measurements import row_id
-from sim.costs.calibration import KINDS, CalibrationTable, kernel_fixed_us
+from rackbed.sim.calibration.measurements import row_id
+from rackbed.sim.costs.calibration import KINDS, CalibrationTable, kernel_fixed_us
 
 
 @dataclass
@@ -29,9 +29,9 @@ def predict_row(r: dict, calib: CalibrationTable | None, topo, model=None) -> Pr
     """The simulator's prediction for measured row ``r`` (the cost function the simulator calls, with ``calib``),
     or None for rows without a model (errors, unknown benchmarks). ``model``: a ModelSpec for the attention rows
     (default: Qwen3-235B-A22B with the row's head counts)."""
-    from sim.costs.attention import full_attention_decode, full_attention_prefill
-    from sim.costs.collective import allreduce_time, p2p_copy_time
-    from sim.costs.gemm import gemm_time, grouped_gemm_time, hbm_rate_Bps
+    from rackbed.sim.costs.attention import full_attention_decode, full_attention_prefill
+    from rackbed.sim.costs.collective import allreduce_time, p2p_copy_time
+    from rackbed.sim.costs.gemm import gemm_time, grouped_gemm_time, hbm_rate_Bps
 
     if r.get("error") or not r.get("median_us"):
         return None
@@ -72,7 +72,7 @@ def _predict_moe(r: dict, calib: CalibrationTable | None, gpu, t: float, rid: st
     uniform-routing histogram; dispatch and combine are nothing on one rank); ``router_gemm`` as the step model's
     router term (:func:`sim.costs.gemm.gemm_time`, bf16 ``[T, hidden] x [hidden, n_experts]``); ``layer`` the two
     together. The other parts (the router with its top-k, the pieces alone) have no model of their own (None)."""
-    from sim.costs.gemm import binomial_histogram, expert_mlp_time, gemm_time
+    from rackbed.sim.costs.gemm import binomial_histogram, expert_mlp_time, gemm_time
 
     part, T = r.get("part"), int(r["tokens"])
     E, ep, tp = int(r["n_experts"]), int(r.get("ep", 1)), int(r.get("tp", 1))
@@ -100,7 +100,7 @@ def _predict_moe(r: dict, calib: CalibrationTable | None, gpu, t: float, rid: st
 
 
 def attn_model(model, r: dict):
-    from engine.core.model import get_model
+    from rackbed.engine.core.model import get_model
 
     m = model or get_model("qwen3-235b-a22b")
     if (m.n_q_heads, m.n_kv_heads, m.head_dim) != (r["n_q_heads"], r["n_kv_heads"], r["head_dim"]):

@@ -50,11 +50,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
-from sim.costs.gemm import ZERO_GEMM, GemmCost, gemm_time, hbm_rate_Bps
-from topology.errors import UserError
-from topology.specs import GpuSpec
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
+from rackbed.sim.costs.gemm import ZERO_GEMM, GemmCost, gemm_time, hbm_rate_Bps
+from rackbed.topology.errors import UserError
+from rackbed.topology.specs import GpuSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 CATEGORIES: tuple[str, ...] = ("attn_s", "moe_gemm_s", "a2a_s", "allreduce_s", "other_s")
 
-from sim.costs.steptime import StepTime  # the scheduler's frozen dataclass
+from rackbed.sim.costs.steptime import StepTime  # the scheduler's frozen dataclass
 
 
 @dataclass(frozen=True)

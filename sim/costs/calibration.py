@@ -94,9 +94,8 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
-
-from sim.costs import constants as C
-from topology.errors import UserError, from_validation
+from rackbed.sim.costs import constants as C
+from rackbed.topology.errors import UserError, from_validation
 
 #: libyaml's loader where PyYAML has it (the shipped H200 file loads ~8x faster), else the pure-Python one
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

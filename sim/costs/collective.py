@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.core.collectives import schedule
-from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
-from topology.errors import UserError
-from topology.specs import GpuSpec
+from rackbed.engine.core.collectives import schedule
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
+from rackbed.topology.errors import UserError
+from rackbed.topology.specs import GpuSpec
 
 ALGOS: tuple[str, ...] = ("one_shot", "two_shot", "ring", "nvls")
 

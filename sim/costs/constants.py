@@ -22,7 +22,7 @@ from __future__ import annotations
 
 #: Achievable fraction of the HBM datasheet bandwidth for a streaming kernel.
 #: hopper: measured 4.3 TB/s copy on H200 (read + write; 4.2-4.3 TB/s for large elementwise copies in
-#: results/h200x2/measure_h200x2_v10.json) / 4.8 TB/s datasheet = 0.896.
+#: calibration/measurements/measure_h200x2_v10.json.gz) / 4.8 TB/s datasheet = 0.896.
 #: blackwell: assumption — the same fraction (no measurement on the project's machines yet).
 HBM_EFFICIENCY: dict[str, float] = {"hopper": 4.3 / 4.8, "blackwell": 0.9}
 
@@ -57,7 +57,7 @@ GEMM_TILE: dict[str, tuple[int, int]] = {"hopper": (64, 128), "blackwell": (128,
 
 #: Fraction of the dense peak a large, well-shaped GEMM reaches, by (architecture, format).
 #: hopper bf16 0.80: measured ≈790 TFLOP/s of 989 on H200 for a large bf16 GEMM (the attention-projection
-#: shapes of results/h200x2/measure_h200x2_v10.json reach 763 TFLOP/s at m = 16384).
+#: shapes of calibration/measurements/measure_h200x2_v10.json.gz reach 763 TFLOP/s at m = 16384).
 #: hopper fp8_block 0.72: DeepGEMM README, up to 1426 TFLOP/s of 1979 at large M on H800 (published).
 #: hopper fp8 (per-tensor) 0.75: assumption, a little above block scaling (no promotion work).
 #: blackwell bf16/fp8/mx*: assumption 0.80 / 0.78 (CUTLASS Blackwell GEMMs report ~75-85 % of peak).

@@ -37,11 +37,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.core.formats import get_format
-from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
-from topology.errors import UserError
-from topology.specs import GpuSpec
+from rackbed.engine.core.formats import get_format
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
+from rackbed.topology.errors import UserError
+from rackbed.topology.specs import GpuSpec
 
 #: A compact per-expert token distribution: ``((m, n_experts_with_m_tokens), ...)``, m > 0. Counts may be
 #: fractional (expected values from a routing distribution).

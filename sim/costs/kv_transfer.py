@@ -21,9 +21,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, lookup
-from topology.errors import UserError
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import CalibrationTable, lookup
+from rackbed.topology.errors import UserError
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sim.costs.attention import (
+from rackbed.sim.costs.attention import (
     full_attention_decode_totals,
     full_attention_prefill,
     full_attention_projections,
@@ -35,11 +35,11 @@ from sim.costs.attention import (
     linear_attention_prefill,
     linear_attention_projections,
 )
-from sim.costs.breakdown import StepBreakdown, StepTime
-from sim.costs.calibration import CalibrationTable, host_step_s
-from sim.costs.gemm import gemm_time
-from sim.costs.step import decode_step_breakdown, layer_counts, prefill_step_breakdown
-from topology.errors import UserError
+from rackbed.sim.costs.breakdown import StepBreakdown, StepTime
+from rackbed.sim.costs.calibration import CalibrationTable, host_step_s
+from rackbed.sim.costs.gemm import gemm_time
+from rackbed.sim.costs.step import decode_step_breakdown, layer_counts, prefill_step_breakdown
+from rackbed.topology.errors import UserError
 
 Chunks = Sequence[tuple[int, int]]  # (new_tokens, cached_tokens) per prefill chunk
 

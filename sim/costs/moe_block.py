@@ -14,7 +14,7 @@ expectation assumes elsewhere.
 
 from __future__ import annotations
 
-from sim.costs.calibration import CalibrationTable
+from rackbed.sim.costs.calibration import CalibrationTable
 
 #: the routing distribution rackbed asks the tables for (module docstring)
 DIST = "balanced"

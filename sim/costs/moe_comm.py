@@ -41,11 +41,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sim.costs import constants as C
-from sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
-from sim.costs.collective import CollectiveCost, allreduce_time, group_links
-from sim.costs.gemm import _bpe, _format_exec, hbm_rate_Bps
-from topology.errors import UserError
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.calibration import CalibrationTable, kernel_fixed_us, lookup
+from rackbed.sim.costs.collective import CollectiveCost, allreduce_time, group_links
+from rackbed.sim.costs.gemm import _bpe, _format_exec, hbm_rate_Bps
+from rackbed.topology.errors import UserError
 
 #: Routing metadata per token copy: 4 B token index (the expert ids and weights ride along: top_k x (4 + 4) B).
 META_BYTES_PER_COPY = 4

@@ -38,20 +38,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sim.costs import constants as C
-from sim.costs.attention import full_attention_decode_totals, mixer_counts
-from sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
-from sim.costs.calibration import CalibrationTable, host_step_s, kernel_fixed_us
-from sim.costs.collective import allreduce_time, group_links
-from sim.costs.gemm import ExpertHistogram, binomial_histogram, expert_mlp_time, gemm_time, hbm_rate_Bps
-from sim.costs.moe_block import moe_block_s
-from sim.costs.moe_comm import (
+from rackbed.sim.costs import constants as C
+from rackbed.sim.costs.attention import full_attention_decode_totals, mixer_counts
+from rackbed.sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
+from rackbed.sim.costs.calibration import CalibrationTable, host_step_s, kernel_fixed_us
+from rackbed.sim.costs.collective import allreduce_time, group_links
+from rackbed.sim.costs.gemm import (
+    ExpertHistogram,
+    binomial_histogram,
+    expert_mlp_time,
+    gemm_time,
+    hbm_rate_Bps,
+)
+from rackbed.sim.costs.moe_block import moe_block_s
+from rackbed.sim.costs.moe_comm import (
     dpep_decode_combine,
     dpep_decode_dispatch,
     ep_prefill_combine,
     ep_prefill_dispatch,
 )
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 US = 1e-6
 

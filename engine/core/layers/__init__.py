@@ -25,12 +25,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from engine.core.layers.base import AttentionKind, split_heads
-from engine.core.layers.ffn import DenseFfn, MoeFfn
-from engine.core.layers.gdn import DELTANET_FLOPS_PER_STATE_ELEM, GdnAttention
-from engine.core.layers.gqa import GqaAttention, SlidingWindowAttention, tp_kv_head_shards
-from engine.core.layers.mla import MlaAttention
+from rackbed.engine.core.layers.base import AttentionKind, split_heads
+from rackbed.engine.core.layers.ffn import DenseFfn, MoeFfn
+from rackbed.engine.core.layers.gdn import DELTANET_FLOPS_PER_STATE_ELEM, GdnAttention
+from rackbed.engine.core.layers.gqa import GqaAttention, SlidingWindowAttention, tp_kv_head_shards
+from rackbed.engine.core.layers.mla import MlaAttention
 
 Attention = Annotated[GqaAttention | SlidingWindowAttention | GdnAttention | MlaAttention,
                       Field(discriminator="kind")]

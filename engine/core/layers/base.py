@@ -15,8 +15,7 @@ import functools
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 @functools.lru_cache(maxsize=4096)

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from topology.errors import UserError
+from rackbed.topology.errors import UserError
 
 
 class DenseFfn(BaseModel):

@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
-
-from engine.core.layers.base import AttentionKind, local_counts
-from topology.errors import UserError
+from rackbed.engine.core.layers.base import AttentionKind, local_counts
+from rackbed.topology.errors import UserError
 
 #: FLOPs per recurrent-state element per token of a Gated DeltaNet head: decay (1), retrieval S^T k (2),
 #: rank-1 delta update (2), readout S^T q (2). Chunked prefill kernels do the same work in a different order

@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
-
-from engine.core.layers.base import AttentionKind, local_counts, split_heads
-from topology.errors import UserError
+from rackbed.engine.core.layers.base import AttentionKind, local_counts, split_heads
+from rackbed.topology.errors import UserError
 
 
 def tp_kv_head_shards(n_kv_heads: int, tp: int) -> tuple[tuple[int, ...], ...]:

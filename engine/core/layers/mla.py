@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from pydantic import Field
-
-from engine.core.layers.base import AttentionKind, local_counts, split_heads
-from topology.errors import UserError
+from rackbed.engine.core.layers.base import AttentionKind, local_counts, split_heads
+from rackbed.topology.errors import UserError
 
 
 class MlaAttention(AttentionKind):
