@@ -1,8 +1,8 @@
 """The parallelism of a disaggregated scenario's groups: their ``ParallelPlan``\\ s and the rules across sections.
 
-A **prefiller** is ``max(tp, ep)`` GPUs of one node: attention TP over ``tp`` of them (``tp < ep``: ``ep / tp``
-attention DP groups, each prefilling its share of the batch's sequences), the experts over ``ep`` (``tp > ep``:
-each expert's intermediate dimension split ``tp / ep`` ways). A **decoder** is ``ep`` GPUs of one NVLink domain:
+A **prefiller** is ``max(tp, ep)`` GPUs of one node: attention TP over ``tp`` of them, the experts over ``ep``
+(``tp > ep``: each expert's intermediate dimension split ``tp / ep`` ways, expert TP). ``tp < ep`` (attention DP
+groups inside a prefiller) is refused: the prefill cost model prices one TP group with a replicated batch. A **decoder** is ``ep`` GPUs of one NVLink domain:
 ``ep / tp`` DP attention ranks of ``tp`` GPUs each (attention TP x DP, TRT-LLM's and SGLang's "attention TP"
 inside "attention DP"), the experts over all ``ep`` GPUs. ``tp = 1`` (the default) is pure DP attention, one GPU
 per rank.
@@ -36,6 +36,8 @@ def check_parallel(sc, model) -> None:
                       f"{role}.ep: {ep} does not divide the {model.n_experts} experts of {model.name}"))
     rules += [
         (d.ep % d.tp, f"decode.tp: {d.tp} does not divide the decoder's ep = {d.ep} GPUs (dp = ep / tp ranks)"),
+        (p.tp < p.ep, f"prefill.tp: tp = {p.tp} < ep = {p.ep} makes ep / tp attention DP groups in a prefiller, "
+                      f"which the prefill cost model does not price; use tp >= ep (e.g. tp = ep = {p.ep})"),
         (max(p.tp, p.ep) % min(p.tp, p.ep),
          f"prefill.tp: tp = {p.tp} and ep = {p.ep} must divide one another (the group is max(tp, ep) GPUs)"),
         (p.tp > p.ep and model.n_experts and model.moe_intermediate % (p.tp // p.ep),
