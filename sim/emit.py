@@ -85,7 +85,7 @@ def plan_of(sc) -> Plan:
     src = b.model.source.split()[0] if "/" in (b.model.source or "") else sc.model
     return Plan(sc.name, src, sc.weight_format, sc.kv_dtype,
                 tuple(group(g, "prefill", p.tp, p.ep) for g in dep.prefillers),
-                tuple(group(g, "decode", 1, d.ep) for g in dep.decoders),
+                tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
                 p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers))
 
 

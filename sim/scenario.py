@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.aggregated import AggregatedSection, check_aggregated
+from rackbed.sim.parallel import check_parallel, decode_plan_for, prefill_plan_for  # noqa: F401 (re-exported)
 from rackbed.topology.errors import UserError, from_validation
 
 
@@ -31,7 +32,8 @@ class _Strict(BaseModel):
 
 
 class PrefillSection(_Strict):
-    """Prefiller groups: ``tp`` x ``ep`` GPUs in one node (TP attention + EP experts on the same GPUs)."""
+    """Prefiller groups: ``max(tp, ep)`` GPUs in one node (TP attention + EP experts on the same GPUs;
+    :mod:`sim.parallel`)."""
 
     tp: int = Field(4, ge=1)
     ep: int = Field(4, ge=1)
@@ -43,9 +45,10 @@ class PrefillSection(_Strict):
 
 
 class DecodeSection(_Strict):
-    """Decoder groups: DP-EP over ``ep`` GPUs of one NVLink domain, one DP rank per GPU."""
+    """Decoder groups: ``ep`` GPUs of one NVLink domain, ``ep / tp`` DP attention ranks of ``tp`` GPUs each."""
 
     ep: int = Field(16, ge=1)
+    tp: int = Field(1, ge=1)
     replicas: int = Field(1, ge=0)
     max_batch_per_rank: int = Field(64, ge=1)
     page_tokens: int = Field(64, ge=1)
@@ -315,11 +318,12 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         n_p, n_d = max(n_p, sc.autoscaler.min_prefillers), max(n_d, sc.autoscaler.min_decoders)
     if n_p + n_d == 0:
         raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
+    check_parallel(sc, model)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
     ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
                               max_queue_requests=p.max_queue_requests)
-    dtpl0 = DecoderTemplate(ep=d.ep, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
+    dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
     kv_view = _KvPathView(topo)
     dep0 = place(kv_view, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
                  kv_bytes_per_token=model.kv_bytes_per_token(kv_elem), prefiller=ptpl0, decoder=dtpl0,
@@ -332,7 +336,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     ptpl = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens,
                              kv_capacity_tokens=max(p.max_batch_tokens, pbud.kv_capacity_tokens),
                              max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
-    dtpl = DecoderTemplate(ep=d.ep, max_batch_per_rank=d.max_batch_per_rank,
+    dtpl = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank,
                            kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
     dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
                 prefiller=ptpl, decoder=dtpl, mtp=MtpSpec(draft_k=sc.mtp.draft_k, accept_p=sc.mtp.accept_p),
@@ -351,26 +355,6 @@ def scenario_model(sc: ServingScenario):
 
     model = get_model(sc.model)
     return model if sc.model_layers is None else truncate_model(model, sc.model_layers)
-
-
-def prefill_plan_for(sc: ServingScenario, model, gpus):
-    """The ParallelPlan of a prefiller group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
-    from rackbed.engine.core.sharding import ParallelPlan
-
-    p = sc.prefill
-    kv_rep = p.kv_replication or model.mixer("full").kv_replication(p.tp)
-    return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, max(p.tp, p.ep) // p.tp), kv_replication=kv_rep,
-                        gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
-                        page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens)
-
-
-def decode_plan_for(sc: ServingScenario, model, gpus):
-    """The ParallelPlan of a decoder group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
-    from rackbed.engine.core.sharding import ParallelPlan
-
-    d = sc.decode
-    return ParallelPlan(role="decode", tp=1, ep=d.ep, dp=d.ep, gpus=tuple(gpus), weight_format=sc.weight_format,
-                        kv_dtype=sc.kv_dtype, page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
 
 
 def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, *, engine_calibration: bool = True):
@@ -491,7 +475,7 @@ class ScenarioCostModel:
         from rackbed.sim.costs.step import decode_step_breakdown
 
         pl = self.dplan0 if group is None else self._plan_for(group)
-        n = pl.world
+        n = pl.dp
         return decode_step_breakdown(self.model, pl, self.topo, [max_batch] * n, [max_context_tokens] * n,
                                      draft_k=draft_k, calib=self.calib)
 
@@ -547,7 +531,7 @@ class ScenarioCostModel:
         from rackbed.sim.costs.step import decode_step_time
 
         pl = self._plan_for(group)
-        n = pl.world
+        n = pl.dp
         if not self._split_ok or b == 0:
             return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib)
         base = self._decode_base.get((group.id, b, k))
@@ -573,7 +557,7 @@ class ScenarioCostModel:
 
         terms, nf, passes, gpu = base
         kw = {"fmt": pl.weight_format, "kv_elem_bytes": pl.kv_elem_bytes, "page_tokens": pl.page_tokens,
-              "calib": self.calib}
+              "calib": self.calib, "tp": pl.tp}
         over = {}
         if nf:
             a = self._attn(gpu, b, ctx_q, k + 1, kw)
@@ -589,7 +573,7 @@ class ScenarioCostModel:
     def _attn(self, gpu, b: int, ctx_q: int, q: int, kw: dict):
         from rackbed.sim.costs.attention import full_attention_decode_totals
 
-        key = (gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], b, ctx_q, q)
+        key = (gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], kw["tp"], b, ctx_q, q)
         a = self._attn_memo.get(key)
         if a is None:
             a = self._attn_memo[key] = full_attention_decode_totals(gpu, self.model, b, ctx_q, q_per_seq=q, **kw)
@@ -631,7 +615,7 @@ class ScenarioCostModel:
             if src is None or dst is None:
                 v = 5e-6
             else:
-                a, b = src.gpus[0], dst.gpus[plan.dst_rank]
+                a, b = src.gpus[0], dst.gpus[plan.dst_rank * dst.tp]
                 try:
                     v = self.topo.p2p_latency_us(a, b, via="net") * 1e-6
                 except ValueError:  # no scale-out network (lab box): NVLink peer copy

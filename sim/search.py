@@ -43,6 +43,7 @@ The spec (YAML ``kind: search``, or CLI flags) is :class:`SearchSpec`.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class SearchSpace(_Strict):
     prefill_max_batch_tokens: tuple[int, ...] = (16384,)
     prefill_replicas: tuple[int, ...] | None = None  # None: derived from the input-token rate
     decode_ep: tuple[int, ...] = (4, 8, 16, 32)
+    decode_tp: tuple[int, ...] = (1,)  # attention TP inside a decoder's DP ranks (dp = ep / tp)
     max_batch_per_rank: tuple[int, ...] = (8, 16, 32, 64, 128)
     draft_k: tuple[int, ...] = (0, 1, 2)
     decode_replicas: tuple[int, ...] | None = None  # None: derived by Little's law
@@ -86,7 +88,7 @@ class SearchSpace(_Strict):
         return v
 
     @field_validator("prefill_tp", "prefill_ep", "prefill_max_batch_tokens", "prefill_replicas", "decode_ep",
-                     "max_batch_per_rank", "draft_k", "decode_replicas")
+                     "decode_tp", "max_batch_per_rank", "draft_k", "decode_replicas")
     @classmethod
     def _ints(cls, v):
         if v is not None and (not v or any(x < 0 for x in v)):
@@ -211,6 +213,16 @@ class DecodeOption:
     breakdown: object = None          # at the operating batch b_op
     breakdown_at_cap: object = None   # at b_max (what the TPOT pruning used)
     pruned: str | None = None
+    tp: int = 1                       # attention TP of a DP rank (ranks = ep / tp)
+
+    @property
+    def ranks(self) -> int:
+        return max(1, self.ep // self.tp)
+
+
+def _decode_tp_override(tp: int) -> dict:
+    """``decode.tp`` for a scenario override, left out at the default 1 (such scenarios stay as they were)."""
+    return {"decode.tp": tp} if tp != 1 else {}
 
 
 @dataclass
@@ -231,7 +243,7 @@ class Candidate:
     def label(self) -> str:
         p, d = self.prefill, self.decode
         return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep} "
-                f"D{d.replicas}xEP{d.ep} b<={d.max_batch_per_rank} k={d.draft_k}")
+                f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep} b<={d.max_batch_per_rank} k={d.draft_k}")
 
 
 def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
@@ -328,14 +340,15 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
     for tname in sp.topology:
         topo = topos[tname]
         for fmt in sp.weight_format:
-            for ep in sp.decode_ep:
+            for ep, dtp in itertools.product(sp.decode_ep, sp.decode_tp):
                 for cap in sp.max_batch_per_rank:
                     for k in sp.draft_k:
-                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx)
+                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
-                                                  "decode.max_batch_per_rank": cap, "mtp.draft_k": k})
+                                                  "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
+                                                  **_decode_tp_override(dtp)})
                             plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
@@ -354,11 +367,11 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
                                             f"{spec.slo.tpot_s * 1e3:.1f} ms")
                                 continue
                             conc = load.rate_per_s * load.output_mean * t_cap  # sequences in flight (Little)
-                            o.replicas = max(1, math.ceil(conc / (ep * o.b_max)))
+                            o.replicas = max(1, math.ceil(conc / (o.ranks * o.b_max)))
                             b = float(o.b_max)
                             for _ in range(8):  # fixed point b = rate * out * TPOT(b) / (replicas * ep), from above
                                 t_b, bd = tpot(b)
-                                nb = min(float(o.b_max), load.rate_per_s * load.output_mean * t_b / (o.replicas * ep))
+                                nb = min(float(o.b_max), load.rate_per_s * load.output_mean * t_b / (o.replicas * o.ranks))
                                 if abs(nb - b) < 0.05:
                                     b = nb
                                     break
@@ -401,13 +414,14 @@ def kv_transfer_s(built, tokens: int) -> float:
 def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, tokens: int) -> float | None:
     """:func:`kv_transfer_s` for one prefiller and one decoder of these options (memoised on what the KV path
     depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
-    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep)
+    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp)
     if key not in cache:
         from rackbed.sim.scenario import build
 
         ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
               "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
-              "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k}
+              "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k,
+              **_decode_tp_override(d.tp)}
         try:
             cache[key] = kv_transfer_s(build(_scenario(base, ov)), tokens)
         except (ValueError, FileNotFoundError):
@@ -503,7 +517,7 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     return {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
             "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
             "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
-            "mtp.draft_k": d.draft_k}
+            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp)}
 
 
 def base_scenario(spec: SearchSpec) -> dict:

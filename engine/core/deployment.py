@@ -6,9 +6,10 @@ A :class:`Deployment` is what the scheduler serves with. It carries no behaviour
 - a **prefiller group** is ``tp × ep`` GPUs in one node (the write-up: TP=4/EP=4 in one GB200 tray); it prefills a
   batch of prompts per step within ``max_batch_tokens``, keeps their KV (at most ``kv_capacity_tokens``) until it
   has been shipped, and ships it over the node's NICs with ``kv_streams`` concurrent transfers;
-- a **decoder group** is one DP-EP deployment of ``ep`` GPUs; each GPU is a DP rank with its own batch
+- a **decoder group** is one DP-EP deployment of ``ep`` GPUs: ``ep / tp`` DP attention ranks of ``tp`` GPUs each
+  (attention TP inside a rank, ``tp = 1`` by default: one GPU per rank), each with its own batch
   (``max_batch_per_rank``) and KV cache (``kv_capacity_tokens_per_rank`` tokens, allocated in pages of
-  ``kv_page_tokens``); KV arrives at a rank through that GPU's NIC;
+  ``kv_page_tokens``); KV arrives at a rank through the NIC of its first GPU; the experts span all ``ep`` GPUs;
 - ``spare_gpus`` is the pool the autoscaler may grow into, using ``prefiller_template`` / ``decoder_template``;
 - an **aggregated worker** (a deployment of kind aggregated, instead of prefillers and decoders) is ``tp × dp``
   GPUs of one NVLink domain that prefill and decode together: ``dp`` ranks (DP attention, each with its own batch
@@ -64,20 +65,33 @@ class PrefillerTemplate:
 
 @dataclass(frozen=True)
 class DecoderTemplate:
-    """Shape of one decoder group: ``ep`` DP ranks (one GPU each) with a batch cap and a KV capacity per rank."""
+    """Shape of one decoder group: ``ep`` GPUs forming ``ep / tp`` DP ranks of ``tp`` GPUs each (attention TP
+    inside a rank), with a batch cap and a KV capacity per rank (``kv_capacity_tokens_per_rank``: tokens of the
+    whole sequence, every KV head, that the rank's TP group holds together)."""
 
     ep: int = 16
     max_batch_per_rank: int = 64
     kv_capacity_tokens_per_rank: int = 400_000
     kv_page_tokens: int = 1
+    tp: int = 1
 
     @property
     def n_gpus(self) -> int:
         return self.ep
 
+    @property
+    def ranks(self) -> int:
+        """DP ranks of a group (each its own batch and KV cache)."""
+        return self.ep // self.tp
+
     def __post_init__(self) -> None:
-        for name in ("ep", "max_batch_per_rank", "kv_capacity_tokens_per_rank", "kv_page_tokens"):
+        for name in ("ep", "max_batch_per_rank", "kv_capacity_tokens_per_rank", "kv_page_tokens", "tp"):
             _need(getattr(self, name) >= 1, f"decoder.{name}: must be >= 1, got {getattr(self, name)}")
+        _need(self.ep % self.tp == 0, f"decoder.tp: {self.tp} does not divide the group's ep = {self.ep} GPUs")
+
+    def rank_nics(self, gpus, gpu_nic) -> tuple[str, ...]:
+        """The NIC each DP rank receives KV through: that of the rank's first GPU."""
+        return tuple(gpu_nic[g] for g in gpus[::self.tp])
 
 
 @dataclass(frozen=True)
@@ -158,7 +172,8 @@ class PrefillerGroup:
 
 @dataclass(frozen=True)
 class DecoderGroup:
-    """One placed decoder group: rank ``r`` is GPU ``gpus[r]`` receiving KV through ``rank_nics[r]``."""
+    """One placed decoder group: DP rank ``r`` is GPUs ``gpus[r*tp:(r+1)*tp]`` (``tp = template.tp``; one GPU
+    with the default ``tp = 1``) receiving KV through ``rank_nics[r]``."""
 
     id: str
     gpus: tuple[int, ...]
@@ -168,12 +183,19 @@ class DecoderGroup:
     def __post_init__(self) -> None:
         _need(len(self.gpus) >= 1, f"decoder {self.id}: needs at least one GPU")
         _need(len(set(self.gpus)) == len(self.gpus), f"decoder {self.id}: repeated GPU in {self.gpus}")
-        _need(len(self.rank_nics) == len(self.gpus),
-              f"decoder {self.id}: rank_nics has {len(self.rank_nics)} entries for {len(self.gpus)} ranks")
+        _need(len(self.gpus) % self.template.tp == 0,
+              f"decoder {self.id}: {len(self.gpus)} GPUs are not whole DP ranks of tp = {self.template.tp}")
+        _need(len(self.rank_nics) == self.ranks,
+              f"decoder {self.id}: rank_nics has {len(self.rank_nics)} entries for {self.ranks} ranks")
 
     @property
     def ep(self) -> int:
         return len(self.gpus)
+
+    @property
+    def ranks(self) -> int:
+        """DP ranks (each its own batch and KV cache): ``ep / tp``."""
+        return len(self.gpus) // self.template.tp
 
 
 @dataclass(frozen=True)
@@ -307,8 +329,7 @@ def place(
     for i in range(n_decoders):
         mine = _in_one_domain(free, gpu_domain, dtpl.ep, f"decoder {i}", f"n_decoders={n_decoders}, {len(gpus)} GPUs")
         free = [g for g in free if g not in mine]
-        dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=tuple(gpu_nic[g] for g in mine),
-                                    template=dtpl))
+        dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=dtpl.rank_nics(mine, gpu_nic), template=dtpl))
     if spare not in ("rest", "none"):
         raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
     return Deployment(

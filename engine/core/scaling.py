@@ -127,7 +127,7 @@ class WorkerPool:
         obs = autoscale.Observation(
             now_s=now, input_tokens_per_s=rate, queued_prefill_tokens=sum(p.queued_tokens for p in live_p),
             prefill_capacity_tokens_per_s=cap, n_prefillers=len(live_p), n_decoders=len(live_d),
-            decode_requests=dec_req, ranks_per_decoder=self.dep.decoder_template.ep)
+            decode_requests=dec_req, ranks_per_decoder=self.dep.decoder_template.ranks)
         tgt = autoscale.decide(cfg, obs)
         for _ in range(tgt.prefillers - len(live_p)):
             if self._scale_up_prefiller(now) is None:
@@ -201,7 +201,8 @@ class WorkerPool:
             return None
         self._take_pool(gpus)
         g = DecoderGroup(id=f"D{self._n_dec_created}", gpus=gpus,
-                         rank_nics=tuple(self.dep.gpu_nic[x] for x in gpus), template=self.dep.decoder_template)
+                         rank_nics=self.dep.decoder_template.rank_nics(gpus, self.dep.gpu_nic),
+                         template=self.dep.decoder_template)
         d = self._add_decoder(g, STARTING, now + self.asc.scale_up_delay_s, now)
         self._add((now, "scale_up", d.id, -1, len(gpus), 0, "decode"))
         self._refresh_limits()

@@ -164,11 +164,11 @@ class DecoderState(_GroupState):
                  created_s: float) -> None:
         self._init_group(g, order, status, ready_at, created_s)
         self.n_gpus = g.ep
-        self._init_ranks(g.ep, g.template, k, p, g.rank_nics)
+        self._init_ranks(g.ranks, g.template, k, p, g.rank_nics)
 
     def _init_ranks(self, ep: int, t, k: int, p: float, rank_nics) -> None:
         """The ranks' batches, queues and KV (``t``: a template with ``max_batch_per_rank``, ``kv_page_tokens``,
-        ``kv_capacity_tokens_per_rank``)."""
+        ``kv_capacity_tokens_per_rank``). ``ep``: the DP ranks (``DecoderGroup.ranks``: GPUs / attention tp)."""
         self.ep = ep
         self.k = k
         self.p = p

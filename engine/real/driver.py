@@ -391,6 +391,9 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
         raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false)")
     if any(len(g.gpus) > 1 for g in dep.aggregated):
         raise UserError("real mode: aggregated workers of one GPU only (aggregated.tp, dp and ep = 1)")
+    if dep.decoder_template.tp > 1 or any(g.template.tp > 1 for g in dep.decoders):
+        raise UserError("decode.tp: real mode runs DP-attention decoders only (decode.tp: 1); attention TP in "
+                        "decoders is simulated only")
     if tiny_cfg is None and weights:
         cfg_path = Path(weights) / "config.json"
         if not cfg_path.exists():

@@ -295,7 +295,7 @@ class MixerCosts:
     prefill: ``(gpu, model, seqs, tp=, fmt=, calib=) -> AttentionCost`` of one layer on one rank.
     decode:  ``(gpu, model, rank_batch, front, kw) -> AttentionCost`` of one layer on the slowest DP rank;
              ``front`` = the (sequences, context tokens) pairs that can be slowest (``step.pareto_ranks``),
-             ``kw`` = fmt, q_per_seq, kv_elem_bytes, page_tokens, calib.
+             ``kw`` = fmt, q_per_seq, kv_elem_bytes, page_tokens, calib, and tp (a DP rank's attention TP) when > 1.
     """
 
     prefix: str
@@ -309,8 +309,8 @@ def _full_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> At
 
 
 def _linear_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
-    return linear_attention_decode(gpu, model, max(rank_batch), fmt=kw["fmt"], q_per_seq=kw["q_per_seq"],
-                                   calib=kw["calib"])
+    return linear_attention_decode(gpu, model, max(rank_batch), tp=kw.get("tp", 1), fmt=kw["fmt"],
+                                   q_per_seq=kw["q_per_seq"], calib=kw["calib"])
 
 
 #: kind tag -> its costs, in the order the step adds their terms

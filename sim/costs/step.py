@@ -21,8 +21,14 @@ each attention all-reduce). Per layer, on one rank:
   the TP group spans hosts — the cross-node host synchronisation (``CROSS_NODE_HOST_SYNC_US``: the write-up's
   "host code split over two nodes").
 
-**Decode** (``plan.tp == 1``: DP + EP decoders; every rank owns ``rank_batch[r]`` sequences holding
-``rank_context_tokens[r]`` KV tokens). A step with ``draft_k`` MTP drafts is *draft + verify*:
+**Decode** (DP attention + EP experts; every DP rank owns ``rank_batch[r]`` sequences holding
+``rank_context_tokens[r]`` KV tokens). A DP rank is one GPU (``plan.tp == 1``) or a TP group of ``tp`` GPUs
+(attention TP x DP): its GPUs split the attention heads (projections, core and KV ``tp`` ways, KV heads replicated
+beyond the model's), all-reduce the attention output over the TP group (``attn_allreduce``), each route and
+dispatch a ``1 / tp`` slice of the rank's tokens over the EP group (all ``tp * dp`` GPUs), run the shared expert
+``tp`` ways on all of them, and all-reduce the MoE output (``moe_allreduce``: shared-expert partial sums and the
+routed slices in one). With ``tp = 1`` none of the TP terms exist. A step with ``draft_k`` MTP drafts is
+*draft + verify*:
 
 * verify: the main model on ``draft_k + 1`` query tokens per sequence — per layer the slowest rank's attention
   (KV read once, ``q_per_seq = draft_k + 1``), DP-EP dispatch, the grouped GEMM on a rank's experts (tokens per
@@ -200,15 +206,19 @@ def prefill_step_time(model, plan, topo, seqs: Sequence[tuple[int, int]], **kw) 
 
 def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, model, plan, topo,
                       tokens_per_rank: Sequence[int], tokens_per_expert, send_matrix, fmt: str, calib) -> None:
-    """One MoE layer of a decode pass on the slowest rank, times ``n_layers``, into ``b``."""
+    """One MoE layer of a decode pass on the slowest rank, times ``n_layers``, into ``b``. ``tokens_per_rank``:
+    tokens of each DP rank; with attention TP (``plan.tp > 1``) each of a rank's GPUs routes and dispatches its
+    ``1 / tp`` slice of them, and the shared expert (split ``tp`` ways) runs on them all."""
+    tp = plan.tp
     t_max = max(tokens_per_rank)
     t_all = sum(tokens_per_rank)
     if t_all <= 0 or n_layers <= 0:
         return
+    t_gpu = -(-t_max // tp)  # a GPU's slice of its DP rank's tokens (all of them when tp = 1)
     b.add(f"{prefix}router", "other_s",
-          n_layers * gemm_time(gpu, t_max, model.n_experts, model.hidden, "bf16", calib=calib).total_s)
-    disp = dpep_decode_dispatch(topo, plan.gpus, t_max, model, fmt, send_matrix=send_matrix, calib=calib)
-    comb = dpep_decode_combine(topo, plan.gpus, t_max, model, send_matrix=send_matrix, calib=calib)
+          n_layers * gemm_time(gpu, t_gpu, model.n_experts, model.hidden, "bf16", calib=calib).total_s)
+    disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix, calib=calib)
+    comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
     b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
     block = moe_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, t_all)
     if block is None:
@@ -218,8 +228,18 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
         block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
     b.add(f"{prefix}moe_gemm", "moe_gemm_s", n_layers * block)
     b.add(f"{prefix}shared_expert", "moe_gemm_s",
-          n_layers * _shared_expert_s(gpu, model, t_max, 1, fmt, calib))
+          n_layers * _shared_expert_s(gpu, model, t_max, tp, fmt, calib))
     b.add(f"{prefix}moe_combine", "a2a_s", n_layers * comb.total_s)
+    _tp_allreduce(b, f"{prefix}moe_allreduce", n_layers, model, plan, topo, t_max, calib)
+
+
+def _tp_allreduce(b: BreakdownBuilder, name: str, n_layers: int, model, plan, topo, n_tokens: int, calib) -> None:
+    """Attention TP in a decoder (``plan.tp > 1``): an all-reduce of ``n_tokens x hidden`` bf16 over a DP rank's
+    TP group per layer (after the attention's output projection; after the MoE block, where it sums the shared
+    expert's partial outputs and gathers the GPUs' routed slices in one). Nothing with ``tp = 1``."""
+    if plan.tp > 1 and n_layers and n_tokens > 0:
+        ar = allreduce_time(topo, plan.tp_group(0), n_tokens * model.hidden * 2, calib=calib)
+        b.add(name, "allreduce_s", n_layers * ar.total_s)
 
 
 def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float], *,
@@ -229,14 +249,15 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
                           calib: CalibrationTable | None = None) -> StepBreakdown:
     """Term-by-term decode step = MTP draft (``draft_k`` passes) + verify (module docstring).
 
-    ``rank_batch[r]`` / ``rank_context_tokens[r]``: sequences and KV tokens of DP rank ``r`` (``plan.gpus[r]``).
-    ``tokens_per_expert``: the busiest rank's per-local-expert token counts of the verify pass (e.g. from a
-    ``DpEpDecodePlan``); ``send_matrix``: its ``tokens`` matrix; None = uniform-routing expectations."""
-    if plan.tp != 1:
-        raise UserError(f"decode cost model covers DP+EP decoders (tp=1), got tp={plan.tp}")
-    r = plan.world
+    ``rank_batch[r]`` / ``rank_context_tokens[r]``: sequences and KV tokens of DP rank ``r`` (``plan.tp_group(r)``,
+    one GPU when ``plan.tp == 1``). ``tokens_per_expert``: the busiest GPU's per-local-expert token counts of the
+    verify pass (e.g. from a ``DpEpDecodePlan``); ``send_matrix``: its ``tokens`` matrix (one row and column per
+    GPU of the EP group); None = uniform-routing expectations."""
+    r = plan.dp
+    if plan.world != plan.tp * plan.dp:
+        raise UserError(f"decode plan: {plan.world} GPUs for tp*dp = {plan.tp}*{plan.dp}")
     if len(rank_batch) != r or len(rank_context_tokens) != r:
-        raise UserError(f"rank_batch and rank_context_tokens need one entry per rank ({r}), got "
+        raise UserError(f"rank_batch and rank_context_tokens need one entry per rank ({r} DP ranks), got "
                         f"{len(rank_batch)} and {len(rank_context_tokens)}")
     if draft_k < 0:
         raise UserError(f"draft_k must be >= 0, got {draft_k}")
@@ -248,6 +269,8 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
         return b.build()
     kw = {"fmt": fmt, "q_per_seq": q, "kv_elem_bytes": plan.kv_elem_bytes, "page_tokens": plan.page_tokens,
           "calib": calib}
+    if plan.tp > 1:
+        kw["tp"] = plan.tp
     _, _, n_moe, n_dense = layer_counts(model)
     front = pareto_ranks(rank_batch, rank_context_tokens)
     # verify pass: slowest rank's attention per layer kind
@@ -256,35 +279,44 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
         b.add(f"{costs.prefix}_proj", "attn_s", n * worst.proj_s)
         b.add(f"{costs.prefix}_core", "attn_s", n * worst.core_s)
     tokens = [n * q for n in rank_batch]
+    _tp_allreduce(b, "attn_allreduce", model.n_layers, model, plan, topo, max(tokens), calib)
     _moe_decode_layer(b, "", n_moe, gpu, model, plan, topo, tokens, tokens_per_expert, send_matrix, fmt, calib)
     if n_dense:
-        b.add("dense_mlp", "moe_gemm_s", n_dense * _dense_mlp_s(gpu, model, max(tokens), 1, fmt, calib))
+        b.add("dense_mlp", "moe_gemm_s", n_dense * _dense_mlp_s(gpu, model, max(tokens), plan.tp, fmt, calib))
+        _tp_allreduce(b, "dense_allreduce", n_dense, model, plan, topo, max(tokens), calib)
     b.add("norms", "other_s", model.n_layers * _norms_s(gpu, model, max(tokens), calib))
     b.add("embed", "other_s", _embed_s(gpu, model, max(tokens), calib))
     b.add("lm_head", "other_s", gemm_time(gpu, max(tokens), model.vocab, model.hidden, "bf16",
                                           calib=calib).total_s)
-    # MTP draft: draft_k sequential passes, one token per sequence
     if draft_k:
         n_mtp = n_mtp_layers if n_mtp_layers is not None else (model.n_mtp_layers or 1)
-        passes = draft_k * n_mtp
-        one = list(rank_batch)
-        t1 = max(one)
-        dkw = {**kw, "q_per_seq": 1}
-        # the MTP layer keeps its own KV cache, as long as the sequence's
-        worst = max((full_attention_decode_totals(gpu, model, n, ctx, **dkw) for n, ctx in front),
-                    key=lambda a: a.total_s)
-        b.add("mtp_fc", "other_s", passes * gemm_time(gpu, t1, model.hidden, 2 * model.hidden, fmt,
-                                                      calib=calib).total_s)
-        b.add("mtp_attn", "attn_s", passes * worst.total_s)
-        if model.n_experts:
-            _moe_decode_layer(b, "mtp_", passes, gpu, model, plan, topo, one, None, None, fmt, calib)
-        else:
-            b.add("mtp_dense_mlp", "moe_gemm_s", passes * _dense_mlp_s(gpu, model, t1, 1, fmt, calib))
-        b.add("mtp_norms", "other_s", passes * _norms_s(gpu, model, t1, calib))
-        b.add("mtp_lm_head", "other_s", draft_k * gemm_time(gpu, t1, model.vocab, model.hidden, "bf16",
-                                                            calib=calib).total_s)
+        _mtp_draft(b, draft_k, n_mtp, gpu, model, plan, topo, rank_batch, front, {**kw, "q_per_seq": 1})
     b.add("host", "other_s", host_step_s(calib, gpu, "decode", max(rank_batch)))
     return b.build()
+
+
+def _mtp_draft(b: BreakdownBuilder, draft_k: int, n_mtp: int, gpu, model, plan, topo, rank_batch, front,
+               kw: dict) -> None:
+    """MTP draft: ``draft_k`` sequential passes of the ``n_mtp`` MTP module(s), one token per sequence: fc
+    (2*hidden -> hidden, replicated), one full-attention decoder layer sharded like the others (its own KV cache,
+    as long as the sequence's) with the model's MoE, norms and the lm_head."""
+    passes = draft_k * n_mtp
+    fmt, calib = kw["fmt"], kw["calib"]
+    t1 = max(rank_batch)
+    worst = max((full_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
+                key=lambda a: a.total_s)
+    b.add("mtp_fc", "other_s", passes * gemm_time(gpu, t1, model.hidden, 2 * model.hidden, fmt,
+                                                  calib=calib).total_s)
+    b.add("mtp_attn", "attn_s", passes * worst.total_s)
+    _tp_allreduce(b, "mtp_attn_allreduce", passes, model, plan, topo, t1, calib)
+    if model.n_experts:
+        _moe_decode_layer(b, "mtp_", passes, gpu, model, plan, topo, list(rank_batch), None, None, fmt, calib)
+    else:
+        b.add("mtp_dense_mlp", "moe_gemm_s", passes * _dense_mlp_s(gpu, model, t1, plan.tp, fmt, calib))
+        _tp_allreduce(b, "mtp_dense_allreduce", passes, model, plan, topo, t1, calib)
+    b.add("mtp_norms", "other_s", passes * _norms_s(gpu, model, t1, calib))
+    b.add("mtp_lm_head", "other_s", draft_k * gemm_time(gpu, t1, model.vocab, model.hidden, "bf16",
+                                                        calib=calib).total_s)
 
 
 def decode_step_time(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float],

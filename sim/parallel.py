@@ -1,0 +1,76 @@
+"""The parallelism of a disaggregated scenario's groups: their ``ParallelPlan``\\ s and the rules across sections.
+
+A **prefiller** is ``max(tp, ep)`` GPUs of one node: attention TP over ``tp`` of them, the experts over ``ep``
+(``tp > ep``: each expert's intermediate dimension split ``tp / ep`` ways, expert TP). ``tp < ep`` (attention DP
+groups inside a prefiller) is refused: the prefill cost model prices one TP group with a replicated batch. A **decoder** is ``ep`` GPUs of one NVLink domain:
+``ep / tp`` DP attention ranks of ``tp`` GPUs each (attention TP x DP, TRT-LLM's and SGLang's "attention TP"
+inside "attention DP"), the experts over all ``ep`` GPUs. ``tp = 1`` (the default) is pure DP attention, one GPU
+per rank.
+
+:func:`check_parallel` names the first violated rule as one line (``decode.tp: ...``) before the plans are built;
+``ParallelPlan.check_structure`` and the memory budget then check the rest against the topology.
+"""
+
+from __future__ import annotations
+
+from rackbed.topology.errors import UserError
+
+
+def _kv_replication(model, tp: int) -> int:
+    return model.mixer("full").kv_replication(tp)
+
+
+def check_parallel(sc, model) -> None:
+    """The prefill / decode parallelism rules that name a scenario field; a one-line ``UserError``."""
+    p, d = sc.prefill, sc.decode
+    rules = []
+    for role, tp in (("prefill", p.tp), ("decode", d.tp)):
+        for mixer in _mixers(model):
+            try:
+                mixer.check_tp(tp, _kv_replication(model, tp) if role == "decode" or p.kv_replication is None
+                               else p.kv_replication, model.name)
+            except UserError as exc:
+                raise UserError(f"{role}.tp: {exc}") from None
+    for role, ep in (("prefill", p.ep), ("decode", d.ep)):
+        rules.append((model.n_experts and model.n_experts % ep,
+                      f"{role}.ep: {ep} does not divide the {model.n_experts} experts of {model.name}"))
+    rules += [
+        (d.ep % d.tp, f"decode.tp: {d.tp} does not divide the decoder's ep = {d.ep} GPUs (dp = ep / tp ranks)"),
+        (p.tp < p.ep, f"prefill.tp: tp = {p.tp} < ep = {p.ep} makes ep / tp attention DP groups in a prefiller, "
+                      f"which the prefill cost model does not price; use tp >= ep (e.g. tp = ep = {p.ep})"),
+        (max(p.tp, p.ep) % min(p.tp, p.ep),
+         f"prefill.tp: tp = {p.tp} and ep = {p.ep} must divide one another (the group is max(tp, ep) GPUs)"),
+        (p.tp > p.ep and model.n_experts and model.moe_intermediate % (p.tp // p.ep),
+         f"prefill.tp: expert TP = tp / ep = {p.tp // p.ep} does not divide moe_intermediate "
+         f"{model.moe_intermediate} of {model.name}"),
+    ]
+    for broken, msg in rules:
+        if broken:
+            raise UserError(msg)
+
+
+def _mixers(model) -> tuple:
+    return (model.mixer("full"),) + tuple(a for a, _ in model.attention_counts() if a.kind != "full")
+
+
+def prefill_plan_for(sc, model, gpus):
+    """The ParallelPlan of a prefiller group of the scenario on ``gpus`` (what ``build`` gives group 0)."""
+    from rackbed.engine.core.sharding import ParallelPlan
+
+    p = sc.prefill
+    kv_rep = p.kv_replication or _kv_replication(model, p.tp)
+    return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, max(p.tp, p.ep) // p.tp), kv_replication=kv_rep,
+                        gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
+                        page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens)
+
+
+def decode_plan_for(sc, model, gpus):
+    """The ParallelPlan of a decoder group of the scenario on ``gpus`` (what ``build`` gives group 0): ``ep``
+    GPUs, ``dp = ep / tp`` DP ranks of ``tp`` GPUs (KV heads split over a rank's GPUs, replicated beyond the model's
+    KV heads), ``max_batch_per_rank`` sequences per DP rank."""
+    from rackbed.engine.core.sharding import ParallelPlan
+
+    d = sc.decode
+    return ParallelPlan(role="decode", tp=d.tp, ep=d.ep, dp=d.ep // d.tp, kv_replication=_kv_replication(model, d.tp),
+                        gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
+                        page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
