@@ -327,10 +327,12 @@ def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, 
 
 def _prune_reasons(cands, n: int = 3) -> list[dict]:
     """The ``n`` commonest pruning reasons (numbers masked to group alike ones), each with one real example."""
+    from rackbed.sim.search_results import normalise_reason
+
     groups: dict[str, list[str]] = {}
     for c in cands:
         if c.pruned:
-            groups.setdefault(re.sub(r"[0-9][0-9.,]*", "N", c.pruned), []).append(c.pruned)
+            groups.setdefault(normalise_reason(c.pruned), []).append(c.pruned)
     top = sorted(groups.values(), key=lambda g: -len(g))[:n]
     return [{"candidates": len(g), "example": g[0]} for g in top]
 

@@ -72,6 +72,9 @@ def plan_of(sc) -> Plan:
     """The :class:`Plan` of a :class:`~sim.scenario.ServingScenario` (built: its groups placed on GPUs)."""
     from rackbed.sim.scenario import build
 
+    if sc.deployment == "aggregated":
+        raise UserError(f"{sc.name}: deployment: aggregated is not emitted (the engines' files here are for "
+                        "prefill/decode groups)")
     if sc.autoscaler is not None and sc.autoscaler.enabled:
         sc = sc.model_copy(update={"autoscaler": None})  # the starting counts are what gets launched
     b = build(sc, engine_calibration=False)

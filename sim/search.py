@@ -462,6 +462,13 @@ def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
                     pp = _with(p, replicas=pr)
                     dd = _with(d, replicas=dr)
                     n = pr * max(p.tp, p.ep) + dr * d.ep
+                    if n > n_topo and sp.prefill_replicas is None and p.pruned is None:
+                        # the headroom is a margin, not a need: fewer prefillers, down to the load's own, that fit
+                        # the topology keep the candidate (the simulation says whether the TTFT SLO still holds)
+                        fit = (n_topo - dr * d.ep) // max(p.tp, p.ep)
+                        if fit >= math.ceil(load.input_tokens_per_s / p.capacity_tokens_per_s):
+                            pr, pp = fit, _with(p, replicas=fit)
+                            n = pr * max(p.tp, p.ep) + dr * d.ep
                     pruned = p.pruned or d.pruned
                     if pruned is None and (pr < 1 or dr < 1):
                         pruned = "needs at least one prefiller and one decoder"
@@ -567,6 +574,7 @@ class SearchResult:
     explanations: dict[str, dict]  # record key -> explain()
     scenarios: dict[str, dict]     # record key -> scenario dict
     wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_address: str | None = None,
@@ -581,6 +589,7 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
 
     t0 = time.perf_counter()
     model = scenario_model(parse_scenario(base_scenario(spec), f"search {spec.name}"))
+    spec, note = without_unasked_mtp(spec, model)
     topos: dict[str, object] = {}
     for t in spec.space.topology:
         _cache_get(topos, t, topo_mod.load)
@@ -589,6 +598,9 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     dec = decode_options(spec, load, model, topos)
     cands = candidates(spec, load, model, topos, pre, dec)
     chosen = select_for_simulation(cands, spec.max_simulations)
+    if not chosen:  # every candidate pruned: a sweep of no points would simulate the bare base scenario
+        return SearchResult(spec, load, pre, dec, cands, [], [], [], [], [], {}, {}, wall_s=time.perf_counter() - t0,
+                            notes=[note] if note else [])
     sweep = SweepSpec(name=spec.name, base=base_scenario(spec), points=[c.overrides for c in chosen],
                       source=f"search {spec.name}")
     points = expand(sweep)
@@ -618,7 +630,19 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
         except (ValueError, FileNotFoundError) as exc:
             expl[r["key"]] = {"error": one_line(exc)}
     return SearchResult(spec, load, pre, dec, cands, chosen, recs, elig, front, best, expl, scen,
-                        wall_s=time.perf_counter() - t0)
+                        wall_s=time.perf_counter() - t0, notes=[note] if note else [])
+
+
+def without_unasked_mtp(spec: SearchSpec, model) -> tuple[SearchSpec, str | None]:
+    """``spec`` searching only ``draft_k`` 0 when the model has no MTP layers and the spec did not list draft
+    lengths itself (speculative decoding would then need a draft model the simulation does not price), and the
+    note that says so (None when nothing changed)."""
+    if model.n_mtp_layers or "draft_k" in spec.space.model_fields_set or spec.space.draft_k == (0,):
+        return spec, None
+    space = spec.space.model_copy(update={"draft_k": (0,)})
+    return spec.model_copy(update={"space": space}), (
+        f"{spec.model} has no MTP layers: searching MTP draft_k 0 only (--draft-k 1,2 searches a draft model's "
+        "speculative decoding priced as MTP)")
 
 
 def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Sequence[str], rate_per_s: float,
@@ -631,7 +655,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k)):
-        if v:
+        if v is not None:
             space[k] = tuple(v)
     data = {"name": name, "model": model,
             "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": rate_per_s},

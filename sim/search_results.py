@@ -191,11 +191,17 @@ def decode_table(res: SearchResult) -> list[dict]:
 
 def prune_summary(res: SearchResult) -> dict[str, int]:
     """How many candidates each pruning reason removed (reasons with numbers stripped to group alike ones)."""
-    import re
-
     out: dict[str, int] = {}
     for c in res.candidates:
         if c.pruned:
-            k = re.sub(r"[0-9][0-9.,]*", "N", c.pruned)
+            k = normalise_reason(c.pruned)
             out[k] = out.get(k, 0) + 1
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def normalise_reason(reason: str) -> str:
+    """A pruning reason with its standalone numbers replaced by ``N`` (to group alike reasons); digits inside
+    names — ``hgx-h200``, ``fp8``, ``TP4``, ``p90`` — stay, so the grouped reason still names what it is about."""
+    import re
+
+    return re.sub(r"(?<![A-Za-z0-9_.])[0-9][0-9.,]*(?![A-Za-z0-9_.,])", "N", reason)

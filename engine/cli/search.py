@@ -26,37 +26,121 @@ def _strs(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help; flags whose default is "not given" say in their help what applies."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "search",
-        help="find the Pareto-best deployments (tokens/s per GPU vs per user) for a load and SLOs",
-        description="Enumerate deployments, prune with the memory budget and the analytic step-time model, "
-        "simulate the survivors, report the Pareto front of tokens/s per GPU vs tokens/s per user with the cost "
-        "per million tokens and where the step time goes. Give a search spec YAML, or the flags.",
+        help="find the Pareto-best deployments (tokens/s per GPU vs per user) for a GPU budget or a load and SLOs",
+        formatter_class=_Help,
+        description="With --gpus N (no --rate): the best deployments on N GPUs, aggregated and disaggregated, each "
+        "at the highest rate it sustains under the SLOs — the Pareto fronts of tokens/s per GPU vs tokens/s per "
+        "user and the best configuration (docs/CAPACITY.md). With --rate: the Pareto search for that load "
+        "(enumerate, prune with the memory budget and the analytic step-time model, simulate the survivors). "
+        "With --max-rate SCENARIO: the highest rate a given deployment sustains under the SLOs.",
     )
-    p.add_argument("spec", nargs="?", help="search spec YAML (kind: search) or a name under scenarios/sweeps/")
-    p.add_argument("--model", default="qwen3-235b-a22b")
-    p.add_argument("--topology", type=_strs, default=["gb200-nvl72"], help="comma-separated topology names")
-    p.add_argument("--format", dest="weight_format", type=_strs, default=["mxfp8"], help="comma-separated formats")
-    p.add_argument("--rate", type=float, default=None, help="requests/s (Poisson)")
-    p.add_argument("--prompt", type=int, default=4000, help="prompt tokens (fixed)")
-    p.add_argument("--output", type=int, default=400, help="output tokens (fixed)")
+    p.add_argument("spec", nargs="?", help="search spec YAML (kind: search) or a name under scenarios/sweeps/ "
+                   "(instead of the flags)")
+    p.add_argument("--model", default="qwen3-235b-a22b", help="model name (rackbed model show)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPU budget: without --rate, search every deployment on this many GPUs at the rate each "
+                   "sustains; the topology is resized to it (NAME, NAME*k, NAME@G); default: none (give --rate)")
+    p.add_argument("--topology", type=_strs, default=["gb200-nvl72"],
+                   help="topology (with --gpus: one preset, resized); with --rate: comma-separated names")
+    p.add_argument("--format", dest="weight_format", type=_strs, default=["fp8"],
+                   help="weight format (rackbed formats); with --rate: comma-separated")
+    p.add_argument("--kind", type=_strs, default=["disaggregated", "aggregated"],
+                   help="with --gpus: deployment kinds searched, comma-separated")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (Poisson): search for this load; default: none (give --gpus)")
+    p.add_argument("--prompt", "--isl", dest="prompt", type=int, default=4000, help="prompt tokens (fixed)")
+    p.add_argument("--output", "--osl", dest="output", type=int, default=400, help="output tokens (fixed)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals simulated per point")
     p.add_argument("--ttft", type=float, default=2.0, help="TTFT SLO, seconds (p90)")
     p.add_argument("--tpot", type=float, default=0.05, help="TPOT SLO, seconds (p90)")
-    p.add_argument("--gpu-hour-usd", type=float, default=0.0, help="price of one GPU-hour, for $/M tokens")
-    p.add_argument("--prefill-tp", type=_ints, default=None, help="e.g. 2,4,8 (EP = TP)")
-    p.add_argument("--decode-ep", type=_ints, default=None, help="e.g. 8,16,32")
-    p.add_argument("--batch-cap", type=_ints, default=None, help="decode max batch per rank, e.g. 16,32,64")
-    p.add_argument("--draft-k", type=_ints, default=None, help="MTP draft lengths, e.g. 0,1,2")
-    p.add_argument("--max-simulations", type=int, default=None, help="cap on simulated survivors")
-    p.add_argument("--top", type=int, default=None, help="best points to print and explain")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default rackbed-out/search-<name>)")
-    p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)")
-    p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-report", action="store_true")
+    p.add_argument("--gpu-hour-usd", type=float, default=0.0, help="price of one GPU-hour, for $/M tokens (0: none)")
+    p.add_argument("--prefill-tp", type=_ints, default=None, help="prefill TP degrees (EP = TP); default 2,4,8")
+    p.add_argument("--decode-ep", type=_ints, default=None, help="decode DP-EP degrees; default 4,8,16,32")
+    p.add_argument("--batch-cap", type=_ints, default=None,
+                   help="max batch per rank (decode / aggregated); default 8,16,32,64,128")
+    p.add_argument("--draft-k", type=_ints, default=None,
+                   help="MTP draft lengths; default 0,1,2 for a model with MTP layers, else 0")
+    p.add_argument("--max-simulations", type=int, default=None,
+                   help="cap on simulations; default 12 with --gpus, 60 with --rate")
+    p.add_argument("--per-front", type=int, default=3,
+                   help="with --gpus: analytic front points simulated per deployment kind")
+    p.add_argument("--max-rate", metavar="SCENARIO", default=None,
+                   help="the highest rate this scenario's deployment sustains under --ttft / --tpot (doubling from --rate or "
+                   "the scenario's rate, then bisection; --duration per simulation); default: not this mode")
+    p.add_argument("--top", type=int, default=None, help="best points to print and explain; default 5")
+    p.add_argument("--emit", choices=("sglang", "trtllm", "dynamo"), default=None,
+                   help="write the best configuration's launch settings for this engine (rackbed emit); default: none")
+    p.add_argument("--emit-out", type=Path, default=None, help="folder for --emit; default OUT/emit-ENGINE")
+    p.add_argument("--out", type=Path, default=None, help="output folder; default rackbed-out/search-<name>")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes; default: CPU count")
+    p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed); default: local processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-report", action="store_true", help="no report.md / report.html")
     p.set_defaults(func=_main)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Flag values the search cannot use: a one-line UserError naming the flag as typed (never a spec path)."""
+    from rackbed.engine.core.formats import FORMAT_NAMES
+    from rackbed.topology.errors import UserError
+
+    def bad(flag, v, rule):
+        raise UserError(f"{flag} {v}: {rule}")
+
+    for flag, v in (("--rate", args.rate), ("--duration", args.duration), ("--ttft", args.ttft),
+                    ("--tpot", args.tpot)):
+        if v is not None and not v > 0:
+            bad(flag, v, "must be a positive number")
+    for flag, v in (("--gpus", args.gpus), ("--isl", args.prompt), ("--osl", args.output), ("--top", args.top),
+                    ("--per-front", args.per_front), ("--jobs", args.jobs)):
+        if v is not None and v < 1:
+            bad(flag, v, "must be a positive integer")
+    if args.max_simulations is not None and args.max_simulations < 0:
+        bad("--max-simulations", args.max_simulations, "must be >= 0")
+    if args.gpu_hour_usd < 0:
+        bad("--gpu-hour-usd", args.gpu_hour_usd, "must be >= 0")
+    for f in args.weight_format:
+        if f not in FORMAT_NAMES:
+            bad("--format", f, f"unknown format; one of {', '.join(FORMAT_NAMES)}")
+    if not args.weight_format:
+        bad("--format", "''", "give a format")
+    for k in args.kind:
+        if k not in ("disaggregated", "aggregated"):
+            bad("--kind", k, "one of disaggregated, aggregated")
+    for flag, v in (("--prefill-tp", args.prefill_tp), ("--decode-ep", args.decode_ep),
+                    ("--batch-cap", args.batch_cap)):
+        if v is not None and (not v or any(x < 1 for x in v)):
+            bad(flag, ",".join(map(str, v)), "expected comma-separated integers >= 1")
+    if args.draft_k is not None and (not args.draft_k or any(x < 0 for x in args.draft_k)):
+        bad("--draft-k", ",".join(map(str, args.draft_k)), "expected comma-separated integers >= 0")
+    if args.gpus is not None and args.rate is None and len(args.topology) != 1:
+        bad("--topology", ",".join(args.topology), "with --gpus give one topology")
+    if args.gpus is not None and args.rate is None and len(args.weight_format) != 1:
+        bad("--format", ",".join(args.weight_format), "with --gpus give one format")
+    if args.emit_out is not None and args.emit is None:
+        bad("--emit-out", args.emit_out, "needs --emit ENGINE")
+
+
+def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, topology=None):
+    from rackbed.sim import search as se
+
+    return se.spec_from_flags(model=args.model, topology=topology or args.topology, weight_format=args.weight_format,
+                              rate_per_s=rate, prompt_tokens=args.prompt, output_tokens=args.output,
+                              duration_s=args.duration, ttft_s=args.ttft, tpot_s=args.tpot,
+                              gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
+                              max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
+                              max_simulations=max_simulations, top=args.top or 5)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -65,32 +149,148 @@ def _main(args: argparse.Namespace) -> int:
     from rackbed.sim import search as se
     from rich.console import Console
 
+    check_flags(args)
     console = Console() if Console().is_terminal else Console(width=160)
+    jobs = args.jobs or os.cpu_count() or 1
+    if args.max_rate:
+        return _max_rate(args, console)
     if args.spec:
         spec = se.load_search(args.spec)
         upd = {k: v for k, v in (("max_simulations", args.max_simulations), ("top", args.top)) if v is not None}
         if upd:
             spec = spec.model_copy(update=upd)
+    elif args.rate is None and args.gpus is not None:
+        return _budget(args, console, jobs)
     else:
         if args.rate is None:
-            raise ValueError("rackbed search: give a search spec YAML, or at least --rate (requests/s)")
-        spec = se.spec_from_flags(model=args.model, topology=args.topology, weight_format=args.weight_format,
-                                  rate_per_s=args.rate, prompt_tokens=args.prompt, output_tokens=args.output,
-                                  duration_s=args.duration, ttft_s=args.ttft, tpot_s=args.tpot,
-                                  gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp,
-                                  decode_ep=args.decode_ep, max_batch_per_rank=args.batch_cap,
-                                  draft_k=args.draft_k, max_simulations=args.max_simulations or 60,
-                                  top=args.top or 5)
+            raise ValueError("rackbed search: give --gpus N (the best deployments on N GPUs at any rate), --rate "
+                             "(requests/s), --max-rate SCENARIO, or a search spec YAML")
+        topology = None
+        if args.gpus is not None:
+            from rackbed.sim.budget import budget_topology
+
+            topology = [budget_topology(t, args.gpus) for t in args.topology]
+        spec = _flags_spec(args, args.rate, 60 if args.max_simulations is None else args.max_simulations, topology)
     out = args.out or Path("rackbed-out") / f"search-{spec.name}"
-    jobs = args.jobs or os.cpu_count() or 1
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)
+    for note in res.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    if not res.simulated:
+        from rackbed.sim.search_results import prune_summary
+
+        why = next(iter(prune_summary(res)), "no candidate")
+        raise ValueError(f"rackbed search: every candidate was pruned (commonest: {why}); try looser --ttft / "
+                         "--tpot, more GPUs (--topology NAME*k) or another --format")
     print_search(console, res)
     if not args.no_report:
         from rackbed.sim.report import write_report
 
         files = write_report(out, search_report_data(res))
         console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
+    if args.emit and res.best:
+        from rackbed.sim.scenario import parse_scenario
+
+        sc = parse_scenario(dict(res.scenarios[res.best[0]["key"]]), "search best")
+        _emit(console, sc, args.emit, args.emit_out or out / f"emit-{args.emit}")
+    return 0
+
+
+def _emit(console, sc, engine: str, out: Path) -> None:
+    from rackbed.sim.emit import write_emit
+
+    files = write_emit(sc, engine, out)
+    console.print(f"{engine} launch settings of the best configuration: {', '.join(str(f) for f in files)}")
+
+
+def _budget(args: argparse.Namespace, console, jobs: int) -> int:
+    from rackbed.sim import budget as bu
+
+    spec = _flags_spec(args, 1.0, 12)
+    spec = spec.model_copy(update={"name": f"budget-{bu._safe(args.topology[0])}-{args.gpus}"})
+    out = args.out or Path("rackbed-out") / f"search-{spec.name}"
+    res = bu.run_budget_search(spec, args.gpus, out, kinds=tuple(args.kind), per_front=args.per_front,
+                               max_simulations=12 if args.max_simulations is None else args.max_simulations,
+                               jobs=jobs, progress=not args.no_progress, console=console)
+    print_budget(console, res)
+    files = bu.write_budget(res, out)
+    console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
+    if res.best is None:
+        console.print("[red]no simulated deployment met the SLOs[/red]")
+        raise SystemExit(f"rackbed search: no simulated deployment on {args.gpus} GPUs met the SLOs; try looser "
+                         "--ttft / --tpot, more --max-simulations or --per-front, or more --gpus")
+    if args.emit:
+        rec = res.best
+        if rec["kind"] == "aggregated":  # rackbed emit writes prefill/decode groups: the best disaggregated one
+            rec = res.fronts.get("disaggregated", [None])[0] if res.fronts.get("disaggregated") else None
+            console.print("[yellow]note:[/yellow] the best is aggregated, which --emit does not write; "
+                          + ("emitting the best disaggregated configuration" if rec else "nothing emitted"))
+        if rec is not None:
+            _emit(console, bu.scenario_of(res, rec), args.emit, args.emit_out or out / f"emit-{args.emit}")
+    return 0
+
+
+def print_budget(console, res) -> None:
+    """The budget search's answer: per kind its front, then the best configuration."""
+    from rackbed.sim.report import fmt
+    from rich.table import Table
+
+    sp, ld = res.spec, res.load
+    alive = sum(c.pruned is None for c in res.candidates)
+    console.print(f"[bold]{sp.model} on {res.gpus} GPUs ({res.topology}, {sp.space.weight_format[0]})[/bold]: prompt "
+                  f"{ld.prompt_mean:.0f} / output {ld.output_mean:.0f} tokens; SLO TTFT {sp.slo.ttft_s:g} s, TPOT "
+                  f"{sp.slo.tpot_s * 1e3:g} ms at {sp.slo.percentile}")
+    console.print(f"{len(res.candidates)} candidates, {alive} survive the analytic stage, {len(res.records)} "
+                  f"simulations, {len(res.confirmed)} deployments confirmed; {res.wall_s:.0f} s")
+    for note in res.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    t = Table(title="Pareto fronts: tokens/s per GPU vs tokens/s per user, each deployment at the highest simulated "
+              "rate meeting the SLOs")
+    for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
+              "est rate", "est tok/s/GPU", "est tok/s/user"):
+        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right")
+    for kind, front in res.fronts.items():
+        if not front:
+            t.add_row(kind, "none confirmed", *[""] * 9)
+        for r in front:
+            s, e = r["summary"], r["est"]
+            t.add_row(kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
+                      fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
+                      fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), fmt(e["rate_per_s"]), fmt(e["tokens_per_s_per_gpu"]),
+                      fmt(e["tokens_per_s_per_user"]))
+    console.print(t)
+    b = res.best
+    if b is not None:
+        s = b["summary"]
+        console.print(f"[bold]best:[/bold] {b['kind']} {b['candidate']} on {b['gpus']} GPUs at {b['rate_per_s']:.4g} "
+                      f"req/s: [bold]{s['tokens_per_s_per_gpu']:.4g} tokens/s/GPU[/bold], "
+                      f"{s['tokens_per_s_per_user']:.4g} tokens/s/user (TTFT p90 {s['ttft_p90_s']:.3g} s, TPOT p90 "
+                      f"{s['tpot_p90_s'] * 1e3:.3g} ms)")
+
+
+def _max_rate(args: argparse.Namespace, console) -> int:
+    from rackbed.sim.budget import max_rate
+    from rackbed.sim.overrides import apply_overrides
+    from rackbed.sim.scenario import parse_scenario
+    from rackbed.topology.yamlio import load_yaml
+
+    from rackbed import scenarios
+
+    path = scenarios.resolve(args.max_rate)
+    sc = apply_overrides(parse_scenario(load_yaml(path), path), duration_s=args.duration)
+    r = max_rate(sc, args.ttft, args.tpot, start=args.rate)
+    for rate, good, s in r.tried:
+        console.print(f"  {rate:8.4g} req/s: {'meets' if good else 'misses'} the SLOs (TTFT p90 "
+                      f"{(s.get('ttft_p90_s') or float('nan')):.3g} s, TPOT p90 "
+                      f"{(s.get('tpot_p90_s') or float('nan')) * 1e3:.3g} ms, {s.get('done')}/{s.get('requests')} "
+                      "done)")
+    if r.rate_per_s is None:
+        raise SystemExit(f"rackbed search: {path.name} meets TTFT <= {args.ttft:g} s / TPOT <= {args.tpot * 1e3:g} "
+                         f"ms at no rate tried (lowest {min(t[0] for t in r.tried):.3g} req/s)")
+    s = r.record
+    console.print(f"[bold]max rate of {path.stem}:[/bold] {r.rate_per_s:.4g} req/s under TTFT <= {args.ttft:g} s, "
+                  f"TPOT <= {args.tpot * 1e3:g} ms: {s['tokens_per_s_per_gpu']:.4g} tokens/s/GPU, "
+                  f"{s['tokens_per_s_per_user']:.4g} tokens/s/user")
     return 0
 
 

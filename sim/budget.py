@@ -1,0 +1,512 @@
+"""Capacity planning on a GPU budget, at any rate: ``rackbed search --gpus N`` (no ``--rate``).
+
+The question users ask is "I have N GPUs of this kind: what is the most tokens/s per GPU I get under my SLOs, at
+how many tokens/s per user, aggregated or disaggregated, and how do I deploy it?". The rate is an *answer*, not an
+input: every candidate deployment that fits the budget is evaluated at the load it sustains.
+
+1. **Analytic stage** (no simulation). The topology is the preset resized to N GPUs (``topology.presets.resized``).
+
+   * *Disaggregated*: the prefill and decode options of :mod:`sim.search` (same cost model, memory budget and
+     TTFT-floor / TPOT-at-cap pruning). For a pair of options and every decoder count ``D`` (``D x EP`` GPUs) the
+     decoders carry ``rate_d = D x EP x b_max / (output x TPOT(b_max))`` requests/s (Little's law at the batch
+     cap) and ``P`` prefillers ``rate_p = P x capacity / (prompt x headroom)`` — the prefill headroom keeps the
+     prefillers' utilisation at ``1 / headroom`` so that queueing leaves the TTFT SLO met. The deployment
+     sustains ``rate = min(rate_p, rate_d)`` with the fewest prefillers that carry it (at most the GPUs left);
+     its decode batch per rank is the fixed point of Little's law at that rate and its TPOT the decode step's
+     at that batch plus the KV transfer per token after the first (as :func:`sim.search.candidates`).
+   * *Aggregated*: workers of ``tp x dp`` GPUs (DP-attention ranks with ``ep = dp``, or one TP group with
+     ``ep = tp``) tiling the budget, for each batch cap, token budget, chunk size and MTP draft length; a worker's
+     steady state is :func:`sim.costs.mixed.aggregated_operating_point` (its requests/s and TPOT at saturation);
+     the deployment is sized to ``workers x requests/s / headroom``; the TTFT estimate is the steps a prompt
+     needs (``ceil(prompt / min(chunk, prefill tokens per rank per step))``) times the step time.
+
+   Both give an estimated tokens/s per GPU (output tokens/s over the deployment's GPUs) and tokens/s per user
+   (1 / TPOT); candidates whose estimate misses an SLO are pruned with the reason.
+
+2. **Simulation**: per kind, up to ``per_front`` points of the analytic Pareto front (spread along it, the best
+   tokens/s per GPU first) are simulated at their estimated rate; a point that misses the SLOs is simulated again
+   at ``backoff`` times the rate (up to ``retries`` times), one that meets them once more at ``1 / backoff`` times
+   (the highest rate that met the SLOs is the point's). At most ``max_simulations`` simulations in all.
+3. **Fronts**: per kind, the Pareto front of tokens/s per GPU vs tokens/s per user of the simulated points that
+   meet the SLOs (:func:`sim.search_results.meets_slo`); the **best** is the one with the most tokens/s per GPU
+   over both kinds.
+
+:func:`max_rate` answers the fixed-deployment question (``rackbed search --max-rate SCENARIO``): the highest rate a
+given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rackbed.sim import search as se
+from rackbed.sim.pareto import pareto_indices
+from rackbed.sim.search_results import front_of, meets_slo
+from rackbed.topology.errors import UserError, one_line
+
+KINDS = ("disaggregated", "aggregated")
+RATE_KEY = "workload.arrival.rate_per_s"
+
+#: aggregated worker shapes tried: (tp, dp); ep = tp * dp (experts over every GPU of the worker)
+AGG_SHAPES = ((1, 4), (1, 8), (1, 16), (1, 32), (2, 1), (4, 1), (8, 1))
+#: aggregated (max_batch_tokens, chunk_tokens) pairs tried
+AGG_BUDGETS = ((8192, 2048), (16384, 4096), (16384, 16384))
+
+
+@dataclass
+class BudgetCandidate:
+    """One deployment on the budget with its analytic figures; ``overrides`` are dotted scenario overrides
+    (the rate is set per simulation)."""
+
+    kind: str
+    label: str
+    overrides: dict
+    n_gpus: int
+    rate_per_s: float = math.nan
+    est_tokens_per_s_per_gpu: float = math.nan
+    est_tokens_per_s_per_user: float = math.nan
+    est_ttft_s: float = math.nan
+    est_tpot_s: float = math.nan
+    pruned: str | None = None
+
+
+@dataclass
+class BudgetResult:
+    spec: se.SearchSpec
+    gpus: int
+    topology: str
+    load: se.Load
+    candidates: list[BudgetCandidate]
+    records: list[dict]                 # every simulation (each with "candidate", "kind", "rate_per_s", "est")
+    confirmed: list[dict]               # per simulated candidate: its record at the highest rate meeting the SLOs
+    fronts: dict[str, list[dict]]       # kind -> front of the confirmed records, tokens/s per GPU descending
+    best: dict | None
+    scenarios: dict[str, dict] = field(default_factory=dict)  # record key -> scenario dict
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def analytic_front(self, kind: str) -> list[BudgetCandidate]:
+        seen: dict[tuple, BudgetCandidate] = {}
+        for c in self.candidates:  # alike estimates (a knob that does not bind): the one using the most GPUs
+            if c.kind == kind and c.pruned is None:
+                k = (round(c.est_tokens_per_s_per_gpu, 6), round(c.est_tokens_per_s_per_user, 6))
+                if k not in seen or c.n_gpus > seen[k].n_gpus:
+                    seen[k] = c
+        alive = list(seen.values())
+        idx = pareto_indices([(c.est_tokens_per_s_per_gpu, c.est_tokens_per_s_per_user) for c in alive])
+        return sorted((alive[i] for i in idx), key=lambda c: -c.est_tokens_per_s_per_gpu)
+
+
+def budget_topology(name: str, gpus: int) -> str:
+    """The topology of ``gpus`` GPUs built from ``name`` (a preset, ``NAME*k`` or ``NAME@G``; a topology file
+    must hold at least that many GPUs). UserError naming ``--gpus`` / ``--topology`` otherwise."""
+    from rackbed.topology.presets import PRESETS, _MULTI, _PART, resized
+
+    from rackbed import topology
+
+    m = _MULTI.match(name.strip()) or _PART.match(name.strip())
+    base = m.group("name") if m else name.strip()
+    if base in PRESETS:
+        return resized(name, gpus)
+    n = topology.load(name).n_gpus
+    if gpus > n:
+        raise UserError(f"--gpus {gpus}: the topology {name} has {n} GPUs")
+    return name
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Analytic stage
+
+
+def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.DecodeOption):
+    """TPOT(b) of a decode option (memoised on the integer batch), priced as :func:`sim.search.decode_options`."""
+    from rackbed.engine.core.specdec import expected_tokens_per_step
+    from rackbed.sim.scenario import cost_model_for, decode_plan_for
+
+    sc = se._scenario(base, {"topology": d.topology, "weight_format": d.weight_format, "decode.ep": d.ep,
+                             "decode.max_batch_per_rank": d.max_batch_per_rank, "mtp.draft_k": d.draft_k})
+    plan = decode_plan_for(sc, model, se._plan_gpus(topo, d.ep, "decode"))
+    cm = cost_model_for(sc, model, topo, None, plan)[0]
+    e = expected_tokens_per_step(d.draft_k, sc.mtp.accept_p)
+
+    @functools.cache
+    def at(bi: int) -> float:
+        return se._decode_tpot(cm, d.context_tokens, d.draft_k, e, bi)[0]
+
+    return lambda b: at(max(1, math.ceil(b - 1e-9)))
+
+
+def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int) -> list[BudgetCandidate]:
+    """Every (prefill option x decode option x decoder count) that fits ``gpus`` (module docstring)."""
+    topos = {spec.space.topology[0]: topo}
+    pre = se.prefill_options(spec, load, model, topos)
+    dec = se.decode_options(spec, load, model, topos)
+    base = se.base_scenario(spec)
+    kv_cache: dict = {}
+    prompt, out_tok = max(1, round(load.prompt_mean)), load.output_mean
+    slo = spec.slo
+    h = spec.prefill_headroom
+    out: list[BudgetCandidate] = []
+    for o in (*pre, *dec):  # the options' own pruning, one candidate each so that the reasons are counted
+        if o.pruned is not None:
+            role = "prefill" if isinstance(o, se.PrefillOption) else "decode"
+            out.append(BudgetCandidate("disaggregated", f"{role} option", {}, 0, pruned=o.pruned))
+    tpots = {}
+    for p in (p for p in pre if p.pruned is None):
+        gp = max(p.tp, p.ep)
+        for d in (d for d in dec if d.pruned is None):
+            kv = se._pair_kv_s(base, kv_cache, p, d, prompt)
+            if kv is None:
+                out.append(BudgetCandidate("disaggregated", "pair", {}, 0,
+                                           pruned=f"prefill TP{p.tp}/EP{p.ep} and decode EP{d.ep}: the simulator's "
+                                                  "placement refuses the pair"))
+                continue
+            kv_tok = kv / (out_tok - 1) if out_tok > 1 else 0.0
+            key = id(d)
+            if key not in tpots:
+                tpots[key] = _decode_tpot_fn(spec, base, model, topo, d)
+            tpot = tpots[key]
+            rate_d1 = d.ep * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
+            rate_p1 = p.capacity_tokens_per_s / (prompt * h)        # one prefiller at 1/headroom utilisation
+            for n_d in range(1, (gpus - gp) // d.ep + 1):
+                p_max = (gpus - n_d * d.ep) // gp
+                rate = min(p_max * rate_p1, n_d * rate_d1)
+                n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
+                b = float(d.b_max)
+                for _ in range(12):  # b = rate x output x TPOT(b) / (D x EP), from above
+                    nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ep))
+                    done = abs(nb - b) < 0.05
+                    b = nb
+                    if done:
+                        break
+                t = tpot(b) + kv_tok
+                n = n_p * gp + n_d * d.ep
+                ov = {"topology": p.topology, "weight_format": p.weight_format, "deployment": "disaggregated",
+                      "prefill.tp": p.tp, "prefill.ep": p.ep, "prefill.max_batch_tokens": p.max_batch_tokens,
+                      "prefill.replicas": n_p, "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank,
+                      "decode.replicas": n_d, "mtp.draft_k": d.draft_k}
+                c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill + {n_d} x DP-EP{d.ep} "
+                                    f"decode, batch <= {d.max_batch_per_rank}, MTP k={d.draft_k}", ov, n,
+                                    rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,
+                                    est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t)
+                if t > slo.tpot_s:
+                    c.pruned = (f"TPOT {t * 1e3:.1f} ms at batch {b:.0f}/rank with the KV transfer > SLO "
+                                f"{slo.tpot_s * 1e3:.1f} ms")
+                out.append(c)
+    return out
+
+
+def aggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int) -> list[BudgetCandidate]:
+    """Aggregated workers tiling ``gpus`` (module docstring), pruned ones included."""
+    from rackbed.engine.core.specdec import expected_tokens_per_step
+    from rackbed.sim.aggregated import aggregated_plan_for
+    from rackbed.sim.costs.mixed import aggregated_operating_point
+    from rackbed.sim.scenario import cost_model_for
+
+    base = se.base_scenario(spec)
+    prompt, out_tok = max(1, round(load.prompt_mean)), max(1, round(load.output_mean))
+    ctx = load.prompt_mean + load.output_mean / 2
+    slo, h = spec.slo, spec.prefill_headroom
+    tname, fmt = spec.space.topology[0], spec.space.weight_format[0]
+    out: list[BudgetCandidate] = []
+    for tp, dp in AGG_SHAPES:
+        size = tp * dp
+        workers = gpus // size
+        if workers < 1:
+            continue
+        for mbt, chunk in AGG_BUDGETS:
+            for cap in spec.space.max_batch_per_rank:
+                for k in (spec.space.draft_k if tp == 1 else (0,)):
+                    ov = {"topology": tname, "weight_format": fmt, "deployment": "aggregated",
+                          "aggregated.workers": workers, "aggregated.tp": tp, "aggregated.dp": dp,
+                          "aggregated.ep": size, "aggregated.max_batch_per_rank": cap,
+                          "aggregated.max_batch_tokens": mbt, "aggregated.chunk_tokens": chunk, "mtp.draft_k": k}
+                    c = BudgetCandidate("aggregated", f"{workers} x aggregated TP{tp}/DP{dp}/EP{size}, batch <= "
+                                        f"{cap}, budget {mbt} / chunk {chunk} tokens, MTP k={k}", ov, workers * size)
+                    out.append(c)
+                    try:
+                        sc = se._scenario(base, ov)
+                        plan = aggregated_plan_for(sc, model, se._plan_gpus(topo, size, "aggregated worker"))
+                        bud = plan.validate(model, topo)
+                        b_max = min(cap, int(bud.kv_capacity_tokens // max(1.0, ctx)))
+                        if b_max < 1:
+                            c.pruned = (f"KV capacity {bud.kv_capacity_tokens} tokens/rank holds no sequence of "
+                                        f"{ctx:.0f} tokens")
+                            continue
+                        calib = cost_model_for(sc, model, topo, plan, plan, engine_calibration=False)[1]
+                        e = expected_tokens_per_step(k, sc.mtp.accept_p)
+                        op = aggregated_operating_point(model, plan, topo, prompt_tokens=prompt,
+                                                        output_tokens=out_tok, max_batch_per_rank=b_max,
+                                                        max_batch_tokens=mbt, chunk_tokens=chunk, draft_k=k,
+                                                        tokens_per_step=e, calib=calib)
+                    except (ValueError, FileNotFoundError) as exc:
+                        c.pruned = one_line(exc)
+                        continue
+                    per_step = min(chunk, op.prefill_tokens_per_rank)
+                    ttft = math.ceil(prompt / max(1, per_step)) * op.step_s
+                    rate = workers * op.requests_per_s / h
+                    c.rate_per_s, c.est_ttft_s, c.est_tpot_s = rate, ttft, op.tpot_s
+                    c.est_tokens_per_s_per_gpu = rate * load.output_mean / c.n_gpus
+                    c.est_tokens_per_s_per_user = 1.0 / op.tpot_s
+                    if op.tpot_s > slo.tpot_s:
+                        c.pruned = (f"TPOT {op.tpot_s * 1e3:.1f} ms at batch {op.batch_per_rank:.0f}/rank (mixed "
+                                    f"steps) > SLO {slo.tpot_s * 1e3:.1f} ms")
+                    elif ttft > slo.ttft_s:
+                        c.pruned = (f"TTFT {ttft * 1e3:.0f} ms ({math.ceil(prompt / max(1, per_step))} mixed steps "
+                                    f"of {op.step_s * 1e3:.0f} ms) > SLO {slo.ttft_s * 1e3:.0f} ms")
+    return out
+
+
+def spread(front: Sequence[BudgetCandidate], n: int) -> list[BudgetCandidate]:
+    """Up to ``n`` points of a front sorted by tokens/s per GPU descending: the first, the last and evenly spaced
+    ones between."""
+    if len(front) <= n:
+        return list(front)
+    if n == 1:
+        return [front[0]]
+    idx = sorted({round(i * (len(front) - 1) / (n - 1)) for i in range(n)})
+    return [front[i] for i in idx]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The whole budget search
+
+
+def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, kinds: Sequence[str] = KINDS,
+                      per_front: int = 3, max_simulations: int = 12, backoff: float = 0.75, retries: int = 2,
+                      jobs: int = 1, progress: bool = False, console=None) -> BudgetResult:
+    """The budget search (module docstring); simulations append to ``out_dir/results.jsonl`` (resumable).
+    UserError (with what to change) when no candidate survives the analytic stage."""
+    from rackbed.sim.scenario import parse_scenario, scenario_model
+    from rackbed.sim.sweep import SweepSpec, expand, run_points
+
+    from rackbed import topology as topo_mod
+
+    t0 = time.perf_counter()
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be a positive integer")
+    tname = budget_topology(spec.space.topology[0], gpus)
+    spec = spec.model_copy(update={"space": spec.space.model_copy(update={"topology": (tname,)})})
+    topo = topo_mod.load(tname)
+    model = scenario_model(parse_scenario(se.base_scenario(spec), f"search {spec.name}"))
+    spec, note = se.without_unasked_mtp(spec, model)
+    load = se.workload_load(spec.workload, spec.seed)
+    notes = [note] if note else []
+    cands: list[BudgetCandidate] = []
+    if "disaggregated" in kinds:
+        cands += disaggregated_candidates(spec, load, model, topo, gpus)
+    if "aggregated" in kinds:
+        cands += aggregated_candidates(spec, load, model, topo, gpus)
+    res = BudgetResult(spec, gpus, tname, load, cands, [], [], {k: [] for k in kinds}, None, notes=notes)
+    if not any(c.pruned is None for c in cands):
+        raise UserError(infeasible_hint(res))
+    base = se.base_scenario(spec)
+    pending = [(c, c.rate_per_s, 0) for kind in kinds for c in spread(res.analytic_front(kind), per_front)]
+    best_ok: dict[int, dict] = {}
+    tried_up: set[int] = set()
+    scen: dict[str, dict] = {}
+    n_sim = 0
+    while pending and n_sim < max_simulations:
+        batch = pending[: max_simulations - n_sim]
+        pending, lower, higher = [], [], []
+        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, RATE_KEY: round(r, 4)}
+                                                             for c, r, _ in batch], source=f"search {spec.name}")
+        points = expand(sweep)
+        run = run_points(points, Path(out_dir) / "results.jsonl", jobs=jobs, progress=progress, console=console)
+        n_sim += len(points)
+        by_key = {r["key"]: r for r in run.records}
+        for (c, r, tries), p in zip(batch, points):
+            rec = dict(by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label}))
+            rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus,
+                       est={"rate_per_s": c.rate_per_s, "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
+                            "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "ttft_s": c.est_ttft_s,
+                            "tpot_s": c.est_tpot_s})
+            res.records.append(rec)
+            scen[p.key] = p.scenario
+            if meets_slo(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile):
+                prev = best_ok.get(id(c))
+                if prev is None or r > prev["rate_per_s"]:
+                    best_ok[id(c)] = rec
+                if id(c) not in tried_up and tries == 0:  # once: does it carry more than the estimate?
+                    tried_up.add(id(c))
+                    higher.append((c, r / backoff, tries + 1))
+            elif rec.get("status") == "ok" and id(c) not in best_ok and tries < retries:
+                lower.append((c, r * backoff, tries + 1))
+        pending = lower + higher  # a point still missing the SLOs first
+    res.confirmed = list(best_ok.values())
+    for kind in kinds:
+        el = [r for r in res.confirmed if r["kind"] == kind]
+        res.fronts[kind] = sorted(front_of(el), key=lambda r: -r["summary"]["tokens_per_s_per_gpu"]) if el else []
+    res.best = max(res.confirmed, key=lambda r: r["summary"]["tokens_per_s_per_gpu"], default=None)
+    res.scenarios = scen
+    if n_sim >= max_simulations and pending:
+        notes.append(f"stopped at {max_simulations} simulations (--max-simulations)")
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def infeasible_hint(res: BudgetResult) -> str:
+    """One line: why nothing fits, and what to change."""
+    import re
+
+    from rackbed.sim.search_results import normalise_reason
+
+    groups: dict[str, list[str]] = {}
+    for c in res.candidates:
+        if c.pruned:
+            groups.setdefault(normalise_reason(c.pruned), []).append(c.pruned)
+    top = sorted(groups.values(), key=lambda g: -len(g))[:2]
+    why = "; ".join(f"{len(g)} like '{g[0]}'" for g in top) or "no candidate deployment"
+    sp = res.spec
+    fits = any(re.search(r"does not fit|KV capacity", g[0]) for g in top)
+    change = ("more --gpus, a smaller --format (e.g. fp8 or nvfp4) or a smaller --model" if fits else
+              "looser --ttft / --tpot, more --gpus or a shorter --isl")
+    return (f"no deployment of {sp.model} on {res.gpus} GPUs of {res.topology} meets TTFT <= {sp.slo.ttft_s:g} s "
+            f"and TPOT <= {sp.slo.tpot_s * 1e3:g} ms ({why}); try {change}")
+
+
+def _safe(name: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]", "x", name)
+
+
+def summary(res: BudgetResult) -> dict:
+    """The JSON-able answer: the fronts, the best point, every simulation's figures and the analytic fronts."""
+    def pt(r):
+        s = r.get("summary") or {}
+        return {"kind": r["kind"], "config": r["candidate"], "gpus": r["gpus"], "rate_per_s": r["rate_per_s"],
+                "status": r.get("status"), "meets_slo": meets_slo(r, res.spec.slo.ttft_s, res.spec.slo.tpot_s,
+                                                                   res.spec.slo.percentile),
+                "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
+                "tokens_per_s_per_user": s.get("tokens_per_s_per_user"), "ttft_p90_s": s.get("ttft_p90_s"),
+                "tpot_p90_s": s.get("tpot_p90_s"), "est": r["est"], "overrides": r.get("overrides"),
+                "reason": r.get("reason") or None}
+
+    return {"model": res.spec.model, "gpus": res.gpus, "topology": res.topology,
+            "weight_format": res.spec.space.weight_format[0],
+            "prompt_tokens": res.load.prompt_mean, "output_tokens": res.load.output_mean,
+            "slo": res.spec.slo.model_dump(), "wall_s": res.wall_s, "notes": res.notes,
+            "candidates": len(res.candidates), "analytic_survivors": sum(c.pruned is None for c in res.candidates),
+            "fronts": {k: [pt(r) for r in v] for k, v in res.fronts.items()},
+            "best": pt(res.best) if res.best else None, "simulations": [pt(r) for r in res.records],
+            "analytic_fronts": {k: [{"config": c.label, "gpus": c.n_gpus, "rate_per_s": c.rate_per_s,
+                                     "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
+                                     "tokens_per_s_per_user": c.est_tokens_per_s_per_user}
+                                    for c in res.analytic_front(k)] for k in res.fronts}}
+
+
+def plot_fronts(res: BudgetResult, path: str | Path) -> Path:
+    """``pareto.png``: per kind, every simulated point meeting the SLOs and its front (line), the analytic front
+    (dashed), tokens/s per user on x, tokens/s per GPU on y."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, color in zip(res.fronts, ("tab:blue", "tab:orange")):
+        ok = [r for r in res.confirmed if r["kind"] == kind]
+        ax.scatter([r["summary"]["tokens_per_s_per_user"] for r in ok],
+                   [r["summary"]["tokens_per_s_per_gpu"] for r in ok], color=color, alpha=0.5, s=18)
+        fr = sorted(res.fronts[kind], key=lambda r: r["summary"]["tokens_per_s_per_user"])
+        if fr:
+            ax.plot([r["summary"]["tokens_per_s_per_user"] for r in fr],
+                    [r["summary"]["tokens_per_s_per_gpu"] for r in fr], "o-", color=color,
+                    label=f"{kind} (simulated)")
+        af = sorted(res.analytic_front(kind), key=lambda c: c.est_tokens_per_s_per_user)
+        if af:
+            ax.plot([c.est_tokens_per_s_per_user for c in af], [c.est_tokens_per_s_per_gpu for c in af], "--",
+                    color=color, alpha=0.6, label=f"{kind} (analytic estimate)")
+    if res.best is not None:
+        s = res.best["summary"]
+        ax.scatter([s["tokens_per_s_per_user"]], [s["tokens_per_s_per_gpu"]], marker="*", s=200, color="k",
+                   zorder=5, label="best")
+    ax.set_xlabel("tokens/s per user (p50 of 1/TPOT)")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_title(f"{res.spec.model}, {res.gpus} GPUs ({res.topology}, {res.spec.space.weight_format[0]})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_budget(res: BudgetResult, out: str | Path) -> list[Path]:
+    """``OUT/budget.json`` (:func:`summary`) and ``OUT/pareto.png`` (:func:`plot_fronts`)."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "budget.json"
+    js.write_text(json.dumps(summary(res), indent=1, default=str) + "\n")
+    return [js, plot_fronts(res, out / "pareto.png")]
+
+
+def scenario_of(res: BudgetResult, rec: Mapping):
+    """The ServingScenario a budget-search record simulated (to emit it or run it again)."""
+    from rackbed.sim.scenario import parse_scenario
+
+    return parse_scenario(dict(res.scenarios[rec["key"]]), f"search {res.spec.name}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A fixed deployment: the highest rate it sustains
+
+
+@dataclass
+class MaxRate:
+    rate_per_s: float | None       # the highest rate simulated that met the SLOs (None: not even the lowest)
+    record: dict | None            # its summary
+    tried: list[tuple[float, bool, dict]]  # (rate, met the SLOs, summary) in the order simulated
+
+
+def max_rate(sc, ttft_s: float, tpot_s: float, percentile: str = "p90", *, start: float | None = None,
+             steps: int = 5, max_doublings: int = 8) -> MaxRate:
+    """The highest Poisson rate (requests/s) at which the scenario ``sc`` meets the SLOs: double from ``start``
+    (default: the scenario's rate, or 1) until a rate misses, then ``steps`` bisections between the last rate
+    that met and the first that missed. Every rate is a simulation of ``sc`` with that rate (``--rate``)."""
+    from rackbed.engine.core.metrics import clean
+    from rackbed.sim.overrides import apply_overrides
+    from rackbed.sim.scenario import build, simulate_scenario
+    from rackbed.sim.sweep import summarize_metrics
+
+    tried: list[tuple[float, bool, dict]] = []
+
+    def ok(rate: float) -> bool:
+        s = apply_overrides(sc, rate=rate)
+        _, r = simulate_scenario(s, built=build(s))
+        summ = summarize_metrics(clean(r.metrics))
+        good = meets_slo({"status": "ok", "summary": summ}, ttft_s, tpot_s, percentile)
+        tried.append((rate, good, summ))
+        return good
+
+    wl = sc.workload
+    r = start or getattr(getattr(wl, "arrival", None), "rate_per_s", None) or getattr(wl, "rate_per_s", None) or 1.0
+    lo, hi = None, None
+    for _ in range(max_doublings):
+        if ok(r):
+            lo, r = r, r * 2
+        else:
+            hi = r
+            break
+    if lo is None:  # even the first rate misses: halve down
+        for _ in range(max_doublings):
+            r /= 2
+            if ok(r):
+                lo = r
+                break
+            hi = r
+    if lo is not None and hi is not None:
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    rec = next((s for rate, good, s in tried if good and rate == lo), None)
+    return MaxRate(lo, rec, tried)

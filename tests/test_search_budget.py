@@ -1,0 +1,134 @@
+"""``rackbed search --gpus N`` (sim.budget): fronts for both deployment kinds on a small budget, every front point
+within the budget and meeting the SLOs in its own simulation, the emitted launch settings of the best one, flag
+errors naming the flag, the infeasible search's hint, MTP off for models without MTP layers."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from rackbed.engine.core.model import get_model
+from rackbed.sim import budget as bu
+from rackbed.sim import search as se
+from rackbed.sim.search_results import meets_slo, normalise_reason
+
+
+def _gpus(ov: dict) -> int:
+    if ov.get("deployment") == "aggregated":
+        return ov["aggregated.workers"] * ov["aggregated.tp"] * ov["aggregated.dp"]
+    return ov["prefill.replicas"] * max(ov["prefill.tp"], ov["prefill.ep"]) + ov["decode.replicas"] * ov["decode.ep"]
+
+
+def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
+    from rackbed.engine.cli.main import main
+
+    out = tmp_path / "s"
+    rc = main(["search", "--model", "qwen3-30b-a3b", "--gpus", "8", "--topology", "hgx-h200", "--format", "fp8",
+               "--isl", "1000", "--osl", "40", "--duration", "4", "--ttft", "2", "--tpot", "0.05",
+               "--prefill-tp", "2,4", "--decode-ep", "4", "--batch-cap", "16,64", "--per-front", "2",
+               "--max-simulations", "6", "--jobs", "1", "--no-progress", "--out", str(out),
+               "--emit", "sglang", "--emit-out", str(tmp_path / "emit")])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "has no MTP layers" in printed and "best:" in printed and (out / "pareto.png").stat().st_size > 0
+    d = json.loads((out / "budget.json").read_text())
+    assert d["fronts"]["disaggregated"] and d["fronts"]["aggregated"]
+    assert len(d["simulations"]) <= 6
+    for kind, front in d["fronts"].items():
+        for p in front:
+            assert p["kind"] == kind and p["meets_slo"] and p["gpus"] <= 8 and _gpus(p["overrides"]) <= 8
+            assert p["ttft_p90_s"] <= 2 and p["tpot_p90_s"] <= 0.05
+    # no MTP searched for a model without MTP layers
+    assert all(p["overrides"]["mtp.draft_k"] == 0 for p in d["simulations"])
+    # the emitted files are the chosen configuration (the best disaggregated one when the best is aggregated)
+    best = d["best"] if d["best"]["kind"] == "disaggregated" else d["fronts"]["disaggregated"][0]
+    ov = best["overrides"]
+    lines = [shlex.split(x) for x in (tmp_path / "emit" / "launch.sh").read_text().splitlines()
+             if x.startswith("python -m sglang.launch_server")]
+    pre = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "prefill"]
+    dec = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "decode"]
+    assert len(pre) == ov["prefill.replicas"] and len(dec) == ov["decode.replicas"]
+    for a in pre:
+        assert int(a[a.index("--tp") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
+        assert int(a[a.index("--chunked-prefill-size") + 1]) == ov["prefill.max_batch_tokens"]
+    for a in dec:
+        assert int(a[a.index("--ep-size") + 1]) == ov["decode.ep"]
+        assert int(a[a.index("--max-running-requests") + 1]) == ov["decode.max_batch_per_rank"] * ov["decode.ep"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--format", "fp3", "--gpus", "8"], "--format fp3"),
+    (["--rate", "-1"], "--rate -1"),
+    (["--gpus", "0"], "--gpus 0"),
+    (["--gpus", "12", "--topology", "hgx-h200"], "--gpus 12"),
+    (["--gpus", "8", "--tpot", "0"], "--tpot 0"),
+    (["--isl", "0", "--rate", "3"], "--isl 0"),
+])
+def test_bad_flags_one_line_exit_2(argv, flag, capsys):
+    from rackbed.engine.cli.main import main
+
+    assert main(["search", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "workload." not in err and "space." not in err
+
+
+def test_infeasible_budget_exits_non_zero_with_a_hint(tmp_path, capsys):
+    from rackbed.engine.cli.main import main
+
+    rc = main(["search", "--model", "qwen3.5-397b-a17b", "--format", "bf16", "--topology", "hgx-h200", "--gpus",
+               "8", "--kind", "disaggregated", "--isl", "1000", "--osl", "40", "--out", str(tmp_path),
+               "--no-progress", "--jobs", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "no deployment of qwen3.5-397b-a17b on 8 GPUs" in err and "try more --gpus" in err
+    assert not (tmp_path / "results.jsonl").exists()  # nothing simulated
+
+
+def test_mtp_only_when_the_model_has_it_or_asked():
+    def spec(**kw):
+        return se.spec_from_flags(model=kw.pop("model", "qwen3-30b-a3b"), topology=["hgx-h200"],
+                                  weight_format=["fp8"], rate_per_s=1, prompt_tokens=100, output_tokens=10,
+                                  duration_s=2, ttft_s=1, tpot_s=0.1, **kw)
+
+    s, note = se.without_unasked_mtp(spec(), get_model("qwen3-30b-a3b"))
+    assert s.space.draft_k == (0,) and "no MTP layers" in note
+    s, note = se.without_unasked_mtp(spec(draft_k=[0, 2]), get_model("qwen3-30b-a3b"))
+    assert s.space.draft_k == (0, 2) and note is None  # asked explicitly
+    s, note = se.without_unasked_mtp(spec(model="qwen3.5-122b-a10b"), get_model("qwen3.5-122b-a10b"))
+    assert s.space.draft_k == (0, 1, 2) and note is None
+
+
+def test_prune_reasons_keep_names_with_digits():
+    assert normalise_reason("needs 80 GPUs (20 x 2 + 10 x 4); hgx-h200 has 8") == \
+        "needs N GPUs (N x N + N x N); hgx-h200 has N"
+    assert normalise_reason("unknown format 'fp3' at p90, TP4/EP4: 31.9 ms") == \
+        "unknown format 'fp3' at p90, TP4/EP4: N ms"
+
+
+def test_budget_topology_and_spread():
+    assert bu.budget_topology("hgx-h200*8", 64) == "hgx-h200*8"
+    assert bu.budget_topology("gb200-nvl72", 16) == "gb200-nvl72@16"
+    assert bu.budget_topology("hgx-h200", 16) == "hgx-h200*2"
+    front = [bu.BudgetCandidate("aggregated", str(i), {}, 1) for i in range(7)]
+    assert [c.label for c in bu.spread(front, 3)] == ["0", "3", "6"]
+    assert bu.spread(front[:2], 3) == front[:2]
+
+
+def test_rate_search_with_headroom_fits_the_topology():
+    """The prefill headroom is a margin: a deployment it would push past the topology keeps the prefillers that
+    fit, as long as they carry the load itself."""
+    spec = se.spec_from_flags(model="qwen3-30b-a3b", topology=["hgx-h200"], weight_format=["fp8"], rate_per_s=30,
+                              prompt_tokens=4000, output_tokens=50, duration_s=2, ttft_s=2, tpot_s=0.05,
+                              prefill_tp=[2], decode_ep=[4], max_batch_per_rank=[64], draft_k=[0])
+    model = get_model(spec.model)
+    from rackbed import topology
+
+    topos = {"hgx-h200": topology.load("hgx-h200")}
+    load = se.workload_load(spec.workload)
+    pre = se.prefill_options(spec, load, model, topos)
+    dec = se.decode_options(spec, load, model, topos)
+    for c in se.candidates(spec, load, model, topos, pre, dec):
+        if c.pruned is None:
+            assert c.n_gpus <= 8
+            assert c.prefill.replicas * c.prefill.capacity_tokens_per_s >= load.input_tokens_per_s
