@@ -584,8 +584,9 @@ def _run_ray(payloads: list[dict], address: str, emit: Callable[[dict], None]) -
     """Ray tasks (one CPU each) on the cluster at ``address``; records are emitted as tasks finish.
 
     A bounded window of tasks is in flight (four per cluster CPU, re-read as nodes join), so ``ray.wait`` stays
-    cheap on a long sweep; on any exception, Ctrl-C included, the tasks in flight are cancelled so that they stop
-    occupying the cluster. A task Ray itself fails (its worker died, e.g. out of memory, after Ray's retries; rackbed
+    cheap on a long sweep; on any exception, Ctrl-C included, the tasks in flight stop occupying the cluster (the
+    connection opened here is shut down, which ends the job and its tasks; on a caller's connection they are
+    cancelled; a forced cancel is not used, it can abort the driver in Ray 2.60 when it races a finishing task). A task Ray itself fails (its worker died, e.g. out of memory, after Ray's retries; rackbed
     not importable on a node) becomes an ``error`` record, retried on the next run, not the end of the sweep.
     A Ray connection this process already has is used as is; one opened here is closed again."""
     import logging
@@ -626,8 +627,12 @@ def _run_ray(payloads: list[dict], address: str, emit: Callable[[dict], None]) -
                                "pid": None}
                     emit(rec)
         except BaseException:
-            for ref in inflight:
-                ray.cancel(ref, force=True)
+            if not owned:  # an owned connection is shut down below, which ends the job's tasks with it
+                for ref in inflight:
+                    try:
+                        ray.cancel(ref)
+                    except Exception:  # noqa: BLE001 -- best effort: the task may have finished meanwhile
+                        pass
             raise
     finally:
         if owned:
