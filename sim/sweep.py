@@ -27,8 +27,10 @@ user error (a pydantic field error, ``ParallelPlan.validate`` "does not fit", a 
 whose one-line message is the ``reason``.
 
 Execution: in the calling process (``jobs=1``), in a ``concurrent.futures.ProcessPoolExecutor`` (``jobs>1``;
-start method ``spawn`` by default), or on a Ray cluster when ``ray`` is importable and an address is given (Ray
-tasks, one CPU each; the cluster's workers need rackbed installed). Each worker process keeps what it can reuse
+start method ``spawn`` by default), or on a Ray cluster when ``ray`` is importable (the ``cluster`` extra) and an
+address is given (Ray tasks, one CPU each, see :func:`_run_ray`; every node needs rackbed installed, the same
+version as the driver's, since a task is the driver's ``run_point`` by reference). Only the driver writes the results
+file, so a killed driver resumes like a local run; its tasks end with its Ray job. Each worker process keeps what it can reuse
 between points: topologies and models are cheap, but the decode cost memo of ``ScenarioCostModel`` is kept per
 (plans, placement) so that points differing only in load or seed skip the cost evaluations already made — the
 results are identical to a fresh run (the memo is a pure function of its key; it is not reused when an autoscaler
@@ -40,6 +42,7 @@ efficiency from 1 to 2 processes (see :func:`bench`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -555,7 +558,7 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise UserError("--ray-address: ray is not installed here (pip install 'rackbed[cluster]'), "
+        raise UserError("--ray-address: ray is not installed here (the cluster extra: pip install 'ray>=2.40'), "
                         "or drop --ray-address to run in local processes") from None
     return ray
 
@@ -629,10 +632,8 @@ def _run_ray(payloads: list[dict], address: str, emit: Callable[[dict], None]) -
         except BaseException:
             if not owned:  # an owned connection is shut down below, which ends the job's tasks with it
                 for ref in inflight:
-                    try:
+                    with contextlib.suppress(Exception):  # best effort: the task may have finished meanwhile
                         ray.cancel(ref)
-                    except Exception:  # noqa: BLE001 -- best effort: the task may have finished meanwhile
-                        pass
             raise
     finally:
         if owned:
