@@ -28,10 +28,10 @@ whose one-line message is the ``reason``.
 
 Execution: in the calling process (``jobs=1``), in a ``concurrent.futures.ProcessPoolExecutor`` (``jobs>1``;
 start method ``spawn`` by default), or on a Ray cluster when ``ray`` is importable (the ``cluster`` extra) and an
-address is given (Ray tasks, one CPU each, see :func:`_run_ray`; every node needs rackbed installed, the same
-version as the driver's, since a task is the driver's ``run_point`` by reference). Only the driver writes the results
-file, so a killed driver resumes like a local run; its tasks end with its Ray job. Each worker process keeps what it can reuse
-between points: topologies and models are cheap, but the decode cost memo of ``ScenarioCostModel`` is kept per
+address is given (Ray tasks, one CPU each, see :func:`_run_ray`; every node needs rackbed installed, the same version
+as the driver's, since a task is the driver's ``run_point`` by reference). Only the driver writes the results file,
+so a killed driver resumes like a local run; its tasks end with its Ray job. Each worker process keeps what it can
+reuse between points: topologies and models are cheap, but the decode cost memo of ``ScenarioCostModel`` is kept per
 (plans, placement) so that points differing only in load or seed skip the cost evaluations already made — the
 results are identical to a fresh run (the memo is a pure function of its key; it is not reused when an autoscaler
 or faults can change the placement during the run).
@@ -587,11 +587,12 @@ def _run_ray(payloads: list[dict], address: str, emit: Callable[[dict], None]) -
     """Ray tasks (one CPU each) on the cluster at ``address``; records are emitted as tasks finish.
 
     A bounded window of tasks is in flight (four per cluster CPU, re-read as nodes join), so ``ray.wait`` stays
-    cheap on a long sweep; on any exception, Ctrl-C included, the tasks in flight stop occupying the cluster (the
+    cheap on a long sweep. On any exception, Ctrl-C included, the tasks in flight stop occupying the cluster: the
     connection opened here is shut down, which ends the job and its tasks; on a caller's connection they are
-    cancelled; a forced cancel is not used, it can abort the driver in Ray 2.60 when it races a finishing task). A task Ray itself fails (its worker died, e.g. out of memory, after Ray's retries; rackbed
-    not importable on a node) becomes an ``error`` record, retried on the next run, not the end of the sweep.
-    A Ray connection this process already has is used as is; one opened here is closed again."""
+    cancelled (not forced: a forced cancel racing a finishing task can abort the driver in Ray 2.60). A task Ray
+    itself fails (its worker died, e.g. out of memory, after Ray's retries; rackbed not importable on a node)
+    becomes an ``error`` record, retried on the next run, not the end of the sweep. A Ray connection this process
+    already has is used as is; one opened here is closed again."""
     import logging
 
     ray = _import_ray()
