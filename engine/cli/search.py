@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-ep", type=_ints, default=None, help="e.g. 8,16,32")
     p.add_argument("--batch-cap", type=_ints, default=None, help="decode max batch per rank, e.g. 16,32,64")
     p.add_argument("--draft-k", type=_ints, default=None, help="MTP draft lengths, e.g. 0,1,2")
+    p.add_argument("--mtp-layers", type=int, default=None,
+                   help="draft with N MTP layers of the model's width (mtp.draft: {kind: mtp, layers: N}); needed "
+                        "for draft_k > 0 with a model without MTP layers (a trained MTP head, e.g. Qwen3-235B)")
     p.add_argument("--max-simulations", type=int, default=None, help="cap on simulated survivors")
     p.add_argument("--top", type=int, default=None, help="best points to print and explain")
     p.add_argument("--out", type=Path, default=None, help="output folder (default rackbed-out/search-<name>)")
@@ -80,7 +83,7 @@ def _main(args: argparse.Namespace) -> int:
                                   gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp,
                                   decode_ep=args.decode_ep, max_batch_per_rank=args.batch_cap,
                                   draft_k=args.draft_k, max_simulations=args.max_simulations or 60,
-                                  top=args.top or 5)
+                                  top=args.top or 5, mtp_layers=args.mtp_layers)
     out = args.out or Path("rackbed-out") / f"search-{spec.name}"
     jobs = args.jobs or os.cpu_count() or 1
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,

@@ -55,15 +55,16 @@ def expected_tokens_per_step(k: int, p: float, acceptance=None) -> float:
 
 def _fixed_tokens(k: int, p: float, acceptance=None) -> int:
     """Tokens every step emits when the outcome is certain (0 when it is random): ``k + 1`` when every draft is
-    always accepted, 1 when none ever is (or ``k == 0``)."""
+    always accepted, 1 when none ever is (or ``k == 0``); with a curve of zeros and ones, one more than the
+    leading ones."""
     if k == 0:
         return 1
     if acceptance is None:
         return k + 1 if p >= 1.0 else (1 if p <= 0.0 else 0)
     s = survival(k, p, acceptance)
-    if s[-1] >= 1.0:
-        return k + 1
-    return 1 if s[0] <= 0.0 else 0
+    if all(x in (0.0, 1.0) for x in s):
+        return 1 + sum(x == 1.0 for x in s)
+    return 0
 
 
 def _curve_steps(rng: np.random.Generator, k: int, surv_ascending: np.ndarray, n: int) -> np.ndarray:
