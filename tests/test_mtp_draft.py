@@ -141,3 +141,20 @@ def test_point_key_of_the_one_layer_draft_is_the_old_key():
     assert point_key(with_draft) == point_key(before)
     other = scenario_dict(parse_scenario(_data(mtp={"draft_k": 1, "draft": {"kind": "mtp", "layers": 2}})))
     assert point_key(other) != point_key(before)
+
+
+def test_simulated_tokens_per_step_follow_the_curve():
+    """A short run with a draft model and a curve: the decode steps emit what the curve's formula says per sequence
+    step (less a little: a sequence's last step emits only what it still needs), and the metrics say which curve."""
+    from rackbed.sim.scenario import simulate_scenario
+
+    data = _data(mtp={"draft_k": 3, "acceptance": [0.75, 0.6, 0.5], "draft": {"kind": "model",
+                                                                              "model": "qwen3-30b-a3b"}})
+    data["workload"].update(n_requests=30, output={"kind": "fixed", "tokens": 300})
+    sc = parse_scenario(data)
+    _, res = simulate_scenario(sc)
+    d = res.metrics["decode"]
+    assert d["acceptance"] == [0.75, 0.6, 0.5] and d["draft_k"] == 3
+    e = sc.mtp.expected_tokens_per_step()
+    assert e == pytest.approx(1 + 0.75 + 0.75 * 0.6 + 0.75 * 0.6 * 0.5)
+    assert 0.95 * e < d["tokens_per_sequence_step"] < e * 1.01
