@@ -76,9 +76,9 @@ def aggregated_plan_for(sc, model, gpus):
 def build_aggregated(sc, topo, model, kv_view):
     """``sim.scenario.build`` for ``deployment: aggregated``: the placed workers, their plan (as both the
     ``prefill_plan`` and the ``decode_plan`` of :class:`~sim.scenario.Built`) and the cost model."""
-    from rackbed.engine.core.deployment import AggregatedTemplate, MtpSpec, place_aggregated
+    from rackbed.engine.core.deployment import AggregatedTemplate, place_aggregated
     from rackbed.sim.coverage import calibration_caveats
-    from rackbed.sim.scenario import Built, cost_model_for
+    from rackbed.sim.scenario import Built, cost_model_for, draft_budget
 
     a = sc.aggregated or AggregatedSection()
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
@@ -91,11 +91,10 @@ def build_aggregated(sc, topo, model, kv_view):
 
     def placed(kv: int):
         return place_aggregated(kv_view, n_workers=a.workers, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
-                                template=template(kv), mtp=MtpSpec(draft_k=sc.mtp.draft_k, accept_p=sc.mtp.accept_p),
-                                name=sc.name)
+                                template=template(kv), mtp=sc.mtp.spec(), name=sc.name)
 
     plan = aggregated_plan_for(sc, model, placed(1).aggregated[0].gpus)
-    budget = plan.validate(model, topo)
+    budget = draft_budget(sc, plan.validate(model, topo), plan, topo)
     dep = placed(max(1, budget.kv_capacity_tokens))
     # the engine calibrations are fitted to whole prefill and decode steps of the disaggregated engine: a mixed step
     # is priced from the kernel calibration alone
@@ -121,7 +120,7 @@ def price_mixed(cm, plan, group):
         for _, rank, start, n in plan.prefill:
             chunks[rank].append((n, start))
         st = memo[key] = mixed_step_time(cm.model, cm._plan_for(group), cm.topo, plan.rank_batch, ctx, chunks,
-                                         draft_k=plan.draft_k, calib=cm.calib)
+                                         draft_k=plan.draft_k, calib=cm.calib, **cm.draft)
     return st
 
 

@@ -48,7 +48,7 @@ def bench_scenario(sim_s: float = 3600.0, rate_per_s: float = DEFAULT_RATE_PER_S
         "kv_dtype": "bf16",
         "prefill": {"tp": 4, "ep": 4, "replicas": 6, "max_batch_tokens": 16384, "kv_streams": 2},
         "decode": {"ep": 16, "replicas": 3, "max_batch_per_rank": 64, "page_tokens": 64},
-        "mtp": {"draft_k": 1, "accept_p": 0.8},
+        "mtp": {"draft_k": 1, "accept_p": 0.8, "draft": {"kind": "mtp", "layers": 1}},  # the trained MTP head
         "workload": {"kind": "trace", "name": "mooncake", "rate_per_s": rate_per_s, "loop": True,
                      "duration_s": sim_s},
         "slo": {"ttft_s": 2.0, "tpot_s": 0.05},

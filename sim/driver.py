@@ -169,7 +169,7 @@ def simulate(
         metrics = summarize(
             sched.rows, ROW_FIELDS, duration_s=sim_end, slo=slo, groups=sched.groups(),
             busy_gpu_s=sched.busy_gpu_s, step_durations=sched.step_durations, decode_tokens=sched.decode_tokens,
-            draft_k=deployment.mtp.draft_k, accept_p=deployment.mtp.accept_p)
+            draft_k=deployment.mtp.draft_k, accept_p=deployment.mtp.accept_p, acceptance=deployment.mtp.acceptance)
     wall = time.perf_counter() - t_wall0
     n_fast = procs.fast.n_fast if procs.fast is not None else 0
     perf = {"wall_s": wall, "events": n_events, "fast_decode_steps": n_fast, "events_per_s": n_events / max(wall, 1e-9),

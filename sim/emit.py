@@ -66,6 +66,9 @@ class Plan:
     page_tokens: int
     draft_k: int
     model_has_mtp: bool
+    #: what drafts (``mtp.draft``): ``mtp`` (MTP layers: the model's own, or a trained head it lacks) or ``model``
+    draft_kind: str = "mtp"
+    draft_model: str | None = None  # the draft model's name or config (draft_kind ``model``)
 
 
 def plan_of(sc) -> Plan:
@@ -86,19 +89,27 @@ def plan_of(sc) -> Plan:
         return Group(g.id, role, hosts, n // len(hosts), tp, ep, max(1, n // tp))
 
     src = b.model.source.split()[0] if "/" in (b.model.source or "") else sc.model
+    dr = sc.mtp.draft
+    kind, dmodel = (dr.kind, getattr(dr, "model", None)) if dr is not None else ("mtp", None)
     return Plan(sc.name, src, sc.weight_format, sc.kv_dtype,
                 tuple(group(g, "prefill", p.tp, p.ep) for g in dep.prefillers),
                 tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
-                p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers))
+                p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers),
+                kind, dmodel)
 
 
 def unmapped(sc, engine: str, pl: Plan) -> list[str]:
     """Settings of the scenario the engine's files cannot express (one comment line each)."""
     notes = []
-    if pl.draft_k and not pl.model_has_mtp:
-        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; speculative decoding needs a draft "
-                     "model (${DRAFT_MODEL_PATH})")
-    notes.append(f"MTP acceptance {sc.mtp.accept_p} is a simulation input: the engine measures its own")
+    if pl.draft_k and pl.draft_kind == "model":
+        notes.append(f"draft model {pl.draft_model} (mtp.draft), draft_k={pl.draft_k}: its checkpoint is "
+                     "${DRAFT_MODEL_PATH}")
+    elif pl.draft_k and not pl.model_has_mtp:
+        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; the scenario drafts with a trained "
+                     "MTP head (mtp.draft: {kind: mtp}), loaded as a draft model (${DRAFT_MODEL_PATH})")
+    if pl.draft_k:
+        curve = f"curve {list(sc.mtp.acceptance[:pl.draft_k])}" if sc.mtp.acceptance else f"{sc.mtp.accept_p}"
+        notes.append(f"MTP acceptance {curve} is a simulation input: the engine measures its own")
     notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
                  "backend's")
     if sc.prefill.max_queue_requests is not None:
@@ -140,11 +151,20 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
         a += ["--max-running-requests", str(pl.decode_batch_per_rank * g.dp),
               "--cuda-graph-max-bs", str(pl.decode_batch_per_rank)]
         if pl.draft_k:
-            a += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(pl.draft_k),
+            a += ["--speculative-algorithm", sglang_speculative_algorithm(pl),
+                  "--speculative-num-steps", str(pl.draft_k),
                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(pl.draft_k + 1)]
-            if not pl.model_has_mtp:
+            if pl.draft_kind == "model" or not pl.model_has_mtp:
                 a += ["--speculative-draft-model-path", "${DRAFT_MODEL_PATH}"]
     return a
+
+
+def sglang_speculative_algorithm(pl: Plan) -> str:
+    """``NEXTN``: the model's own MTP layers; ``EAGLE``: a trained MTP head the checkpoint lacks, loaded as a draft
+    (``--speculative-draft-model-path``); ``STANDALONE``: a separate small draft model."""
+    if pl.draft_kind == "model":
+        return "STANDALONE"
+    return "NEXTN" if pl.model_has_mtp else "EAGLE"
 
 
 def _sglang_lines(pl: Plan) -> list[str]:
@@ -201,7 +221,10 @@ def trtllm_options(pl: Plan, role: str) -> dict:
     else:
         o.update(max_batch_size=pl.decode_batch_per_rank,
                  max_num_tokens=pl.decode_batch_per_rank * (pl.draft_k + 1))
-        if pl.draft_k:
+        if pl.draft_k and pl.draft_kind == "model":
+            o["speculative_config"] = {"decoding_type": "Draft_Target", "max_draft_len": pl.draft_k,
+                                       "speculative_model_dir": "${DRAFT_MODEL_PATH}"}
+        elif pl.draft_k:
             o["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
     return o
 

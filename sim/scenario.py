@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from math import ceil as _ceil
 from operator import itemgetter
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rackbed.engine.core.workload import WorkloadSpec
@@ -54,9 +54,46 @@ class DecodeSection(_Strict):
     page_tokens: int = Field(64, ge=1)
 
 
+class MtpDraft(_Strict):
+    """Draft tokens from ``layers`` MTP module(s) of the model's own width (one full-attention decoder layer with
+    the model's MLP each, :func:`sim.costs.step.decode_step_breakdown`): the model's own MTP layers when its
+    config has them (at most that many), else the statement that the deployment adds trained MTP head(s)."""
+
+    kind: Literal["mtp"]
+    layers: int = Field(1, ge=1)
+
+
+class ModelDraft(_Strict):
+    """Draft tokens from a separate small model (a preset name or a Hugging Face config.json), priced as one
+    decode step of that model per draft token on the decoder's GPUs; it must share the target's vocabulary."""
+
+    kind: Literal["model"]
+    model: str
+
+
 class MtpSection(_Strict):
-    draft_k: int = Field(1, ge=0, le=16)
+    """Speculative decoding. ``draft_k``: draft tokens per step (None: 1 when the model has MTP layers, else 0 —
+    resolved by :func:`resolve_mtp`); ``accept_p``: geometric acceptance; ``acceptance``: per-position curve
+    ``[a1, a2, ...]`` (P(draft i accepted | drafts < i accepted)) used instead of ``accept_p`` when given;
+    ``draft``: what drafts the tokens (None: the model's own MTP layers)."""
+
+    draft_k: int | None = Field(None, ge=0, le=16)
     accept_p: float = Field(0.8, ge=0.0, le=1.0)
+    acceptance: tuple[Annotated[float, Field(ge=0.0, le=1.0)], ...] | None = Field(None, min_length=1)
+    draft: Annotated[MtpDraft | ModelDraft, Field(discriminator="kind")] | None = None
+
+    def expected_tokens_per_step(self, draft_k: int | None = None) -> float:
+        """Mean tokens a sequence gains per decode step at ``draft_k`` (default: this section's)."""
+        from rackbed.engine.core.specdec import expected_tokens_per_step
+
+        return expected_tokens_per_step(self.draft_k if draft_k is None else draft_k, self.accept_p,
+                                        self.acceptance)
+
+    def spec(self):
+        """The :class:`~engine.core.deployment.MtpSpec` the scheduler draws from."""
+        from rackbed.engine.core.deployment import MtpSpec
+
+        return MtpSpec(draft_k=self.draft_k, accept_p=self.accept_p, acceptance=self.acceptance)
 
 
 class SloSection(_Strict):
@@ -191,8 +228,65 @@ def parse_scenario(data: dict, source: str | Path | None = None) -> ServingScena
         sc = ServingScenario.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc, source) from None
+    sc = resolve_mtp(sc, source)
     check_aggregated(sc, source)
     return sc
+
+
+def _model_or_none(name: str):
+    from rackbed.engine.core.model import get_model
+
+    try:
+        return get_model(name)
+    except (ValueError, FileNotFoundError):  # an unknown model: ``build`` says so
+        return None
+
+
+def resolve_mtp(sc: ServingScenario, source: str | Path | None = None) -> ServingScenario:
+    """``sc`` with ``mtp.draft_k`` resolved (1 when the model has MTP layers, else 0) and the draft rules, which
+    need the model, checked: drafting with a model that has no MTP layers needs an explicit ``mtp.draft``; an MTP
+    draft uses at most the model's own MTP layers (when it has some); a draft model must exist and share the
+    target's vocabulary; an acceptance curve needs an entry per draft token. One-line ``UserError`` naming the
+    field."""
+    pre = f"{source}: " if source else ""
+    m = sc.mtp
+    model = _model_or_none(sc.model)
+    own = model.n_mtp_layers if model is not None else 0
+    k = m.draft_k if m.draft_k is not None else (1 if own else 0)
+    d = m.draft
+    if model is not None and k > 0 and d is None and not own:
+        raise UserError(f"{pre}mtp.draft_k: {k} drafts but {model.name} has no MTP layers; add "
+                        "mtp.draft: {kind: mtp, layers: 1} (a trained MTP head) or a draft model "
+                        "(mtp.draft: {kind: model, model: NAME}), or set mtp.draft_k: 0")
+    if isinstance(d, MtpDraft) and own and d.layers > own:
+        raise UserError(f"{pre}mtp.draft.layers: {d.layers} exceeds the {own} MTP layer(s) of {model.name}")
+    if isinstance(d, ModelDraft):
+        dm = _model_or_none(d.model)
+        if dm is None:
+            from rackbed.engine.core.model import PRESET_NAMES
+
+            raise UserError(f"{pre}mtp.draft.model: unknown model {d.model!r}; presets: {', '.join(PRESET_NAMES)} "
+                            "(or a path to a config.json)")
+        if model is not None and dm.vocab != model.vocab:
+            raise UserError(f"{pre}mtp.draft.model: {dm.name} has a vocabulary of {dm.vocab} tokens, "
+                            f"{model.name} {model.vocab}; a draft model shares the target's tokenizer")
+    if m.acceptance is not None and len(m.acceptance) < k:
+        raise UserError(f"{pre}mtp.acceptance: {len(m.acceptance)} entries for draft_k = {k}; "
+                        "give one per draft token")
+    return sc if k == m.draft_k else sc.model_copy(update={"mtp": m.model_copy(update={"draft_k": k})})
+
+
+def draft_cost_kw(sc: ServingScenario) -> dict:
+    """Keywords of ``sim.costs.step.decode_step_breakdown`` that say what drafts the tokens: ``n_mtp_layers``
+    (an MTP draft; the model's own MTP layers when no draft is given) or ``draft_model``."""
+    d = sc.mtp.draft
+    if isinstance(d, ModelDraft):
+        from rackbed.engine.core.model import get_model
+
+        return {"draft_model": get_model(d.model)}
+    if isinstance(d, MtpDraft):
+        return {"n_mtp_layers": d.layers}
+    return {}
 
 
 def load_scenario(path: str | Path) -> ServingScenario:
@@ -302,7 +396,7 @@ def truncate_model(model, n_layers: int):
 
 def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
-    from rackbed.engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
+    from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, place
 
     from rackbed import topology as topo_mod
 
@@ -332,14 +426,14 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     pplan = prefill_plan_for(sc, model, pg.gpus)
     dplan = decode_plan_for(sc, model, dg.gpus)
     pbud = pplan.validate(model, topo)
-    dbud = dplan.validate(model, topo)
+    dbud = draft_budget(sc, dplan.validate(model, topo), dplan, topo)
     ptpl = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens,
                              kv_capacity_tokens=max(p.max_batch_tokens, pbud.kv_capacity_tokens),
                              max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
     dtpl = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank,
                            kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
     dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
-                prefiller=ptpl, decoder=dtpl, mtp=MtpSpec(draft_k=sc.mtp.draft_k, accept_p=sc.mtp.accept_p),
+                prefiller=ptpl, decoder=dtpl, mtp=sc.mtp.spec(),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
@@ -347,6 +441,29 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
     caveats = calibration_caveats(calib, topo, model, pplan, dplan)
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
+
+
+def draft_budget(sc: ServingScenario, budget, plan, topo):
+    """The decoders' memory budget with a separate draft model (``mtp.draft.kind: model``) deployed beside the
+    target on the same ranks: the draft's weights (sharded by the same plan, which must fit it) come out of the
+    KV space and every KV token also holds the draft's KV, so the KV capacity shrinks. Unchanged otherwise."""
+    if not isinstance(sc.mtp.draft, ModelDraft) or not sc.mtp.draft_k:
+        return budget
+    import dataclasses
+
+    from rackbed.engine.core.model import get_model
+
+    try:
+        dbud = plan.validate(get_model(sc.mtp.draft.model), topo)
+    except ValueError as exc:
+        raise UserError(f"mtp.draft.model: {' '.join(str(exc).split())}") from None
+    per_tok = budget.kv_bytes_per_token_per_rank + dbud.kv_bytes_per_token_per_rank
+    room = budget.kv_capacity_tokens * budget.kv_bytes_per_token_per_rank - dbud.weight_bytes
+    cap = int(room // per_tok) if per_tok else budget.kv_capacity_tokens
+    if cap < budget.min_kv_tokens:
+        raise UserError(f"mtp.draft.model: {sc.mtp.draft.model} on the decode plan leaves KV for {max(cap, 0)} "
+                        f"tokens per rank, fewer than the {budget.min_kv_tokens} the batch needs")
+    return dataclasses.replace(budget, kv_capacity_tokens=cap)
 
 
 def scenario_model(sc: ServingScenario):
@@ -366,7 +483,8 @@ def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, 
     share one cost model."""
     gpu_name = topo.gpu_spec((prefill_plan or decode_plan).gpus[0]).name
     calib, note = _load_calibration(sc, gpu_name)
-    cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=prefill_plan, decode_plan=decode_plan, calib=calib)
+    cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=prefill_plan, decode_plan=decode_plan, calib=calib,
+                           draft=draft_cost_kw(sc))
     # the engine calibration describes this repository's engine: only for a run priced as the rackbed stack
     stack = (getattr(calib, "meta", None) or {}).get("stack") or "rackbed"
     if engine_calibration and sc.calibration != "none" and stack == "rackbed":
@@ -407,8 +525,10 @@ class ScenarioCostModel:
 
     CTX_BITS = 7  # decode memo resolution: contexts that agree in their top 7 bits share a step (<= 1.6 % apart)
 
-    def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None) -> None:
+    def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None, draft: dict | None = None) -> None:
         self.model, self.topo, self.calib = model, topo, calib
+        #: what drafts the tokens (:func:`draft_cost_kw`): passed to every decode step pricing
+        self.draft = dict(draft or {})
         self.pplan0, self.dplan0 = prefill_plan, decode_plan
         self._plans: dict[str, object] = {}
         self._decode_memo: dict[tuple, object] = {}
@@ -477,7 +597,7 @@ class ScenarioCostModel:
         pl = self.dplan0 if group is None else self._plan_for(group)
         n = pl.dp
         return decode_step_breakdown(self.model, pl, self.topo, [max_batch] * n, [max_context_tokens] * n,
-                                     draft_k=draft_k, calib=self.calib)
+                                     draft_k=draft_k, calib=self.calib, **self.draft)
 
     def _prefill_class(self, group) -> tuple[int] | tuple[str]:
         """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU
@@ -532,20 +652,22 @@ class ScenarioCostModel:
 
         pl = self._plan_for(group)
         n = pl.dp
-        if not self._split_ok or b == 0:
-            return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib)
+        dr = self.draft
+        if not self._split_ok or b == 0 or (k and "draft_model" in dr):  # a draft model: direct evaluation
+            return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib,
+                                    **dr)
         base = self._decode_base.get((group.id, b, k))
         if base is None:
             from rackbed.sim.costs.step import decode_step_breakdown, layer_counts
 
             bd = decode_step_breakdown(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
-                                       calib=self.calib)
-            passes = k * (self.model.n_mtp_layers or 1)
+                                       calib=self.calib, **dr)
+            passes = k * dr.get("n_mtp_layers", self.model.n_mtp_layers or 1)
             base = (tuple(bd.terms.items()), layer_counts(self.model)[0], passes, self.topo.gpu_spec(pl.gpus[0]))
             # the split must reproduce the direct evaluation at another context too
             ctx2 = 2 * ctx_q + 4099
             if self._assemble(base, pl, b, ctx2, k) != decode_step_time(
-                    self.model, pl, self.topo, [b] * n, [ctx2] * n, draft_k=k, calib=self.calib):
+                    self.model, pl, self.topo, [b] * n, [ctx2] * n, draft_k=k, calib=self.calib, **dr):
                 self._split_ok = False
             else:
                 self._decode_base[(group.id, b, k)] = base
@@ -714,7 +836,7 @@ def print_summary(console, b: Built, res) -> None:
              f"chunks {a.chunk_tokens})" if sc.deployment == "aggregated" else
              f"prefill TP={sc.prefill.tp}/EP={sc.prefill.ep}, decode DP-EP={sc.decode.ep}")
     console.print(f"[bold]{sc.name}[/bold] — {sc.model} ({sc.weight_format}) on {sc.topology}: {shape}, "
-                  f"MTP k={sc.mtp.draft_k} p={sc.mtp.accept_p}")
+                  f"{mtp_label(sc.mtp)}")
     dep = b.deployment
     pg = sum(len(g.gpus) for g in dep.prefillers)
     dg = sum(len(g.gpus) for g in dep.decoders)
@@ -763,6 +885,16 @@ def print_summary(console, b: Built, res) -> None:
     console.print(t2)
     if sc.claim:
         console.print(f"[bold]write-up:[/bold] {sc.claim}")
+
+
+def mtp_label(m: MtpSection) -> str:
+    """``MTP k=1 p=0.8`` (plus the curve and the draft when given) for summaries."""
+    out = f"MTP k={m.draft_k} p={m.accept_p}"
+    if m.draft_k and m.acceptance is not None:
+        out += f" acceptance={list(m.acceptance[:m.draft_k])}"
+    if m.draft_k and isinstance(m.draft, ModelDraft):
+        out += f" draft model {m.draft.model}"
+    return out
 
 
 def _num(x) -> str:

@@ -330,7 +330,6 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
 
 def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
     """Decode options with their analytic figures (module docstring), pruned ones included."""
-    from rackbed.engine.core.specdec import expected_tokens_per_step
     from rackbed.sim.scenario import cost_model_for, decode_plan_for
 
     sp = spec.space
@@ -358,7 +357,7 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
                                             f"of {ctx:.0f} tokens")
                                 continue
                             cm = cost_model_for(sc, model, topo, None, plan)[0]
-                            e_tok = expected_tokens_per_step(k, sc.mtp.accept_p)
+                            e_tok = sc.mtp.expected_tokens_per_step()
                             tpot = functools.partial(_decode_tpot, cm, ctx, k, e_tok)
                             t_cap, bd = tpot(o.b_max)
                             o.tpot_at_cap_s, o.breakdown_at_cap = t_cap, bd
@@ -641,8 +640,8 @@ def without_unasked_mtp(spec: SearchSpec, model) -> tuple[SearchSpec, str | None
         return spec, None
     space = spec.space.model_copy(update={"draft_k": (0,)})
     return spec.model_copy(update={"space": space}), (
-        f"{spec.model} has no MTP layers: searching MTP draft_k 0 only (--draft-k 1,2 searches a draft model's "
-        "speculative decoding priced as MTP)")
+        f"{spec.model} has no MTP layers: searching MTP draft_k 0 only (--draft-k 1,2 --mtp-layers 1 searches with a "
+        "trained MTP head of the model's width)")
 
 
 def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Sequence[str], rate_per_s: float,
@@ -650,8 +649,9 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     gpu_hour_usd: float = 0.0, prefill_tp: Sequence[int] | None = None,
                     decode_ep: Sequence[int] | None = None, max_batch_per_rank: Sequence[int] | None = None,
                     draft_k: Sequence[int] | None = None, max_simulations: int = 60, top: int = 5,
-                    name: str = "search") -> SearchSpec:
-    """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths)."""
+                    name: str = "search", mtp_layers: int | None = None) -> SearchSpec:
+    """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
+    the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k)):
@@ -663,4 +663,6 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                          "output": {"kind": "fixed", "tokens": output_tokens}, "duration_s": duration_s},
             "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s}, "gpu_hour_usd": gpu_hour_usd, "space": space,
             "max_simulations": max_simulations, "top": top}
+    if mtp_layers is not None:
+        data["scenario"] = {"mtp": {"draft": {"kind": "mtp", "layers": mtp_layers}}}
     return parse_search(data, "rackbed search flags")

@@ -174,14 +174,16 @@ def decode_table(res: SearchResult) -> list[dict]:
     user and per decode GPU, and the step's split — the numbers behind "EP16 beats EP8 on GB200" and "EP16 over
     EFA loses to EP8 on H200"."""
     from rackbed.engine.core.specdec import expected_tokens_per_step
+    from rackbed.sim.search import base_scenario
 
+    curve = (base_scenario(res.spec).get("mtp") or {}).get("acceptance")  # a curve the spec's scenario gives
     rows = []
     for o in res.decode:
         row = {"topology": o.topology, "weight_format": o.weight_format, "ep": o.ep, "cap": o.max_batch_per_rank,
                "draft_k": o.draft_k, "b": o.b_max, "pruned": o.pruned or ""}
         bd = o.breakdown_at_cap
         if bd is not None:
-            e = expected_tokens_per_step(o.draft_k, res.spec.mtp_accept_p)
+            e = expected_tokens_per_step(o.draft_k, res.spec.mtp_accept_p, curve)
             tpot = bd.total_s / e
             row.update(step_s=bd.total_s, tpot_s=tpot, tokens_per_s_per_user=1.0 / tpot,
                        tokens_per_s_per_decode_gpu=o.b_max / tpot, **bd.by_category())

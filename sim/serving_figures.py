@@ -85,9 +85,14 @@ class FrontierConfig(_S):
         return v
 
 
-class FrontierMtp(_S):
-    draft_k: int = Field(1, ge=0, le=16)
-    accept_p: float = Field(0.8, ge=0.0, le=1.0)
+def _frontier_mtp():
+    from rackbed.sim.scenario import MtpSection
+
+    return MtpSection
+
+
+#: the study's ``mtp`` is a scenario's (``sim.scenario.MtpSection``: draft_k, accept_p, acceptance, draft)
+FrontierMtp = _frontier_mtp()
 
 
 class DecodeFrontierStudy(_Base):
@@ -252,7 +257,7 @@ def _frontier_scenario(st: DecodeFrontierStudy, cfg: FrontierConfig, topology: s
         "model": st.model, "weight_format": cfg.weight_format, "kv_dtype": st.kv_dtype, "stack": st.stack,
         "prefill": {"tp": st.prefill_tp, "ep": st.prefill_ep, "replicas": n_prefill},
         "decode": {"ep": ep, "replicas": replicas_d, "max_batch_per_rank": max(1, math.ceil(st.batch_cap_factor * b))},
-        "mtp": st.mtp.model_dump(),
+        "mtp": st.mtp.model_dump(exclude_none=True),
         "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": rate_per_s},
                      "prompt": {"kind": "fixed", "tokens": st.prompt_tokens},
                      "output": {"kind": "uniform", "lo": lo, "hi": hi}, "duration_s": duration_s, "seed": st.seed},
@@ -269,7 +274,7 @@ def build_point(sc):
     """
     from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate
     from rackbed.engine.core.sharding import ParallelPlan
-    from rackbed.sim.scenario import ScenarioCostModel, build
+    from rackbed.sim.scenario import ScenarioCostModel, build, draft_budget, draft_cost_kw
 
     from rackbed import topology as topo_mod
 
@@ -288,14 +293,14 @@ def build_point(sc):
     merged_gpus = [tuple(g for grp in dep.decoders[i * m:(i + 1) * m] for g in grp.gpus) for i in range(d.replicas)]
     dplan = ParallelPlan(role="decode", tp=1, ep=ep, dp=ep, gpus=merged_gpus[0], weight_format=sc.weight_format,
                          kv_dtype=sc.kv_dtype, page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
-    dbud = dplan.validate(b.model, topo)
+    dbud = draft_budget(sc, dplan.validate(b.model, topo), dplan, topo)
     dtpl = DecoderTemplate(ep=ep, max_batch_per_rank=d.max_batch_per_rank,
                            kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
     groups = tuple(DecoderGroup(id=f"D{i}", gpus=gs, rank_nics=tuple(dep.gpu_nic[g] for g in gs), template=dtpl)
                    for i, gs in enumerate(merged_gpus))
     dep = replace(dep, decoders=groups, decoder_template=dtpl)
     cm = ScenarioCostModel(model=b.model, topo=b.topology, prefill_plan=b.prefill_plan, decode_plan=dplan,
-                           calib=b.calibration)
+                           calib=b.calibration, draft=draft_cost_kw(sc))
     kinds = sorted({topo.nic_spec(topo.nic_of_gpu(g)).kind for g in merged_gpus[0]})
     cav = [*b.caveats, f"decoders span {m} NVLink domains; their dispatch/combine runs over {'/'.join(kinds)}"]
     return replace(b, scenario=sc, deployment=dep, decode_plan=dplan, decode_budget=dbud, cost_model=cm,
@@ -308,16 +313,18 @@ def _decoder_route(topo, gpus) -> str:
     return "/".join(sorted({topo.nic_spec(topo.nic_of_gpu(g)).kind.upper() for g in gpus}))
 
 
-def _step_model(built, b: int, ctx_tokens: float, draft_k: int, accept_p: float) -> tuple[float, float]:
-    """(step seconds, expected tokens per step) of the decoder at ``b`` sequences per rank."""
-    from rackbed.engine.core.specdec import expected_tokens_per_step
+def _step_model(built, b: int, ctx_tokens: float) -> tuple[float, float]:
+    """(step seconds, expected tokens per step) of the decoder at ``b`` sequences per rank, with the built
+    scenario's MTP (its draft_k, acceptance and draft)."""
     from rackbed.sim.costs.step import decode_step_time
+    from rackbed.sim.scenario import draft_cost_kw
 
     plan = built.decode_plan
     n = plan.world
-    st = decode_step_time(built.model, plan, built.topology, [b] * n, [b * ctx_tokens] * n, draft_k=draft_k,
-                          calib=built.calibration)
-    return st.total_s, expected_tokens_per_step(draft_k, accept_p)
+    mtp = built.scenario.mtp
+    st = decode_step_time(built.model, plan, built.topology, [b] * n, [b * ctx_tokens] * n, draft_k=mtp.draft_k,
+                          calib=built.calibration, **draft_cost_kw(built.scenario))
+    return st.total_s, mtp.expected_tokens_per_step()
 
 
 def _build_fitting(st: DecodeFrontierStudy, cfg: FrontierConfig, n_pf: int, b: int, rate: float, dur: float):
@@ -349,7 +356,7 @@ def frontier_point(st: DecodeFrontierStudy, cfg: FrontierConfig, b: int, *, prog
     ctx = st.prompt_tokens + out_mean / 2.0
     # A first build (one prefiller) gives the step model and one prefiller's capacity.
     probe = _build_fitting(st, cfg, 1, b, 1.0, 1.0)
-    step_s, e_tok = _step_model(probe, b, ctx, st.mtp.draft_k, st.mtp.accept_p)
+    step_s, e_tok = _step_model(probe, b, ctx)
     u_model = e_tok / step_s
     rate = b * cfg.ep * u_model / (out_mean - 1.0)
     cap = _prefill_capacity(probe.cost_model, probe.deployment.prefillers[0], st.prompt_tokens)

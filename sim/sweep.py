@@ -63,9 +63,11 @@ from rackbed import shipped
 SWEEPS_DIR = shipped("scenarios", "sweeps")
 KEY_HEX = 20
 _NOT_HASHED = ("name", "description", "claim")
-#: fields added to the scenario schema after keys were first made (path -> default): left out of the key while at
-#: their default, so a configuration keeps the key it had before they existed
-_ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "policies", "worker"): "least_requests"}
+#: fields added to the scenario schema after keys were first made (path -> default, or a tuple of values that all
+#: mean what the configuration meant before the field existed — an MTP draft of one layer was the only draft):
+#: left out of the key while at their default, so a configuration keeps the key it had before they existed
+_ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "policies", "worker"): "least_requests",
+          ("mtp", "acceptance"): None, ("mtp", "draft"): (None, {"kind": "mtp", "layers": 1})}
 DONE_STATUSES = ("ok", "invalid")
 
 
@@ -156,7 +158,8 @@ def _without(d: Mapping, path: tuple[str, ...], default) -> Mapping:
     if head not in d:
         return d
     if not rest:
-        return {k: v for k, v in d.items() if k != head} if d[head] == default else d
+        hit = d[head] in default if isinstance(default, tuple) else d[head] == default
+        return {k: v for k, v in d.items() if k != head} if hit else d
     sub = d[head]
     return {**d, head: _without(sub, rest, default)} if isinstance(sub, Mapping) else d
 
@@ -308,7 +311,7 @@ def _cost_model_key(b) -> tuple | None:
         return None
     groups = tuple((g.id, tuple(g.gpus)) for g in (*b.deployment.prefillers, *b.deployment.decoders))
     return (sc.topology, sc.model, sc.calibration, b.prefill_plan.model_dump_json(),
-            b.decode_plan.model_dump_json(), groups)
+            b.decode_plan.model_dump_json(), groups, sc.mtp.draft)  # the draft is priced in the decode memo
 
 
 def _reuse_cost_model(b) -> None:

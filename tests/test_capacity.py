@@ -25,6 +25,7 @@ def tiny(**kw) -> dict:
                        "space": {"topology": ["gb200-nvl72", "hgx-h200*2"], "weight_format": ["fp8_block"],
                                  "prefill_tp": [4], "decode_ep": [8], "max_batch_per_rank": [16],
                                  "draft_k": [1]},
+                       "scenario": {"mtp": {"draft": {"kind": "mtp", "layers": 1}}},
                        "max_simulations": 2}}
     data.update(kw)
     return data

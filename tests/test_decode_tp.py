@@ -28,6 +28,7 @@ def _scenario(**decode):
         "kind": "serving", "topology": "hgx-h200*2", "model": "qwen3-235b-a22b", "weight_format": "fp8_block",
         "prefill": {"tp": 4, "ep": 4, "replicas": 1},
         "decode": {"ep": 8, "replicas": 1, "max_batch_per_rank": 32, **decode},
+        "mtp": {"draft_k": 1, "draft": {"kind": "mtp", "layers": 1}},
         "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 4},
                      "prompt": {"kind": "fixed", "tokens": 500}, "output": {"kind": "fixed", "tokens": 20},
                      "n_requests": 4}})

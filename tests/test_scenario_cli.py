@@ -34,6 +34,16 @@ def _run(tmp_path, capsys, text: str, name: str = "s.yaml") -> tuple[int, str]:
     (lambda s: s.replace("weight_format: mxfp8", "weight_format: fp5"), "weight_format"),
     (lambda s: s.replace("decode: {ep: 16, replicas: 1}", "decode: {ep: 16, replicas: 9}"), "decoder"),
     (lambda s: s.replace("topology: gb200-nvl72", "topology: gb200-nvl72\n  : ["), "s.yaml:"),
+    # drafting with a model that has no MTP layers needs the draft stated (the fix is in the message)
+    (lambda s: s + "mtp: {draft_k: 1}\n", ("mtp.draft_k: 1 drafts but qwen3-235b-a22b has no MTP layers; add "
+                                            "mtp.draft: {kind: mtp, layers: 1}")),
+    (lambda s: s + "mtp: {draft_k: 2, acceptance: [0.9], draft: {kind: mtp}}\n", "mtp.acceptance: 1 entries"),
+    (lambda s: s + "mtp: {draft_k: 1, acceptance: [1.5], draft: {kind: mtp}}\n", "mtp.acceptance"),
+    (lambda s: s + "mtp: {draft_k: 1, draft: {kind: model, model: qwen3.5-122b-a10b}}\n", "mtp.draft.model"),
+    (lambda s: s + "mtp: {draft_k: 1, draft: {kind: model, model: qwen9}}\n", "mtp.draft.model: unknown model"),
+    (lambda s: s + "mtp: {draft_k: 1, draft: {kind: eagle}}\n", "mtp.draft"),
+    (lambda s: s.replace("qwen3-235b-a22b", "qwen3.5-122b-a10b") + "mtp: {draft: {kind: mtp, layers: 2}}\n",
+     "mtp.draft.layers: 2 exceeds the 1 MTP layer(s)"),
 ])
 def test_bad_scenarios_fail_in_one_line(tmp_path, capsys, edit, needle):
     rc, err = _run(tmp_path, capsys, edit(BASE))

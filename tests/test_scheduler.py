@@ -261,6 +261,43 @@ def test_mtp_write_up_value_and_stream_agree_with_draw_steps():
     assert cum[-1] == 777 and np.all(np.diff(cum) >= 1) and np.all(np.diff(cum) <= 4)
 
 
+_CURVE = st.lists(st.sampled_from([0.0, 0.2, 0.5, 0.7, 0.9, 1.0]), min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(_CURVE, st.integers(0, 4), st.integers(0, 2**16))
+def test_mtp_acceptance_curve_stream_mean_matches_formula(curve, extra, seed):
+    """A per-position acceptance curve: the stream's empirical tokens per step converge to
+    ``expected_tokens_per_step(k, p, curve)`` (what search and analytics use), P(accepted >= j) is the curve's
+    running product, and the RNG use is deterministic (same seed, same takes)."""
+    k = len(curve)
+    curve = tuple(curve) + (0.5,) * extra  # entries beyond draft_k are not used
+    mean = expected_tokens_per_step(k, 0.8, curve)
+    surv = np.cumprod(curve[:k])
+    assert mean == pytest.approx(1 + surv.sum())
+    n = 60_000
+    t = draw_accepted(np.random.default_rng(seed), k, 0.8, n, curve) + 1
+    assert t.min() >= 1 and t.max() <= k + 1
+    sd = float(np.std(t)) or 1e-12
+    assert abs(t.mean() - mean) <= 5 * sd / np.sqrt(n) + 1e-12
+    for j in range(1, k + 1):
+        assert abs((t - 1 >= j).mean() - surv[j - 1]) < 0.02
+    runs = []
+    for _ in range(2):
+        a = AcceptanceStream(np.random.default_rng(seed), k, 0.8, chunk=4096, acceptance=curve)
+        runs.append([a.take(m)[0] for m in (500, 3, 1, 2000) * 20])
+    assert runs[0] == runs[1]
+    assert sum((500, 3, 1, 2000)) * 20 / sum(runs[0]) == pytest.approx(mean, rel=0.05)
+    cum = draw_steps(np.random.default_rng(seed), k, 0.8, 999, curve)
+    assert cum[-1] == 999 and np.all(np.diff(cum) >= 1) and np.all(np.diff(cum) <= k + 1)
+
+
+def test_mtp_geometric_curve_equals_closed_form():
+    assert expected_tokens_per_step(3, 0.8, (0.8, 0.8, 0.8)) == pytest.approx(expected_tokens_per_step(3, 0.8))
+    with pytest.raises(ValueError, match="mtp.acceptance"):
+        expected_tokens_per_step(3, 0.8, (0.9, 0.8))
+
+
 def test_real_acceptance_counts_override_draws():
     s = Scheduler(small_deployment(n_pf=1, n_dec=1, ep=1, draft_k=3), np.random.default_rng(0))
     d = MiniDriver(s)

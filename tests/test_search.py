@@ -24,10 +24,12 @@ def make_spec(**kw):
                          "duration_s": 10},
             "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
             "space": {"topology": ["gb200-nvl72"], "weight_format": ["mxfp8"], "prefill_tp": [4],
-                      "decode_ep": [8], "max_batch_per_rank": [32], "draft_k": [1]}}
+                      "decode_ep": [8], "max_batch_per_rank": [32], "draft_k": [1]},
+            # Qwen3-235B has no MTP layers: drafting states the trained MTP head explicitly
+            "scenario": {"mtp": {"draft": {"kind": "mtp", "layers": 1}}}}
     for k, v in kw.items():
-        if k == "space":
-            data["space"] = {**data["space"], **v}
+        if k in ("space", "scenario"):
+            data[k] = {**data[k], **v}
         else:
             data[k] = v
     return se.parse_search(data, "t.yaml")
@@ -186,7 +188,7 @@ def test_spec_errors_and_cli_flags(tmp_path, capsys):
     assert main(["search"]) == 2
     assert "--rate" in capsys.readouterr().err
     rc = main(["search", "--rate", "4", "--prompt", "1000", "--output", "30", "--duration", "3",
-               "--decode-ep", "8", "--batch-cap", "16", "--draft-k", "1", "--prefill-tp", "4",
+               "--decode-ep", "8", "--batch-cap", "16", "--draft-k", "1", "--mtp-layers", "1", "--prefill-tp", "4",
                "--max-simulations", "1", "--out", str(tmp_path), "--jobs", "1", "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out

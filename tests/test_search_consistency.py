@@ -44,7 +44,7 @@ def _topo(name: str):
 
 def _spec(topo: str, fmt: str, model: str, layers: int | None, tp: int, ep: int, dep: int, cap: int, k: int,
           prompt: int, out: int, seed: int = 0, mbt: int = 16384, chunked: bool = False):
-    scenario = {"sim": {"chunked_prefill": chunked}}
+    scenario = {"sim": {"chunked_prefill": chunked}, "mtp": {"draft": {"kind": "mtp", "layers": 1}}}  # Qwen3-235B: a trained MTP head
     if layers is not None:
         scenario["model_layers"] = layers
     return se.parse_search({

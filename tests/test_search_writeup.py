@@ -28,7 +28,7 @@ def options(topo: str, fmt: str, *, prefill_tp=(4,), decode_ep=(8,), caps=(16, 3
         "slo": {"ttft_s": 5.0, "tpot_s": 0.2},
         "space": {"topology": [topo], "weight_format": [fmt], "prefill_tp": list(prefill_tp),
                   "decode_ep": list(decode_ep), "max_batch_per_rank": list(caps), "draft_k": [1]},
-        "scenario": {"stack": stack}})
+        "scenario": {"stack": stack, "mtp": {"draft": {"kind": "mtp", "layers": 1}}}})
     model = get_model(spec.model)
     topos = {topo: topology.load(topo)}
     load = se.workload_load(spec.workload)
@@ -80,7 +80,7 @@ def test_gb200_decode_ep16_beats_ep8_in_simulation_at_equal_load_per_rank(tmp_pa
     base = {"kind": "serving", "topology": "gb200-nvl72", "model": "qwen3-235b-a22b", "weight_format": "mxfp8",
             "prefill": {"tp": 4, "ep": 4, "replicas": 1}, "decode": {"ep": 8, "replicas": 1,
                                                                        "max_batch_per_rank": 128},
-            "mtp": {"draft_k": 1, "accept_p": 0.8},
+            "mtp": {"draft_k": 1, "accept_p": 0.8, "draft": {"kind": "mtp", "layers": 1}},
             "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 10},
                          "prompt": {"kind": "fixed", "tokens": 2000}, "output": {"kind": "fixed", "tokens": 300},
                          "duration_s": 8},

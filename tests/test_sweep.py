@@ -13,7 +13,7 @@ from rackbed.topology.errors import UserError
 BASE = {
     "kind": "serving", "topology": "gb200-nvl72", "model": "qwen3-235b-a22b", "weight_format": "mxfp8",
     "prefill": {"tp": 4, "ep": 4, "replicas": 1}, "decode": {"ep": 8, "replicas": 1, "max_batch_per_rank": 16},
-    "mtp": {"draft_k": 1, "accept_p": 0.8},
+    "mtp": {"draft_k": 1, "accept_p": 0.8, "draft": {"kind": "mtp", "layers": 1}},
     "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 4},
                  "prompt": {"kind": "fixed", "tokens": 1000}, "output": {"kind": "fixed", "tokens": 40},
                  "duration_s": 3},

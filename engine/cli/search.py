@@ -71,6 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max batch per rank (decode / aggregated); default 8,16,32,64,128")
     p.add_argument("--draft-k", type=_ints, default=None,
                    help="MTP draft lengths; default 0,1,2 for a model with MTP layers, else 0")
+    p.add_argument("--mtp-layers", type=int, default=None,
+                   help="draft with N MTP layers of the model's width (mtp.draft: {kind: mtp, layers: N}); needed "
+                        "for draft_k > 0 with a model without MTP layers (a trained MTP head, e.g. Qwen3-235B); "
+                        "default: none")
     p.add_argument("--max-simulations", type=int, default=None,
                    help="cap on simulations; default 12 with --gpus, 60 with --rate")
     p.add_argument("--per-front", type=int, default=3,
@@ -140,7 +144,7 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               duration_s=args.duration, ttft_s=args.ttft, tpot_s=args.tpot,
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
-                              max_simulations=max_simulations, top=args.top or 5)
+                              max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers)
 
 
 def _main(args: argparse.Namespace) -> int:

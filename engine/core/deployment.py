@@ -200,15 +200,29 @@ class DecoderGroup:
 
 @dataclass(frozen=True)
 class MtpSpec:
-    """MTP speculative decoding: ``draft_k`` drafted tokens per step, each accepted with probability
-    ``accept_p`` given all earlier ones were (the write-up assumes 0.8). ``draft_k = 0`` disables it."""
+    """Speculative decoding: ``draft_k`` drafted tokens per step, each accepted with probability ``accept_p``
+    given all earlier ones were (the write-up assumes 0.8), or — ``acceptance`` given — draft token ``i`` with
+    probability ``acceptance[i-1]`` given all earlier ones were (:mod:`engine.core.specdec`). ``draft_k = 0``
+    disables it. What drafts the tokens (MTP layers, a draft model) only matters to the cost model."""
 
     draft_k: int = 0
     accept_p: float = 0.8
+    acceptance: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         _need(0 <= self.draft_k <= 16, f"mtp.draft_k: must be in [0, 16], got {self.draft_k}")
         _need(0.0 <= self.accept_p <= 1.0, f"mtp.accept_p: must be in [0, 1], got {self.accept_p}")
+        if self.acceptance is not None:
+            _need(len(self.acceptance) >= self.draft_k,
+                  f"mtp.acceptance: {len(self.acceptance)} entries for draft_k = {self.draft_k}; "
+                  "give one per draft token")
+            _need(all(0.0 <= a <= 1.0 for a in self.acceptance), "mtp.acceptance: every entry must be in [0, 1]")
+
+    def expected_tokens_per_step(self) -> float:
+        """Mean tokens a sequence gains per decode step (:func:`engine.core.specdec.expected_tokens_per_step`)."""
+        from rackbed.engine.core.specdec import expected_tokens_per_step
+
+        return expected_tokens_per_step(self.draft_k, self.accept_p, self.acceptance)
 
 
 @dataclass(frozen=True)

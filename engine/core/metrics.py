@@ -98,8 +98,10 @@ def summarize(
     decode_tokens: int,
     draft_k: int,
     accept_p: float,
+    acceptance: Sequence[float] | None = None,
 ) -> dict:
-    """The metrics dictionary (see module docstring). ``groups``: ``(id, role, n_gpus, created_s, ended_s, status)``."""
+    """The metrics dictionary (see module docstring). ``groups``: ``(id, role, n_gpus, created_s, ended_s, status)``;
+    ``acceptance``: the MTP acceptance curve, when one replaces ``accept_p`` (reported as ``decode.acceptance``)."""
     slo = slo or Slo()
     a = request_arrays(rows, fields)
     n = len(rows)
@@ -188,6 +190,7 @@ def summarize(
             "tokens_per_sequence_step": decode_tokens / seq_steps if seq_steps else None,
             "draft_k": draft_k,
             "accept_p": accept_p,
+            **({"acceptance": list(acceptance[:draft_k])} if acceptance is not None else {}),
         },
     }
 

@@ -144,7 +144,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.rng = rng
         self.k = deployment.mtp.draft_k
         self.p = deployment.mtp.accept_p
-        self.acceptance = AcceptanceStream(rng, self.k, self.p)
+        self.acceptance = AcceptanceStream(rng, self.k, self.p, acceptance=deployment.mtp.acceptance)
         self.kv_bytes_per_token = deployment.kv_bytes_per_token
         self.chunked = deployment.chunked_prefill
         self.shed_ttft_s = deployment.shed_ttft_s

@@ -8,6 +8,13 @@ probability ``p`` *given that positions 1..i-1 were accepted*; the first rejecti
 
 With the write-up's p = 0.8: k=1 → 1.8, k=2 → 2.44, k=3 → 2.952 tokens per step.
 
+A measured draft rarely accepts every position alike (later drafts condition on more guessed tokens), so the
+probabilities may also be given per position: an *acceptance curve* ``(a1, a2, ...)``, ``a_i`` = P(draft token
+``i`` accepted | tokens ``< i`` accepted). Then ``P(accepted >= j) = a1 * ... * aj`` (:func:`survival`) and
+``E[tokens/step] = 1 + sum_{j=1..k} P(accepted >= j)``; a curve is drawn by inversion, one uniform variate per
+step (accepted = the ``j`` whose survival brackets it). Without a curve the geometric form above holds (``a_i = p``
+for every ``i``) and is drawn as it always was, so runs without a curve draw the same numbers.
+
 Draws come from a ``numpy.random.Generator`` the caller passes in (the scheduler's, seeded by the run), so every
 driver that makes the same calls in the same order gets the same tokens.
 """
@@ -20,20 +27,66 @@ from bisect import bisect_left
 import numpy as np
 
 
-def expected_tokens_per_step(k: int, p: float) -> float:
-    """Closed form ``(1 - p**(k+1)) / (1 - p)`` (``k + 1`` at ``p == 1``)."""
+def survival(k: int, p: float, acceptance=None) -> tuple[float, ...]:
+    """``(P(accepted >= 1), ..., P(accepted >= k))``: running products of the curve's first ``k`` entries, or
+    ``p**j`` without a curve. A curve needs at least ``k`` entries (the rest are not used)."""
+    if acceptance is None:
+        return tuple(p ** j for j in range(1, k + 1))
+    if len(acceptance) < k:
+        raise ValueError(f"mtp.acceptance: {len(acceptance)} entries for draft_k = {k}; give one per draft token")
+    out, s = [], 1.0
+    for a in acceptance[:k]:
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"mtp.acceptance: {a} is not a probability in [0, 1]")
+        s *= a
+        out.append(s)
+    return tuple(out)
+
+
+def expected_tokens_per_step(k: int, p: float, acceptance=None) -> float:
+    """Closed form ``(1 - p**(k+1)) / (1 - p)`` (``k + 1`` at ``p == 1``); with an acceptance curve,
+    ``1 + sum(survival(k, p, acceptance))``."""
+    if acceptance is not None:
+        return 1.0 + sum(survival(k, p, acceptance))
     if p >= 1.0:
         return float(k + 1)
     return (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def draw_accepted(rng: np.random.Generator, k: int, p: float, n: int) -> np.ndarray:
+def _fixed_tokens(k: int, p: float, acceptance=None) -> int:
+    """Tokens every step emits when the outcome is certain (0 when it is random): ``k + 1`` when every draft is
+    always accepted, 1 when none ever is (or ``k == 0``); with a curve of zeros and ones, one more than the
+    leading ones."""
+    if k == 0:
+        return 1
+    if acceptance is None:
+        return k + 1 if p >= 1.0 else (1 if p <= 0.0 else 0)
+    s = survival(k, p, acceptance)
+    if all(x in (0.0, 1.0) for x in s):
+        return 1 + sum(x == 1.0 for x in s)
+    return 0
+
+
+def _curve_steps(rng: np.random.Generator, k: int, surv_ascending: np.ndarray, n: int) -> np.ndarray:
+    """``n`` per-step token counts ``1 + accepted`` of a curve, by inversion of one uniform ``u`` per step:
+    ``accepted = #{j : P(accepted >= j) > u}``, i.e. ``k - #{j : survival_j <= u}``."""
+    u = rng.random(n)
+    return (k + 1) - np.searchsorted(surv_ascending, u, side="right").astype(np.int64)
+
+
+def draw_accepted(rng: np.random.Generator, k: int, p: float, n: int, acceptance=None) -> np.ndarray:
     """Accepted draft tokens for ``n`` independent steps, int64 array of shape ``(n,)`` with values in ``[0, k]``.
 
     The run of consecutive acceptances is geometric: ``G = Geometric(1 - p) - 1`` has ``P(G >= j) = p**j``;
     truncating at ``k`` gives the accepted count. ``k == 0`` or ``p == 0`` draws nothing (all zeros);
-    ``p == 1`` draws nothing (all ``k``).
+    ``p == 1`` draws nothing (all ``k``). With an acceptance curve: by inversion (module docstring), nothing drawn
+    when the outcome is certain.
     """
+    if acceptance is not None:
+        fixed = _fixed_tokens(k, p, acceptance)
+        if fixed:
+            return np.full(n, fixed - 1, dtype=np.int64)
+        return _curve_steps(rng, k, np.array(survival(k, p, acceptance)[::-1]), n) - 1
     if k == 0 or p <= 0.0:
         return np.zeros(n, dtype=np.int64)
     if p >= 1.0:
@@ -42,24 +95,25 @@ def draw_accepted(rng: np.random.Generator, k: int, p: float, n: int) -> np.ndar
     return np.minimum(g, k)
 
 
-def draw_steps(rng: np.random.Generator, k: int, p: float, n_tokens: int) -> np.ndarray:
+def draw_steps(rng: np.random.Generator, k: int, p: float, n_tokens: int, acceptance=None) -> np.ndarray:
     """Per-step cumulative tokens emitted until ``n_tokens`` are produced.
 
     Returns int64 ``cum`` of shape ``(n_steps,)``: ``cum[s]`` tokens after step ``s`` (capped at ``n_tokens``;
     ``cum[-1] == n_tokens``), so ``len(cum)`` is the number of decode steps the sequence needs. Draws in blocks
-    sized from the mean, so the RNG use is a deterministic function of ``(rng state, k, p, n_tokens)``.
+    sized from the mean, so the RNG use is a deterministic function of ``(rng state, k, p, acceptance,
+    n_tokens)``.
     """
     if n_tokens <= 0:
         return np.zeros(0, dtype=np.int64)
-    if k == 0 or p <= 0.0 or p >= 1.0:
-        per = k + 1 if p >= 1.0 else 1
+    per = _fixed_tokens(k, p, acceptance)
+    if per:
         n_steps = -(-n_tokens // per)
         return np.minimum(np.arange(1, n_steps + 1, dtype=np.int64) * per, n_tokens)
-    mean = expected_tokens_per_step(k, p)
+    mean = expected_tokens_per_step(k, p, acceptance)
     block = math.ceil(n_tokens / mean * 1.1) + 8
-    cum = np.cumsum(draw_accepted(rng, k, p, block) + 1)
+    cum = np.cumsum(draw_accepted(rng, k, p, block, acceptance) + 1)
     while cum[-1] < n_tokens:
-        more = np.cumsum(draw_accepted(rng, k, p, block) + 1) + cum[-1]
+        more = np.cumsum(draw_accepted(rng, k, p, block, acceptance) + 1) + cum[-1]
         cum = np.concatenate([cum, more])
     n_steps = int(np.searchsorted(cum, n_tokens, side="left")) + 1
     out = cum[:n_steps].copy()
@@ -91,17 +145,22 @@ class AcceptanceStream:
     from ``rng``). A sequence needing ``m`` tokens takes the next steps of the stream until their sum reaches
     ``m`` — the same distribution as drawing for it alone — and remembers where its segment lies so that the
     tokens emitted after ``s`` of its steps can be recovered (after a failure) without storing per-step arrays.
-    The RNG use depends only on the order of ``take`` calls, so every driver gets the same draws.
+    The RNG use depends only on the order of ``take`` calls, so every driver gets the same draws. ``acceptance``:
+    an acceptance curve (module docstring) instead of the geometric ``p``.
     """
 
-    __slots__ = ("chunk", "cum", "fixed", "inv", "k", "last", "mv", "p", "pos", "rng")
+    __slots__ = ("acceptance", "chunk", "cum", "fixed", "inv", "k", "last", "mv", "p", "pos", "rng", "surv")
 
-    def __init__(self, rng: np.random.Generator, k: int, p: float, chunk: int = 1 << 16) -> None:
+    def __init__(self, rng: np.random.Generator, k: int, p: float, chunk: int = 1 << 16,
+                 acceptance=None) -> None:
         self.rng = rng
         self.k = k
         self.p = p
+        self.acceptance = None if acceptance is None else tuple(acceptance)
         self.chunk = chunk
-        self.fixed = k + 1 if p >= 1.0 else (1 if (k == 0 or p <= 0.0) else 0)
+        self.fixed = _fixed_tokens(k, p, self.acceptance)
+        # a curve's survival P(accepted >= j), ascending (j = k .. 1), for the inversion draws
+        self.surv = None if self.acceptance is None else np.array(survival(k, p, self.acceptance)[::-1])
         # cum[i] = tokens emitted by the first i steps of the current segment: an int64 array, strictly increasing
         # (kept in numpy, a drawn step costs no Python int), read through a memoryview (its items are Python ints:
         # a take is one bisect over a few of them)
@@ -110,7 +169,8 @@ class AcceptanceStream:
         self.last = 0              # int(cum[-1])
         self.pos = 0               # steps of ``cum`` already taken
         # log1p(-(1 - p)) when _geometric_by_inversion holds for this generator and p (faster draws, same numbers)
-        self.inv = math.log1p(-(1.0 - p)) if not self.fixed and _geometric_by_inversion(rng, 1.0 - p) else None
+        self.inv = (math.log1p(-(1.0 - p)) if not self.fixed and self.surv is None
+                    and _geometric_by_inversion(rng, 1.0 - p) else None)
 
     def take(self, m: int) -> tuple[int, memoryview | list[int], int]:
         """Steps a sequence needing ``m >= 1`` tokens takes, and ``(cum, start)`` to recover its progress
@@ -138,7 +198,9 @@ class AcceptanceStream:
         need = max(self.chunk, m)
         # draw_accepted + 1, cumulated on from the tail's last value, in place: min(Geometric(1 - p), k + 1) is
         # min(Geometric(1 - p) - 1, k) + 1 (the same draws, the same integers)
-        if self.inv is not None:  # rng.geometric's own inversion, vectorised (see _geometric_by_inversion)
+        if self.surv is not None:  # an acceptance curve: one uniform per step
+            steps = _curve_steps(self.rng, self.k, self.surv, need)
+        elif self.inv is not None:  # rng.geometric's own inversion, vectorised (see _geometric_by_inversion)
             e = self.rng.standard_exponential(size=need)
             np.divide(e, -self.inv, out=e)  # -e / inv, bit for bit (IEEE division is sign-symmetric), one pass
             np.ceil(e, out=e)

@@ -70,11 +70,12 @@ def _attention(gpu, model, plan, n_seqs: int, ctx: float, chunks: Chunks, q: int
 
 
 def mixed_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float],
-                         rank_chunks: Sequence[Chunks], *, draft_k: int = 0,
-                         calib: CalibrationTable | None = None) -> StepBreakdown:
+                         rank_chunks: Sequence[Chunks], *, draft_k: int = 0, n_mtp_layers: int | None = None,
+                         draft_model=None, calib: CalibrationTable | None = None) -> StepBreakdown:
     """Term by term, the mixed step of an aggregated worker whose plan is ``plan`` (module docstring).
     ``rank_batch[r]`` / ``rank_context_tokens[r]``: decoding sequences of DP rank ``r`` and their KV tokens;
-    ``rank_chunks[r]``: its prefill chunks ``(new_tokens, cached_tokens)``."""
+    ``rank_chunks[r]``: its prefill chunks ``(new_tokens, cached_tokens)``; ``n_mtp_layers`` / ``draft_model``:
+    what drafts (``sim.costs.step.decode_step_breakdown``)."""
     if plan.tp > 1 and plan.dp > 1:
         raise UserError(f"aggregated step cost model covers tp == 1 (DP attention) or dp == 1 (one TP group), "
                         f"got tp={plan.tp}, dp={plan.dp}")
@@ -105,8 +106,8 @@ def mixed_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_cont
             terms[new_name] = (cat, new_s)
     if draft_k and any(rank_batch):
         drafts = decode_step_breakdown(model, plan, topo, rank_batch, rank_context_tokens, draft_k=draft_k,
-                                       calib=calib)
-        terms.update({k: v for k, v in drafts.terms.items() if k.startswith("mtp_")})
+                                       n_mtp_layers=n_mtp_layers, draft_model=draft_model, calib=calib)
+        terms.update({k: v for k, v in drafts.terms.items() if k.startswith(("mtp_", "draft_"))})
     return StepBreakdown(terms)
 
 

@@ -36,8 +36,10 @@ routed slices in one). With ``tp = 1`` none of the TP terms exist. A step with `
   streamed), combine, shared expert, norms; then the lm_head on every token;
 * draft: ``draft_k`` sequential passes of the MTP module(s) on one token per sequence: fc (2*hidden -> hidden),
   one full-attention decoder layer with the model's MoE (dispatch, GEMM, combine), norms and the lm_head.
-  Models without MTP layers in their config (Qwen3-235B) use ``n_mtp_layers=1`` (the write-up's in-house MTP
-  layer) unless told otherwise.
+  ``n_mtp_layers`` says how many modules a pass runs (default: the model's own, at least one — a scenario states
+  the draft explicitly, ``sim.scenario.resolve_mtp``). With a separate ``draft_model`` instead, each draft token
+  is one decode step of that model on one token per sequence on the same plan (its terms prefixed ``draft_``;
+  the host overhead is the step's, counted once).
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def _tp_allreduce(b: BreakdownBuilder, name: str, n_layers: int, model, plan, to
 
 
 def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float], *,
-                          draft_k: int = 0, n_mtp_layers: int | None = None,
+                          draft_k: int = 0, n_mtp_layers: int | None = None, draft_model=None,
                           tokens_per_expert: Sequence[int] | ExpertHistogram | None = None,
                           send_matrix: Sequence[Sequence[float]] | None = None,
                           calib: CalibrationTable | None = None) -> StepBreakdown:
@@ -288,7 +290,12 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
     b.add("embed", "other_s", _embed_s(gpu, model, max(tokens), calib))
     b.add("lm_head", "other_s", gemm_time(gpu, max(tokens), model.vocab, model.hidden, "bf16",
                                           calib=calib).total_s)
-    if draft_k:
+    if draft_k and draft_model is not None:
+        one = decode_step_breakdown(draft_model, plan, topo, rank_batch, rank_context_tokens, calib=calib)
+        for name, (cat, sec) in one.terms.items():
+            if name != "host":
+                b.add(f"draft_{name}", cat, draft_k * sec)
+    elif draft_k:
         n_mtp = n_mtp_layers if n_mtp_layers is not None else (model.n_mtp_layers or 1)
         _mtp_draft(b, draft_k, n_mtp, gpu, model, plan, topo, rank_batch, front, {**kw, "q_per_seq": 1})
     b.add("host", "other_s", host_step_s(calib, gpu, "decode", max(rank_batch)))
