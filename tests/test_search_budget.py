@@ -41,14 +41,32 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
             assert p["ttft_p90_s"] <= 2 and p["tpot_p90_s"] <= 0.05
     # no MTP searched for a model without MTP layers
     assert all(p["overrides"]["mtp.draft_k"] == 0 for p in d["simulations"])
-    # the emitted files are the chosen configuration (the best disaggregated one when the best is aggregated)
-    best = d["best"] if d["best"]["kind"] == "disaggregated" else d["fronts"]["disaggregated"][0]
-    ov = best["overrides"]
+    # the budget used: copies x GPUs within the budget, totals consistent, the best within 3 % of the most
+    # tokens/s per used GPU and no point that close uses more of the budget
+    conf = [p for p in d["simulations"] if p["use"] is not None]
+    top = max(p["tokens_per_s_per_gpu"] for p in conf)
+    for p in conf:
+        u = p["use"]
+        assert 1 <= u["replicas"] <= 8 // p["gpus"] and u["gpus_used"] == u["replicas"] * p["gpus"] <= 8
+        assert u["tokens_per_s"] == pytest.approx(p["tokens_per_s_per_gpu"] * u["gpus_used"])
+        assert u["tokens_per_s_per_budget_gpu"] == pytest.approx(u["tokens_per_s"] / 8)
+    b = d["best"]
+    assert b["tokens_per_s_per_gpu"] >= 0.97 * top
+    assert all(p["use"]["tokens_per_s_per_budget_gpu"] <= b["use"]["tokens_per_s_per_budget_gpu"] + 1e-9
+               for p in conf if p["tokens_per_s_per_gpu"] >= 0.97 * top)
+    assert d["best_total"]["use"]["tokens_per_s_per_budget_gpu"] == max(
+        p["use"]["tokens_per_s_per_budget_gpu"] for p in conf)
+    # the emitted files are the best configuration, whatever its kind, with its copies on the budget
+    ov, reps = b["overrides"], b["use"]["replicas"]
     lines = [shlex.split(x) for x in (tmp_path / "emit" / "launch.sh").read_text().splitlines()
              if x.startswith("python -m sglang.launch_server")]
+    if b["kind"] == "aggregated":
+        assert len(lines) == ov["aggregated.workers"] * reps
+        assert all("--disaggregation-mode" not in a for a in lines)
+        return
     pre = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "prefill"]
     dec = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "decode"]
-    assert len(pre) == ov["prefill.replicas"] and len(dec) == ov["decode.replicas"]
+    assert len(pre) == ov["prefill.replicas"] * reps and len(dec) == ov["decode.replicas"] * reps
     for a in pre:
         assert int(a[a.index("--tp") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
         assert int(a[a.index("--chunked-prefill-size") + 1]) == ov["prefill.max_batch_tokens"]
