@@ -41,6 +41,19 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
             assert p["ttft_p90_s"] <= 2 and p["tpot_p90_s"] <= 0.05
     # no MTP searched for a model without MTP layers
     assert all(p["overrides"]["mtp.draft_k"] == 0 for p in d["simulations"])
+    # tokens/s per GPU at the sustained rate: every request's 40 output tokens over the 4 s arrival window, not the
+    # run's length (the drain included); the simulator's own figure kept
+    raw = {r["key"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    for r in raw.values():
+        s = r.get("summary") or {}
+        if s.get("done") and s["done"] == s["requests"]:
+            g = _gpus(r["overrides"])
+            got = bu.sustained(r, g, 4.0)["summary"]
+            assert got["tokens_per_s_per_gpu"] == pytest.approx(s["done"] * 40 / (4.0 * g), rel=1e-6)
+            assert got["tokens_per_s_per_gpu_with_drain"] == s["tokens_per_s_per_gpu"] <= got["tokens_per_s_per_gpu"]
+    for p in d["simulations"]:
+        if p["meets_slo"]:
+            assert p["tokens_per_s_per_gpu"] >= p["tokens_per_s_per_gpu_with_drain"]
     # the budget used: copies x GPUs within the budget, totals consistent, the best within 3 % of the most
     # tokens/s per used GPU and no point that close uses more of the budget
     conf = [p for p in d["simulations"] if p["use"] is not None]
@@ -150,3 +163,46 @@ def test_rate_search_with_headroom_fits_the_topology():
         if c.pruned is None:
             assert c.n_gpus <= 8
             assert c.prefill.replicas * c.prefill.capacity_tokens_per_s >= load.input_tokens_per_s
+
+
+def test_stack_prices_the_candidates(tmp_path, capsys):
+    """``--stack``: every candidate priced by the named stack's shipped calibration; a stack not shipped for the
+    GPU is one line naming --stack and the stacks that are."""
+    from rackbed.engine.cli.main import main
+
+    spec = se.spec_from_flags(model="qwen3-30b-a3b", topology=["hgx-h200"], weight_format=["fp8"], rate_per_s=1.0,
+                              prompt_tokens=1000, output_tokens=40, duration_s=4, ttft_s=2, tpot_s=0.05,
+                              prefill_tp=[2], decode_ep=[4], max_batch_per_rank=[16, 64], name="t")
+    fronts = {}
+    for stack in ("rackbed", "trtllm"):
+        sp = spec.model_copy(update={"scenario": {"stack": stack}})
+        res = bu.run_budget_search(sp, 8, tmp_path / stack, kinds=("disaggregated",), max_simulations=0)
+        assert res.stack == stack and not res.records
+        fronts[stack] = [(c.label, round(c.est_tokens_per_s_per_gpu, 3)) for c in res.analytic_front("disaggregated")]
+        assert ("h200-trtllm" in res.calibration) == (stack == "trtllm")
+    assert fronts["rackbed"] != fronts["trtllm"]
+    rc = main(["search", "--model", "qwen3-30b-a3b", "--gpus", "8", "--topology", "hgx-h200", "--stack", "vllm",
+               "--no-progress", "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("rackbed: error: --stack vllm: no calibration") and "\n" not in err
+    assert "trtllm" in err
+
+
+def test_max_rate_brackets_the_highest_rate():
+    """:func:`sim.budget.max_rate`: the rate returned met the SLOs in its simulation and is the highest simulated
+    that did; a simulated rate at most ``1 + 2**-steps`` times higher missed them (doubling, then ``steps``
+    bisections of a gap no wider than the rate)."""
+    from rackbed.sim.overrides import apply_overrides
+    from rackbed.sim.scenario import load_scenario
+
+    from rackbed import scenarios
+
+    sc = apply_overrides(load_scenario(scenarios.resolve("agg_h200_node")), duration_s=2.0)
+    steps = 2
+    r = bu.max_rate(sc, 2.0, 0.05, start=50.0, steps=steps)
+    met = [rate for rate, ok, _ in r.tried if ok]
+    missed = [rate for rate, ok, _ in r.tried if not ok]
+    assert r.rate_per_s is not None and r.rate_per_s == max(met)
+    assert meets_slo({"status": "ok", "summary": r.record}, 2.0, 0.05, "p90")
+    assert min(m for m in missed if m > r.rate_per_s) <= r.rate_per_s * (1 + 2 ** -steps) + 1e-9
+    assert len(r.tried) <= 8 + steps + 1

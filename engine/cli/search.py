@@ -259,7 +259,8 @@ def print_budget(console, res) -> None:
               "rate meeting the SLOs")
     for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
               "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user"):
-        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right")
+        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right",
+                     min_width={"kind": 13, "configuration": 36}.get(h))
     for kind, front in res.fronts.items():
         if not front:
             t.add_row(kind, "none confirmed", *[""] * 11)
