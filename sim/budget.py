@@ -42,7 +42,7 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    tokens/s per used GPU. A deployment scaled out the other way — more decoder groups with prefillers to match —
    is a candidate of its own (the analytic stage enumerates every decoder count), and the analytic stage also
    sends each kind's best estimate of tokens/s per budget GPU to simulation. The **best** is, among the confirmed
-   points within ``fill_tolerance`` (default 3 %) of the most tokens/s per used GPU, the one with the most
+   points within ``fill_tolerance`` (:data:`FILL_TOLERANCE`, 5 %) of the most tokens/s per used GPU, the one with the most
    tokens/s per budget GPU — a configuration that uses the budget is preferred at a near-equal efficiency; the
    **best on the whole budget** (the most tokens/s per budget GPU whatever its efficiency) is reported too.
 
@@ -69,6 +69,8 @@ RATE_KEY = "workload.arrival.rate_per_s"
 
 #: aggregated worker shapes tried: (tp, dp); ep = tp * dp (experts over every GPU of the worker)
 AGG_SHAPES = ((1, 4), (1, 8), (1, 16), (1, 32), (2, 1), (4, 1), (8, 1))
+#: the best may give up this fraction of the most tokens/s per used GPU for more tokens/s on the whole budget
+FILL_TOLERANCE = 0.05
 #: aggregated (max_batch_tokens, chunk_tokens) pairs tried
 AGG_BUDGETS = ((8192, 2048), (16384, 4096), (16384, 16384))
 
@@ -352,7 +354,7 @@ def spread(front: Sequence[BudgetCandidate], n: int) -> list[BudgetCandidate]:
 
 def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, kinds: Sequence[str] = KINDS,
                       per_front: int = 3, max_simulations: int = 12, backoff: float = 0.75, retries: int = 2,
-                      fill_tolerance: float = 0.03, jobs: int = 1, progress: bool = False, console=None) -> BudgetResult:
+                      fill_tolerance: float = FILL_TOLERANCE, jobs: int = 1, progress: bool = False, console=None) -> BudgetResult:
     """The budget search (module docstring); simulations append to ``out_dir/results.jsonl`` (resumable).
     UserError (with what to change) when no candidate survives the analytic stage."""
     from rackbed.sim.scenario import parse_scenario, scenario_model

@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on simulations; default 12 with --gpus, 60 with --rate")
     p.add_argument("--per-front", type=int, default=3,
                    help="with --gpus: analytic front points simulated per deployment kind")
+    p.add_argument("--fill-tolerance", type=float, default=0.05,
+                   help="with --gpus: the best may give up this fraction of the most tokens/s per used GPU for more "
+                   "tokens/s per budget GPU (a deployment that uses the budget)")
     p.add_argument("--max-rate", metavar="SCENARIO", default=None,
                    help="the highest rate this scenario's deployment sustains under --ttft / --tpot (doubling from --rate or "
                    "the scenario's rate, then bisection; --duration per simulation); default: not this mode")
@@ -112,6 +115,8 @@ def check_flags(args: argparse.Namespace) -> None:
             bad(flag, v, "must be a positive integer")
     if args.max_simulations is not None and args.max_simulations < 0:
         bad("--max-simulations", args.max_simulations, "must be >= 0")
+    if not 0 <= args.fill_tolerance < 1:
+        bad("--fill-tolerance", args.fill_tolerance, "must be in [0, 1)")
     if args.gpu_hour_usd < 0:
         bad("--gpu-hour-usd", args.gpu_hour_usd, "must be >= 0")
     for f in args.weight_format:
@@ -226,7 +231,7 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
     out = args.out or Path("rackbed-out") / f"search-{spec.name}"
     res = bu.run_budget_search(spec, args.gpus, out, kinds=tuple(args.kind), per_front=args.per_front,
                                max_simulations=12 if args.max_simulations is None else args.max_simulations,
-                               jobs=jobs, progress=not args.no_progress, console=console)
+                               fill_tolerance=args.fill_tolerance, jobs=jobs, progress=not args.no_progress, console=console)
     print_budget(console, res)
     files = bu.write_budget(res, out)
     console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
