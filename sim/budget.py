@@ -451,16 +451,26 @@ def _placeable_copies(res: BudgetResult, rec: dict) -> int:
 
 
 def _stack_of(spec: se.SearchSpec, topo) -> tuple[str, str]:
-    """``(stack asked for, the line that says what prices the candidates)``; a stack with no shipped calibration
-    for the budget's GPU is a UserError naming the stacks shipped (before any candidate is priced)."""
+    """``(stack asked for, the line that says what prices the candidates)`` (:func:`check_stack`)."""
+    stack = str(se.base_scenario(spec).get("stack", "auto"))
+    return stack, check_stack(stack, topo)
+
+
+def check_stack(stack: str, topo) -> str:
+    """The line that says what prices a run on ``topo`` (a Topology or its name) by ``stack``; a stack with no
+    shipped calibration for its GPU is a UserError naming ``--stack`` and the stacks shipped (before any
+    candidate is priced, so that it is not a pruning reason)."""
     from rackbed.sim.calibrate import calibration_for_topology, describe_calibration
 
-    stack = str(se.base_scenario(spec).get("stack", "auto"))
+    from rackbed import topology as topo_mod
+
+    if isinstance(topo, str):
+        topo = topo_mod.load(topo)
     try:
         table = calibration_for_topology(topo, stack=stack)
     except UserError as e:
         raise UserError(f"--stack {stack}: {str(e).removeprefix('stack: ')}") from None
-    return stack, describe_calibration(table)
+    return describe_calibration(table)
 
 
 def infeasible_hint(res: BudgetResult) -> str:

@@ -190,6 +190,10 @@ def test_stack_prices_the_candidates(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("rackbed: error: --stack vllm: no calibration") and "\n" not in err
     assert "trtllm" in err
+    rc = main(["search", "--model", "qwen3-30b-a3b", "--topology", "hgx-h200", "--rate", "5", "--stack", "vllm",
+               "--no-progress", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("rackbed: error: --stack vllm: no calibration") and "\n" not in err
 
 
 def test_max_rate_brackets_the_highest_rate():

@@ -190,6 +190,11 @@ def _main(args: argparse.Namespace) -> int:
             topology = [budget_topology(t, args.gpus) for t in args.topology]
         spec = _with_stack(_flags_spec(args, args.rate, 60 if args.max_simulations is None else args.max_simulations,
                                        topology), args.stack)
+    if args.stack not in (None, "auto"):  # one line naming --stack, not every candidate pruned for it
+        from rackbed.sim.budget import check_stack
+
+        for t in spec.space.topology:
+            check_stack(args.stack, t)
     out = args.out or Path("rackbed-out") / f"search-{spec.name}"
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)
