@@ -236,3 +236,26 @@ def test_pick_best_prefers_the_budget_within_the_tolerance(points, gpus, tol):
     for r in recs:
         u = bu.budget_use(r, gpus)
         assert u["gpus_used"] == u["replicas"] * r["gpus"] <= gpus < (u["replicas"] + 1) * r["gpus"]
+
+
+@pytest.mark.parametrize("dp, copies", [(4, 4), (8, 2), (2, 8)])
+def test_copies_on_the_budget_are_placed_and_emitted(dp, copies):
+    """A deployment of n GPUs fills a budget of N with ``N // n`` copies the topology places
+    (:func:`sim.budget._placeable_copies`); ``scenario_of(on_budget=True)`` is that many copies as one scenario."""
+    from types import SimpleNamespace
+
+    from rackbed.sim.scenario import build
+    from rackbed.topology.yamlio import load_yaml
+
+    from rackbed import scenarios
+
+    d = load_yaml(scenarios.resolve("agg_h200_node"))
+    d = dict(d, topology="hgx-h200*2", aggregated={**d["aggregated"], "workers": 1, "dp": dp, "ep": dp})
+    res = SimpleNamespace(gpus=16, scenarios={"k": d}, spec=SimpleNamespace(name="t"))
+    rec = {"key": "k", "gpus": dp, "summary": {"tokens_per_s_per_gpu": 10.0}}
+    assert bu._placeable_copies(res, rec) == copies
+    rec["use"] = bu.budget_use(rec, 16, copies)
+    assert rec["use"]["tokens_per_s"] == pytest.approx(10.0 * dp * copies)
+    sc = bu.scenario_of(res, rec, on_budget=True)
+    assert sc.aggregated.workers == copies and bu.scenario_of(res, rec).aggregated.workers == 1
+    assert len(build(sc, engine_calibration=False).deployment.aggregated) == copies
