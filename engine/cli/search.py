@@ -265,8 +265,8 @@ def print_budget(console, res) -> None:
                   f"simulations, {len(res.confirmed)} deployments confirmed; {res.wall_s:.0f} s")
     for note in res.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-    t = Table(title="Pareto fronts: tokens/s per GPU vs tokens/s per user, each deployment at the highest simulated "
-              "rate meeting the SLOs")
+    t = Table(title="Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
+              "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the budget")
     for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
               "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user"):
         t.add_column(h, justify="left" if h in ("kind", "configuration") else "right",
