@@ -27,9 +27,24 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    tokens/s per GPU first) are simulated at their estimated rate; a point that misses the SLOs is simulated again
    at ``backoff`` times the rate (up to ``retries`` times), one that meets them once more at ``1 / backoff`` times
    (the highest rate that met the SLOs is the point's). At most ``max_simulations`` simulations in all.
+   Tokens/s per GPU of a simulation is the throughput **at the rate it sustains**: the output tokens of the
+   requests that arrived in the arrival window (``workload.duration_s``) over that window and the deployment's
+   GPUs (:func:`sustained`). The simulation runs on past the window until the last request finishes (the
+   drain); counting the drain in the denominator, as ``rackbed run``'s ``output_tokens_per_s_per_gpu`` does,
+   would read about 0.75x lower at 30 s of 500-token outputs. A point that meets the SLOs completed every
+   request, so this is the long-run throughput of that arrival rate. The drained figure stays in the record
+   (``tokens_per_s_per_gpu_with_drain``).
 3. **Fronts**: per kind, the Pareto front of tokens/s per GPU vs tokens/s per user of the simulated points that
-   meet the SLOs (:func:`sim.search_results.meets_slo`); the **best** is the one with the most tokens/s per GPU
-   over both kinds.
+   meet the SLOs (:func:`sim.search_results.meets_slo`).
+4. **The budget used**: a deployment of ``n`` GPUs runs as ``replicas = N // n`` independent copies on the budget
+   (each with its own router; copies share no GPU, so each carries what its simulation did): ``replicas x n`` GPUs
+   used, ``replicas x`` its output tokens/s in total, and tokens/s per *budget* GPU = that total / N besides the
+   tokens/s per used GPU. A deployment scaled out the other way — more decoder groups with prefillers to match —
+   is a candidate of its own (the analytic stage enumerates every decoder count), and the analytic stage also
+   sends each kind's best estimate of tokens/s per budget GPU to simulation. The **best** is, among the confirmed
+   points within ``fill_tolerance`` (:data:`FILL_TOLERANCE`, 5 %) of the most tokens/s per used GPU, the one with the most
+   tokens/s per budget GPU — a configuration that uses the budget is preferred at a near-equal efficiency; the
+   **best on the whole budget** (the most tokens/s per budget GPU whatever its efficiency) is reported too.
 
 :func:`max_rate` answers the fixed-deployment question (``rackbed search --max-rate SCENARIO``): the highest rate a
 given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated).
@@ -54,6 +69,8 @@ RATE_KEY = "workload.arrival.rate_per_s"
 
 #: aggregated worker shapes tried: (tp, dp); ep = tp * dp (experts over every GPU of the worker)
 AGG_SHAPES = ((1, 4), (1, 8), (1, 16), (1, 32), (2, 1), (4, 1), (8, 1))
+#: the best may give up this fraction of the most tokens/s per used GPU for more tokens/s on the whole budget
+FILL_TOLERANCE = 0.05
 #: aggregated (max_batch_tokens, chunk_tokens) pairs tried
 AGG_BUDGETS = ((8192, 2048), (16384, 4096), (16384, 16384))
 
@@ -73,6 +90,16 @@ class BudgetCandidate:
     est_ttft_s: float = math.nan
     est_tpot_s: float = math.nan
     pruned: str | None = None
+    budget: int = 0                     # N, the GPU budget (for the replicas that fill it)
+
+    @property
+    def replicas(self) -> int:
+        """Copies of this deployment that fit the budget (at least one)."""
+        return max(1, self.budget // self.n_gpus) if self.n_gpus else 1
+
+    @property
+    def est_tokens_per_s_per_budget_gpu(self) -> float:
+        return self.est_tokens_per_s_per_gpu * self.replicas * self.n_gpus / self.budget if self.budget else math.nan
 
 
 @dataclass
@@ -85,10 +112,13 @@ class BudgetResult:
     records: list[dict]                 # every simulation (each with "candidate", "kind", "rate_per_s", "est")
     confirmed: list[dict]               # per simulated candidate: its record at the highest rate meeting the SLOs
     fronts: dict[str, list[dict]]       # kind -> front of the confirmed records, tokens/s per GPU descending
-    best: dict | None
+    best: dict | None                   # module docstring, step 4 (its "use" says how it fills the budget)
     scenarios: dict[str, dict] = field(default_factory=dict)  # record key -> scenario dict
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    best_total: dict | None = None      # the most tokens/s per budget GPU (replicas included)
+    stack: str = "auto"                 # the serving stack asked for (scenario field stack)
+    calibration: str = ""               # the one line that says what priced the candidates
 
     def analytic_front(self, kind: str) -> list[BudgetCandidate]:
         seen: dict[tuple, BudgetCandidate] = {}
@@ -100,6 +130,51 @@ class BudgetResult:
         alive = list(seen.values())
         idx = pareto_indices([(c.est_tokens_per_s_per_gpu, c.est_tokens_per_s_per_user) for c in alive])
         return sorted((alive[i] for i in idx), key=lambda c: -c.est_tokens_per_s_per_gpu)
+
+    def budget_pick(self, kind: str) -> BudgetCandidate | None:
+        """The surviving candidate of ``kind`` with the most estimated tokens/s per budget GPU (replicas
+        included); ties: the most tokens/s per user."""
+        alive = [c for c in self.candidates if c.kind == kind and c.pruned is None]
+        return max(alive, key=lambda c: (round(c.est_tokens_per_s_per_budget_gpu, 6), c.est_tokens_per_s_per_user),
+                   default=None)
+
+
+def sustained(rec: dict, gpus: int, window_s: float | None) -> dict:
+    """``rec`` with its summary's ``tokens_per_s_per_gpu`` the throughput at the sustained rate (module docstring,
+    step 2): the output tokens of the requests that arrived within ``window_s`` over ``window_s`` and ``gpus``;
+    the simulator's figure over the whole run (the drain included) kept as ``tokens_per_s_per_gpu_with_drain``.
+    Unchanged without a window or an output rate."""
+    s = rec.get("summary")
+    if not s or not window_s or s.get("output_tokens_per_s") is None or not s.get("duration_s"):
+        return rec
+    tokens = s["output_tokens_per_s"] * s["duration_s"]  # every completed request arrived within the window
+    return {**rec, "summary": {**s, "tokens_per_s_per_gpu": tokens / (window_s * gpus),
+                               "tokens_per_s_per_gpu_with_drain": s.get("tokens_per_s_per_gpu")}}
+
+
+def budget_use(rec: Mapping, gpus: int, replicas: int | None = None) -> dict:
+    """How a simulated deployment (``rec``: its record) fills a budget of ``gpus`` GPUs with whole copies
+    (module docstring, step 4): replicas (default ``gpus // its GPUs``), GPUs used, total output tokens/s,
+    tokens/s per used and per budget GPU."""
+    n = int(rec["gpus"])
+    per_gpu = (rec.get("summary") or {}).get("tokens_per_s_per_gpu") or 0.0
+    reps = replicas or max(1, gpus // n)
+    total = per_gpu * n * reps
+    return {"replicas": reps, "gpus_used": reps * n, "gpus": gpus, "tokens_per_s": total,
+            "tokens_per_s_per_used_gpu": per_gpu, "tokens_per_s_per_budget_gpu": total / gpus}
+
+
+def pick_best(confirmed: Sequence[dict], gpus: int, tolerance: float) -> tuple[dict | None, dict | None]:
+    """``(best, best on the whole budget)`` of the confirmed records (module docstring, step 4)."""
+    if not confirmed:
+        return None, None
+    top = max(r["summary"]["tokens_per_s_per_gpu"] for r in confirmed)
+    near = [r for r in confirmed if r["summary"]["tokens_per_s_per_gpu"] >= (1.0 - tolerance) * top]
+
+    def by_budget(r):
+        return (budget_use(r, gpus)["tokens_per_s_per_budget_gpu"], r["summary"]["tokens_per_s_per_gpu"])
+
+    return max(near, key=by_budget), max(confirmed, key=by_budget)
 
 
 def budget_topology(name: str, gpus: int) -> str:
@@ -279,7 +354,7 @@ def spread(front: Sequence[BudgetCandidate], n: int) -> list[BudgetCandidate]:
 
 def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, kinds: Sequence[str] = KINDS,
                       per_front: int = 3, max_simulations: int = 12, backoff: float = 0.75, retries: int = 2,
-                      jobs: int = 1, progress: bool = False, console=None) -> BudgetResult:
+                      fill_tolerance: float = FILL_TOLERANCE, jobs: int = 1, progress: bool = False, console=None) -> BudgetResult:
     """The budget search (module docstring); simulations append to ``out_dir/results.jsonl`` (resumable).
     UserError (with what to change) when no candidate survives the analytic stage."""
     from rackbed.sim.scenario import parse_scenario, scenario_model
@@ -293,6 +368,7 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     tname = budget_topology(spec.space.topology[0], gpus)
     spec = spec.model_copy(update={"space": spec.space.model_copy(update={"topology": (tname,)})})
     topo = topo_mod.load(tname)
+    stack, calib_line = _stack_of(spec, topo)
     model = scenario_model(parse_scenario(se.base_scenario(spec), f"search {spec.name}"))
     spec, note = se.without_unasked_mtp(spec, model)
     load = se.workload_load(spec.workload, spec.seed)
@@ -302,11 +378,18 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
         cands += disaggregated_candidates(spec, load, model, topo, gpus)
     if "aggregated" in kinds:
         cands += aggregated_candidates(spec, load, model, topo, gpus)
-    res = BudgetResult(spec, gpus, tname, load, cands, [], [], {k: [] for k in kinds}, None, notes=notes)
+    for c in cands:
+        c.budget = gpus
+    res = BudgetResult(spec, gpus, tname, load, cands, [], [], {k: [] for k in kinds}, None, notes=notes,
+                       stack=stack, calibration=calib_line)
     if not any(c.pruned is None for c in cands):
         raise UserError(infeasible_hint(res))
     base = se.base_scenario(spec)
     pending = [(c, c.rate_per_s, 0) for kind in kinds for c in spread(res.analytic_front(kind), per_front)]
+    for kind in kinds:  # each kind's best estimate on the whole budget, when the front's spread left it out
+        c = res.budget_pick(kind)
+        if c is not None and all(c is not q for q, _, _ in pending):
+            pending.append((c, c.rate_per_s, 0))
     best_ok: dict[int, dict] = {}
     tried_up: set[int] = set()
     scen: dict[str, dict] = {}
@@ -321,7 +404,8 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
         n_sim += len(points)
         by_key = {r["key"]: r for r in run.records}
         for (c, r, tries), p in zip(batch, points):
-            rec = dict(by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label}))
+            rec = sustained(dict(by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label})),
+                            c.n_gpus, getattr(spec.workload, "duration_s", None))
             rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus,
                        est={"rate_per_s": c.rate_per_s, "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                             "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "ttft_s": c.est_ttft_s,
@@ -342,12 +426,51 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     for kind in kinds:
         el = [r for r in res.confirmed if r["kind"] == kind]
         res.fronts[kind] = sorted(front_of(el), key=lambda r: -r["summary"]["tokens_per_s_per_gpu"]) if el else []
-    res.best = max(res.confirmed, key=lambda r: r["summary"]["tokens_per_s_per_gpu"], default=None)
     res.scenarios = scen
+    for r in res.confirmed:
+        r["use"] = budget_use(r, gpus, _placeable_copies(res, r))
+    res.best, res.best_total = pick_best(res.confirmed, gpus, fill_tolerance)
     if n_sim >= max_simulations and pending:
         notes.append(f"stopped at {max_simulations} simulations (--max-simulations)")
     res.wall_s = time.perf_counter() - t0
     return res
+
+
+def _placeable_copies(res: BudgetResult, rec: dict) -> int:
+    """The most copies of ``rec``'s deployment (up to ``budget // its GPUs``) that the topology places together
+    (a group must stay within its NVLink domain, so GPUs left over in several nodes may not take one more)."""
+    from rackbed.sim.scenario import build
+
+    for k in range(max(1, res.gpus // int(rec["gpus"])), 1, -1):
+        try:
+            build(scenario_of(res, {**rec, "use": {"replicas": k}}, on_budget=True), engine_calibration=False)
+            return k
+        except ValueError:
+            continue
+    return 1
+
+
+def _stack_of(spec: se.SearchSpec, topo) -> tuple[str, str]:
+    """``(stack asked for, the line that says what prices the candidates)`` (:func:`check_stack`)."""
+    stack = str(se.base_scenario(spec).get("stack", "auto"))
+    return stack, check_stack(stack, topo)
+
+
+def check_stack(stack: str, topo) -> str:
+    """The line that says what prices a run on ``topo`` (a Topology or its name) by ``stack``; a stack with no
+    shipped calibration for its GPU is a UserError naming ``--stack`` and the stacks shipped (before any
+    candidate is priced, so that it is not a pruning reason)."""
+    from rackbed.sim.calibrate import calibration_for_topology, describe_calibration
+
+    from rackbed import topology as topo_mod
+
+    if isinstance(topo, str):
+        topo = topo_mod.load(topo)
+    try:
+        table = calibration_for_topology(topo, stack=stack)
+    except UserError as e:
+        raise UserError(f"--stack {stack}: {str(e).removeprefix('stack: ')}") from None
+    return describe_calibration(table)
 
 
 def infeasible_hint(res: BudgetResult) -> str:
@@ -381,9 +504,11 @@ def summary(res: BudgetResult) -> dict:
     def pt(r):
         s = r.get("summary") or {}
         return {"kind": r["kind"], "config": r["candidate"], "gpus": r["gpus"], "rate_per_s": r["rate_per_s"],
+                "use": r.get("use"),
                 "status": r.get("status"), "meets_slo": meets_slo(r, res.spec.slo.ttft_s, res.spec.slo.tpot_s,
                                                                    res.spec.slo.percentile),
                 "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
+                "tokens_per_s_per_gpu_with_drain": s.get("tokens_per_s_per_gpu_with_drain"),
                 "tokens_per_s_per_user": s.get("tokens_per_s_per_user"), "ttft_p90_s": s.get("ttft_p90_s"),
                 "tpot_p90_s": s.get("tpot_p90_s"), "est": r["est"], "overrides": r.get("overrides"),
                 "reason": r.get("reason") or None}
@@ -391,13 +516,17 @@ def summary(res: BudgetResult) -> dict:
     return {"model": res.spec.model, "gpus": res.gpus, "topology": res.topology,
             "weight_format": res.spec.space.weight_format[0],
             "prompt_tokens": res.load.prompt_mean, "output_tokens": res.load.output_mean,
-            "slo": res.spec.slo.model_dump(), "wall_s": res.wall_s, "notes": res.notes,
+            "slo": res.spec.slo.model_dump(), "wall_s": res.wall_s, "notes": res.notes, "stack": res.stack,
+            "calibration": res.calibration,
             "candidates": len(res.candidates), "analytic_survivors": sum(c.pruned is None for c in res.candidates),
             "fronts": {k: [pt(r) for r in v] for k, v in res.fronts.items()},
-            "best": pt(res.best) if res.best else None, "simulations": [pt(r) for r in res.records],
+            "best": pt(res.best) if res.best else None,
+            "best_total": pt(res.best_total) if res.best_total else None, "simulations": [pt(r) for r in res.records],
             "analytic_fronts": {k: [{"config": c.label, "gpus": c.n_gpus, "rate_per_s": c.rate_per_s,
                                      "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
-                                     "tokens_per_s_per_user": c.est_tokens_per_s_per_user}
+                                     "tokens_per_s_per_user": c.est_tokens_per_s_per_user,
+                                     "replicas": c.replicas,
+                                     "tokens_per_s_per_budget_gpu": c.est_tokens_per_s_per_budget_gpu}
                                     for c in res.analytic_front(k)] for k in res.fronts}}
 
 
@@ -450,11 +579,23 @@ def write_budget(res: BudgetResult, out: str | Path) -> list[Path]:
     return [js, plot_fronts(res, out / "pareto.png")]
 
 
-def scenario_of(res: BudgetResult, rec: Mapping):
-    """The ServingScenario a budget-search record simulated (to emit it or run it again)."""
+def scenario_of(res: BudgetResult, rec: Mapping, *, on_budget: bool = False):
+    """The ServingScenario a budget-search record simulated (to emit it or run it again). ``on_budget``: its
+    :func:`budget_use` copies as one scenario (replica counts, or aggregated workers, times the copies) — what
+    ``--emit`` launches on the budget."""
+    import copy
+
     from rackbed.sim.scenario import parse_scenario
 
-    return parse_scenario(dict(res.scenarios[rec["key"]]), f"search {res.spec.name}")
+    d = copy.deepcopy(dict(res.scenarios[rec["key"]]))
+    reps = (rec.get("use") or budget_use(rec, res.gpus))["replicas"] if on_budget else 1
+    if reps > 1:
+        if d.get("deployment") == "aggregated":
+            d["aggregated"]["workers"] = d["aggregated"].get("workers", 1) * reps
+        else:
+            for role in ("prefill", "decode"):
+                d[role]["replicas"] = d[role]["replicas"] * reps
+    return parse_scenario(d, f"search {res.spec.name}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,14 @@ user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`):
 * ``dynamo``: ``graph.yaml`` — a ``DynamoGraphDeployment`` (frontend, prefill and decode worker services on the
   SGLang backend, the same engine arguments as ``sglang``).
 
+An **aggregated** scenario (``deployment: aggregated``: workers that prefill and decode on the same GPUs) is
+emitted as plain servers, no disaggregation: SGLang ``launch_server`` per worker (``--tp`` = the worker's GPUs,
+``--dp`` + ``--enable-dp-attention`` for DP-attention ranks, ``--ep-size``, ``--chunked-prefill-size`` = the
+chunk, ``--max-prefill-tokens`` = the per-rank token budget, ``--max-running-requests``) and the router over the
+workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg.yaml`` (``tensor_parallel_size``,
+``moe_expert_parallel_size``, ``enable_attention_dp``, ``max_batch_size``, ``max_num_tokens``,
+``enable_chunked_prefill``); Dynamo a graph of a frontend and one worker service (no ``subComponentType``).
+
 Flag names follow the engines' public documentation; a setting rackbed models that an engine has no flag for is
 named in a comment at the top of the file (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the
 topology's host numbers) and the checkpoint is ``${MODEL_PATH}`` (default: the model's Hugging Face id).
@@ -39,7 +47,7 @@ class Group:
     """One placed group as an engine sees it: its id, GPUs per host (in host order) and parallelism."""
 
     id: str
-    role: str                       # "prefill" | "decode"
+    role: str                       # "prefill" | "decode" | "aggregated"
     hosts: tuple[int, ...]
     gpus_per_host: int
     tp: int                         # attention tensor parallelism (decode: 1, one DP rank per GPU)
@@ -69,15 +77,18 @@ class Plan:
     #: what drafts (``mtp.draft``): ``mtp`` (MTP layers: the model's own, or a trained head it lacks) or ``model``
     draft_kind: str = "mtp"
     draft_model: str | None = None  # the draft model's name or config (draft_kind ``model``)
+    aggregated: tuple[Group, ...] = ()  # deployment: aggregated (then no prefill / decode groups)
+    chunk_tokens: int | None = None     # aggregated: the most prompt tokens of one request in a step
+
+    @property
+    def is_aggregated(self) -> bool:
+        return bool(self.aggregated)
 
 
 def plan_of(sc) -> Plan:
     """The :class:`Plan` of a :class:`~sim.scenario.ServingScenario` (built: its groups placed on GPUs)."""
     from rackbed.sim.scenario import build
 
-    if sc.deployment == "aggregated":
-        raise UserError(f"{sc.name}: deployment: aggregated is not emitted (the engines' files here are for "
-                        "prefill/decode groups)")
     if sc.autoscaler is not None and sc.autoscaler.enabled:
         sc = sc.model_copy(update={"autoscaler": None})  # the starting counts are what gets launched
     b = build(sc, engine_calibration=False)
@@ -91,6 +102,12 @@ def plan_of(sc) -> Plan:
     src = b.model.source.split()[0] if "/" in (b.model.source or "") else sc.model
     dr = sc.mtp.draft
     kind, dmodel = (dr.kind, getattr(dr, "model", None)) if dr is not None else ("mtp", None)
+    if sc.deployment == "aggregated":
+        a = sc.aggregated
+        return Plan(sc.name, src, sc.weight_format, sc.kv_dtype, (), (), a.max_batch_tokens, a.max_batch_per_rank,
+                    a.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers), kind, dmodel,
+                    aggregated=tuple(group(g, "aggregated", a.tp, a.ep) for g in dep.aggregated),
+                    chunk_tokens=a.chunk_tokens)
     return Plan(sc.name, src, sc.weight_format, sc.kv_dtype,
                 tuple(group(g, "prefill", p.tp, p.ep) for g in dep.prefillers),
                 tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
@@ -110,17 +127,27 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
     if pl.draft_k:
         curve = f"curve {list(sc.mtp.acceptance[:pl.draft_k])}" if sc.mtp.acceptance else f"{sc.mtp.accept_p}"
         notes.append(f"MTP acceptance {curve} is a simulation input: the engine measures its own")
-    notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
-                 "backend's")
-    if sc.prefill.max_queue_requests is not None:
-        notes.append(f"prefill max_queue_requests={sc.prefill.max_queue_requests}: no flag; the router queues")
-    if sc.prefill.kv_replication:
-        notes.append(f"prefill kv_replication={sc.prefill.kv_replication}: the engine replicates KV heads itself")
+    q, rep = ((sc.aggregated.max_queue_requests, sc.aggregated.kv_replication) if pl.is_aggregated else
+              (sc.prefill.max_queue_requests, sc.prefill.kv_replication))
+    role = "aggregated" if pl.is_aggregated else "prefill"
+    if not pl.is_aggregated:
+        notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
+                     "backend's")
+    if q is not None:
+        notes.append(f"{role} max_queue_requests={q}: no flag; the router queues")
+    if rep:
+        notes.append(f"{role} kv_replication={rep}: the engine replicates KV heads itself")
     if sc.sim.policies.model_dump() != type(sc.sim.policies)().model_dump():
         notes.append(f"scheduler policies {sc.sim.policies.model_dump()}: no equivalent; the engine's own apply")
     if engine in ("sglang", "dynamo") and sc.weight_format not in SGLANG_QUANT:
         notes.append(f"weight_format {sc.weight_format}: no --quantization value; use a checkpoint quantised so")
-    if engine == "trtllm":
+    if engine == "trtllm" and pl.is_aggregated and pl.chunk_tokens is not None:
+        notes.append(f"aggregated chunk_tokens={pl.chunk_tokens}: TensorRT-LLM chunks a prompt by max_num_tokens "
+                     f"({pl.prefill_tokens})")
+    if engine == "trtllm" and pl.is_aggregated and len(pl.aggregated) > 1:
+        notes.append(f"{len(pl.aggregated)} workers: trtllm-serve has no router over aggregated servers; put an HTTP "
+                     "load balancer in front (or use the Dynamo graph)")
+    if engine == "trtllm" and not pl.is_aggregated:
         notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
                      "servers' max_batch_size is set to that budget")
     if engine == "trtllm" and sc.weight_format != "bf16":
@@ -135,7 +162,8 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
 
 def sglang_args(pl: Plan, g: Group) -> list[str]:
     """``sglang.launch_server`` arguments of a group (no host, port or node placement)."""
-    a = ["--model-path", "${MODEL_PATH}", "--disaggregation-mode", g.role, "--tp", str(g.n_gpus)]
+    a = ["--model-path", "${MODEL_PATH}", *(("--disaggregation-mode", g.role) if g.role != "aggregated" else ()),
+         "--tp", str(g.n_gpus)]
     if g.dp > 1:
         a += ["--dp", str(g.dp), "--enable-dp-attention"]
     if g.ep > 1:
@@ -147,7 +175,10 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
         a += ["--quantization", quant]
     if g.role == "prefill":
         a += ["--chunked-prefill-size", str(pl.prefill_tokens), "--max-prefill-tokens", str(pl.prefill_tokens)]
-    else:
+    if g.role == "aggregated":  # chunks of one prompt within a per-rank step budget of prompt + decode tokens
+        a += ["--chunked-prefill-size", str(pl.chunk_tokens or pl.prefill_tokens),
+              "--max-prefill-tokens", str(pl.prefill_tokens)]
+    if g.role != "prefill":
         a += ["--max-running-requests", str(pl.decode_batch_per_rank * g.dp),
               "--cuda-graph-max-bs", str(pl.decode_batch_per_rank)]
         if pl.draft_k:
@@ -193,13 +224,34 @@ def _sglang_lines(pl: Plan) -> list[str]:
     return [*lines, "# the PD router (the OpenAI-compatible endpoint)", _shell(router)]
 
 
+def _sglang_agg_lines(pl: Plan) -> list[str]:
+    lines, urls = [], []
+    for i, g in enumerate(pl.aggregated):
+        head = f"${{HOST_{g.hosts[0]}}}"
+        urls.append(f"http://{head}:{DECODE_PORT + i}")
+        for rank, h in enumerate(g.hosts):
+            lines.append(f"# {g.id}: aggregated, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), node "
+                         f"{rank} of {len(g.hosts)}: run on ${{HOST_{h}}}")
+            a = ["python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
+                 "--port", str(DECODE_PORT + i)]
+            if len(g.hosts) > 1:
+                a += ["--nnodes", str(len(g.hosts)), "--node-rank", str(rank),
+                      "--dist-init-addr", f"{head}:{DIST_PORT + i}"]
+            lines.append(_shell(a))
+    router = ["python", "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "0.0.0.0",
+              "--port", str(ROUTER_PORT)]
+    return [*lines, "# the router over the workers (the OpenAI-compatible endpoint)", _shell(router)]
+
+
 def _shell(args: list[str]) -> str:
     """One shell line; ``${VAR}`` placeholders stay expandable (double quotes), everything else is quoted."""
     return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
 
 
 def _script(pl: Plan, notes: list[str], lines: list[str]) -> str:
-    title = (f"# {pl.name}: {len(pl.prefill)} prefill + {len(pl.decode)} decode groups (emitted by `rackbed emit`). "
+    shape = (f"{len(pl.aggregated)} aggregated workers" if pl.is_aggregated else
+             f"{len(pl.prefill)} prefill + {len(pl.decode)} decode groups")
+    title = (f"# {pl.name}: {shape} (emitted by `rackbed emit`). "
              "Run each command on the host it names; set HOST_<n> to the topology's hosts.")
     head = ["#!/usr/bin/env bash", title, f': "${{MODEL_PATH:={pl.model_id}}}"',
             *(f"# no equivalent: {n}" for n in notes), ""]
@@ -227,6 +279,33 @@ def trtllm_options(pl: Plan, role: str) -> dict:
         elif pl.draft_k:
             o["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
     return o
+
+
+def trtllm_agg_options(pl: Plan) -> dict:
+    """The LLM API options of an aggregated worker (``trtllm-serve`` without disaggregation): per-rank batch cap
+    and step token budget, chunked prefill on."""
+    g = pl.aggregated[0]
+    o = {"tensor_parallel_size": g.n_gpus, "moe_expert_parallel_size": g.ep, "enable_attention_dp": g.dp > 1,
+         "max_batch_size": pl.decode_batch_per_rank, "max_num_tokens": pl.prefill_tokens,
+         "enable_chunked_prefill": pl.chunk_tokens is not None,
+         "kv_cache_config": {"dtype": "fp8" if pl.kv_dtype == "fp8" else "auto", "tokens_per_block": pl.page_tokens}}
+    if pl.draft_k:
+        o["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+    return o
+
+
+def _trtllm_agg_files(pl: Plan, notes: list[str]) -> dict[str, str]:
+    lines = []
+    for i, g in enumerate(pl.aggregated):
+        lines.append(f"# {g.id}: aggregated, {g.n_gpus} GPUs on hosts {', '.join(f'${{HOST_{h}}}' for h in g.hosts)}"
+                     + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
+                        if len(g.hosts) > 1 else ""))
+        lines.append(_shell(["trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0", "--port", str(DECODE_PORT + i),
+                             "--backend", "pytorch", "--tp_size", str(g.n_gpus), "--ep_size", str(g.ep),
+                             "--extra_llm_api_options", "agg.yaml"]))
+    comment = "".join(f"# no equivalent: {n}\n" for n in notes)
+    return {"agg.yaml": comment + yaml.safe_dump(trtllm_agg_options(pl), sort_keys=False),
+            "launch.sh": _script(pl, notes, lines)}
 
 
 def _trtllm_files(pl: Plan, notes: list[str]) -> dict[str, str]:
@@ -262,11 +341,12 @@ def _dynamo_graph(pl: Plan, notes: list[str]) -> str:
     name = "".join(c if c.isalnum() else "-" for c in pl.name.lower()).strip("-") or "rackbed"
     services: dict = {"Frontend": {"componentType": "frontend", "replicas": 1, "extraPodSpec": {"mainContainer": {
         "image": "${DYNAMO_IMAGE}", "command": ["python3", "-m", "dynamo.frontend"]}}}}
-    for label, groups in (("Prefill", pl.prefill), ("Decode", pl.decode)):
+    for label, groups in (("Prefill", pl.prefill), ("Decode", pl.decode), ("", pl.aggregated)):
         if not groups:
             continue
         g = groups[0]
-        svc = {"componentType": "worker", "subComponentType": g.role, "replicas": len(groups),
+        sub = {} if g.role == "aggregated" else {"subComponentType": g.role}
+        svc = {"componentType": "worker", **sub, "replicas": len(groups),
                "resources": {"limits": {"gpu": str(g.gpus_per_host)}},
                "extraPodSpec": {"mainContainer": {"image": "${DYNAMO_IMAGE}",
                                                   "command": ["python3", "-m", "dynamo.sglang"],
@@ -277,7 +357,8 @@ def _dynamo_graph(pl: Plan, notes: list[str]) -> str:
     doc = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment", "metadata": {"name": name},
            "spec": {"services": services}}
     comment = "".join(f"# no equivalent: {n}\n" for n in notes)
-    return (f"# {pl.name} as a Dynamo disaggregated graph on the SGLang backend (emitted by `rackbed emit`); set "
+    kind = "aggregated" if pl.is_aggregated else "disaggregated"
+    return (f"# {pl.name} as a Dynamo {kind} graph on the SGLang backend (emitted by `rackbed emit`); set "
             f"${{DYNAMO_IMAGE}} and ${{MODEL_PATH}} (e.g. {pl.model_id})\n" + comment
             + yaml.safe_dump(doc, sort_keys=False))
 
@@ -292,9 +373,9 @@ def emit_files(sc, engine: str) -> dict[str, str]:
     pl = plan_of(sc)
     notes = unmapped(sc, engine, pl)
     if engine == "sglang":
-        return {"launch.sh": _script(pl, notes, _sglang_lines(pl))}
+        return {"launch.sh": _script(pl, notes, _sglang_agg_lines(pl) if pl.is_aggregated else _sglang_lines(pl))}
     if engine == "trtllm":
-        return _trtllm_files(pl, notes)
+        return _trtllm_agg_files(pl, notes) if pl.is_aggregated else _trtllm_files(pl, notes)
     return {"graph.yaml": _dynamo_graph(pl, notes)}
 
 

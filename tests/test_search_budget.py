@@ -8,6 +8,8 @@ import json
 import shlex
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rackbed.engine.core.model import get_model
 from rackbed.sim import budget as bu
 from rackbed.sim import search as se
@@ -41,14 +43,46 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
             assert p["ttft_p90_s"] <= 2 and p["tpot_p90_s"] <= 0.05
     # no MTP searched for a model without MTP layers
     assert all(p["overrides"]["mtp.draft_k"] == 0 for p in d["simulations"])
-    # the emitted files are the chosen configuration (the best disaggregated one when the best is aggregated)
-    best = d["best"] if d["best"]["kind"] == "disaggregated" else d["fronts"]["disaggregated"][0]
-    ov = best["overrides"]
+    # tokens/s per GPU at the sustained rate: every request's 40 output tokens over the 4 s arrival window, not the
+    # run's length (the drain included); the simulator's own figure kept
+    raw = {r["key"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    for r in raw.values():
+        s = r.get("summary") or {}
+        if s.get("done") and s["done"] == s["requests"]:
+            g = _gpus(r["overrides"])
+            got = bu.sustained(r, g, 4.0)["summary"]
+            assert got["tokens_per_s_per_gpu"] == pytest.approx(s["done"] * 40 / (4.0 * g), rel=1e-6)
+            assert got["tokens_per_s_per_gpu_with_drain"] == s["tokens_per_s_per_gpu"] <= got["tokens_per_s_per_gpu"]
+    for p in d["simulations"]:
+        if p["meets_slo"]:
+            assert p["tokens_per_s_per_gpu"] >= p["tokens_per_s_per_gpu_with_drain"]
+    # the budget used: copies x GPUs within the budget, totals consistent, the best within FILL_TOLERANCE of the most
+    # tokens/s per used GPU and no point that close uses more of the budget
+    conf = [p for p in d["simulations"] if p["use"] is not None]
+    top = max(p["tokens_per_s_per_gpu"] for p in conf)
+    for p in conf:
+        u = p["use"]
+        assert 1 <= u["replicas"] <= 8 // p["gpus"] and u["gpus_used"] == u["replicas"] * p["gpus"] <= 8
+        assert u["tokens_per_s"] == pytest.approx(p["tokens_per_s_per_gpu"] * u["gpus_used"])
+        assert u["tokens_per_s_per_budget_gpu"] == pytest.approx(u["tokens_per_s"] / 8)
+    b = d["best"]
+    tol = 1 - bu.FILL_TOLERANCE
+    assert b["tokens_per_s_per_gpu"] >= tol * top
+    assert all(p["use"]["tokens_per_s_per_budget_gpu"] <= b["use"]["tokens_per_s_per_budget_gpu"] + 1e-9
+               for p in conf if p["tokens_per_s_per_gpu"] >= tol * top)
+    assert d["best_total"]["use"]["tokens_per_s_per_budget_gpu"] == max(
+        p["use"]["tokens_per_s_per_budget_gpu"] for p in conf)
+    # the emitted files are the best configuration, whatever its kind, with its copies on the budget
+    ov, reps = b["overrides"], b["use"]["replicas"]
     lines = [shlex.split(x) for x in (tmp_path / "emit" / "launch.sh").read_text().splitlines()
              if x.startswith("python -m sglang.launch_server")]
+    if b["kind"] == "aggregated":
+        assert len(lines) == ov["aggregated.workers"] * reps
+        assert all("--disaggregation-mode" not in a for a in lines)
+        return
     pre = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "prefill"]
     dec = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "decode"]
-    assert len(pre) == ov["prefill.replicas"] and len(dec) == ov["decode.replicas"]
+    assert len(pre) == ov["prefill.replicas"] * reps and len(dec) == ov["decode.replicas"] * reps
     for a in pre:
         assert int(a[a.index("--tp") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
         assert int(a[a.index("--chunked-prefill-size") + 1]) == ov["prefill.max_batch_tokens"]
@@ -64,6 +98,7 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
     (["--gpus", "12", "--topology", "hgx-h200"], "--gpus 12"),
     (["--gpus", "8", "--tpot", "0"], "--tpot 0"),
     (["--isl", "0", "--rate", "3"], "--isl 0"),
+    (["--gpus", "8", "--fill-tolerance", "1.5"], "--fill-tolerance 1.5"),
 ])
 def test_bad_flags_one_line_exit_2(argv, flag, capsys):
     from rackbed.engine.cli.main import main
@@ -132,3 +167,95 @@ def test_rate_search_with_headroom_fits_the_topology():
         if c.pruned is None:
             assert c.n_gpus <= 8
             assert c.prefill.replicas * c.prefill.capacity_tokens_per_s >= load.input_tokens_per_s
+
+
+def test_stack_prices_the_candidates(tmp_path, capsys):
+    """``--stack``: every candidate priced by the named stack's shipped calibration; a stack not shipped for the
+    GPU is one line naming --stack and the stacks that are."""
+    from rackbed.engine.cli.main import main
+
+    spec = se.spec_from_flags(model="qwen3-30b-a3b", topology=["hgx-h200"], weight_format=["fp8"], rate_per_s=1.0,
+                              prompt_tokens=1000, output_tokens=40, duration_s=4, ttft_s=2, tpot_s=0.05,
+                              prefill_tp=[2], decode_ep=[4], max_batch_per_rank=[16, 64], name="t")
+    fronts = {}
+    for stack in ("rackbed", "trtllm"):
+        sp = spec.model_copy(update={"scenario": {"stack": stack}})
+        res = bu.run_budget_search(sp, 8, tmp_path / stack, kinds=("disaggregated",), max_simulations=0)
+        assert res.stack == stack and not res.records
+        fronts[stack] = [(c.label, round(c.est_tokens_per_s_per_gpu, 3)) for c in res.analytic_front("disaggregated")]
+        assert ("h200-trtllm" in res.calibration) == (stack == "trtllm")
+    assert fronts["rackbed"] != fronts["trtllm"]
+    rc = main(["search", "--model", "qwen3-30b-a3b", "--gpus", "8", "--topology", "hgx-h200", "--stack", "vllm",
+               "--no-progress", "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("rackbed: error: --stack vllm: no calibration") and "\n" not in err
+    assert "trtllm" in err
+    rc = main(["search", "--model", "qwen3-30b-a3b", "--topology", "hgx-h200", "--rate", "5", "--stack", "vllm",
+               "--no-progress", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("rackbed: error: --stack vllm: no calibration") and "\n" not in err
+
+
+def test_max_rate_brackets_the_highest_rate():
+    """:func:`sim.budget.max_rate`: the rate returned met the SLOs in its simulation and is the highest simulated
+    that did; a simulated rate at most ``1 + 2**-steps`` times higher missed them (doubling, then ``steps``
+    bisections of a gap no wider than the rate)."""
+    from rackbed.sim.overrides import apply_overrides
+    from rackbed.sim.scenario import load_scenario
+
+    from rackbed import scenarios
+
+    sc = apply_overrides(load_scenario(scenarios.resolve("agg_h200_node")), duration_s=2.0)
+    steps = 2
+    r = bu.max_rate(sc, 2.0, 0.05, start=50.0, steps=steps)
+    met = [rate for rate, ok, _ in r.tried if ok]
+    missed = [rate for rate, ok, _ in r.tried if not ok]
+    assert r.rate_per_s is not None and r.rate_per_s == max(met)
+    assert meets_slo({"status": "ok", "summary": r.record}, 2.0, 0.05, "p90")
+    assert min(m for m in missed if m > r.rate_per_s) <= r.rate_per_s * (1 + 2 ** -steps) + 1e-9
+    assert len(r.tried) <= 8 + steps + 1
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 72), st.floats(1.0, 2000.0)), min_size=1, max_size=8),
+       st.integers(1, 72), st.floats(0.0, 0.2))
+def test_pick_best_prefers_the_budget_within_the_tolerance(points, gpus, tol):
+    """:func:`sim.budget.pick_best`: the best is within ``tol`` of the most tokens/s per used GPU and no point that
+    close gives more tokens/s per budget GPU; the best on the whole budget gives the most; with ``tol = 0`` the
+    best has the most tokens/s per used GPU. :func:`sim.budget.budget_use`: whole copies within the budget."""
+    recs = [{"gpus": min(n, gpus), "summary": {"tokens_per_s_per_gpu": t}} for n, t in points]
+    best, total = bu.pick_best(recs, gpus, tol)
+    top = max(r["summary"]["tokens_per_s_per_gpu"] for r in recs)
+    per_budget = [bu.budget_use(r, gpus)["tokens_per_s_per_budget_gpu"] for r in recs]
+    assert best["summary"]["tokens_per_s_per_gpu"] >= (1 - tol) * top
+    b = bu.budget_use(best, gpus)["tokens_per_s_per_budget_gpu"]
+    assert all(pb <= b + 1e-9 for r, pb in zip(recs, per_budget) if r["summary"]["tokens_per_s_per_gpu"] >= (1 - tol) * top)
+    assert bu.budget_use(total, gpus)["tokens_per_s_per_budget_gpu"] == max(per_budget)
+    if tol == 0:
+        assert best["summary"]["tokens_per_s_per_gpu"] == top
+    for r in recs:
+        u = bu.budget_use(r, gpus)
+        assert u["gpus_used"] == u["replicas"] * r["gpus"] <= gpus < (u["replicas"] + 1) * r["gpus"]
+
+
+@pytest.mark.parametrize("dp, copies", [(4, 4), (8, 2), (2, 8)])
+def test_copies_on_the_budget_are_placed_and_emitted(dp, copies):
+    """A deployment of n GPUs fills a budget of N with ``N // n`` copies the topology places
+    (:func:`sim.budget._placeable_copies`); ``scenario_of(on_budget=True)`` is that many copies as one scenario."""
+    from types import SimpleNamespace
+
+    from rackbed.sim.scenario import build
+    from rackbed.topology.yamlio import load_yaml
+
+    from rackbed import scenarios
+
+    d = load_yaml(scenarios.resolve("agg_h200_node"))
+    d = dict(d, topology="hgx-h200*2", aggregated={**d["aggregated"], "workers": 1, "dp": dp, "ep": dp})
+    res = SimpleNamespace(gpus=16, scenarios={"k": d}, spec=SimpleNamespace(name="t"))
+    rec = {"key": "k", "gpus": dp, "summary": {"tokens_per_s_per_gpu": 10.0}}
+    assert bu._placeable_copies(res, rec) == copies
+    rec["use"] = bu.budget_use(rec, 16, copies)
+    assert rec["use"]["tokens_per_s"] == pytest.approx(10.0 * dp * copies)
+    sc = bu.scenario_of(res, rec, on_budget=True)
+    assert sc.aggregated.workers == copies and bu.scenario_of(res, rec).aggregated.workers == 1
+    assert len(build(sc, engine_calibration=False).deployment.aggregated) == copies

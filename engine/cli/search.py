@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="topology (with --gpus: one preset, resized); with --rate: comma-separated names")
     p.add_argument("--format", dest="weight_format", type=_strs, default=["fp8"],
                    help="weight format (rackbed formats); with --rate: comma-separated")
+    p.add_argument("--stack", choices=("auto", "rackbed", "trtllm", "sglang", "vllm"), default=None,
+                   help="serving stack whose calibration prices every candidate (scenario field stack): auto = the "
+                   "first shipped for the GPU (rackbed's own, then trtllm, sglang, vllm); default: the spec's or "
+                   "scenario's own, else auto")
     p.add_argument("--kind", type=_strs, default=["disaggregated", "aggregated"],
                    help="with --gpus: deployment kinds searched, comma-separated")
     p.add_argument("--rate", type=float, default=None, help="requests/s (Poisson): search for this load; default: none (give --gpus)")
@@ -79,6 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on simulations; default 12 with --gpus, 60 with --rate")
     p.add_argument("--per-front", type=int, default=3,
                    help="with --gpus: analytic front points simulated per deployment kind")
+    p.add_argument("--fill-tolerance", type=float, default=0.05,
+                   help="with --gpus: the best may give up this fraction of the most tokens/s per used GPU for more "
+                   "tokens/s per budget GPU (a deployment that uses the budget)")
     p.add_argument("--max-rate", metavar="SCENARIO", default=None,
                    help="the highest rate this scenario's deployment sustains under --ttft / --tpot (doubling from --rate or "
                    "the scenario's rate, then bisection; --duration per simulation); default: not this mode")
@@ -112,6 +119,8 @@ def check_flags(args: argparse.Namespace) -> None:
             bad(flag, v, "must be a positive integer")
     if args.max_simulations is not None and args.max_simulations < 0:
         bad("--max-simulations", args.max_simulations, "must be >= 0")
+    if not 0 <= args.fill_tolerance < 1:
+        bad("--fill-tolerance", args.fill_tolerance, "must be in [0, 1)")
     if args.gpu_hour_usd < 0:
         bad("--gpu-hour-usd", args.gpu_hour_usd, "must be >= 0")
     for f in args.weight_format:
@@ -147,6 +156,14 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers)
 
 
+def _with_stack(spec, stack: str | None):
+    """``spec`` with ``scenario: {stack: ...}`` when ``--stack`` is given (the search prices every candidate by
+    it)."""
+    if stack is None:
+        return spec
+    return spec.model_copy(update={"scenario": {**spec.scenario, "stack": stack}})
+
+
 def _main(args: argparse.Namespace) -> int:
     import os
 
@@ -163,6 +180,7 @@ def _main(args: argparse.Namespace) -> int:
         upd = {k: v for k, v in (("max_simulations", args.max_simulations), ("top", args.top)) if v is not None}
         if upd:
             spec = spec.model_copy(update=upd)
+        spec = _with_stack(spec, args.stack)
     elif args.rate is None and args.gpus is not None:
         return _budget(args, console, jobs)
     else:
@@ -174,7 +192,13 @@ def _main(args: argparse.Namespace) -> int:
             from rackbed.sim.budget import budget_topology
 
             topology = [budget_topology(t, args.gpus) for t in args.topology]
-        spec = _flags_spec(args, args.rate, 60 if args.max_simulations is None else args.max_simulations, topology)
+        spec = _with_stack(_flags_spec(args, args.rate, 60 if args.max_simulations is None else args.max_simulations,
+                                       topology), args.stack)
+    if args.stack not in (None, "auto"):  # one line naming --stack, not every candidate pruned for it
+        from rackbed.sim.budget import check_stack
+
+        for t in spec.space.topology:
+            check_stack(args.stack, t)
     out = args.out or Path("rackbed-out") / f"search-{spec.name}"
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)
@@ -210,12 +234,13 @@ def _emit(console, sc, engine: str, out: Path) -> None:
 def _budget(args: argparse.Namespace, console, jobs: int) -> int:
     from rackbed.sim import budget as bu
 
-    spec = _flags_spec(args, 1.0, 12)
-    spec = spec.model_copy(update={"name": f"budget-{bu._safe(args.topology[0])}-{args.gpus}"})
+    spec = _with_stack(_flags_spec(args, 1.0, 12), args.stack)
+    name = f"budget-{bu._safe(args.topology[0])}-{args.gpus}" + (f"-{args.stack}" if args.stack else "")
+    spec = spec.model_copy(update={"name": name})
     out = args.out or Path("rackbed-out") / f"search-{spec.name}"
     res = bu.run_budget_search(spec, args.gpus, out, kinds=tuple(args.kind), per_front=args.per_front,
                                max_simulations=12 if args.max_simulations is None else args.max_simulations,
-                               jobs=jobs, progress=not args.no_progress, console=console)
+                               fill_tolerance=args.fill_tolerance, jobs=jobs, progress=not args.no_progress, console=console)
     print_budget(console, res)
     files = bu.write_budget(res, out)
     console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
@@ -223,14 +248,9 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
         console.print("[red]no simulated deployment met the SLOs[/red]")
         raise SystemExit(f"rackbed search: no simulated deployment on {args.gpus} GPUs met the SLOs; try looser "
                          "--ttft / --tpot, more --max-simulations or --per-front, or more --gpus")
-    if args.emit:
-        rec = res.best
-        if rec["kind"] == "aggregated":  # rackbed emit writes prefill/decode groups: the best disaggregated one
-            rec = res.fronts.get("disaggregated", [None])[0] if res.fronts.get("disaggregated") else None
-            console.print("[yellow]note:[/yellow] the best is aggregated, which --emit does not write; "
-                          + ("emitting the best disaggregated configuration" if rec else "nothing emitted"))
-        if rec is not None:
-            _emit(console, bu.scenario_of(res, rec), args.emit, args.emit_out or out / f"emit-{args.emit}")
+    if args.emit:  # the best configuration, whatever its kind, with the copies that fill the budget
+        _emit(console, bu.scenario_of(res, res.best, on_budget=True), args.emit,
+              args.emit_out or out / f"emit-{args.emit}")
     return 0
 
 
@@ -244,32 +264,38 @@ def print_budget(console, res) -> None:
     console.print(f"[bold]{sp.model} on {res.gpus} GPUs ({res.topology}, {sp.space.weight_format[0]})[/bold]: prompt "
                   f"{ld.prompt_mean:.0f} / output {ld.output_mean:.0f} tokens; SLO TTFT {sp.slo.ttft_s:g} s, TPOT "
                   f"{sp.slo.tpot_s * 1e3:g} ms at {sp.slo.percentile}")
+    console.print(f"priced by stack {res.stack}: {res.calibration}")
     console.print(f"{len(res.candidates)} candidates, {alive} survive the analytic stage, {len(res.records)} "
                   f"simulations, {len(res.confirmed)} deployments confirmed; {res.wall_s:.0f} s")
     for note in res.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-    t = Table(title="Pareto fronts: tokens/s per GPU vs tokens/s per user, each deployment at the highest simulated "
-              "rate meeting the SLOs")
+    t = Table(title="Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
+              "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the budget")
     for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
-              "est rate", "est tok/s/GPU", "est tok/s/user"):
-        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right")
+              "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user"):
+        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right",
+                     min_width={"kind": 13, "configuration": 36}.get(h))
     for kind, front in res.fronts.items():
         if not front:
-            t.add_row(kind, "none confirmed", *[""] * 9)
+            t.add_row(kind, "none confirmed", *[""] * 11)
         for r in front:
             s, e = r["summary"], r["est"]
             t.add_row(kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
                       fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
-                      fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), fmt(e["rate_per_s"]), fmt(e["tokens_per_s_per_gpu"]),
+                      fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
+                      fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]), fmt(e["tokens_per_s_per_gpu"]),
                       fmt(e["tokens_per_s_per_user"]))
     console.print(t)
-    b = res.best
-    if b is not None:
-        s = b["summary"]
-        console.print(f"[bold]best:[/bold] {b['kind']} {b['candidate']} on {b['gpus']} GPUs at {b['rate_per_s']:.4g} "
-                      f"req/s: [bold]{s['tokens_per_s_per_gpu']:.4g} tokens/s/GPU[/bold], "
+    for title, b in (("best", res.best), ("best on the whole budget", res.best_total)):
+        if b is None or (title != "best" and b is res.best):
+            continue
+        s, u = b["summary"], b["use"]
+        console.print(f"[bold]{title}:[/bold] {b['kind']} {b['candidate']} on {b['gpus']} GPUs at "
+                      f"{b['rate_per_s']:.4g} req/s: [bold]{s['tokens_per_s_per_gpu']:.4g} tokens/s/GPU[/bold], "
                       f"{s['tokens_per_s_per_user']:.4g} tokens/s/user (TTFT p90 {s['ttft_p90_s']:.3g} s, TPOT p90 "
-                      f"{s['tpot_p90_s'] * 1e3:.3g} ms)")
+                      f"{s['tpot_p90_s'] * 1e3:.3g} ms); on the budget: {u['replicas']} x = {u['gpus_used']} of "
+                      f"{u['gpus']} GPUs, {u['tokens_per_s']:.5g} tokens/s in total, "
+                      f"{u['tokens_per_s_per_budget_gpu']:.4g} tokens/s per budget GPU")
 
 
 def _max_rate(args: argparse.Namespace, console) -> int:
@@ -282,6 +308,8 @@ def _max_rate(args: argparse.Namespace, console) -> int:
 
     path = scenarios.resolve(args.max_rate)
     sc = apply_overrides(parse_scenario(load_yaml(path), path), duration_s=args.duration)
+    if args.stack is not None:
+        sc = sc.model_copy(update={"stack": args.stack})
     r = max_rate(sc, args.ttft, args.tpot, start=args.rate)
     for rate, good, s in r.tried:
         console.print(f"  {rate:8.4g} req/s: {'meets' if good else 'misses'} the SLOs (TTFT p90 "
