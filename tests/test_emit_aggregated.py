@@ -28,7 +28,7 @@ def case(request):
     _, agg, k = request.param
     d = load_yaml(scenarios.resolve("agg_h200_node"))
     d["aggregated"] = {**d["aggregated"], **agg}
-    d["mtp"] = {"draft_k": k}
+    d["mtp"] = {"draft_k": k, "draft": {"kind": "mtp", "layers": 1}} if k else {"draft_k": 0}
     sc = parse_scenario(d, "test")
     return sc, {e: emit_files(sc, e) for e in ENGINES}
 
