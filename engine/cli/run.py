@@ -85,7 +85,21 @@ def _main(args: argparse.Namespace) -> int:
     if kind == "serving":
         from rackbed.sim.scenario import run_serving
 
-        run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress, overrides=over)
+        metrics = run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress,
+                              overrides=over)
         console.print(f"output folder: {out}")
-        return 0
+        return _stalled_status(metrics)
     raise ValueError(f"{path}: kind: expected 'serving', 'figure' or 'serving_study', got {kind!r}")
+
+
+def _stalled_status(metrics: dict) -> int:
+    """1 (with one line on stderr) when requests ended ``stalled`` — open with nothing left to happen, a scheduler
+    bug the run made visible — else 0."""
+    import sys
+
+    n = metrics.get("requests", {}).get("rejected_by_reason", {}).get("stalled", 0)
+    if n:
+        print(f"rackbed: error: {n} requests ended stalled (open when nothing was left to happen: a scheduler bug; "
+              "see decisions.csv)", file=sys.stderr)
+        return 1
+    return 0
