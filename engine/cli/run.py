@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir
 from rackbed.topology.yamlio import load_yaml
 
 
@@ -17,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("scenario", nargs="?", default="nvl72-default", help="YAML file or shipped name (default: nvl72-default)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>)")
+    add_force(p)
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios, one line each, and exit")
@@ -70,6 +72,8 @@ def _main(args: argparse.Namespace) -> int:
     if over and kind != "serving":
         raise ValueError(f"--{next(iter(over)).split('_')[0]}: applies to serving scenarios; {path.name} is a "
                          f"{kind} file")
+    if kind in ("figure", "serving_study", "serving"):
+        prepare_dir(out, force=args.force)
     if kind == "figure":
         from rackbed.sim.figures import run_figure
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir, safe_name
+
 
 def _ints(s: str) -> list[int]:
     try:
@@ -52,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-simulations", type=int, default=None, help="cap on simulated survivors")
     p.add_argument("--top", type=int, default=None, help="best points to print and explain")
     p.add_argument("--out", type=Path, default=None, help="output folder (default rackbed-out/search-<name>)")
+    add_force(p, "write into an existing, non-empty --out folder that is not a search's (one holding "
+              "results.jsonl is resumed without it)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed)")
     p.add_argument("--no-progress", action="store_true")
@@ -81,7 +85,8 @@ def _main(args: argparse.Namespace) -> int:
                                   decode_ep=args.decode_ep, max_batch_per_rank=args.batch_cap,
                                   draft_k=args.draft_k, max_simulations=args.max_simulations or 60,
                                   top=args.top or 5)
-    out = args.out or Path("rackbed-out") / f"search-{spec.name}"
+    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
+                      resume_marker="results.jsonl")
     jobs = args.jobs or os.cpu_count() or 1
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir, safe_name
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -21,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("spec", nargs="?", help="sweep spec YAML (or a name under scenarios/sweeps/)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default rackbed-out/sweep-<name>)")
+    add_force(p, "write into an existing, non-empty --out folder that is not a sweep's (one holding "
+              "results.jsonl is resumed without it)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--ray-address", default=None, help="run on this Ray cluster (needs `ray` installed)")
     p.add_argument("--start-method", choices=("spawn", "fork", "forkserver"), default="spawn",
@@ -63,7 +67,8 @@ def _main(args: argparse.Namespace) -> int:
             console.print(f"{pt.index:5d} {pt.key} {pt.label}{extra}")
         console.print(f"{len(points)} points")
         return 0
-    out = args.out or Path("rackbed-out") / f"sweep-{spec.name}"
+    out = prepare_dir(args.out or Path("rackbed-out") / f"sweep-{safe_name(spec.name)}", force=args.force,
+                      resume_marker="results.jsonl")
     console.print(f"[bold]{spec.name}[/bold]: {len(points)} points -> {out}/results.jsonl "
                   f"({'ray ' + args.ray_address if args.ray_address else f'{jobs} process(es)'})")
     run = sw.run_points(points, out / "results.jsonl", jobs=jobs, ray_address=args.ray_address,
