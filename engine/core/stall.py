@@ -46,7 +46,7 @@ def describe_stall(sched) -> str:
     groups = Counter((STATE_NAMES[r.state], _holder(r)) for r in sched.reqs.values())
     if not groups:
         return "no open request"
-    (state, holder), _ = groups.most_common(1)[0]
+    (_, holder), _ = groups.most_common(1)[0]
     if holder.endswith(".kv*"):
         pf = sched.workers[holder[:-4]]
         workers = [sched.workers[s.id] for s in pf.streams]
