@@ -52,6 +52,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rackbed.sim.search import SearchSpec
 from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.outputs import write_text
 
 #: The specs ``rackbed capacity`` runs when none is named (under ``scenarios/sweeps/``).
 DEFAULT_SPECS = ("capacity-qwen235-gb200", "capacity-qwen235-h200")
@@ -509,8 +510,8 @@ def write(out: str | Path, tag: str, run: CapacityRun) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     d = run.as_dict()
     js, md = out / f"{tag}.json", out / f"{tag}.md"
-    js.write_text(_dumps(_rounded(d)) + "\n")
-    md.write_text(markdown(d))
+    write_text(js, _dumps(_rounded(d)) + "\n")
+    write_text(md, markdown(d))
     return [js, md]
 
 

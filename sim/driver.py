@@ -36,6 +36,7 @@ from rackbed.engine.core.state import ROW_FIELDS, Sample
 from rackbed.engine.core.workload import ClosedLoop
 from rackbed.engine.loop.runloop import Progress, collector_paused, run_loop
 from rackbed.engine.loop.simenv import SimEnv
+from rackbed.engine.loop.watchdog import STALL_EVENTS, STALL_S, Watchdog
 from rackbed.sim import fastpath
 from rackbed.sim.executor import CostModel, Executor
 from rackbed.sim.faults import Fault, parse_faults
@@ -104,6 +105,8 @@ def simulate(
     executor_factory=None,
     policies: Policies | None = None,
     closed_loop: ClosedLoop | None = None,
+    stall_s: float | None = STALL_S,
+    stall_events: int | None = STALL_EVENTS,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
 
@@ -123,6 +126,10 @@ def simulate(
     policies:  the scheduler's policies (:class:`~engine.core.policies.Policies`; default: the reference rules).
     closed_loop: at most that many requests in flight (:class:`~engine.core.workload.ClosedLoop`; the workload's
                ``closed_loop()``); runs every worker as a process (a send follows the event that resolves one).
+    stall_s, stall_events: the watchdog's limits (:mod:`engine.loop.watchdog`): with requests open and no progress
+               for that many simulated seconds (while no fault or recovery is still to come) or events, the run
+               raises :class:`~engine.loop.watchdog.Stalled` naming the stuck component; None switches a limit off.
+               A run that ends with requests open and nothing left to happen rejects them ``stalled``.
     """
     t_wall0 = time.perf_counter()
     fault_list = parse_faults(faults)
@@ -158,9 +165,12 @@ def simulate(
     if fault_list:
         env.process(procs.fault_process(fault_list, until_s))
     bar = Progress(t_wall0, len(requests) if isinstance(requests, Sequence) else None, until_s) if progress else None
+    dog = None
+    if stall_s is not None or stall_events is not None:
+        dog = Watchdog(sched, stall_s=stall_s, stall_events=stall_events, pending=lambda: procs.faults_pending)
     with collector_paused(sim_env) as collector_off:
         n_events = run_loop(env, sched, requests, until_s=until_s, flush=procs.flush, fast=procs.fast,
-                            collect=collector_off, progress=bar, closed_loop=closed_loop)
+                            collect=collector_off, progress=bar, closed_loop=closed_loop, watchdog=dog)
         if procs.fast is not None:
             procs.fast.report()
         sim_end = until_s if until_s is not None else env.now

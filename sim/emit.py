@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 from rackbed.topology.errors import UserError
+from rackbed.topology.outputs import write_text
 
 ENGINES = ("sglang", "trtllm", "dynamo")
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
@@ -387,8 +388,7 @@ def write_emit(sc, engine: str, out: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in files.items():
-        p = out / name
-        p.write_text(text)
+        p = write_text(out / name, text)
         if name.endswith(".sh"):
             p.chmod(0o755)
         paths.append(p)

@@ -50,6 +50,9 @@ from rackbed.engine.core.state import FP
 from rackbed.sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL
 from simpy.events import NORMAL, URGENT
 
+#: events :meth:`FastPath.run` runs before it returns to the run loop (it may run a few more: a lane's plain steps)
+RUN_EVENTS = 4096
+
 
 def handles(deployment) -> bool:
     """Whether the fast path is certified for the deployment's kinds of worker: prefillers, KV streams, decoders
@@ -360,7 +363,8 @@ class FastPath:
         — and direct workers' entries. A step end whose decoder does not step on (the scheduler answered
         Idle/Stop), or whose process was interrupted meanwhile, goes to SimPy's queue and SimPy processes it (the
         process resumes); then, or when SimPy's next event is not one of these, it returns. Returns the number of
-        events run."""
+        events run, about :data:`RUN_EVENTS` at most (the run loop calls again: a run whose only events are the
+        direct workers' timers still reaches its housekeeping and watchdog)."""
         sched, env, lq, ticks, spans, bd = self.sched, self.env, self.lq, self.ticks, self.spans, self.bd
         lazy = self.lazy
         queue, eid, add_span, sd_append = env.queue, env.eids, spans.append, sched.step_durations.append
@@ -455,6 +459,8 @@ class FastPath:
                 fire(ev, t)
                 n += 1
             else:
+                break
+            if n >= RUN_EVENTS:  # back to the run loop now and then: its housekeeping and watchdog
                 break
         self.n_fast += n_fast
         busy_gpu_s["decode"] = busy

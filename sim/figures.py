@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.outputs import replacing, safe_name, write_text
 
 # ------------------------------------------------------------------------------------------------ schema
 
@@ -602,7 +603,7 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
         console.print(f"[bold]write-up:[/bold] {claim}")
         console.print(f"[bold]simulated:[/bold] {sim}")
 
-    png = out_dir / f"{sc.name}.png"
+    png = out_dir / f"{safe_name(sc.name)}.png"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -613,15 +614,15 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
     ax.set_title(sc.title or sc.name, fontsize=9)
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
     fig.tight_layout()
-    fig.savefig(png)
+    with replacing(png, "wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
     doc = {"name": sc.name, "figure": sc.figure, "title": sc.title, "scenario": str(path),
            "scenario_config": json.loads(sc.model_dump_json()), "columns": res.columns, "rows": res.rows,
            "claims": [{"write_up": c, "simulated": s} for c, s in res.claims], "summary": res.summary,
            **res.extra}
-    js = out_dir / f"{sc.name}.json"
-    js.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    js = write_text(out_dir / f"{safe_name(sc.name)}.json", json.dumps(doc, indent=1, default=_json_default) + "\n")
     console.print(f"wrote {js} and {png}")
     return {**doc, "json": str(js), "png": str(png)}
 

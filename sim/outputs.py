@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from rackbed.engine.core.metrics import clean, request_arrays
 from rackbed.sim.driver import SPAN_NAMES, SimResult
+from rackbed.topology.outputs import replacing, write_text
 
 #: spans beyond this many are left out of trace.json (the UI stays responsive); the metrics keep everything
 TRACE_MAX_EVENTS = 300_000
@@ -137,6 +138,14 @@ def plot_cdf(ax, x: np.ndarray, name: str, slo: float | None = None) -> None:
     ax.grid(alpha=0.3, which="both")
 
 
+def _save(plt, fig, p: Path) -> Path:
+    """Save ``fig`` as PNG ``p`` atomically and close it."""
+    with replacing(p, "wb") as f:
+        fig.savefig(f, format="png", dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return p
+
+
 def plot_all(result: SimResult, out: Path) -> list[Path]:
     import matplotlib
 
@@ -158,9 +167,7 @@ def plot_all(result: SimResult, out: Path) -> list[Path]:
     fig.suptitle(f"{result.deployment.name}: {int(done.sum())} requests done")
     fig.tight_layout()
     p = out / "ttft_tpot_cdf.png"
-    fig.savefig(p, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(plt, fig, p))
 
     t = np.array([s.t_s for s in result.samples])
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -172,9 +179,7 @@ def plot_all(result: SimResult, out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     p = out / "gpus_by_role.png"
-    fig.savefig(p, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(plt, fig, p))
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for f in ("queued_prefill", "prefilling", "kv", "queued_decode", "decoding"):
@@ -185,23 +190,20 @@ def plot_all(result: SimResult, out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     p = out / "queues.png"
-    fig.savefig(p, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(plt, fig, p))
     return paths
 
 
 def write_all(result: SimResult, out_dir: str | Path, *, plots: bool = True,
               trace_max_events: int = TRACE_MAX_EVENTS) -> dict[str, Path]:
-    """Write every output file into ``out_dir`` (created); returns ``{name: path}``."""
+    """Write every output file into ``out_dir`` (created; the caller decides whether an existing one may be written
+    into, :func:`topology.outputs.prepare_dir`), each atomically; returns ``{name: path}``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
 
     def put(name: str, text: str) -> None:
-        p = out / name
-        p.write_text(text)
-        paths[name] = p
+        paths[name] = write_text(out / name, text)
 
     put("metrics.json", metrics_json(result))
     put("perf.json", json.dumps(clean(result.perf), sort_keys=True, indent=1) + "\n")

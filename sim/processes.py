@@ -50,6 +50,7 @@ class WorkerProcesses:
         self.wake_ev: dict[str, simpy.Event] = {}   # idle workers' wake-up events
         self.procs: dict[str, simpy.Process] = {}
         self.fast = None
+        self.faults_pending = 0   # fault injections and recoveries still to come (the watchdog waits for them)
         self.clock = lambda: env.now
         self.flush = self._flusher()
 
@@ -196,6 +197,7 @@ class WorkerProcesses:
         """The process that injects ``faults`` at their times (and recovers those with a duration)."""
         env = self.env
         sched = self.sched
+        self.faults_pending += len(faults)
         for f in faults:
             if until_s is not None and f.at_s > until_s:
                 break
@@ -206,11 +208,14 @@ class WorkerProcesses:
             self._report()
             self._interrupt(sched.fail(f.target, env.now, permanent=f.duration_s is None), f.target)
             self.flush()
+            self.faults_pending -= 1
             if f.duration_s is not None:
+                self.faults_pending += 1
                 env.process(self._recover_later(f))
 
     def _recover_later(self, f: Fault):
         yield self.env.timeout(f.duration_s)
+        self.faults_pending -= 1
         self._report()
         self.sched.recover(f.target, self.env.now)
         self.flush()

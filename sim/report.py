@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rackbed.topology.outputs import write_bytes, write_text
+
 
 @dataclass
 class Table:
@@ -268,7 +270,7 @@ def write_report(out_dir: str | Path, data: ReportData) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = pareto_png(data)
-    (out / "pareto.png").write_bytes(png)
-    (out / "report.md").write_text(render_markdown(data), encoding="utf-8")
-    (out / "report.html").write_text(render_html(data, png), encoding="utf-8")
+    write_bytes(out / "pareto.png", png)
+    write_text(out / "report.md", render_markdown(data))
+    write_text(out / "report.html", render_html(data, png))
     return [out / "report.md", out / "report.html", out / "pareto.png"]

@@ -46,6 +46,7 @@ from pydantic import (
     model_validator,
 )
 from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.outputs import replacing, safe_name, write_text
 
 # ------------------------------------------------------------------------------------------------ schema
 
@@ -725,21 +726,21 @@ def write_study(st, res: StudyResult, path: Path, out_dir: Path, console) -> dic
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    png = out_dir / f"{st.name}.png"
+    png = out_dir / f"{safe_name(st.name)}.png"
     fig = plt.figure(figsize=(9, 5.5), dpi=110)
     res.plot(fig)
     fig.suptitle(st.title or st.name, fontsize=9)
     for ax in fig.axes:
         ax.grid(True, which="both", lw=0.3, alpha=0.5)
     fig.tight_layout()
-    fig.savefig(png, metadata={"Software": None})
+    with replacing(png, "wb") as f:
+        fig.savefig(f, format="png", metadata={"Software": None})
     plt.close(fig)
 
     doc = {"name": st.name, "study": st.study, "title": st.title, "scenario": str(path),
            "study_config": json.loads(st.model_dump_json()), "columns": res.columns, "rows": res.rows,
            "claims": [{"write_up": c, "simulated": s} for c, s in res.claims], "summary": res.summary, **res.extra}
-    js = out_dir / f"{st.name}.json"
-    js.write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    js = write_text(out_dir / f"{safe_name(st.name)}.json", json.dumps(_clean(doc), indent=1) + "\n")
     console.print(f"wrote {js} and {png}")
     return {**doc, "json": str(js), "png": str(png)}
 

@@ -21,7 +21,10 @@ digits) of the fully expanded, validated scenario (``ServingScenario.model_dump`
 
 Running: results are appended to a JSONL file (one record per point, flushed as each finishes); a re-run skips the
 points whose key has a record with status ``ok`` or ``invalid`` (``error`` records, i.e. bugs, are retried). A
-record: ``{key, index, label, overrides, status: ok|invalid|error, reason, wall_s, cpu_s, pid, summary, metrics}``;
+point runs for at most ``limit_s`` wall seconds (``--point-limit``, default :data:`POINT_LIMIT_S`); one that runs
+longer is stopped and recorded ``timeout`` with its limit, and a re-run retries it only under a larger limit. A
+record: ``{key, index, label, overrides, status: ok|invalid|error|timeout, reason, wall_s, cpu_s, pid, summary,
+metrics}``;
 ``summary`` is the flat dict :func:`summarize_metrics` makes; ``invalid`` means the scenario was rejected with a
 user error (a pydantic field error, ``ParallelPlan.validate`` "does not fit", a placement that does not fit ...),
 whose one-line message is the ``reason``.
@@ -49,9 +52,12 @@ import itertools
 import json
 import math
 import os
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +75,8 @@ _NOT_HASHED = ("name", "description", "claim")
 _ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "policies", "worker"): "least_requests",
           ("mtp", "acceptance"): None, ("mtp", "draft"): (None, {"kind": "mtp", "layers": 1})}
 DONE_STATUSES = ("ok", "invalid")
+#: default wall-clock limit of one point (seconds): generous, it only ends points that would never end
+POINT_LIMIT_S = 3600.0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -368,13 +376,17 @@ def run_point(payload: Mapping) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     rec = {"key": payload["key"], "index": payload["index"], "label": payload["label"],
            "overrides": payload["overrides"]}
+    limit = payload.get("limit_s")
     try:
-        sc = parse_scenario(payload["scenario"], f"point {payload['index']}")
-        b = build(sc)
-        _reuse_cost_model(b)
-        _, res = simulate_scenario(sc, built=b)
+        with _wall_limit(limit):
+            sc = parse_scenario(payload["scenario"], f"point {payload['index']}")
+            b = build(sc)
+            _reuse_cost_model(b)
+            _, res = simulate_scenario(sc, built=b)
         m = clean(res.metrics)
         rec.update(status="ok", reason="", summary=summarize_metrics(m), metrics=m)
+    except PointTimeout:
+        rec.update(status="timeout", reason=f"ran longer than the per-point limit of {limit:g} s", limit_s=limit)
     except (ValueError, FileNotFoundError) as exc:  # UserError, pydantic ValidationError: a bad point
         rec.update(status="invalid", reason=one_line(exc))
     except Exception as exc:  # noqa: BLE001 -- a bug: record it, keep sweeping, retry on the next run
@@ -384,6 +396,38 @@ def run_point(payload: Mapping) -> dict:
     rec["cpu_s"] = round(time.process_time() - c0, 6)  # this process's CPU time: wall_s >> cpu_s = contention
     rec["pid"] = os.getpid()
     return rec
+
+
+class PointTimeout(BaseException):
+    """A point ran past its wall-clock limit (a BaseException: no ``except Exception`` on the way swallows it)."""
+
+
+@contextmanager
+def _wall_limit(seconds: float | None):
+    """Raise :class:`PointTimeout` in this thread after ``seconds`` of wall time (SIGALRM: the main thread of a
+    POSIX process, as in the sweep's own process, its pool workers and Ray's; elsewhere, or with None, no limit)."""
+    if not seconds or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(_signum, _frame):
+        raise PointTimeout
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _settled(rec: Mapping, limit_s: float | None) -> bool:
+    """A record that a re-run does not run again: ok, invalid, or a timeout under a limit at least as large."""
+    st = rec.get("status")
+    if st == "timeout":
+        return limit_s is not None and rec.get("limit_s", 0.0) >= limit_s
+    return st in DONE_STATUSES
 
 
 def _worker_init() -> None:
@@ -467,24 +511,28 @@ class SweepRun:
         return self.ran / self.wall_s if self.wall_s > 0 else math.nan
 
 
-def _payload(p: SweepPoint) -> dict:
-    return {"index": p.index, "key": p.key, "label": p.label, "overrides": p.overrides, "scenario": p.scenario}
+def _payload(p: SweepPoint, limit_s: float | None = None) -> dict:
+    return {"index": p.index, "key": p.key, "label": p.label, "overrides": p.overrides, "scenario": p.scenario,
+            "limit_s": limit_s}
 
 
 def run_points(points: Sequence[SweepPoint], out: str | Path, *, jobs: int = 1, ray_address: str | None = None,
                progress: bool = True, start_method: str = "spawn", console=None,
-               on_record: Callable[[dict], None] | None = None) -> SweepRun:
+               on_record: Callable[[dict], None] | None = None, limit_s: float | None = POINT_LIMIT_S) -> SweepRun:
     """Simulate the points not already done in the JSONL file ``out`` and append their records.
 
-    jobs: processes (1 = in this process); ray_address: run as Ray tasks on that cluster instead (needs ``ray``).
+    jobs: processes (1 = in this process); ray_address: run as Ray tasks on that cluster instead (needs ``ray``);
+    limit_s: wall seconds per point (None: no limit; module docstring).
     Points that did not validate are recorded as invalid here, without a worker. Returns a :class:`SweepRun`.
     """
     if jobs < 1:
         raise UserError(f"--jobs: must be >= 1, got {jobs}")
+    if limit_s is not None and not limit_s > 0:
+        raise UserError(f"--point-limit: must be > 0 seconds, got {limit_s}")
     if ray_address:
         _ray_precheck(ray_address)  # fail before touching the results file
     out = Path(out)
-    done = {k for k, r in latest_by_key(read_results(out)).items() if r.get("status") in DONE_STATUSES}
+    done = {k for k, r in latest_by_key(read_results(out)).items() if _settled(r, limit_s)}
     todo, skipped = [], 0
     seen: set[str] = set()
     for p in points:
@@ -510,7 +558,7 @@ def run_points(points: Sequence[SweepPoint], out: str | Path, *, jobs: int = 1, 
                 emit({"key": p.key, "index": p.index, "label": p.label, "overrides": p.overrides,
                       "status": "invalid", "reason": p.invalid_reason, "wall_s": 0.0, "pid": os.getpid()})
             else:
-                payloads.append(_payload(p))
+                payloads.append(_payload(p, limit_s))
         with _progress(progress and bool(payloads), len(payloads), console) as advance:
             def emit_adv(rec: dict) -> None:
                 emit(rec)

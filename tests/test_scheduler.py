@@ -441,6 +441,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.faults += 1
         self.d.fail(target_)
 
+    @precondition(lambda self: self.faults < 3)
+    @rule(spares=st.booleans())
+    def all_decoder_nics_down(self, spares):
+        """Every decoder NIC (and with ``spares`` every spare GPU's) fails for good: what cannot reach a decoder
+        any more must be rejected (``unreachable``), never left open (the teardown's drain would not settle)."""
+        self.faults += 1
+        nics = {n for d in self.s.decoders if d.kind == "decode" for n in d.rank_nics}
+        if spares:
+            nics |= {self.s.dep.gpu_nic[g] for g in self.s.pool}
+        for nic in sorted(nics):
+            self.d.fail(nic)
+
     @rule(target_=st.sampled_from(["nic:1", "nic:9", "gpu:16", "node:4"]))
     def recover(self, target_):
         self.s.recover(target_, self.d.now)
@@ -459,6 +471,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in self.s.rows:
             assert r[4] in ("done", "rejected")
             assert (r[4] == "rejected") == bool(r[5]), r
+            assert r[5] != "stalled", r
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

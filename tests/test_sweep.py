@@ -114,6 +114,21 @@ def test_error_records_are_retried(tmp_path):
     assert run.ran == 1 and run.records[0]["status"] == "ok"
 
 
+def test_a_point_past_its_limit_is_a_timeout_record_retried_only_under_a_larger_limit(tmp_path):
+    out = tmp_path / "r.jsonl"
+    pts = sw.expand(spec({"decode.ep": [8]}))
+    run = sw.run_points(pts, out, jobs=1, progress=False, limit_s=1e-4)
+    rec = run.records[0]
+    assert (rec["status"], rec["limit_s"]) == ("timeout", 1e-4) and "limit of 0.0001 s" in rec["reason"]
+    assert run.counts["timeout"] == 1
+    again = sw.run_points(pts, out, jobs=1, progress=False, limit_s=1e-4)      # settled: not retried
+    assert again.ran == 0 and again.skipped == 1
+    larger = sw.run_points(pts, out, jobs=1, progress=False, limit_s=600.0)
+    assert larger.ran == 1 and larger.records[0]["status"] == "ok"
+    with pytest.raises(UserError, match="--point-limit"):
+        sw.run_points(pts, out, jobs=1, progress=False, limit_s=0.0)
+
+
 def test_process_pool_matches_in_process(tmp_path):
     pts = sw.expand(spec({"decode.ep": [8, 16], "mtp.draft_k": [1]}))
     a = sw.run_points(pts, tmp_path / "a.jsonl", jobs=1, progress=False)

@@ -89,7 +89,10 @@ def draw(t: Topology, out: str | Path, dpi: int = 120) -> Path:
         ax.set_xticks([])
         ax.spines[["top", "right", "bottom"]].set_visible(False)
         fig.tight_layout()
-        fig.savefig(out, dpi=dpi)
+        from rackbed.topology.outputs import replacing
+
+        with replacing(out, "wb") as f:
+            fig.savefig(f, dpi=dpi, format=Path(out).suffix.lstrip(".").lower() or "png")
     finally:
         plt.close(fig)
     return out

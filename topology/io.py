@@ -281,5 +281,7 @@ def dump(t: Topology, path: str | Path | None = None, fmt: str | None = None) ->
         fmt = "json" if path is not None and Path(path).suffix.lower() == ".json" else "yaml"
     text = dumps(t, fmt)
     if path is not None:
-        Path(path).write_text(text, encoding="utf-8")
+        from rackbed.topology.outputs import write_text
+
+        write_text(path, text)
     return text

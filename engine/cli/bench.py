@@ -39,10 +39,16 @@ TARGETS = {
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rackbed.topology.outputs import prepare_file
+
+    if args.out:  # before the benchmark, not after it
+        prepare_file(args.out, force=args.force)
     return TARGETS[args.target][1](args)
 
 
 def register(subparsers) -> None:
+    from rackbed.topology.outputs import add_force
+
     p = subparsers.add_parser("bench", help="run benchmarks",
                               description="Run benchmarks. Targets: " +
                               "; ".join(f"{k}: {v[0]}" for k, v in TARGETS.items()))
@@ -59,4 +65,5 @@ def register(subparsers) -> None:
     g.add_argument("--rate", type=float, default=None,
                    help="requests/s of the looped Mooncake trace (default: sim.bench.DEFAULT_RATE_PER_S)")
     p.add_argument("--out", help="write the results JSON here (e.g. results/h200x2/allreduce.json)")
+    add_force(p, "replace an existing --out file")
     p.set_defaults(func=_run)

@@ -1,6 +1,6 @@
 """``rackbed calibrate``: measure the local GPUs, fit the cost-model curves, write a calibration file.
 
-    rackbed calibrate [--out calibration/h200.yaml] [--quick] [--measurements-out results/h200x2/measure.json]
+    rackbed calibrate [--out FILE.yaml] [--force] [--quick] [--measurements-out results/h200x2/measure.json]
                       [--from-measurements FILE ...] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
     rackbed calibrate --from-aiconfigurator SYSTEM [--backend trtllm|sglang|vllm] [--out FILE.json]
 
@@ -18,6 +18,9 @@ NCCL versions, date). ``--dry-run`` measures tiny sizes on the CPU (plumbing onl
 measured per-operator tables of the aiconfigurator-core package (the ``tables`` extra: ``pip install
 'rackbed[tables]'``; ``sim.perf_tables``), held-out errors per kind printed and kept in ``meta.validation``. It
 writes ``rackbed-out/calibration/<gpu>-<backend>.json`` unless ``--out`` names a file.
+
+A measured calibration goes to ``rackbed-out/calibration/h200.yaml`` unless ``--out`` names a file; an existing
+file (a shipped one under ``calibration/`` included) is replaced only with ``--force``, atomically.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import json
 from pathlib import Path
 
 from rackbed.topology.errors import UserError
+from rackbed.topology.outputs import add_force, prepare_file, write_text
+
+#: where a measured calibration goes unless --out says otherwise (never a shipped file under calibration/)
+DEFAULT_OUT = "rackbed-out/calibration/h200.yaml"
 
 
 def bench_rows(doc: dict, source: str) -> list[dict]:
@@ -65,13 +72,9 @@ def _run_tables(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else pt.default_out(args.from_aiconfigurator, args.backend)
     if out.suffix != ".json":
         raise UserError(f"--out {out}: a calibration built from tables is written as JSON (.json)")
-    if out.is_dir():
-        raise UserError(f"--out {out}: is a folder; name the calibration file to write")
+    prepare_file(out, force=args.force)
     doc = pt.build_calibration(args.from_aiconfigurator, args.backend, progress=lambda s: print(f"  {s}"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(pt.dumps(doc))
-    tmp.replace(out)
+    write_text(out, pt.dumps(doc))
     m = doc["meta"]
     print(f"wrote {out}: {m['gpu']} ({m['stack']} stack) from {pt.PACKAGE} {m['package_version']} "
           f"{m['system']}, {len(doc['entries'])} curves")
@@ -88,7 +91,8 @@ def _run_tables(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.from_aiconfigurator:
         return _run_tables(args)
-    args.out = args.out or "calibration/h200.yaml"
+    # never the shipped calibration/h200.yaml by default (run from a checkout, that path is the shipped file)
+    args.out = str(prepare_file(args.out or DEFAULT_OUT, force=args.force))
     from rackbed.sim.calibrate import (
         Holdout,
         calibrate,
@@ -123,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"{f}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
     if not args.from_measurements or args.from_bench:
         Path(mpath).parent.mkdir(parents=True, exist_ok=True)
-        Path(mpath).write_text(json.dumps(meas, indent=1))
+        write_text(mpath, json.dumps(meas, indent=1))
         print(f"measurements: {mpath} ({len(meas.get('rows', []))} rows)")
     shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.holdout_shape) if args.holdout_shape else \
         Holdout().shapes
@@ -144,7 +148,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="measure the local GPUs and write a calibration file",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="calibration file to write (.yaml or .json; default "
-                   "calibration/h200.yaml when measuring, rackbed-out/calibration/<gpu>-<backend>.json from tables)")
+                   f"{DEFAULT_OUT} when measuring, rackbed-out/calibration/<gpu>-<backend>.json from tables)")
+    add_force(p, "replace an existing --out file")
     p.add_argument("--from-aiconfigurator", metavar="SYSTEM",
                    help="build the calibration of a serving stack from aiconfigurator-core's measured tables "
                         "(gb200, h200, b200; needs the 'tables' extra)")

@@ -12,6 +12,8 @@ import argparse
 import shlex
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_file, safe_name
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -25,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: capacity-qwen235-gb200 capacity-qwen235-h200)")
     p.add_argument("--out", type=Path, required=True, help="folder for <tag>.json and <tag>.md")
     p.add_argument("--tag", default="capacity", help="file name stem of the outputs (default capacity)")
+    add_force(p, "replace existing OUT/<tag>.json and OUT/<tag>.md")
     p.add_argument("--work", type=Path, default=None,
                    help="folder for the searches (default rackbed-out/capacity-<tag>-<git commit>)")
     p.add_argument("--jobs", "-j", type=int, default=1, help="worker processes per search (default 1)")
@@ -37,8 +40,10 @@ def _main(args: argparse.Namespace) -> int:
 
     from rackbed.sim import capacity as cap
 
-    if not args.tag or "/" in args.tag:
-        raise ValueError(f"--tag: expected a plain file name stem, got {args.tag!r}")
+    if safe_name(args.tag) != args.tag:
+        raise ValueError(f"--tag: expected a plain file name stem (letters, digits, '._+-'), got {args.tag!r}")
+    for suffix in (".json", ".md"):  # before hours of searches, not after
+        prepare_file(args.out / f"{args.tag}{suffix}", force=args.force)
     names = args.specs or list(cap.DEFAULT_SPECS)
     specs = [cap.load_capacity(s) for s in names]
     command = shlex.join(["rackbed", "capacity", *args.specs, "--out", str(args.out), "--tag", args.tag,

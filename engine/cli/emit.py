@@ -9,6 +9,7 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     from rackbed.sim.emit import ENGINES
+    from rackbed.topology.outputs import add_force
 
     p = sub.add_parser(
         "emit", help="write a scenario's deployment as SGLang / TensorRT-LLM / Dynamo launch settings",
@@ -18,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="YAML file or shipped name (default: nvl72-default)")
     p.add_argument("--engine", required=True, help=f"one of {', '.join(ENGINES)}")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>/<engine>)")
+    add_force(p)
     p.set_defaults(func=_main)
 
 
@@ -25,6 +27,7 @@ def _main(args: argparse.Namespace) -> int:
     from rackbed.sim.emit import ENGINES, write_emit
     from rackbed.sim.scenario import load_scenario
     from rackbed.topology.errors import UserError
+    from rackbed.topology.outputs import prepare_dir
 
     from rackbed import scenarios
 
@@ -32,7 +35,8 @@ def _main(args: argparse.Namespace) -> int:
         raise UserError(f"--engine {args.engine}: unknown engine; one of {', '.join(ENGINES)}")
     path = scenarios.resolve(args.scenario)
     sc = load_scenario(path)
-    out = args.out or Path("rackbed-out") / path.stem / args.engine
+    out = prepare_dir(args.out or Path("rackbed-out") / path.stem / args.engine, force=args.force,
+                      default=args.out is None)
     for p in write_emit(sc, args.engine, out):
         print(p)
     return 0

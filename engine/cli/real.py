@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir, write_text
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("real", help="run a scenario for real on local GPUs/CPU (same scheduler as the simulator)",
@@ -14,6 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "files plus real.json (per-plan measured times, versions, the cross-mode replay check).")
     p.add_argument("scenario", help="scenario YAML file or shipped name")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>-real)")
+    add_force(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="override real.device")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.set_defaults(func=_main)
@@ -51,6 +54,8 @@ def _main(args: argparse.Namespace) -> int:
     console = Console()
     path = scenarios.resolve(args.scenario)
     sc = load_scenario(path)
+    out = prepare_dir(args.out or Path("rackbed-out") / f"{path.stem}-real", force=args.force,
+                      default=args.out is None)
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     if args.max_requests:
@@ -60,8 +65,6 @@ def _main(args: argparse.Namespace) -> int:
     res, run = run_real(b, reqs, simulate=simulate, device=args.device or rs.device, dtype=rs.dtype,
                         weights=rs.weights, seed=rs.weights_seed, prefill_pages=rs.prefill_pages,
                         decode_pages=rs.decode_pages, kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny)
-    out = args.out or Path("rackbed-out") / f"{path.stem}-real"
-    out.mkdir(parents=True, exist_ok=True)
     write_all(res, out)
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     same = res.log.decisions() == rep.log.decisions()
@@ -78,7 +81,7 @@ def _main(args: argparse.Namespace) -> int:
         "generated_tokens": {str(k): len(v) for k, v in sorted(run.generated.items())},
         "metrics": res.metrics,
     }
-    (out / "real.json").write_text(json.dumps(doc, indent=1, default=str))
+    write_text(out / "real.json", json.dumps(doc, indent=1, default=str))
     console.print(f"[dim]real run on {doc['versions'].get('device', 'cpu')}; deaths: {len(run.deaths)}; "
                   f"simulator replay of the measured durations gives identical decisions: {same}[/dim]")
     print_summary(console, b, res)

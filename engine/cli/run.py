@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir
 from rackbed.topology.yamlio import load_yaml
 
 
@@ -17,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("scenario", nargs="?", default="nvl72-default", help="YAML file or shipped name (default: nvl72-default)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>)")
+    add_force(p)
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios, one line each, and exit")
@@ -70,6 +72,8 @@ def _main(args: argparse.Namespace) -> int:
     if over and kind != "serving":
         raise ValueError(f"--{next(iter(over)).split('_')[0]}: applies to serving scenarios; {path.name} is a "
                          f"{kind} file")
+    if kind in ("figure", "serving_study", "serving"):
+        out = prepare_dir(out, force=args.force, default=args.out is None)
     if kind == "figure":
         from rackbed.sim.figures import run_figure
 
@@ -85,7 +89,21 @@ def _main(args: argparse.Namespace) -> int:
     if kind == "serving":
         from rackbed.sim.scenario import run_serving
 
-        run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress, overrides=over)
+        metrics = run_serving(path, out, console=console, seed=args.seed, progress=not args.no_progress,
+                              overrides=over)
         console.print(f"output folder: {out}")
-        return 0
+        return _stalled_status(metrics)
     raise ValueError(f"{path}: kind: expected 'serving', 'figure' or 'serving_study', got {kind!r}")
+
+
+def _stalled_status(metrics: dict) -> int:
+    """1 (with one line on stderr) when requests ended ``stalled`` — open with nothing left to happen, a scheduler
+    bug the run made visible — else 0."""
+    import sys
+
+    n = metrics.get("requests", {}).get("rejected_by_reason", {}).get("stalled", 0)
+    if n:
+        print(f"rackbed: error: {n} requests ended stalled (open when nothing was left to happen: a scheduler bug; "
+              "see decisions.csv)", file=sys.stderr)
+        return 1
+    return 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir, safe_name
+
 
 def _ints(s: str) -> list[int]:
     try:
@@ -94,6 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the best configuration's launch settings for this engine (rackbed emit); default: none")
     p.add_argument("--emit-out", type=Path, default=None, help="folder for --emit; default OUT/emit-ENGINE")
     p.add_argument("--out", type=Path, default=None, help="output folder; default rackbed-out/search-<name>")
+    add_force(p, "write into an existing, non-empty --out folder that is not a search's (one holding "
+              "results.jsonl is resumed without it)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes; default: CPU count")
     p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed); default: local processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -199,7 +203,8 @@ def _main(args: argparse.Namespace) -> int:
 
         for t in spec.space.topology:
             check_stack(args.stack, t)
-    out = args.out or Path("rackbed-out") / f"search-{spec.name}"
+    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
+                      resume_marker="results.jsonl", default=args.out is None)
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)
     for note in res.notes:
@@ -237,7 +242,8 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
     spec = _with_stack(_flags_spec(args, 1.0, 12), args.stack)
     name = f"budget-{bu._safe(args.topology[0])}-{args.gpus}" + (f"-{args.stack}" if args.stack else "")
     spec = spec.model_copy(update={"name": name})
-    out = args.out or Path("rackbed-out") / f"search-{spec.name}"
+    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
+                      default=args.out is None)
     res = bu.run_budget_search(spec, args.gpus, out, kinds=tuple(args.kind), per_front=args.per_front,
                                max_simulations=12 if args.max_simulations is None else args.max_simulations,
                                fill_tolerance=args.fill_tolerance, jobs=jobs, progress=not args.no_progress, console=console)

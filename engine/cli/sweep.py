@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rackbed.topology.outputs import add_force, prepare_dir, safe_name
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -21,10 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("spec", nargs="?", help="sweep spec YAML (or a name under scenarios/sweeps/)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default rackbed-out/sweep-<name>)")
+    add_force(p, "write into an existing, non-empty --out folder that is not a sweep's (one holding "
+              "results.jsonl is resumed without it)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--ray-address", default=None, help="run on this Ray cluster (needs `ray` installed)")
     p.add_argument("--start-method", choices=("spawn", "fork", "forkserver"), default="spawn",
                    help="multiprocessing start method for local workers (default spawn)")
+    p.add_argument("--point-limit", type=float, default=None, metavar="S",
+                   help="wall seconds one point may run before it is recorded as a timeout (default 3600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true", help="list the expanded points and exit")
     p.add_argument("--top", type=int, default=5, help="best points to show and explain (default 5)")
@@ -61,11 +67,13 @@ def _main(args: argparse.Namespace) -> int:
             console.print(f"{pt.index:5d} {pt.key} {pt.label}{extra}")
         console.print(f"{len(points)} points")
         return 0
-    out = args.out or Path("rackbed-out") / f"sweep-{spec.name}"
+    out = prepare_dir(args.out or Path("rackbed-out") / f"sweep-{safe_name(spec.name)}", force=args.force,
+                      resume_marker="results.jsonl")
     console.print(f"[bold]{spec.name}[/bold]: {len(points)} points -> {out}/results.jsonl "
                   f"({'ray ' + args.ray_address if args.ray_address else f'{jobs} process(es)'})")
     run = sw.run_points(points, out / "results.jsonl", jobs=jobs, ray_address=args.ray_address,
-                        progress=not args.no_progress, start_method=args.start_method, console=console)
+                        progress=not args.no_progress, start_method=args.start_method, console=console,
+                        limit_s=args.point_limit or sw.POINT_LIMIT_S)
     console.print(f"ran {run.ran} points in {run.wall_s:.1f} s ({run.points_per_s:.2f} points/s), skipped "
                   f"{run.skipped} already done; this run: {run.counts}")
     data = sweep_report_data(spec, points, run.records, top=args.top)

@@ -17,6 +17,8 @@ import json
 
 
 def register(subparsers) -> None:
+    from rackbed.topology.outputs import add_force
+
     p = subparsers.add_parser("topo", help="show / check / draw a topology (preset name or YAML/JSON file)")
     p.set_defaults(func=lambda args: _help(p))
     sub = p.add_subparsers(dest="topo_command", metavar="ACTION")
@@ -36,11 +38,13 @@ def register(subparsers) -> None:
     q = sub.add_parser("draw", help="draw a topology to an image")
     q.add_argument("topology", metavar="NAME|FILE")
     q.add_argument("--out", required=True, help="output image (.png, .svg, .pdf)")
+    add_force(q, "replace an existing --out file")
     q.set_defaults(func=cmd_draw)
 
     q = sub.add_parser("dump", help="write the topology in the graph file form")
     q.add_argument("topology", metavar="NAME|FILE")
     q.add_argument("--out", help="file to write (default: stdout)")
+    add_force(q, "replace an existing --out file")
     q.add_argument("--format", choices=("yaml", "json"), help="default: from --out's suffix, else yaml")
     q.set_defaults(func=cmd_dump)
 
@@ -134,16 +138,20 @@ def cmd_check(args) -> int:
 def cmd_draw(args) -> int:
     from rackbed.topology import load
     from rackbed.topology.draw import draw
+    from rackbed.topology.outputs import prepare_file
 
-    out = draw(load(args.topology), args.out)
+    out = draw(load(args.topology), prepare_file(args.out, force=args.force))
     print(f"wrote {out}")
     return 0
 
 
 def cmd_dump(args) -> int:
     from rackbed.topology import dump, load
+    from rackbed.topology.outputs import prepare_file
 
     t = load(args.topology)
+    if args.out:
+        prepare_file(args.out, force=args.force)
     text = dump(t, args.out, args.format)
     if args.out:
         print(f"wrote {args.out}")

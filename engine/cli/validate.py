@@ -35,6 +35,7 @@ import statistics
 from pathlib import Path
 
 from rackbed.topology.errors import UserError
+from rackbed.topology.outputs import add_force, write_out_file
 
 #: kernel-level targets: |relative error| on held-out rows
 TARGET_MEDIAN, TARGET_MAX = 0.03, 0.10
@@ -291,10 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         print()
         doc = {"schema": "rackbed.validation/1", "measurements": paths, "topology": args.topology,
                "cross_validation": res}
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(doc, indent=1))
-            print(f"wrote {args.out}")
+        _write_out(args, doc)
         return 0
     res = validate_kernels(meas, calib, topo, include_fit=args.all, repeat=rep)
     print_table(res)
@@ -302,11 +300,15 @@ def _run(args: argparse.Namespace) -> int:
     doc = {"schema": "rackbed.validation/1", "calibration": getattr(calib, "path", ""), "measurements": paths,
            "repeat": args.repeat,
            "topology": args.topology, "kernel": res, "engine": validate_engine(calib, topo, args)}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.out}")
+    _write_out(args, doc)
     return 0
+
+
+def _write_out(args, doc: dict) -> None:
+    """The validation JSON to ``--out``, if given (an existing file only with ``--force``; atomically)."""
+    if args.out:
+        write_out_file(args.out, json.dumps(doc, indent=1), force=args.force)
+        print(f"wrote {args.out}")
 
 
 def register(subparsers) -> None:
@@ -324,6 +326,7 @@ def register(subparsers) -> None:
                    "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "
                    "from index i, so every inner point is held out once (slow: K fits)")
     p.add_argument("--out", help="write the validation JSON here")
+    add_force(p, "replace an existing --out file")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
     p.add_argument("--write-engine-calibration", metavar="FILE", help="engine level: write the fitted curves here")

@@ -24,7 +24,7 @@ requeue        failed/drained worker         0                           note: r
 idle           worker                        0                           note: what it waits for
 stop           worker                        0                           note: reason
 scale_up       new worker                    GPUs                        note: role
-scale_down     draining worker               GPUs                        note: role
+scale_down     draining worker               GPUs                        note: role, or unreachable
 fault          ``""``                        0                           note: target
 =============  ============================  ==========================  ===========================
 

@@ -153,7 +153,31 @@ class FailureHandling:
             if pf.status in (STARTING, ACTIVE, DRAINING) and not any(pf.nic_up) and \
                     all(n in self._permanent_nic_down for n in pf.nics):
                 self._kill_prefiller(pf, now, aborted, "nics_failed")
+        if permanent:
+            for d in self.decoders:
+                if d.status in (STARTING, ACTIVE) and self._unreachable(d):
+                    self._drain_unreachable(d, now)
         self._reroute_lists()
+
+    def _unreachable(self, d: DecoderState) -> bool:
+        """``d`` can never receive KV again: a decoder group whose every rank's NIC is down for good (an aggregated
+        worker receives none: never)."""
+        return d.kind == "decode" and all(n in self._permanent_nic_down for n in d.rank_nics)
+
+    def _drain_unreachable(self, d: DecoderState, now: float) -> None:
+        """A decoder no KV can reach any more drains: it takes no new requests (not routable, not counted as live
+        by the autoscaler), decodes those whose KV it holds, then retires (its GPUs whose NICs are down are not
+        used for a new decoder, :meth:`_find_decoder_gpus`)."""
+        self._set_status(d, DRAINING)
+        self._add((now, "scale_down", d.id, -1, d.n_gpus, 0, "unreachable"))
+        self._wake(d)
+
+    def _no_decoder_reason(self) -> str:
+        """Why a request finds no decoder: ``unreachable`` when decoder groups exist whose NICs are all down for
+        good (and no other can take it), ``no_decoder`` otherwise."""
+        if self._permanent_nic_down and any(self._unreachable(d) for d in self.decoders if d.status != DEAD):
+            return "unreachable"
+        return "no_decoder"
 
     def _kill_prefiller(self, pf: PrefillerState, now: float, aborted: list[str], why: str) -> None:
         self._set_status(pf, DEAD)

@@ -166,7 +166,11 @@ class WorkerPool:
         n = self.dep.decoder_template.ep
         dom = self.dep.gpu_domain
         by_dom: dict[int, list[int]] = {}
+        dead_nic = self._permanent_nic_down
+        gpu_nic = self.dep.gpu_nic
         for g in self.pool:
+            if dead_nic and gpu_nic.get(g) in dead_nic:
+                continue  # a rank there could never receive KV
             by_dom.setdefault(dom.get(g, 0), []).append(g)
         for k in sorted(by_dom):
             if len(by_dom[k]) >= n:

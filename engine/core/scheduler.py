@@ -49,7 +49,8 @@ prefiller (which still holds it); a dead decoder's queued/decoding requests lose
 (prompt + tokens generated so far). Nothing is dropped: every request ends ``done`` or ``rejected`` with a
 reason. Overload: bounded prefiller queues (``queue_full``), optional TTFT shedding (``ttft_slo_unreachable``),
 requests that can never fit (``exceeds_decoder_kv``, ``exceeds_prefiller_kv``) or never be served
-(``no_prefiller``, ``no_decoder``), and ``horizon`` for requests still open when a run is cut off.
+(``no_prefiller``, ``no_decoder``; ``unreachable`` when the decoders left have lost every NIC for good: such a
+decoder is drained, not routed to), and ``horizon`` for requests still open when a run is cut off.
 
 Determinism: the only randomness is the ``numpy.random.Generator`` passed in; iteration is over lists and
 insertion-ordered dicts keyed by ints or created in a deterministic order; ties break by worker creation order,
@@ -268,7 +269,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if not self._prefillers_possible():
             return self._reject(r, now_s, "no_prefiller")
         if r.out > 1 and not self._decoders_possible():
-            return self._reject(r, now_s, "no_decoder")
+            return self._reject(r, now_s, self._no_decoder_reason())
         if r.out > 1 and self._reserve_tokens(r.prompt, r.out - 1, None) > self.max_rank_kv:
             return self._reject(r, now_s, "exceeds_decoder_kv")
         if r.prompt > self.max_pf_kv:
@@ -538,7 +539,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
             if not self._route_d and not self._decoders_possible():
                 pf.pending.popleft()
                 pf.kv_held -= r.ctx0
-                self._reject(r, now, "no_decoder")
+                self._reject(r, now, self._no_decoder_reason())
                 self._wake(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k

@@ -11,7 +11,8 @@ sends it (its ``arrival_s`` set to the send time) after the event that resolves 
 path (:mod:`sim.fastpath`) the loop lets it run the events that need no SimPy process before stepping the
 environment.
 
-Housekeeping: a progress bar once the run has taken more than a second of wall time, and — while the cyclic
+Housekeeping: a progress bar once the run has taken more than a second of wall time, the watchdog on simulated
+progress (:mod:`engine.loop.watchdog`), and — while the cyclic
 garbage collector is off (:func:`collector_paused`) — a collection of the young generations every
 :data:`GC_EVERY` events.
 """
@@ -183,12 +184,13 @@ def _arrive_due(env, sched, arrivals: _Arrivals, t: float, flush: Callable[[], N
 
 
 def run_loop(env, sched, requests: Iterable, *, until_s: float | None, flush: Callable[[], None], fast=None,
-             collect: bool = False, progress: Progress | None = None, closed_loop=None) -> int:
+             collect: bool = False, progress: Progress | None = None, closed_loop=None, watchdog=None) -> int:
     """Run ``env`` (module docstring) with ``requests`` arriving until ``until_s`` (None: until no event is left);
     ``flush`` hands the scheduler's wake-ups and new workers to the driver; ``fast``: a :class:`sim.fastpath.FastPath`
     (its ``next_time`` replaces ``env.peek``; not with a closed loop, whose sends follow each resolving event);
     ``collect``: the cyclic collector is off (collect now and then); ``closed_loop``: a
-    :class:`~engine.core.workload.ClosedLoop` or None. Returns the number of events run."""
+    :class:`~engine.core.workload.ClosedLoop` or None; ``watchdog``: a :class:`engine.loop.watchdog.Watchdog` (checked
+    with the housekeeping; raises when the run stops making progress) or None. Returns the number of events run."""
     end = inf if until_s is None else until_s
     end_x = nextafter(end, inf)  # t > end  <=>  t >= end_x
     assert closed_loop is None or fast is None, "a closed loop sends after each event: no fast path"
@@ -221,6 +223,8 @@ def run_loop(env, sched, requests: Iterable, *, until_s: float | None, flush: Ca
                     gc.collect(1)
                 if progress is not None:
                     progress.update(sched, env.now)
+                if watchdog is not None:
+                    watchdog.check(env.now, n)
     finally:
         if progress is not None:
             progress.stop()

@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 from rackbed.sim.costs.calibration import _YAML_LOADER, CalibrationTable
 from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.outputs import write_text
 
 from rackbed import shipped
 
@@ -43,7 +44,7 @@ def dump_calibration(doc: dict, path: str | Path) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.suffix == ".json":
-        p.write_text(json.dumps(doc, indent=1))
+        write_text(p, json.dumps(doc, indent=1))
         return
 
     class _D(yaml.SafeDumper):
@@ -57,7 +58,7 @@ def dump_calibration(doc: dict, path: str | Path) -> None:
     _D.add_representer(tuple, _seq)
     head = (f"# rackbed calibration file ({FILE_SCHEMA}): {doc['meta'].get('gpu')} measured "
             f"{doc['meta'].get('date')} by `rackbed calibrate`; do not edit by hand.\n")
-    p.write_text(head + yaml.dump(doc, Dumper=_D, sort_keys=False, width=120))
+    write_text(p, head + yaml.dump(doc, Dumper=_D, sort_keys=False, width=120))
 
 
 def load_calibration_file(path: str | Path) -> CalibrationFile:
