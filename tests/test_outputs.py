@@ -117,3 +117,17 @@ def test_calibrate_never_defaults_to_a_shipped_file(tmp_path, capsys, monkeypatc
     shipped.write_text("shipped")
     assert main(["calibrate", "--dry-run", "--out", "calibration/h200.yaml"]) == 2
     assert "pass --force" in capsys.readouterr().err and shipped.read_text() == "shipped"
+
+
+def test_a_default_folder_in_use_gives_a_fresh_one(tmp_path):
+    """Without --out a command writes to its default folder; a second run leaves the first's files and takes the
+    next free sibling, so running the main job twice works and loses nothing."""
+    base = tmp_path / "rackbed-out" / "nvl72-default"
+    assert prepare_dir(base, default=True) == base  # missing: created and used
+    (base / "metrics.json").write_text("{}")
+    assert prepare_dir(base, default=True) == tmp_path / "rackbed-out" / "nvl72-default-2"
+    (tmp_path / "rackbed-out" / "nvl72-default-2" / "metrics.json").write_text("{}")
+    assert prepare_dir(base, default=True) == tmp_path / "rackbed-out" / "nvl72-default-3"
+    assert (base / "metrics.json").read_text() == "{}"
+    with pytest.raises(UserError, match="not empty"):  # a folder the user named is never silently swapped
+        prepare_dir(base)
