@@ -1,0 +1,279 @@
+"""The simulator's cost model of a built scenario (``sim.executor.CostModel`` over ``sim.costs``): what every
+prefill batch, KV transfer, decode step and mixed step of a run costs, memoised so the hot loop is a dict lookup.
+
+The decode cost is evaluated at the slowest rank's (batch, context tokens) — a DP-EP step is synchronous, so the
+slowest rank sets its time — memoised at 1-sequence and ~1 % context resolution; the prefill cost is evaluated
+exactly per batch. ``sim.scenario.build`` makes one per run.
+"""
+
+
+from __future__ import annotations
+
+import math
+from math import ceil as _ceil
+from operator import itemgetter
+
+_N_START = itemgetter(2, 1)  # PrefillBatch item (request_id, start_token, n_tokens) -> (n_tokens, start_token)
+
+
+class ScenarioCostModel:
+    """``sim.executor.CostModel`` over ``sim.costs``: per-group ParallelPlans (same shape as the templates, the
+    group's own GPUs), decode memoised at the slowest rank's (batch, context) point (module docstring).
+
+    Fast paths, all giving ``sim.costs``' own numbers: decode is memoised per (group, busiest rank's batch, context
+    bucket of ``CTX_BITS`` significant bits, draft_k) and priced at the bucket's middle; ``decode_point`` also
+    returns the bucket's end, so the driver fast-forwards decode steps (``sim/driver.py``). A memo miss assembles
+    the step from its context-free terms (per group, batch, draft_k) and two attention evaluations (checked
+    against ``decode_step_time``). Prefill is exact per batch, memoised on its (tokens, start) items per group
+    class: groups whose GPU model and :class:`~sim.costs.collective.GroupLinks` (EP group, TP group) agree share
+    entries, the first ``PREFILL_SPOT_CHECKS`` shared hits of each group are checked, and a mismatch gives the
+    group its own class. A looped trace repeats its batches, so an hour of the NVL72 benchmark evaluates a few
+    thousand prefill batches instead of ~50 000.
+    """
+
+    from rackbed.sim.executor import TransferCost as _TransferCost
+
+    CTX_BITS = 7  # decode memo resolution: contexts that agree in their top 7 bits share a step (<= 1.6 % apart)
+
+    def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None, draft: dict | None = None) -> None:
+        self.model, self.topo, self.calib = model, topo, calib
+        #: what drafts the tokens (:func:`draft_cost_kw`): passed to every decode step pricing
+        self.draft = dict(draft or {})
+        self.pplan0, self.dplan0 = prefill_plan, decode_plan
+        self._plans: dict[str, object] = {}
+        self._decode_memo: dict[tuple, object] = {}
+        self._decode_base: dict[tuple, tuple] = {}
+        self._attn_memo: dict[tuple, object] = {}
+        self._prefill_memo: dict[tuple, tuple] = {}
+        self._pclass: dict[str, tuple] = {}
+        self._pclass_ids: dict[tuple, tuple[int]] = {}
+        self._kv_chunk_us: dict[str | None, float] = {}
+        self._kv_pipeline = 1
+        self._lat_memo: dict[tuple, float] = {}
+        self._pchecks: dict[str, int] = {}
+        self._split_ok = True  # False once the split failed its check (then: direct evaluation)
+        self._chunk_memo: dict[tuple, float] = {}
+        self._chunk_last = None  # (prefiller template, decoder template, chunks per page) of the last kv_chunks
+
+    def _plan_for(self, group) -> object:
+        pl = self._plans.get(group.id)
+        if pl is None:
+            base = self.pplan0 if group.id.startswith("P") else self.dplan0
+            pl = self._plans[group.id] = base.model_copy(update={"gpus": tuple(group.gpus)})
+        return pl
+
+    def prefill(self, plan, group):
+        """Exact per batch, memoised on the batch's ``(n_tokens, start_token)`` sequence per group class (groups
+        whose GPU groups look the same to ``sim.costs`` share entries: looped traces repeat batches)."""
+        cls = self._pclass.get(group.id)
+        if cls is None:
+            cls = self._pclass[group.id] = self._prefill_class(group)
+        key = (cls, tuple(map(_N_START, plan.items)))  # ((n_tokens, start_token), ...), C-level: one per batch
+        hit = self._prefill_memo.get(key)
+        if hit is not None:
+            owner, st = hit
+            if owner == group.id or self._pchecks.get(group.id, 0) >= self.PREFILL_SPOT_CHECKS:
+                return st
+            # the first few entries a group takes from another group of its class are checked
+            self._pchecks[group.id] = self._pchecks.get(group.id, 0) + 1
+            mine = self._prefill_direct(plan, group)
+            if mine != st:
+                self._pclass[group.id] = (group.id,)  # not like the others after all: own class from now on
+                self._prefill_memo[((group.id,), key[1])] = (group.id, mine)
+            return mine
+        st = self._prefill_direct(plan, group)
+        self._prefill_memo[key] = (group.id, st)
+        return st
+
+    PREFILL_SPOT_CHECKS = 2
+
+    def _prefill_direct(self, plan, group):
+        return self.prefill_breakdown([(n, start) for _, start, n in plan.items], group).to_steptime()
+
+    def prefill_breakdown(self, seqs, group=None):
+        """Term by term (a ``StepBreakdown``), the prefill step :meth:`prefill` prices for a batch of ``seqs``
+        ``(new_tokens, cached_tokens)`` on ``group`` (None: the template plan, group 0's)."""
+        from rackbed.sim.costs.step import prefill_step_breakdown
+
+        pl = self.pplan0 if group is None else self._plan_for(group)
+        return prefill_step_breakdown(self.model, pl, self.topo, seqs, calib=self.calib)
+
+    def decode_breakdown(self, max_batch: int, max_context_tokens: float, draft_k: int, group=None):
+        """Term by term, the decode step :meth:`decode_point` prices when the busiest ranks hold ``max_batch``
+        sequences and ``max_context_tokens`` KV tokens (every rank priced so, as there), at the context itself
+        rather than its memo bucket's middle; ``group`` None: the template plan."""
+        from rackbed.sim.costs.step import decode_step_breakdown
+
+        pl = self.dplan0 if group is None else self._plan_for(group)
+        n = pl.dp
+        return decode_step_breakdown(self.model, pl, self.topo, [max_batch] * n, [max_context_tokens] * n,
+                                     draft_k=draft_k, calib=self.calib, **self.draft)
+
+    def _prefill_class(self, group) -> tuple[int] | tuple[str]:
+        """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU
+        model and the :class:`~sim.costs.collective.GroupLinks` of its EP group and of its first TP group."""
+        from rackbed.sim.costs.collective import group_links
+
+        pl = self._plan_for(group)
+        fp = (self.topo.gpu_spec(pl.gpus[0]).name, group_links(self.topo, pl.gpus),
+              group_links(self.topo, pl.tp_group(0)))
+        return self._pclass_ids.setdefault(fp, (len(self._pclass_ids),))  # a small key, cheap to hash
+
+    def mixed(self, plan, group):
+        """An aggregated worker's :class:`~engine.core.plans.MixedStep` (:func:`sim.aggregated.price_mixed`)."""
+        from rackbed.sim.aggregated import price_mixed
+
+        return price_mixed(self, plan, group)
+
+    def decode(self, plan, group):
+        return self.decode_point(group, max(plan.rank_batch), max(plan.rank_context_tokens), plan.draft_k)[0]
+
+    def decode_point(self, group, max_batch: int, max_context_tokens, draft_k: int):
+        """``(StepTime, ctx_hi)`` of a decode step whose busiest ranks hold ``max_batch`` sequences and
+        ``max_context_tokens`` KV tokens: the step at the middle of the context's grid bucket (the top
+        ``CTX_BITS`` bits of the token count, so buckets are 1/2**(CTX_BITS-1)..1/2**CTX_BITS of the count wide;
+        exact below 2**CTX_BITS tokens), the same for every context up to ``ctx_hi``, the bucket's end."""
+        ctx = int(max_context_tokens)
+        if max_batch <= 0:
+            ctx, hi, mid = 0, 1 << 62, 0
+        else:
+            shift = ctx.bit_length() - self.CTX_BITS
+            if shift > 0:
+                ctx = (ctx >> shift) << shift
+                hi = ctx + (1 << shift) - 1
+                mid = ctx + (1 << (shift - 1))
+            else:
+                hi = mid = ctx
+        key = (group.id, max_batch, ctx, draft_k)
+        hit = self._decode_memo.get(key)
+        if hit is None:
+            hit = self._decode_memo[key] = (self._decode_at(group, max_batch, mid, draft_k), hi)
+        return hit
+
+    # The decode step at a memo point, split into what depends on the context (the full-attention terms of the
+    # verify and draft passes) and what does not (everything else, memoised per (group, batch, draft_k)): a miss
+    # then costs two attention evaluations instead of a whole step breakdown. The split is exact — the StepTime is
+    # summed term by term in ``StepBreakdown.by_category`` order — and checked against the direct
+    # ``decode_step_time`` at a second context for every (group, batch, draft_k); should ``sim.costs.step`` ever
+    # change shape, the check fails and the model falls back to direct evaluation (same numbers, slower).
+
+    def _decode_at(self, group, b: int, ctx_q: int, k: int):
+        from rackbed.sim.costs.step import decode_step_time
+
+        pl = self._plan_for(group)
+        n = pl.dp
+        dr = self.draft
+        if not self._split_ok or b == 0 or (k and "draft_model" in dr):  # a draft model: direct evaluation
+            return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib,
+                                    **dr)
+        base = self._decode_base.get((group.id, b, k))
+        if base is None:
+            from rackbed.sim.costs.step import decode_step_breakdown, layer_counts
+
+            bd = decode_step_breakdown(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
+                                       calib=self.calib, **dr)
+            passes = k * dr.get("n_mtp_layers", self.model.n_mtp_layers or 1)
+            base = (tuple(bd.terms.items()), layer_counts(self.model)[0], passes, self.topo.gpu_spec(pl.gpus[0]))
+            # the split must reproduce the direct evaluation at another context too
+            ctx2 = 2 * ctx_q + 4099
+            if self._assemble(base, pl, b, ctx2, k) != decode_step_time(
+                    self.model, pl, self.topo, [b] * n, [ctx2] * n, draft_k=k, calib=self.calib, **dr):
+                self._split_ok = False
+            else:
+                self._decode_base[(group.id, b, k)] = base
+            return bd.to_steptime()
+        return self._assemble(base, pl, b, ctx_q, k)
+
+    def _assemble(self, base, pl, b: int, ctx_q: int, k: int):
+        from rackbed.sim.costs.steptime import StepTime
+
+        terms, nf, passes, gpu = base
+        kw = {"fmt": pl.weight_format, "kv_elem_bytes": pl.kv_elem_bytes, "page_tokens": pl.page_tokens,
+              "calib": self.calib, "tp": pl.tp}
+        over = {}
+        if nf:
+            a = self._attn(gpu, b, ctx_q, k + 1, kw)
+            over["attn_proj"] = nf * a.proj_s
+            over["attn_core"] = nf * a.core_s
+        if k:
+            over["mtp_attn"] = passes * self._attn(gpu, b, ctx_q, 1, kw).total_s
+        cats = {"attn_s": 0.0, "moe_gemm_s": 0.0, "a2a_s": 0.0, "allreduce_s": 0.0, "other_s": 0.0}
+        for name, (cat, s) in terms:
+            cats[cat] += over.get(name, s)
+        return StepTime(**cats)
+
+    def _attn(self, gpu, b: int, ctx_q: int, q: int, kw: dict):
+        from rackbed.sim.costs.attention import full_attention_decode_totals
+
+        key = (gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], kw["tp"], b, ctx_q, q)
+        a = self._attn_memo.get(key)
+        if a is None:
+            a = self._attn_memo[key] = full_attention_decode_totals(gpu, self.model, b, ctx_q, q_per_seq=q, **kw)
+        return a
+
+    def kv_transfer(self, plan):
+        nic = plan.flows[0][0] if plan.flows else None
+        per_chunk_us = self._kv_chunk_us.get(nic)
+        if per_chunk_us is None:
+            from rackbed.sim.costs import constants as C
+
+            kind = "ib" if nic is None or nic.startswith("nvlink:") else self.topo.nic_spec(nic).kind
+            per_chunk_us = self._kv_chunk_us[nic] = C.KV_CHUNK_OVERHEAD_US[kind]
+            self._kv_pipeline = C.KV_CHUNK_PIPELINE
+        over = plan.n_chunks * per_chunk_us * 1e-6 / self._kv_pipeline
+        key = (plan.src, plan.dst, plan.dst_rank)
+        lat = self._lat_memo.get(key)
+        if lat is None:
+            lat = self._lat_memo[key] = self._latency_s(plan)
+        return self._TransferCost(overhead_s=over, latency_s=lat, n_bytes=plan.n_bytes)
+
+    def kv_fixed_s(self, plan) -> float:
+        """``overhead_s + latency_s`` of :meth:`kv_transfer` (same arithmetic), without the TransferCost."""
+        nic = plan.flows[0][0] if plan.flows else None
+        per_chunk_us = self._kv_chunk_us.get(nic)
+        if per_chunk_us is None:
+            return self.kv_transfer(plan).fixed_s  # fills the per-NIC memo
+        lat = self._lat_memo.get((plan.src, plan.dst, plan.dst_rank))
+        if lat is None:
+            return self.kv_transfer(plan).fixed_s
+        return plan.n_chunks * per_chunk_us * 1e-6 / self._kv_pipeline + lat
+
+    def _latency_s(self, plan) -> float:
+        key = ("lat", plan.src, plan.dst, plan.dst_rank)
+        v = self._chunk_memo.get(key)
+        if v is None:
+            src = self._plans.get(plan.src)
+            dst = self._plans.get(plan.dst)
+            if src is None or dst is None:
+                v = 5e-6
+            else:
+                a, b = src.gpus[0], dst.gpus[plan.dst_rank * dst.tp]
+                try:
+                    v = self.topo.p2p_latency_us(a, b, via="net") * 1e-6
+                except ValueError:  # no scale-out network (lab box): NVLink peer copy
+                    v = self.topo.p2p_latency_us(a, b) * 1e-6
+            self._chunk_memo[key] = v
+        return v
+
+    def kv_chunks(self, prefiller, decoder, tokens: int) -> int:
+        """Chunks of the resharding plan (prefill TP layout -> one DP decode rank, HND, fragmented pages)."""
+        pt, dt = prefiller.template, decoder.template
+        last = self._chunk_last
+        if last is not None and last[0] is pt and last[1] is dt:  # the templates of the previous call
+            n = _ceil(last[2] * _ceil(tokens / last[3]))  # one per KV transfer: no global / attribute look-ups
+            return n if n > 1 else 1  # noqa: FURB136 (max(1, n) without the call)
+        key = ("per_page", pt.tp, dt.kv_page_tokens)
+        per_page = self._chunk_memo.get(key)
+        if per_page is None:
+            from rackbed.engine.core.kv import KvLayout, transfer_stats
+
+            pl, dl = self.pplan0, self.dplan0
+            src = KvLayout.for_plan(pl, self.model, 1)
+            dst = KvLayout.for_plan(dl, self.model, 1)
+            pages = 4
+            st = transfer_stats(src, dst, pages * dl.page_tokens)
+            per_page = self._chunk_memo[key] = st.n_chunks / pages
+        self._chunk_last = (pt, dt, per_page, self.dplan0.page_tokens)  # what the key gives, for the same templates
+        return max(1, math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens)))
+
+
