@@ -23,10 +23,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.aggregated import AggregatedSection, check_aggregated
-from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation
 
 
-class _Strict(BaseModel):
+class _Strict(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -315,6 +315,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         n_p, n_d = max(n_p, sc.autoscaler.min_prefillers), max(n_d, sc.autoscaler.min_decoders)
     if n_p + n_d == 0:
         raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
+    check_disaggregated(sc, n_p, n_d)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
     ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
@@ -343,6 +344,25 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
     caveats = calibration_caveats(calib, topo, model, pplan, dplan)
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
+
+
+def check_disaggregated(sc: ServingScenario, n_p: int, n_d: int) -> None:
+    """Rules of a disaggregated scenario that its schema cannot state field by field (``n_p`` / ``n_d``: the
+    replicas it starts with): a run needs both roles, a prefiller's experts run over its TP GPUs, and a prefill
+    batch budget below every prompt of the workload makes each prompt a batch of its own, past the budget."""
+    p = sc.prefill
+    for role, n, floor in (("prefill", n_p, "min_prefillers"), ("decode", n_d, "min_decoders")):
+        if n == 0:
+            raise UserError(f"{role}.replicas: 0 leaves no {role} group, so no request would finish; give at least 1 "
+                            f"(or an autoscaler with {floor} >= 1)")
+    if p.ep > p.tp:
+        raise UserError(f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP "
+                        f"GPUs (ep <= tp, e.g. tp: {p.ep}, ep: {p.ep})")
+    shortest = {"fixed": "tokens", "uniform": "lo"}.get(getattr(sc.workload, "prompt", None) and sc.workload.prompt.kind)
+    if shortest and not sc.sim.chunked_prefill and p.max_batch_tokens < getattr(sc.workload.prompt, shortest):
+        raise UserError(f"prefill.max_batch_tokens: {p.max_batch_tokens} is below every prompt of the workload "
+                        f"(workload.prompt.{shortest}: {getattr(sc.workload.prompt, shortest)}), so every prompt "
+                        f"would run alone past it; raise it, or set sim.chunked_prefill: true")
 
 
 def scenario_model(sc: ServingScenario):

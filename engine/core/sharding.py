@@ -564,17 +564,12 @@ class PlanFile(BaseModel):
 def load_plan_file(path: str | Path) -> PlanFile:
     """Read a plan (or scenario) YAML into a ``PlanFile``; other top-level keys are ignored only if the file is a
     scenario (it has a ``plan:`` mapping, which is then used). Errors are one line prefixed with the file name."""
-    import yaml
+    from rackbed.topology.yamlio import parse_yaml, read_text
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}:{where} invalid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    data = parse_yaml(read_text(path, "plan file"), path)
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping with keys topology, model, prefill, decode")
     if isinstance(data.get("plan"), dict):

@@ -183,15 +183,27 @@ def _detect_format(path: str, text: str) -> str:
     raise UserError(f"{path}: trace is empty")
 
 
+#: the largest token count of one request (a trace row, a length distribution): 2^20 tokens is far beyond the
+#: context of every supported model (Qwen3: 128 Ki tokens with YaRN); larger values would overflow the int64 arrays
+#: requests are kept in, or exhaust memory when simulated
+MAX_TOKENS = 1 << 20
+
+
 def _int_field(path: str, line: int, name: str, raw: object) -> int:
-    """A token count: an integer >= 0 (a string of digits in CSV, a JSON integer in JSONL)."""
+    """A token count: an integer in [0, ``MAX_TOKENS``] (a string of digits in CSV, a JSON integer in JSONL)."""
+    v = None
     if isinstance(raw, str):
         s = raw.strip()
         if s.isascii() and s.isdigit():
-            return int(s)
+            v = int(s)
     elif isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
-        return raw
-    raise UserError(f"{path}:{line}: {name} must be an integer >= 0, got {raw!r}")
+        v = raw
+    if v is None:
+        raise UserError(f"{path}:{line}: {name} must be an integer >= 0, got {raw!r}")
+    if v > MAX_TOKENS:
+        raise UserError(f"{path}:{line}: {name} must be at most {MAX_TOKENS:,} tokens (beyond any supported "
+                        f"model's context), got {str(v)[:30]}")
+    return v
 
 
 def _parse_azure(path: str, text: str) -> tuple[list[int], list[int], list[int], None]:
