@@ -117,10 +117,9 @@ def _run(args: argparse.Namespace) -> int:
         mpath = args.measurements_out or str(Path(args.out).with_suffix("").as_posix() + "_measure.json")
         meas = run(quick=args.quick, dry_run=args.dry_run, only=args.only, partial_out=mpath)
     for f in args.from_bench or []:
-        try:
-            meas.setdefault("rows", []).extend(bench_rows(json.loads(Path(f).read_text()), f))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{f}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+        from rackbed.topology.yamlio import parse_json, read_text
+
+        meas.setdefault("rows", []).extend(bench_rows(parse_json(read_text(f, "bench file"), f), f))
     if not args.from_measurements or args.from_bench:
         Path(mpath).parent.mkdir(parents=True, exist_ok=True)
         Path(mpath).write_text(json.dumps(meas, indent=1))

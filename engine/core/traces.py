@@ -276,6 +276,8 @@ def _parse_mooncake(path: str, text: str) -> tuple[list[float], list[int], list[
             obj = json.loads(s)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{line}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise UserError(f"{path}:{line}: nested too deeply to parse") from None
         if not isinstance(obj, dict):
             raise UserError(f"{path}:{line}: expected a JSON object, got {type(obj).__name__}")
         for key in ("timestamp", "input_length", "output_length"):
@@ -289,8 +291,8 @@ def _parse_mooncake(path: str, text: str) -> tuple[list[float], list[int], list[
         output.append(_int_field(path, line, "output_length", obj["output_length"]))
         ids = obj.get("hash_ids", [])
         if not isinstance(ids, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 63 for h in ids
         ):
-            raise UserError(f"{path}:{line}: hash_ids must be a list of integers >= 0")
+            raise UserError(f"{path}:{line}: hash_ids must be a list of integers in [0, 2^63)")
         hashes.append(tuple(ids))
     return t_ms, prompt, output, hashes

@@ -255,6 +255,10 @@ def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
             raise UserError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
         except UnicodeDecodeError as exc:
             raise UserError(f"{path}: not a JSON text file (byte {exc.start} is not UTF-8)") from exc
+        except RecursionError:
+            raise UserError(f"{path}: nested too deeply to parse") from None
+        except EOFError:  # a truncated .gz
+            raise UserError(f"{path}: truncated gzip file") from None
     return merge_measurements(docs)
 
 
