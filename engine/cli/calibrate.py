@@ -94,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         calibrate,
         describe_calibration,
         dump_calibration,
+        gpu_name_for_device,
         load_calibration_file,
         load_measurements,
         merge_measurements,
@@ -107,6 +108,11 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"warning: {f}: the measurement run did not finish (partial file); fitting what it holds")
             docs.append((f, doc))
         meas = merge_measurements(docs)
+        if not args.gpu:  # the GPU model comes from the file: a name it does not know is the file's mistake
+            try:
+                gpu_name_for_device(meas.get("env", {}).get("gpu_name", ""))
+            except UserError as exc:
+                raise UserError(f"{args.from_measurements[0]}: env.gpu_name: {exc}") from None
         p = Path(args.from_measurements[0])
         # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw files stay
         mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else
