@@ -20,7 +20,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.aggregated import AggregatedSection, check_aggregated
 from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation
@@ -342,14 +342,13 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats
 
-    caveats = calibration_caveats(calib, topo, model, pplan, dplan)
+    caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc)
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
 
 
 def check_disaggregated(sc: ServingScenario, n_p: int, n_d: int) -> None:
     """Rules of a disaggregated scenario that its schema cannot state field by field (``n_p`` / ``n_d``: the
-    replicas it starts with): a run needs both roles, a prefiller's experts run over its TP GPUs, and a prefill
-    batch budget below every prompt of the workload makes each prompt a batch of its own, past the budget."""
+    replicas it starts with): a run needs both roles, and a prefiller's experts run over its TP GPUs."""
     p = sc.prefill
     for role, n, floor in (("prefill", n_p, "min_prefillers"), ("decode", n_d, "min_decoders")):
         if n == 0:
@@ -358,11 +357,19 @@ def check_disaggregated(sc: ServingScenario, n_p: int, n_d: int) -> None:
     if p.ep > p.tp:
         raise UserError(f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP "
                         f"GPUs (ep <= tp, e.g. tp: {p.ep}, ep: {p.ep})")
-    shortest = {"fixed": "tokens", "uniform": "lo"}.get(getattr(sc.workload, "prompt", None) and sc.workload.prompt.kind)
-    if shortest and not sc.sim.chunked_prefill and p.max_batch_tokens < getattr(sc.workload.prompt, shortest):
-        raise UserError(f"prefill.max_batch_tokens: {p.max_batch_tokens} is below every prompt of the workload "
-                        f"(workload.prompt.{shortest}: {getattr(sc.workload.prompt, shortest)}), so every prompt "
-                        f"would run alone past it; raise it, or set sim.chunked_prefill: true")
+
+
+def budget_caveat(sc: ServingScenario) -> list[str]:
+    """A caveat when the prefill batch budget is below every prompt the workload can draw: the scheduler then
+    admits each prompt alone and whole, past the budget (without chunked prefill), so the budget never batches —
+    allowed (a search may price it), but almost always a typo such as ``max_batch_tokens: 1``."""
+    prompt = getattr(sc.workload, "prompt", None)
+    field = {"fixed": "tokens", "uniform": "lo"}.get(getattr(prompt, "kind", None))
+    budget = sc.prefill.max_batch_tokens
+    if field is None or sc.sim.chunked_prefill or budget >= getattr(prompt, field):
+        return []
+    return [(f"prefill.max_batch_tokens: {budget} is below every prompt (workload.prompt.{field}: "
+             f"{getattr(prompt, field)}): each prompt is prefilled alone, whole, past the budget")]
 
 
 def scenario_model(sc: ServingScenario):

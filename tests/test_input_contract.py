@@ -93,9 +93,20 @@ def test_prompts_beyond_any_context(tmp_path, capsys):
                  "prompt", "hi", "1,048,576")
 
 
-def test_batch_budget_below_every_prompt(tmp_path, capsys):
-    run_scenario(tmp_path, capsys, H200.replace("max_batch_tokens: 8192", "max_batch_tokens: 1"),
-                 "prefill.max_batch_tokens: 1", "chunked_prefill")
+def _build(text: str):
+    from rackbed.sim.scenario import build, parse_scenario
+    from rackbed.topology.yamlio import parse_yaml
+
+    return build(parse_scenario(parse_yaml(text, "s.yaml")))
+
+
+def test_batch_budget_below_every_prompt_is_a_caveat():
+    # allowed (the scheduler admits a prompt above the budget alone and whole; a search may price it), but said
+    b = _build(H200.replace("max_batch_tokens: 8192", "max_batch_tokens: 1"))
+    assert "prefill.max_batch_tokens: 1 is below every prompt (workload.prompt.lo: 1000)" in b.caveats[-1]
+    assert not any("max_batch_tokens" in c for c in _build(H200).caveats)
+    chunked = _build(H200.replace("max_batch_tokens: 8192", "max_batch_tokens: 1") + "sim: {chunked_prefill: true}\n")
+    assert not any("max_batch_tokens" in c for c in chunked.caveats)
 
 
 def test_duplicate_yaml_key(tmp_path, capsys):
@@ -118,14 +129,10 @@ def test_deeply_nested_scenario(tmp_path, capsys):
     run_scenario(tmp_path, capsys, H200 + "real: " + "[" * 100_000 + "]" * 100_000 + "\n")
 
 
-def test_nvfp4_on_hopper_says_it_is_emulated(tmp_path):
-    from rackbed.sim.scenario import build, parse_scenario
-    from rackbed.topology.yamlio import parse_yaml
-
-    b = build(parse_scenario(parse_yaml(H200.replace("weight_format: bf16", "weight_format: nvfp4"), "s.yaml")))
+def test_nvfp4_on_hopper_says_it_is_emulated():
+    b = _build(H200.replace("weight_format: bf16", "weight_format: nvfp4"))
     assert "nvfp4 has no tensor-core support on H200-SXM (Hopper)" in b.caveats[0]
-    native = build(parse_scenario(parse_yaml(H200, "s.yaml")))
-    assert not any("tensor-core support" in c for c in native.caveats)
+    assert not any("tensor-core support" in c for c in _build(H200).caveats)
 
 
 # ----------------------------------------------------------------------------------------------- traces
