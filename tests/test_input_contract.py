@@ -119,6 +119,11 @@ def test_request_count_bounded(tmp_path, capsys, field):
     run_scenario(tmp_path, capsys, H200.replace("n_requests: 24", field), "n_requests", "10,000,000")
 
 
+def test_request_count_of_a_duration_bounded(tmp_path, capsys):
+    text = H200.replace("n_requests: 24", "duration_s: 1.0e+9")
+    run_scenario(tmp_path, capsys, text, "workload", "duration_s x arrival.rate_per_s", "10,000,000")
+
+
 def test_max_requests_of_a_trace_bounded(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text("".join(MOONCAKE_ROW % (i * 100, 100) for i in range(3)))
     text = H200.split("workload:")[0] + "workload: {kind: trace, path: t.jsonl, max_requests: 1.0e+15}\n"
