@@ -315,6 +315,8 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         n_p, n_d = max(n_p, sc.autoscaler.min_prefillers), max(n_d, sc.autoscaler.min_decoders)
     if n_p + n_d == 0:
         raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
+    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated
+
     check_disaggregated(sc, n_p, n_d)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
@@ -344,32 +346,6 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
     caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc)
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
-
-
-def check_disaggregated(sc: ServingScenario, n_p: int, n_d: int) -> None:
-    """Rules of a disaggregated scenario that its schema cannot state field by field (``n_p`` / ``n_d``: the
-    replicas it starts with): a run needs both roles, and a prefiller's experts run over its TP GPUs."""
-    p = sc.prefill
-    for role, n, floor in (("prefill", n_p, "min_prefillers"), ("decode", n_d, "min_decoders")):
-        if n == 0:
-            raise UserError(f"{role}.replicas: 0 leaves no {role} group, so no request would finish; give at least 1 "
-                            f"(or an autoscaler with {floor} >= 1)")
-    if p.ep > p.tp:
-        raise UserError(f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP "
-                        f"GPUs (ep <= tp, e.g. tp: {p.ep}, ep: {p.ep})")
-
-
-def budget_caveat(sc: ServingScenario) -> list[str]:
-    """A caveat when the prefill batch budget is below every prompt the workload can draw: the scheduler then
-    admits each prompt alone and whole, past the budget (without chunked prefill), so the budget never batches —
-    allowed (a search may price it), but almost always a typo such as ``max_batch_tokens: 1``."""
-    prompt = getattr(sc.workload, "prompt", None)
-    field = {"fixed": "tokens", "uniform": "lo"}.get(getattr(prompt, "kind", None))
-    budget = sc.prefill.max_batch_tokens
-    if field is None or sc.sim.chunked_prefill or budget >= getattr(prompt, field):
-        return []
-    return [(f"prefill.max_batch_tokens: {budget} is below every prompt (workload.prompt.{field}: "
-             f"{getattr(prompt, field)}): each prompt is prefilled alone, whole, past the budget")]
 
 
 def scenario_model(sc: ServingScenario):
