@@ -83,6 +83,18 @@ def test_boolean_where_a_number_belongs(tmp_path, capsys):
                  "boolean")
 
 
+@pytest.mark.parametrize("cmd,shipped,old,new,field", [
+    ("plan", "scenarios/plans/h200-tp4-prefill-ep8-decode.yaml", "  tp: 4", "  tp: true", "tp"),
+    ("topo", "scenarios/topologies/h200x2-lab.yaml", "n_links: 18", "n_links: true", "n_links"),
+])
+def test_boolean_where_a_number_belongs_in_plans_and_topologies(tmp_path, capsys, cmd, shipped, old, new, field):
+    from pathlib import Path
+
+    p = tmp_path / "f.yaml"
+    p.write_text((Path(__file__).resolve().parents[1] / shipped).read_text().replace(old, new, 1))
+    one_line_error(capsys, cmd, "check", p, needles=(p, field, "boolean"))
+
+
 def test_zero_decoders_without_autoscaler(tmp_path, capsys):
     run_scenario(tmp_path, capsys, H200.replace("decode: {ep: 1, replicas: 1", "decode: {ep: 1, replicas: 0"),
                  "decode.replicas: 0")

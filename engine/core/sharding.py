@@ -63,7 +63,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rackbed.engine.core.layers import tp_kv_head_shards
-from rackbed.topology.errors import UserError, from_validation, one_line
+from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation, one_line
 
 Role = Literal["prefill", "decode"]
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
@@ -182,7 +182,7 @@ class WeightParts:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class ParallelPlan(BaseModel):
+class ParallelPlan(NoBoolNumbers):
     """Parallelism of one role (prefill or decode) of one deployment replica.
 
     role:                     "prefill" | "decode".
