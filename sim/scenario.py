@@ -300,9 +300,11 @@ def truncate_model(model, n_layers: int):
 def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     from rackbed.engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
+    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size
 
     from rackbed import topology as topo_mod
 
+    check_run_size(sc)
     topo = topo_mod.load(sc.topology)
     model = scenario_model(sc)
     if sc.deployment == "aggregated":
@@ -315,8 +317,6 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         n_p, n_d = max(n_p, sc.autoscaler.min_prefillers), max(n_d, sc.autoscaler.min_decoders)
     if n_p + n_d == 0:
         raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
-    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated
-
     check_disaggregated(sc, n_p, n_d)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.

@@ -3,6 +3,9 @@ prefill batch budget that never batches. ``sim.scenario.build`` applies them to 
 
 from __future__ import annotations
 
+import math
+
+from rackbed.engine.core.workload import MAX_REQUESTS
 from rackbed.topology.errors import UserError
 
 
@@ -30,3 +33,17 @@ def budget_caveat(sc) -> list[str]:
         return []
     return [(f"prefill.max_batch_tokens: {budget} is below every prompt (workload.prompt.{field}: "
              f"{getattr(prompt, field)}): each prompt is prefilled alone, whole, past the budget")]
+
+
+def check_run_size(sc) -> None:
+    """A synthetic workload bounded by ``duration_s`` alone draws ``rate_per_s x duration_s`` requests (lazily: a
+    library caller may iterate a longer stream); a run simulates them all, up to ``sim.until_s``, so beyond
+    ``MAX_REQUESTS`` it would run for days: an error, like ``n_requests`` above the bound."""
+    wl = sc.workload
+    rate = getattr(getattr(wl, "arrival", None), "rate_per_s", None)
+    if getattr(wl, "kind", None) != "synthetic" or wl.n_requests is not None or rate is None:
+        return
+    expected = rate * min(wl.duration_s, sc.sim.until_s or math.inf)
+    if expected > MAX_REQUESTS:
+        raise UserError(f"workload.duration_s x workload.arrival.rate_per_s is {expected:.3g} requests; at most "
+                        f"{MAX_REQUESTS:,} in one run (a generous bound), or give workload.n_requests")

@@ -133,7 +133,7 @@ def test_request_count_bounded(tmp_path, capsys, field):
 
 def test_request_count_of_a_duration_bounded(tmp_path, capsys):
     text = H200.replace("n_requests: 24", "duration_s: 1.0e+9")
-    run_scenario(tmp_path, capsys, text, "workload", "duration_s x arrival.rate_per_s", "10,000,000")
+    run_scenario(tmp_path, capsys, text, "workload.duration_s x workload.arrival.rate_per_s", "10,000,000")
 
 
 def test_max_requests_of_a_trace_bounded(tmp_path, capsys):
