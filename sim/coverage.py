@@ -80,7 +80,17 @@ def _a2a_gap(calib, gpu: str, ep: int, model, one_domain: bool = True) -> str | 
 
 def calibration_caveats(calib, topo, model, prefill_plan, decode_plan) -> list[str]:
     """One line per part of this deployment that the calibration ``calib`` (None: uncalibrated) does not price
-    from measurements, or prices by extrapolating along a measured grid (module docstring)."""
+    from measurements, or prices by extrapolating along a measured grid (module docstring); first, when the
+    weight format has no tensor cores on the GPU (NVFP4 / MX formats on Hopper), how it is emulated."""
+    from rackbed.sim.costs.gemm import format_execution
+
+    fe = format_execution(topo.gpu_spec(prefill_plan.gpus[0]), prefill_plan.weight_format)
+    emulated = [] if fe.note == "native" else [fe.note]
+    return emulated + _calibration_gaps(calib, topo, model, prefill_plan, decode_plan)
+
+
+def _calibration_gaps(calib, topo, model, prefill_plan, decode_plan) -> list[str]:
+    """The calibration part of :func:`calibration_caveats`."""
     gpu = topo.gpu_spec(prefill_plan.gpus[0])
     if calib is None:
         return [UNCALIBRATED_BLACKWELL] if gpu.arch == "blackwell" else []

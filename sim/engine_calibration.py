@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from rackbed.topology.errors import UserError, from_validation
 
 from rackbed import shipped
@@ -63,6 +64,19 @@ class EngineCalibration(BaseModel):
     kv_transfer_s: tuple[float, float]                                      # (a, b): a + b * tokens
     n_plans: dict[str, int] = Field(default_factory=dict)
 
+    @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s")
+    @classmethod
+    def _finite_non_negative(cls, v, info):
+        """Every fitted number is a time, a rate per token or a batch size: finite and >= 0 (the file is loaded
+        automatically for its GPU and model, so a hand-edited ``-1`` would otherwise price every run)."""
+        items = [(None, v)] if isinstance(v, float) else list(enumerate(v))
+        for i, item in items:
+            bad = [x for x in (item if isinstance(item, tuple) else (item,)) if not (math.isfinite(x) and x >= 0)]
+            if bad:
+                where = "" if i is None else f"[{i}] {item}"
+                raise ValueError(f"{info.field_name}{where}: must be finite and >= 0 (times and batch sizes)")
+        return v
+
     def decode(self, batch: float) -> float:
         xs, ys = zip(*self.decode_step_s)
         return float(np.interp(batch, xs, ys))
@@ -77,9 +91,11 @@ class EngineCalibration(BaseModel):
 
 
 def load_engine_calibration(path: str | Path) -> EngineCalibration:
+    from rackbed.topology.yamlio import load_yaml
+
     path = Path(path)
     try:
-        return EngineCalibration.model_validate(yaml.safe_load(path.read_text()))
+        return EngineCalibration.model_validate(load_yaml(path))
     except ValidationError as exc:
         raise from_validation(exc, path) from None
 
@@ -87,10 +103,7 @@ def load_engine_calibration(path: str | Path) -> EngineCalibration:
 def find_engine_calibration(gpu: str, model: str, directory: Path | None = None) -> tuple[Path, EngineCalibration] | None:
     """The shipped engine calibration for this GPU model and model name, if any."""
     for p in sorted((directory or ENGINE_DIR).glob("engine-*.yaml")):
-        try:
-            cal = load_engine_calibration(p)
-        except (UserError, OSError, yaml.YAMLError):
-            continue
+        cal = load_engine_calibration(p)  # a broken file is an error, not skipped: it would price runs silently
         if cal.gpu == gpu and cal.model == model:
             return p, cal
     return None

@@ -36,8 +36,9 @@ def check_parallel(sc, model) -> None:
                       f"{role}.ep: {ep} does not divide the {model.n_experts} experts of {model.name}"))
     rules += [
         (d.ep % d.tp, f"decode.tp: {d.tp} does not divide the decoder's ep = {d.ep} GPUs (dp = ep / tp ranks)"),
-        (p.tp < p.ep, f"prefill.tp: tp = {p.tp} < ep = {p.ep} makes ep / tp attention DP groups in a prefiller, "
-                      f"which the prefill cost model does not price; use tp >= ep (e.g. tp = ep = {p.ep})"),
+        (p.tp < p.ep, f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP GPUs "
+                      f"(ep < tp is expert TP; tp < ep would make ep / tp attention DP groups, which the prefill cost "
+                      f"model does not price): use ep <= tp, e.g. tp: {p.ep}, ep: {p.ep}"),
         (max(p.tp, p.ep) % min(p.tp, p.ep),
          f"prefill.tp: tp = {p.tp} and ep = {p.ep} must divide one another (the group is max(tp, ep) GPUs)"),
         (p.tp > p.ep and model.n_experts and model.moe_intermediate % (p.tp // p.ep),

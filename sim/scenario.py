@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.aggregated import AggregatedSection, check_aggregated
 from rackbed.sim.parallel import check_parallel, decode_plan_for, prefill_plan_for  # noqa: F401 (re-exported)
 from rackbed.sim.scenario_costs import ScenarioCostModel
-from rackbed.topology.errors import UserError, from_validation
+from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation
 
 
-class _Strict(BaseModel):
+class _Strict(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -393,9 +393,11 @@ def truncate_model(model, n_layers: int):
 def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, place
+    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size
 
     from rackbed import topology as topo_mod
 
+    check_run_size(sc)
     topo = topo_mod.load(sc.topology)
     model = scenario_model(sc)
     if sc.deployment == "aggregated":
@@ -408,6 +410,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         n_p, n_d = max(n_p, sc.autoscaler.min_prefillers), max(n_d, sc.autoscaler.min_decoders)
     if n_p + n_d == 0:
         raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
+    check_disaggregated(sc, n_p, n_d)
     check_parallel(sc, model)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
@@ -435,7 +438,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats
 
-    caveats = calibration_caveats(calib, topo, model, pplan, dplan)
+    caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc)
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
 
 

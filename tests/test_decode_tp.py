@@ -43,7 +43,7 @@ def h200():
     ("decode", {"tp": 3}, r"^decode\.tp: .*3"),              # 64 q heads / 4 KV heads are not split 3 ways
     ("decode", {"tp": 16, "ep": 8}, r"^decode\.tp: "),        # tp must divide ep
     ("decode", {"ep": 5}, r"^decode\.ep: 5 does not divide the 128 experts"),
-    ("prefill", {"tp": 2, "ep": 4}, r"^prefill\.tp: tp = 2 < ep = 4"),
+    ("prefill", {"tp": 2, "ep": 4}, r"^prefill\.ep: 4 exceeds prefill\.tp: 2"),
     ("prefill", {"tp": 8, "ep": 3}, r"^prefill\.ep: 3 does not divide"),
 ])
 def test_rules_name_the_field(section, field, match):

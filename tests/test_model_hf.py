@@ -157,7 +157,7 @@ def test_config_errors_are_one_line_and_name_the_file(tmp_path, cfg, match):
 def test_config_not_json(tmp_path):
     p = tmp_path / "config.json"
     p.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="config.json: invalid JSON"):
         ModelSpec.from_hf_config(p)
     p.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):

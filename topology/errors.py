@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 
 
 class UserError(ValueError):
@@ -48,3 +48,26 @@ def one_line(exc: BaseException, source: str | Path | None = None) -> str:
 def from_validation(exc: ValidationError, source: str | Path | None = None) -> UserError:
     """Turn a pydantic ValidationError into a one-line UserError (raise ... from exc)."""
     return UserError(one_line(exc, source))
+
+
+def _admits_bool(annotation) -> bool:
+    """Whether a field annotation (``bool``, ``bool | None``, ``Annotated[...]``, ``Any``) accepts a boolean."""
+    from typing import Any, get_args
+
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_admits_bool(a) for a in get_args(annotation))
+
+
+class NoBoolNumbers(BaseModel):
+    """Base for spec models: a YAML ``true`` / ``false`` where a number belongs is an error (pydantic's lax mode
+    reads ``tp: true`` as ``tp: 1`` and the run goes ahead with a value nobody wrote)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data):
+        if isinstance(data, dict):
+            for key, v in data.items():
+                if isinstance(v, bool) and key in cls.model_fields and not _admits_bool(cls.model_fields[key].annotation):
+                    raise ValueError(f"{key}: expected a number or a name, got the boolean {str(v).lower()}")
+        return data

@@ -103,23 +103,12 @@ def load(spec: str | Path) -> Topology:
 
 
 def load_file(path: str | Path) -> Topology:
+    from rackbed.topology.yamlio import load_data
+
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such topology file")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    else:
-        try:
-            data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise UserError(f"{path}: invalid YAML{where}: {problem}") from None
+    data = load_data(path, "topology file")
     return from_dict(data, source=path)
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-from rackbed.topology.errors import UserError
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from rackbed.topology.errors import NoBoolNumbers, UserError
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
@@ -27,7 +27,7 @@ GB = 10**9
 MiB = 2**20
 
 
-class _Spec(BaseModel):
+class _Spec(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

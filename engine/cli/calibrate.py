@@ -98,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         calibrate,
         describe_calibration,
         dump_calibration,
+        gpu_name_for_device,
         load_calibration_file,
         load_measurements,
         merge_measurements,
@@ -111,6 +112,11 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"warning: {f}: the measurement run did not finish (partial file); fitting what it holds")
             docs.append((f, doc))
         meas = merge_measurements(docs)
+        if not args.gpu:  # the GPU model comes from the file: a name it does not know is the file's mistake
+            try:
+                gpu_name_for_device(meas.get("env", {}).get("gpu_name", ""))
+            except UserError as exc:
+                raise UserError(f"{args.from_measurements[0]}: env.gpu_name: {exc}") from None
         p = Path(args.from_measurements[0])
         # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw files stay
         mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else
@@ -121,10 +127,9 @@ def _run(args: argparse.Namespace) -> int:
         mpath = args.measurements_out or str(Path(args.out).with_suffix("").as_posix() + "_measure.json")
         meas = run(quick=args.quick, dry_run=args.dry_run, only=args.only, partial_out=mpath)
     for f in args.from_bench or []:
-        try:
-            meas.setdefault("rows", []).extend(bench_rows(json.loads(Path(f).read_text()), f))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{f}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
+        from rackbed.topology.yamlio import parse_json, read_text
+
+        meas.setdefault("rows", []).extend(bench_rows(parse_json(read_text(f, "bench file"), f), f))
     if not args.from_measurements or args.from_bench:
         Path(mpath).parent.mkdir(parents=True, exist_ok=True)
         write_text(mpath, json.dumps(meas, indent=1))

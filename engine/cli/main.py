@@ -66,7 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as exc:  # a bounded wait ran out (engine.real.driver.RealRunStalled, measurement workers)
         print(f"rackbed: error: {one_line(exc)}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (``rackbed topo show x --json | head``): stop quietly
+        _silence_stdout()
+        return 141  # what a shell reports for a process killed by SIGPIPE (128 + 13)
     return int(rc or 0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush of the closed pipe raises nothing."""
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured in-process (tests): nothing to redirect
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

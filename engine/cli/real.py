@@ -42,6 +42,14 @@ def _versions() -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        from rackbed.topology.errors import UserError
+
+        raise UserError("rackbed real needs torch, which is not installed: pip install 'rackbed[real]'") from None
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import replay, run_real
     from rackbed.sim.driver import simulate

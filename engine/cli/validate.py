@@ -37,6 +37,9 @@ from pathlib import Path
 from rackbed.topology.errors import UserError
 from rackbed.topology.outputs import add_force, write_out_file
 
+#: what ``--engine DIR`` reads from a ``rackbed real`` output folder
+ENGINE_RUN_FILES = ("real.json", "decisions.csv")
+
 #: kernel-level targets: |relative error| on held-out rows
 TARGET_MEDIAN, TARGET_MAX = 0.03, 0.10
 
@@ -276,6 +279,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from rackbed import topology
 
+    if getattr(args, "engine", None):  # before the kernel level's long table: a typo fails at once
+        missing = [f for f in ENGINE_RUN_FILES if not (Path(args.engine) / f).is_file()]
+        if missing:
+            raise UserError(f"{args.engine}: --engine needs a `rackbed real` output folder; {', '.join(missing)} "
+                            f"missing")
     topo = topology.load(args.topology)
     calib = load_calibration_file(args.calibration) if args.calibration else calibration_for_topology(topo)
     if calib is None:

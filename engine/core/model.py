@@ -41,7 +41,6 @@ qwen3.5-122b-a10b  122.11e9         9.77e9          published 122B / 10B (active
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -391,10 +390,9 @@ class ModelSpec(BaseModel):
         other model types raise a one-line ValueError naming the file and key. ``name`` defaults to the
         directory holding config.json (the file stem otherwise)."""
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        from rackbed.topology.yamlio import parse_json, read_text
+
+        raw = parse_json(read_text(path, "config.json"), path)
         if not isinstance(raw, dict):
             raise UserError(f"{path}: expected a JSON object")
         cfg = raw
@@ -489,6 +487,15 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 _HF_ALIASES = {"num_experts": "num_local_experts"}
 
 
+#: upper bounds on config.json integers: per-layer tables are built from them, so ``num_hidden_layers: 1000000000``
+#: would run for minutes into a MemoryError; the bounds are far beyond any published model (Qwen3-235B: 94 layers,
+#: 128 experts, vocab 151,936, hidden 4,096)
+_HF_BOUNDS = {"num_hidden_layers": 10_000, "mtp_num_hidden_layers": 10_000, "num_experts": 65_536,
+              "num_local_experts": 65_536, "num_experts_per_tok": 65_536, "full_attention_interval": 10_000,
+              "decoder_sparse_step": 10_000}
+_HF_BOUND = 1 << 24  # any other size (vocab, hidden, intermediate, heads, head_dim)
+
+
 def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str, Any]:
     """Map HF config keys onto ModelSpec fields (see ``ModelSpec.from_hf_config``)."""
     defaults = _HF_DEFAULTS[mtype]
@@ -503,6 +510,10 @@ def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str,
         v = get(key)
         if isinstance(v, bool) or not isinstance(v, int):
             raise UserError(f"{path}: {key} must be an integer, got {v!r}")
+        bound = _HF_BOUNDS.get(key, _HF_BOUND)
+        if v > bound:
+            raise UserError(f"{path}: {key} must be at most {bound:,} (a generous physical bound: larger values "
+                            f"would exhaust memory while deriving the model), got {v:,}")
         return v
 
     if get("attention_bias"):

@@ -63,7 +63,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from rackbed.engine.core.layers import tp_kv_head_shards
-from rackbed.topology.errors import UserError, from_validation, one_line
+from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation, one_line
 
 Role = Literal["prefill", "decode"]
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
@@ -182,7 +182,7 @@ class WeightParts:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class ParallelPlan(BaseModel):
+class ParallelPlan(NoBoolNumbers):
     """Parallelism of one role (prefill or decode) of one deployment replica.
 
     role:                     "prefill" | "decode".
@@ -564,17 +564,12 @@ class PlanFile(BaseModel):
 def load_plan_file(path: str | Path) -> PlanFile:
     """Read a plan (or scenario) YAML into a ``PlanFile``; other top-level keys are ignored only if the file is a
     scenario (it has a ``plan:`` mapping, which is then used). Errors are one line prefixed with the file name."""
-    import yaml
+    from rackbed.topology.yamlio import parse_yaml, read_text
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}:{where} invalid YAML ({getattr(exc, 'problem', None) or exc})") from None
+    data = parse_yaml(read_text(path, "plan file"), path)
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping with keys topology, model, prefill, decode")
     if isinstance(data.get("plan"), dict):

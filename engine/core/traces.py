@@ -183,15 +183,27 @@ def _detect_format(path: str, text: str) -> str:
     raise UserError(f"{path}: trace is empty")
 
 
+#: the largest token count of one request (a trace row, a length distribution): 2^20 tokens is far beyond the
+#: context of every supported model (Qwen3: 128 Ki tokens with YaRN); larger values would overflow the int64 arrays
+#: requests are kept in, or exhaust memory when simulated
+MAX_TOKENS = 1 << 20
+
+
 def _int_field(path: str, line: int, name: str, raw: object) -> int:
-    """A token count: an integer >= 0 (a string of digits in CSV, a JSON integer in JSONL)."""
+    """A token count: an integer in [0, ``MAX_TOKENS``] (a string of digits in CSV, a JSON integer in JSONL)."""
+    v = None
     if isinstance(raw, str):
         s = raw.strip()
         if s.isascii() and s.isdigit():
-            return int(s)
+            v = int(s)
     elif isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
-        return raw
-    raise UserError(f"{path}:{line}: {name} must be an integer >= 0, got {raw!r}")
+        v = raw
+    if v is None:
+        raise UserError(f"{path}:{line}: {name} must be an integer >= 0, got {raw!r}")
+    if v > MAX_TOKENS:
+        raise UserError(f"{path}:{line}: {name} must be at most {MAX_TOKENS:,} tokens (beyond any supported "
+                        f"model's context), got {str(v)[:30]}")
+    return v
 
 
 def _parse_azure(path: str, text: str) -> tuple[list[int], list[int], list[int], None]:
@@ -264,6 +276,8 @@ def _parse_mooncake(path: str, text: str) -> tuple[list[float], list[int], list[
             obj = json.loads(s)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{line}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise UserError(f"{path}:{line}: nested too deeply to parse") from None
         if not isinstance(obj, dict):
             raise UserError(f"{path}:{line}: expected a JSON object, got {type(obj).__name__}")
         for key in ("timestamp", "input_length", "output_length"):
@@ -277,8 +291,8 @@ def _parse_mooncake(path: str, text: str) -> tuple[list[float], list[int], list[
         output.append(_int_field(path, line, "output_length", obj["output_length"]))
         ids = obj.get("hash_ids", [])
         if not isinstance(ids, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 63 for h in ids
         ):
-            raise UserError(f"{path}:{line}: hash_ids must be a list of integers >= 0")
+            raise UserError(f"{path}:{line}: hash_ids must be a list of integers in [0, 2^63)")
         hashes.append(tuple(ids))
     return t_ms, prompt, output, hashes

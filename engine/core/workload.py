@@ -39,10 +39,17 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from rackbed.engine.core.request import Request
-from rackbed.engine.core.traces import TRACE_FILES, Trace, TraceFormat, load_trace, resolve_trace
-from rackbed.topology.errors import UserError, from_validation
+from rackbed.engine.core.traces import MAX_TOKENS, TRACE_FILES, Trace, TraceFormat, load_trace, resolve_trace
+from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation
 
 #: Requests drawn per vectorised step. Part of the definition of a seeded stream: changing it changes outputs.
 CHUNK = 4096
@@ -53,8 +60,24 @@ PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
+#: bounds that keep a typo from exhausting memory or running for days: ``MAX_TOKENS`` per request
+#: (:mod:`engine.core.traces`), and 10 million requests, about an hour at 3,000 requests/s
+MAX_REQUESTS = 10_000_000
 
-class _Spec(BaseModel):
+
+def _at_most(bound: int, unit: str, why: str):
+    def check(v: int) -> int:
+        if v > bound:
+            raise ValueError(f"at most {bound:,} {unit} ({why}), got {v:,}")
+        return v
+    return AfterValidator(check)
+
+
+TokenCount = Annotated[int, Field(ge=1), _at_most(MAX_TOKENS, "tokens", "beyond any supported model's context")]
+RequestCount = Annotated[int, Field(ge=1), _at_most(MAX_REQUESTS, "requests", "a generous bound on one run")]
+
+
+class _Spec(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -115,7 +138,7 @@ class Fixed(_Spec):
     """Every request has exactly ``tokens`` tokens."""
 
     kind: Literal["fixed"] = "fixed"
-    tokens: PositiveInt
+    tokens: TokenCount
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """(n,) int64 token counts."""
@@ -126,8 +149,8 @@ class Uniform(_Spec):
     """Integer token counts uniform on ``[lo, hi]`` (both ends included)."""
 
     kind: Literal["uniform"] = "uniform"
-    lo: PositiveInt
-    hi: PositiveInt
+    lo: TokenCount
+    hi: TokenCount
 
     @model_validator(mode="after")
     def _order(self) -> Uniform:
@@ -153,8 +176,8 @@ class LogNormal(_Spec):
     sigma: NonNegFloat | None = None
     p50: PositiveFloat | None = None
     p90: PositiveFloat | None = None
-    min_tokens: PositiveInt = 1
-    max_tokens: PositiveInt | None = None
+    min_tokens: TokenCount = 1
+    max_tokens: TokenCount | None = None
 
     @model_validator(mode="after")
     def _params(self) -> LogNormal:
@@ -164,6 +187,10 @@ class LogNormal(_Spec):
             raise ValueError("give either mean and sigma, or p50 and p90")
         if by_mean and (self.mean is None or self.sigma is None):
             raise ValueError("mean and sigma go together")
+        for name in ("mean", "p50", "p90"):
+            if (getattr(self, name) or 0) > MAX_TOKENS:
+                raise ValueError(f"{name}: at most {MAX_TOKENS:,} tokens (beyond any supported model's context), "
+                                 f"got {getattr(self, name):g}")
         if by_pct:
             if self.p50 is None or self.p90 is None:
                 raise ValueError("p50 and p90 go together")
@@ -197,7 +224,7 @@ class Empirical(_Spec):
     """
 
     kind: Literal["empirical"] = "empirical"
-    values: tuple[PositiveInt, ...] | None = None
+    values: tuple[TokenCount, ...] | None = None
     name: str | None = None
     path: str | None = None
     column: Literal["prompt", "output"] = "prompt"
@@ -276,7 +303,7 @@ class Synthetic(_Workload):
     arrival: Arrival
     prompt: LengthDist
     output: LengthDist
-    n_requests: PositiveInt | None = None
+    n_requests: RequestCount | None = None
     duration_s: PositiveFloat | None = None
     seed: Annotated[int, Field(ge=0)] = 0
 
@@ -320,9 +347,9 @@ class TraceReplay(_Workload):
     rate_per_s: PositiveFloat | None = None
     start_s: NonNegFloat = 0.0
     duration_s: PositiveFloat | None = None
-    max_requests: PositiveInt | None = None
-    max_prompt_tokens: PositiveInt | None = None
-    max_output_tokens: PositiveInt | None = None
+    max_requests: RequestCount | None = None
+    max_prompt_tokens: TokenCount | None = None
+    max_output_tokens: TokenCount | None = None
     loop: bool = False
 
     @model_validator(mode="after")

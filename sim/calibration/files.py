@@ -63,16 +63,10 @@ def dump_calibration(doc: dict, path: str | Path) -> None:
 
 def load_calibration_file(path: str | Path) -> CalibrationFile:
     """Read a calibration file (YAML or JSON) with its ``meta``; one-line UserError on mistakes."""
+    from rackbed.topology.yamlio import load_data
+
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read calibration file: {exc.strerror or exc}") from exc
-    try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_YAML_LOADER)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
-                        f"{' '.join(str(exc).split())}") from exc
+    data = load_data(p, "calibration file")
     if not isinstance(data, dict):
         raise UserError(f"{p}: a calibration file must be a mapping with 'entries'")
     meta = data.get("meta", {})

@@ -186,9 +186,49 @@ def check_measurements(measurements: dict, source: str = "measurements") -> None
     sch = measurements.get("schema", MEASURE_SCHEMAS[0])
     if sch not in MEASURE_SCHEMAS:
         raise UserError(f"{source}: schema must be one of {', '.join(MEASURE_SCHEMAS)}, got {sch!r}")
+    env = measurements.get("env", {})
+    if not isinstance(env, dict) or not isinstance(env.get("gpu_name", ""), str):
+        raise UserError(f"{source}: env must be a mapping whose gpu_name is a string")
     for i, r in enumerate(measurements.get("rows", [])):
         if not isinstance(r, dict) or "bench" not in r:
             raise UserError(f"{source}: rows[{i}] has no 'bench' field")
+        _check_row(r, f"{source}: rows[{i}]")
+
+
+#: row fields that name things, and row fields that are sizes, counts or times (``kernels/bench/measure.py``)
+ROW_NAMES = frozenset(("bench", "op", "fmt", "kernel", "algo", "impl", "dist", "part", "routing", "shape", "mode",
+                       "timing", "graph_mode", "library_kernel", "error", "phase", "route"))
+ROW_NUMBERS = frozenset(("m", "n", "k", "n_experts", "size_bytes", "bytes", "batch", "context", "ctx", "seq",
+                         "tokens", "hidden", "inter", "top_k", "tp", "ep", "n_ranks", "src", "dst", "head_dim",
+                         "n_q_heads", "n_kv_heads", "kv_bytes", "inner", "median_us", "min_us", "max_us", "q1_us",
+                         "q3_us", "rounds", "replays", "GBps", "busbw_GBps", "tflops", "flops"))
+#: the fields each benchmark's rows must have (what :func:`row_id` and :func:`curve_of` read)
+ROW_KEYS = {"gemm": ("op", "fmt", "n", "k", "m"), "hbm_copy": ("size_bytes", "bytes"),
+            "flash_prefill": ("head_dim", "seq", "n_q_heads"), "attn_decode": ("batch", "ctx", "head_dim", "n_kv_heads"),
+            "allreduce": ("algo", "n_ranks", "size_bytes"), "p2p_copy": ("src", "dst", "size_bytes"),
+            "dispatch": ("n_ranks", "hidden", "phase", "tokens"), "combine": ("n_ranks", "hidden", "phase", "tokens"),
+            "moe_block": ("part", "fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep", "dist", "tokens"),
+            "step_overhead": ("phase", "batch")}
+#: sizes and times beyond this (2^53, the largest integer a float holds exactly) are not measurements
+ROW_NUMBER_MAX = float(1 << 53)
+
+
+def _check_row(r: dict, where: str) -> None:
+    """One-line UserError naming the row and field unless its names are strings and its numbers finite, >= 0 and
+    at most ``ROW_NUMBER_MAX`` (the fit sorts, multiplies and takes logarithms of them)."""
+    missing = [k for k in ROW_KEYS.get(r["bench"], ()) if k not in r]
+    if missing and not r.get("error"):
+        raise UserError(f"{where}: a {r['bench']!r} row needs {', '.join(missing)}"[:300])
+    for key, v in r.items():
+        if key in ROW_NAMES and not isinstance(v, str):
+            raise UserError(f"{where}.{key} must be a string, got {v!r}"[:300])
+        if key in ROW_NUMBERS and not (isinstance(v, int | float) and not isinstance(v, bool)
+                                       and 0 <= v <= ROW_NUMBER_MAX):  # NaN fails the comparison too
+            raise UserError(f"{where}.{key} must be a finite number in [0, 2^53], got {v!r}"[:300])
+    rounds = r.get("rounds_us", [])
+    if not isinstance(rounds, list) or not all(isinstance(x, int | float) and not isinstance(x, bool)
+                                               and 0 <= x <= ROW_NUMBER_MAX for x in rounds):
+        raise UserError(f"{where}.rounds_us must be a list of finite numbers >= 0")
 
 
 def merge_measurements(docs: list[tuple[str, dict]]) -> dict:
@@ -255,6 +295,10 @@ def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
             raise UserError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
         except UnicodeDecodeError as exc:
             raise UserError(f"{path}: not a JSON text file (byte {exc.start} is not UTF-8)") from exc
+        except RecursionError:
+            raise UserError(f"{path}: nested too deeply to parse") from None
+        except EOFError:  # a truncated .gz
+            raise UserError(f"{path}: truncated gzip file") from None
     return merge_measurements(docs)
 
 

@@ -87,7 +87,6 @@ File format (YAML or JSON)::
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from pathlib import Path
 from typing import Literal
@@ -415,13 +414,10 @@ def host_step_s(calib: CalibrationTable | None, gpu, phase: str, seqs_per_rank: 
 
 def load_calibration(path: str | Path) -> CalibrationTable:
     """Read a calibration table from YAML or JSON; one-line UserError naming the file and field on mistakes."""
+    from rackbed.topology.yamlio import load_data
+
     p = Path(path)
-    text = p.read_text()
-    try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_YAML_LOADER)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
-                        f"{' '.join(str(exc).split())}") from exc
+    data = load_data(p, "calibration file")
     if not isinstance(data, dict):
         raise UserError(f"{p}: a calibration file must be a mapping with 'entries'")
     try:

@@ -1,0 +1,45 @@
+"""Rules of a disaggregated serving scenario that its schema cannot state field by field, and the caveat for a
+prefill batch budget that never batches. ``sim.scenario.build`` applies them to a parsed ``ServingScenario``."""
+
+from __future__ import annotations
+
+import math
+
+from rackbed.engine.core.workload import MAX_REQUESTS
+from rackbed.topology.errors import UserError
+
+
+def check_disaggregated(sc, n_p: int, n_d: int) -> None:
+    """Rules of a disaggregated scenario that its schema cannot state field by field (``n_p`` / ``n_d``: the
+    replicas it starts with): a run needs both roles (parallelism rules: ``sim.parallel.check_parallel``)."""
+    for role, n, floor in (("prefill", n_p, "min_prefillers"), ("decode", n_d, "min_decoders")):
+        if n == 0:
+            raise UserError(f"{role}.replicas: 0 leaves no {role} group, so no request would finish; give at least 1 "
+                            f"(or an autoscaler with {floor} >= 1)")
+
+
+def budget_caveat(sc) -> list[str]:
+    """A caveat when the prefill batch budget is below every prompt the workload can draw: the scheduler then
+    admits each prompt alone and whole, past the budget (without chunked prefill), so the budget never batches —
+    allowed (a search may price it), but almost always a typo such as ``max_batch_tokens: 1``."""
+    prompt = getattr(sc.workload, "prompt", None)
+    field = {"fixed": "tokens", "uniform": "lo"}.get(getattr(prompt, "kind", None))
+    budget = sc.prefill.max_batch_tokens
+    if field is None or sc.sim.chunked_prefill or budget >= getattr(prompt, field):
+        return []
+    return [(f"prefill.max_batch_tokens: {budget} is below every prompt (workload.prompt.{field}: "
+             f"{getattr(prompt, field)}): each prompt is prefilled alone, whole, past the budget")]
+
+
+def check_run_size(sc) -> None:
+    """A synthetic workload bounded by ``duration_s`` alone draws ``rate_per_s x duration_s`` requests (lazily: a
+    library caller may iterate a longer stream); a run simulates them all, up to ``sim.until_s``, so beyond
+    ``MAX_REQUESTS`` it would run for days: an error, like ``n_requests`` above the bound."""
+    wl = sc.workload
+    rate = getattr(getattr(wl, "arrival", None), "rate_per_s", None)
+    if getattr(wl, "kind", None) != "synthetic" or wl.n_requests is not None or rate is None:
+        return
+    expected = rate * min(wl.duration_s, sc.sim.until_s or math.inf)
+    if expected > MAX_REQUESTS:
+        raise UserError(f"workload.duration_s x workload.arrival.rate_per_s is {expected:.3g} requests; at most "
+                        f"{MAX_REQUESTS:,} in one run (a generous bound), or give workload.n_requests")
