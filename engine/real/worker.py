@@ -127,8 +127,18 @@ def make_groups(all_groups, world: int):
     return groups, kv_group
 
 
+#: seconds a collective or KV transfer may wait on a peer before it fails (every group inherits it)
+PG_TIMEOUT_S = float(os.environ.get("RACKBED_PG_TIMEOUT_S", "60"))
+
+
 def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
-    """Process entry point."""
+    """Process entry point. The rank ends with its driver (``engine.loop.lifetime``); a collective or transfer
+    blocked on a dead peer fails after the process group's timeout (gloo and NCCL alike; NCCL's async error
+    handling turns it into an exception or an exit, both of which the driver sees)."""
+    from rackbed.engine.loop.lifetime import die_with_parent
+
+    die_with_parent()
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # never NVLink multicast on shared hosts
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -139,7 +149,7 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
         from datetime import timedelta
 
         dist.init_process_group(spec.backend, init_method=f"file://{spec.init_file}", rank=spec.rank,
-                                world_size=spec.world, timeout=timedelta(seconds=60))
+                                world_size=spec.world, timeout=timedelta(seconds=PG_TIMEOUT_S))
         groups, kv_group = make_groups(spec.all_groups, spec.world)
         r = Rank(spec, groups[spec.group_id], kv_group)
         res_q.put((None, spec.rank, "ready", None))
@@ -347,11 +357,14 @@ class Rank:
                     self.cache.free(s.pages)
 
     # -- decode side -------------------------------------------------------------------------------------------
-    def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens):
+    def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens, free=()):
         """Transfer lane: reserve pages, offer them to the sources, receive the KV into them. The request is not
-        in the running batch until a later decode step's ``joined`` names it."""
+        in the running batch until a later decode step's ``joined`` names it. ``free``: requests the scheduler has
+        finished on this rank whose ``left`` step has not run yet; their pages are freed first."""
         pages = None
         with self.lock:
+            for old in free:
+                self._drop(old)
             if rid in self.seqs:
                 self._drop(rid)                       # a stale copy from before a failure
             try:
