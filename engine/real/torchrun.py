@@ -46,13 +46,14 @@ def listen_socket(bind: str, port: int) -> socket.socket:
 
 def open_store(host: str, port: int, *, world: int | None = None, listen: socket.socket | None = None,
                timeout_s: float = 120.0):
-    """A client of the store at ``host``:``port``, or (``listen`` given, rank 0) the store itself on that socket."""
+    """A client of the store at ``host``:``port``, or (``listen`` given, rank 0) the store itself on that socket
+    (the store takes the socket over: ``listen`` is detached and must not be used again)."""
     import torch.distributed as dist
 
     if listen is None:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     return dist.TCPStore(host, port, world, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=listen.fileno())
+                         master_listen_fd=listen.detach())
 
 
 def _refuse(msg: str) -> None:
