@@ -71,6 +71,7 @@ class _Inflight:
     replies: dict[int, object] = field(default_factory=dict)
     worker_s: float = 0.0
     dst: int | None = None          # a KV plan's decoder rank (blamed first when the transfer fails)
+    srcs: tuple[int, ...] = ()      # a KV plan's prefiller ranks (told to drop the KV once it has landed)
 
 
 #: seconds without any rank reply (or death) while work is in flight after which a real run stops with
@@ -226,7 +227,7 @@ class RealExecutor:
         return self.breakdown_s
 
     def _dispatch(self, plan, kind: str, key: int, sends: list[tuple[int, str, dict]], now_v: float,
-                  start_w: float | None = None, dst: int | None = None) -> simpy.Event:
+                  start_w: float | None = None, dst: int | None = None, srcs: tuple[int, ...] = ()) -> simpy.Event:
         ev = self.env.event()
         tok = self.pool.token()
         ranks = {r for r, _, _ in sends}
@@ -234,7 +235,7 @@ class RealExecutor:
             self.run.records.append((plan.worker, kind, key, float("inf"), 0.0))
             return ev
         fl = _Inflight(ev=ev, start_v=now_v, start_w=start_w if start_w is not None else time.perf_counter(),
-                       waiting=set(ranks), worker=plan.worker, kind=kind, key=key, dst=dst)
+                       waiting=set(ranks), worker=plan.worker, kind=kind, key=key, dst=dst, srcs=srcs)
         self.pool.inflight[tok] = fl
         try:
             for r, op, args in sends:
@@ -290,7 +291,7 @@ class RealExecutor:
                                                 "tokens": gen[:plan.tokens - n_prompt],
                                                 "free": self._finished_on(plan.dst, dst_rank)}))
             run.kv_rank[rid] = dst_rank
-            return self._dispatch(plan, "kv", rid, sends, now_s, start_w, dst=dst_rank)
+            return self._dispatch(plan, "kv", rid, sends, now_s, start_w, dst=dst_rank, srcs=tuple(src_ranks))
         if tp is DecodeStep:
             g = self.group_of(plan.worker)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
@@ -594,7 +595,11 @@ class RealRun:
         self.env.on_death(blame)
 
     def _absorb(self, fl: _Inflight) -> None:
-        if fl.kind == "prefill":
+        if fl.kind == "kv":   # landed: the prefiller's copy can go (a reply to this drop has no plan: ignored)
+            for r in fl.srcs:
+                if r not in self.pool.dead:
+                    self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
+        elif fl.kind == "prefill":
             self._absorb_prefill(next(v for v in fl.replies.values() if v is not None))
         elif fl.kind == "decode":
             self._absorb_decode(fl.replies.values())

@@ -5,8 +5,8 @@ command and runs it together (collectives inside the group), then replies on the
 ``(token, rank, status, payload)``. Commands:
 
 - ``prefill``  items ``[(rid, token_ids)]`` -> KV kept in this rank's cache; reply ``{rid: (first_token, pages)}``
-- ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan,
-  free it -> reply bytes
+- ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan
+  -> reply bytes (the KV is freed by the ``drop`` the driver sends once the whole transfer has replied)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
 - ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
@@ -334,8 +334,9 @@ class Rank:
         return out
 
     def _op_kv_send(self, rid, dst_global, seq_len):
-        """Transfer lane: wait for the decoder's pages, ship, free. On failure (a dead decoder) the KV stays here,
-        so the scheduler's retry to another decoder can ship it again."""
+        """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
+        once the whole transfer has replied: a decoder that dies after the bytes left but before it replied fails
+        the transfer, and the scheduler's retry to another decoder ships this copy again."""
         with self.lock:
             s = self.seqs[rid]
             s.busy = True
@@ -351,9 +352,7 @@ class Rank:
         finally:
             with self.lock:
                 s.busy = False
-                if ok or s.stale:
-                    if self.seqs.get(rid) is s:
-                        del self.seqs[rid]
+                if s.stale:                           # re-prefilled meanwhile: this copy is nobody's
                     self.cache.free(s.pages)
 
     # -- decode side -------------------------------------------------------------------------------------------
