@@ -17,7 +17,10 @@ code is not):
   (``replay``: the simulator with an executor that returns the recorded durations gives the same decision log).
 
 Worker processes that die are detected (exit code) and turned into a fault of their GPU at the current time: the
-scheduler re-queues their requests; the group's other ranks are stopped.
+scheduler re-queues their requests; the group's other ranks are stopped. A live rank that fails a plan with no dead
+peer to explain it is declared dead the same way (:meth:`RealRun._fail_plan`), so no plan waits forever. The
+scheduler plans with the ranks' real KV caches (:func:`real_capacities`). docs/ARCHITECTURE.md ("Failure
+behaviour") has the whole list.
 
 KV transfers are asynchronous on both ends (``engine.real.worker``: a transfer thread, CUDA stream and process
 group per rank, beside the compute loop): the driver sends ``kv_send`` to the prefiller's ranks and ``kv_recv`` to
