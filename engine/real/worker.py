@@ -127,6 +127,8 @@ def make_groups(all_groups, world: int):
     return groups, kv_group
 
 
+#: seconds a KV receive waits for the compute lane to free pages before it refuses the transfer
+KV_ROOM_WAIT_S = float(os.environ.get("RACKBED_KV_ROOM_WAIT_S", "5"))
 #: seconds a collective or KV transfer may wait on a peer before it fails (every group inherits it)
 PG_TIMEOUT_S = float(os.environ.get("RACKBED_PG_TIMEOUT_S", "60"))
 
@@ -340,14 +342,12 @@ class Rank:
         with self.lock:
             s = self.seqs[rid]
             s.busy = True
-        ok = False
         try:
             dst_pages = self.transfer.await_offer(dst_global, seq_len, self.dev)
             if dst_pages is None:
                 raise MemoryError(f"decoder rank {dst_global} has no room for request {rid}")
             n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
-            self._sync()                              # the gather has read the pages before they are freed
-            ok = True
+            self._sync()                              # the gather has read the pages before the reply
             return n
         finally:
             with self.lock:
@@ -359,20 +359,27 @@ class Rank:
     def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens, free=()):
         """Transfer lane: reserve pages, offer them to the sources, receive the KV into them. The request is not
         in the running batch until a later decode step's ``joined`` names it. ``free``: requests the scheduler has
-        finished on this rank whose ``left`` step has not run yet; their pages are freed first."""
+        finished on this rank whose ``left`` step has not run yet; their pages are freed first. A full cache is
+        retried for up to ``KV_ROOM_WAIT_S``: a decode step already queued on the compute lane may be about to
+        free a finished request's pages (the scheduler counted them free when the request finished)."""
         pages = None
         with self.lock:
             for old in free:
                 self._drop(old)
             if rid in self.seqs:
                 self._drop(rid)                       # a stale copy from before a failure
-            try:
-                pages = self.cache.alloc(seq_len + 1)
-            except MemoryError:
-                pass
-            if pages is not None:
-                s = _Seq(pages=pages, length=0, last_token=-1)
-                self.seqs[rid] = s
+        deadline = time.monotonic() + KV_ROOM_WAIT_S
+        while pages is None:
+            with self.lock:
+                try:
+                    pages = self.cache.alloc(seq_len + 1)
+                    s = self.seqs[rid] = _Seq(pages=pages, length=0, last_token=-1)
+                except MemoryError:
+                    pass
+            if pages is None and time.monotonic() >= deadline:
+                break
+            if pages is None:
+                time.sleep(0.002)
         self.transfer.offer(pages, seq_len, list(src_globals), self.dev)
         if pages is None:
             raise MemoryError(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
