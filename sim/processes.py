@@ -188,7 +188,11 @@ class WorkerProcesses:
                 p.interrupt(cause)
 
     def inject_fault(self, target: str) -> None:
-        """Fail ``target`` now for good (a fault detected at run time, e.g. a dead worker process)."""
+        """Fail ``target`` now for good (a fault detected at run time, e.g. a dead worker process); ignored once
+        the scheduler has finished, as :meth:`fault_process` ignores a fault due then (so a real run and its
+        replay log the same)."""
+        if self.sched.finished:
+            return
         self._report()
         self._interrupt(self.sched.fail(target, self.env.now, permanent=True), target)
         self.flush()

@@ -430,7 +430,11 @@ def _settled(rec: Mapping, limit_s: float | None) -> bool:
 
 
 def _worker_init() -> None:
-    """Import the simulator once per worker process, before the first point is timed."""
+    """Import the simulator once per worker process, before the first point is timed; the worker ends with the
+    sweep's process, even a killed one (``engine.loop.lifetime``)."""
+    from rackbed.engine.loop.lifetime import die_with_parent
+
+    die_with_parent()
     import rackbed.sim.driver
     import rackbed.sim.scenario  # noqa: F401
 

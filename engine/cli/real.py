@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rackbed.topology.outputs import add_force, prepare_dir, write_text
@@ -51,7 +52,7 @@ def _main(args: argparse.Namespace) -> int:
 
         raise UserError("rackbed real needs torch, which is not installed: pip install 'rackbed[real]'") from None
     from rackbed.engine.core.workload import generate
-    from rackbed.engine.real.driver import replay, run_real
+    from rackbed.engine.real.driver import bad_endings, replay, run_real
     from rackbed.sim.driver import simulate
     from rackbed.sim.outputs import write_all
     from rackbed.sim.scenario import build, load_scenario, print_summary
@@ -83,6 +84,7 @@ def _main(args: argparse.Namespace) -> int:
         "model": {"name": b.model.name, "layers": run.cfg.n_layers, "hidden": run.cfg.hidden, "dtype": rs.dtype},
         "kv_bytes_per_token": b.deployment.kv_bytes_per_token,
         "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
+        "rank_errors": run.pool.errors,
         "replay_identical_decisions": same,
         "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
                   for w, k, key, m, ws in run.records],
@@ -94,4 +96,8 @@ def _main(args: argparse.Namespace) -> int:
                   f"simulator replay of the measured durations gives identical decisions: {same}[/dim]")
     print_summary(console, b, res)
     console.print(f"[dim]wrote {out}[/dim]")
-    return 0 if same else 1
+    bad = bad_endings(res.metrics)
+    if bad:
+        print("rackbed: error: real run: requests ended without an acceptable reason: "
+              + ", ".join(f"{n} {why}" for why, n in sorted(bad.items())), file=sys.stderr)
+    return 0 if same and not bad else 1

@@ -13,7 +13,9 @@ does not use only wait for the stop). Global rank 0 also runs the driver — the
 (``sim.driver.simulate``, passed to ``engine.real.driver.run_real``) with the real executor — in its main thread
 while its own rank serves in a second thread, and writes the simulator's output files plus ``real.json``.
 Commands, replies and liveness cross hosts through a TCPStore (``engine.real.torchrun``: ``StoreQueue``,
-``heartbeat``, ``store_pool``); collectives and KV transfers use the process groups (NCCL over NVLink inside the
+``heartbeat``, ``store_pool``) that listens on ``$RACKBED_STORE_BIND`` (default ``MASTER_ADDR``) only; its messages
+are sealed with the run's token (``$RACKBED_RUN_TOKEN`` on every host, else a random one rank 0 broadcasts over the
+process group; ``engine.real.wire`` says what that protects); collectives and KV transfers use the process groups (NCCL over NVLink inside the
 NVLink domain and InfiniBand beyond it; gloo on CPU for the tests, where several torchrun "nodes" on one machine
 stand in for trays).
 
@@ -25,8 +27,27 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 from datetime import timedelta
+
+
+def _shared_token(rank: int, device: str) -> bytes:
+    """The run's message token: ``$RACKBED_RUN_TOKEN`` when set (the same on every host), else 64 random hex
+    characters from rank 0, broadcast over the default process group (never through the store)."""
+    import secrets
+
+    import torch
+    import torch.distributed as dist
+    from rackbed.engine.real.wire import TOKEN_ENV, run_token
+
+    if os.environ.get(TOKEN_ENV):
+        return run_token()
+    t = torch.zeros(64, dtype=torch.uint8, device=device)
+    if rank == 0:
+        t.copy_(torch.tensor(list(secrets.token_hex(32).encode()), dtype=torch.uint8))
+    dist.broadcast(t, 0)
+    return bytes(t.cpu().tolist())
 
 
 def main(argv=None) -> int:
@@ -35,7 +56,15 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import rank_specs, real_model_config, run_real
-    from rackbed.engine.real.torchrun import StoreQueue, heartbeat, store_pool
+    from rackbed.engine.real.torchrun import (
+        BIND_ENV,
+        command_queue,
+        heartbeat,
+        listen_socket,
+        open_store,
+        reply_queue,
+        store_pool,
+    )
     from rackbed.engine.real.worker import Rank, make_groups
     from rackbed.sim.driver import simulate
     from rackbed.sim.scenario import build, load_scenario
@@ -58,9 +87,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    store = dist.TCPStore(host, port, world, is_master=(rank == 0), timeout=timedelta(seconds=120))
+    token = _shared_token(rank, "cuda" if use_cuda else "cpu")
+    listen = listen_socket(os.environ.get(BIND_ENV) or host, port) if rank == 0 else None
+    store = open_store(host, port, world=world, listen=listen)
     stop_hb = threading.Event()
-    threading.Thread(target=heartbeat, args=(host, port, rank, stop_hb), daemon=True).start()
+    threading.Thread(target=heartbeat, args=(host, port, rank, token, stop_hb), daemon=True).start()
     b = build(sc)
     if b.topology.n_gpus != world:
         raise SystemExit(f"rackbed: error: {a.scenario}: torchrun started {world} processes but topology "
@@ -76,8 +107,8 @@ def main(argv=None) -> int:
     groups, kv_group = make_groups(any_spec.all_groups, world)
 
     def serve() -> None:
-        cmd_q = StoreQueue(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120)), f"cmd/{rank}")
-        res_q = StoreQueue(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=120)), "res")
+        cmd_q = command_queue(open_store(host, port), rank, token)
+        res_q = reply_queue(open_store(host, port), world, token)
         if rank in specs:
             worker = Rank(specs[rank], groups[specs[rank].group_id], kv_group)
             res_q.put((None, rank, "ready", None))
@@ -86,6 +117,7 @@ def main(argv=None) -> int:
             while cmd_q.get()[0] != "stop":
                 pass
 
+    rc = 0
     if rank != 0:
         serve()
     else:
@@ -95,7 +127,7 @@ def main(argv=None) -> int:
 
         from rackbed.sim.outputs import write_all
 
-        pool = store_pool(store, world)
+        pool = store_pool(store, world, token)
         try:
             res, run = run_real(b, reqs, simulate=simulate, device=device, dtype=rs.dtype, weights=rs.weights,
                                 seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
@@ -105,7 +137,7 @@ def main(argv=None) -> int:
         t.join(timeout=60)
         import json
 
-        from rackbed.engine.real.driver import replay
+        from rackbed.engine.real.driver import bad_endings, replay
 
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -122,10 +154,15 @@ def main(argv=None) -> int:
         m = res.metrics["requests"]
         print(f"real run over {world} ranks: {m['done']}/{m['total']} done, {m['rejected']} rejected; "
               f"replay identical: {same}; wrote {out}")
+        bad = bad_endings(res.metrics)
+        if bad:
+            print("rackbed: error: real run: requests ended without an acceptable reason: "
+                  + ", ".join(f"{n} {why}" for why, n in sorted(bad.items())), file=sys.stderr)
+        rc = 0 if same and not bad else 1
     stop_hb.set()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ code is not):
   (``replay``: the simulator with an executor that returns the recorded durations gives the same decision log).
 
 Worker processes that die are detected (exit code) and turned into a fault of their GPU at the current time: the
-scheduler re-queues their requests; the group's other ranks are stopped.
+scheduler re-queues their requests; the group's other ranks are stopped. A live rank that fails a plan with no dead
+peer to explain it is declared dead the same way (:meth:`RealRun._fail_plan`), so no plan waits forever. The
+scheduler plans with the ranks' real KV caches (:func:`real_capacities`). docs/ARCHITECTURE.md ("Failure
+behaviour") has the whole list.
 
 KV transfers are asynchronous on both ends (``engine.real.worker``: a transfer thread, CUDA stream and process
 group per rank, beside the compute loop): the driver sends ``kv_send`` to the prefiller's ranks and ``kv_recv`` to
@@ -42,7 +45,9 @@ and chunked prefill are simulated only; aggregated workers are one GPU each (``t
 from __future__ import annotations
 
 import queue
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,11 +73,15 @@ class _Inflight:
     key: int
     replies: dict[int, object] = field(default_factory=dict)
     worker_s: float = 0.0
+    dst: int | None = None          # a KV plan's decoder rank (blamed first when the transfer fails)
+    srcs: tuple[int, ...] = ()      # a KV plan's prefiller ranks (told to drop the KV once it has landed)
 
 
 #: seconds without any rank reply (or death) while work is in flight after which a real run stops with
 #: :class:`RealRunStalled` instead of waiting forever (a rank blocked on a dead peer; ``run_real(stall_s=...)``)
 STALL_S = 300.0
+#: seconds a plan that a rank failed waits for a peer's death to be noticed before the failing rank is blamed
+DEATH_GRACE_S = 1.0
 
 
 class RealRunStalled(TimeoutError):
@@ -213,6 +222,7 @@ class RealExecutor:
         self.pool = run.pool
         self.group_of = sched_group
         self.breakdown_s = {"prefill": {}, "decode": {}}
+        self._faults_at: dict[float, list[str]] = {}
         self.env.on_death = self._on_death
 
     # the sim.executor.Executor interface the driver also reads
@@ -220,7 +230,7 @@ class RealExecutor:
         return self.breakdown_s
 
     def _dispatch(self, plan, kind: str, key: int, sends: list[tuple[int, str, dict]], now_v: float,
-                  start_w: float | None = None) -> simpy.Event:
+                  start_w: float | None = None, dst: int | None = None, srcs: tuple[int, ...] = ()) -> simpy.Event:
         ev = self.env.event()
         tok = self.pool.token()
         ranks = {r for r, _, _ in sends}
@@ -228,7 +238,7 @@ class RealExecutor:
             self.run.records.append((plan.worker, kind, key, float("inf"), 0.0))
             return ev
         fl = _Inflight(ev=ev, start_v=now_v, start_w=start_w if start_w is not None else time.perf_counter(),
-                       waiting=set(ranks), worker=plan.worker, kind=kind, key=key)
+                       waiting=set(ranks), worker=plan.worker, kind=kind, key=key, dst=dst, srcs=srcs)
         self.pool.inflight[tok] = fl
         try:
             for r, op, args in sends:
@@ -281,8 +291,10 @@ class RealExecutor:
                      for r in src_ranks]
             sends.append((dst_rank, "kv_recv", {"rid": rid, "src_globals": src_ranks, "seq_len": plan.tokens,
                                                 "src_pages": src_pages, "last_token": last,
-                                                "tokens": gen[:plan.tokens - n_prompt]}))
-            return self._dispatch(plan, "kv", rid, sends, now_s, start_w)
+                                                "tokens": gen[:plan.tokens - n_prompt],
+                                                "free": self._finished_on(plan.dst, dst_rank)}))
+            run.kv_rank[rid] = dst_rank
+            return self._dispatch(plan, "kv", rid, sends, now_s, start_w, dst=dst_rank, srcs=tuple(src_ranks))
         if tp is DecodeStep:
             g = self.group_of(plan.worker)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
@@ -296,6 +308,22 @@ class RealExecutor:
             return ev
         raise TypeError(f"real executor cannot run {tp.__name__}")
 
+    def _finished_on(self, worker: str, rank: int) -> list[int]:
+        """Requests the scheduler has finished on decoder ``worker`` whose pages ``rank`` still holds: a rank
+        frees a finished request's pages with the decoder's next step (its ``left``), which an idle decoder does
+        not run until a new request joins — so the ``kv_recv`` that brings that request frees them first. The
+        scheduler is the bound ``group_of``'s owner; another ``group_of`` gives none (the rank then frees them
+        with the next step only)."""
+        sched = getattr(self.group_of, "__self__", None)
+        d = getattr(sched, "workers", {}).get(worker)
+        if d is None:
+            return []
+        left = list(getattr(d, "left", ()))
+        delta = getattr(d, "delta", None)
+        if delta:
+            left += list(delta[1])
+        return sorted({rid for rid in left if self.run.kv_rank.get(rid) == rank})
+
     def _on_death(self, rank: int) -> None:
         """A rank process exited. Its group is lost; the scheduler hears of it as a fault of that GPU one ULP after
         the current time — after every event already due now — which is also where a replay puts the fault, so the
@@ -306,6 +334,7 @@ class RealExecutor:
         gpu = run.rank_gpu[rank]
         at = math.nextafter(self.env.now, math.inf)
         run.deaths.append((at, rank, gpu))
+        run.deaths.sort(key=lambda d: (d[0], d[2]))
         # every rank of the dead rank's group is lost with it (its collectives cannot complete)
         group_ranks = next(rs for rs in run.group_ranks.values() if rank in rs)
         for r in group_ranks:
@@ -317,9 +346,15 @@ class RealExecutor:
             # never completes: a replay gives it an infinite duration, so the same fault interrupts it there too
             run.records.append((f.worker, f.kind, f.key, float("inf"), 0.0))
         if self.env.on_fault is not None:
-            ev = self.env.event()
-            ev.callbacks.append(lambda _e, t=f"gpu:{gpu}": self.env.on_fault(t))
-            self.env.trigger(ev, None, at - self.env.now)
+            # deaths at the same instant reach the scheduler in the order a replay's fault list has them
+            # (sorted by time, then target: sim.faults.parse_faults), whatever order they were detected in
+            pend = self._faults_at.get(at)
+            if pend is None:
+                pend = self._faults_at[at] = []
+                ev = self.env.event()
+                ev.callbacks.append(lambda _e, at=at: [self.env.on_fault(t) for t in sorted(self._faults_at.pop(at))])
+                self.env.trigger(ev, None, at - self.env.now)
+            pend.append(f"gpu:{gpu}")
 
 
 def deployment_groups(dep) -> list[tuple[str, tuple[int, ...], str]]:
@@ -337,6 +372,33 @@ def graph_pages(requests, page_tokens: int, draft_k: int = 0) -> tuple[int, int]
     lo = min(-(-(r.prompt_tokens + 1) // page_tokens) for r in requests)
     hi = max(-(-(r.prompt_tokens + r.output_tokens + draft_k + 1) // page_tokens) for r in requests)
     return (lo, hi)
+
+
+def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: int, min_prompt: int = 1):
+    """``dep`` with the KV capacities the scheduler plans with set to what the real ranks hold (their caches'
+    pages), not the simulated memory budget's: ``decode_pages`` pages per decoder or aggregated rank, and for a
+    prefiller group ``prefill_pages`` pages per rank less the page rounding of its prompts (the scheduler counts a
+    prefiller's KV in tokens, a rank allocates whole pages per prompt: a prompt of ``p >= min_prompt`` tokens takes
+    at most ``p * (min_prompt + page_tokens - 1) / min_prompt`` tokens of pages)."""
+    import dataclasses
+
+    dcap = decode_pages * page_tokens
+    m = max(min_prompt, 1)
+    pcap = max(1, prefill_pages * page_tokens * m // (m + page_tokens - 1))
+
+    def tpl(t, **kw):
+        return dataclasses.replace(t, **kw)
+
+    def grp(g, **kw):
+        return dataclasses.replace(g, template=tpl(g.template, **kw))
+
+    return dataclasses.replace(
+        dep,
+        prefillers=tuple(grp(g, kv_capacity_tokens=pcap) for g in dep.prefillers),
+        decoders=tuple(grp(g, kv_capacity_tokens_per_rank=dcap) for g in dep.decoders),
+        aggregated=tuple(grp(g, kv_capacity_tokens_per_rank=dcap) for g in dep.aggregated),
+        prefiller_template=tpl(dep.prefiller_template, kv_capacity_tokens=pcap),
+        decoder_template=tpl(dep.decoder_template, kv_capacity_tokens_per_rank=dcap))
 
 
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
@@ -455,7 +517,8 @@ class RealRun:
         self.prefill_n: dict[int, int] = {}
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
         self.kill_after_steps: list[tuple[int, int]] = []
-        self.deaths: list[tuple] = []
+        self.deaths: list[tuple] = []       # (t, rank, gpu), sorted by (t, gpu)
+        self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
         self._wait_ready(len(gpus))
         self.env._progress_w = time.perf_counter()  # the stall clock starts once every rank is ready
 
@@ -504,20 +567,45 @@ class RealRun:
         del self.pool.inflight[token]
         measured = wall - fl.start_w
         if any(v is None for v in fl.replies.values()):
-            # a rank failed this plan: only a dead peer may cause that; the death handler fails the workers
-            time.sleep(0.2)
-            for r in self.pool.newly_dead():
-                self.env.on_death(r)
-            if not self.deaths:
-                raise RuntimeError("real run: " + "; ".join(self.pool.errors[-3:]))
-            self.records.append((fl.worker, fl.kind, fl.key, float("inf"), 0.0))   # the fault interrupts it
+            self._fail_plan(fl)
             return
         self._absorb(fl)
         self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
         self.env.trigger(fl.ev, measured, max(fl.start_v + measured - self.env.now, 0.0))
 
+    def _fail_plan(self, fl: _Inflight) -> None:
+        """Every rank of ``fl`` replied and one at least with an error. If a peer died (seen within
+        :data:`DEATH_GRACE_S`: a transfer from a dead peer fails before its exit is noticed), that death's fault
+        interrupts the plan. Otherwise the rank that failed is declared dead — a KV plan's decoder first, else the
+        lowest failing rank: its process is stopped and its GPU fails like a dead one's, so the scheduler requeues
+        the plan's requests and a replay meets the same fault at the same time. The plan never completes (an
+        infinite duration on record: the fault interrupts it in the replay too)."""
+        self.records.append((fl.worker, fl.kind, fl.key, float("inf"), 0.0))
+        ranks = set(fl.replies)
+        deadline = time.perf_counter() + DEATH_GRACE_S
+        while True:
+            for r in self.pool.newly_dead():
+                self.env.on_death(r)
+            if ranks & self.pool.dead:
+                return
+            if time.perf_counter() >= deadline:
+                break
+            time.sleep(0.05)
+        failed = sorted(r for r, v in fl.replies.items() if v is None)
+        blame = fl.dst if fl.dst in failed else failed[0]
+        p = self.pool.procs[blame]
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+        self.pool.dead.add(blame)
+        self.env.on_death(blame)
+
     def _absorb(self, fl: _Inflight) -> None:
-        if fl.kind == "prefill":
+        if fl.kind == "kv":   # landed: the prefiller's copy can go (a reply to this drop has no plan: ignored)
+            for r in fl.srcs:
+                if r not in self.pool.dead:
+                    self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
+        elif fl.kind == "prefill":
             self._absorb_prefill(next(v for v in fl.replies.values() if v is not None))
         elif fl.kind == "decode":
             self._absorb_decode(fl.replies.values())
@@ -555,6 +643,10 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
                   requests=requests)
     run.register(requests)
+    # the scheduler plans with the ranks' real caches; a replay of the same ``built`` then does too
+    built.deployment = real_capacities(built.deployment, prefill_pages=prefill_pages, decode_pages=decode_pages,
+                                       page_tokens=built.decode_plan.page_tokens,
+                                       min_prompt=min((r.prompt_tokens for r in requests), default=1))
     run.kill_after_steps = list(kill_after_steps)
     env = run.env
     env.stall_s = stall_s
@@ -569,6 +661,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
     for at_s, gpu in kill:
         env.process(killer(at_s, gpu))
     sc = built.scenario
+    prev_term = _kill_ranks_on_sigterm(run.pool)
     try:
         res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
@@ -576,9 +669,43 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                        closed_loop=sc.workload.closed_loop(),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
     finally:
+        if prev_term is not None:
+            signal.signal(signal.SIGTERM, prev_term)
         run.pool.stop()
         run.tmp.cleanup()
     return res, run
+
+
+def _kill_ranks_on_sigterm(pool):
+    """On SIGTERM (main thread only) kill the local rank processes at once, then exit 143 through the usual
+    clean-up; returns the handler it replaced (None if none was installed). A SIGKILL'ed driver's ranks end by
+    themselves (``engine.loop.lifetime``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum, _frame):
+        for p in pool.procs:
+            if p.is_alive():
+                p.kill()
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, on_term)
+
+
+#: how a request may end in a real run: done, or rejected for one of the scheduler's reasons — not ``stalled``
+#: (open with nothing left to happen) and not missing from the results
+BAD_END_REASONS = frozenset({"stalled"})
+
+
+def bad_endings(metrics: dict) -> dict[str, int]:
+    """``{reason: count}`` of requests that ended without an acceptable reason (``BAD_END_REASONS``, and ``lost``:
+    neither done nor rejected); empty when every request is accounted for."""
+    m = metrics["requests"]
+    out = {r: n for r, n in m.get("rejected_by_reason", {}).items() if r in BAD_END_REASONS and n}
+    lost = m["total"] - m["done"] - m["rejected"]
+    if lost:
+        out["lost"] = lost
+    return out
 
 
 class ReplayExecutor:

@@ -2,7 +2,8 @@
 
 ``spawn_local(fn, world_size, *args)`` starts ``world_size`` processes on this host (gloo on CPU, NCCL when each
 rank has a GPU), rendezvous through a temporary file, and returns each rank's return value (pickled back through a
-queue). Multi-node launches go through torchrun's rendezvous instead (see the README); the rank function is the same.
+queue: a pipe between this process and the children it started, which nothing else writes to). The children end
+with this process (``engine.loop.lifetime``). Multi-node launches go through torchrun's rendezvous instead (see the README); the rank function is the same.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class RankFailed(RuntimeError):
 
 
 def _entry(rank: int, world: int, init_file: str, backend: str, fn, args, q) -> None:
+    from rackbed.engine.loop.lifetime import die_with_parent
+
+    die_with_parent()   # ends with the launcher, even a killed one
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # never NVLink multicast (see kernels/README.md)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

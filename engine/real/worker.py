@@ -5,8 +5,8 @@ command and runs it together (collectives inside the group), then replies on the
 ``(token, rank, status, payload)``. Commands:
 
 - ``prefill``  items ``[(rid, token_ids)]`` -> KV kept in this rank's cache; reply ``{rid: (first_token, pages)}``
-- ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan,
-  free it -> reply bytes
+- ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan
+  -> reply bytes (the KV is freed by the ``drop`` the driver sends once the whole transfer has replied)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
 - ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
@@ -127,8 +127,20 @@ def make_groups(all_groups, world: int):
     return groups, kv_group
 
 
+#: seconds a KV receive waits for the compute lane to free pages before it refuses the transfer
+KV_ROOM_WAIT_S = float(os.environ.get("RACKBED_KV_ROOM_WAIT_S", "5"))
+#: seconds a collective or KV transfer may wait on a peer before it fails (every group inherits it)
+PG_TIMEOUT_S = float(os.environ.get("RACKBED_PG_TIMEOUT_S", "60"))
+
+
 def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
-    """Process entry point."""
+    """Process entry point. The rank ends with its driver (``engine.loop.lifetime``); a collective or transfer
+    blocked on a dead peer fails after the process group's timeout (gloo and NCCL alike; NCCL's async error
+    handling turns it into an exception or an exit, both of which the driver sees)."""
+    from rackbed.engine.loop.lifetime import die_with_parent
+
+    die_with_parent()
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # never NVLink multicast on shared hosts
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -139,7 +151,7 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
         from datetime import timedelta
 
         dist.init_process_group(spec.backend, init_method=f"file://{spec.init_file}", rank=spec.rank,
-                                world_size=spec.world, timeout=timedelta(seconds=60))
+                                world_size=spec.world, timeout=timedelta(seconds=PG_TIMEOUT_S))
         groups, kv_group = make_groups(spec.all_groups, spec.world)
         r = Rank(spec, groups[spec.group_id], kv_group)
         res_q.put((None, spec.rank, "ready", None))
@@ -324,43 +336,50 @@ class Rank:
         return out
 
     def _op_kv_send(self, rid, dst_global, seq_len):
-        """Transfer lane: wait for the decoder's pages, ship, free. On failure (a dead decoder) the KV stays here,
-        so the scheduler's retry to another decoder can ship it again."""
+        """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
+        once the whole transfer has replied: a decoder that dies after the bytes left but before it replied fails
+        the transfer, and the scheduler's retry to another decoder ships this copy again."""
         with self.lock:
             s = self.seqs[rid]
             s.busy = True
-        ok = False
         try:
             dst_pages = self.transfer.await_offer(dst_global, seq_len, self.dev)
             if dst_pages is None:
                 raise MemoryError(f"decoder rank {dst_global} has no room for request {rid}")
             n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
-            self._sync()                              # the gather has read the pages before they are freed
-            ok = True
+            self._sync()                              # the gather has read the pages before the reply
             return n
         finally:
             with self.lock:
                 s.busy = False
-                if ok or s.stale:
-                    if self.seqs.get(rid) is s:
-                        del self.seqs[rid]
+                if s.stale:                           # re-prefilled meanwhile: this copy is nobody's
                     self.cache.free(s.pages)
 
     # -- decode side -------------------------------------------------------------------------------------------
-    def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens):
+    def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens, free=()):
         """Transfer lane: reserve pages, offer them to the sources, receive the KV into them. The request is not
-        in the running batch until a later decode step's ``joined`` names it."""
+        in the running batch until a later decode step's ``joined`` names it. ``free``: requests the scheduler has
+        finished on this rank whose ``left`` step has not run yet; their pages are freed first. A full cache is
+        retried for up to ``KV_ROOM_WAIT_S``: a decode step already queued on the compute lane may be about to
+        free a finished request's pages (the scheduler counted them free when the request finished)."""
         pages = None
         with self.lock:
+            for old in free:
+                self._drop(old)
             if rid in self.seqs:
                 self._drop(rid)                       # a stale copy from before a failure
-            try:
-                pages = self.cache.alloc(seq_len + 1)
-            except MemoryError:
-                pass
-            if pages is not None:
-                s = _Seq(pages=pages, length=0, last_token=-1)
-                self.seqs[rid] = s
+        deadline = time.monotonic() + KV_ROOM_WAIT_S
+        while pages is None:
+            with self.lock:
+                try:
+                    pages = self.cache.alloc(seq_len + 1)
+                    s = self.seqs[rid] = _Seq(pages=pages, length=0, last_token=-1)
+                except MemoryError:
+                    pass
+            if pages is None and time.monotonic() >= deadline:
+                break
+            if pages is None:
+                time.sleep(0.002)
         self.transfer.offer(pages, seq_len, list(src_globals), self.dev)
         if pages is None:
             raise MemoryError(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
