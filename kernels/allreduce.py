@@ -106,6 +106,7 @@ class PeerAllReduce:
         self._cute = allreduce_cute
         # peer table in this rank's buffer: bases (global rank order), rank, own base
         import numpy as np
+
         from rackbed.kernels.peer_memory import check
 
         table = np.array(self._buf.ptrs + [self.rank, self._buf.local_ptr], dtype=np.int64)

@@ -36,6 +36,7 @@ from cuda.bindings import driver as cuda  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 from cutlass._mlir import ir  # noqa: E402
 from cutlass._mlir.dialects import arith  # noqa: E402
+
 from rackbed.kernels.allreduce_schedule import Layout  # noqa: E402
 
 _SPIN_TIMEOUT_NS = 5_000_000_000  # a peer that does not answer within 5 s is reported, not waited for forever

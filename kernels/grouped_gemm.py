@@ -57,6 +57,7 @@ def cute_unavailable() -> str | None:
                 reason = "RACKBED_NO_CUTE=1"
             else:
                 import cutlass.cute  # noqa: F401
+
                 from rackbed.kernels import grouped_gemm_cute  # noqa: F401
         except Exception as exc:  # ImportError, driver errors: fall back
             reason = f"CuTe DSL not importable ({type(exc).__name__}: {exc})"
@@ -197,6 +198,7 @@ def expert_offsets(counts, out=None):
 def gemv_launch(x, w, offs, out, fuse: bool):
     """One launch of the CuTe kernel: x [R, K], w [E, N, K], offs int32 [E+1], out [R, N] or [R, N/2] (fuse)."""
     import torch
+
     from rackbed.kernels import grouped_gemm_cute as gc
 
     E, N, K = w.shape
@@ -293,6 +295,7 @@ def mma_launch(x, w, offs, out, fuse: bool, n_rows: int, cfg: dict | None = None
     ``cfg`` (default :func:`mma_config`) as in MMA_V2. The persistent grid is min(ctas x SMs, items of min(E, R)
     active experts) CTAs."""
     import torch
+
     from rackbed.kernels import grouped_gemm_mma as gm
 
     E, N, K = w.shape
@@ -376,6 +379,7 @@ def wgmma_unsupported(x, gate_up, down, counts) -> str | None:
 def grouped_swiglu_wgmma(x, gate_up, down, counts):
     """Prefill path: gate_up on the wgmma kernel, SwiGLU in torch, down on the wgmma kernel (bf16)."""
     import torch.nn.functional as F_
+
     from rackbed.kernels import grouped_gemm_wgmma as gw
 
     R, E, D, F = check_swiglu_args(x, gate_up, down, counts)

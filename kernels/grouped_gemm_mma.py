@@ -45,6 +45,7 @@ import cutlass
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir import ir
+
 from rackbed.kernels.grouped_gemm import MMA_KC as KC
 from rackbed.kernels.grouped_gemm import mma_config as config  # noqa: F401  (re-exported)
 from rackbed.kernels.grouped_gemm import mma_items as n_items  # noqa: F401

@@ -48,6 +48,7 @@ import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Int64, cute, pipeline, utils
+
 from rackbed.kernels.grouped_gemm_wgmma import EPI_N, EPI_PAD, SCALE_BLOCK, variant_config
 
 _DEBUG_LAYOUT = bool(os.environ.get("RACKBED_WGMMA_DEBUG_LAYOUT"))

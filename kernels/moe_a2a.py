@@ -264,6 +264,7 @@ class PeerMoeAllToAll:
             reason = None
             try:
                 import cutlass.cute  # noqa: F401
+
                 from rackbed.kernels import moe_a2a_cute  # noqa: F401
                 if not torch.cuda.is_available():
                     reason = "no CUDA device"

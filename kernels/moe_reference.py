@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
 from rackbed.engine.core import collectives
 from rackbed.topology.errors import UserError
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from rackbed.engine.core import formats as ref
 
 

@@ -12,6 +12,7 @@ scenario's cost model prices their :class:`~engine.core.plans.MixedStep`\\ s wit
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from rackbed.topology.errors import UserError
 
 

@@ -180,9 +180,8 @@ def pick_best(confirmed: Sequence[dict], gpus: int, tolerance: float) -> tuple[d
 def budget_topology(name: str, gpus: int) -> str:
     """The topology of ``gpus`` GPUs built from ``name`` (a preset, ``NAME*k`` or ``NAME@G``; a topology file
     must hold at least that many GPUs). UserError naming ``--gpus`` / ``--topology`` otherwise."""
-    from rackbed.topology.presets import PRESETS, _MULTI, _PART, resized
-
     from rackbed import topology
+    from rackbed.topology.presets import _MULTI, _PART, PRESETS, resized
 
     m = _MULTI.match(name.strip()) or _PART.match(name.strip())
     base = m.group("name") if m else name.strip()
@@ -357,10 +356,9 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
                       fill_tolerance: float = FILL_TOLERANCE, jobs: int = 1, progress: bool = False, console=None) -> BudgetResult:
     """The budget search (module docstring); simulations append to ``out_dir/results.jsonl`` (resumable).
     UserError (with what to change) when no candidate survives the analytic stage."""
+    from rackbed import topology as topo_mod
     from rackbed.sim.scenario import parse_scenario, scenario_model
     from rackbed.sim.sweep import SweepSpec, expand, run_points
-
-    from rackbed import topology as topo_mod
 
     t0 = time.perf_counter()
     if gpus < 1:
@@ -460,9 +458,8 @@ def check_stack(stack: str, topo) -> str:
     """The line that says what prices a run on ``topo`` (a Topology or its name) by ``stack``; a stack with no
     shipped calibration for its GPU is a UserError naming ``--stack`` and the stacks shipped (before any
     candidate is priced, so that it is not a pruning reason)."""
-    from rackbed.sim.calibrate import calibration_for_topology, describe_calibration
-
     from rackbed import topology as topo_mod
+    from rackbed.sim.calibrate import calibration_for_topology, describe_calibration
 
     if isinstance(topo, str):
         topo = topo_mod.load(topo)

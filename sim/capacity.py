@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from rackbed.sim.search import SearchSpec
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import write_text
@@ -271,9 +272,8 @@ DEFINITIONS = {
 def run_case(spec: CapacitySpec, topology: str, weight_format: str, work: Path, *, jobs: int = 1,
              progress: bool = False, log=None) -> dict:
     """Every rate of one case; the case's dict for the JSON (module docstring)."""
-    from rackbed.sim.search import run_search
-
     from rackbed import topology as topo_mod
+    from rackbed.sim.search import run_search
 
     budget = spec.gpu_budget or topo_mod.load(topology).n_gpus
     slo = spec.search.slo

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
+
 from rackbed.engine.core.autoscaler import AutoscalerConfig
 from rackbed.engine.core.decision_log import DecisionLog
 from rackbed.engine.core.deployment import Deployment, PrefillerGroup

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from rackbed.topology.errors import UserError
 from rackbed.topology.outputs import write_text
 

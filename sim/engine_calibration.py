@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from rackbed.topology.errors import UserError, from_validation
 
 from rackbed import shipped
+from rackbed.topology.errors import UserError, from_validation
 
 ENGINE_DIR = shipped("calibration")
 

@@ -44,11 +44,12 @@ from heapq import heappop, heappush, heapreplace
 from itertools import repeat
 from operator import add, mul
 
+from simpy.events import NORMAL, URGENT
+
 from rackbed.engine.core.plans import Idle, KvTransfer, PrefillBatch, Result, Stop
 from rackbed.engine.core.policies import Policies
 from rackbed.engine.core.state import FP
 from rackbed.sim.processes import SPAN_DECODE, SPAN_KV, SPAN_PREFILL
-from simpy.events import NORMAL, URGENT
 
 #: events :meth:`FastPath.run` runs before it returns to the run loop (it may run a few more: a lane's plain steps)
 RUN_EVENTS = 4096

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import replacing, safe_name, write_text
 

@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+
 from rackbed.engine.core.metrics import clean, request_arrays
 from rackbed.sim.driver import SPAN_NAMES, SimResult
 from rackbed.topology.outputs import replacing, write_text

@@ -133,9 +133,8 @@ def _resize(sc, data: dict, gpus, prefillers, decoders) -> None:
     gp, gd = max(sc.prefill.tp, sc.prefill.ep), sc.decode.ep
     n_p, n_d = sc.prefill.replicas, sc.decode.replicas
     if gpus is not None:
-        from rackbed.topology.presets import resized
-
         from rackbed import topology
+        from rackbed.topology.presets import resized
 
         data["topology"] = resized(sc.topology, int(gpus))
         used = n_p * gp + n_d * gd

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import simpy
+
 from rackbed.engine.core.plans import DecodeStep, Idle, KvTransfer, MixedStep, PrefillBatch, Result
 from rackbed.engine.core.worker_loop import worker_loop
 from rackbed.sim.faults import Fault

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
+
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.aggregated import AggregatedSection, check_aggregated
 from rackbed.sim.parallel import check_parallel, decode_plan_for, prefill_plan_for  # noqa: F401 (re-exported)
@@ -392,10 +393,9 @@ def truncate_model(model, n_layers: int):
 
 def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
+    from rackbed import topology as topo_mod
     from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, place
     from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size
-
-    from rackbed import topology as topo_mod
 
     check_run_size(sc)
     topo = topo_mod.load(sc.topology)

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.pareto import pareto_layers
 from rackbed.sim.search_results import explain, front_of, meets_slo
@@ -581,10 +582,9 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     """The whole search (module docstring); simulations go to ``out_dir/results.jsonl`` (resumable)."""
     import time
 
+    from rackbed import topology as topo_mod
     from rackbed.sim.scenario import parse_scenario, scenario_model
     from rackbed.sim.sweep import SweepSpec, expand, run_points
-
-    from rackbed import topology as topo_mod
 
     t0 = time.perf_counter()
     model = scenario_model(parse_scenario(base_scenario(spec), f"search {spec.name}"))

@@ -45,6 +45,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import replacing, safe_name, write_text
 
@@ -273,11 +274,10 @@ def build_point(sc):
     one DP-EP group (memory budget and KV capacity from the merged plan, its all-to-all priced over the
     scale-out network). Returns ``sim.scenario.Built``.
     """
+    from rackbed import topology as topo_mod
     from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate
     from rackbed.engine.core.sharding import ParallelPlan
     from rackbed.sim.scenario import ScenarioCostModel, build, draft_budget, draft_cost_kw
-
-    from rackbed import topology as topo_mod
 
     topo = topo_mod.load(sc.topology)
     dom = len(topo.nvlink_domain(0))

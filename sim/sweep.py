@@ -61,9 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rackbed.topology.errors import UserError, one_line
-
 from rackbed import shipped
+from rackbed.topology.errors import UserError, one_line
 
 SWEEPS_DIR = shipped("scenarios", "sweeps")
 KEY_HEX = 20

@@ -15,12 +15,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_scheduler import MiniDriver, req
+from test_sim_driver_models import KV_BYTES_PER_TOKEN
+
 from rackbed.engine.core.deployment import AggregatedGroup, AggregatedTemplate, Deployment, MtpSpec
 from rackbed.engine.core.plans import Idle, MixedStep
 from rackbed.engine.core.policies import Policies
 from rackbed.engine.core.scheduler import Scheduler
-from test_scheduler import MiniDriver, req
-from test_sim_driver_models import KV_BYTES_PER_TOKEN
 
 
 def agg_deployment(*, n_workers: int = 2, dp: int = 2, tp: int = 1, cap: int = 4, kv_rank: int = 4000,

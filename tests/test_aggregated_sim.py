@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.model import get_model
 from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.core.workload import generate
@@ -56,9 +57,8 @@ def test_workers_that_do_not_fit_the_topology_are_a_one_line_error():
 # ------------------------------------------------------------------ the mixed step against its parts
 @functools.cache
 def _h200():
-    from rackbed.sim.calibrate import default_calibration_for
-
     from rackbed import topology
+    from rackbed.sim.calibrate import default_calibration_for
 
     return topology.load("hgx-h200"), get_model("qwen3-30b-a3b"), default_calibration_for("H200-SXM", stack="rackbed")
 

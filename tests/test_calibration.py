@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.core.model import get_model
 from rackbed.sim.calibrate import (
     Holdout,
@@ -29,8 +31,6 @@ from rackbed.sim.costs.calibration import CalibrationEntry
 from rackbed.sim.costs.gemm import gemm_time, grouped_gemm_time
 from rackbed.sim.costs.step import decode_step_time
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = topology.load("h200x2")

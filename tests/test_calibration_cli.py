@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from rackbed import topology
 from rackbed.engine.cli.calibrate import bench_rows
 from rackbed.engine.cli.main import main
 from rackbed.engine.cli.validate import validate_engine, validate_kernels
 from rackbed.sim.calibrate import calibrate, dump_calibration, load_calibration_file
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 
 def test_dry_run_calibrate_then_validate(tmp_path, capsys):

@@ -9,6 +9,8 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.core.model import get_model
 from rackbed.sim.calibrate import (
     Holdout,
@@ -42,8 +44,6 @@ from rackbed.sim.costs.moe_comm import (
 )
 from rackbed.sim.costs.step import _embed_s, _norms_s
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = topology.load("h200x2")

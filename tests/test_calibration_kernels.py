@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.sim.calibrate import Holdout, calibrate, calibration_rows, curve_of, row_id, split_rows
 from rackbed.sim.calibration.kernel_maps import (
     KernelMap,
@@ -135,6 +136,7 @@ def test_runs_of_encodes_a_kernel_choice_and_kernel_maps_read_it_back():
 
 def test_a_malformed_kernel_map_is_one_user_error():
     import pytest
+
     from rackbed.topology.errors import UserError
 
     for runs in ([[1, 2]], [[5, 1, "k"]], [[1, 8, "a"], [8, 9, "b"]], "x"):
@@ -210,10 +212,9 @@ def _decode_doc():
 
 
 def test_calibrate_with_a_decode_map_predicts_held_out_contexts():
+    from rackbed import topology
     from rackbed.engine.cli.validate import validate_kernels
     from rackbed.sim.calibrate import CalibrationFile
-
-    from rackbed import topology
 
     doc = _decode_doc()
     assert set(attn_maps(doc["rows"])) == {(("head_dim", 128), ("seq_heads", 4))}

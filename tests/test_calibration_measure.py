@@ -10,6 +10,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.cli.main import main
 from rackbed.engine.cli.validate import validate_kernels
 from rackbed.engine.core.model import get_model
@@ -29,8 +31,6 @@ from rackbed.sim.costs import constants as C
 from rackbed.sim.costs.attention import full_attention_decode
 from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)

@@ -9,6 +9,8 @@ import math
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.cli.main import main
 from rackbed.engine.cli.validate import validate_kernels
 from rackbed.sim.calibrate import (
@@ -25,8 +27,6 @@ from rackbed.sim.calibrate import (
 from rackbed.sim.costs.calibration import CalibrationTable
 from rackbed.sim.costs.gemm import binomial_histogram, expert_mlp_time, gemm_time, grouped_gemm_time
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)
@@ -162,7 +162,7 @@ def test_calibrate_and_validate_commands_take_several_files(tmp_path, capsys):
     args = ["calibrate", "--from-measurements", str(a), str(b), "--out", str(out)]
     assert main(args) == 0
     first = out.read_bytes()
-    assert main(args) == 0 and out.read_bytes() == first  # the same command writes the same bytes
+    assert main([*args, "--force"]) == 0 and out.read_bytes() == first  # the same command writes the same bytes
     table = load_calibration_file(out)
     assert table.meta["measurements"] == [str(a), str(b)]
     assert {e.kind for e in table.entries} == {"gemm_tflops", "moe_us"}
@@ -172,7 +172,8 @@ def test_calibrate_and_validate_commands_take_several_files(tmp_path, capsys):
     assert "holdout: moe_block routed" in text and "holdout: gemm grouped bf16 n3072_k4096" in text
     v = json.loads((tmp_path / "v.json").read_text())
     assert v["measurements"] == [str(a), str(b)]
-    assert main(["calibrate", "--from-measurements", str(a), str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+    assert main(["calibrate", "--from-measurements", str(a), str(tmp_path / "missing.json"), "--out",
+                 str(tmp_path / "d.yaml")]) == 2
     err = capsys.readouterr().err.strip()
     assert "missing.json: cannot read measurements" in err and len(err.splitlines()) == 1
 

@@ -10,6 +10,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.cli.validate import validate_kernels
 from rackbed.sim.calibrate import (
     CalibrationFile,
@@ -23,8 +25,6 @@ from rackbed.sim.calibrate import (
 )
 from rackbed.sim.costs.calibration import CalibrationEntry, CalibrationTable
 from rackbed.sim.costs.collective import p2p_copy_time
-
-from rackbed import topology
 
 H200 = topology.load("h200x2")
 GPU = H200.gpu_spec(0)

@@ -8,6 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.sim import capacity as cap
 from rackbed.sim.sweep import read_results
 from rackbed.topology.errors import UserError

@@ -9,6 +9,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.core.kv import KvLayout, reshard_plan
 from rackbed.engine.core.model import get_model
 from rackbed.engine.core.sharding import ParallelPlan
@@ -41,8 +43,6 @@ from rackbed.sim.costs.step import (
 from rackbed.topology.errors import UserError
 from rackbed.topology.presets import PRESETS
 from rackbed.topology.specs import GB200_GPU, H200_SXM
-
-from rackbed import topology
 
 SET = settings(max_examples=150, deadline=None)
 SLOW = settings(max_examples=50, deadline=None)

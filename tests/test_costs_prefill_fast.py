@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.sim.costs import gemm as G
 from rackbed.sim.costs.calibration import CalibrationTable
 from rackbed.sim.costs.collective import _estimate, allreduce_time, available_algos, group_links
 from rackbed.topology.presets import PRESETS
-
-from rackbed import topology
 
 
 def _general(topo, gpus, n_bytes, algo, calib):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.sim import cross_source as xs
 from rackbed.sim.calibration.measurements import read_json
 from rackbed.topology.errors import UserError

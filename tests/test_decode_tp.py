@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_kv import check_plan
+
 from rackbed.engine.core.kv import KvLayout, pages_needed, reshard_plan
 from rackbed.engine.core.model import get_model
 from rackbed.engine.core.sharding import ParallelPlan
@@ -15,7 +17,6 @@ from rackbed.sim.costs.step import decode_step_breakdown
 from rackbed.sim.scenario import build, parse_scenario, truncate_model
 from rackbed.topology import load as load_topology
 from rackbed.topology.errors import UserError
-from test_kv import check_plan
 
 Q235 = get_model("qwen3-235b-a22b")
 SMALL = truncate_model(get_model("qwen3-30b-a3b"), 2)

@@ -6,11 +6,11 @@ import shlex
 
 import pytest
 import yaml
+
+from rackbed import scenarios
 from rackbed.engine.cli.main import main
 from rackbed.sim.emit import ENGINES, emit_files
 from rackbed.sim.scenario import load_scenario
-
-from rackbed import scenarios
 
 SCENARIOS = ("nvl72-default", "i_h200_mooncake")
 

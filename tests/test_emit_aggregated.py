@@ -8,12 +8,12 @@ import shlex
 
 import pytest
 import yaml
+
+from rackbed import scenarios
 from rackbed.engine.cli.main import main
 from rackbed.sim.emit import ENGINES, emit_files
 from rackbed.sim.scenario import parse_scenario
 from rackbed.topology.yamlio import load_yaml
-
-from rackbed import scenarios
 
 #: (name, aggregated section overrides, mtp draft_k): DP-attention ranks, one TP group, DP ranks with MTP
 SHAPES = (

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+
 from rackbed.engine.core.plans import PrefillBatch
 from rackbed.sim.costs.steptime import StepTime
 from rackbed.sim.engine_calibration import (

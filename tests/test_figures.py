@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from rackbed.sim.figures import load_figure, run_figure
 from rich.console import Console
 
 from rackbed import scenarios
+from rackbed.sim.figures import load_figure, run_figure
 
 REL = 0.03  # goldens are model outputs; a change in a constant or a formula must be a deliberate update
 FIGS = ["fig_allreduce_nvls", "fig_ep_prefill_comm", "fig_decode_a2a", "fig_grouped_gemm", "fig_prefill_tp_ep",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from rackbed.engine.core.formats import E4M3, E5M2, bf16_decode, bf16_encode
 
 torch = pytest.importorskip("torch")

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.kernels import grouped_gemm as gg
 
 # ------------------------------------------------------------------------------------- emulation of the kernel

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.kernels import grouped_gemm as gg
 from rackbed.kernels import grouped_gemm_wgmma as gw
 
@@ -347,6 +348,7 @@ def test_diagnostic_variants_never_selectable(monkeypatch):
     """Diagnostic twins (wrong results on purpose) are not in VARIANTS (so not in --sweep or the best pick), never a
     default (env override refused), and grouped_mm (what impl="auto" calls) refuses them without diagnostic=True."""
     import torch
+
     from rackbed.kernels.bench import moe_prefill as bp
 
     assert gw.DIAG_VARIANTS and not set(gw.DIAG_VARIANTS) & set(gw.VARIANTS)

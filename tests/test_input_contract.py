@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+
 from rackbed.engine.cli.main import main
 
 H200 = """kind: serving

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.kernels.allreduce_schedule import (
     ONE_SHOT_MAX_BYTES,
     block_range,
@@ -168,6 +169,7 @@ def _check_worker(rank, world, port, path):
 
     import torch
     import torch.distributed as dist
+
     from rackbed.kernels.allreduce import PeerAllReduce
     from rackbed.kernels.bench.allreduce import check_correctness
 
@@ -190,6 +192,7 @@ def test_device_allreduce_correct(tmp_path):
 
     import torch
     import torch.multiprocessing as mp
+
     from rackbed.kernels.bench.suites import _free_port
 
     path = str(tmp_path / "check.json")

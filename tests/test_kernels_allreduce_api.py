@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+
 from rackbed.engine.cli.main import main  # noqa: E402
 
 

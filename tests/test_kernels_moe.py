@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core import formats as ref
 from rackbed.kernels import grouped_gemm as gg
 from rackbed.kernels import moe_a2a, mx

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.formats import get_format
 from rackbed.kernels.bench import measure
 from rackbed.kernels.grouped_gemm import grouped_swiglu_reference

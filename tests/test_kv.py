@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.kv import (
     KvLayout,
     TransferPlan,

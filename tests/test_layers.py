@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.kv import KvLayout
 from rackbed.engine.core.layers import (
     DenseFfn,

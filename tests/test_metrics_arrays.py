@@ -9,6 +9,7 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.metrics import request_arrays
 from rackbed.engine.core.state import ROW_FIELDS
 

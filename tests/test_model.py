@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from rackbed.engine.core.formats import FORMAT_NAMES, get_format
 from rackbed.engine.core.model import DELTANET_FLOPS_PER_STATE_ELEM, PRESET_NAMES, ModelSpec, get_model
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from rackbed.engine.core.model import ModelSpec, get_model
 
 QWEN3_235B_CONFIG = {  # keys and values of Qwen/Qwen3-235B-A22B config.json (architecture part)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rackbed.kernels import moe_reference as moe
 from rackbed.kernels.moe_reference import (
     ACTIVATION_BYTES_PER_ELEMENT_FALLBACK,

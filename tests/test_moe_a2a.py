@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
+
 from rackbed.engine.real.launch import spawn_local  # noqa: E402
 from rackbed.kernels import moe_a2a  # noqa: E402
 from rackbed.kernels.moe_reference import route  # noqa: E402

@@ -17,6 +17,7 @@ def _fake_worker(rank, world, port, q, opts):
     from datetime import timedelta
 
     import torch.distributed as dist
+
     from rackbed.kernels.bench.moe_a2a import _Ctx
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.core.model import get_model
 from rackbed.engine.core.specdec import AcceptanceStream
 from rackbed.sim.costs.step import decode_step_breakdown
 from rackbed.sim.scenario import build, draft_cost_kw, parse_scenario
-
-from rackbed import topology
 
 MTP1 = {"kind": "mtp", "layers": 1}
 

@@ -8,6 +8,7 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.cli.main import main
 from rackbed.topology.errors import UserError
 from rackbed.topology.outputs import prepare_dir, prepare_file, replacing, safe_name, write_text

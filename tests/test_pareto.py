@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.sim.pareto import dominates, pareto_front, pareto_indices, pareto_layers
 
 

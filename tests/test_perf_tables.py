@@ -182,9 +182,8 @@ def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
 
 
 def _built(name="nvl72-default", **over):
-    from rackbed.sim.scenario import build, load_scenario
-
     from rackbed import scenarios
+    from rackbed.sim.scenario import build, load_scenario
 
     sc = load_scenario(scenarios.resolve(name))
     return build(sc.model_copy(update=over))

@@ -10,6 +10,7 @@ import statistics
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.model import get_model
 from rackbed.sim import perf_tables as pt
 from rackbed.sim import perf_tables_attention as pta
@@ -388,11 +389,10 @@ def test_fp8_queries_never_take_bf16_curves(h200_table):
 def test_caveats_only_where_the_calibration_lacks_the_curves():
     """GB200 runs with an fp8 KV cache print no attention caveat (the shipped file has fp8-KV and batched prefill
     curves); a calibration without fp8-KV curves, or with the per-sequence prefill note, says so."""
+    from rackbed import scenarios
     from rackbed.sim.calibrate import CalibrationFile
     from rackbed.sim.coverage import PER_SEQUENCE_PREFILL_NOTE, calibration_caveats
     from rackbed.sim.scenario import build, load_scenario
-
-    from rackbed import scenarios
 
     sc = load_scenario(scenarios.resolve("nvl72-default"))
     b = build(sc.model_copy(update={"kv_dtype": "fp8", "weight_format": "fp8"}))

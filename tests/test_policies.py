@@ -8,6 +8,7 @@ from collections import deque
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.policies import FewestRequests, FifoAdmission, LeastQueuedTokens, Policies
 
 

@@ -15,14 +15,15 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_scheduler import MiniDriver, req
+from test_sim_driver_fastdecode import GridCost, _assert_same, _both
+from test_sim_driver_models import poisson_requests, small_deployment
+
 from rackbed.engine.core.plans import PrefillBatch
 from rackbed.engine.core.policies import ADMISSION, Policies, ShortestPromptFirst
 from rackbed.engine.core.scheduler import Scheduler
 from rackbed.sim import fastpath
 from rackbed.sim.driver import simulate
-from test_scheduler import MiniDriver, req
-from test_sim_driver_fastdecode import GridCost, _assert_same, _both
-from test_sim_driver_models import poisson_requests, small_deployment
 
 SPF = Policies(admission=ShortestPromptFirst())
 

@@ -11,13 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_real_driver import _scenario, _tiny_checkpoint
+
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import replay, run_real
 from rackbed.engine.real.model import TorchModelConfig
 from rackbed.sim.driver import simulate
 from rackbed.sim.scenario import build
 from rackbed.topology.errors import UserError
-from test_real_driver import _scenario, _tiny_checkpoint
 
 #: requests arrive faster than they finish, so the workers' steps mix prompts into running batches
 LOAD = {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 200}, "prompt": {"kind": "uniform", "lo": 5,

@@ -11,12 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import replay, run_real
 from rackbed.engine.real.model import TorchModelConfig
 from rackbed.sim.driver import simulate
 from rackbed.sim.scenario import build, parse_scenario
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 
 
 def _tiny_checkpoint(tmp_path):

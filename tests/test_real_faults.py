@@ -21,12 +21,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import bad_endings, replay, run_real
 from rackbed.engine.real.model import TorchModelConfig
 from rackbed.sim.driver import simulate
 from rackbed.sim.scenario import build, parse_scenario
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,4 +214,4 @@ real: {{device: cpu, dtype: fp32, weights: {ckpt}}}
     assert main(["real", str(scen), "--out", str(tmp_path / "out")]) == 1
     assert "1 stalled" in capsys.readouterr().err
     metrics["requests"].update(done=3, rejected=0, rejected_by_reason={})
-    assert main(["real", str(scen), "--out", str(tmp_path / "out")]) == 0
+    assert main(["real", str(scen), "--out", str(tmp_path / "out2")]) == 0

@@ -8,10 +8,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torch.distributed as dist
+from tiny_qwen3moe import tiny_hf_model
+
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.launch import spawn_local
 from rackbed.engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig
-from tiny_qwen3moe import tiny_hf_model
 
 CFG = TorchModelConfig(hidden=64, n_layers=2, n_q_heads=8, n_kv_heads=2, head_dim=16, n_experts=8, top_k=2,
                        moe_intermediate=32, vocab=128, rope_theta=10000.0)

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+
 from rackbed.engine.real.driver import RealRun, graph_pages
 from rackbed.engine.real.model import DecodeGraphRunner, TorchModelConfig
 from rackbed.sim.scenario import build, parse_scenario
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 
 
 def _collect(pool, need: dict[int, int], timeout_s: float) -> dict[int, dict[int, tuple]]:

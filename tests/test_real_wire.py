@@ -14,6 +14,7 @@ import socket
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.real.wire import VERSION, BadMessage, check_command, check_reply, seal, unseal
 
 TOKEN = b"0123456789abcdef" * 4

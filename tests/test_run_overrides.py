@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rackbed import scenarios, topology
 from rackbed.engine.cli.main import main
 from rackbed.sim.overrides import apply_overrides, parse_length
 from rackbed.sim.scenario import build, load_scenario, parse_scenario, simulate_scenario
 from rackbed.topology.errors import UserError
 from rackbed.topology.presets import resized
-
-from rackbed import scenarios, topology
 
 SMALL = {
     "kind": "serving", "name": "closed", "topology": "hgx-h200*2", "model": "qwen3-30b-a3b",
@@ -178,6 +178,7 @@ def test_log_axis_exactly_when_the_body_is_squashed(xs):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
     from rackbed.sim.outputs import LOG_X_SPREAD, plot_cdf, squashed
 
     x = np.asarray(xs)

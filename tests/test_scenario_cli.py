@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rackbed.engine.cli.main import main
 
 BASE = """kind: serving

@@ -14,13 +14,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_models import KV_BYTES_PER_TOKEN, small_deployment
+
 from rackbed.engine.core import autoscaler as asc
 from rackbed.engine.core.plans import DecodeStep, Idle, KvTransfer, PrefillBatch, Result, Stop
 from rackbed.engine.core.request import Request
 from rackbed.engine.core.scheduler import Scheduler
 from rackbed.engine.core.specdec import AcceptanceStream, draw_accepted, draw_steps, expected_tokens_per_step
 from rackbed.engine.core.worker_loop import worker_loop
-from test_sim_driver_models import KV_BYTES_PER_TOKEN, small_deployment
 
 
 class MiniDriver:

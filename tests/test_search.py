@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from rackbed import topology
 from rackbed.engine.core.model import get_model
 from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.core.specdec import expected_tokens_per_step
@@ -13,8 +15,6 @@ from rackbed.sim import search as se
 from rackbed.sim import search_results as sr
 from rackbed.sim.costs.step import decode_step_breakdown, prefill_step_breakdown
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 
 def make_spec(**kw):

@@ -10,6 +10,7 @@ import shlex
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.model import get_model
 from rackbed.sim import budget as bu
 from rackbed.sim import search as se
@@ -200,10 +201,9 @@ def test_max_rate_brackets_the_highest_rate():
     """:func:`sim.budget.max_rate`: the rate returned met the SLOs in its simulation and is the highest simulated
     that did; a simulated rate at most ``1 + 2**-steps`` times higher missed them (doubling, then ``steps``
     bisections of a gap no wider than the rate)."""
+    from rackbed import scenarios
     from rackbed.sim.overrides import apply_overrides
     from rackbed.sim.scenario import load_scenario
-
-    from rackbed import scenarios
 
     sc = apply_overrides(load_scenario(scenarios.resolve("agg_h200_node")), duration_s=2.0)
     steps = 2
@@ -244,10 +244,9 @@ def test_copies_on_the_budget_are_placed_and_emitted(dp, copies):
     (:func:`sim.budget._placeable_copies`); ``scenario_of(on_budget=True)`` is that many copies as one scenario."""
     from types import SimpleNamespace
 
+    from rackbed import scenarios
     from rackbed.sim.scenario import build
     from rackbed.topology.yamlio import load_yaml
-
-    from rackbed import scenarios
 
     d = load_yaml(scenarios.resolve("agg_h200_node"))
     d = dict(d, topology="hgx-h200*2", aggregated={**d["aggregated"], "workers": 1, "dp": dp, "ep": dp})

@@ -19,6 +19,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.core.formats import FORMAT_NAMES
 from rackbed.engine.core.plans import PrefillBatch
 from rackbed.sim import search as se
@@ -26,8 +28,6 @@ from rackbed.sim import search_results as sr
 from rackbed.sim.engine_calibration import EngineCalibratedCostModel
 from rackbed.sim.scenario import ScenarioCostModel, build, parse_scenario, scenario_model, simulate_scenario
 from rackbed.sim.sweep import SweepSpec, expand
-
-from rackbed import topology
 
 #: (model, model_layers): the full models, and the truncated one the shipped engine calibration covers on H200
 MODELS = (("qwen3-235b-a22b", None), ("qwen3-235b-a22b", 16), ("qwen3.5-122b-a10b", None))

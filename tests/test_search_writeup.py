@@ -12,11 +12,10 @@ these cost models; only a TTFT bound below TP=2's floor (the p90 prompt alone, ~
 
 from __future__ import annotations
 
+from rackbed import topology
 from rackbed.engine.core.model import get_model
 from rackbed.sim import search as se
 from rackbed.sim import sweep as sw
-
-from rackbed import topology
 
 
 def options(topo: str, fmt: str, *, prefill_tp=(4,), decode_ep=(8,), caps=(16, 32, 64), prompt=6000, stack="auto"):

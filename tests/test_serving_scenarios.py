@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-from rackbed.sim import serving_figures as sf
-from rackbed.sim.scenario import load_scenario, simulate_scenario
 
 from rackbed import scenarios
+from rackbed.sim import serving_figures as sf
+from rackbed.sim.scenario import load_scenario, simulate_scenario
 
 # ------------------------------------------------------------------------------------------------ goldens
 # Recorded from the shipped scenarios (seed 0).
@@ -350,6 +350,7 @@ def test_dominates_properties(pairs, f):
 def test_cli_runs_a_serving_study(tmp_path):
     """`rackbed run STUDY.yaml` dispatches kind: serving_study (needs the engine/cli/run.py dispatch)."""
     import yaml
+
     from rackbed.engine.cli.main import main
 
     sc = yaml.safe_load(scenarios.resolve("j_nvl72_fault_drill").read_text())

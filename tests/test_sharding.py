@@ -10,6 +10,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.engine.cli.main import main
 from rackbed.engine.core.formats import get_format
 from rackbed.engine.core.model import PRESET_NAMES, get_model
@@ -25,8 +27,6 @@ from rackbed.engine.core.sharding import (
     tp_kv_head_shards,
 )
 from rackbed.topology.errors import UserError
-
-from rackbed import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_FILES = sorted((ROOT / "scenarios" / "plans").glob("*.yaml"))

@@ -13,6 +13,13 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_models import (
+    KV_BYTES_PER_TOKEN,
+    AnalyticCost,
+    poisson_requests,
+    small_deployment,
+)
+
 from rackbed.engine.core.autoscaler import AutoscalerConfig
 from rackbed.engine.core.metrics import Slo
 from rackbed.engine.core.request import Request
@@ -20,12 +27,6 @@ from rackbed.sim.driver import simulate
 from rackbed.sim.faults import Fault, parse_faults
 from rackbed.sim.network import Network
 from rackbed.sim.outputs import metrics_json, perfetto_trace, requests_csv, write_all
-from test_sim_driver_models import (
-    KV_BYTES_PER_TOKEN,
-    AnalyticCost,
-    poisson_requests,
-    small_deployment,
-)
 
 
 def _run(seed=0, **kw):

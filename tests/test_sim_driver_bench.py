@@ -10,6 +10,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.cli.main import main as cli_main
 from rackbed.engine.core.plans import PrefillBatch
 from rackbed.sim.bench import bench_scenario, run_bench

@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost, poisson_requests, small_deployment
+
 from rackbed.engine.core.autoscaler import AutoscalerConfig
 from rackbed.engine.core.plans import DecodeStep
 from rackbed.sim.costs.steptime import StepTime
 from rackbed.sim.driver import simulate
-from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost, poisson_requests, small_deployment
 
 
 class GridCost(AnalyticCost):

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rackbed.engine.core.autoscaler import AutoscalerConfig
-from rackbed.engine.core.scheduler import Scheduler
 from test_sim_driver_fastdecode import GridCost, _assert_same, _both
 from test_sim_driver_models import poisson_requests, small_deployment
+
+from rackbed.engine.core.autoscaler import AutoscalerConfig
+from rackbed.engine.core.scheduler import Scheduler
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,6 +8,7 @@ can be computed by hand; the real cost models live in ``sim/costs``. Imported by
 from __future__ import annotations
 
 import numpy as np
+
 from rackbed.engine.core.deployment import (
     DecoderGroup,
     DecoderTemplate,

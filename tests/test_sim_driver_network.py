@@ -5,6 +5,7 @@ of the rule, float for float, over random transfer sequences."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.sim.network import Network
 
 _RATES = {"a": 25.0, "b": 50.0, "c": 50.0, "nvlink:x": 900.0}

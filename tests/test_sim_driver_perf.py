@@ -17,11 +17,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost
+
 from rackbed.engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place
 from rackbed.engine.core.request import Request
 from rackbed.sim.costs.steptime import StepTime
 from rackbed.sim.driver import simulate
-from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost
 
 
 class PointCost(AnalyticCost):

@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_fastdecode import GridCost, _assert_same, _both
+from test_sim_driver_models import poisson_requests, small_deployment
+
 from rackbed.engine.core.autoscaler import AutoscalerConfig
 from rackbed.engine.core.specdec import AcceptanceStream, _geometric_by_inversion, draw_accepted
 from rackbed.engine.loop.simenv import SimEnv
 from rackbed.sim import driver, fastpath
-from test_sim_driver_fastdecode import GridCost, _assert_same, _both
-from test_sim_driver_models import poisson_requests, small_deployment
 
 
 class _RefStream:

@@ -18,11 +18,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_fastdecode import GridCost
+from test_sim_driver_models import poisson_requests, small_deployment
+
 from rackbed.engine.loop import runloop
 from rackbed.sim import driver
 from rackbed.sim.driver import simulate
-from test_sim_driver_fastdecode import GridCost
-from test_sim_driver_models import poisson_requests, small_deployment
 
 
 def _run(n=120, **kw):

@@ -13,6 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_sim_driver_models import AnalyticCost, poisson_requests, small_deployment
+
 from rackbed.engine.cli.run import _stalled_status
 from rackbed.engine.core.autoscaler import AutoscalerConfig
 from rackbed.engine.core.policies import Policies
@@ -20,7 +22,6 @@ from rackbed.engine.core.scheduler import Scheduler
 from rackbed.engine.core.stall import describe_stall
 from rackbed.engine.loop.watchdog import Stalled, Watchdog
 from rackbed.sim.driver import simulate
-from test_sim_driver_models import AnalyticCost, poisson_requests, small_deployment
 
 ASC = AutoscalerConfig(interval_s=0.2, scale_up_delay_s=0.3)
 

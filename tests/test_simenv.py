@@ -12,6 +12,7 @@ import pytest
 import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.loop.simenv import TESTED_SIMPY, SimEnv
 
 ROOT = Path(__file__).resolve().parents[1]

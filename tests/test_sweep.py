@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+
 from rackbed.sim import sweep as sw
 from rackbed.topology.errors import UserError
 
@@ -157,6 +158,7 @@ def test_cost_model_reuse_gives_identical_results(tmp_path):
 
 def test_cli_sweep_writes_results_and_report(tmp_path, capsys):
     import yaml
+
     from rackbed.engine.cli.main import main
 
     spec_path = tmp_path / "s.yaml"

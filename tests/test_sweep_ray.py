@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sweep import BASE
+
 from rackbed.sim import sweep as sw
 from rackbed.topology.errors import UserError
-from test_sweep import BASE
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[cluster]')")
 

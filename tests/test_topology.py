@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
+from rackbed import topology
 from rackbed.topology import UserError, load
 from rackbed.topology.graph import Topology
 from rackbed.topology.presets import build
@@ -36,8 +38,6 @@ from rackbed.topology.specs import (
     RackSpec,
     SwitchSpec,
 )
-
-from rackbed import topology
 
 # ------------------------------------------------------------------------------------------------ specs
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from rackbed.engine.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,6 +11,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from rackbed import topology
 from rackbed.topology import UserError, dumps, from_dict, load, load_file
 from rackbed.topology.graph import Topology
 from rackbed.topology.specs import (
@@ -22,8 +24,6 @@ from rackbed.topology.specs import (
     XEON_8480C,
     LinkSpec,
 )
-
-from rackbed import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "scenarios" / "topologies").glob("*.yaml"))

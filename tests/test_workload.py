@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from rackbed.engine.core.request import Request
 from rackbed.engine.core.workload import (
     CHUNK,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rackbed.engine.core.traces import TRACE_FILES, load_trace, trace_path
 from rackbed.engine.core.workload import TraceReplay, describe, generate, iter_requests
 from rackbed.topology.errors import UserError

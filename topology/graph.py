@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import networkx as nx
+
 from rackbed.topology.errors import UserError
 from rackbed.topology.specs import CpuSpec, GpuSpec, LinkSpec, NicSpec, SwitchSpec
 

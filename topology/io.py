@@ -34,6 +34,7 @@ from pathlib import Path
 import networkx as nx
 import yaml
 from pydantic import Field, ValidationError
+
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.graph import NODE_KINDS, Topology, parse_id
 from rackbed.topology.specs import (

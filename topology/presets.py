@@ -30,6 +30,7 @@ import math
 import re
 
 import networkx as nx
+
 from rackbed.topology.errors import UserError
 from rackbed.topology.graph import Topology
 from rackbed.topology.specs import (

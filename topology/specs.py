@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+
 from rackbed.topology.errors import NoBoolNumbers, UserError
 
 PositiveFloat = Annotated[float, Field(gt=0)]

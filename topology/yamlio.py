@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import yaml
+
 from rackbed.topology.errors import UserError
 
 _BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

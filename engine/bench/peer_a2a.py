@@ -204,6 +204,7 @@ class _RankRun:
         """The rank's group and its model sharded over ``world`` expert-parallel ranks."""
         import torch
         import torch.distributed as dist
+
         from rackbed.engine.real.comm import Comm
         from rackbed.engine.real.model import Shard, ShardedQwen3Moe, shard_layer
 
@@ -248,6 +249,7 @@ class _RankRun:
         """The peer object: built by the engine itself on its first bf16 CUDA call (collective), or injected on the
         CPU (the torch backend). Returns the rank's ``info`` (backend, or why the engine fell back)."""
         import torch
+
         from rackbed.kernels.moe_a2a import PeerMoeAllToAll
 
         cfg, m, dev, o = self.cfg, self.m, self.dev, self.o

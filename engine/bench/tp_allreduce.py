@@ -12,6 +12,7 @@ import time
 def _rank(rank, world, layers, tokens, reps):
     import torch
     import torch.distributed as dist
+
     from rackbed.engine.core.model import get_model
     from rackbed.engine.real.comm import Comm
     from rackbed.engine.real.model import Shard, ShardedQwen3Moe, TorchModelConfig

@@ -24,12 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from rackbed import scenarios
     from rackbed.sim.emit import ENGINES, write_emit
     from rackbed.sim.scenario import load_scenario
     from rackbed.topology.errors import UserError
     from rackbed.topology.outputs import prepare_dir
-
-    from rackbed import scenarios
 
     if args.engine not in ENGINES:  # before loading anything
         raise UserError(f"--engine {args.engine}: unknown engine; one of {', '.join(ENGINES)}")

@@ -36,6 +36,7 @@ def format_rows(rows: int = 128, cols: int = 2048, seed: int = 0, df: float = 3.
     """One dict per format: name, description, element_bits, bytes_per_elem_weight, bytes_per_elem_activation,
     rel_err_gaussian, rel_err_student_t. Inputs are drawn from ``numpy.random.default_rng(seed)``."""
     import numpy as np
+
     from rackbed.engine.core.formats import EXTRA_FORMAT_NAMES, FORMAT_NAMES, get_format, relative_error
 
     if rows < 1 or cols < 1:

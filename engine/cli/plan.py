@@ -78,6 +78,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _plans_from_flags(args: argparse.Namespace):
     from pydantic import ValidationError
+
     from rackbed.engine.core.sharding import ParallelPlan, PlanFile
     from rackbed.topology.errors import UserError, from_validation
 
@@ -125,6 +126,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _with_format(plan, fmt: str, where: str):
     from pydantic import ValidationError
+
     from rackbed.topology.errors import from_validation
 
     try:
@@ -136,6 +138,7 @@ def _with_format(plan, fmt: str, where: str):
 def _show_kv(pf, model, seq_len: int, markdown: bool) -> None:
     """HND vs NHD chunk counts of one sequence's prefill -> decode transfer (fragmented page tables)."""
     import numpy as np
+
     from rackbed.engine.core.kv import KvLayout, chunk_stats, pages_needed, reshard_plan
     from rackbed.topology.errors import UserError
 

@@ -51,14 +51,14 @@ def _main(args: argparse.Namespace) -> int:
         from rackbed.topology.errors import UserError
 
         raise UserError("rackbed real needs torch, which is not installed: pip install 'rackbed[real]'") from None
+    from rich.console import Console
+
+    from rackbed import scenarios
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import bad_endings, replay, run_real
     from rackbed.sim.driver import simulate
     from rackbed.sim.outputs import write_all
     from rackbed.sim.scenario import build, load_scenario, print_summary
-    from rich.console import Console
-
-    from rackbed import scenarios
 
     console = Console()
     path = scenarios.resolve(args.scenario)

@@ -171,8 +171,9 @@ def _with_stack(spec, stack: str | None):
 def _main(args: argparse.Namespace) -> int:
     import os
 
-    from rackbed.sim import search as se
     from rich.console import Console
+
+    from rackbed.sim import search as se
 
     check_flags(args)
     console = Console() if Console().is_terminal else Console(width=160)
@@ -262,8 +263,9 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
 
 def print_budget(console, res) -> None:
     """The budget search's answer: per kind its front, then the best configuration."""
-    from rackbed.sim.report import fmt
     from rich.table import Table
+
+    from rackbed.sim.report import fmt
 
     sp, ld = res.spec, res.load
     alive = sum(c.pruned is None for c in res.candidates)
@@ -305,12 +307,11 @@ def print_budget(console, res) -> None:
 
 
 def _max_rate(args: argparse.Namespace, console) -> int:
+    from rackbed import scenarios
     from rackbed.sim.budget import max_rate
     from rackbed.sim.overrides import apply_overrides
     from rackbed.sim.scenario import parse_scenario
     from rackbed.topology.yamlio import load_yaml
-
-    from rackbed import scenarios
 
     path = scenarios.resolve(args.max_rate)
     sc = apply_overrides(parse_scenario(load_yaml(path), path), duration_s=args.duration)
@@ -333,9 +334,10 @@ def _max_rate(args: argparse.Namespace, console) -> int:
 
 
 def print_search(console, res) -> None:
+    from rich.table import Table
+
     from rackbed.sim.report import fmt
     from rackbed.sim.search_results import axis_table, prune_summary, where_time_goes
-    from rich.table import Table
 
     sp, ld = res.spec, res.load
     console.print(f"[bold]search {sp.name}[/bold]: {sp.model}; load {ld.rate_per_s:.3g} req/s, prompt "

@@ -46,8 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import os
 
-    from rackbed.sim import sweep as sw
     from rich.console import Console
+
+    from rackbed.sim import sweep as sw
 
     console = Console() if Console().is_terminal else Console(width=160)
     jobs = args.jobs or os.cpu_count() or 1
@@ -120,9 +121,10 @@ def sweep_report_data(spec, points, records, *, top: int = 5):
 
 
 def _print_best(console, data) -> None:
+    from rich.table import Table
+
     from rackbed.sim.report import best_table
     from rackbed.sim.search_results import where_time_goes
-    from rich.table import Table
 
     t = best_table(data)
     rt = Table(title=t.title)

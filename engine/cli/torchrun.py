@@ -39,6 +39,7 @@ def _shared_token(rank: int, device: str) -> bytes:
 
     import torch
     import torch.distributed as dist
+
     from rackbed.engine.real.wire import TOKEN_ENV, run_token
 
     if os.environ.get(TOKEN_ENV):
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     """One torchrun process: serve this rank's GPU; on global rank 0 also drive the run and write its outputs."""
     import torch
     import torch.distributed as dist
+
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import rank_specs, real_model_config, run_real
     from rackbed.engine.real.torchrun import (

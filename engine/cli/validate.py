@@ -269,6 +269,7 @@ def print_table(res: dict, echo=print) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rackbed import topology
     from rackbed.sim.calibrate import (
         calibration_for_topology,
         describe_calibration,
@@ -276,8 +277,6 @@ def _run(args: argparse.Namespace) -> int:
         load_measurements,
         measurement_paths,
     )
-
-    from rackbed import topology
 
     if getattr(args, "engine", None):  # before the kernel level's long table: a typo fails at once
         missing = [f for f in ENGINE_RUN_FILES if not (Path(args.engine) / f).is_file()]

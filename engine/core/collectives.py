@@ -67,6 +67,7 @@ from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+
 from rackbed.topology.errors import UserError
 
 __all__ = [

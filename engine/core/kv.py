@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
+
 from rackbed.engine.core.sharding import KV_DTYPE_BYTES, tp_kv_head_shards
 
 Order = Literal["HND", "NHD"]

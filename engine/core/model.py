@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from rackbed.engine.core.formats import get_format
 from rackbed.engine.core.layers import (
     DELTANET_FLOPS_PER_STATE_ELEM,

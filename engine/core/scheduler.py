@@ -62,6 +62,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
 from rackbed.engine.core import autoscaler as autoscale
 from rackbed.engine.core.aggregated import AggregatedServing
 from rackbed.engine.core.decision_log import DecisionLog

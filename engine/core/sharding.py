@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
 from rackbed.engine.core.layers import tp_kv_head_shards
 from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation, one_line
 
@@ -538,9 +539,8 @@ class PlanFile(BaseModel):
 
     def resolve(self, base_dir: str | Path | None = None):
         """(model spec, topology) named by this file."""
-        from rackbed.engine.core.model import get_model
-
         from rackbed import topology as topo_pkg
+        from rackbed.engine.core.model import get_model
 
         topo_name = self.topology
         if base_dir is not None and topo_name.endswith((".yaml", ".yml", ".json")):

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from rackbed.topology.errors import UserError
 
 from rackbed import shipped
+from rackbed.topology.errors import UserError
 
 TraceFormat = Literal["azure", "mooncake", "auto"]
 

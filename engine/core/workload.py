@@ -47,6 +47,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
 from rackbed.engine.core.request import Request
 from rackbed.engine.core.traces import MAX_TOKENS, TRACE_FILES, Trace, TraceFormat, load_trace, resolve_trace
 from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import simpy
+
 from rackbed.engine.core.plans import DecodeStep, KvTransfer, MixedStep, PrefillBatch
 from rackbed.engine.loop.simenv import SimEnv
 from rackbed.topology.errors import UserError
@@ -473,6 +474,7 @@ class RealRun:
                  requests=None) -> None:
         import torch
         import torch.multiprocessing as mp
+
         from rackbed.engine.real.worker import rank_main
 
         self.built = built

@@ -25,6 +25,7 @@ from functools import cached_property
 
 import torch
 import torch.nn.functional as F_
+
 from rackbed.engine.core.layers import GqaAttention, MoeFfn
 from rackbed.engine.real.comm import Comm
 from rackbed.kernels.moe_block import moe_block, route

@@ -27,6 +27,7 @@ from functools import reduce
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from rackbed.engine.core.kv import KvLayout, reshard_plan
 
 

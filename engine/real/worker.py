@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
 from rackbed.engine.core.kv import KvLayout
 from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.real.comm import Comm

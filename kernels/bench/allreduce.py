@@ -214,6 +214,7 @@ def worker(rank: int, world: int, port: int, cfg: dict, result_path: str) -> Non
     """One rank of the benchmark; ``cfg``: sizes (bytes), dtypes, check (bool), reps, impls."""
     import torch
     import torch.distributed as dist
+
     from rackbed.kernels.allreduce import PeerAllReduce
     from rackbed.kernels.allreduce_schedule import bound_us, predicted_us
 
@@ -357,6 +358,7 @@ def _tune(rank: int, world: int, sizes: list[int], cfg: dict) -> list[dict]:
     """CTA-count sweep for the two-shot kernels at sizes >= 16 MiB (bf16, CUDA graphs): max_blocks 66/132/264."""
     import torch
     import torch.distributed as dist
+
     from rackbed.kernels.allreduce import PeerAllReduce
 
     out_rows = []

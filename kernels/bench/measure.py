@@ -511,6 +511,7 @@ def gemm_forced_cases(device, name: str, n: int, k: int, runs: list, ws: list, x
     (``check: true``) times the forced kernel where the library picks it, to show that the two agree: calibration
     never reads those."""
     import torch
+
     from rackbed.kernels.cublaslt import CublasLt
 
     groups = short_runs(runs)
@@ -1024,6 +1025,7 @@ def bench_moe_block(device, timer, quick, dry, gen, echo, budget) -> list[dict]:
     import functools
 
     import torch
+
     from rackbed.kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_reference
     from rackbed.kernels.moe_block import moe_block, permute, route, unpermute
 

@@ -24,6 +24,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ[_k] = _v
 
 import numpy as np
+
 from rackbed.kernels.bench.suites import register_suite
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K = 4096, 1536, 128, 8
@@ -213,6 +214,7 @@ def run_gemm(cfg=None) -> dict:
     Times: eager CUDA events (host launch overhead included, as v1/v2 measured) and CUDA-graph replay (kernel time;
     weights rotated over experts so a case never runs out of L2)."""
     import torch
+
     from rackbed.kernels import grouped_gemm as gg
 
     dev = torch.device("cuda", 0)
@@ -414,6 +416,7 @@ def _prefill_baselines(gate_up, dev, g) -> dict:
 def _mx_check(dev) -> dict:
     """GPU quantize/dequantize vs the numpy reference, bit for bit; plus GPU time for a 4096x4096 tensor."""
     import torch
+
     from rackbed.engine.core import formats as ref
     from rackbed.kernels import mx
 

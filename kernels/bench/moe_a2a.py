@@ -119,6 +119,7 @@ def _routing(kind: str, T: int, rank: int, seed: int):
 
 def _rows(payload: str, T: int, dev, gen):
     import torch
+
     from rackbed.kernels.moe_a2a import pack_fp8_rows
 
     x = torch.randn(T, D, device=dev, generator=gen).to(torch.bfloat16)
@@ -128,6 +129,7 @@ def _rows(payload: str, T: int, dev, gen):
 def _expert_standin(payload: str, xr, ids, w, rank: int, world: int):
     """y = dequant(x) * (sum of the row's weights on this rank's experts), bf16 (weighted, like the engine)."""
     import torch
+
     from rackbed.kernels.moe_a2a import unpack_fp8_rows
 
     per = E // world
@@ -222,6 +224,7 @@ def _worker(rank: int, world: int, port: int, q, opts: dict) -> None:
 def _run_cases(cx, state, tokens, opts) -> None:
     import torch
     import torch.distributed as dist
+
     from rackbed.kernels.moe_a2a import A2aLayout, PeerMoeAllToAll, emulate, row_bytes_for
 
     rank, world, dev = cx.rank, cx.world, cx.dev

@@ -28,6 +28,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ[_k] = _v
 
 import numpy as np
+
 from rackbed.kernels.bench.suites import register_suite
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K, ROWS = 4096, 1536, 128, 8, 375
@@ -123,6 +124,7 @@ def _pick_best(row: dict) -> None:
 def run_prefill(cfg=None, sweep: bool = False, variants=None) -> dict:
     """``sweep``: every variant of kernels.grouped_gemm_wgmma.VARIANTS (v1 included), else the default ones."""
     import torch
+
     from rackbed.kernels import grouped_gemm as gg
     from rackbed.kernels import grouped_gemm_wgmma as gw
     from rackbed.kernels.moe_reference import route
@@ -478,6 +480,7 @@ def run_diagnose_child(variants: list[str], out_path: str) -> dict:
     (real variant first, so its numbers are in the JSON before any diagnostic twin runs)."""
     global _partial_path
     import torch
+
     from rackbed.kernels import grouped_gemm_wgmma as gw
     from rackbed.kernels import grouped_gemm_wgmma_cute as gc
 

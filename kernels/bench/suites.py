@@ -107,6 +107,7 @@ def run_allreduce(cfg: BenchConfig) -> dict:
     """Spawn one process per local GPU (all of them) and return rank 0's result dict."""
     import torch
     import torch.multiprocessing as mp
+
     from rackbed.kernels.bench import allreduce as allreduce_bench
 
     world = torch.cuda.device_count()

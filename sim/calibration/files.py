@@ -17,11 +17,11 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
+
+from rackbed import shipped
 from rackbed.sim.costs.calibration import _YAML_LOADER, CalibrationTable
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import write_text
-
-from rackbed import shipped
 
 #: calibration file schema (``meta.schema``) written; /2 adds the table's ``kernel_fixed_us`` (CalibrationTable
 #: version 2). Every schema in ``FILE_SCHEMAS`` is read (/1 files get the default fixed cost).

@@ -93,6 +93,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
 from rackbed.sim.costs import constants as C
 from rackbed.topology.errors import UserError, from_validation
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from rackbed.engine.core.layers.base import AttentionKind, split_heads
 from rackbed.engine.core.layers.ffn import DenseFfn, MoeFfn
 from rackbed.engine.core.layers.gdn import DELTANET_FLOPS_PER_STATE_ELEM, GdnAttention

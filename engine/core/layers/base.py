@@ -15,6 +15,7 @@ import functools
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from rackbed.topology.errors import UserError
 
 

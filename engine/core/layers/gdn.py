@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
+
 from rackbed.engine.core.layers.base import AttentionKind, local_counts
 from rackbed.topology.errors import UserError
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from pydantic import Field
+
 from rackbed.engine.core.layers.base import AttentionKind, local_counts, split_heads
 from rackbed.topology.errors import UserError
 
