@@ -39,7 +39,6 @@ from rackbed.engine.core.state import (
     DONE,
     PREFILLING,
     QUEUED_DECODE,
-    QUEUED_PREFILL,
     RETIRED,
     STATUS_NAMES,
     AggregatedState,
@@ -69,14 +68,7 @@ class AggregatedServing:
         w = self._choose_worker(cands, requeue)
         if w is None:
             return self._reject(r, now, "queue_full" if cands else "no_worker")
-        if self._log_on:
-            self._add((now, "route_prefill", w.id, r.id, w.queued_tokens, r.ctx0, ""))
-        r.state = QUEUED_PREFILL
-        r.prefiller = w
-        r.pf_done = 0
-        w.queue.append(r)
-        w.n_queued += 1
-        w.queued_tokens += r.ctx0
+        self._enqueue_prefill(r, w, now)
         w.changes += 1
         self._wake(w)
 

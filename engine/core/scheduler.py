@@ -315,17 +315,21 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
             est = (pf.queued_tokens + pf.offset_tokens + r.ctx0) / pf.cap_tps
             if est > self.shed_ttft_s:
                 return self._reject(r, now, "ttft_slo_unreachable")
-        if self._log_on:
-            self._add((now, "route_prefill", pf.id, r.id, pf.queued_tokens, r.ctx0, ""))
-        r.state = QUEUED_PREFILL
-        r.prefiller = pf
-        r.pf_done = 0
-        pf.queue.append(r)
-        pf.n_queued += 1
-        pf.queued_tokens += r.ctx0
+        self._enqueue_prefill(r, pf, now)
         if pf.idle:
             pf.idle = False
             self.wakeups.append(pf.id)
+
+    def _enqueue_prefill(self, r: RequestState, q, now: float) -> None:
+        """``r`` joins the prefill queue of ``q`` (a prefiller, or an aggregated worker), logged as its route."""
+        if self._log_on:
+            self._add((now, "route_prefill", q.id, r.id, q.queued_tokens, r.ctx0, ""))
+        r.state = QUEUED_PREFILL
+        r.prefiller = q
+        r.pf_done = 0
+        q.queue.append(r)
+        q.n_queued += 1
+        q.queued_tokens += r.ctx0
 
     def _reject(self, r: RequestState, now: float, reason: str) -> None:
         r.state = REJECTED
