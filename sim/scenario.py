@@ -388,6 +388,8 @@ def truncate_model(model, n_layers: int):
            "name": f"{model.name}[:{n_layers}]"}
     if hasattr(model, "dense_layers"):
         upd["dense_layers"] = tuple(i for i in model.dense_layers if i < n_layers)
+    if getattr(model, "max_context", None) is not None:  # excluded from model_dump
+        upd["max_context"] = model.max_context
     return model.model_validate({**model.model_dump(), **upd})
 
 

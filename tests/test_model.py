@@ -108,6 +108,17 @@ def test_qwen35_122b_and_30b_shapes():
     assert get_model("qwen3-30b-a3b").kv_bytes_per_token() == 48 * 2 * 4 * 128 * 2
 
 
+def test_preset_contexts_are_the_published_ones():
+    """max_position_embeddings of each preset's config.json (Qwen3: 40,960 native, 131,072 only with YaRN)."""
+    assert {n: get_model(n).max_context for n in PRESET_NAMES} == {
+        "qwen3-235b-a22b": 40960, "qwen3-30b-a3b": 40960, "qwen3.5-397b-a17b": 262144, "qwen3.5-122b-a10b": 262144}
+    m = get_model("qwen3-30b-a3b")
+    assert "max_context" not in m.model_dump() and "max_context" not in m.model_dump_json()
+    from rackbed.sim.scenario import truncate_model
+
+    assert truncate_model(m, 2).max_context == 40960  # rebuilt from model_dump, which leaves the field out
+
+
 def test_weight_bytes_by_hand():
     m = get_model("qwen3-235b-a22b")
     quant = L * (ATTN_PROJ + 128 * EXPERT)

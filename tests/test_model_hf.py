@@ -33,6 +33,8 @@ QWEN3_235B_CONFIG = {  # keys and values of Qwen/Qwen3-235B-A22B config.json (ar
     "attention_bias": False,
     "norm_topk_prob": True,
     "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "rope_scaling": None,
     "torch_dtype": "bfloat16",
 }
 
@@ -56,6 +58,8 @@ QWEN35_397B_TEXT = {  # text_config of Qwen/Qwen3.5-397B-A17B (architecture part
     "full_attention_interval": 4,
     "mtp_num_hidden_layers": 1,
     "tie_word_embeddings": False,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
 }
 
 
@@ -67,6 +71,7 @@ def _write(tmp_path, cfg: dict, name: str = "config.json"):
 
 def _same_architecture(a: ModelSpec, b: ModelSpec) -> None:
     assert a.model_dump(exclude={"name", "source"}) == b.model_dump(exclude={"name", "source"})
+    assert a.max_context == b.max_context  # not in model_dump (see ModelSpec)
 
 
 def test_qwen3_moe_config_gives_the_preset(tmp_path):
@@ -74,6 +79,28 @@ def test_qwen3_moe_config_gives_the_preset(tmp_path):
     _same_architecture(m, get_model("qwen3-235b-a22b"))
     assert m.name == tmp_path.name and "qwen3_moe" in m.source
     assert m.kv_bytes_per_token() == 192_512
+
+
+@pytest.mark.parametrize("rope, ctx", [
+    (None, 40960),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),  # Qwen3 card
+    ({"type": "yarn", "factor": 2}, 81920),  # no original length: the factor stretches max_position_embeddings
+    ({"rope_type": "linear", "factor": 2.0}, 81920),
+    ({"rope_type": "longrope", "factor": 4.0}, 40960),  # longrope configs already state the stretched length
+])
+def test_max_context_honours_a_rope_scaling_factor(tmp_path, rope, ctx):
+    m = ModelSpec.from_hf_config(_write(tmp_path, {**QWEN3_235B_CONFIG, "rope_scaling": rope}))
+    assert m.max_context == ctx
+    assert "max_context" not in m.model_dump()  # dumps (output files, sweep keys) stay as they were
+
+
+def test_max_context_defaults_and_bad_factors(tmp_path):
+    cfg = {k: v for k, v in QWEN3_235B_CONFIG.items() if k != "max_position_embeddings"}
+    assert ModelSpec.from_hf_config(_write(tmp_path, cfg)).max_context == 32768  # transformers' default
+    for bad in (0.5, "4", True):
+        with pytest.raises(ValueError, match=r"rope_scaling\.factor must be a number"):
+            ModelSpec.from_hf_config(_write(tmp_path, {**QWEN3_235B_CONFIG,
+                                                       "rope_scaling": {"rope_type": "yarn", "factor": bad}}))
 
 
 @pytest.mark.parametrize("layout", ["interval", "layer_types", "flat"])

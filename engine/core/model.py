@@ -70,6 +70,11 @@ class ModelSpec(BaseModel):
     Field names are the ones the sharding, cost and engine code read. Besides the architecture: ``dense_layers``
     (indices of layers whose MLP is dense, from HF ``mlp_only_layers`` / ``decoder_sparse_step``) and ``source``
     (where the numbers come from).
+
+    ``max_context`` is the longest sequence (prompt + output tokens) the model serves, from HF
+    ``max_position_embeddings`` (times a ``rope_scaling`` factor when the config enables one; see
+    ``_hf_max_context``); None when unknown (no check). It is left out of ``model_dump`` so that every dump
+    of a spec -- in run records, sweep keys, output files -- stays as it was before the field existed.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -98,6 +103,7 @@ class ModelSpec(BaseModel):
     tie_embeddings: bool = False
     n_mtp_layers: int = Field(default=0, ge=0)
     source: str = ""
+    max_context: int | None = Field(default=None, gt=0, exclude=True)
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -463,6 +469,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         attention_bias=False,
         decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
         mlp_only_layers=[],
+        max_position_embeddings=32768,
     ),
     "qwen3_next": dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
@@ -472,6 +479,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, num_experts_per_tok=10, num_experts=512, mlp_only_layers=[],
         full_attention_interval=4, mtp_num_hidden_layers=0,
+        max_position_embeddings=32768,
     ),
     "qwen3_5_moe": dict(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
@@ -479,6 +487,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
         linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         num_experts_per_tok=8, num_experts=256, full_attention_interval=4, mtp_num_hidden_layers=0,
+        max_position_embeddings=32768,
     ),
 }
 
@@ -495,6 +504,35 @@ _HF_BOUNDS = {"num_hidden_layers": 10_000, "mtp_num_hidden_layers": 10_000, "num
               "num_local_experts": 65_536, "num_experts_per_tok": 65_536, "full_attention_interval": 10_000,
               "decoder_sparse_step": 10_000}
 _HF_BOUND = 1 << 24  # any other size (vocab, hidden, intermediate, heads, head_dim)
+
+
+#: RoPE scalings whose ``factor`` stretches the context past ``max_position_embeddings`` (as vLLM derives a model's
+#: length); other types (``default``, ``mrope``, and ``longrope`` / ``llama3``, whose configs already state the
+#: stretched length) leave it as it is
+_ROPE_STRETCH = ("yarn", "linear", "dynamic")
+
+
+def _hf_max_context(cfg: dict[str, Any], max_pos: int, path: Path) -> int:
+    """The longest sequence a config serves: ``max_position_embeddings``, or, when ``rope_scaling`` (transformers
+    5: ``rope_parameters``) names a stretching type with a ``factor``, the base times the factor -- for YaRN the
+    base is ``original_max_position_embeddings`` when given (Qwen3 with YaRN enabled: ``{rope_type: yarn,
+    factor: 4.0, original_max_position_embeddings: 32768}`` -> 131,072; without it: 40,960). vLLM derives its
+    ``max_model_len`` the same way."""
+    key = "rope_scaling" if isinstance(cfg.get("rope_scaling"), dict) else "rope_parameters"
+    rope = cfg.get(key)
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind not in _ROPE_STRETCH or rope.get("factor") is None:
+        return max_pos
+    factor = rope["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1 <= factor <= 1024:
+        raise UserError(f"{path}: {key}.factor must be a number in [1, 1024], got {factor!r}")
+    base = max_pos
+    if kind == "yarn" and rope.get("original_max_position_embeddings") is not None:
+        base = rope["original_max_position_embeddings"]
+        if isinstance(base, bool) or not isinstance(base, int) or not 0 < base <= _HF_BOUND:
+            raise UserError(f"{path}: {key}.original_max_position_embeddings must be a positive integer, "
+                            f"got {base!r}")
+    return int(base * factor)
 
 
 def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str, Any]:
@@ -525,6 +563,7 @@ def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str,
     head_dim = get_int("head_dim") if get("head_dim") is not None else (hidden // n_q if n_q > 0 else 0)
     n_experts = get_int("num_experts")
     kw: dict[str, Any] = dict(
+        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
         hidden=hidden, n_layers=n_layers, n_q_heads=n_q, n_kv_heads=get_int("num_key_value_heads"),
         head_dim=head_dim, qk_norm=True, vocab=get_int("vocab_size"),
         tie_embeddings=bool(get("tie_word_embeddings")),
@@ -598,12 +637,14 @@ _PRESETS: dict[str, ModelSpec] = {
         name="qwen3-235b-a22b", hidden=4096, n_layers=94, layer_types=("full",) * 94,
         n_q_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True, gated_attn=False,
         n_experts=128, top_k=8, moe_intermediate=1536, vocab=151936, tie_embeddings=False,
+        max_context=40960,  # max_position_embeddings; 131,072 with YaRN (rope_scaling factor 4 on 32,768)
         source="Qwen/Qwen3-235B-A22B config.json",
     ),
     "qwen3-30b-a3b": ModelSpec(
         name="qwen3-30b-a3b", hidden=2048, n_layers=48, layer_types=("full",) * 48,
         n_q_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True, gated_attn=False,
         n_experts=128, top_k=8, moe_intermediate=768, vocab=151936, tie_embeddings=False,
+        max_context=40960,  # max_position_embeddings; 131,072 with YaRN (rope_scaling factor 4 on 32,768)
         source="Qwen/Qwen3-30B-A3B config.json",
     ),
     "qwen3.5-397b-a17b": ModelSpec(
@@ -612,6 +653,7 @@ _PRESETS: dict[str, ModelSpec] = {
         linear_n_k_heads=16, linear_n_v_heads=64, linear_head_dim=128, linear_conv=4,
         n_experts=512, top_k=10, moe_intermediate=1024, n_shared_experts=1, shared_intermediate=1024,
         vocab=248320, tie_embeddings=False, n_mtp_layers=1,
+        max_context=262144,  # text_config max_position_embeddings (the card: up to ~1M with YaRN)
         source="Qwen/Qwen3.5-397B-A17B config.json (text_config)",
     ),
     "qwen3.5-122b-a10b": ModelSpec(
@@ -620,6 +662,7 @@ _PRESETS: dict[str, ModelSpec] = {
         linear_n_k_heads=16, linear_n_v_heads=64, linear_head_dim=128, linear_conv=4,
         n_experts=256, top_k=8, moe_intermediate=1024, n_shared_experts=1, shared_intermediate=1024,
         vocab=248320, tie_embeddings=False, n_mtp_layers=1,
+        max_context=262144,  # the Qwen3.5 family's text_config max_position_embeddings; not re-checked for this size
         source="Qwen/Qwen3.5-122B-A10B config.json (text_config)",
     ),
 }
