@@ -397,15 +397,18 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     from rackbed import topology as topo_mod
     from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, place
-    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size
+    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size, context_check
 
     check_run_size(sc)
     topo = topo_mod.load(sc.topology)
     model = scenario_model(sc)
+    context = context_check(sc, model)
     if sc.deployment == "aggregated":
         from rackbed.sim.aggregated import build_aggregated
 
-        return build_aggregated(sc, topo, model, _KvPathView(topo))
+        b = build_aggregated(sc, topo, model, _KvPathView(topo))
+        b.caveats.extend(context)
+        return b
     p, d = sc.prefill, sc.decode
     n_p, n_d = p.replicas, d.replicas
     if sc.autoscaler is not None and sc.autoscaler.enabled:
@@ -440,7 +443,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats
 
-    caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc)
+    caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc) + context
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
 
 

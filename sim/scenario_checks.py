@@ -43,3 +43,52 @@ def check_run_size(sc) -> None:
     if expected > MAX_REQUESTS:
         raise UserError(f"workload.duration_s x workload.arrival.rate_per_s is {expected:.3g} requests; at most "
                         f"{MAX_REQUESTS:,} in one run (a generous bound), or give workload.n_requests")
+
+
+def _length_bound(dist) -> tuple[int | None, str]:
+    """The most tokens a length distribution can draw and the field that sets it; None where it is unbounded (a
+    log-normal without ``max_tokens``) or drawn from a trace's column (data, judged like a trace's requests)."""
+    kind = getattr(dist, "kind", None)
+    if kind == "fixed":
+        return dist.tokens, "tokens"
+    if kind == "uniform":
+        return dist.hi, "hi"
+    if kind == "lognormal":
+        return dist.max_tokens, "max_tokens"
+    if kind == "empirical" and dist.values is not None:
+        return max(dist.values), "values"
+    return None, ""
+
+
+def context_check(sc, model) -> list[str]:
+    """Requests against the model's context (``ModelSpec.max_context``, prompt + output tokens; no check when it is
+    unknown). A synthetic workload whose declared bounds let a request exceed it is an error naming
+    ``workload.prompt`` / ``workload.output``. Requests that come from data -- a trace, a length drawn from a trace's
+    column -- or from an unbounded log-normal are drawn (the run's own stream) and those beyond the context give a
+    caveat: shipped scenarios replay traces whose longest requests exceed a model's native context, and a run
+    simulates them whole, as if the model served them (with YaRN, say)."""
+    ctx = getattr(model, "max_context", None)
+    wl = sc.workload
+    if ctx is None:
+        return []
+    if getattr(wl, "kind", None) == "synthetic":
+        (p, pf), (o, of) = _length_bound(wl.prompt), _length_bound(wl.output)
+        if p is not None and o is not None:
+            if p + o > ctx:
+                raise UserError(f"workload.prompt.{pf} + workload.output.{of}: a request can reach {p:,} + {o:,} = "
+                                f"{p + o:,} tokens, beyond the {ctx:,}-token context of {model.name} (prompt + "
+                                "output must fit)")
+            return []
+    from rackbed.engine.core.workload import iter_requests
+
+    n = over = largest = 0
+    for r in iter_requests(wl, sc.seed):
+        n += 1
+        t = r.prompt_tokens + r.output_tokens
+        if t > ctx:
+            over += 1
+            largest = max(largest, t)
+    if not over:
+        return []
+    return [f"workload: {over:,} of {n:,} requests exceed the {ctx:,}-token context of {model.name} (prompt + "
+            f"output, the largest {largest:,}); they are simulated whole, as if the model served them"]

@@ -12,6 +12,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rackbed.engine.cli.main import main
 
@@ -120,6 +122,46 @@ def test_batch_budget_below_every_prompt_is_a_caveat():
     assert not any("max_batch_tokens" in c for c in _build(H200).caveats)
     chunked = _build(H200.replace("max_batch_tokens: 8192", "max_batch_tokens: 1") + "sim: {chunked_prefill: true}\n")
     assert not any("max_batch_tokens" in c for c in chunked.caveats)
+
+
+def test_request_beyond_the_model_context(tmp_path, capsys):
+    # qwen3-235b-a22b serves 40,960 tokens (prompt + output; 131,072 only with YaRN): 41,000 + 128 cannot fit
+    run_scenario(tmp_path, capsys, H200.replace("lo: 1000, hi: 3000", "lo: 1000, hi: 41000"),
+                 "workload.prompt.hi", "workload.output.hi", "41,128", "40,960-token context", "qwen3-235b-a22b")
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(prompt=st.integers(1, 60_000), output=st.integers(1, 30_000))
+def test_fixed_lengths_error_exactly_when_they_exceed_the_context(prompt, output):
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.scenario import parse_scenario
+    from rackbed.sim.scenario_checks import context_check
+    from rackbed.topology.errors import UserError
+    from rackbed.topology.yamlio import parse_yaml
+
+    text = NVL72.replace("prompt: {kind: fixed, tokens: 1000}", f"prompt: {{kind: fixed, tokens: {prompt}}}").replace(
+        "output: {kind: fixed, tokens: 20}", f"output: {{kind: fixed, tokens: {output}}}")
+    sc = parse_scenario(parse_yaml(text, "s.yaml"))
+    if prompt + output > 40960:
+        with pytest.raises(UserError, match=r"^workload\.prompt\.tokens \+ workload\.output\.tokens: .*40,960"):
+            context_check(sc, get_model(sc.model))
+    else:
+        assert context_check(sc, get_model(sc.model)) == []
+
+
+def test_trace_requests_beyond_the_model_context_are_a_caveat(tmp_path):
+    # a trace is data (shipped scenarios replay Mooncake, whose longest requests exceed Qwen3's native context):
+    # the run goes on and says how many requests exceed it and by how much
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(MOONCAKE_ROW % (0, 100) + MOONCAKE_ROW % (10, 50_000) + MOONCAKE_ROW % (20, 45_000))
+    b = _build(H200.split("workload:")[0] + f"workload: {{kind: trace, path: {trace}}}\n")
+    assert [c for c in b.caveats if "context" in c] == [
+        "workload: 2 of 3 requests exceed the 40,960-token context of qwen3-235b-a22b[:16] (prompt + output, the "
+        "largest 50,005); they are simulated whole, as if the model served them"]
+    # an unbounded log-normal is judged on the requests it draws (the run's own stream), as a trace is
+    tail = _build(H200.replace("{kind: uniform, lo: 1000, hi: 3000}", "{kind: lognormal, p50: 20000, p90: 40000}"))
+    assert any(c.startswith("workload: ") and "exceed the 40,960-token context" in c for c in tail.caveats)
+    assert not any("context" in c for c in _build(H200).caveats)
 
 
 def test_duplicate_yaml_key(tmp_path, capsys):
