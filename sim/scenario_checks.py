@@ -60,6 +60,11 @@ def _length_bound(dist) -> tuple[int | None, str]:
     return None, ""
 
 
+#: requests :func:`context_check` draws at most (a looped trace repeats itself; a long run's whole stream would
+#: cost as much again as generating it for the run)
+CONTEXT_SAMPLE = 10_000
+
+
 def context_check(sc, model) -> list[str]:
     """Requests against the model's context (``ModelSpec.max_context``, prompt + output tokens; no check when it is
     unknown). A synthetic workload whose declared bounds let a request exceed it is an error naming
@@ -79,16 +84,19 @@ def context_check(sc, model) -> list[str]:
                                 f"{p + o:,} tokens, beyond the {ctx:,}-token context of {model.name} (prompt + "
                                 "output must fit)")
             return []
+    from itertools import islice
+
     from rackbed.engine.core.workload import iter_requests
 
     n = over = largest = 0
-    for r in iter_requests(wl, sc.seed):
+    for r in islice(iter_requests(wl, sc.seed), CONTEXT_SAMPLE + 1):
         n += 1
         t = r.prompt_tokens + r.output_tokens
-        if t > ctx:
+        if n <= CONTEXT_SAMPLE and t > ctx:
             over += 1
             largest = max(largest, t)
     if not over:
         return []
-    return [f"workload: {over:,} of {n:,} requests exceed the {ctx:,}-token context of {model.name} (prompt + "
+    of = f"the first {CONTEXT_SAMPLE:,}" if n > CONTEXT_SAMPLE else f"{n:,}"
+    return [f"workload: {over:,} of {of} requests exceed the {ctx:,}-token context of {model.name} (prompt + "
             f"output, the largest {largest:,}); they are simulated whole, as if the model served them"]

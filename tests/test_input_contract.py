@@ -162,6 +162,18 @@ def test_trace_requests_beyond_the_model_context_are_a_caveat(tmp_path):
     tail = _build(H200.replace("{kind: uniform, lo: 1000, hi: 3000}", "{kind: lognormal, p50: 20000, p90: 40000}"))
     assert any(c.startswith("workload: ") and "exceed the 40,960-token context" in c for c in tail.caveats)
     assert not any("context" in c for c in _build(H200).caveats)
+    # a long run's stream is judged on its first CONTEXT_SAMPLE requests (the rest would cost a second generation)
+    import rackbed.sim.scenario_checks as checks
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(checks, "CONTEXT_SAMPLE", 2)
+    try:
+        capped = _build(H200.split("workload:")[0] + f"workload: {{kind: trace, path: {trace}}}\n")
+    finally:
+        mp.undo()
+    assert [c for c in capped.caveats if "context" in c] == [
+        "workload: 1 of the first 2 requests exceed the 40,960-token context of qwen3-235b-a22b[:16] (prompt + "
+        "output, the largest 50,005); they are simulated whole, as if the model served them"]
 
 
 def test_duplicate_yaml_key(tmp_path, capsys):
