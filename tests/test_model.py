@@ -111,9 +111,15 @@ def test_qwen35_122b_and_30b_shapes():
 def test_preset_contexts_are_the_published_ones():
     """max_position_embeddings of each preset's config.json (Qwen3: 40,960 native, 131,072 only with YaRN)."""
     assert {n: get_model(n).max_context for n in PRESET_NAMES} == {
-        "qwen3-235b-a22b": 40960, "qwen3-30b-a3b": 40960, "qwen3.5-397b-a17b": 262144, "qwen3.5-122b-a10b": 262144}
+        "qwen3-235b-a22b": 40960, "qwen3-30b-a3b": 40960, "qwen3.5-397b-a17b": 262144, "qwen3.5-122b-a10b": 262144,
+        "deepseek-v3": 163840, "kimi-k2": 131072, "gpt-oss-120b": 131072, "glm-4.5": 131072}
     m = get_model("qwen3-30b-a3b")
     assert "max_context" not in m.model_dump() and "max_context" not in m.model_dump_json()
+    # fields of the later families stay out of a Qwen spec's dumps (run records and sweep keys unchanged)
+    assert "kv_lora_rank" not in m.model_dump() and "attn_sinks" not in m.model_dump_json()
+    d = get_model("deepseek-v3").model_dump()
+    assert d["kv_lora_rank"] == 512 and d["shared_expert_gate"] is False and "attn_sinks" not in d
+    assert ModelSpec.model_validate(d) == get_model("deepseek-v3").model_copy(update={"max_context": None})
     from rackbed.sim.scenario import truncate_model
 
     assert truncate_model(m, 2).max_context == 40960  # rebuilt from model_dump, which leaves the field out
@@ -289,7 +295,8 @@ def test_get_model_errors():
         get_model("qwen9")
     with pytest.raises(FileNotFoundError):
         get_model("/nonexistent/config.json")
-    assert set(PRESET_NAMES) == {"qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3.5-397b-a17b", "qwen3.5-122b-a10b"}
+    assert set(PRESET_NAMES) == {"qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3.5-397b-a17b", "qwen3.5-122b-a10b",
+                                 "deepseek-v3", "kimi-k2", "gpt-oss-120b", "glm-4.5"}
 
 
 # ---- CLI

@@ -212,8 +212,11 @@ def test_budget_conserves_model_bytes(mp):
     assert abs(b.dense_weight_bytes * p.tp - parts.tp_dense * bpe) <= p.tp
     attn_total = (parts.attn_split + parts.kv_proj * p.kv_replication + parts.linear_attn) * bpe
     assert abs(b.attention_weight_bytes * p.tp - attn_total) <= p.tp
-    kv_total = model.kv_bytes_per_token(KV_DTYPE_BYTES[p.kv_dtype], include_mtp=True)
-    assert b.kv_bytes_per_token_per_rank * p.tp == kv_total * p.kv_replication
+    # KV split by heads adds back up to the model's KV x kv_replication; a latent (MLA) is whole on every rank
+    eb = KV_DTYPE_BYTES[p.kv_dtype]
+    held = sum(n * a.kv_bytes_per_token(eb) * (p.tp if a.kv_tp_sharding == "replicated" else p.kv_replication)
+               for a, n in model.attention_counts(include_mtp=True))
+    assert b.kv_bytes_per_token_per_rank * p.tp == held
     one = p.model_copy(update={"tp": 1, "ep": 1, "dp": 1, "kv_replication": 1, "gpus": (0,)})
     assert abs(one.memory_budget(model, hbm_bytes=10**15).weight_bytes - model.weight_bytes(
         p.weight_format, include_mtp=True)) <= 4

@@ -1,15 +1,21 @@
 """Model architecture specs and the quantities derived from them (parameters, bytes, FLOPs, KV / state sizes).
 
-A ``ModelSpec`` describes a decoder-only MoE transformer of the Qwen3 / Qwen3-Next / Qwen3.5 families:
+A ``ModelSpec`` describes a decoder-only MoE transformer of the Qwen3 / Qwen3-Next / Qwen3.5, DeepSeek-V3 / Kimi-K2,
+gpt-oss and GLM-4.5 families:
 
 * token mixers per layer (``layer_types``): ``"full"`` = softmax attention with GQA (optionally *gated*:
-  q_proj also emits a per-channel sigmoid gate for the output, so it is 2x wide; optionally qk RMSNorm), or
+  q_proj also emits a per-channel sigmoid gate for the output, so it is 2x wide; optionally qk RMSNorm, q/k/v
+  and o biases, learned sinks); ``"sliding"`` = the same attending to the latest ``sliding_window`` tokens
+  (gpt-oss); ``"mla"`` = multi-head latent attention (DeepSeek-V3, Kimi-K2: ``q_lora_rank``,
+  ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``; ``n_q_heads`` heads, and
+  ``n_kv_heads`` = ``n_q_heads``, ``head_dim`` = qk_nope + qk_rope as the Hugging Face config states them); or
   ``"linear"`` = Gated DeltaNet (in_proj_qkvz: hidden -> 2*Hk*Dk + 2*Hv*Dv, in_proj_ba: hidden -> 2*Hv,
   depthwise causal conv1d of width ``linear_conv`` over the 2*Hk*Dk + Hv*Dv q/k/v channels, A_log and dt_bias
   [Hv], a gated RMSNorm over Dv, out_proj: Hv*Dv -> hidden);
 * an MLP per layer: MoE (``n_experts`` SwiGLU experts of width ``moe_intermediate``, ``top_k`` routed, router
   hidden -> n_experts, plus ``n_shared_experts`` always-on SwiGLU experts of width ``shared_intermediate``,
-  each with a sigmoid gate hidden -> 1), or a dense SwiGLU of width ``dense_intermediate`` for layers listed
+  each with a sigmoid gate hidden -> 1 unless ``shared_expert_gate`` is false: DeepSeek-V3, GLM-4.5), a router
+  bias (``router_bias``) and expert biases (``expert_bias``, gpt-oss), or a dense SwiGLU of width ``dense_intermediate`` for layers listed
   in ``dense_layers`` (all layers if ``n_experts == 0``);
 * two RMSNorms per layer, a final RMSNorm, embeddings and an lm_head (untied unless ``tie_embeddings``);
 * ``n_mtp_layers`` multi-token-prediction modules (Qwen3-Next/3.5 layout: RMSNorm of the embedding and of the
@@ -35,6 +41,14 @@ qwen3.5-397b-a17b  396.35e9         17.35e9         published 397B / 17B: -0.16 
                                                     counts the vision encoder (not modelled, text only);
                                                     with the MTP layer the text model holds 402.94e9
 qwen3.5-122b-a10b  122.11e9         9.77e9          published 122B / 10B (active 2.3 % below the name)
+deepseek-v3        671.03e9         37.55e9         published 671B / 37B; + the MTP module: 682.64e9 (the
+                                                    published 685B also counts the MTP module's own copies
+                                                    of embedding and head)
+kimi-k2            1026.41e9        32.86e9         published 1T / 32B
+gpt-oss-120b       116.83e9         5.71e9          published 116.83B / 5.13B: the published active count
+                                                    leaves out the input embedding (0.58e9)
+glm-4.5            352.80e9         33.63e9         published 355B / 32B: with the MTP layer 356.79e9;
+                                                    active without the input embedding 32.86e9
 =================  ===============  ==============  ======================================================
 (exact integers are asserted in tests/test_model.py.)
 """
@@ -44,7 +58,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from rackbed.engine.core.formats import get_format
 from rackbed.engine.core.layers import (
@@ -54,14 +68,16 @@ from rackbed.engine.core.layers import (
     GdnAttention,
     GqaAttention,
     Layer,
+    MlaAttention,
     MoeFfn,
+    SlidingWindowAttention,
 )
 from rackbed.topology.errors import UserError, one_line
 
-LayerKind = Literal["full", "linear"]
+LayerKind = Literal["full", "linear", "sliding", "mla"]
 Phase = Literal["prefill", "decode"]
 
-SUPPORTED_HF_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+SUPPORTED_HF_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "kimi_k2", "gpt_oss", "glm4_moe")
 
 
 class ModelSpec(BaseModel):
@@ -104,6 +120,29 @@ class ModelSpec(BaseModel):
     n_mtp_layers: int = Field(default=0, ge=0)
     source: str = ""
     max_context: int | None = Field(default=None, gt=0, exclude=True)
+    # ---- the families beyond Qwen (left out of dumps at their defaults: see ``_dump``) ----
+    attn_qkv_bias: bool = False
+    attn_o_bias: bool = False
+    attn_sinks: bool = False
+    sliding_window: int = Field(default=0, ge=0)
+    q_lora_rank: int = Field(default=0, ge=0)
+    kv_lora_rank: int = Field(default=0, ge=0)
+    qk_nope_head_dim: int = Field(default=0, ge=0)
+    qk_rope_head_dim: int = Field(default=0, ge=0)
+    v_head_dim: int = Field(default=0, ge=0)
+    shared_expert_gate: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Fields added for the DeepSeek / gpt-oss / GLM families are dumped only when they differ from their
+        defaults, so every dump of a Qwen spec (run records, sweep keys, output files) stays as it was."""
+        out = handler(self)
+        for f in _LATE_FIELDS:
+            if f in out and out[f] == ModelSpec.model_fields[f].default:
+                del out[f]
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -137,6 +176,12 @@ class ModelSpec(BaseModel):
                 raise ValueError("dense_intermediate must be > 0 when dense_layers is not empty")
         if self.n_shared_experts > 0 and self.shared_intermediate <= 0:
             raise ValueError("shared_intermediate must be > 0 when n_shared_experts > 0")
+        if "mla" in self.layer_types:
+            for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) <= 0:
+                    raise ValueError(f"{f} must be > 0 when layer_types contains 'mla'")
+        if "sliding" in self.layer_types and self.sliding_window <= 0:
+            raise ValueError("sliding_window must be > 0 when layer_types contains 'sliding'")
         return self
 
     # ---- layer kinds ---------------------------------------------------------------------------------------
@@ -160,28 +205,38 @@ class ModelSpec(BaseModel):
 
     @property
     def mtp_layer(self) -> Layer:
-        """One MTP module's decoder layer: full attention with the model's MLP (MoE, or dense without experts)."""
+        """One MTP module's decoder layer: the model's global attention (MLA for DeepSeek-V3, full attention
+        otherwise) with the model's MLP (MoE, or dense without experts)."""
         k = self.kinds
-        return Layer(attention=k.full, ffn=k.moe or k.dense)
+        return Layer(attention=k.mtp_attention, ffn=k.moe or k.dense)
 
     def mixer(self, kind: str) -> AttentionKind | None:
-        """The token mixer of layers tagged ``kind`` ("full" | "linear"); None if the model has none. The full
-        kind always exists (MTP layers use it)."""
-        if kind == "full":
-            return self.kinds.full
-        if kind == "linear":
-            return self.kinds.linear
-        raise ValueError(f"attention kind must be 'full' or 'linear', got {kind!r}")
+        """The token mixer of layers tagged ``kind`` ("full" | "linear" | "sliding" | "mla"); None if the model
+        has none. The full kind always exists (MTP layers of non-MLA models use it)."""
+        k = self.kinds
+        if kind in ("full", "linear", "sliding", "mla"):
+            return getattr(k, kind)
+        raise ValueError(f"attention kind must be 'full', 'linear', 'sliding' or 'mla', got {kind!r}")
 
     def attention_counts(self, include_mtp: bool = False) -> tuple[tuple[AttentionKind, int], ...]:
         """(token-mixer kind, number of layers) per distinct kind, in first-layer order; ``include_mtp`` adds
-        the MTP layers to the full-attention count."""
+        the MTP layers to the count of their kind (``mtp_layer``)."""
         counts = self.kinds.counts
         if not (include_mtp and self.n_mtp_layers):
             return counts
-        if all(a.kind != "full" for a, _ in counts):
-            return (*counts, (self.kinds.full, self.n_mtp_layers))
-        return tuple((a, n + self.n_mtp_layers if a.kind == "full" else n) for a, n in counts)
+        mtp = self.kinds.mtp_attention
+        if all(a.kind != mtp.kind for a, _ in counts):
+            return (*counts, (mtp, self.n_mtp_layers))
+        return tuple((a, n + self.n_mtp_layers if a.kind == mtp.kind else n) for a, n in counts)
+
+    def n_layers_of(self, kind: str) -> int:
+        """Main-model layers whose token mixer is ``kind``."""
+        return self.layer_types.count(kind)
+
+    def kv_bytes_per_seq(self, context_len: int, elem_bytes: float = 2, include_mtp: bool = False) -> float:
+        """Everything one sequence of ``context_len`` tokens keeps over all layers: per-token KV (sliding-window
+        layers at most ``sliding_window`` tokens) plus recurrent state (DeltaNet layers, ``elem_bytes`` each)."""
+        return sum(n * a.kv_bytes_per_seq(context_len, elem_bytes) for a, n in self.attention_counts(include_mtp))
 
     # ---- layer structure -----------------------------------------------------------------------------------
 
@@ -236,16 +291,18 @@ class ModelSpec(BaseModel):
         return self._attn_matmul_params(kind) + self._attn_small_params(kind)
 
     def params_expert(self) -> int:
-        """One routed SwiGLU expert: gate, up (hidden -> moe_intermediate) and down projections."""
-        return 3 * self.hidden * self.moe_intermediate
+        """One routed expert: gate, up (hidden -> moe_intermediate) and down projections (+ biases, gpt-oss)."""
+        moe = self.kinds.moe
+        return moe.expert_params() if moe is not None else 3 * self.hidden * self.moe_intermediate
 
     def params_shared_experts(self) -> int:
-        """All shared experts of one MoE layer, each with its sigmoid gate (hidden -> 1)."""
+        """All shared experts of one MoE layer (with their sigmoid gates where the model has them)."""
         moe = self.kinds.moe
         return moe.shared_params() if moe is not None else 0
 
     def params_router(self) -> int:
-        return self.n_experts * self.hidden
+        moe = self.kinds.moe
+        return moe.router_params() if moe is not None else 0
 
     def params_moe_layer(self) -> int:
         """One MoE MLP: routed experts + router + shared experts (and their gates)."""
@@ -265,26 +322,31 @@ class ModelSpec(BaseModel):
     def params_breakdown(self, include_mtp: bool = False) -> dict[str, int]:
         """Parameter counts by group; the values sum to ``total_params(include_mtp)``.
 
-        Keys: embedding, lm_head, attn_full_proj, attn_linear_proj (quantizable projections), attn_small (qk
-        norms, conv1d, A_log, dt_bias, gated norm), moe_experts (routed), moe_shared (shared experts incl.
-        gates), router, dense_mlp, norms (layer RMSNorms + final norm), mtp.
+        Keys: embedding, lm_head, attn_full_proj, attn_linear_proj, and attn_sliding_proj / attn_mla_proj for
+        models with those kinds (quantizable projections), attn_small (qk norms, sinks, biases, conv1d, A_log,
+        dt_bias, gated norm, MLA's latent norms), moe_experts (routed, with their biases), moe_shared (shared
+        experts incl. gates), router, dense_mlp, norms (layer RMSNorms + final norm), mtp.
         """
         moe = self.n_moe_layers
         out = {
             "embedding": self.vocab * self.hidden,
             "lm_head": 0 if self.tie_embeddings else self.vocab * self.hidden,
-            "attn_full_proj": self.n_full_layers * self._attn_matmul_params("full"),
-            "attn_linear_proj": self.n_linear_layers * self._attn_matmul_params("linear")
-            if self.n_linear_layers else 0,
-            "attn_small": self.n_full_layers * self._attn_small_params("full")
-            + (self.n_linear_layers * self._attn_small_params("linear") if self.n_linear_layers else 0),
+            "attn_full_proj": 0,
+            "attn_linear_proj": 0,
+        }
+        small = 0
+        for a, n in self.kinds.counts:
+            out[f"attn_{a.kind}_proj"] = n * a.proj_params()
+            small += n * a.small_params()
+        out.update({
+            "attn_small": small,
             "moe_experts": moe * self.n_experts * self.params_expert(),
             "moe_shared": moe * self.params_shared_experts(),
             "router": moe * self.params_router(),
             "dense_mlp": self.n_dense_layers * self.params_dense_mlp(),
             "norms": 2 * self.hidden * self.n_layers + self.hidden,
             "mtp": self.n_mtp_layers * self.params_mtp_layer() if include_mtp else 0,
-        }
+        })
         return out
 
     def total_params(self, include_mtp: bool = False) -> int:
@@ -303,16 +365,17 @@ class ModelSpec(BaseModel):
         return n
 
     def quantizable_params(self, include_mtp: bool = False) -> int:
-        """Matmul weights stored in the deployment format: attention / DeltaNet projections, routed and shared
-        experts, dense MLPs (and the MTP module's projections). The rest (embeddings, lm_head, norms, router,
-        shared-expert gates, conv1d, A_log, dt_bias) stays bf16."""
-        b = self.params_breakdown(include_mtp=False)
-        n = b["attn_full_proj"] + b["attn_linear_proj"] + b["moe_experts"] + b["dense_mlp"]
-        n += b["moe_shared"] - self.n_moe_layers * self.n_shared_experts * self.hidden  # minus sigmoid gates
+        """Matmul weights stored in the deployment format: attention / DeltaNet / MLA projections, routed and
+        shared experts, dense MLPs (and the MTP module's projections). The rest (embeddings, lm_head, norms,
+        router, shared-expert gates, biases, sinks, conv1d, A_log, dt_bias) stays bf16."""
+        k = self.kinds
+        n = sum(c * a.proj_params() for a, c in k.counts)
+        n += self.n_moe_layers * k.moe.quantizable_params() if k.moe is not None else 0
+        n += self.n_dense_layers * self.params_dense_mlp()
         if include_mtp and self.n_mtp_layers:
-            mlp = (self.n_experts * self.params_expert() + self.params_shared_experts()
-                   - self.n_shared_experts * self.hidden) if self.n_experts else self.params_dense_mlp()
-            n += self.n_mtp_layers * (2 * self.hidden * self.hidden + self._attn_matmul_params("full") + mlp)
+            mtp = self.mtp_layer
+            n += self.n_mtp_layers * (2 * self.hidden * self.hidden + mtp.attention.proj_params()
+                                      + mtp.ffn.quantizable_params())
         return n
 
     def weight_bytes(self, fmt: str = "bf16", include_mtp: bool = False) -> float:
@@ -351,8 +414,9 @@ class ModelSpec(BaseModel):
         attention uses the average causal context ``prefix_len + (context_len + 1) / 2``; logits are computed
         for the last token only, so lm_head is divided by ``context_len``.
 
-        Keys: attn_proj (2 x full-attention projections), attn_core (4 * n_q_heads * head_dim * ctx per full
-        layer: QK^T and PV), linear_proj (2 x DeltaNet projections), linear_core (DeltaNet state update,
+        Keys: attn_proj (2 x softmax-attention projections: full, sliding, MLA), attn_core (full: 4 * n_q_heads *
+        head_dim * ctx per layer, QK^T and PV; sliding: the context capped at the window; MLA: expanded in
+        prefill, absorbed in decode, ``MlaAttention``), linear_proj (2 x DeltaNet projections), linear_core (DeltaNet state update,
         ``DELTANET_FLOPS_PER_STATE_ELEM`` * Hv * Dk * Dv, plus 2 * conv * channels), moe_experts (2 x top_k
         routed experts), moe_shared, router (incl. shared-expert gates), dense_mlp, lm_head. MTP is not
         included.
@@ -368,16 +432,27 @@ class ModelSpec(BaseModel):
                              "context_len)")
         ctx = context_len if phase == "decode" else prefix_len + (context_len + 1) / 2
         moe = self.n_moe_layers
-        lin = self.n_linear_layers
-        full, linear = self.kinds.full, self.kinds.linear
+        proj = core = lin_proj = lin_core = 0.0
+        for a, n in self.kinds.counts:
+            if a.kind == "linear":
+                lin_proj, lin_core = 2.0 * n * a.proj_params(), float(n * a.model_core_flops_per_token())
+                continue
+            proj += 2.0 * n * a.proj_params()
+            if a.kind == "full":
+                core += n * a.core_flops_per_pair() * ctx
+            elif phase == "decode":
+                core += n * a.decode_core_flops(a.kv_tokens(context_len))
+            else:
+                core += n * a.prefill_core_flops(context_len, prefix_len) / context_len
+        m = self.kinds.moe
         out = {
-            "attn_proj": 2.0 * self.n_full_layers * full.proj_params(),
-            "attn_core": self.n_full_layers * full.core_flops_per_pair() * ctx,
-            "linear_proj": 2.0 * lin * linear.proj_params() if lin else 0.0,
-            "linear_core": float(lin * linear.model_core_flops_per_token()) if lin else 0.0,
+            "attn_proj": proj,
+            "attn_core": core,
+            "linear_proj": lin_proj,
+            "linear_core": lin_core,
             "moe_experts": 2.0 * moe * self.top_k * self.params_expert(),
-            "moe_shared": 2.0 * moe * (self.params_shared_experts() - self.n_shared_experts * self.hidden),
-            "router": 2.0 * moe * (self.params_router() + self.n_shared_experts * self.hidden),
+            "moe_shared": 2.0 * moe * (m.shared_params() - m.shared_gate_params()) if m is not None else 0.0,
+            "router": 2.0 * moe * (m.router_params() + m.shared_gate_params()) if m is not None else 0.0,
             "dense_mlp": 2.0 * self.n_dense_layers * self.params_dense_mlp(),
             "lm_head": 2.0 * self.vocab * self.hidden / (context_len if phase == "prefill" else 1),
         }
@@ -427,26 +502,44 @@ _KINDS: dict[int, tuple[ModelSpec, _Kinds]] = {}
 class _Kinds:
     """The distinct kinds of a ``ModelSpec`` (layers of one kind share one object) and the per-layer list."""
 
-    __slots__ = ("counts", "dense", "full", "layers", "linear", "moe")
+    __slots__ = ("counts", "dense", "full", "layers", "linear", "mla", "moe", "sliding")
 
-    def __init__(self, full: GqaAttention, linear: GdnAttention | None, moe: MoeFfn | None,
-                 dense: DenseFfn | None, layers: tuple[Layer, ...]) -> None:
-        self.full, self.linear, self.moe, self.dense, self.layers = full, linear, moe, dense, layers
+    def __init__(self, mixers: dict[str, AttentionKind | None], moe: MoeFfn | None, dense: DenseFfn | None,
+                 layers: tuple[Layer, ...]) -> None:
+        self.full, self.linear = mixers["full"], mixers["linear"]
+        self.sliding, self.mla = mixers["sliding"], mixers["mla"]
+        self.moe, self.dense, self.layers = moe, dense, layers
         counts: dict[str, list] = {}
         for layer in layers:
             counts.setdefault(layer.attention.kind, [layer.attention, 0])[1] += 1
         self.counts = tuple((a, n) for a, n in counts.values())
 
+    @property
+    def mtp_attention(self) -> AttentionKind:
+        """The token mixer of an MTP module's layer: MLA in an MLA model, full attention otherwise."""
+        return self.mla if self.mla is not None else self.full
+
     @classmethod
     def of(cls, m: ModelSpec) -> _Kinds:
-        full = GqaAttention(hidden=m.hidden, n_q_heads=m.n_q_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-                            qk_norm=m.qk_norm, gated=m.gated_attn)
-        linear = GdnAttention(hidden=m.hidden, n_k_heads=m.linear_n_k_heads, n_v_heads=m.linear_n_v_heads,
-                              head_dim=m.linear_head_dim, conv=m.linear_conv) if m.n_linear_layers else None
+        gqa = dict(hidden=m.hidden, n_q_heads=m.n_q_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                   qk_norm=m.qk_norm, gated=m.gated_attn, qkv_bias=m.attn_qkv_bias, o_bias=m.attn_o_bias,
+                   learned_sinks=m.attn_sinks)
+        types = set(m.layer_types)
+        mixers: dict[str, AttentionKind | None] = {
+            "full": GqaAttention(**gqa),
+            "linear": GdnAttention(hidden=m.hidden, n_k_heads=m.linear_n_k_heads, n_v_heads=m.linear_n_v_heads,
+                                   head_dim=m.linear_head_dim, conv=m.linear_conv) if "linear" in types else None,
+            "sliding": SlidingWindowAttention(**gqa, window=m.sliding_window) if "sliding" in types else None,
+            "mla": MlaAttention(hidden=m.hidden, n_heads=m.n_q_heads, q_lora_rank=m.q_lora_rank,
+                                kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                                qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim)
+            if "mla" in types else None,
+        }
         moe = MoeFfn(hidden=m.hidden, n_experts=m.n_experts, top_k=m.top_k, intermediate=m.moe_intermediate,
-                     n_shared=m.n_shared_experts, shared_intermediate=m.shared_intermediate) if m.n_experts else None
+                     n_shared=m.n_shared_experts, shared_intermediate=m.shared_intermediate,
+                     shared_gate=m.shared_expert_gate, router_bias=m.router_bias,
+                     expert_bias=m.expert_bias) if m.n_experts else None
         dense = DenseFfn(hidden=m.hidden, intermediate=m.dense_intermediate) if m.dense_intermediate else None
-        mixers = {"full": full, "linear": linear}
         pairs: dict[tuple[str, bool], Layer] = {}
         layers = []
         for i, t in enumerate(m.layer_types):
@@ -455,7 +548,13 @@ class _Kinds:
             if key not in pairs:
                 pairs[key] = Layer(attention=mixers[t], ffn=moe if is_moe else dense)
             layers.append(pairs[key])
-        return cls(full, linear, moe, dense, tuple(layers))
+        return cls(mixers, moe, dense, tuple(layers))
+
+
+#: fields ``ModelSpec._dump`` leaves out at their defaults
+_LATE_FIELDS = ("attn_qkv_bias", "attn_o_bias", "attn_sinks", "sliding_window", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "shared_expert_gate", "router_bias",
+                "expert_bias")
 
 
 # Defaults of transformers' config classes (transformers 5.x configuration_qwen3_moe.py,
@@ -489,7 +588,28 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8, num_experts=256, full_attention_interval=4, mtp_num_hidden_layers=0,
         max_position_embeddings=32768,
     ),
+    # DeepSeek-V3 / R1 (Kimi-K2 writes model_type kimi_k2 with the same keys; its config.json states them all)
+    "deepseek_v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+        qk_nope_head_dim=128, num_experts_per_tok=8, first_k_dense_replace=3, moe_layer_freq=1,
+        max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0,
+    ),
+    "gpt_oss": dict(
+        num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        head_dim=64, num_attention_heads=64, num_key_value_heads=8, sliding_window=128,
+        tie_word_embeddings=False, num_experts_per_tok=4, attention_bias=True, max_position_embeddings=131072,
+    ),
+    "glm4_moe": dict(
+        vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=None, attention_bias=False,
+        moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=128,
+        first_k_dense_replace=1, use_qk_norm=False, tie_word_embeddings=False, max_position_embeddings=131072,
+        num_nextn_predict_layers=0,
+    ),
 }
+_HF_DEFAULTS["kimi_k2"] = _HF_DEFAULTS["deepseek_v3"]
 
 
 # Other spellings of a key (transformers' ``attribute_map``: Qwen3MoeConfig stores num_experts as
@@ -501,7 +621,8 @@ _HF_ALIASES = {"num_experts": "num_local_experts"}
 #: would run for minutes into a MemoryError; the bounds are far beyond any published model (Qwen3-235B: 94 layers,
 #: 128 experts, vocab 151,936, hidden 4,096)
 _HF_BOUNDS = {"num_hidden_layers": 10_000, "mtp_num_hidden_layers": 10_000, "num_experts": 65_536,
-              "num_local_experts": 65_536, "num_experts_per_tok": 65_536, "full_attention_interval": 10_000,
+              "num_local_experts": 65_536, "n_routed_experts": 65_536, "n_shared_experts": 65_536,
+              "num_nextn_predict_layers": 10_000, "first_k_dense_replace": 10_000, "moe_layer_freq": 10_000, "num_experts_per_tok": 65_536, "full_attention_interval": 10_000,
               "decoder_sparse_step": 10_000}
 _HF_BOUND = 1 << 24  # any other size (vocab, hidden, intermediate, heads, head_dim)
 
@@ -555,6 +676,8 @@ def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str,
                             f"would exhaust memory while deriving the model), got {v:,}")
         return v
 
+    if mtype in _HF_FAMILIES:
+        return _HF_FAMILIES[mtype](cfg, get, get_int, path)
     if get("attention_bias"):
         raise UserError(f"{path}: attention_bias=true is not supported (Qwen3 models have no attention bias)")
     hidden = get_int("hidden_size")
@@ -622,6 +745,106 @@ def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, path: Path) -> dict[str,
     return kw
 
 
+def _hf_common(get, get_int, path: Path) -> dict[str, Any]:
+    """Keys every family shares: sizes, vocabulary, embeddings, context."""
+    hidden, n_q = get_int("hidden_size"), get_int("num_attention_heads")
+    if n_q < 1:
+        raise UserError(f"{path}: num_attention_heads must be >= 1, got {n_q}")
+    return dict(hidden=hidden, n_layers=get_int("num_hidden_layers"), n_q_heads=n_q, vocab=get_int("vocab_size"),
+                tie_embeddings=bool(get("tie_word_embeddings")))
+
+
+def _hf_first_dense(get, get_int, n_layers: int, path: Path) -> tuple[int, ...]:
+    """DeepSeek-V3 / GLM-4.5: the first ``first_k_dense_replace`` layers are dense; beyond them a layer is MoE
+    when ``i % moe_layer_freq == 0`` (1 in every published config)."""
+    k = get_int("first_k_dense_replace")
+    freq = get_int("moe_layer_freq") if get("moe_layer_freq") is not None else 1
+    if k < 0 or k > n_layers:
+        raise UserError(f"{path}: first_k_dense_replace must be in [0, num_hidden_layers={n_layers}], got {k}")
+    if freq < 1:
+        raise UserError(f"{path}: moe_layer_freq must be >= 1, got {freq}")
+    return tuple(i for i in range(n_layers) if i < k or i % freq)
+
+
+def _hf_routed_shared(get_int, path: Path) -> dict[str, Any]:
+    """Routed experts, and the shared experts as one ungated MLP of ``n_shared_experts * moe_intermediate_size``
+    (how DeepSeek-V3 and GLM-4.5 build them)."""
+    moe_i, n_shared = get_int("moe_intermediate_size"), get_int("n_shared_experts")
+    return dict(n_experts=get_int("n_routed_experts"), top_k=get_int("num_experts_per_tok"), moe_intermediate=moe_i,
+                n_shared_experts=1 if n_shared else 0, shared_intermediate=n_shared * moe_i,
+                shared_expert_gate=False, router_bias=True)
+
+
+def _hf_deepseek_v3(cfg: dict[str, Any], get, get_int, path: Path) -> dict[str, Any]:
+    """DeepseekV3ForCausalLM (DeepSeek-V3 / R1, Kimi-K2): MLA in every layer, dense first layers, routed experts
+    with one ungated shared expert, a selection-only expert bias (``e_score_correction_bias``), MTP modules
+    (``num_nextn_predict_layers``)."""
+    if get("attention_bias"):
+        raise UserError(f"{path}: attention_bias=true is not supported for MLA (DeepSeek-V3 has no attention bias)")
+    kw = _hf_common(get, get_int, path)
+    n = kw["n_layers"]
+    q_lora = get("q_lora_rank")
+    kw.update(_hf_routed_shared(get_int, path))
+    dense = _hf_first_dense(get, get_int, n, path)
+    nope, rope = get_int("qk_nope_head_dim"), get_int("qk_rope_head_dim")
+    kw.update(
+        layer_types=("mla",) * n, n_kv_heads=kw["n_q_heads"], head_dim=nope + rope, qk_norm=False,
+        q_lora_rank=0 if q_lora is None else get_int("q_lora_rank"), kv_lora_rank=get_int("kv_lora_rank"),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=get_int("v_head_dim"),
+        dense_layers=dense, dense_intermediate=get_int("intermediate_size") if dense else 0,
+        n_mtp_layers=get_int("num_nextn_predict_layers"),
+        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+    )
+    return kw
+
+
+def _hf_gpt_oss(cfg: dict[str, Any], get, get_int, path: Path) -> dict[str, Any]:
+    """GptOssForCausalLM: sliding-window and full attention alternating (``layer_types``), learned sinks and
+    biases on every attention projection, 128 routed experts with biases and a biased router, no shared or dense
+    MLP, no MTP."""
+    kw = _hf_common(get, get_int, path)
+    n = kw["n_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+    if not isinstance(types, list) or any(t not in kinds for t in types):
+        bad = next((t for t in types if t not in kinds), None) if isinstance(types, list) else types
+        raise UserError(f"{path}: layer_types entries must be 'full_attention' or 'sliding_attention', got {bad!r}")
+    bias = bool(get("attention_bias"))
+    kw.update(
+        layer_types=tuple(kinds[t] for t in types), n_kv_heads=get_int("num_key_value_heads"),
+        head_dim=get_int("head_dim"), qk_norm=False, attn_qkv_bias=bias, attn_o_bias=bias, attn_sinks=True,
+        sliding_window=get_int("sliding_window"),
+        n_experts=get_int("num_local_experts"), top_k=get_int("num_experts_per_tok"),
+        moe_intermediate=get_int("intermediate_size"), router_bias=True, expert_bias=True,
+        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+    )
+    return kw
+
+
+def _hf_glm4_moe(cfg: dict[str, Any], get, get_int, path: Path) -> dict[str, Any]:
+    """Glm4MoeForCausalLM (GLM-4.5, GLM-4.5-Air): GQA with q/k/v biases (o without) and optional qk norm, dense
+    first layers, routed experts with one ungated shared expert and a selection-only expert bias, MTP modules."""
+    kw = _hf_common(get, get_int, path)
+    n = kw["n_layers"]
+    kw.update(_hf_routed_shared(get_int, path))
+    dense = _hf_first_dense(get, get_int, n, path)
+    head_dim = get_int("head_dim") if get("head_dim") is not None else kw["hidden"] // kw["n_q_heads"]
+    kw.update(
+        layer_types=("full",) * n, n_kv_heads=get_int("num_key_value_heads"), head_dim=head_dim,
+        qk_norm=bool(get("use_qk_norm")), attn_qkv_bias=bool(get("attention_bias")),
+        dense_layers=dense, dense_intermediate=get_int("intermediate_size") if dense else 0,
+        n_mtp_layers=get_int("num_nextn_predict_layers"),
+        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+    )
+    return kw
+
+
+_HF_FAMILIES = {"deepseek_v3": _hf_deepseek_v3, "kimi_k2": _hf_deepseek_v3, "gpt_oss": _hf_gpt_oss,
+                "glm4_moe": _hf_glm4_moe}
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Presets
 # ------------------------------------------------------------------------------------------------------------
@@ -665,9 +888,60 @@ _PRESETS: dict[str, ModelSpec] = {
         max_context=262144,  # the Qwen3.5 family's text_config max_position_embeddings; not re-checked for this size
         source="Qwen/Qwen3.5-122B-A10B config.json (text_config)",
     ),
+    "deepseek-v3": ModelSpec(
+        name="deepseek-v3", hidden=7168, n_layers=61, layer_types=("mla",) * 61,
+        n_q_heads=128, n_kv_heads=128, head_dim=192, qk_norm=False,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_experts=256, top_k=8, moe_intermediate=2048, n_shared_experts=1, shared_intermediate=2048,
+        shared_expert_gate=False, router_bias=True, dense_layers=(0, 1, 2), dense_intermediate=18432,
+        vocab=129280, tie_embeddings=False, n_mtp_layers=1,
+        max_context=163840,  # YaRN factor 40 on 4,096 (= max_position_embeddings)
+        source="deepseek-ai/DeepSeek-V3 config.json (DeepSeek-R1 has the same architecture)",
+    ),
+    "kimi-k2": ModelSpec(
+        name="kimi-k2", hidden=7168, n_layers=61, layer_types=("mla",) * 61,
+        n_q_heads=64, n_kv_heads=64, head_dim=192, qk_norm=False,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_experts=384, top_k=8, moe_intermediate=2048, n_shared_experts=1, shared_intermediate=2048,
+        shared_expert_gate=False, router_bias=True, dense_layers=(0,), dense_intermediate=18432,
+        vocab=163840, tie_embeddings=False, n_mtp_layers=0,
+        max_context=131072,  # YaRN factor 32 on 4,096
+        source="moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, DeepseekV3ForCausalLM)",
+    ),
+    "gpt-oss-120b": ModelSpec(
+        name="gpt-oss-120b", hidden=2880, n_layers=36, layer_types=("sliding", "full") * 18,
+        n_q_heads=64, n_kv_heads=8, head_dim=64, qk_norm=False, attn_qkv_bias=True, attn_o_bias=True,
+        attn_sinks=True, sliding_window=128,
+        n_experts=128, top_k=4, moe_intermediate=2880, router_bias=True, expert_bias=True,
+        vocab=201088, tie_embeddings=False,
+        max_context=131072,  # YaRN factor 32 on 4,096
+        source="openai/gpt-oss-120b config.json (experts published in MXFP4)",
+    ),
+    "glm-4.5": ModelSpec(
+        name="glm-4.5", hidden=5120, n_layers=92, layer_types=("full",) * 92,
+        n_q_heads=96, n_kv_heads=8, head_dim=128, qk_norm=True, attn_qkv_bias=True,
+        n_experts=160, top_k=8, moe_intermediate=1536, n_shared_experts=1, shared_intermediate=1536,
+        shared_expert_gate=False, router_bias=True, dense_layers=(0, 1, 2), dense_intermediate=12288,
+        vocab=151552, tie_embeddings=False, n_mtp_layers=1,
+        max_context=131072,
+        source="zai-org/GLM-4.5 config.json",
+    ),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+#: what each preset's publisher states (total, active parameters, and how its counting differs from ours), for
+#: ``rackbed model show`` and the tests that hold the computed counts to them
+PUBLISHED_SIZES: dict[str, tuple[float, float, str]] = {
+    "qwen3-235b-a22b": (235e9, 22e9, "model card"),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9, "model card"),
+    "qwen3.5-397b-a17b": (397e9, 17e9, "model card; the total also counts the vision encoder (not modelled)"),
+    "qwen3.5-122b-a10b": (122e9, 10e9, "model name"),
+    "deepseek-v3": (671e9, 37e9, "technical report; 685B with the MTP module and its own embedding/head copies"),
+    "kimi-k2": (1e12, 32e9, "model card: 1 trillion (a rounded figure) / 32B"),
+    "gpt-oss-120b": (116.83e9, 5.13e9, "model card; its active count leaves out the input embedding (0.58B)"),
+    "glm-4.5": (355e9, 32e9, "model card; the total includes the MTP layer, active leaves out the embedding"),
+}
 
 
 def get_model(name: str) -> ModelSpec:
@@ -686,5 +960,5 @@ def get_model(name: str) -> ModelSpec:
                     "(or a path to a config.json)")
 
 
-__all__ = ["DELTANET_FLOPS_PER_STATE_ELEM", "PRESET_NAMES", "SUPPORTED_HF_MODEL_TYPES", "LayerKind",
+__all__ = ["DELTANET_FLOPS_PER_STATE_ELEM", "PRESET_NAMES", "PUBLISHED_SIZES", "SUPPORTED_HF_MODEL_TYPES", "LayerKind",
            "ModelSpec", "Phase", "get_model"]

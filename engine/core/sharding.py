@@ -126,15 +126,18 @@ class WeightParts:
     Built from ``ModelSpec.params_breakdown(include_mtp=True)``; quantized groups are exactly
     ``quantizable_params(include_mtp=True)``, so a 1-GPU plan holds ``weight_bytes(fmt, include_mtp=True)``.
 
-    attn_split:       full-attention q/o projections (q gate included), split by tp          [weight_format]
-    kv_proj:          full-attention K and V projections, split by tp up to n_kv_heads, then replicated
-                                                                                             [weight_format]
+    attn_split:       full / sliding attention q/o projections (q gate included); MLA's q_b, kv_b and o
+                      (per head); split by tp                                                [weight_format]
+    kv_proj:          full / sliding attention K and V projections, split by tp up to n_kv_heads, then
+                      replicated                                                             [weight_format]
     linear_attn:      Gated DeltaNet projections, split by tp                                [weight_format]
     experts:          routed experts, split over all ranks (ep x expert_tp)                  [weight_format]
     tp_dense:         shared experts (without their gates) and dense MLPs, split by tp       [weight_format]
-    replicated_quant: MTP fc projection (2*hidden -> hidden), on every rank                  [weight_format]
+    replicated_quant: MTP fc projection (2*hidden -> hidden); MLA's q_a and kv_a down-projections (every head
+                      reads the whole latent), on every rank                                 [weight_format]
     replicated_bf16:  embeddings, lm_head, RMSNorms, routers, shared-expert gates, qk norms, conv1d, A_log,
-                      dt_bias, MTP norms, on every rank                                       [bf16]
+                      dt_bias, MTP norms, biases and sinks, on every rank (gpt-oss's expert biases too:
+                      ~0.08 GB in bf16, counted whole on each rank rather than split with their experts) [bf16]
     """
 
     attn_split: int
@@ -158,18 +161,28 @@ class WeightParts:
     def of(cls, model) -> WeightParts:
         b = model.params_breakdown(include_mtp=True)
         h, n_mtp = model.hidden, model.n_mtp_layers
-        full = model.mixer("full")
-        n_full = model.n_full_layers + n_mtp
-        kv_proj = n_full * full.kv_proj_params()
-        attn_full_proj = b["attn_full_proj"] + n_mtp * full.proj_params()
+        counts = model.attention_counts(include_mtp=True)
+        attn_split = kv_proj = linear_attn = replicated_quant = 0
+        for a, n in counts:
+            if a.kind == "linear":
+                linear_attn += n * a.proj_params()
+            elif a.kind == "mla":  # q_a and kv_a feed every head: replicated; q_b, kv_b, o split by heads
+                down = a.hidden * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim) if a.q_lora_rank else \
+                    a.hidden * (a.kv_lora_rank + a.qk_rope_head_dim)
+                replicated_quant += n * down
+                attn_split += n * (a.proj_params() - down)
+            else:
+                kv_proj += n * a.kv_proj_params()
+                attn_split += n * (a.proj_params() - a.kv_proj_params())
+        moe = model.kinds.moe
         n_moe = model.n_moe_layers + (n_mtp if model.n_experts else 0)
-        experts = n_moe * model.n_experts * model.params_expert()
-        shared_gates = n_moe * model.n_shared_experts * h
-        tp_dense = n_moe * model.params_shared_experts() - shared_gates + b["dense_mlp"]
+        experts = n_moe * model.n_experts * moe.expert_weight_params() if moe is not None else 0
+        tp_dense = (n_moe * (moe.shared_params() - moe.shared_gate_params()) if moe is not None else 0) \
+            + b["dense_mlp"]
         if n_mtp and not model.n_experts:
             tp_dense += n_mtp * model.params_dense_mlp()
-        replicated_quant = n_mtp * 2 * h * h
-        parts = {"attn_split": attn_full_proj - kv_proj, "kv_proj": kv_proj, "linear_attn": b["attn_linear_proj"],
+        replicated_quant += n_mtp * 2 * h * h
+        parts = {"attn_split": attn_split, "kv_proj": kv_proj, "linear_attn": linear_attn,
                  "experts": experts, "tp_dense": tp_dense, "replicated_quant": replicated_quant}
         total = model.total_params(include_mtp=True)
         replicated_bf16 = total - sum(parts.values())

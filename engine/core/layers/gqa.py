@@ -8,8 +8,13 @@ Attention TP: query heads split ``tp`` ways; KV heads split ``tp`` ways while ``
 each KV head (its K/V projections and its cache) is replicated on ``tp / n_kv_heads`` consecutive ranks.
 
 ``SlidingWindowAttention``: the same projections, but each query attends to at most the ``window`` latest tokens
-(itself included), so the cache keeps at most ``window`` tokens per sequence; ``learned_sinks`` adds one learned
-sink logit per query head to the softmax (gpt-oss), parameters only, no cached tokens.
+(itself included), so the cache keeps at most ``window`` tokens per sequence.
+
+``learned_sinks`` (either kind) adds one learned sink logit per query head to the softmax (gpt-oss, in its
+sliding and its full layers): parameters only, no cached tokens.
+
+Projection biases (``qkv_bias``, ``o_bias``: GLM-4.5 and gpt-oss) are parameters only; they cost nothing the
+cost models see.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class GqaAttention(AttentionKind):
     head_dim: int = Field(gt=0)
     qk_norm: bool = True
     gated: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    learned_sinks: bool = False
     kv_tp_sharding: ClassVar[str] = "heads"
 
     @model_validator(mode="after")
@@ -67,7 +75,12 @@ class GqaAttention(AttentionKind):
         return h * q_out + h * kv_out + o_in * h
 
     def small_params(self) -> int:
-        return 2 * self.head_dim if self.qk_norm else 0
+        """qk RMSNorm weights, sink logits and projection biases (GLM-4.5: q/k/v; gpt-oss: q/k/v and o), kept in bf16."""
+        n = 2 * self.head_dim if self.qk_norm else 0
+        if self.qkv_bias:
+            n += (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
+        n += self.n_q_heads if self.learned_sinks else 0
+        return n + (self.hidden if self.o_bias else 0)
 
     # ---- cache -----------------------------------------------------------------------------------------------
 
@@ -160,10 +173,6 @@ class SlidingWindowAttention(GqaAttention):
 
     kind: Literal["sliding"] = "sliding"  # type: ignore[assignment]
     window: int = Field(gt=0)
-    learned_sinks: bool = False
-
-    def small_params(self) -> int:
-        return super().small_params() + (self.n_q_heads if self.learned_sinks else 0)
 
     def kv_tokens(self, context_len: int) -> int:
         return min(context_len, self.window)
@@ -177,6 +186,9 @@ class SlidingWindowAttention(GqaAttention):
         ramp_end = min(hi, w)  # positions c+1 .. ramp_end attend to p tokens, the rest to w
         ramp = (ramp_end * (ramp_end + 1) - c * (c + 1)) / 2 if ramp_end > c else 0.0
         return ramp + (hi - max(ramp_end, c)) * w
+
+    # decode_core_flops is GQA's: its ``context_tokens`` are summed over sequences, so callers cap each
+    # sequence's context with ``kv_tokens`` before summing (a cap on the sum would undercount).
 
 
 __all__ = ["GqaAttention", "SlidingWindowAttention", "tp_kv_head_shards"]
