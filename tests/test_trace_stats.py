@@ -84,6 +84,11 @@ def test_sessions_by_hand():
     # one block: only a request's first block survives it, and every session starts with sys0
     assert r.reused_tokens_lru[1] == 4 * 512 + 5 * 512
     assert r.reused_tokens_lru[3] == r.reused_tokens_infinite
+    # full blocks before the last prompt token only: a 1536-token turn 0 caches [sys0, sys1] (its third block holds
+    # the last token), so turn 1 reuses 1024 tokens; the prompt total stays
+    f = prefix_reuse(reqs, (), full_blocks=True)
+    assert f.prompt_tokens == r.prompt_tokens and f.blocks == 5 * (2 + 4)
+    assert f.reused_tokens_infinite == 1024 + 4 * (1024 + 1024)
 
 
 @settings(max_examples=25, deadline=None)
@@ -107,7 +112,11 @@ def test_cli_text_json_and_a_scenario(tmp_path, capsys):
     assert main(["trace", "stats", str(FIXTURE), "--cache-blocks", "3"]) == 0
     out = capsys.readouterr().out
     assert "requests       6 (5 with prefix block ids)" in out
-    assert "58.8 % of prompt tokens (infinite cache)" in out and "52.2 % with an LRU cache of 3 blocks" in out
+    assert "58.8 % of prompt tokens (infinite cache, any block)" in out and "52.2 % with an LRU cache of 3 blocks" in out
+    assert main(["trace", "stats", str(FIXTURE), "--full-blocks", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["full_blocks"] and s["prompt_blocks"] == 2 + 2 + 3 + 3 + 4
+    assert s["reuse_infinite"] == s["reuse_infinite_full_blocks"] == pytest.approx(4608 / 7840)
     # a workload file, and a serving scenario whose seed draws the workload as a run does
     wl = tmp_path / "wl.yaml"
     wl.write_text(yaml.safe_dump(SESSIONS))

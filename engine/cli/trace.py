@@ -17,6 +17,11 @@ then all its blocks are in the cache. Two caches:
   first block most recent of all, so eviction takes the tails of prefix chains before their heads (as vLLM's free
   block queue does). Only prompt blocks enter the cache (a request's ids cover its prompt, not its output).
 
+Every block counts by default, a trace's shared partial last blocks too: the bound. A serving engine's prefix cache
+holds only full blocks that end before the prompt's last token (prefill must compute that token for the first
+output token's logits); ``--full-blocks`` counts only those, in the caches and in the prompt blocks (the infinite
+cache's number is printed both ways).
+
 A brute-force reference (a set, an ``OrderedDict``), not the simulator's prefix cache.
 """
 
@@ -47,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also the reuse of an LRU cache of C 512-token blocks (repeatable)")
     s.add_argument("--format", choices=("auto", "azure", "mooncake"), default="auto", help="trace file format")
     s.add_argument("--seed", type=int, default=None, help="seed of a generated workload (default: the file's)")
+    s.add_argument("--full-blocks", action="store_true",
+                   help="count only full blocks that end before a prompt's last token (what an engine caches)")
     s.add_argument("--max-requests", type=int, default=None, metavar="N", help="only the first N requests")
     s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     s.set_defaults(func=_stats_main)
@@ -76,15 +83,18 @@ class ReuseStats:
         return self.reused_tokens_lru[blocks] / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _block_tokens(prompt: int, ids: Sequence[int]) -> list[int]:
-    """Tokens of each block that lies (partly) in the prompt; ids past a clipped prompt are dropped."""
+def _block_tokens(prompt: int, ids: Sequence[int], full_blocks: bool = False) -> list[int]:
+    """Tokens of each block that lies (partly) in the prompt, ids past a clipped prompt dropped; with
+    ``full_blocks``, only the full blocks that end before the prompt's last token."""
+    if full_blocks:
+        return [BLOCK] * min(len(ids), (prompt - 1) // BLOCK)
     n = min(len(ids), -(-prompt // BLOCK))
     return [min(BLOCK, prompt - BLOCK * j) for j in range(n)]
 
 
-def prefix_reuse(requests: Iterable, cache_blocks: Sequence[int] = ()) -> ReuseStats:
+def prefix_reuse(requests: Iterable, cache_blocks: Sequence[int] = (), full_blocks: bool = False) -> ReuseStats:
     """Reuse of ``requests`` (``Request`` objects in arrival order) with an infinite cache and LRU caches of each
-    size in ``cache_blocks`` (module docstring)."""
+    size in ``cache_blocks``; ``full_blocks``: only full blocks before the last prompt token (module docstring)."""
     for c in cache_blocks:
         if c < 1:
             raise ValueError(f"--cache-blocks: must be >= 1, got {c}")
@@ -100,7 +110,7 @@ def prefix_reuse(requests: Iterable, cache_blocks: Sequence[int] = ()) -> ReuseS
         if not ids:
             continue
         with_ids += 1
-        tokens = _block_tokens(r.prompt_tokens, ids)
+        tokens = _block_tokens(r.prompt_tokens, ids, full_blocks)
         ids = ids[: len(tokens)]
         n_blocks += len(ids)
         hits_inf += _leading_hits(ids, tokens, seen)
@@ -169,15 +179,16 @@ def load_requests(source: str, fmt: str = "auto", seed: int | None = None,
         if not isinstance(wl, dict):
             raise UserError(f"{path}: workload: expected a mapping")
         spec = parse_workload(wl, str(path))
-        if spec.kind == "trace" and spec.path and not Path(spec.path).is_absolute() and (path.parent / spec.path).exists():
-            spec = spec.model_copy(update={"path": str(path.parent / spec.path)})
+        rel = Path(spec.path) if spec.kind == "trace" and spec.path else None
+        if rel is not None and not rel.is_absolute() and (path.parent / rel).exists():  # as load_scenario does
+            spec = spec.model_copy(update={"path": str(path.parent / rel)})
     stream = iter_requests(spec, seed if seed is not None else run_seed)
     reqs = list(islice(stream, max_requests)) if max_requests is not None else stream.to_list()
     return what, reqs
 
 
 def trace_stats(source: str, cache_blocks: Sequence[int] = (), fmt: str = "auto", seed: int | None = None,
-                max_requests: int | None = None) -> dict:
+                max_requests: int | None = None, full_blocks: bool = False) -> dict:
     """The numbers ``rackbed trace stats`` prints, as a flat dict."""
     from rackbed.engine.core.workload import describe
 
@@ -186,12 +197,13 @@ def trace_stats(source: str, cache_blocks: Sequence[int] = (), fmt: str = "auto"
             raise ValueError(f"--cache-blocks: must be >= 1, got {c}")
     what, reqs = load_requests(source, fmt, seed, max_requests)
     d = describe(reqs)
-    ru = prefix_reuse(reqs, cache_blocks)
+    ru = prefix_reuse(reqs, cache_blocks, full_blocks)
+    full = prefix_reuse(reqs, (), True).infinite if not full_blocks else ru.infinite
     out = {"source": what, "requests": d["count"], "duration_s": d["duration_s"],
            "mean_rate_per_s": d["mean_rate_per_s"], "input_tokens_mean": d["prompt_tokens_mean"],
            "output_tokens_mean": d["output_tokens_mean"], "requests_with_ids": ru.requests_with_ids,
            "prompt_blocks": ru.blocks, "distinct_blocks": ru.distinct_blocks, "inconsistent_ids": ru.inconsistent_ids,
-           "reuse_infinite": ru.infinite}
+           "full_blocks": full_blocks, "reuse_infinite": ru.infinite, "reuse_infinite_full_blocks": full}
     for c in cache_blocks:
         out[f"reuse_lru_{c}"] = ru.lru(c)
     return out
@@ -199,7 +211,7 @@ def trace_stats(source: str, cache_blocks: Sequence[int] = (), fmt: str = "auto"
 
 def _stats_main(args: argparse.Namespace) -> int:
     sizes = list(dict.fromkeys(args.cache_blocks))
-    s = trace_stats(args.source, sizes, args.format, args.seed, args.max_requests)
+    s = trace_stats(args.source, sizes, args.format, args.seed, args.max_requests, args.full_blocks)
     if args.json:
         print(json.dumps(s))
         return 0
@@ -211,7 +223,11 @@ def _stats_main(args: argparse.Namespace) -> int:
     if s["requests_with_ids"]:
         rows.append(("prompt blocks", f"{s['prompt_blocks']:,} ids, {s['distinct_blocks']:,} distinct"
                      + (f", {s['inconsistent_ids']:,} at more than one position" if s["inconsistent_ids"] else "")))
-        rows.append(("prefix reuse", f"{100 * s['reuse_infinite']:.1f} % of prompt tokens (infinite cache)"))
+        what = "full blocks before the last prompt token" if s["full_blocks"] else "any block"
+        rows.append(("prefix reuse", f"{100 * s['reuse_infinite']:.1f} % of prompt tokens (infinite cache, {what})"))
+        if not s["full_blocks"]:
+            full = s["reuse_infinite_full_blocks"]
+            rows.append(("", f"{100 * full:.1f} % in full blocks before the last prompt token (what an engine caches)"))
         for c in sizes:
             rows.append(("", f"{100 * s[f'reuse_lru_{c}']:.1f} % with an LRU cache of {c:,} blocks"))
     else:

@@ -3,12 +3,15 @@
 Specs are frozen pydantic models (``extra="forbid"``) with a ``kind`` discriminator, so a scenario YAML can say::
 
     workload:
-      kind: synthetic                     # or: trace
+      kind: synthetic                     # or: trace, sessions
       arrival: {kind: gamma, rate_per_s: 20, cv: 3}
       prompt: {kind: lognormal, p50: 2000, p90: 8000, max_tokens: 32768}
       output: {kind: uniform, lo: 100, hi: 600}
       duration_s: 600
       seed: 7
+
+A ``sessions`` workload (:class:`Sessions`) generates multi-turn sessions whose prompts grow by the turns before
+them, with prefix block ids; its stream is made in :mod:`engine.core.sessions`.
 
 Two forms, one stream: :func:`iter_requests` yields lazily (vectorised numpy in chunks of ``CHUNK`` requests,
 ``Request`` objects made one at a time), :func:`generate` is exactly ``list(iter_requests(...))``. Requests come
@@ -508,7 +511,9 @@ class RequestStream(Iterator[Request]):
     is exhausted (``generate``, ``to_list``, ``describe(stream)``) and may run ahead while it is half-read.
 
     counters: ``n_prompt_zero_to_1`` / ``n_output_zero_to_1`` (trace zeros raised to 1), ``n_prompt_clipped`` /
-    ``n_output_clipped`` (cut to ``max_*_tokens``), ``n_passes`` (trace passes with at least one request produced, 0 for synthetic).
+    ``n_output_clipped`` (cut to ``max_*_tokens``), ``n_passes`` (trace passes with at least one request produced,
+    0 for synthetic); a sessions stream adds ``n_sessions``, ``n_sessions_cut``, ``n_sessions_empty``
+    (:func:`engine.core.sessions.iter_session_turns`; they grow request by request).
     Setup (loading traces, checking the window) happens on construction, so errors surface before iterating.
     """
 
