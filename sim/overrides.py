@@ -4,11 +4,12 @@
 one-line :class:`~topology.errors.UserError` naming the flag as the user typed it, not a YAML path.
 
 * ``--rate R``: requests/s. A synthetic workload keeps its arrival process and takes the rate (``immediate``
-  arrivals become Poisson); a trace is replayed at that mean rate.
+  arrivals become Poisson); a trace is replayed at that mean rate; a sessions workload takes it as *sessions*/s
+  (its request rate is that times the mean turns per session).
 * ``--isl`` / ``--osl``: prompt / output lengths in tokens — ``N`` (fixed), ``LO-HI`` (uniform, both included)
   or ``MEAN:STD`` (log-normal with that mean and standard deviation). On a trace the workload becomes synthetic:
   Poisson arrivals at the trace's rate (``rate_per_s``, or ``--rate``), the same request count, and the length
-  not overridden drawn from the trace's own column.
+  not overridden drawn from the trace's own column. Not on a sessions workload (its prompts grow by turn).
 * ``--concurrency C``: a closed loop, at most C requests in flight (``engine.core.workload.ClosedLoop``). Alone it
   sends the next request as soon as one finishes (``vllm bench serve --max-concurrency C`` at an infinite request
   rate); with ``--rate`` the arrivals are paced by the rate and held back while C are in flight.
@@ -77,6 +78,9 @@ def apply_overrides(sc, *, rate=None, isl=None, osl=None, concurrency=None, dura
 
 def _workload(wl, rate, isl, osl, concurrency, duration_s) -> dict:
     w = wl.model_dump(exclude_none=True)
+    if wl.kind == "sessions" and (isl is not None or osl is not None):
+        raise UserError(f"--{'isl' if isl is not None else 'osl'}: a sessions workload's prompts grow turn by turn; "
+                        "set workload.input / workload.output in the scenario instead")
     if wl.kind == "trace" and (isl is not None or osl is not None):
         w = _trace_to_synthetic(wl, rate)
     if rate is not None:
@@ -98,10 +102,10 @@ def _workload(wl, rate, isl, osl, concurrency, duration_s) -> dict:
     if duration_s is not None:
         w["duration_s"] = duration_s
         if not unpaced:
-            w.pop("n_requests" if w["kind"] == "synthetic" else "max_requests", None)
+            w.pop("max_requests" if w["kind"] == "trace" else "n_requests", None)
         if w["kind"] == "trace":
             w["loop"] = True
-    if unpaced and w["kind"] == "synthetic" and "n_requests" not in w:
+    if unpaced and w["kind"] != "trace" and "n_requests" not in w:
         raise UserError("--concurrency without --rate needs a request count: the scenario's workload has "
                         "none (n_requests)")
     return w

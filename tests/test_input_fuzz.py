@@ -40,9 +40,9 @@ SCENARIO = {
                  "output": {"kind": "uniform", "lo": 8, "hi": 32}, "n_requests": 4, "seed": 3},
     "slo": {"ttft_s": 1.0, "tpot_s": 0.05}, "sim": {"decision_log": False},
 }
-TRACE_ROWS = [{"timestamp": 0, "input_length": 6758, "output_length": 20, "hash_ids": [0, 1, 2]},
-              {"timestamp": 40, "input_length": 7322, "output_length": 9, "hash_ids": [0, 3]},
-              {"timestamp": 95, "input_length": 1200, "output_length": 12, "hash_ids": [4]}]
+TRACE_ROWS = [{"timestamp": 0, "input_length": 1358, "output_length": 20, "hash_ids": [0, 1, 2]},
+              {"timestamp": 40, "input_length": 722, "output_length": 9, "hash_ids": [0, 3]},
+              {"timestamp": 95, "input_length": 200, "output_length": 12, "hash_ids": [4]}]
 MEASUREMENTS = {
     "schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "date": "2026-11-30"},
     "rows": [{"bench": "gemm", "op": "grouped", "fmt": "bf16", "m": m, "n": 3072, "k": 4096, "n_experts": 4,

@@ -262,6 +262,16 @@ MOON_OK = '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": 
             MOON_OK + '{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1, "a"]}\n',
             ":2: hash_ids must be a list",
         ),
+        (
+            "x.jsonl",
+            MOON_OK + '{"timestamp": 1, "input_length": 513, "output_length": 1, "hash_ids": [1]}\n',
+            ":2: hash_ids has 1 ids, input_length 513 needs ceil(513 / 512) = 2",
+        ),
+        (
+            "x.jsonl",
+            MOON_OK + '{"timestamp": 1, "input_length": 512, "output_length": 1, "hash_ids": [1, 2]}\n',
+            ":2: hash_ids has 2 ids, input_length 512 needs ceil(512 / 512) = 1",
+        ),
     ],
 )
 @pytest.mark.parametrize("gz", [False, True])
@@ -332,7 +342,7 @@ def test_unsorted_trace_sorted_stably_and_format_sniffed(tmp_path):
         '{"timestamp": 2000, "input_length": 1, "output_length": 1}',
         "",
         '{"timestamp": 500, "input_length": 2, "output_length": 1, "extra": "ignored"}',
-        '{"timestamp": 2000, "input_length": 3, "output_length": 1, "hash_ids": [4, 5]}',
+        '{"timestamp": 2000, "input_length": 3, "output_length": 1, "hash_ids": [4]}',
         '{"timestamp": 500.5, "input_length": 4, "output_length": 1}',
     ]
     path = _write(tmp_path / "trace.txt", "\n".join(lines))  # no telling extension: sniffed
@@ -345,7 +355,7 @@ def test_unsorted_trace_sorted_stably_and_format_sniffed(tmp_path):
         (0, 2, ()),
         (1, 4, ()),
         (2, 1, ()),
-        (3, 3, (4, 5)),
+        (3, 3, (4,)),
     ]
     csv_path = _write(tmp_path / "trace.dat", "TIMESTAMP,ContextTokens,GeneratedTokens\n5,1,1\n3.25,2,2\n")
     assert load_trace(csv_path).format == "azure"

@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "bench": "rackbed.engine.cli.bench",
     "calibrate": "rackbed.engine.cli.calibrate",
     "validate": "rackbed.engine.cli.validate",
+    "trace": "rackbed.engine.cli.trace",
 }
 
 

@@ -7,7 +7,14 @@ Formats (one request per line; see ``data/TRACES.md`` for sources, licences and 
   microsecond are dropped; no zone = UTC) or a plain number of seconds.
 - ``mooncake``: JSON Lines, objects with ``timestamp`` (milliseconds, number >= 0), ``input_length``,
   ``output_length`` (integers >= 0) and optionally ``hash_ids`` (list of integers >= 0: one id per 512-token
-  prefix block, equal ids = shareable prefix KV). Other keys are ignored, blank lines skipped.
+  prefix block, equal ids = shareable prefix KV). Other keys are ignored, blank lines skipped. The same format
+  holds Mooncake's conversation, tool/agent and synthetic traces.
+
+  ``hash_ids``, when given and not empty, must hold exactly ``ceil(input_length / 512)`` ids: one per block,
+  the last, partial block included. That is how every Mooncake trace counts (all 2000 requests of the shipped
+  copy, 3 of them an exact multiple of 512 tokens); another count means another block size or a broken file,
+  and a prefix cache would then credit hits beyond the prompt, so it is an error naming the line. An empty or
+  missing ``hash_ids`` means no prefix information (the request shares nothing).
 
 Either may be gzip-compressed (detected from the content, not the name). ``format="auto"`` picks by file name
 (``.csv[.gz]`` -> azure, ``.jsonl``/``.json[.gz]`` -> mooncake), else by the first non-blank line (``{`` ->
@@ -42,6 +49,9 @@ from rackbed.topology.errors import UserError
 TraceFormat = Literal["azure", "mooncake", "auto"]
 
 DATA_DIR = shipped("engine.core", "data")
+
+#: tokens per prefix block of ``hash_ids`` (Mooncake's block size)
+HASH_BLOCK_TOKENS = 512
 
 #: Names of the trimmed traces shipped with the package -> file name under ``engine/core/data/``.
 TRACE_FILES: dict[str, str] = {
@@ -294,5 +304,9 @@ def _parse_mooncake(path: str, text: str) -> tuple[list[float], list[int], list[
             isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 63 for h in ids
         ):
             raise UserError(f"{path}:{line}: hash_ids must be a list of integers in [0, 2^63)")
+        if ids and len(ids) != (want := -(-prompt[-1] // HASH_BLOCK_TOKENS)):
+            raise UserError(f"{path}:{line}: hash_ids has {len(ids)} ids, input_length {prompt[-1]} needs "
+                            f"ceil({prompt[-1]} / {HASH_BLOCK_TOKENS}) = {want} (one per {HASH_BLOCK_TOKENS}-token "
+                            "block, the last partial one included)")
         hashes.append(tuple(ids))
     return t_ms, prompt, output, hashes

@@ -3,12 +3,15 @@
 Specs are frozen pydantic models (``extra="forbid"``) with a ``kind`` discriminator, so a scenario YAML can say::
 
     workload:
-      kind: synthetic                     # or: trace
+      kind: synthetic                     # or: trace, sessions
       arrival: {kind: gamma, rate_per_s: 20, cv: 3}
       prompt: {kind: lognormal, p50: 2000, p90: 8000, max_tokens: 32768}
       output: {kind: uniform, lo: 100, hi: 600}
       duration_s: 600
       seed: 7
+
+A ``sessions`` workload (:class:`Sessions`) generates multi-turn sessions whose prompts grow by the turns before
+them, with prefix block ids; its stream is made in :mod:`engine.core.sessions`.
 
 Two forms, one stream: :func:`iter_requests` yields lazily (vectorised numpy in chunks of ``CHUNK`` requests,
 ``Request`` objects made one at a time), :func:`generate` is exactly ``list(iter_requests(...))``. Requests come
@@ -365,11 +368,124 @@ class TraceReplay(_Workload):
         return self
 
 
-WorkloadSpec = Annotated[Synthetic | TraceReplay, Field(discriminator="kind")]
-_WORKLOAD_ADAPTER: TypeAdapter[Synthetic | TraceReplay] = TypeAdapter(WorkloadSpec)
+# ---------------------------------------------------------------------------------------------------- sessions
 
 
-def parse_workload(data: Mapping[str, Any], source: str | None = None) -> Synthetic | TraceReplay:
+class FixedTime(_Spec):
+    """Exactly ``s`` seconds."""
+
+    kind: Literal["fixed"] = "fixed"
+    s: NonNegFloat
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """(n,) float64 seconds."""
+        return np.full(n, self.s)
+
+
+class ExponentialTime(_Spec):
+    """Exponentially distributed seconds with mean ``mean_s`` (memoryless: a user who may come back any time)."""
+
+    kind: Literal["exponential"] = "exponential"
+    mean_s: PositiveFloat
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """(n,) float64 seconds."""
+        return rng.exponential(self.mean_s, n)
+
+
+class LogNormalTime(_Spec):
+    """Log-normal seconds with median ``p50_s`` and 90th percentile ``p90_s`` (a long tail of slow readers)."""
+
+    kind: Literal["lognormal"] = "lognormal"
+    p50_s: PositiveFloat
+    p90_s: PositiveFloat
+
+    @model_validator(mode="after")
+    def _order(self) -> LogNormalTime:
+        if self.p90_s <= self.p50_s:
+            raise ValueError(f"p90_s must be > p50_s, got p50_s={self.p50_s} p90_s={self.p90_s}")
+        return self
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """(n,) float64 seconds."""
+        return rng.lognormal(math.log(self.p50_s), math.log(self.p90_s / self.p50_s) / _Z90, n)
+
+
+TimeDist = Annotated[FixedTime | ExponentialTime | LogNormalTime, Field(discriminator="kind")]
+
+#: the most turns one session may have: a bound that keeps a typo in ``turns`` from building one endless session
+#: (agent runs of a few hundred tool calls fit)
+MAX_TURNS = 1000
+
+
+def _turns_bound(dist: Any) -> int | None:
+    """The most turns a ``turns`` distribution can draw; None if unbounded or drawn from a trace column."""
+    if isinstance(dist, Fixed):
+        return dist.tokens
+    if isinstance(dist, Uniform):
+        return dist.hi
+    if isinstance(dist, LogNormal):
+        return dist.max_tokens
+    if isinstance(dist, Empirical) and dist.values is not None:
+        return max(dist.values)
+    return None
+
+
+class Sessions(_Workload):
+    """Multi-turn sessions (chat, or an agent's tool calls) whose prompts grow by the turns before them.
+
+    Sessions arrive by ``arrival`` (its ``rate_per_s`` is sessions per second; poisson, gamma or constant). Each
+    session picks one of ``system_prompts`` shared system prompts (uniformly; their lengths are drawn once from
+    ``system_prompt``, none without it) and draws ``turns`` turns. Turn k appends ``input`` new tokens (``first_input``
+    for the first turn when given: a task, a document; later ``input`` is a user message or a tool's output) and
+    generates ``output`` tokens; its prompt is everything before plus the new input::
+
+        prompt_1 = system + input_1        prompt_{k+1} = prompt_k + output_k + input_{k+1}
+
+    Timing (a generator cannot know when a turn completes): turn k+1 arrives ``assumed_ttft_s + (output_k - 1) *
+    assumed_tpot_s + think`` after turn k, i.e. after the turn's *assumed* service time and a ``think`` time (a
+    user reading and typing; a tool running). When the served system is slower than assumed, the next turn may
+    arrive before the previous one is done, which a real client would not do.
+
+    A session ends after its last turn, or before the first turn whose prompt exceeds ``max_prompt_tokens``
+    (counted as ``n_sessions_cut``). The stream stops after ``n_requests`` requests (turns) or at ``duration_s``
+    (turns arriving later are dropped), whichever is first. Prefix block ids: :mod:`engine.core.sessions`.
+    """
+
+    kind: Literal["sessions"] = "sessions"
+    arrival: Annotated[Poisson | GammaBursty | Constant, Field(discriminator="kind")]
+    turns: LengthDist
+    system_prompts: Annotated[int, Field(ge=1, le=100_000)] = 1
+    system_prompt: LengthDist | None = None
+    first_input: LengthDist | None = None
+    input: LengthDist
+    output: LengthDist
+    think: TimeDist
+    assumed_ttft_s: NonNegFloat = 0.5
+    assumed_tpot_s: NonNegFloat = 0.03
+    max_prompt_tokens: TokenCount | None = None
+    n_requests: RequestCount | None = None
+    duration_s: PositiveFloat | None = None
+    seed: Annotated[int, Field(ge=0)] = 0
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Sessions:
+        if self.n_requests is None and self.duration_s is None:
+            raise ValueError("give n_requests or duration_s (or both)")
+        bound = _turns_bound(self.turns)
+        if bound is None:
+            raise ValueError(f"turns: must be bounded: fixed, uniform, lognormal with max_tokens, or empirical "
+                             f"values (at most {MAX_TURNS:,})")
+        if bound > MAX_TURNS:
+            raise ValueError(f"turns: at most {MAX_TURNS:,} turns per session, got up to {bound:,}")
+        return self
+
+
+WorkloadSpec = Annotated[Synthetic | TraceReplay | Sessions, Field(discriminator="kind")]
+_WORKLOAD_ADAPTER: TypeAdapter[Synthetic | TraceReplay | Sessions] = TypeAdapter(WorkloadSpec)
+
+
+def parse_workload(data: Mapping[str, Any], source: str | None = None) -> Synthetic | TraceReplay | Sessions:
     """Build a workload spec from plain data (e.g. YAML); a bad field -> one-line ``UserError``."""
     try:
         return _WORKLOAD_ADAPTER.validate_python(data)
@@ -395,11 +511,13 @@ class RequestStream(Iterator[Request]):
     is exhausted (``generate``, ``to_list``, ``describe(stream)``) and may run ahead while it is half-read.
 
     counters: ``n_prompt_zero_to_1`` / ``n_output_zero_to_1`` (trace zeros raised to 1), ``n_prompt_clipped`` /
-    ``n_output_clipped`` (cut to ``max_*_tokens``), ``n_passes`` (trace passes with at least one request produced, 0 for synthetic).
+    ``n_output_clipped`` (cut to ``max_*_tokens``), ``n_passes`` (trace passes with at least one request produced,
+    0 for synthetic); a sessions stream adds ``n_sessions``, ``n_sessions_cut``, ``n_sessions_empty``
+    (:func:`engine.core.sessions.iter_session_turns`; they grow request by request).
     Setup (loading traces, checking the window) happens on construction, so errors surface before iterating.
     """
 
-    def __init__(self, spec: Synthetic | TraceReplay, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, spec: Synthetic | TraceReplay | Sessions, rng: np.random.Generator | int | None = None) -> None:
         self.spec = spec
         self.counters: dict[str, int] = dict.fromkeys(_COUNTER_KEYS, 0)
         if isinstance(spec, Synthetic):
@@ -410,6 +528,14 @@ class RequestStream(Iterator[Request]):
             self._chunks = self._synthetic_chunks(spec, _split_rng(spec.seed if rng is None else rng), pools)
         elif isinstance(spec, TraceReplay):
             self._chunks = self._replay_chunks(spec, _ReplayPlan(spec))
+        elif isinstance(spec, Sessions):
+            from rackbed.engine.core.sessions import COUNTER_KEYS, iter_session_turns
+
+            self.counters.update(dict.fromkeys(COUNTER_KEYS, 0))
+            pools = {key: d.pool() for key in ("turns", "system_prompt", "first_input", "input", "output")
+                     if isinstance(d := getattr(spec, key), Empirical)}
+            turns = iter_session_turns(spec, rng, pools, self.counters)
+            self._chunks = iter([(t.request for t in turns)])
         else:
             raise TypeError(f"not a workload spec: {type(spec).__name__}")
         self._requests: Iterator[Request] = itertools.chain.from_iterable(self._chunks)
@@ -562,13 +688,13 @@ def _make_requests(
 
 
 def iter_requests(
-    spec: Synthetic | TraceReplay, rng: np.random.Generator | int | None = None
+    spec: Synthetic | TraceReplay | Sessions, rng: np.random.Generator | int | None = None
 ) -> RequestStream:
     """Lazy requests of ``spec``; ``rng`` (seed or Generator) overrides ``spec.seed``; ignored by a replay."""
     return RequestStream(spec, rng)
 
 
-def generate(spec: Synthetic | TraceReplay, rng: np.random.Generator | int | None = None) -> list[Request]:
+def generate(spec: Synthetic | TraceReplay | Sessions, rng: np.random.Generator | int | None = None) -> list[Request]:
     """All requests of ``spec``: exactly ``list(iter_requests(spec, rng))``."""
     return iter_requests(spec, rng).to_list()
 

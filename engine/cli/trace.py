@@ -1,0 +1,238 @@
+"""``rackbed trace stats SOURCE``: what a request stream looks like, and how much of its prefill a prefix cache
+could skip at best.
+
+SOURCE is a trace file (Mooncake JSONL or Azure CSV, optionally gzipped), the name of a shipped trace
+(``mooncake``, ``azure-conv``, ``azure-code``), a workload YAML (a mapping with ``kind: synthetic | trace |
+sessions``) or a serving scenario (a YAML path or a shipped name; its ``workload``, drawn with the scenario's
+``seed`` as ``rackbed run`` draws it).
+
+Prefix reuse is counted on ``Request.prefix_hash_ids`` (512-token blocks; equal ids = identical prefix), in
+arrival order, in prompt tokens: block j of a prompt of P tokens holds ``min(512, P - 512 j)`` of them. A request
+reuses the longest run of its leading blocks that the cache holds (a prefix cache cannot use a block past a miss);
+then all its blocks are in the cache. Two caches:
+
+- infinite: every block ever seen stays. For ids that name whole prefixes (as Mooncake's and the sessions
+  generator's do) this is exactly the fraction of prompt tokens whose block was seen before: the upper bound.
+- LRU of C blocks (``--cache-blocks C``, repeatable): after a request its blocks are the most recently used, its
+  first block most recent of all, so eviction takes the tails of prefix chains before their heads (as vLLM's free
+  block queue does). Only prompt blocks enter the cache (a request's ids cover its prompt, not its output).
+
+Every block counts by default, a trace's shared partial last blocks too: the bound. A serving engine's prefix cache
+holds only full blocks that end before the prompt's last token (prefill must compute that token for the first
+output token's logits); ``--full-blocks`` counts only those, in the caches and in the prompt blocks (the infinite
+cache's number is printed both ways).
+
+A brute-force reference (a set, an ``OrderedDict``), not the simulator's prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK = 512  # engine.core.traces.HASH_BLOCK_TOKENS (imported lazily with the rest)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="request trace tools (stats: lengths and the prefix-reuse bound)",
+                       description="Tools for request traces and workloads.")
+    tsub = p.add_subparsers(dest="trace_command", metavar="TOOL", required=True)
+    s = tsub.add_parser(
+        "stats", help="requests, duration, mean lengths and the prefix-cache reuse bound of a trace or workload",
+        description="Print requests, duration, mean input/output tokens and the prefix-reuse bound (fraction of "
+                    "prompt tokens a prefix cache could skip: infinite, and LRU of --cache-blocks blocks). SOURCE: a "
+                    "trace file, a shipped trace name (mooncake, azure-conv, azure-code), a workload YAML or a "
+                    "serving scenario (path or shipped name).")
+    s.add_argument("source", metavar="PATH_OR_SCENARIO")
+    s.add_argument("--cache-blocks", type=int, action="append", default=[], metavar="C",
+                   help="also the reuse of an LRU cache of C 512-token blocks (repeatable)")
+    s.add_argument("--format", choices=("auto", "azure", "mooncake"), default="auto", help="trace file format")
+    s.add_argument("--seed", type=int, default=None, help="seed of a generated workload (default: the file's)")
+    s.add_argument("--full-blocks", action="store_true",
+                   help="count only full blocks that end before a prompt's last token (what an engine caches)")
+    s.add_argument("--max-requests", type=int, default=None, metavar="N", help="only the first N requests")
+    s.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    s.set_defaults(func=_stats_main)
+
+
+# ------------------------------------------------------------------------------------------------------ numbers
+
+
+@dataclass(frozen=True)
+class ReuseStats:
+    """Prefix reuse of a request stream (module docstring). Fractions are of all prompt tokens, requests without
+    ids included (they reuse nothing)."""
+
+    prompt_tokens: int
+    blocks: int                 # block ids over all requests
+    distinct_blocks: int
+    requests_with_ids: int
+    inconsistent_ids: int       # ids seen at more than one block position: not whole-prefix ids
+    reused_tokens_infinite: int
+    reused_tokens_lru: dict[int, int]
+
+    @property
+    def infinite(self) -> float:
+        return self.reused_tokens_infinite / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def lru(self, blocks: int) -> float:
+        return self.reused_tokens_lru[blocks] / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _block_tokens(prompt: int, ids: Sequence[int], full_blocks: bool = False) -> list[int]:
+    """Tokens of each block that lies (partly) in the prompt, ids past a clipped prompt dropped; with
+    ``full_blocks``, only the full blocks that end before the prompt's last token."""
+    if full_blocks:
+        return [BLOCK] * min(len(ids), (prompt - 1) // BLOCK)
+    n = min(len(ids), -(-prompt // BLOCK))
+    return [min(BLOCK, prompt - BLOCK * j) for j in range(n)]
+
+
+def prefix_reuse(requests: Iterable, cache_blocks: Sequence[int] = (), full_blocks: bool = False) -> ReuseStats:
+    """Reuse of ``requests`` (``Request`` objects in arrival order) with an infinite cache and LRU caches of each
+    size in ``cache_blocks``; ``full_blocks``: only full blocks before the last prompt token (module docstring)."""
+    for c in cache_blocks:
+        if c < 1:
+            raise ValueError(f"--cache-blocks: must be >= 1, got {c}")
+    seen: set[int] = set()
+    pos: dict[int, int] = {}
+    inconsistent: set[int] = set()
+    lrus = {c: OrderedDict() for c in cache_blocks}
+    hits_lru = dict.fromkeys(cache_blocks, 0)
+    total = n_blocks = with_ids = hits_inf = 0
+    for r in requests:
+        total += r.prompt_tokens
+        ids = r.prefix_hash_ids
+        if not ids:
+            continue
+        with_ids += 1
+        tokens = _block_tokens(r.prompt_tokens, ids, full_blocks)
+        ids = ids[: len(tokens)]
+        n_blocks += len(ids)
+        hits_inf += _leading_hits(ids, tokens, seen)
+        for j, h in enumerate(ids):
+            if pos.setdefault(h, j) != j:
+                inconsistent.add(h)
+        seen.update(ids)
+        for c, cache in lrus.items():
+            hits_lru[c] += _leading_hits(ids, tokens, cache)
+            for h in reversed(ids):
+                if h in cache:
+                    cache.move_to_end(h)
+                else:
+                    cache[h] = None
+                    if len(cache) > c:
+                        cache.popitem(last=False)
+    return ReuseStats(total, n_blocks, len(seen), with_ids, len(inconsistent), hits_inf, hits_lru)
+
+
+def _leading_hits(ids: Sequence[int], tokens: Sequence[int], cache) -> int:
+    got = 0
+    for h, t in zip(ids, tokens, strict=True):
+        if h not in cache:
+            break
+        got += t
+    return got
+
+
+# ------------------------------------------------------------------------------------------------------ source
+
+
+def load_requests(source: str, fmt: str = "auto", seed: int | None = None,
+                  max_requests: int | None = None) -> tuple[str, list]:
+    """(what was read, its requests) for a ``rackbed trace stats`` SOURCE (module docstring)."""
+    from itertools import islice
+
+    from rackbed import scenarios
+    from rackbed.engine.core.traces import TRACE_FILES
+    from rackbed.engine.core.workload import TraceReplay, iter_requests, parse_workload
+    from rackbed.topology.errors import UserError
+    from rackbed.topology.yamlio import load_yaml
+
+    if max_requests is not None and max_requests < 1:
+        raise UserError(f"--max-requests: must be >= 1, got {max_requests}")
+    p = Path(source)
+    if p.is_file() and p.suffix not in (".yaml", ".yml"):
+        spec, what, run_seed = TraceReplay(path=str(p), format=fmt), f"{p} (trace)", None
+    elif not p.exists() and source in TRACE_FILES:
+        spec, what, run_seed = TraceReplay(name=source, format=fmt), f"shipped trace {source}", None
+    else:
+        try:
+            path = scenarios.resolve(source)
+        except ValueError:
+            raise UserError(f"{source}: not a file, a shipped trace ({', '.join(sorted(TRACE_FILES))}) or a shipped "
+                            f"scenario ({', '.join(scenarios.available())})") from None
+        data = load_yaml(path)
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: expected a mapping (a workload or a serving scenario)")
+        if data.get("kind") in ("synthetic", "trace", "sessions"):
+            wl, run_seed, what = data, None, f"{path} (workload)"
+        elif data.get("kind", "serving") == "serving" and "workload" in data:
+            wl, run_seed, what = data["workload"], data.get("seed", 0), f"{path} (scenario workload)"
+        else:
+            raise UserError(f"{path}: neither a workload (kind: synthetic, trace or sessions) nor a serving "
+                            "scenario with a workload")
+        if not isinstance(wl, dict):
+            raise UserError(f"{path}: workload: expected a mapping")
+        spec = parse_workload(wl, str(path))
+        rel = Path(spec.path) if spec.kind == "trace" and spec.path else None
+        if rel is not None and not rel.is_absolute() and (path.parent / rel).exists():  # as load_scenario does
+            spec = spec.model_copy(update={"path": str(path.parent / rel)})
+    stream = iter_requests(spec, seed if seed is not None else run_seed)
+    reqs = list(islice(stream, max_requests)) if max_requests is not None else stream.to_list()
+    return what, reqs
+
+
+def trace_stats(source: str, cache_blocks: Sequence[int] = (), fmt: str = "auto", seed: int | None = None,
+                max_requests: int | None = None, full_blocks: bool = False) -> dict:
+    """The numbers ``rackbed trace stats`` prints, as a flat dict."""
+    from rackbed.engine.core.workload import describe
+
+    for c in cache_blocks:  # before reading anything
+        if c < 1:
+            raise ValueError(f"--cache-blocks: must be >= 1, got {c}")
+    what, reqs = load_requests(source, fmt, seed, max_requests)
+    d = describe(reqs)
+    ru = prefix_reuse(reqs, cache_blocks, full_blocks)
+    full = prefix_reuse(reqs, (), True).infinite if not full_blocks else ru.infinite
+    out = {"source": what, "requests": d["count"], "duration_s": d["duration_s"],
+           "mean_rate_per_s": d["mean_rate_per_s"], "input_tokens_mean": d["prompt_tokens_mean"],
+           "output_tokens_mean": d["output_tokens_mean"], "requests_with_ids": ru.requests_with_ids,
+           "prompt_blocks": ru.blocks, "distinct_blocks": ru.distinct_blocks, "inconsistent_ids": ru.inconsistent_ids,
+           "full_blocks": full_blocks, "reuse_infinite": ru.infinite, "reuse_infinite_full_blocks": full}
+    for c in cache_blocks:
+        out[f"reuse_lru_{c}"] = ru.lru(c)
+    return out
+
+
+def _stats_main(args: argparse.Namespace) -> int:
+    sizes = list(dict.fromkeys(args.cache_blocks))
+    s = trace_stats(args.source, sizes, args.format, args.seed, args.max_requests, args.full_blocks)
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    rows = [("source", s["source"]),
+            ("requests", f"{s['requests']:,} ({s['requests_with_ids']:,} with prefix block ids)"),
+            ("duration", f"{s['duration_s']:.1f} s ({s['mean_rate_per_s']:.2f} requests/s)"),
+            ("input tokens", f"mean {s['input_tokens_mean']:,.1f}"),
+            ("output tokens", f"mean {s['output_tokens_mean']:,.1f}")]
+    if s["requests_with_ids"]:
+        rows.append(("prompt blocks", f"{s['prompt_blocks']:,} ids, {s['distinct_blocks']:,} distinct"
+                     + (f", {s['inconsistent_ids']:,} at more than one position" if s["inconsistent_ids"] else "")))
+        what = "full blocks before the last prompt token" if s["full_blocks"] else "any block"
+        rows.append(("prefix reuse", f"{100 * s['reuse_infinite']:.1f} % of prompt tokens (infinite cache, {what})"))
+        if not s["full_blocks"]:
+            full = s["reuse_infinite_full_blocks"]
+            rows.append(("", f"{100 * full:.1f} % in full blocks before the last prompt token (what an engine caches)"))
+        for c in sizes:
+            rows.append(("", f"{100 * s[f'reuse_lru_{c}']:.1f} % with an LRU cache of {c:,} blocks"))
+    else:
+        rows.append(("prefix reuse", "unknown: no prefix block ids (an Azure trace or a synthetic workload)"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
