@@ -138,3 +138,35 @@ class CachedSchedulerMachine(SchedulerMachine):
 TestCachedSchedulerMachine = CachedSchedulerMachine.TestCase
 TestCachedSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
+
+
+from test_aggregated import AggregatedMachine, agg_deployment  # noqa: E402
+
+
+class CachedAggregatedMachine(AggregatedMachine):
+    """The aggregated-worker state machine with a prefix cache per worker and a prefix-sharing workload."""
+
+    @initialize(chunk=st.sampled_from([None, 64, 200]), cap=st.integers(1, 4), kv=st.integers(600, 3000),
+                dp=st.integers(1, 3), budget=st.integers(64, 600), seed=st.integers(0, 3),
+                policy=st.sampled_from(["kv_aware", "round_robin", "random", "least_requests"]),
+                hbm=st.integers(0, 8), host=st.sampled_from([None, 4]))
+    def setup(self, chunk, cap, kv, dp, budget, seed, policy, hbm, host):
+        budget = max(budget, cap * 2 + 1)
+        self.s = Scheduler(agg_deployment(n_workers=3, dp=dp, cap=cap, kv_rank=kv, budget=budget, chunk=chunk,
+                                          draft_k=1, max_queue=8), np.random.default_rng(seed),
+                           policies=Policies.named(worker=policy), prefix_cache=spec(hbm, host))
+        self.d = MiniDriver(self.s)
+        self.n = 0
+        self.faults = 0
+
+    @rule(path=st.lists(st.integers(0, 2), min_size=0, max_size=15), extra=st.integers(1, 100),
+          o=st.integers(1, 30), dt=st.floats(0, 0.05))
+    def arrive(self, path, extra, o, dt):
+        ids = [hash(tuple(path[:i + 1])) for i in range(len(path))]
+        self.d.arrive(rq(self.n, self.d.now + dt, B * len(path) + extra, o, ids))
+        self.n += 1
+
+
+TestCachedAggregatedMachine = CachedAggregatedMachine.TestCase
+TestCachedAggregatedMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                                                suppress_health_check=[HealthCheck.too_slow])
