@@ -146,9 +146,7 @@ class PoliciesSection(_Strict):
 
     def build(self):
         """The :class:`~engine.core.policies.Policies` named here."""
-        from rackbed.engine.core.policies import Policies
-
-        from rackbed.engine.core.policies import KvAwareRouting, RandomRouting
+        from rackbed.engine.core.policies import KvAwareRouting, Policies, RandomRouting
 
         pol = Policies.named(self.prefiller, self.rank, self.admission, self.worker)
         made = {"kv_aware": lambda: KvAwareRouting(self.kv_aware_weight),
