@@ -108,7 +108,13 @@ def _calibration_gaps(calib, topo, model, prefill_plan, decode_plan) -> list[str
             out.append(gap)
     if model.n_experts:
         for role, plan in (("prefill", prefill_plan), ("decode", decode_plan)):
-            gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, plan.ep, role)
+            ep, red = plan.ep, getattr(plan, "redundant_experts", 0)
+            if red:  # a rank of s slots is priced as the table's rank of s experts (sim.costs.step._routed_block_s)
+                per_rank = (model.n_experts + red) // ep
+                ep = model.n_experts // per_rank if model.n_experts % per_rank == 0 else ep
+            gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, ep, role)
+            if gap and red:
+                gap += f" ({plan.ep} ranks of {(model.n_experts + red) // plan.ep} slots, {red} redundant)"
             if gap and gap not in out:
                 out.append(gap)
     from rackbed.sim.costs.collective import group_links

@@ -222,10 +222,11 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix, calib=calib)
     comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
     b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
-    block = moe_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, t_all)
+    slots = model.n_experts + getattr(plan, "redundant_experts", 0)
+    block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all)
     if block is None:
         hist = tokens_per_expert if tokens_per_expert is not None else \
-            binomial_histogram(t_all, model.top_k / model.n_experts, model.n_experts // plan.ep)
+            binomial_histogram(t_all, model.top_k / slots, slots // plan.ep)
         inter = model.moe_intermediate // plan.expert_tp
         block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
     b.add(f"{prefix}moe_gemm", "moe_gemm_s", n_layers * block)
@@ -233,6 +234,22 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
           n_layers * _shared_expert_s(gpu, model, t_max, tp, fmt, calib))
     b.add(f"{prefix}moe_combine", "a2a_s", n_layers * comb.total_s)
     _tp_allreduce(b, f"{prefix}moe_allreduce", n_layers, model, plan, topo, t_max, calib)
+
+
+def _routed_block_s(calib, gpu, model, fmt: str, expert_tp: int, ep: int, slots: int, n_tokens: float) -> float | None:
+    """A measured routed-expert block (``moe_block_s``) for a rank of ``slots / ep`` expert slots. Without
+    redundant experts that is the table's own ``ep``. With them (wide EP) a rank holds ``s = slots / ep`` slots,
+    each loaded with ``n_tokens * top_k / slots`` tokens under balanced routing: exactly the table's rank at
+    ``ep' = n_experts / s`` (also ``s`` experts) fed ``n_tokens * n_experts / slots`` tokens, when ``s`` divides the
+    experts (e.g. DeepSeek-V3 at EP 72 with 288 slots: the EP-64 curve at 256/288 of the tokens). None when no
+    table matches (the caller prices the grouped GEMMs over the slots)."""
+    if slots == model.n_experts:
+        return moe_block_s(calib, gpu, model, fmt, expert_tp, ep, n_tokens)
+    per_rank = slots // ep
+    if model.n_experts % per_rank:
+        return None
+    return moe_block_s(calib, gpu, model, fmt, expert_tp, model.n_experts // per_rank,
+                       n_tokens * model.n_experts / slots)
 
 
 def _tp_allreduce(b: BreakdownBuilder, name: str, n_layers: int, model, plan, topo, n_tokens: int, calib) -> None:
