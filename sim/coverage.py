@@ -100,9 +100,14 @@ def _calibration_gaps(calib, topo, model, prefill_plan, decode_plan) -> list[str
     if not any(e.gpu == name for e in calib.entries):
         return [f"the calibration has no curves for {name}: first-principles cost models"]
     tp = prefill_plan.tp
-    att = model.mixer("full")
-    q_n = (att.n_q_heads * att.head_dim) // tp + 2 * att.kv_units_per_rank(tp) * att.head_dim
-    for what, n, k in (("attention projection", q_n, model.hidden), ("LM head", model.vocab, model.hidden)):
+    mla = model.mixer("mla")
+    if mla is not None:  # MLA: its widest projection from the hidden state (q_a, or q without a q LoRA)
+        q_n, q_k = mla.proj_gemms(tp)[0]
+    else:
+        att = model.mixer("full")
+        q_n = (att.n_q_heads * att.head_dim) // tp + 2 * att.kv_units_per_rank(tp) * att.head_dim
+        q_k = model.hidden
+    for what, n, k in (("attention projection", q_n, q_k), ("LM head", model.vocab, model.hidden)):
         gap = _gemm_gap(calib, name, fmt if what != "LM head" else "bf16", n, k, what)
         if gap:
             out.append(gap)
