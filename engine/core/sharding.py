@@ -120,6 +120,12 @@ def _range_text(ids) -> str:
     return ",".join(parts)
 
 
+def kv_window(attention) -> int:
+    """Tokens of KV one sequence keeps at most in a layer of this token-mixer kind: its sliding window
+    (``SlidingWindowAttention.window``), 0 when the layer keeps the whole sequence."""
+    return int(getattr(attention, "window", 0) or 0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The model split into parts that shard differently
 # ----------------------------------------------------------------------------------------------------------------
