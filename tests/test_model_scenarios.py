@@ -62,8 +62,10 @@ def test_decode_step_figure(name):
         assert r["tokens_per_s_per_gpu"] > 0 and r["fits_batch"]
     if name == "fig_dsv3_decode_ep":
         by = {(r["ep"], r["batch_per_rank"]): r for r in res.rows}
-        # wider EP: fewer experts per GPU, less expert GEMM; attention is per DP rank and does not change
-        assert by[72, 64]["moe_gemm_ms"] < by[32, 64]["moe_gemm_ms"] < by[8, 64]["moe_gemm_ms"]
+        # wider EP: fewer experts per GPU, less expert GEMM than EP8; attention is per DP rank and does not change
+        assert max(by[32, 64]["moe_gemm_ms"], by[72, 64]["moe_gemm_ms"]) < by[8, 64]["moe_gemm_ms"]
+        # EP72 with 288 slots is a rank of 4 experts at balanced load, as EP64's: the same measured block
+        assert by[72, 64]["moe_gemm_ms"] == pytest.approx(by[64, 64]["moe_gemm_ms"], rel=1e-6)
         assert by[72, 64]["attention_ms"] == pytest.approx(by[8, 64]["attention_ms"], rel=1e-6)
         assert by[72, 64]["redundant_experts"] == 32
 
