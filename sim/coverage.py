@@ -100,15 +100,26 @@ def _calibration_gaps(calib, topo, model, prefill_plan, decode_plan) -> list[str
     if not any(e.gpu == name for e in calib.entries):
         return [f"the calibration has no curves for {name}: first-principles cost models"]
     tp = prefill_plan.tp
-    att = model.mixer("full")
-    q_n = (att.n_q_heads * att.head_dim) // tp + 2 * att.kv_units_per_rank(tp) * att.head_dim
-    for what, n, k in (("attention projection", q_n, model.hidden), ("LM head", model.vocab, model.hidden)):
+    mla = model.mixer("mla")
+    if mla is not None:  # MLA: its widest projection from the hidden state (q_a, or q without a q LoRA)
+        q_n, q_k = mla.proj_gemms(tp)[0]
+    else:
+        att = model.mixer("full")
+        q_n = (att.n_q_heads * att.head_dim) // tp + 2 * att.kv_units_per_rank(tp) * att.head_dim
+        q_k = model.hidden
+    for what, n, k in (("attention projection", q_n, q_k), ("LM head", model.vocab, model.hidden)):
         gap = _gemm_gap(calib, name, fmt if what != "LM head" else "bf16", n, k, what)
         if gap:
             out.append(gap)
     if model.n_experts:
         for role, plan in (("prefill", prefill_plan), ("decode", decode_plan)):
-            gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, plan.ep, role)
+            ep, red = plan.ep, getattr(plan, "redundant_experts", 0)
+            if red:  # a rank of s slots is priced as the table's rank of s experts (sim.costs.step._routed_block_s)
+                per_rank = (model.n_experts + red) // ep
+                ep = model.n_experts // per_rank if model.n_experts % per_rank == 0 else ep
+            gap = _moe_gap(calib, name, model, fmt, plan.expert_tp, ep, role)
+            if gap and red:
+                gap += f" ({plan.ep} ranks of {(model.n_experts + red) // plan.ep} slots, {red} redundant)"
             if gap and gap not in out:
                 out.append(gap)
     from rackbed.sim.costs.collective import group_links

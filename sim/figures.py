@@ -18,6 +18,10 @@ Figure types (the ``figure`` field):
                     tokens/s per GPU.
 ``decode_ep_trade`` EP_a -> EP_b decode: dispatch/combine added vs grouped GEMM removed per MoE layer, and the
                     whole decode step (draft + verify) per configuration.
+``decode_step``     where a decode step's time goes for a serving scenario's decoders at several DP-EP degrees
+                    (redundant experts where the EP needs them): attention, MoE GEMM, dispatch/combine,
+                    all-reduce, other, and tokens/s per GPU and per user — priced by the scenario's own cost model
+                    (its stack's calibration, as ``rackbed run`` prices it), at a fixed batch per rank and context.
 ==================  ===============================================================================================
 """
 
@@ -124,8 +128,31 @@ class DecodeEpTradeFigure(_Base):
     draft_k: int = Field(1, ge=0)
 
 
+class DecodeConfig(_F):
+    """One decoder shape of a ``decode_step`` figure: ``ep`` GPUs, attention TP ``tp`` inside a DP rank, and
+    ``redundant_experts`` (None: the fewest that make ``ep`` divide the expert slots)."""
+
+    ep: int = Field(ge=1)
+    tp: int = Field(1, ge=1)
+    redundant_experts: int | None = Field(None, ge=0)
+    label: str | None = None
+
+
+class DecodeStepFigure(_Base):
+    """``scenario``: a serving scenario (a path relative to this file, a path, or a shipped name) whose model,
+    topology, formats, stack, calibration and MTP price the steps; ``model`` is not used."""
+
+    figure: Literal["decode_step"]
+    scenario: str
+    configs: tuple[DecodeConfig, ...] = Field(min_length=1)
+    batch_per_rank: tuple[Annotated[int, Field(ge=1)], ...] = Field((64,), min_length=1)
+    context_tokens: int = Field(4000, ge=1)
+    draft_k: int | None = Field(None, ge=0)  # None: the scenario's mtp.draft_k
+
+
 FigureScenario = Annotated[
-    AllreduceFigure | EpPrefillFigure | DecodeA2aFigure | GroupedGemmFigure | PrefillParallelismFigure | DecodeEpTradeFigure,
+    AllreduceFigure | EpPrefillFigure | DecodeA2aFigure | GroupedGemmFigure | PrefillParallelismFigure
+    | DecodeEpTradeFigure | DecodeStepFigure,
     Field(discriminator="figure"),
 ]
 _ADAPTER = TypeAdapter(FigureScenario)
@@ -145,9 +172,18 @@ def load_figure(path: str | Path) -> Any:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping at the top level")
     try:
-        return _ADAPTER.validate_python(data)
+        sc = _ADAPTER.validate_python(data)
     except ValidationError as exc:
         raise from_validation(exc, p) from None
+    if isinstance(sc, DecodeStepFigure):
+        from rackbed.sim.serving_figures import resolve_ref
+
+        try:
+            ref = resolve_ref(sc.scenario, p.parent)
+        except (ValueError, FileNotFoundError) as exc:
+            raise UserError(f"{p}: scenario: {exc}") from None
+        sc = sc.model_copy(update={"scenario": str(ref)})
+    return sc
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -559,10 +595,100 @@ def _fig_decode_ep_trade(sc: DecodeEpTradeFigure) -> Result:
     return Result(cols, rows, claims, plot, summary, {"decode_step_ms": steps})
 
 
+# ------------------------------------------------------------------------------------------------ decode step
+
+
+#: the StepTime categories of a decode breakdown, in table order, and their column names
+_CATS = (("attn_s", "attention_ms"), ("moe_gemm_s", "moe_gemm_ms"), ("a2a_s", "dispatch_combine_ms"),
+         ("allreduce_s", "allreduce_ms"), ("other_s", "other_ms"))
+
+
+def decode_step_rows(sc: DecodeStepFigure) -> list[dict]:
+    """One row per (config, batch): the decode step of the scenario's decoders reshaped to ``config``, priced
+    by the scenario's cost model (``sim.scenario.cost_model_for``) with every rank holding ``batch`` sequences of
+    ``context_tokens``: milliseconds per category, tokens/s per GPU (all of the decoder's GPUs) and per user, and
+    the KV tokens a rank can hold."""
+    from rackbed.engine.core.sharding import min_redundant_experts
+    from rackbed.sim.parallel import check_parallel
+    from rackbed.sim.scenario import cost_model_for, decode_plan_for, load_scenario, scenario_model
+
+    base = load_scenario(sc.scenario)
+    model = scenario_model(base)
+    topo = _topo(base.topology)
+    k = base.mtp.draft_k if sc.draft_k is None else sc.draft_k
+    e_tok = base.mtp.expected_tokens_per_step(k)
+    rows = []
+    for c in sc.configs:
+        red = min_redundant_experts(model.n_experts, c.ep) if c.redundant_experts is None else c.redundant_experts
+        label = c.label or f"EP{c.ep}" + (f" TP{c.tp}" if c.tp > 1 else "") + (f" +{red} redundant" if red else "")
+        gpus = _domain_gpus(topo, c.ep, f"configs: {label}")
+        for b in sc.batch_per_rank:
+            d = base.decode.model_copy(update={"ep": c.ep, "tp": c.tp, "redundant_experts": red,
+                                               "max_batch_per_rank": b})
+            one = base.model_copy(update={"decode": d, "mtp": base.mtp.model_copy(update={"draft_k": k})})
+            try:
+                check_parallel(one, model)
+                plan = decode_plan_for(one, model, gpus)
+                bud = plan.validate(model, topo)
+            except UserError as exc:
+                raise UserError(f"configs: {label}: {exc}") from None
+            cm = cost_model_for(one, model, topo, None, plan)[0]
+            bd = cm.decode_breakdown(b, b * sc.context_tokens, k)
+            cat = bd.by_category()
+            step = bd.total_s
+            row = {"config": label, "ep": c.ep, "tp": c.tp, "redundant_experts": red, "batch_per_rank": b,
+                   "step_ms": round(step * 1e3, 4)}
+            row.update({col: round(cat.get(key, 0.0) * 1e3, 4) for key, col in _CATS})
+            row["tokens_per_s_per_gpu"] = round(plan.dp * b * e_tok / step / c.ep, 1)
+            row["tokens_per_s_per_user"] = round(e_tok / step, 1)
+            row["kv_tokens_per_rank"] = bud.kv_capacity_tokens
+            row["fits_batch"] = bud.kv_capacity_tokens >= b * sc.context_tokens
+            rows.append(row)
+    return rows
+
+
+def _domain_gpus(topo, n: int, where: str) -> tuple[int, ...]:
+    """The first ``n`` GPUs of the first NVLink domain that has them (a decoder's GPUs: one domain)."""
+    seen: set[int] = set()
+    for g in sorted(topo.gpu_ids):
+        if g in seen:
+            continue
+        dom = sorted(topo.nvlink_domain(g))
+        seen.update(dom)
+        if len(dom) >= n:
+            return tuple(dom[:n])
+    raise UserError(f"{where}: a decoder of {n} GPUs needs one NVLink domain that large; topology {topo.name} has "
+                    f"none")
+
+
+def _fig_decode_step(sc: DecodeStepFigure) -> Result:
+    rows = decode_step_rows(sc)
+    cols = ["config", "batch_per_rank", "step_ms", *(c for _, c in _CATS), "tokens_per_s_per_gpu",
+            "tokens_per_s_per_user", "kv_tokens_per_rank"]
+    sim = "; ".join(f"{r['config']} at {r['batch_per_rank']}/rank: {r['step_ms']:.2f} ms, "
+                    f"{r['tokens_per_s_per_gpu']:.0f} tok/s/GPU" for r in rows)
+    summary = {f"{r['config']}@{r['batch_per_rank']}": {"step_ms": r["step_ms"],
+                                                        "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"]}
+               for r in rows}
+
+    def plot(ax):
+        labels = [f"{r['config']}\nb={r['batch_per_rank']}" for r in rows]
+        bottom = [0.0] * len(rows)
+        for _, col in _CATS:
+            vals = [r[col] for r in rows]
+            ax.bar(labels, vals, bottom=bottom, label=col.removesuffix("_ms"))
+            bottom = [a + v for a, v in zip(bottom, vals)]
+        ax.set_ylabel("decode step, ms")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
+
+    return Result(cols, rows, [(sc.claim, sim)], plot, summary)
+
+
 _BUILDERS: dict[type, Callable] = {
     AllreduceFigure: _fig_allreduce, EpPrefillFigure: _fig_ep_prefill, DecodeA2aFigure: _fig_decode_a2a,
     GroupedGemmFigure: _fig_grouped_gemm, PrefillParallelismFigure: _fig_prefill_parallelism,
-    DecodeEpTradeFigure: _fig_decode_ep_trade,
+    DecodeEpTradeFigure: _fig_decode_ep_trade, DecodeStepFigure: _fig_decode_step,
 }
 
 
@@ -600,8 +726,9 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
     for r in res.rows:
         table.add_row(*(_fmt(r.get(c)) for c in res.columns))
     console.print(table)
+    said = "claim" if isinstance(sc, DecodeStepFigure) else "write-up"  # its claim is this repository's own
     for claim, sim in res.claims:
-        console.print(f"[bold]write-up:[/bold] {claim}")
+        console.print(f"[bold]{said}:[/bold] {claim}")
         console.print(f"[bold]simulated:[/bold] {sim}")
 
     png = out_dir / f"{safe_name(sc.name)}.png"

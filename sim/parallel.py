@@ -4,7 +4,8 @@ A **prefiller** is ``max(tp, ep)`` GPUs of one node: attention TP over ``tp`` of
 (``tp > ep``: each expert's intermediate dimension split ``tp / ep`` ways, expert TP). ``tp < ep`` (attention DP
 groups inside a prefiller) is refused: the prefill cost model prices one TP group with a replicated batch. A **decoder** is ``ep`` GPUs of one NVLink domain:
 ``ep / tp`` DP attention ranks of ``tp`` GPUs each (attention TP x DP, TRT-LLM's and SGLang's "attention TP"
-inside "attention DP"), the experts over all ``ep`` GPUs. ``tp = 1`` (the default) is pure DP attention, one GPU
+inside "attention DP"), the experts over all ``ep`` GPUs — ``n_experts + redundant_experts`` expert slots, which
+``ep`` must divide (wide EP: DeepSeek-V3's 256 experts over 72 GPUs need 32 redundant, 288 = 72 x 4). ``tp = 1`` (the default) is pure DP attention, one GPU
 per rank.
 
 :func:`check_parallel` names the first violated rule as one line (``decode.tp: ...``) before the plans are built;
@@ -13,6 +14,7 @@ per rank.
 
 from __future__ import annotations
 
+from rackbed.engine.core.sharding import min_redundant_experts
 from rackbed.topology.errors import UserError
 
 
@@ -31,9 +33,22 @@ def check_parallel(sc, model) -> None:
                                else p.kv_replication, model.name)
             except UserError as exc:
                 raise UserError(f"{role}.tp: {exc}") from None
-    for role, ep in (("prefill", p.ep), ("decode", d.ep)):
-        rules.append((model.n_experts and model.n_experts % ep,
-                      f"{role}.ep: {ep} does not divide the {model.n_experts} experts of {model.name}"))
+    rules.append((model.n_experts and model.n_experts % p.ep,
+                  f"prefill.ep: {p.ep} does not divide the {model.n_experts} experts of {model.name}"))
+    slots = model.n_experts + d.redundant_experts
+    need = min_redundant_experts(model.n_experts, d.ep)
+    rules += [
+        (d.redundant_experts and not model.n_experts,
+         f"decode.redundant_experts: {model.name} has no routed experts to replicate"),
+        (model.n_experts and not d.redundant_experts and model.n_experts % d.ep,
+         f"decode.ep: {d.ep} does not divide the {model.n_experts} experts of {model.name}"
+         + (f" (decode.redundant_experts: {need} gives {model.n_experts + need} = {d.ep} x "
+            f"{(model.n_experts + need) // d.ep} expert slots)" if need else "")),
+        (model.n_experts and d.redundant_experts and slots % d.ep,
+         f"decode.redundant_experts: ep = {d.ep} does not divide the {model.n_experts} experts + "
+         f"{d.redundant_experts} redundant = {slots} expert slots of {model.name}"
+         + (f" (redundant_experts: {need} gives {model.n_experts + need})" if need else "")),
+    ]
     rules += [
         (d.ep % d.tp, f"decode.tp: {d.tp} does not divide the decoder's ep = {d.ep} GPUs (dp = ep / tp ranks)"),
         (p.tp < p.ep, f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP GPUs "
@@ -74,4 +89,5 @@ def decode_plan_for(sc, model, gpus):
     d = sc.decode
     return ParallelPlan(role="decode", tp=d.tp, ep=d.ep, dp=d.ep // d.tp, kv_replication=_kv_replication(model, d.tp),
                         gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
-                        page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank)
+                        page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank,
+                        redundant_experts=d.redundant_experts)

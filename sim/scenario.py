@@ -50,6 +50,7 @@ class DecodeSection(_Strict):
     replicas: int = Field(1, ge=0)
     max_batch_per_rank: int = Field(64, ge=1)
     page_tokens: int = Field(64, ge=1)
+    redundant_experts: int = Field(0, ge=0)
 
 
 class MtpDraft(_Strict):

@@ -168,12 +168,12 @@ class ScenarioCostModel:
                                     **dr)
         base = self._decode_base.get((group.id, b, k))
         if base is None:
-            from rackbed.sim.costs.step import decode_step_breakdown, layer_counts
+            from rackbed.sim.costs.step import decode_step_breakdown
 
             bd = decode_step_breakdown(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
                                        calib=self.calib, **dr)
             passes = k * dr.get("n_mtp_layers", self.model.n_mtp_layers or 1)
-            base = (tuple(bd.terms.items()), layer_counts(self.model)[0], passes, self.topo.gpu_spec(pl.gpus[0]))
+            base = (tuple(bd.terms.items()), _ctx_kinds(self.model), passes, self.topo.gpu_spec(pl.gpus[0]))
             # the split must reproduce the direct evaluation at another context too
             ctx2 = 2 * ctx_q + 4099
             if self._assemble(base, pl, b, ctx2, k) != decode_step_time(
@@ -187,28 +187,32 @@ class ScenarioCostModel:
     def _assemble(self, base, pl, b: int, ctx_q: int, k: int):
         from rackbed.sim.costs.steptime import StepTime
 
-        terms, nf, passes, gpu = base
+        terms, kinds, passes, gpu = base
         kw = {"fmt": pl.weight_format, "kv_elem_bytes": pl.kv_elem_bytes, "page_tokens": pl.page_tokens,
               "calib": self.calib, "tp": pl.tp}
         over = {}
-        if nf:
-            a = self._attn(gpu, b, ctx_q, k + 1, kw)
-            over["attn_proj"] = nf * a.proj_s
-            over["attn_core"] = nf * a.core_s
+        for costs, nf in kinds:
+            a = self._attn(costs, gpu, b, ctx_q, k + 1, kw)
+            over[f"{costs.prefix}_proj"] = nf * a.proj_s
+            over[f"{costs.prefix}_core"] = nf * a.core_s
+            for name, sec in a.parts:
+                over[f"{costs.prefix}_{name}"] = nf * sec
         if k:
-            over["mtp_attn"] = passes * self._attn(gpu, b, ctx_q, 1, kw).total_s
+            from rackbed.sim.costs.attention import mtp_costs
+
+            over["mtp_attn"] = passes * self._attn(mtp_costs(self.model), gpu, b, ctx_q, 1, kw).total_s
         cats = {"attn_s": 0.0, "moe_gemm_s": 0.0, "a2a_s": 0.0, "allreduce_s": 0.0, "other_s": 0.0}
         for name, (cat, s) in terms:
             cats[cat] += over.get(name, s)
         return StepTime(**cats)
 
-    def _attn(self, gpu, b: int, ctx_q: int, q: int, kw: dict):
-        from rackbed.sim.costs.attention import full_attention_decode_totals
-
-        key = (gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], kw["tp"], b, ctx_q, q)
+    def _attn(self, costs, gpu, b: int, ctx_q: int, q: int, kw: dict):
+        """One layer of a token-mixer kind (``costs``: its ``MIXER_COSTS`` entry) on a rank of ``b`` sequences
+        holding ``ctx_q`` tokens, ``q`` query tokens each."""
+        key = (costs.prefix, gpu.name, kw["fmt"], kw["kv_elem_bytes"], kw["page_tokens"], kw["tp"], b, ctx_q, q)
         a = self._attn_memo.get(key)
         if a is None:
-            a = self._attn_memo[key] = full_attention_decode_totals(gpu, self.model, b, ctx_q, q_per_seq=q, **kw)
+            a = self._attn_memo[key] = costs.decode(gpu, self.model, [b], [(b, ctx_q)], {**kw, "q_per_seq": q})
         return a
 
     def kv_transfer(self, plan):
@@ -277,3 +281,9 @@ class ScenarioCostModel:
         return max(1, math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens)))
 
 
+def _ctx_kinds(model) -> tuple:
+    """(costs, layer count) of the model's token-mixer kinds whose decode time depends on the context: all but
+    Gated DeltaNet (a fixed-size state), whose terms the split keeps as evaluated."""
+    from rackbed.sim.costs.attention import mixer_counts
+
+    return tuple((c, n) for c, n in mixer_counts(model) if c.prefix != "linear_attn")

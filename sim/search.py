@@ -13,7 +13,8 @@ For a model, candidate hardware, a workload and SLOs, the search
      prefill), which is the simulated TTFT without queueing — must meet the TTFT SLO; a replica's capacity is
      ``tokens of a full batch of mean prompts / its step time``, and ``replicas = ceil(input tokens/s x headroom /
      capacity)``;
-   * decode: with per-sequence context ``c = mean prompt + mean output / 2`` the batch a rank can hold is
+   * decode (a DP-EP degree that does not divide the experts gets the fewest redundant experts that make it divide
+     the expert slots, as wide-EP deployments do: ``decode.redundant_experts``): with per-sequence context ``c = mean prompt + mean output / 2`` the batch a rank can hold is
      ``b_max = min(batch cap, KV capacity / c)``; the TPOT at ``b_max`` (step time / expected tokens per step,
      ``engine.core.specdec``) must meet the TPOT SLO; decoders are sized by Little's law,
      ``replicas = ceil(rate x mean output x TPOT(b_max) / (ep x b_max))``, and the operating batch per rank ``b``
@@ -52,6 +53,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rackbed.engine.core.sharding import min_redundant_experts
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.pareto import pareto_layers
 from rackbed.sim.search_results import explain, front_of, meets_slo
@@ -215,15 +217,18 @@ class DecodeOption:
     breakdown_at_cap: object = None   # at b_max (what the TPOT pruning used)
     pruned: str | None = None
     tp: int = 1                       # attention TP of a DP rank (ranks = ep / tp)
+    redundant_experts: int = 0        # extra expert slots: the fewest that make ep divide them (wide EP)
 
     @property
     def ranks(self) -> int:
         return max(1, self.ep // self.tp)
 
 
-def _decode_tp_override(tp: int) -> dict:
-    """``decode.tp`` for a scenario override, left out at the default 1 (such scenarios stay as they were)."""
-    return {"decode.tp": tp} if tp != 1 else {}
+def _decode_tp_override(tp: int, redundant_experts: int = 0) -> dict:
+    """``decode.tp`` and ``decode.redundant_experts`` for a scenario override, each left out at its default (1, 0)
+    so that such scenarios stay as they were."""
+    return ({"decode.tp": tp} if tp != 1 else {}) | (
+        {"decode.redundant_experts": redundant_experts} if redundant_experts else {})
 
 
 @dataclass
@@ -244,7 +249,8 @@ class Candidate:
     def label(self) -> str:
         p, d = self.prefill, self.decode
         return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep} "
-                f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep} b<={d.max_batch_per_rank} k={d.draft_k}")
+                f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep}"
+                f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} k={d.draft_k}")
 
 
 def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
@@ -343,12 +349,13 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
             for ep, dtp in itertools.product(sp.decode_ep, sp.decode_tp):
                 for cap in sp.max_batch_per_rank:
                     for k in sp.draft_k:
-                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp)
+                        red = min_redundant_experts(model.n_experts, ep)
+                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp, redundant_experts=red)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
                                                   "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
-                                                  **_decode_tp_override(dtp)})
+                                                  **_decode_tp_override(dtp, red)})
                             plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
@@ -414,14 +421,14 @@ def kv_transfer_s(built, tokens: int) -> float:
 def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, tokens: int) -> float | None:
     """:func:`kv_transfer_s` for one prefiller and one decoder of these options (memoised on what the KV path
     depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
-    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp)
+    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts)
     if key not in cache:
         from rackbed.sim.scenario import build
 
         ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
               "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
               "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k,
-              **_decode_tp_override(d.tp)}
+              **_decode_tp_override(d.tp, d.redundant_experts)}
         try:
             cache[key] = kv_transfer_s(build(_scenario(base, ov)), tokens)
         except (ValueError, FileNotFoundError):
@@ -524,7 +531,7 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     return {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
             "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
             "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
-            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp)}
+            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts)}
 
 
 def base_scenario(spec: SearchSpec) -> dict:

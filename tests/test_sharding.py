@@ -329,7 +329,8 @@ def test_cli_subprocess_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rackbed.engine.cli.main", "plan", "check", str(f)], capture_output=True,
                        text=True, cwd=ROOT, check=False)
     assert r.returncode == 2
-    assert r.stderr.strip() == f"rackbed: error: {f}: decode: ep=5 does not divide 128 experts of qwen3-235b-a22b"
+    assert r.stderr.strip() == (f"rackbed: error: {f}: decode: ep=5 does not divide 128 experts of qwen3-235b-a22b "
+                                "(redundant_experts: 2 gives 130 = 5 x 26 expert slots)")
 
 
 def test_sharding_md_table_is_generated(capsys, monkeypatch):

@@ -15,6 +15,12 @@ Ranks, axes and groups (``world = len(gpus)``; rank ``r`` runs on GPU ``gpus[r]`
   experts of EP rank ``r // expert_tp`` (``n_experts / ep`` of them, a contiguous range); when ``ep < world``
   each expert's intermediate dimension is further split ``expert_tp = world / ep`` ways (consecutive ranks).
   Common cases: prefill ``tp=4 ep=4 dp=1`` on 4 GPUs, decode ``tp=1 ep=16 dp=16`` on 16 GPUs.
+* redundant experts (``redundant_experts = N``, wide EP): the EP group holds ``n_experts + N`` expert *slots*,
+  ``(n_experts + N) / ep`` per EP rank; the N extra slots are copies of the most-loaded experts (DeepSeek's EPLB,
+  SGLang ``--ep-num-redundant-experts``, TensorRT-LLM's ``num_slots``), so that e.g. DeepSeek-V3's 256 experts
+  spread over 72 ranks as 288 = 72 x 4 slots. ``ep`` must divide the slots (not the experts); every rank stores
+  its slots' weights (the copies cost memory), and a token's copy to a replicated expert goes to one of its
+  replicas, so the load per slot is the experts' load spread over the slots.
 * dense parts of the layers (shared expert, dense MLP layers) are split ``tp`` ways and replicated over DP groups.
 * replicated on every rank: embeddings, lm_head, all RMSNorms, the MoE routers and everything else the model
   counts that is not listed above (e.g. the MTP layer's input projection). Vocab-parallel embeddings would save
@@ -114,6 +120,12 @@ def _range_text(ids) -> str:
     return ",".join(parts)
 
 
+def kv_window(attention) -> int:
+    """Tokens of KV one sequence keeps at most in a layer of this token-mixer kind: its sliding window
+    (``SlidingWindowAttention.window``), 0 when the layer keeps the whole sequence."""
+    return int(getattr(attention, "window", 0) or 0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The model split into parts that shard differently
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,6 +223,8 @@ class ParallelPlan(NoBoolNumbers):
     max_batch_tokens / max_batch_seqs: per DP group per step; None -> role default (module docstring).
     activation_reserve_bytes: per rank; None -> the formula in the module docstring.
     min_kv_tokens:            KV tokens a rank must be able to hold to "fit"; None -> max_batch_tokens.
+    redundant_experts:        extra expert slots (copies of hot experts) over the EP group; ``ep`` divides
+                              ``n_experts + redundant_experts`` (module docstring).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -228,6 +242,7 @@ class ParallelPlan(NoBoolNumbers):
     max_batch_seqs: int | None = Field(None, ge=1)
     activation_reserve_bytes: int | None = Field(None, ge=0)
     min_kv_tokens: int | None = Field(None, ge=0)
+    redundant_experts: int = Field(0, ge=0)
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -253,6 +268,15 @@ class ParallelPlan(NoBoolNumbers):
     def expert_tp(self) -> int:
         """How many ways each expert's intermediate dimension is split (``world / ep``)."""
         return max(self.world // self.ep, 1)
+
+    def expert_slots(self, model) -> int:
+        """Routed-expert slots over the EP group: the model's experts plus the redundant copies (0 for a dense
+        model)."""
+        return model.n_experts + self.redundant_experts if model.n_experts else 0
+
+    def slots_per_rank(self, model) -> int:
+        """Expert slots one EP rank holds (``expert_slots / ep``)."""
+        return self.expert_slots(model) // self.ep
 
     @property
     def batch_tokens(self) -> int:
@@ -333,8 +357,14 @@ class ParallelPlan(NoBoolNumbers):
                             f"(topology {topology.name} has GPUs 0-{topology.n_gpus - 1})")
         if world % ep:
             raise UserError(f"ep={ep} does not divide the {world} GPUs of the plan (tp*dp)")
-        if model.n_experts and model.n_experts % ep:
-            raise UserError(f"ep={ep} does not divide {model.n_experts} experts of {model.name}")
+        if self.redundant_experts and not model.n_experts:
+            raise UserError(f"redundant_experts={self.redundant_experts}: {model.name} has no routed experts")
+        if model.n_experts and self.expert_slots(model) % ep:
+            if self.redundant_experts:
+                raise UserError(f"ep={ep} does not divide {model.n_experts} experts + {self.redundant_experts} "
+                                f"redundant = {self.expert_slots(model)} expert slots of {model.name}")
+            raise UserError(f"ep={ep} does not divide {model.n_experts} experts of {model.name}"
+                            + _redundancy_hint(model.n_experts, ep))
         if model.n_experts and model.moe_intermediate % self.expert_tp:
             raise UserError(f"expert_tp = world/ep = {self.expert_tp} does not divide moe_intermediate "
                             f"{model.moe_intermediate}")
@@ -381,7 +411,7 @@ class ParallelPlan(NoBoolNumbers):
         attn = ACT_BYTES * T * (3 * h + sum(m.activation_width(self.tp) for m in _mixers(model)))
         moe = 0
         if model.n_experts:
-            per_rank = model.n_experts // self.ep
+            per_rank = self.slots_per_rank(model)
             rows = self.dp * T * min(model.top_k, per_rank)
             moe = ACT_BYTES * rows * (2 * h + 3 * model.moe_intermediate // self.expert_tp)
         logit_rows = S if self.role == "prefill" else T
@@ -403,7 +433,8 @@ class ParallelPlan(NoBoolNumbers):
         kv_frac = full.kv_units_per_rank(tp) / full.n_kv_units()
         attention_params = parts.attn_split / tp + parts.kv_proj * kv_frac + parts.linear_attn / tp
         attention_bytes = round(attention_params * bpe)
-        expert_bytes = round(parts.experts / world * bpe)
+        slots = self.expert_slots(model)
+        expert_bytes = round(parts.experts * (slots / model.n_experts if slots else 1) / world * bpe)
         dense_bytes = round(parts.tp_dense / tp * bpe)
         replicated_bytes = round(parts.replicated_quant * bpe) + parts.replicated_bf16 * REPLICATED_BYTES_PER_PARAM
         if hbm_bytes is None:
@@ -431,8 +462,23 @@ class ParallelPlan(NoBoolNumbers):
             dense_weight_bytes=dense_bytes, replicated_weight_bytes=replicated_bytes,
             activation_reserve_bytes=int(reserve), kv_bytes_per_token_per_rank=kv_tok,
             state_bytes_per_seq_per_rank=state_seq, batch_seqs=self.batch_seqs, min_kv_tokens=min_kv,
-            hbm_bytes=hbm_bytes, kv_capacity_tokens=int(capacity),
+            hbm_bytes=hbm_bytes, kv_capacity_tokens=int(capacity), redundant_experts=self.redundant_experts,
         )
+
+
+def _redundancy_hint(n_experts: int, ep: int) -> str:
+    """The fewest redundant experts that make ``ep`` divide the slots, as a hint for an error message."""
+    need = min_redundant_experts(n_experts, ep)
+    if not need:
+        return ""
+    return (f" (redundant_experts: {need} gives {n_experts + need} = {ep} x {(n_experts + need) // ep} expert "
+            f"slots)")
+
+
+def min_redundant_experts(n_experts: int, ep: int) -> int:
+    """The fewest redundant experts that make ``ep`` divide the expert slots (0 when it divides the experts or
+    the model has none)."""
+    return -n_experts % ep if n_experts else 0
 
 
 def _mixers(model) -> tuple:
@@ -463,6 +509,7 @@ class MemoryBudget:
     min_kv_tokens: int
     hbm_bytes: int
     kv_capacity_tokens: int
+    redundant_experts: int = 0  # extra expert slots (copies) over the EP group, counted in expert_weight_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -493,7 +540,8 @@ class MemoryBudget:
     def row(self) -> tuple[str, ...]:
         """One table row matching ``COLUMNS`` (GB = 1e9 bytes)."""
         par = f"tp{self.tp} ep{self.ep} dp{self.dp}" + (f" kvrep{self.kv_replication}"
-                                                          if self.kv_replication > 1 else "")
+                                                          if self.kv_replication > 1 else "") \
+            + (f" +{self.redundant_experts} redundant" if self.redundant_experts else "")
         gb = lambda x: f"{x / 1e9:.1f}"
         return (self.role, par, f"{self.weight_format}/{self.kv_dtype}", gb(self.attention_weight_bytes),
                 gb(self.expert_weight_bytes), gb(self.dense_weight_bytes), gb(self.replicated_weight_bytes),
@@ -615,6 +663,7 @@ __all__ = [
     "WeightParts",
     "check_plan_file",
     "load_plan_file",
+    "min_redundant_experts",
     "parse_gpus",
     "tp_kv_head_shards",
 ]

@@ -60,16 +60,20 @@ from rackbed.topology.specs import GpuSpec
 @dataclass(frozen=True, slots=True)
 class AttentionCost:
     """One token mixer layer on one rank: ``proj_s`` (projection GEMMs), ``core_s`` (attention / recurrence
-    kernel), ``total_s``; ``core_flops`` and ``core_bytes`` of the core kernel."""
+    kernel), ``total_s``; ``core_flops`` and ``core_bytes`` of the core kernel. ``parts``: further named kernels
+    of the kind beyond projections and core (MLA: ``kv_up``, the kv_b up-projection of cached tokens in prefill;
+    ``absorb``, the absorbed W_UK / W_UV batched GEMMs in decode), each its own breakdown term
+    ``<prefix>_<name>``; empty for the other kinds."""
 
     proj_s: float
     core_s: float
     core_flops: float
     core_bytes: float
+    parts: tuple[tuple[str, float], ...] = ()
 
     @property
     def total_s(self) -> float:
-        return self.proj_s + self.core_s
+        return self.proj_s + self.core_s + sum(s for _, s in self.parts)
 
 
 def local_heads(n_heads: int, tp: int) -> int:
@@ -91,11 +95,20 @@ def flash_efficiency(gpu: GpuSpec, seq_tokens: float) -> float:
 
 
 def full_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 1, fmt: str = "bf16",
-                               calib: CalibrationTable | None = None) -> GemmCost:
-    """QKV + O projection GEMMs of one full-attention layer on one rank for ``n_tokens`` tokens."""
+                               calib: CalibrationTable | None = None, kind: str = "full") -> GemmCost:
+    """QKV + O projection GEMMs of one full-attention (``kind="sliding"``: sliding-window) layer on one rank for
+    ``n_tokens`` tokens."""
     if n_tokens <= 0:
         return ZERO_GEMM
-    return _gemms(gpu, model.mixer("full").proj_gemms(tp), n_tokens, fmt, calib)
+    return _gemms(gpu, _gqa(model, kind).proj_gemms(tp), n_tokens, fmt, calib)
+
+
+def _gqa(model, kind: str):
+    """The model's GQA-family kind ``kind`` ("full" | "sliding"; ``UserError`` without one)."""
+    att = model.mixer(kind)
+    if att is None:
+        raise UserError(f"{model.name} has no {kind!r} attention layers")
+    return att
 
 
 def _gemms(gpu: GpuSpec, shapes, n_tokens: int, fmt: str, calib: CalibrationTable | None) -> GemmCost:
@@ -115,7 +128,7 @@ def _copies(total: float, own: float) -> float:
 
 
 def flash_rate(calib: CalibrationTable | None, gpu: GpuSpec, seq_tokens: float, head_dim: int, n_q_heads: int,
-               n_kv_heads: int, copies: float = 1.0) -> float | None:
+               n_kv_heads: int, copies: float = 1.0, window: int = 0) -> float | None:
     """Measured prefill-attention rate (TFLOP/s, kind ``flash_tflops``) of a sequence of ``seq_tokens`` whose
     kernel holds the work of ``copies`` sequences like it: looked up at ``copies x`` the heads, interpolated
     linearly in ``log copies`` between the powers of two around it (module docstring); None without an entry."""
@@ -124,6 +137,13 @@ def flash_rate(calib: CalibrationTable | None, gpu: GpuSpec, seq_tokens: float, 
     n0 = 2 ** math.floor(math.log2(copies)) if copies > 1 else 1
 
     def at(n: int) -> float | None:
+        if window:  # sliding-window curves only (full-attention curves pin no window and would match)
+            e = calib.entry("flash_tflops", gpu.name, head_dim=head_dim, n_q_heads=n_q_heads * n,
+                            n_kv_heads=n_kv_heads * n, window=window)
+            if e is None or e.key.get("window") != window:
+                return None
+            return calib.lookup("flash_tflops", gpu.name, seq_tokens, head_dim=head_dim, n_q_heads=n_q_heads * n,
+                                n_kv_heads=n_kv_heads * n, window=window)
         return calib.lookup("flash_tflops", gpu.name, seq_tokens, head_dim=head_dim, n_q_heads=n_q_heads * n,
                             n_kv_heads=n_kv_heads * n)
 
@@ -135,33 +155,38 @@ def flash_rate(calib: CalibrationTable | None, gpu: GpuSpec, seq_tokens: float, 
 
 
 def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
-                           fmt: str = "bf16", calib: CalibrationTable | None = None) -> AttentionCost:
+                           fmt: str = "bf16", calib: CalibrationTable | None = None,
+                           kind: str = "full") -> AttentionCost:
     """One full-attention layer on one rank for a prefill batch. ``seqs``: ``(new_tokens, cached_tokens)`` per
     sequence (chunked prefill / prefix-cache hits have ``cached_tokens > 0``); the sequences share one kernel
     (module docstring: each is priced at the rate of ``F / f_i`` copies of itself)."""
     _check_seqs(seqs)
-    att = model.mixer("full")
+    att = _gqa(model, kind)
     (h, hkv), d = att.local_heads(tp), att.head_dim
     peak = gpu.dense_tflops.bf16 * 1e12
     work = [(q, c, att.prefill_core_flops(q, c, tp)) for q, c in seqs if q]
     total = sum(f for _, _, f in work)
     flops, core_s, kv_bytes, alone_s = 0.0, 0.0, 0.0, 0.0
     mixed = len({(q, c) for q, c, _ in work}) > 1
+    window = getattr(att, "window", 0)
     for q, c, f in work:
         copies = _copies(total, f)
-        measured = flash_rate(calib, gpu, q + c, d, h, hkv, copies)
-        rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, q + c)
+        # a sliding-window layer runs at the rate of a causal sequence with as many keys per query (2 x window),
+        # its measured curves (``window``) where the calibration has them
+        seq = q + c if not window else min(q + c, 2 * window)
+        measured = flash_rate(calib, gpu, seq, d, h, hkv, copies, window)
+        rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, seq)
         core_s += f / rate
         flops += f
-        kv_bytes += att.kv_read_bytes(q + c, tp, 2)
+        kv_bytes += att.kv_read_bytes(att.kv_tokens(q + c), tp, 2)
         if measured is not None and mixed:
             # a mixed batch is never faster than its slowest sequence alone (the copies rule is measured on
             # equal sequences only; a short sequence beside a long cached one would otherwise borrow a batch's rate)
-            alone_s = max(alone_s, f / (flash_rate(calib, gpu, q + c, d, h, hkv, 1.0) * 1e12))
+            alone_s = max(alone_s, f / (flash_rate(calib, gpu, seq, d, h, hkv, 1.0, window) * 1e12))
     core_s = max(core_s, alone_s)
     core_s += kernel_fixed_us(calib, gpu) * 1e-6 if flops else 0.0
     n_tokens = sum(q for q, _ in seqs)
-    proj = full_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib)
+    proj = full_attention_projections(gpu, model, n_tokens, tp=tp, fmt=fmt, calib=calib, kind=kind)
     return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
 
 
@@ -179,6 +204,46 @@ def full_attention_decode(gpu: GpuSpec, model, context_lens: Sequence[int], *, t
         pages += -(-ctx // page_tokens)
     return _full_decode(gpu, model, len(context_lens), pages * page_tokens, sum(context_lens), tp, fmt,
                         q_per_seq, kv_elem_bytes, calib)
+
+
+def sliding_attention_decode(gpu: GpuSpec, model, context_lens: Sequence[int], *, tp: int = 1,
+                             fmt: str = "bf16", q_per_seq: int = 1, kv_elem_bytes: float = 2.0,
+                             page_tokens: int = C.KV_PAGE_TOKENS,
+                             calib: CalibrationTable | None = None) -> AttentionCost:
+    """One sliding-window layer on one rank for a decode step: as :func:`full_attention_decode` over each
+    sequence's last ``window`` tokens (``min(ctx, window)``), read as whole pages: a window that starts inside a
+    page reads that page from its start (``ceil``-many pages from the window's first page)."""
+    att = _gqa(model, "sliding")
+    tokens, kept = 0, 0
+    for ctx in context_lens:
+        if ctx < 0:
+            raise UserError(f"context length must be >= 0, got {ctx}")
+        k = att.kv_tokens(ctx)
+        first = (ctx - k) // page_tokens  # the page holding the window's first token
+        tokens += (-(-ctx // page_tokens) - first) * page_tokens
+        kept += k
+    return _full_decode(gpu, model, len(context_lens), tokens, kept, tp, fmt, q_per_seq, kv_elem_bytes, calib,
+                        att)
+
+
+def sliding_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_tokens: float, *, tp: int = 1,
+                                    fmt: str = "bf16", q_per_seq: int = 1, kv_elem_bytes: float = 2.0,
+                                    page_tokens: int = C.KV_PAGE_TOKENS,
+                                    calib: CalibrationTable | None = None) -> AttentionCost:
+    """As :func:`sliding_attention_decode` from totals: each of the ``n_seqs`` sequences is taken to hold the mean
+    context ``context_tokens / n_seqs`` (exact for equal contexts; with unequal ones ``sum(min(c_i, w))`` is at
+    most this, so the estimate errs slow), capped at the window; a window spanning pages reads on average
+    ``window + page_tokens - 1`` tokens of whole pages (the mean over where it starts in its first page), a
+    shorter context its own tokens plus half a page."""
+    if n_seqs < 0 or context_tokens < 0:
+        raise UserError(f"n_seqs and context_tokens must be >= 0, got {n_seqs}, {context_tokens}")
+    att = _gqa(model, "sliding")
+    if n_seqs == 0:
+        return AttentionCost(0.0, 0.0, 0.0, 0.0)
+    mean = context_tokens / n_seqs
+    kept = n_seqs * min(mean, att.window)
+    paged = n_seqs * min(mean + (page_tokens - 1) / 2, att.window + page_tokens - 1)
+    return _full_decode(gpu, model, n_seqs, paged, kept, tp, fmt, q_per_seq, kv_elem_bytes, calib, att)
 
 
 def full_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_tokens: float, *, tp: int = 1,
@@ -200,12 +265,13 @@ def kv_format(kv_elem_bytes: float) -> str:
 
 
 def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ctx: float, tp: int, fmt: str,
-                 q_per_seq: int, kv_elem_bytes: float, calib: CalibrationTable | None) -> AttentionCost:
+                 q_per_seq: int, kv_elem_bytes: float, calib: CalibrationTable | None, att=None) -> AttentionCost:
     if q_per_seq < 1:
         raise UserError(f"q_per_seq must be >= 1, got {q_per_seq}")
     if n_seqs <= 0:
         return AttentionCost(0.0, 0.0, 0.0, 0.0)
-    att = model.mixer("full")
+    att = att if att is not None else model.mixer("full")
+    window = getattr(att, "window", 0)
     (h, hkv), d = att.local_heads(tp), att.head_dim
     kv_bytes = att.kv_read_bytes(paged_tokens, tp, kv_elem_bytes)
     flops = att.decode_core_flops(total_ctx, tp, q_per_seq)
@@ -213,18 +279,33 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     # format), else hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times
     # DECODE_ATTN_BW_EFFICIENCY
     measured = None
-    if calib is not None:
+    if calib is not None and not window:
         measured = calib.lookup_along("decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), "seq_heads",
                                       float(n_seqs * hkv), head_dim=d, n_q_heads=h, n_kv_heads=hkv,
                                       kv=kv_format(kv_elem_bytes))
+    elif calib is not None:
+        # sliding-window curves (key ``window``) only: a short context of a full-attention curve is another kernel
+        measured = _along_pinned(calib, "decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0),
+                                 "seq_heads", float(n_seqs * hkv), "window", window, head_dim=d, n_q_heads=h,
+                                 n_kv_heads=hkv, kv=kv_format(kv_elem_bytes))
     if measured is None:
         measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY
     memory_s = kv_bytes / bw
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.FLASH_EFFICIENCY[gpu.arch])
     core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
-    proj = full_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib)
+    proj = full_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib, kind=att.kind)
     return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
+
+
+def _along_pinned(calib: CalibrationTable, kind: str, gpu: str, x: float, field: str, value: float, pin: str,
+                  pin_value, **key) -> float | None:
+    """``calib.lookup_along`` restricted to entries pinning ``pin = pin_value`` (None when there are none), so
+    that entries which leave ``pin`` out (and would match anything) never price the query."""
+    e = calib.entry(kind, gpu, **key, **{field: value, pin: pin_value})
+    if e is None or e.key.get(pin) != pin_value:
+        return None
+    return calib.lookup_along(kind, gpu, x, field, value, **key, **{pin: pin_value})
 
 
 def linear_attention_projections(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 1, fmt: str = "bf16",
@@ -313,10 +394,38 @@ def _linear_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> 
                                    q_per_seq=kw["q_per_seq"], calib=kw["calib"])
 
 
-#: kind tag -> its costs, in the order the step adds their terms
+def sliding_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
+                              fmt: str = "bf16", calib: CalibrationTable | None = None) -> AttentionCost:
+    """One sliding-window layer on one rank for a prefill batch: :func:`full_attention_prefill` with the window's
+    attended pairs (``SlidingWindowAttention.attended_pairs``) at the rate of the window's curves (or of a causal
+    sequence of ``2 x window`` tokens: as many keys per query)."""
+    return full_attention_prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib, kind="sliding")
+
+
+def _sliding_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
+    return max((sliding_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
+               key=lambda a: a.total_s)
+
+
+def _mla_decode_slowest(gpu: GpuSpec, model, rank_batch, front, kw: dict) -> AttentionCost:
+    from rackbed.sim.costs.mla import mla_decode_totals
+
+    return max((mla_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front), key=lambda a: a.total_s)
+
+
+def _mla_prefill(gpu: GpuSpec, model, seqs, *, tp: int = 1, fmt: str = "bf16",
+                 calib: CalibrationTable | None = None) -> AttentionCost:
+    from rackbed.sim.costs.mla import mla_prefill
+
+    return mla_prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
+
+
+#: kind tag -> its costs, in the order the step adds their terms (``sim.costs.mla`` for MLA)
 MIXER_COSTS: dict[str, MixerCosts] = {
     "full": MixerCosts("attn", full_attention_prefill, _full_decode_slowest),
     "linear": MixerCosts("linear_attn", linear_attention_prefill, _linear_decode_slowest),
+    "sliding": MixerCosts("sliding_attn", sliding_attention_prefill, _sliding_decode_slowest),
+    "mla": MixerCosts("mla", _mla_prefill, _mla_decode_slowest),
 }
 
 
@@ -329,3 +438,8 @@ def mixer_counts(model) -> list[tuple[MixerCosts, int]]:
         raise UserError(f"{model.name}: no cost model for attention kind {missing[0]!r} "
                         f"(sim.costs.attention.MIXER_COSTS has {', '.join(MIXER_COSTS)})")
     return [(c, counts[k]) for k, c in MIXER_COSTS.items() if counts.get(k)]
+
+
+def mtp_costs(model) -> MixerCosts:
+    """The costs of an MTP module's token mixer (``ModelSpec.mtp_layer``: MLA in an MLA model, else full)."""
+    return MIXER_COSTS[model.kinds.mtp_attention.kind]

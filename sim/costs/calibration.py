@@ -101,14 +101,15 @@ from rackbed.topology.errors import UserError, from_validation
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
-               "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us", "step_us"]
+               "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us", "step_us", "mla_prefill_tflops",
+               "mla_decode_GBps", "mla_bmm_us"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
     "gemm_tflops": ("fmt", "n", "k"),
-    "flash_tflops": ("head_dim", "n_q_heads", "n_kv_heads"),
+    "flash_tflops": ("head_dim", "n_q_heads", "n_kv_heads", "window"),
     "hbm_GBps": (),
-    "decode_attn_GBps": ("head_dim", "seq_heads", "n_q_heads", "n_kv_heads", "kv"),
+    "decode_attn_GBps": ("head_dim", "seq_heads", "n_q_heads", "n_kv_heads", "kv", "window"),
     "allreduce_us": ("algo", "n_ranks"),
     "dispatch_us": ("n_ranks", "hidden", "phase"),
     "combine_us": ("n_ranks", "hidden", "phase"),
@@ -117,6 +118,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "moe_us": ("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep", "dist"),
     "a2a_us": ("op", "n_ranks", "payload"),
     "step_us": ("phase",),
+    "mla_prefill_tflops": ("dims", "n_heads", "seqs", "kv"),
+    "mla_decode_GBps": ("dims", "n_heads", "seqs", "kv"),
+    "mla_bmm_us": ("dims", "op", "n_heads", "fmt"),
 }
 
 

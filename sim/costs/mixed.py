@@ -34,6 +34,8 @@ from rackbed.sim.costs.attention import (
     linear_attention_decode,
     linear_attention_prefill,
     linear_attention_projections,
+    sliding_attention_decode_totals,
+    sliding_attention_prefill,
 )
 from rackbed.sim.costs.breakdown import StepBreakdown, StepTime
 from rackbed.sim.costs.calibration import CalibrationTable, host_step_s
@@ -51,6 +53,18 @@ def _attention(gpu, model, plan, n_seqs: int, ctx: float, chunks: Chunks, q: int
     nf, nl = layer_counts(model)[:2]
     n_tokens = n_seqs * q + sum(n for n, _ in chunks)
     out = {}
+    ns = model.n_layers_of("sliding")
+    if ns:
+        kw = {"tp": tp, "fmt": fmt, "calib": calib}
+        dec = sliding_attention_decode_totals(gpu, model, n_seqs, ctx, q_per_seq=q, kv_elem_bytes=plan.kv_elem_bytes,
+                                              page_tokens=plan.page_tokens, **kw).core_s if n_seqs else 0.0
+        pf = sliding_attention_prefill(gpu, model, chunks, **kw).core_s if chunks else 0.0
+        proj = full_attention_projections(gpu, model, n_tokens, kind="sliding", **kw).total_s
+        out["sliding_attn_proj"] = [("sliding_attn_proj", ns * proj)]
+        out["sliding_attn_core"] = [("sliding_attn_core_decode", ns * dec), ("sliding_attn_core_prefill", ns * pf)]
+    nm = model.n_layers_of("mla")
+    if nm:
+        out.update(_mla_mixed(gpu, model, plan, nm, n_seqs, ctx, chunks, q, calib))
     if nf:
         dec = full_attention_decode_totals(gpu, model, n_seqs, ctx, tp=tp, fmt=fmt, q_per_seq=q,
                                            kv_elem_bytes=plan.kv_elem_bytes, page_tokens=plan.page_tokens,
@@ -67,6 +81,31 @@ def _attention(gpu, model, plan, n_seqs: int, ctx: float, chunks: Chunks, q: int
         out["linear_attn_proj"] = [("linear_attn_proj", nl * proj)]
         out["linear_attn_core"] = [("linear_attn_core", nl * (dec + pf))]
     return out
+
+
+def _mla_mixed(gpu, model, plan, nm: int, n_seqs: int, ctx: float, chunks: Chunks, q: int, calib) -> dict[str, list]:
+    """MLA layers of a mixed step: q_a / q_b / kv_a / o on all the rank's tokens, kv_b on the chunks' new tokens
+    (expanded prefill), the absorbed W_UK / W_UV on the decode tokens; cores per part (absorbed decode over the
+    latent, expanded prefill) and the kv_b up-projection of the chunks' cached tokens."""
+    from rackbed.sim.costs.mla import mla_decode_totals, mla_prefill, mla_projections
+
+    tp, fmt = plan.tp, plan.weight_format
+    att = model.mixer("mla")
+    n_new = sum(n for n, _ in chunks)
+    proj = mla_projections(gpu, model, n_seqs * q + n_new, tp=tp, fmt=fmt, phase="decode", calib=calib).total_s
+    dec = mla_decode_totals(gpu, model, n_seqs, ctx, tp=tp, fmt=fmt, q_per_seq=q, kv_elem_bytes=plan.kv_elem_bytes,
+                            page_tokens=plan.page_tokens, calib=calib) if n_seqs else None
+    pf = mla_prefill(gpu, model, chunks, tp=tp, fmt=fmt, calib=calib) if chunks else None
+    if n_new:
+        h = att.local_heads(tp)
+        proj += gemm_time(gpu, n_new, h * (att.qk_nope_head_dim + att.v_head_dim), att.kv_lora_rank, fmt,
+                          calib=calib).total_s
+    parts = dict(dec.parts if dec else ()) | dict(pf.parts if pf else ())
+    return {"mla_proj": [("mla_proj", nm * proj)],
+            "mla_core": [("mla_core_decode", nm * (dec.core_s if dec else 0.0)),
+                         ("mla_core_prefill", nm * (pf.core_s if pf else 0.0))],
+            "mla_absorb": [("mla_absorb", nm * parts.get("absorb", 0.0))],
+            "mla_kv_up": [("mla_kv_up", nm * parts.get("kv_up", 0.0))]}
 
 
 def mixed_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_context_tokens: Sequence[float],
@@ -104,6 +143,10 @@ def mixed_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_cont
     for name, (cat, s) in base.terms.items():
         for new_name, new_s in over.get(name, [(name, s)]):
             terms[new_name] = (cat, new_s)
+    for name in over.keys() - base.terms.keys():  # a part only one phase has (MLA: kv_up in prefill, absorb in decode)
+        for new_name, new_s in over[name]:
+            if new_s:
+                terms[new_name] = ("attn_s", new_s)
     if draft_k and any(rank_batch):
         drafts = decode_step_breakdown(model, plan, topo, rank_batch, rank_context_tokens, draft_k=draft_k,
                                        n_mtp_layers=n_mtp_layers, draft_model=draft_model, calib=calib)

@@ -76,12 +76,19 @@ class CommCost:
 @lru_cache(maxsize=1024)
 def expected_dest_ranks(n_experts: int, top_k: int, ep: int) -> float:
     """Expected number of distinct EP ranks a token's ``top_k`` experts (uniform, without replacement) fall on,
-    with ``n_experts / ep`` contiguous experts per rank: ``ep * (1 - C(E - E/ep, k) / C(E, k))``."""
-    if ep < 1 or n_experts % ep or not 0 < top_k <= n_experts:
-        raise UserError(f"need 0 < top_k <= n_experts and ep dividing n_experts (E={n_experts}, k={top_k}, "
-                        f"ep={ep})")
-    per = n_experts // ep
-    miss = math.comb(n_experts - per, top_k) / math.comb(n_experts, top_k)
+    with ``n_experts / ep`` contiguous experts per rank: ``ep * (1 - C(E - E/ep, k) / C(E, k))``. When ``ep`` does
+    not divide the experts (wide EP with redundant expert slots: a rank serves ``E / ep`` experts' worth of
+    load on average) the same product with a fractional ``E / ep``: ``ep * (1 - prod_i (E - E/ep - i) / (E - i))``."""
+    if ep < 1 or not 0 < top_k <= n_experts:
+        raise UserError(f"need 0 < top_k <= n_experts and ep >= 1 (E={n_experts}, k={top_k}, ep={ep})")
+    if n_experts % ep == 0:
+        per = n_experts // ep
+        miss = math.comb(n_experts - per, top_k) / math.comb(n_experts, top_k)
+        return ep * (1.0 - miss)
+    per_f = n_experts / ep
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(0.0, (n_experts - per_f - i) / (n_experts - i))
     return ep * (1.0 - miss)
 
 

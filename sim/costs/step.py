@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rackbed.sim.costs import constants as C
-from rackbed.sim.costs.attention import full_attention_decode_totals, mixer_counts
+from rackbed.sim.costs.attention import mixer_counts, mtp_costs
 from rackbed.sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
 from rackbed.sim.costs.calibration import CalibrationTable, host_step_s, kernel_fixed_us
 from rackbed.sim.costs.collective import allreduce_time, group_links
@@ -121,6 +121,15 @@ def layer_counts(model) -> tuple[int, int, int, int]:
     return out
 
 
+def _add_attention(b: BreakdownBuilder, prefix: str, n: int, a) -> None:
+    """A token-mixer kind's terms for ``n`` layers: ``<prefix>_proj``, ``<prefix>_core`` and one
+    ``<prefix>_<part>`` per further kernel of the kind (``AttentionCost.parts``: MLA's ``kv_up`` / ``absorb``)."""
+    b.add(f"{prefix}_proj", "attn_s", n * a.proj_s)
+    b.add(f"{prefix}_core", "attn_s", n * a.core_s)
+    for name, sec in a.parts:
+        b.add(f"{prefix}_{name}", "attn_s", n * sec)
+
+
 def pareto_ranks(batch: Sequence[float], context: Sequence[float]) -> list[tuple[float, float]]:
     """Distinct (batch, context) pairs not dominated by another rank's pair: the only candidates for the slowest
     rank, since per-rank attention time grows with both."""
@@ -154,8 +163,7 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
     _, _, n_moe, n_dense = layer_counts(model)
     for costs, n in mixer_counts(model):
         a = costs.prefill(gpu, model, seqs, tp=tp, fmt=fmt, calib=calib)
-        b.add(f"{costs.prefix}_proj", "attn_s", n * a.proj_s)
-        b.add(f"{costs.prefix}_core", "attn_s", n * a.core_s)
+        _add_attention(b, costs.prefix, n, a)
     tp_group = plan.tp_group(0)
     act_bytes = n_tokens * model.hidden * 2
     ar = allreduce_time(topo, tp_group, act_bytes, algo=allreduce_algo, calib=calib)
@@ -222,10 +230,11 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix, calib=calib)
     comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
     b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
-    block = moe_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, t_all)
+    slots = model.n_experts + getattr(plan, "redundant_experts", 0)
+    block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all)
     if block is None:
         hist = tokens_per_expert if tokens_per_expert is not None else \
-            binomial_histogram(t_all, model.top_k / model.n_experts, model.n_experts // plan.ep)
+            binomial_histogram(t_all, model.top_k / slots, slots // plan.ep)
         inter = model.moe_intermediate // plan.expert_tp
         block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
     b.add(f"{prefix}moe_gemm", "moe_gemm_s", n_layers * block)
@@ -233,6 +242,22 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
           n_layers * _shared_expert_s(gpu, model, t_max, tp, fmt, calib))
     b.add(f"{prefix}moe_combine", "a2a_s", n_layers * comb.total_s)
     _tp_allreduce(b, f"{prefix}moe_allreduce", n_layers, model, plan, topo, t_max, calib)
+
+
+def _routed_block_s(calib, gpu, model, fmt: str, expert_tp: int, ep: int, slots: int, n_tokens: float) -> float | None:
+    """A measured routed-expert block (``moe_block_s``) for a rank of ``slots / ep`` expert slots. Without
+    redundant experts that is the table's own ``ep``. With them (wide EP) a rank holds ``s = slots / ep`` slots,
+    each loaded with ``n_tokens * top_k / slots`` tokens under balanced routing: exactly the table's rank at
+    ``ep' = n_experts / s`` (also ``s`` experts) fed ``n_tokens * n_experts / slots`` tokens, when ``s`` divides the
+    experts (e.g. DeepSeek-V3 at EP 72 with 288 slots: the EP-64 curve at 256/288 of the tokens). None when no
+    table matches (the caller prices the grouped GEMMs over the slots)."""
+    if slots == model.n_experts:
+        return moe_block_s(calib, gpu, model, fmt, expert_tp, ep, n_tokens)
+    per_rank = slots // ep
+    if model.n_experts % per_rank:
+        return None
+    return moe_block_s(calib, gpu, model, fmt, expert_tp, model.n_experts // per_rank,
+                       n_tokens * model.n_experts / slots)
 
 
 def _tp_allreduce(b: BreakdownBuilder, name: str, n_layers: int, model, plan, topo, n_tokens: int, calib) -> None:
@@ -278,8 +303,7 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
     # verify pass: slowest rank's attention per layer kind
     for costs, n in mixer_counts(model):
         worst = costs.decode(gpu, model, rank_batch, front, kw)
-        b.add(f"{costs.prefix}_proj", "attn_s", n * worst.proj_s)
-        b.add(f"{costs.prefix}_core", "attn_s", n * worst.core_s)
+        _add_attention(b, costs.prefix, n, worst)
     tokens = [n * q for n in rank_batch]
     _tp_allreduce(b, "attn_allreduce", model.n_layers, model, plan, topo, max(tokens), calib)
     _moe_decode_layer(b, "", n_moe, gpu, model, plan, topo, tokens, tokens_per_expert, send_matrix, fmt, calib)
@@ -305,13 +329,13 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
 def _mtp_draft(b: BreakdownBuilder, draft_k: int, n_mtp: int, gpu, model, plan, topo, rank_batch, front,
                kw: dict) -> None:
     """MTP draft: ``draft_k`` sequential passes of the ``n_mtp`` MTP module(s), one token per sequence: fc
-    (2*hidden -> hidden, replicated), one full-attention decoder layer sharded like the others (its own KV cache,
-    as long as the sequence's) with the model's MoE, norms and the lm_head."""
+    (2*hidden -> hidden, replicated), one decoder layer of the model's global attention kind (full attention; MLA
+    in an MLA model: ``ModelSpec.mtp_layer``) sharded like the others (its own KV cache, as long as the
+    sequence's) with the model's MoE, norms and the lm_head."""
     passes = draft_k * n_mtp
     fmt, calib = kw["fmt"], kw["calib"]
     t1 = max(rank_batch)
-    worst = max((full_attention_decode_totals(gpu, model, n, ctx, **kw) for n, ctx in front),
-                key=lambda a: a.total_s)
+    worst = mtp_costs(model).decode(gpu, model, rank_batch, front, kw)
     b.add("mtp_fc", "other_s", passes * gemm_time(gpu, t1, model.hidden, 2 * model.hidden, fmt,
                                                   calib=calib).total_s)
     b.add("mtp_attn", "attn_s", passes * worst.total_s)
