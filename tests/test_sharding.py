@@ -256,7 +256,7 @@ def test_budget_conserves_model_bytes(mp):
     # KV split by heads adds back up to the model's KV x kv_replication; a latent (MLA) is whole on every rank;
     # sliding-window layers are a per-sequence cost of ceil(window / page) + 1 pages
     eb = KV_DTYPE_BYTES[p.kv_dtype]
-    copies = lambda a: p.tp if a.kv_tp_sharding == "replicated" else p.kv_replication  # noqa: E731
+    copies = lambda a: p.tp if a.kv_tp_sharding == "replicated" else p.kv_replication
     held = sum(n * a.kv_bytes_per_token(eb) * copies(a)
                for a, n in model.attention_counts(include_mtp=True) if a.kind != "sliding")
     assert b.kv_bytes_per_token_per_rank * p.tp == held
