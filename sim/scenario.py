@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.aggregated import AggregatedSection, check_aggregated
-from rackbed.sim.parallel import check_parallel, decode_plan_for, prefill_plan_for  # noqa: F401 (re-exported)
+from rackbed.sim.parallel import check_parallel, decode_plan_for, prefill_plan_for
 from rackbed.sim.scenario_costs import ScenarioCostModel
 from rackbed.topology.errors import NoBoolNumbers, UserError, from_validation
 
@@ -432,7 +432,7 @@ def truncate_model(model, n_layers: int):
 def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     from rackbed import topology as topo_mod
-    from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, place
+    from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, kv_transfer_sizes, place
     from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size, context_check
 
     check_run_size(sc)
@@ -455,13 +455,14 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     check_disaggregated(sc, n_p, n_d)
     check_parallel(sc, model)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
+    kv_tok, kv_win = kv_transfer_sizes(model, kv_elem)
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
     ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
                               max_queue_requests=p.max_queue_requests)
     dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
     kv_view = _KvPathView(topo)
     dep0 = place(kv_view, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
-                 kv_bytes_per_token=model.kv_bytes_per_token(kv_elem), prefiller=ptpl0, decoder=dtpl0,
+                 kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win, prefiller=ptpl0, decoder=dtpl0,
                  spare="none", name=sc.name)
     pg, dg = dep0.prefillers[0], dep0.decoders[0]
     pplan = prefill_plan_for(sc, model, pg.gpus)
@@ -473,7 +474,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                              max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
     dtpl = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank,
                            kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
-    dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=model.kv_bytes_per_token(kv_elem),
+    dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win,
                 prefiller=ptpl, decoder=dtpl, mtp=sc.mtp.spec(),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)

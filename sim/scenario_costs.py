@@ -52,8 +52,9 @@ class ScenarioCostModel:
         self._lat_memo: dict[tuple, float] = {}
         self._pchecks: dict[str, int] = {}
         self._split_ok = True  # False once the split failed its check (then: direct evaluation)
-        self._chunk_memo: dict[tuple, float] = {}
-        self._chunk_last = None  # (prefiller template, decoder template, chunks per page) of the last kv_chunks
+        self._chunk_memo: dict[tuple, object] = {}
+        # (prefiller template, decoder template, chunks per page, page tokens, base) of the last kv_chunks
+        self._chunk_last = None
 
     def _plan_for(self, group) -> object:
         pl = self._plans.get(group.id)
@@ -260,25 +261,39 @@ class ScenarioCostModel:
         return v
 
     def kv_chunks(self, prefiller, decoder, tokens: int) -> int:
-        """Chunks of the resharding plan (prefill TP layout -> one DP decode rank, HND, fragmented pages)."""
+        """Chunks of the resharding plan (prefill TP layout -> one DP decode rank, HND, fragmented pages; every
+        layer with a per-token cache: full, MLA latent, sliding): ``base + per_page * pages``. Without sliding
+        layers ``base = 0`` and ``per_page`` comes from a 4-page sequence; with them the sliding layers' chunks
+        stop growing once the sequence passes the window, so the line goes through two sequences longer than
+        the window ending mid-page (``base`` = the windows' chunks; it overcounts sequences shorter than the
+        window)."""
         pt, dt = prefiller.template, decoder.template
         last = self._chunk_last
         if last is not None and last[0] is pt and last[1] is dt:  # the templates of the previous call
-            n = _ceil(last[2] * _ceil(tokens / last[3]))  # one per KV transfer: no global / attribute look-ups
+            n = _ceil(last[4] + last[2] * _ceil(tokens / last[3]))  # one per KV transfer: no global look-ups
             return n if n > 1 else 1  # noqa: FURB136 (max(1, n) without the call)
         key = ("per_page", pt.tp, dt.kv_page_tokens)
-        per_page = self._chunk_memo.get(key)
-        if per_page is None:
-            from rackbed.engine.core.kv import KvLayout, transfer_stats
+        line = self._chunk_memo.get(key)
+        if line is None:
+            from rackbed.engine.core.kv import KvLayout, pages_needed, transfer_stats
 
             pl, dl = self.pplan0, self.dplan0
             src = KvLayout.for_plan(pl, self.model, 1)
             dst = KvLayout.for_plan(dl, self.model, 1)
-            pages = 4
-            st = transfer_stats(src, dst, pages * dl.page_tokens)
-            per_page = self._chunk_memo[key] = st.n_chunks / pages
-        self._chunk_last = (pt, dt, per_page, self.dplan0.page_tokens)  # what the key gives, for the same templates
-        return max(1, math.ceil(per_page * math.ceil(tokens / self.dplan0.page_tokens)))
+            if src.windows:  # half-page ends: a last page partly filled and a window off page boundaries
+                P = dl.page_tokens
+                p1 = pages_needed(max(src.windows), P) + 2
+                n1 = transfer_stats(src, dst, p1 * P + P // 2).n_chunks
+                n2 = transfer_stats(src, dst, 2 * p1 * P + P // 2).n_chunks
+                slope = (n2 - n1) / p1
+                line = (slope, n1 - slope * pages_needed(p1 * P + P // 2, P))
+            else:
+                pages = 4
+                line = (transfer_stats(src, dst, pages * dl.page_tokens).n_chunks / pages, 0.0)
+            self._chunk_memo[key] = line
+        per_page, base = line
+        self._chunk_last = (pt, dt, per_page, self.dplan0.page_tokens, base)  # for the same templates
+        return max(1, math.ceil(base + per_page * math.ceil(tokens / self.dplan0.page_tokens)))
 
 
 def _ctx_kinds(model) -> tuple:

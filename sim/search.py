@@ -409,7 +409,7 @@ def kv_transfer_s(built, tokens: int) -> float:
 
     dep = built.deployment
     pf, d = dep.prefillers[0], dep.decoders[0]
-    n_bytes = tokens * dep.kv_bytes_per_token
+    n_bytes = dep.kv_transfer_bytes(tokens)
     each, extra = divmod(n_bytes, len(pf.nics))
     flows = tuple((nic, d.rank_nics[0], each + 1 if j < extra else each) for j, nic in enumerate(pf.nics))
     plan = KvTransfer(f"{pf.id}.kv0", 0, pf.id, d.id, 0, tokens, n_bytes,

@@ -8,12 +8,12 @@ on purpose (swap offsets, split a chunk, read a replica twice, ...) and require 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from dataclasses import replace
 
 from rackbed.engine.core.kv import (
     KvLayout,

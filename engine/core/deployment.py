@@ -229,7 +229,10 @@ class MtpSpec:
 class Deployment:
     """Everything the scheduler needs to know about the serving system (see module docstring).
 
-    kv_bytes_per_token: KV bytes per token over all full-attention layers (``ModelSpec.kv_bytes_per_token``).
+    kv_bytes_per_token: KV bytes a transfer moves per prompt token: every layer that keeps the whole sequence
+                        (full attention; MLA's latent, once, from one replica) — ``kv_transfer_sizes``.
+    kv_window_bytes:    ``(window, bytes per token)`` of the sliding-window layers: a transfer moves only their
+                        latest ``min(tokens, window)`` tokens (``kv_transfer_bytes``); () without such layers.
     chunked_prefill:    split prompts across prefill batches to fill the token budget exactly.
     shed_ttft_s:        if set, reject at arrival a request whose estimated TTFT already exceeds this bound.
     """
@@ -249,9 +252,11 @@ class Deployment:
     decoder_template: DecoderTemplate = field(default_factory=DecoderTemplate)
     name: str = "deployment"
     aggregated: tuple[AggregatedGroup, ...] = ()
+    kv_window_bytes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        _need(self.kv_bytes_per_token >= 1, f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}")
+        _need(self.kv_bytes_per_token >= 1 or (self.kv_bytes_per_token == 0 and bool(self.kv_window_bytes)),
+              f"kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}")
         _need(self.shed_ttft_s is None or self.shed_ttft_s > 0,
               f"shed_ttft_s: must be > 0 or null, got {self.shed_ttft_s}")
         _need(not (self.aggregated and (self.prefillers or self.decoders)),
@@ -274,6 +279,14 @@ class Deployment:
         for g in self.decoders:
             for nic in g.rank_nics:
                 _need(nic in self.nic_GBps, f"decoder {g.id}: NIC {nic} has no nic_GBps entry")
+
+    def kv_transfer_bytes(self, tokens: int) -> int:
+        """Bytes of KV one ``tokens``-token prompt ships: the whole sequence of full / MLA layers, the latest
+        ``min(tokens, window)`` tokens of sliding-window layers."""
+        n = tokens * self.kv_bytes_per_token
+        for w, b in self.kv_window_bytes:
+            n += (min(w, tokens)) * b
+        return n
 
     @property
     def n_gpus(self) -> int:
@@ -300,12 +313,30 @@ class TopologyView(Protocol):
     def nvlink_domain(self, i: int) -> frozenset[int]: ...
 
 
+def kv_transfer_sizes(model, elem_bytes: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """``(kv_bytes_per_token, kv_window_bytes)`` of a :class:`Deployment` for ``model`` (MTP layers excluded, as
+    ``ModelSpec.kv_bytes_per_token``): the per-token bytes of the layers that keep the whole sequence, and
+    ``(window, bytes per token)`` per sliding-window kind. For models without sliding layers the first is
+    ``ModelSpec.kv_bytes_per_token(elem_bytes)``."""
+    per_token, windows = 0, []
+    for a, n in model.attention_counts():
+        if not a.kv_values_per_token():
+            continue
+        w = int(getattr(a, "window", 0) or 0)
+        if w:
+            windows.append((w, int(n * a.kv_bytes_per_token(elem_bytes))))
+        else:
+            per_token += n * a.kv_bytes_per_token(elem_bytes)
+    return int(per_token), tuple(windows)
+
+
 def place(
     topo: TopologyView,
     *,
     n_prefillers: int,
     n_decoders: int,
     kv_bytes_per_token: int,
+    kv_window_bytes: tuple[tuple[int, int], ...] = (),
     prefiller: PrefillerTemplate | None = None,
     decoder: DecoderTemplate | None = None,
     mtp: MtpSpec | None = None,
@@ -348,6 +379,7 @@ def place(
         raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
     return Deployment(
         prefillers=tuple(pgroups), decoders=tuple(dgroups), kv_bytes_per_token=int(kv_bytes_per_token),
+        kv_window_bytes=tuple(kv_window_bytes),
         gpu_host=gpu_host, gpu_nic=gpu_nic, nic_GBps=nic_GBps, gpu_domain=gpu_domain, mtp=mtp or MtpSpec(),
         chunked_prefill=chunked_prefill, shed_ttft_s=shed_ttft_s,
         spare_gpus=tuple(free) if spare == "rest" else (), prefiller_template=ptpl, decoder_template=dtpl,

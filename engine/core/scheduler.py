@@ -157,6 +157,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.p = deployment.mtp.accept_p
         self.acceptance = AcceptanceStream(rng, self.k, self.p, acceptance=deployment.mtp.acceptance)
         self.kv_bytes_per_token = deployment.kv_bytes_per_token
+        self.kv_window_bytes = deployment.kv_window_bytes
         self.chunked = deployment.chunked_prefill
         self.shed_ttft_s = deployment.shed_ttft_s
         self._ptps = prefill_tokens_per_s
@@ -644,6 +645,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
             r.state = KV_IN_FLIGHT
             r.t_kv_start = now
             n_bytes = r.ctx0 * self.kv_bytes_per_token
+            if self.kv_window_bytes:  # sliding-window layers ship their window only
+                n_bytes = self.dep.kv_transfer_bytes(r.ctx0)
             n_up = len(up)
             each, extra = divmod(n_bytes, n_up)
             dst_nic = d.rank_nics[rank]
