@@ -58,3 +58,75 @@ def tiny_hf_family(family: str, seed: int = 0):
             else:
                 p.copy_(0.1 * torch.randn_like(p))
     return hc, hf
+
+
+# -- sharded runs (spawned ranks import this module, not the test's: no transformers import in the children) --------
+
+
+def _table(pts):
+    import torch
+
+    width = max(len(pt) for pt in pts)
+    return torch.tensor([pt + [pt[0]] * (width - len(pt)) for pt in pts])
+
+
+def _prefill(cfg, shard, comm, seed):
+    import torch
+
+    from rackbed.engine.real.families import ShardedMoeLM
+
+    m = ShardedMoeLM.random(cfg, shard, comm, seed=seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (9, 4, 13)]
+    cache = m.new_cache(32, 4)
+    return m.forward_prefill(prompts, cache, [cache.alloc(len(p)) for p in prompts])
+
+
+def _dp_ep_decode(cfg, rank, world, group, seed, steps=3):
+    """Each DP rank decodes its own batch for ``steps`` steps with the EP-sharded model; returns the largest logit
+    difference against the unsharded model and whether the greedy tokens agree."""
+    import torch
+
+    from rackbed.engine.real.comm import Comm
+    from rackbed.engine.real.families import ShardedMoeLM
+    from rackbed.engine.real.model import Shard
+
+    m = ShardedMoeLM.random(cfg, Shard(attn_tp=1, ep=world, ep_rank=rank), Comm(ep_group=group), seed=seed)
+    full = ShardedMoeLM.random(cfg, Shard(), Comm(), seed=seed)
+    g = torch.Generator().manual_seed(seed + rank)
+    prompts = [torch.randint(0, cfg.vocab, (5 + 3 * i,), generator=g) for i in range([3, 1][rank % 2])]
+    err, same = 0.0, True
+    caches = []
+    for _ in range(2):
+        cache = full.new_cache(32, 4)
+        pts = [cache.alloc(len(p) + steps) for p in prompts]
+        full.forward_prefill(prompts, cache, pts)
+        caches.append((cache, _table(pts)))
+    last = torch.tensor([int(p[-1]) for p in prompts])
+    pos = torch.tensor([len(p) for p in prompts])
+    ta = tb = last
+    for _ in range(steps):
+        a = m.forward_decode(ta, pos, caches[0][0], caches[0][1])
+        b = full.forward_decode(tb, pos, caches[1][0], caches[1][1])
+        err = max(err, (a - b).abs().max().item())
+        ta, tb = a.argmax(-1), b.argmax(-1)
+        same &= bool((ta == tb).all())
+        pos = pos + 1
+    return err, same
+
+
+def _all_cases_rank(rank, world, cfgs, seed):
+    import torch.distributed as dist
+
+    from rackbed.engine.real.comm import Comm
+    from rackbed.engine.real.model import Shard
+
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for fam, cfg in cfgs.items():
+        for tp, ep in [(2, 2), (2, 1)] if fam == "deepseek_v3" else [(2, 2)]:
+            shard = Shard(attn_tp=tp, attn_rank=rank % tp, ep=ep, ep_rank=rank % ep)
+            comm = Comm(tp_group=group if tp > 1 else None, ep_group=group if ep > 1 else None)
+            out[(fam, tp, ep)] = _prefill(cfg, shard, comm, seed)
+        out[(fam, "decode")] = _dp_ep_decode(cfg, rank, world, group, seed)
+    return out

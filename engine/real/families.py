@@ -21,7 +21,14 @@ import torch
 from rackbed.engine.real import layers_gqa, layers_mla, layers_moe
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.config import TorchModelConfig
-from rackbed.engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, _randn, random_global_weights, rms_norm
+from rackbed.engine.real.model import (
+    PagedKvCache,
+    Shard,
+    ShardedQwen3Moe,
+    _randn,
+    random_global_weights,
+    rms_norm,
+)
 from rackbed.engine.real.rope import rope_of
 
 

@@ -66,7 +66,7 @@ def project(w, h: torch.Tensor, pos: torch.Tensor, cfg, rope) -> tuple[torch.Ten
     else:
         q = h @ w["q_proj"].T
     q = q.view(T, -1, cfg.head_dim)
-    nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    nope = cfg.qk_nope_head_dim
     q_rot = rope.apply(q[..., nope:].transpose(0, 1), pos).transpose(0, 1)
     ckv = h @ w["kv_a"].T
     c = rms_norm(ckv[:, :cfg.kv_lora_rank], w["kv_a_norm"], cfg.rms_eps)
