@@ -13,12 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dataclasses import replace
+
 from rackbed.engine.core.kv import (
     KvLayout,
     TransferPlan,
     chunk_stats,
     execute_plan,
     hnd_vs_nhd,
+    latent_source_ranks,
     merge_chunks,
     pages_needed,
     reshard_plan,
@@ -85,15 +88,28 @@ def transfers(draw, orders=("HND",)):
 
 
 def element_offsets(layout: KvLayout, rank: int, seq_len: int, pages) -> tuple[np.ndarray, np.ndarray]:
-    """(byte offsets [n_elem, e], logical byte ids [n_elem, e]) of every element of the sequence on ``rank``."""
+    """(byte offsets [n_elem, e], logical byte ids [n_elem, e]) of every element of the sequence on ``rank``:
+    logical tensor X[layer, plane (K/V, or 1 for a latent), head, token, dim]; a sliding layer holds only its
+    latest ``window`` tokens (computed here from ``windows`` alone, not with the layout's helpers)."""
     heads = np.array(layout.shards[rank])
     L, H, D, e = layout.n_layers, layout.n_kv_heads, layout.head_dim, layout.elem_bytes
-    l, kv, h, t, d = np.meshgrid(np.arange(L), np.arange(2), heads, np.arange(seq_len), np.arange(D),
-                                 indexing="ij")
-    off = layout.offset(rank, l, h, t, kv, d, pages).ravel()
-    elem_id = ((((l * 2 + kv) * H + h) * seq_len + t) * D + d).ravel()
+    planes = 1 if layout.latent else 2
+    offs, ids = [], []
+    for layer in range(L):
+        w = layout.windows[layer] if layout.windows else 0
+        t0 = seq_len - min(seq_len, w) if w else 0
+        l, kv, h, t, d = np.meshgrid([layer], np.arange(planes), heads, np.arange(t0, seq_len), np.arange(D),
+                                     indexing="ij")
+        offs.append(layout.offset(rank, l, h, t, kv, d, pages).ravel())
+        ids.append(((((l * planes + kv) * H + h) * seq_len + t) * D + d).ravel())
+    off, elem_id = np.concatenate(offs), np.concatenate(ids)
     b = np.arange(e)
     return off[:, None] + b, elem_id[:, None] * e + b
+
+
+def n_logical_bytes(layout: KvLayout, seq_len: int) -> int:
+    return layout.n_layers * (1 if layout.latent else 2) * layout.n_kv_heads * seq_len * layout.head_dim \
+        * layout.elem_bytes
 
 
 def build_buffers(layout: KvLayout, seq_len: int, pages, logical: np.ndarray, rng):
@@ -114,7 +130,7 @@ def build_buffers(layout: KvLayout, seq_len: int, pages, logical: np.ndarray, rn
 def check_plan(plan: TransferPlan, src, dst, seq_len, sp, dp, seed) -> None:
     """Assert every property the planner guarantees (AssertionError names the broken one)."""
     rng = np.random.default_rng(seed)
-    n_logical = src.n_layers * 2 * src.n_kv_heads * seq_len * src.head_dim * src.elem_bytes
+    n_logical = n_logical_bytes(src, seq_len)
     logical = rng.integers(0, 256, n_logical, dtype=np.uint8)
     src_bufs, src_ids = build_buffers(src, seq_len, sp, logical, rng)
     dst_init, dst_ids = build_buffers(dst, seq_len, dp, logical, rng)  # expected result: garbage + sequence
@@ -143,8 +159,12 @@ def check_plan(plan: TransferPlan, src, dst, seq_len, sp, dp, seed) -> None:
     assert (reads >= 0).all(), "plan reads source bytes that are not part of the sequence"
     per_head_copies = np.bincount(np.concatenate([np.array(s) for s in dst.shards]), minlength=dst.n_kv_heads)
     L, H, S, D, e = src.n_layers, src.n_kv_heads, seq_len, src.head_dim, src.elem_bytes
-    expected_reads = np.broadcast_to(per_head_copies[None, None, :, None, None, None],
-                                     (L, 2, H, S, D, e)).ravel()
+    kept = np.zeros((L, S), dtype=np.int64)  # tokens each layer keeps (sliding layers: the window)
+    for layer in range(L):
+        w = src.windows[layer] if src.windows else 0
+        kept[layer, S - min(S, w) if w else 0:] = 1
+    expected_reads = (per_head_copies[None, None, :, None, None, None] * kept[:, None, None, :, None, None]
+                      * np.ones((L, 1 if src.latent else 2, H, S, D, e), dtype=np.int64)).ravel()
     assert np.array_equal(np.bincount(reads, minlength=n_logical), expected_reads), \
         "a logical KV byte is read more (or less) often than destinations hold it"
     assert plan.total_bytes == sum(int((i >= 0).sum()) for i in dst_ids), "bytes moved != bytes needed"
@@ -306,6 +326,215 @@ def test_invalid_inputs_raise_one_line():
         reshard_plan(lay, KvLayout.tp_sharded(2, 4, 8, 2, 16, 2, 4), 10)
     with pytest.raises(ValueError, match="page twice"):
         reshard_plan(lay, lay, 20, [0, 0], None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLA latent cache and sliding-window layers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _free_before(pages, n: int):
+    """The page table(s) with the first ``n`` entries freed (-1): pages before every layer's window."""
+    if isinstance(pages, np.ndarray) and pages.ndim == 1:
+        out = pages.copy()
+        out[:n] = -1
+        return out
+    return [_free_before(np.asarray(p), n) for p in pages]
+
+
+def _first_kept_page(layout: KvLayout, seq_len: int, page_tokens: int) -> int:
+    if not layout.windows or not all(layout.windows):
+        return 0
+    return min(seq_len - min(seq_len, w) for w in layout.windows) // page_tokens
+
+
+@st.composite
+def windows_st(draw, n_layers: int, allow_none: bool = True):
+    if allow_none and draw(st.booleans()):
+        return ()
+    return tuple(draw(st.lists(st.sampled_from([0, 1, 5, 16, 33, 100]), min_size=n_layers, max_size=n_layers)))
+
+
+@st.composite
+def with_windows(draw, t):
+    """A transfer with sliding windows on some layers; sometimes the pages before every window are freed."""
+    src, dst, seq_len, sp, dp, seed = t
+    windows = draw(windows_st(src.n_layers, allow_none=False))
+    src, dst = replace(src, windows=windows), replace(dst, windows=windows)
+    if draw(st.booleans()):
+        sp = _free_before(sp, _first_kept_page(src, seq_len, src.page_tokens))
+        dp = _free_before(dp, _first_kept_page(dst, seq_len, dst.page_tokens))
+    return src, dst, seq_len, sp, dp, seed
+
+
+@st.composite
+def windowed_transfers(draw, orders=("HND",)):
+    return draw(with_windows(draw(transfers(orders))))
+
+
+@st.composite
+def latent_transfers(draw):
+    """Latent (MLA) layouts: a prefill TP group of 1..8 replicas -> a DP decode rank or a decode TP group."""
+    L = draw(st.integers(1, 3))
+    D = draw(st.sampled_from([1, 3, 8]))
+    e = draw(st.sampled_from([1, 2]))
+    seq_len = draw(st.integers(1, 80))
+    ps, pd = draw(st.integers(1, 16)), draw(st.integers(1, 16))
+    src_tp, dst_tp = draw(st.integers(1, 8)), draw(st.sampled_from([1, 1, 2, 3, 4]))
+    ns, nd = pages_needed(seq_len, ps), pages_needed(seq_len, pd)
+    src = KvLayout(L, 1, D, e, ps, ((0,),) * src_tp, ns + draw(st.integers(0, 3)), latent=True)
+    dst = KvLayout(L, 1, D, e, pd, ((0,),) * dst_tp, nd + draw(st.integers(0, 3)), latent=True)
+    seed = draw(st.integers(0, 2**32 - 1))
+    sp = draw(page_tables(src.n_ranks, ns, src.n_pages, seed))
+    dp = draw(page_tables(dst.n_ranks, nd, dst.n_pages, seed + 1))
+    t = (src, dst, seq_len, sp, dp, seed)
+    return draw(with_windows(t)) if draw(st.integers(0, 3)) == 0 else t
+
+
+@SETTINGS
+@given(latent_transfers())
+def test_latent_reshard_reproduces_destination_and_spreads_reads(t):
+    """Latent KV, prefill TP -> decode DP / TP: the GQA properties (every destination byte written once, nothing
+    read outside the sequence, each byte read once per destination copy), and the reads are page-interleaved:
+    each (destination copy, layer, source page) comes from one replica, every replica serves floor or ceil of
+    U / replicas of the U such pages (so at most ceil(U / replicas) pages of bytes), and within each
+    (destination copy, layer) floor or ceil of that layer's pages."""
+    src, dst, seq_len, sp, dp, seed = t
+    check_plan(reshard_plan(src, dst, seq_len, sp, dp), src, dst, seq_len, sp, dp, seed)
+    elementary = reshard_plan(src, dst, seq_len, sp, dp, merge=False)  # each chunk inside one source page
+    page_b = src.page_bytes(0)
+    R, ns = src.n_ranks, pages_needed(seq_len, src.page_tokens)
+    live = [ns - (seq_len - min(seq_len, w) if w else 0) // src.page_tokens
+            for w in (src.windows or (0,) * src.n_layers)]
+    served: dict = {}  # replica -> {(dst rank, layer, page id on that replica)}
+    for c in elementary:
+        served.setdefault(c.src_rank, set()).add((c.dst_rank, c.src_offset // page_b // src.n_pages,
+                                                  c.src_offset // page_b % src.n_pages))
+    U = dst.n_ranks * sum(live)
+    counts = [len(served.get(r, ())) for r in range(R)]
+    assert sum(counts) == U, "a source page is read from two replicas (or not at all)"
+    assert U // R <= min(counts) and max(counts) <= -(-U // R), counts
+    assert max(chunk_stats(elementary).bytes_by_src.values()) <= -(-U // R) * page_b
+    for d in range(dst.n_ranks):
+        for layer, n_l in enumerate(live):
+            per = [sum(1 for x in served.get(r, ()) if x[:2] == (d, layer)) for r in range(R)]
+            assert n_l // R <= min(per) and max(per) <= -(-n_l // R), (d, layer, per)
+
+
+@SETTINGS
+@given(windowed_transfers(orders=("HND", "NHD")))
+def test_sliding_layers_send_only_the_window(t):
+    """Sliding-window layers move only their latest ``window`` tokens (``check_plan`` counts the bytes a layer
+    keeps from ``windows`` alone), whatever the other layers, orders, shards, and with the pages before every
+    window freed."""
+    src, dst, seq_len, sp, dp, seed = t
+    plan = reshard_plan(src, dst, seq_len, sp, dp)
+    check_plan(plan, src, dst, seq_len, sp, dp, seed)
+    copies = sum(len(s) for s in dst.shards)
+    kept = sum(min(seq_len, w) if w else seq_len for w in (src.windows or (0,) * src.n_layers))
+    assert plan.total_bytes == copies * kept * 2 * src.head_dim * src.elem_bytes
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(transfers(orders=("HND", "NHD")), latent_transfers(), windowed_transfers()), st.integers(0, 2**16))
+def test_round_trip_restores_the_source(t, seed2):
+    """src -> dst -> src (other page tables on the way back) restores every byte of the sequence."""
+    src, dst, seq_len, sp, dp, seed = t
+    rng = np.random.default_rng(seed)
+    logical = rng.integers(0, 256, n_logical_bytes(src, seq_len), dtype=np.uint8)
+    src_bufs, _ = build_buffers(src, seq_len, sp, logical, rng)
+    dst_bufs = [rng.integers(0, 256, dst.rank_nbytes(r), dtype=np.uint8) for r in range(dst.n_ranks)]
+    execute_plan(reshard_plan(src, dst, seq_len, sp, dp), src_bufs, dst_bufs)
+    back_rng = np.random.default_rng(seed2)
+    ns = pages_needed(seq_len, src.page_tokens)
+    sp2 = [back_rng.permutation(src.n_pages)[:ns] for _ in range(src.n_ranks)]
+    back = [back_rng.integers(0, 256, src.rank_nbytes(r), dtype=np.uint8) for r in range(src.n_ranks)]
+    execute_plan(reshard_plan(dst, src, seq_len, dp, sp2), dst_bufs, back)
+    expected, ids = build_buffers(src, seq_len, sp2, logical, back_rng)
+    for r in range(src.n_ranks):
+        m = ids[r] >= 0
+        assert np.array_equal(back[r][m], expected[r][m]), f"rank {r}: the round trip changed the sequence"
+
+
+def test_deepseek_v3_tp8_prefill_to_dp_decode():
+    """DeepSeek-V3 (61 MLA layers + 1 MTP, latent 512 + rope 64, bf16), TP=8 prefill -> DP decode rank, 6000
+    tokens in 64-token pages: the whole latent moves once; 62 x 94 = 5828 source pages over 8 replicas -> 728 or
+    729 pages each; one chunk per (layer, page) with fragmented pages."""
+    from rackbed.engine.core.model import get_model
+    from rackbed.engine.core.sharding import ParallelPlan
+
+    model = get_model("deepseek-v3")
+    pre = ParallelPlan(role="prefill", tp=8, ep=8, gpus="0-7")
+    dec = ParallelPlan(role="decode", tp=1, ep=8, dp=8, gpus="8-15")
+    src, dst = KvLayout.for_plan(pre, model, 1), KvLayout.for_plan(dec, model, 1)
+    assert (src.latent, src.n_layers, src.head_dim, src.shards, dst.shards) == (True, 62, 576, ((0,),) * 8, ((0,),))
+    st_ = transfer_stats(src, dst, 6000)
+    assert st_.total_bytes == 6000 * 62 * 576 * 2 == 6000 * model.kv_bytes_per_token(2, include_mtp=True)
+    assert st_.n_chunks == 62 * 94
+    full_page = 64 * 576 * 2
+    pages = np.bincount(latent_source_ranks(src, 1, 6000).ravel(), minlength=8)
+    assert sorted(set(pages.tolist())) == [728, 729] and pages.sum() == 62 * 94
+    by_src = st_.bytes_by_src.values()
+    assert max(by_src) <= 729 * full_page and min(by_src) >= 728 * full_page - 62 * 16 * 576 * 2  # 6000 % 64 = 48
+    assert latent_source_ranks(src, 1, 6000)[0, 0, :9].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0]
+    # decode TP 2 -> 2 copies, each read once
+    tp2 = KvLayout.for_model(model, 2, 2, 64, 1)
+    assert transfer_stats(src, tp2, 6000).total_bytes == 2 * 6000 * 62 * 576 * 2
+
+
+def test_gpt_oss_window_only():
+    """gpt-oss-120b (18 sliding layers with a 128-token window + 18 full, 8 KV heads x 64, bf16), TP=4 -> DP rank,
+    6000 tokens in 64-token pages: full layers move 6000 tokens, sliding layers 128 (tokens 5872..5999 over
+    pages 91..93), in one buffer sharing one page table."""
+    from rackbed.engine.core.model import get_model
+    from rackbed.engine.core.sharding import ParallelPlan
+
+    model = get_model("gpt-oss-120b")
+    src = KvLayout.for_plan(ParallelPlan(role="prefill", tp=4, ep=4, gpus="0-3"), model, 1)
+    dst = KvLayout.for_plan(ParallelPlan(role="decode", tp=1, ep=4, dp=4, gpus="4-7"), model, 1)
+    assert src.windows == tuple(128 if t == "sliding" else 0 for t in model.layer_types)
+    per_tok_layer = 2 * 8 * 64 * 2
+    st_ = transfer_stats(src, dst, 6000)
+    assert st_.total_bytes == 18 * 6000 * per_tok_layer + 18 * 128 * per_tok_layer
+    # per (layer, K/V, source rank): one chunk per whole page (its two heads are contiguous on both sides), one
+    # per head in a partial page (the last page; the window's first page, tokens 48..63 of it)
+    assert st_.n_chunks == 18 * 2 * 4 * (93 + 2) + 18 * 2 * 4 * (2 + 1 + 2)
+    sliding = KvLayout.for_attention(model.mixer("sliding"), 18, 2, 64, 4, 100)
+    assert sliding.windows == (128,) * 18
+    freed = np.arange(94)
+    freed[:91] = -1  # pages before the window freed
+    plan = reshard_plan(sliding, sliding.with_pages(100), 6000, freed, freed)
+    assert plan.total_bytes == 18 * 128 * per_tok_layer
+
+
+def test_latent_and_window_invalid_inputs():
+    lat = KvLayout(2, 1, 8, 2, 16, ((0,), (0,)), 4, latent=True)
+    gqa = KvLayout.tp_sharded(2, 1, 8, 2, 16, 2, 4)
+    with pytest.raises(ValueError, match="latent"):
+        reshard_plan(lat, gqa, 10)
+    with pytest.raises(ValueError, match="one unit"):
+        KvLayout(2, 2, 8, 2, 16, ((0, 1),), 4, latent=True)
+    with pytest.raises(ValueError, match="windows has 1 entries for 2 layers"):
+        KvLayout(2, 1, 8, 2, 16, ((0,),), 4, windows=(4,))
+    with pytest.raises(ValueError, match="kv must be in 0..0"):
+        lat.offset(0, 0, 0, 0, 1, 0, [0])
+    with pytest.raises(ValueError, match="not a latent"):
+        latent_source_ranks(gqa, 1, 10)
+    win = replace(gqa, windows=(8, 8))
+    with pytest.raises(ValueError, match="page ids must be in 0..3"):
+        reshard_plan(win, win, 40, [-1, 0, -1], [0, 1, 2])  # page 2 holds the window: it must be valid
+    # 2 destination ranks (the head replicated) x 2 layers x K/V x the window's 8 tokens x 8 dims x 2 B
+    assert reshard_plan(win, win, 40, [-1, 0, 1], [0, 1, 2]).total_bytes == 2 * 2 * 2 * 8 * 8 * 2
+    assert KvLayout(2, 1, 8, 2, 16, ((0,),), 4, windows=(0, 0)).windows == ()  # no window: the plain layout
+
+
+def test_latent_offset_hand_computed():
+    """Latent: (((layer*n_pages + page)*P + slot)*D + dim) * e, the same in HND and NHD."""
+    lat = KvLayout(2, 1, 576, 2, 64, ((0,), (0,)), 5, latent=True)
+    assert int(lat.offset(1, 1, 0, 70, 0, 7, [[3, 4], [2, 1]])) == (((1 * 5 + 1) * 64 + 6) * 576 + 7) * 2
+    assert int(lat.with_order("NHD").offset(1, 1, 0, 70, 0, 7, [[3, 4], [2, 1]])) == \
+        (((1 * 5 + 1) * 64 + 6) * 576 + 7) * 2
+    assert lat.page_bytes(0) == 64 * 576 * 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -179,6 +179,47 @@ def test_activation_reserve_default_and_override(gb200):
     assert fixed.activation_reserve_bytes == 123
 
 
+def test_mla_latent_replicated_under_tp_whole_under_dp(gb200):
+    """DeepSeek-V3: 61 MLA layers + 1 MTP, latent 512 + rope 64, bf16: every TP rank holds the whole latent,
+    and so does a DP decode rank; fp8 halves it."""
+    ds = get_model("deepseek-v3")
+    per_tok = 62 * 576 * 2
+    pre = plan(tp=8, ep=8, gpus="0-7", weight_format="fp8_block").memory_budget(ds, gb200)
+    dec = plan(role="decode", tp=1, ep=32, dp=32, gpus="8-39", weight_format="fp8_block").memory_budget(ds, gb200)
+    assert pre.kv_bytes_per_token_per_rank == dec.kv_bytes_per_token_per_rank == per_tok == 71_424
+    assert pre.window_bytes_per_seq_per_rank == dec.window_bytes_per_seq_per_rank == 0
+    fp8 = plan(role="decode", tp=1, ep=32, dp=32, gpus="8-39", kv_dtype="fp8", weight_format="fp8_block")
+    assert fp8.kv_bytes_per_token_per_rank(ds) == per_tok // 2
+
+
+def test_sliding_window_is_a_per_sequence_cost(gb200):
+    """gpt-oss-120b (18 full + 18 sliding layers, window 128, 8 KV heads x 64 dims): per token only the full
+    layers; per sequence 18 layers x (128/64 + 1) pages of 64 tokens; the capacity subtracts the batch's windows."""
+    m = get_model("gpt-oss-120b")
+    p = plan(role="decode", tp=1, ep=4, dp=4, gpus="0-3", weight_format="mxfp4")
+    b = p.memory_budget(m, gb200)
+    per_tok_layer = 2 * 8 * 64 * 2
+    assert b.kv_bytes_per_token_per_rank == 18 * per_tok_layer
+    assert b.window_bytes_per_seq_per_rank == 18 * 3 * 64 * per_tok_layer
+    free = b.hbm_bytes - b.weight_bytes - b.activation_reserve_bytes - 64 * b.window_bytes_per_seq_per_rank
+    assert b.kv_capacity_tokens == free // b.kv_bytes_per_token_per_rank // 64 * 64
+    assert b.needs_bytes == b.weight_bytes + b.activation_reserve_bytes + 128 * b.kv_bytes_per_token_per_rank \
+        + 64 * b.window_bytes_per_seq_per_rank
+    tp8 = plan(tp=8, ep=8, gpus="0-7", weight_format="mxfp4").memory_budget(m, gb200)  # one KV head per rank
+    assert (tp8.kv_bytes_per_token_per_rank, tp8.window_bytes_per_seq_per_rank) == \
+        (18 * per_tok_layer // 8, 18 * 3 * 64 * per_tok_layer // 8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 128), st.integers(1, 5000))
+def test_window_pages_bound_any_sequence(window, page, context):
+    """``ceil(window / page) + 1`` pages per sliding layer hold any sequence's live window (the pages of its
+    latest min(context, window) tokens) plus the page the next token is written to."""
+    first, last = (context - min(context, window)) // page, (context - 1) // page
+    live = last - first + 1 + (1 if context % page == 0 else 0)
+    assert live <= -(-window // page) + 1
+
+
 @st.composite
 def valid_plans(draw):
     model = get_model(draw(st.sampled_from(PRESET_NAMES)))
@@ -212,17 +253,22 @@ def test_budget_conserves_model_bytes(mp):
     assert abs(b.dense_weight_bytes * p.tp - parts.tp_dense * bpe) <= p.tp
     attn_total = (parts.attn_split + parts.kv_proj * p.kv_replication + parts.linear_attn) * bpe
     assert abs(b.attention_weight_bytes * p.tp - attn_total) <= p.tp
-    # KV split by heads adds back up to the model's KV x kv_replication; a latent (MLA) is whole on every rank
+    # KV split by heads adds back up to the model's KV x kv_replication; a latent (MLA) is whole on every rank;
+    # sliding-window layers are a per-sequence cost of ceil(window / page) + 1 pages
     eb = KV_DTYPE_BYTES[p.kv_dtype]
-    held = sum(n * a.kv_bytes_per_token(eb) * (p.tp if a.kv_tp_sharding == "replicated" else p.kv_replication)
-               for a, n in model.attention_counts(include_mtp=True))
+    copies = lambda a: p.tp if a.kv_tp_sharding == "replicated" else p.kv_replication  # noqa: E731
+    held = sum(n * a.kv_bytes_per_token(eb) * copies(a)
+               for a, n in model.attention_counts(include_mtp=True) if a.kind != "sliding")
     assert b.kv_bytes_per_token_per_rank * p.tp == held
+    window = sum((-(-a.window // p.page_tokens) + 1) * p.page_tokens * n * a.kv_bytes_per_token(eb) * copies(a)
+                 for a, n in model.attention_counts(include_mtp=True) if a.kind == "sliding")
+    assert b.window_bytes_per_seq_per_rank * p.tp == window
     one = p.model_copy(update={"tp": 1, "ep": 1, "dp": 1, "kv_replication": 1, "gpus": (0,)})
     assert abs(one.memory_budget(model, hbm_bytes=10**15).weight_bytes - model.weight_bytes(
         p.weight_format, include_mtp=True)) <= 4
     assert b.kv_capacity_tokens % p.page_tokens == 0
-    assert b.kv_capacity_tokens * b.kv_bytes_per_token_per_rank <= \
-        10**15 - b.weight_bytes - b.activation_reserve_bytes - b.state_bytes_per_seq_per_rank * p.batch_seqs
+    assert b.kv_capacity_tokens * b.kv_bytes_per_token_per_rank <= 10**15 - b.weight_bytes \
+        - b.activation_reserve_bytes - (b.state_bytes_per_seq_per_rank + b.window_bytes_per_seq_per_rank) * p.batch_seqs
     # fits <=> validate accepts the plan (given a GPU of exactly that size)
     tight = ParallelPlan.model_validate({**p.model_dump(), "min_kv_tokens": 0})
     need = tight.memory_budget(model, hbm_bytes=10**15).needs_bytes

@@ -1,4 +1,5 @@
-"""Paged KV-cache layout (HND, with NHD for comparison) and the prefill -> decode resharding planner.
+"""Paged KV-cache layout (HND, with NHD for comparison; the MLA latent plane) and the prefill -> decode resharding
+planner.
 
 Legend: L = KV layers (full-attention layers, MTP included), H = KV heads of the model, Hr = heads a rank holds,
 P = tokens per page (``page_tokens``), D = head_dim, e = bytes per element, S = sequence length (tokens).
@@ -27,6 +28,29 @@ replicas so every source GPU (and its NIC) sends an equal share. Elementary chun
 inside one source page and one destination page; chunks with the same (src_rank, dst_rank) that are adjacent on
 both sides are merged. Ranks in a plan are layout-local indices (rank r of a TP group; map to GPUs through the
 ``ParallelPlan``). Everything is vectorised with numpy: O(L * H_dst * (S/Ps + S/Pd)) work for HND.
+
+MLA latent cache (``latent=True``, ``KvLayout.for_attention`` of an ``MlaAttention``): per layer one plane
+
+    latent   [layer L][page n_pages][token-in-page P][dim D = kv_lora_rank + qk_rope_head_dim]  x e bytes
+
+(the latent first, then the shared rotary key; no head axis and no K/V axis). It is one cache unit
+(``n_kv_heads = 1``) that every rank of an attention TP group holds whole (``shards = ((0,),) * tp``); a DP
+decode rank (``tp = 1``) holds its own requests' pages whole. HND and NHD coincide for it. Replica rule: the
+planner reads each destination copy's bytes once, numbering the units (destination copy, layer, source page of
+the sequence) in that order (copies = destination ranks ascending, layers ascending, pages from the first the
+layer needs) and reading unit ``u`` from replica ``replicas[u % n_replicas]``: page-interleaved, so every layer is
+spread over all source GPUs (a layer-by-layer transfer uses every link) and over the whole transfer each replica
+serves ``floor(U / n_replicas)`` or ``ceil(U / n_replicas)`` of the ``U`` source pages (``latent_source_ranks``).
+Prefill TP a -> decode TP b writes every destination replica (b copies, each read once from the source);
+prefill TP -> DP decode writes one.
+
+Sliding-window layers (``windows[l] > 0``: ``SlidingWindowAttention``, HND like full attention): a sequence of
+``S`` tokens keeps, and a transfer sends, only its latest ``min(S, window)`` tokens of such a layer (what
+``SlidingWindowAttention.kv_tokens`` counts; the next token attends to ``window - 1`` of them and itself, so at
+most one token per layer is sent that the decoder will not read). Full layers send all ``S``. Page tables stay
+indexed by the sequence's page number (``token // P``): entries of pages wholly before every layer's window are
+ignored (they may be -1, freed), so one page table serves a buffer that mixes full and sliding layers (gpt-oss:
+``KvLayout.for_model``) as well as a buffer of sliding layers alone.
 """
 
 from __future__ import annotations
@@ -38,7 +62,7 @@ from typing import Literal
 
 import numpy as np
 
-from rackbed.engine.core.sharding import KV_DTYPE_BYTES, tp_kv_head_shards
+from rackbed.engine.core.sharding import KV_DTYPE_BYTES, kv_window, tp_kv_head_shards
 
 Order = Literal["HND", "NHD"]
 
@@ -59,6 +83,8 @@ class KvLayout:
                  ranks (replicas) but only once per rank.
     n_pages:     page capacity of each rank's buffer (page ids are 0 .. n_pages-1).
     order:       "HND" (default) or "NHD" (see module docstring for the exact byte order).
+    latent:      an MLA latent plane per layer (no K/V axis, ``n_kv_heads = 1``, ``head_dim`` = latent + rope).
+    windows:     per layer, the sliding window in tokens (0 = the whole sequence); () = no sliding layer.
     """
 
     n_layers: int
@@ -69,9 +95,19 @@ class KvLayout:
     shards: tuple[tuple[int, ...], ...]
     n_pages: int
     order: Order = "HND"
+    latent: bool = False
+    windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(tuple(int(h) for h in s) for s in self.shards))
+        windows = tuple(int(w) for w in self.windows)
+        if windows and len(windows) != self.n_layers:
+            raise ValueError(f"KvLayout.windows has {len(windows)} entries for {self.n_layers} layers")
+        if any(w < 0 for w in windows):
+            raise ValueError(f"KvLayout.windows must be >= 0 (0 = no window), got {min(windows)}")
+        object.__setattr__(self, "windows", windows if any(windows) else ())
+        if self.latent and self.n_kv_heads != 1:
+            raise ValueError(f"KvLayout: a latent cache is one unit (n_kv_heads=1), got {self.n_kv_heads}")
         for f in ("n_layers", "n_kv_heads", "head_dim", "elem_bytes", "page_tokens", "n_pages"):
             if getattr(self, f) < 1:
                 raise ValueError(f"KvLayout.{f} must be >= 1, got {getattr(self, f)}")
@@ -106,19 +142,41 @@ class KvLayout:
     @classmethod
     def for_attention(cls, attention, n_layers: int, elem_bytes: int, page_tokens: int, tp: int, n_pages: int,
                       order: Order = "HND") -> KvLayout:
-        """The layout of ``n_layers`` layers of a head-sharded token-mixer kind (``GqaAttention``) over a TP group
-        of ``tp`` ranks: its KV heads as ``kv_shards(tp)`` places them."""
+        """The layout of ``n_layers`` layers of one token-mixer kind over a TP group of ``tp`` ranks: a
+        head-sharded kind (``GqaAttention``; ``SlidingWindowAttention`` with its window on every layer) holds its
+        KV heads as ``kv_shards(tp)`` places them; MLA holds its latent plane on every rank."""
+        if attention.kv_tp_sharding == "replicated":
+            return cls(n_layers, 1, attention.kv_values_per_token(), elem_bytes, page_tokens,
+                       attention.kv_shards(tp), n_pages, "HND", latent=True)
         if attention.kv_tp_sharding != "heads":
-            raise ValueError(f"KvLayout holds K|V per head; attention kind {attention.kind!r} is not head-sharded")
+            raise ValueError(f"attention kind {attention.kind!r} keeps no per-token KV cache")
         return cls(n_layers, attention.n_kv_units(), attention.head_dim, elem_bytes, page_tokens,
-                   attention.kv_shards(tp), n_pages, order)
+                   attention.kv_shards(tp), n_pages, order, windows=(kv_window(attention),) * n_layers)
+
+    @classmethod
+    def for_model(cls, model, tp: int, elem_bytes: int, page_tokens: int, n_pages: int, order: Order = "HND",
+                  include_mtp: bool = True) -> KvLayout:
+        """One buffer for every layer of ``model`` with a per-token cache, in model order (layout layer ``l`` is
+        the ``l``-th such layer; MTP layers last): full and sliding layers share it (sliding ones carry their
+        window), DeltaNet layers have none. Raises ``ValueError`` when those layers' caches differ in shape
+        (heads, head_dim, latent)."""
+        kinds = [layer.attention for layer in model.layers]
+        if include_mtp:
+            kinds += [model.mtp_layer.attention] * model.n_mtp_layers
+        kinds = [a for a in kinds if a.kv_values_per_token()]
+        if not kinds:
+            raise ValueError(f"{model.name} keeps no per-token KV cache")
+        one = [cls.for_attention(a, 1, elem_bytes, page_tokens, tp, n_pages, order) for a in kinds]
+        shape = {(x.n_kv_heads, x.head_dim, x.shards, x.latent) for x in one}
+        if len(shape) > 1:
+            raise ValueError(f"{model.name}: layers with differently shaped KV caches need one layout per kind")
+        return replace(one[0], n_layers=len(one), windows=tuple(x.windows[0] if x.windows else 0 for x in one))
 
     @classmethod
     def for_plan(cls, plan, model, n_pages: int, order: Order = "HND") -> KvLayout:
         """The layout of one DP group of a ``ParallelPlan`` (rank r = TP rank r, GPU ``plan.gpus[g*tp + r]``):
-        the full-attention layers, MTP included."""
-        (full, n), = [(a, n) for a, n in model.attention_counts(include_mtp=True) if a.kind == "full"]
-        return cls.for_attention(full, n, KV_DTYPE_BYTES[plan.kv_dtype], plan.page_tokens, plan.tp, n_pages, order)
+        every layer with a per-token cache, MTP included (``for_model``)."""
+        return cls.for_model(model, plan.tp, KV_DTYPE_BYTES[plan.kv_dtype], plan.page_tokens, n_pages, order)
 
     def with_order(self, order: Order) -> KvLayout:
         return replace(self, order=order)
@@ -132,9 +190,19 @@ class KvLayout:
     def n_ranks(self) -> int:
         return len(self.shards)
 
+    @property
+    def n_planes(self) -> int:
+        """Planes per page and head: 2 (K and V), 1 for the latent."""
+        return 1 if self.latent else 2
+
+    def first_token(self, layer: int, seq_len: int) -> int:
+        """First token of a ``seq_len``-token sequence that ``layer`` keeps (its window's start; 0 without)."""
+        w = self.windows[layer] if self.windows else 0
+        return max(0, seq_len - w) if w else 0
+
     def page_bytes(self, rank: int) -> int:
-        """Bytes of one page of one layer on ``rank`` (K and V, all its heads)."""
-        return 2 * len(self.shards[rank]) * self.page_tokens * self.head_dim * self.elem_bytes
+        """Bytes of one page of one layer on ``rank`` (K and V, all its heads; or the latent)."""
+        return self.n_planes * len(self.shards[rank]) * self.page_tokens * self.head_dim * self.elem_bytes
 
     def rank_nbytes(self, rank: int) -> int:
         """Size of ``rank``'s whole cache buffer."""
@@ -159,7 +227,8 @@ class KvLayout:
     # --- addressing -------------------------------------------------------------------------------------------
 
     def offset(self, rank, layer, head, token, kv, dim, pages) -> np.ndarray:
-        """Byte offset inside ``rank``'s buffer of element (layer, global head, token, kv 0=K/1=V, dim).
+        """Byte offset inside ``rank``'s buffer of element (layer, global head, token, kv 0=K/1=V, dim); a latent
+        layout has head 0 and kv 0 only.
 
         ``pages``: the page table, either a 1-D array (the same for every rank) or a sequence indexed by rank.
         All index arguments broadcast (numpy); ``rank`` may vary elementwise only with a per-rank page table.
@@ -169,6 +238,8 @@ class KvLayout:
                                                                   (rank, layer, head, token, kv, dim)))
         if (rank < 0).any() or (rank >= self.n_ranks).any() or (head < 0).any() or (head >= self.n_kv_heads).any():
             raise ValueError(f"rank must be in 0..{self.n_ranks - 1} and head in 0..{self.n_kv_heads - 1}")
+        if (kv < 0).any() or (kv >= self.n_planes).any():
+            raise ValueError(f"kv must be in 0..{self.n_planes - 1}")
         local = self._local[rank, head]
         if (local < 0).any():
             i = np.argmax(local < 0)
@@ -183,7 +254,7 @@ class KvLayout:
             raise ValueError(f"page id outside 0..{self.n_pages - 1}")
         hr = self._heads_per_rank[rank]
         slot = token % P
-        base = (layer * self.n_pages + page) * 2 + kv
+        base = (layer * self.n_pages + page) * self.n_planes + kv
         if self.order == "HND":
             elem = ((base * hr + local) * P + slot) * self.head_dim + dim
         else:
@@ -279,13 +350,15 @@ def merge_chunks(src_rank, src_offset, dst_rank, dst_offset, nbytes) -> Transfer
     return TransferPlan(sr[starts], so[starts], dr[starts], do[starts], np.add.reduceat(n, starts))
 
 
-def _token_runs(seq_len: int, src: KvLayout, dst: KvLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Starts and lengths of the token runs that are contiguous in both layouts: split at every source and
-    destination page boundary (HND), or single tokens when either side is NHD."""
-    if src.order == "NHD" or dst.order == "NHD":
-        starts = np.arange(seq_len, dtype=np.int64)
-        return starts, np.ones(seq_len, dtype=np.int64)
+def _token_runs(t0: int, seq_len: int, src: KvLayout, dst: KvLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the runs of tokens ``t0 .. seq_len-1`` that are contiguous in both layouts: split at
+    every source and destination page boundary (HND, latent), or single tokens when either side is NHD."""
+    if not src.latent and (src.order == "NHD" or dst.order == "NHD"):
+        starts = np.arange(t0, seq_len, dtype=np.int64)
+        return starts, np.ones(seq_len - t0, dtype=np.int64)
     cuts = np.union1d(np.arange(0, seq_len, src.page_tokens), np.arange(0, seq_len, dst.page_tokens))
+    if t0:
+        cuts = np.union1d(cuts[cuts > t0], [t0])
     lens = np.diff(np.append(cuts, seq_len))
     return cuts.astype(np.int64), lens.astype(np.int64)
 
@@ -305,14 +378,34 @@ def source_rank(src: KvLayout, head: int, layer) -> np.ndarray:
     return _source_ranks(src)[head, np.asarray(layer, dtype=np.int64)]
 
 
-def _check_pages(name: str, layout: KvLayout, table: np.ndarray, need: int) -> None:
+def latent_source_ranks(src: KvLayout, n_copies: int, seq_len: int) -> np.ndarray:
+    """[n_copies, L, n_src_pages] source rank each destination copy reads a (layer, source page) of a latent
+    sequence from, -1 for pages before the layer's window: unit ``u`` (numbered copy-major, then layer, then
+    page) comes from replica ``replicas[u % n_replicas]`` (module docstring)."""
+    if not src.latent:
+        raise ValueError("latent_source_ranks: the layout is not a latent (MLA) cache")
+    ns = pages_needed(seq_len, src.page_tokens)
+    first = np.array([src.first_token(layer, seq_len) // src.page_tokens for layer in range(src.n_layers)],
+                     dtype=np.int64)
+    page = np.arange(ns, dtype=np.int64)[None, :]
+    live = page >= first[:, None]  # [L, ns]
+    unit = np.cumsum(live.ravel()).reshape(live.shape) - 1  # per copy: 0 .. U1-1 over live (layer, page)
+    u1 = int(live.sum())
+    reps = np.asarray(src.replicas(0), dtype=np.int64)
+    u = np.arange(n_copies, dtype=np.int64)[:, None, None] * u1 + unit[None]
+    return np.where(live[None], reps[u % reps.shape[0]], -1)
+
+
+def _check_pages(name: str, layout: KvLayout, table: np.ndarray, need: int, first: int = 0) -> None:
+    """Pages ``first .. need-1`` of the sequence must be valid, distinct page ids on every rank (earlier pages
+    are outside every window and ignored)."""
     if table.shape[1] < need:
         raise ValueError(f"{name}: page table has {table.shape[1]} pages, the sequence needs {need}")
-    t = table[:, :need]
+    t = table[:, first:need]
     if (t < 0).any() or (t >= layout.n_pages).any():
         raise ValueError(f"{name}: page ids must be in 0..{layout.n_pages - 1}")
     for r in range(t.shape[0]):
-        if len(set(t[r].tolist())) != need:  # (np.unique would import numpy.ma on first use)
+        if len(set(t[r].tolist())) != need - first:  # (np.unique would import numpy.ma on first use)
             raise ValueError(f"{name}: rank {r} uses a page twice")
 
 
@@ -322,9 +415,11 @@ def reshard_plan(src: KvLayout, dst: KvLayout, seq_len: int, src_pages=None, dst
 
     src_pages / dst_pages: page table(s) of the sequence — a 1-D list shared by all ranks of the layout, or one
     list per rank; None = pages 0, 1, 2, ... on every rank. ``merge=False`` returns the elementary chunks
-    (for tests and stats). Layouts must agree on n_layers, n_kv_heads, head_dim and elem_bytes.
+    (for tests and stats). Layouts must agree on n_layers, n_kv_heads, head_dim, elem_bytes, latent and windows.
+    Sliding-window layers move only their window's tokens; a latent source is read page-interleaved over its
+    replicas (module docstring).
     """
-    for f in ("n_layers", "n_kv_heads", "head_dim", "elem_bytes"):
+    for f in ("n_layers", "n_kv_heads", "head_dim", "elem_bytes", "latent", "windows"):
         if getattr(src, f) != getattr(dst, f):
             raise ValueError(f"reshard: src.{f}={getattr(src, f)} differs from dst.{f}={getattr(dst, f)}")
     if seq_len < 1:
@@ -332,26 +427,37 @@ def reshard_plan(src: KvLayout, dst: KvLayout, seq_len: int, src_pages=None, dst
     ns, nd = pages_needed(seq_len, src.page_tokens), pages_needed(seq_len, dst.page_tokens)
     st = _page_table(np.arange(ns) if src_pages is None else src_pages, src.n_ranks)
     dt = _page_table(np.arange(nd) if dst_pages is None else dst_pages, dst.n_ranks)
-    _check_pages("src_pages", src, st, ns)
-    _check_pages("dst_pages", dst, dt, nd)
+    starts = np.array([src.first_token(layer, seq_len) for layer in range(src.n_layers)], dtype=np.int64)
+    t_min = int(starts.min())
+    _check_pages("src_pages", src, st, ns, t_min // src.page_tokens)
+    _check_pages("dst_pages", dst, dt, nd, t_min // dst.page_tokens)
 
-    run_start, run_len = _token_runs(seq_len, src, dst)  # [R]
-    L, D, e = src.n_layers, src.head_dim, src.elem_bytes
+    D, e = src.head_dim, src.elem_bytes
     pairs = [(d, h) for d in range(dst.n_ranks) for h in dst.shards[d]]  # every destination head copy
     d_rank = np.array([p[0] for p in pairs], dtype=np.int64)[:, None, None, None]  # [C,1,1,1]
     head = np.array([p[1] for p in pairs], dtype=np.int64)[:, None, None, None]
-    layer = np.arange(L, dtype=np.int64)[None, :, None, None]  # [1,L,1,1]
-    kv = np.arange(2, dtype=np.int64)[None, None, :, None]  # [1,1,2,1]
-    tok = run_start[None, None, None, :]  # [1,1,1,R]
-    s_rank = _source_ranks(src)[head, layer]  # [C,L,1,1]
-    so = src.offset(s_rank, layer, head, tok, kv, 0, st)  # [C,L,2,R]
-    do = dst.offset(d_rank, layer, head, tok, kv, 0, dt)
-    shape = so.shape
-    cols = [np.broadcast_to(s_rank, shape), so, np.broadcast_to(d_rank, shape), do,
-            np.broadcast_to(run_len * D * e, shape)]
+    kv = np.arange(src.n_planes, dtype=np.int64)[None, None, :, None]  # [1,1,planes,1]
+    latent_ranks = latent_source_ranks(src, len(pairs), seq_len) if src.latent else None
+    parts = []
+    for t0 in np.unique(starts).tolist():  # layers whose kept tokens start at t0 (full layers: 0)
+        layers = np.flatnonzero(starts == t0)
+        run_start, run_len = _token_runs(t0, seq_len, src, dst)  # [R]
+        layer = layers[None, :, None, None]  # [1,Lg,1,1]
+        tok = run_start[None, None, None, :]  # [1,1,1,R]
+        if latent_ranks is None:
+            s_rank = _source_ranks(src)[head, layer]  # [C,Lg,1,1]
+        else:
+            copy = np.arange(len(pairs), dtype=np.int64)[:, None, None, None]
+            s_rank = latent_ranks[copy, layer, tok // src.page_tokens]  # [C,Lg,1,R]
+        so = src.offset(s_rank, layer, head, tok, kv, 0, st)  # [C,Lg,planes,R]
+        do = dst.offset(d_rank, layer, head, tok, kv, 0, dt)
+        shape = so.shape
+        parts.append([np.broadcast_to(s_rank, shape), so, np.broadcast_to(d_rank, shape), do,
+                      np.broadcast_to(run_len * D * e, shape)])
+    cols = [np.concatenate([np.ascontiguousarray(p[i]).ravel() for p in parts]) for i in range(5)]
     if merge:
         return merge_chunks(*cols)
-    return TransferPlan(*(np.ascontiguousarray(c).ravel() for c in cols))
+    return TransferPlan(*cols)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -442,6 +548,7 @@ __all__ = [
     "chunk_stats",
     "execute_plan",
     "hnd_vs_nhd",
+    "latent_source_ranks",
     "merge_chunks",
     "pages_needed",
     "reshard_plan",

@@ -30,8 +30,18 @@ shared experts, dense MLPs, MTP fc) are stored in ``weight_format``
 
 KV cache: ``kv_dtype`` ``bf16`` (2 B/element) or ``fp8`` (1 B/element, per-tensor scale not counted). Per rank
 and token it holds ``n_kv_heads * kv_replication / tp`` heads of every full-attention layer (a DP decode rank
-holds all heads), MTP layers included. Hybrid models (Qwen3.5) also keep a linear-attention state per sequence, split ``tp`` ways, in
-BF16 (vLLM's default mamba-state dtype is the model dtype).
+holds all heads), MTP layers included. An MLA layer's latent (``kv_lora_rank + qk_rope_head_dim`` values per
+token) is whole on every rank: replicated under attention TP, partitioned by request under DP. Hybrid models
+(Qwen3.5) also keep a linear-attention state per sequence, split ``tp`` ways, in BF16 (vLLM's default
+mamba-state dtype is the model dtype).
+
+Sliding-window layers (gpt-oss) keep at most ``window`` tokens per sequence, so they are not a per-token cost:
+``kv_bytes_per_token_per_rank`` counts the layers that keep the whole sequence (full, MLA) and
+``window_bytes_per_seq_per_rank`` charges each sequence the sliding layers' live pages, ``ceil(window /
+page_tokens) + 1`` pages per layer (the window rarely starts on a page boundary, and the page the next token
+goes to is allocated before the oldest is freed), as a fixed per-sequence cost like the DeltaNet state. It is an
+upper bound: a sequence shorter than the window holds less. The KV capacity in tokens is then what is left
+after weights, reserve and the batch's per-sequence costs, divided by the per-token bytes of the other layers.
 
 Activation reserve (per rank, bytes; override with ``activation_reserve_bytes``) — a conservative estimate of
 what the step needs besides weights and KV, with T = ``max_batch_tokens`` and S = ``max_batch_seqs`` per DP
@@ -46,9 +56,10 @@ group, activations in BF16:
     L = S (prefill: the last token of each sequence) or T (decode: every token, MTP drafts included)
 
 A plan *fits* when ``weights + reserve + min_kv_tokens * kv_bytes_per_token_per_rank +
-max_batch_seqs * state_bytes_per_seq_per_rank <= hbm_bytes`` of the smallest GPU it uses; ``min_kv_tokens``
-defaults to ``max_batch_tokens`` (one full batch's KV must fit). The KV capacity reported is what is left after
-weights, reserve and the batch's linear state, in whole pages of ``page_tokens``.
+max_batch_seqs * (state_bytes_per_seq_per_rank + window_bytes_per_seq_per_rank) <= hbm_bytes`` of the smallest
+GPU it uses; ``min_kv_tokens`` defaults to ``max_batch_tokens`` (one full batch's KV must fit). The KV capacity
+reported is what is left after weights, reserve and the batch's linear state and sliding windows, in whole pages
+of ``page_tokens``.
 
 Role defaults: prefill ``max_batch_tokens=16384, max_batch_seqs=4``; decode ``max_batch_tokens=128,
 max_batch_seqs=64`` (two tokens per sequence with one MTP draft).
@@ -112,6 +123,12 @@ def _range_text(ids) -> str:
         if g is not None:
             start = prev = g
     return ",".join(parts)
+
+
+def kv_window(attention) -> int:
+    """Tokens of KV one sequence keeps at most in a layer of this token-mixer kind: its sliding window
+    (``SlidingWindowAttention.window``), 0 when the layer keeps the whole sequence."""
+    return int(getattr(attention, "window", 0) or 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,14 +318,25 @@ class ParallelPlan(NoBoolNumbers):
         """KV heads each rank holds: ``n_kv_heads / tp``, or 1 (a replica) when ``tp > n_kv_heads``."""
         return model.mixer("full").kv_units_per_rank(self.tp)
 
+    def _kv_token_bytes(self, a, n: int) -> int:
+        """Per-token cache bytes of ``n`` layers of kind ``a`` on one rank: its share of the cache units
+        (``AttentionKind.kv_units_per_rank``; an MLA latent is one unit, whole on every rank)."""
+        return int(n * a.kv_bytes_per_token(self.kv_elem_bytes)) * a.kv_units_per_rank(self.tp) // a.n_kv_units()
+
     def kv_bytes_per_token_per_rank(self, model) -> int:
-        """KV bytes one rank stores per token (every layer with a per-token cache, MTP included): each kind's
-        share of its cache units (``AttentionKind.kv_units_per_rank``)."""
+        """KV bytes one rank stores per token of a sequence: every layer that keeps the whole sequence (full
+        attention, MLA), MTP included; sliding-window layers are ``window_bytes_per_seq_per_rank``."""
+        return sum(self._kv_token_bytes(a, n) for a, n in model.attention_counts(include_mtp=True)
+                   if a.kv_values_per_token() and not kv_window(a))
+
+    def window_bytes_per_seq_per_rank(self, model) -> int:
+        """KV bytes one rank keeps per sequence in sliding-window layers: ``ceil(window / page_tokens) + 1`` pages
+        of each (module docstring); 0 without such layers."""
         out = 0
         for a, n in model.attention_counts(include_mtp=True):
-            if a.kv_values_per_token():
-                out += int(n * a.kv_bytes_per_token(self.kv_elem_bytes)) * a.kv_units_per_rank(self.tp) \
-                    // a.n_kv_units()
+            w = kv_window(a)
+            if w and a.kv_values_per_token():
+                out += (-(-w // self.page_tokens) + 1) * self.page_tokens * self._kv_token_bytes(a, n)
         return out
 
     def state_bytes_per_seq_per_rank(self, model) -> int:
@@ -419,9 +447,10 @@ class ParallelPlan(NoBoolNumbers):
             reserve = self.default_activation_reserve_bytes(model)
         kv_tok = self.kv_bytes_per_token_per_rank(model)
         state_seq = self.state_bytes_per_seq_per_rank(model)
+        window_seq = self.window_bytes_per_seq_per_rank(model)
         min_kv = self.min_kv_tokens if self.min_kv_tokens is not None else self.batch_tokens
         weights = attention_bytes + expert_bytes + dense_bytes + replicated_bytes
-        free = hbm_bytes - weights - reserve - state_seq * self.batch_seqs
+        free = hbm_bytes - weights - reserve - (state_seq + window_seq) * self.batch_seqs
         capacity = max(free, 0) // kv_tok if kv_tok else 0
         capacity -= capacity % self.page_tokens
         return MemoryBudget(
@@ -431,7 +460,7 @@ class ParallelPlan(NoBoolNumbers):
             dense_weight_bytes=dense_bytes, replicated_weight_bytes=replicated_bytes,
             activation_reserve_bytes=int(reserve), kv_bytes_per_token_per_rank=kv_tok,
             state_bytes_per_seq_per_rank=state_seq, batch_seqs=self.batch_seqs, min_kv_tokens=min_kv,
-            hbm_bytes=hbm_bytes, kv_capacity_tokens=int(capacity),
+            hbm_bytes=hbm_bytes, kv_capacity_tokens=int(capacity), window_bytes_per_seq_per_rank=window_seq,
         )
 
 
@@ -463,6 +492,7 @@ class MemoryBudget:
     min_kv_tokens: int
     hbm_bytes: int
     kv_capacity_tokens: int
+    window_bytes_per_seq_per_rank: int = 0  # sliding-window layers' live pages per sequence
 
     @property
     def weight_bytes(self) -> int:
@@ -475,9 +505,9 @@ class MemoryBudget:
 
     @property
     def needs_bytes(self) -> int:
-        """Weights + reserve + KV for ``min_kv_tokens`` + linear state for the batch."""
+        """Weights + reserve + KV for ``min_kv_tokens`` + linear state and sliding windows for the batch."""
         return (self.weight_bytes + self.activation_reserve_bytes + self.min_kv_bytes
-                + self.state_bytes_per_seq_per_rank * self.batch_seqs)
+                + (self.state_bytes_per_seq_per_rank + self.window_bytes_per_seq_per_rank) * self.batch_seqs)
 
     @property
     def fits(self) -> bool:
@@ -614,6 +644,7 @@ __all__ = [
     "PlanFile",
     "WeightParts",
     "check_plan_file",
+    "kv_window",
     "load_plan_file",
     "parse_gpus",
     "tp_kv_head_shards",
