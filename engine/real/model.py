@@ -21,92 +21,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F_
 
-from rackbed.engine.core.layers import GqaAttention, MoeFfn
 from rackbed.engine.real.comm import Comm
+from rackbed.engine.real.config import TorchModelConfig
 from rackbed.kernels.moe_block import moe_block, route
-
-
-@dataclass(frozen=True)
-class TorchModelConfig:
-    """What the torch model needs; built from an ``engine.core.model.ModelSpec`` or a Hugging Face config."""
-
-    hidden: int
-    n_layers: int
-    n_q_heads: int
-    n_kv_heads: int
-    head_dim: int
-    n_experts: int
-    top_k: int
-    moe_intermediate: int
-    vocab: int
-    rope_theta: float = 1_000_000.0
-    rms_eps: float = 1e-6
-    norm_topk_prob: bool = True
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-
-    @classmethod
-    def from_spec(cls, spec, n_layers: int | None = None, **overrides) -> TorchModelConfig:
-        """From a ModelSpec (Qwen3-MoE family: full attention in every layer, MoE in every layer)."""
-        kinds = {x.attention.kind for x in spec.layers}
-        if kinds != {"full"}:
-            raise ValueError(f"model {spec.name}: the torch engine runs full-attention Qwen3-MoE models only "
-                             "(linear-attention layers are simulated, not run)")
-        moe = spec.layers[0].ffn
-        if any(x.ffn is not moe for x in spec.layers) or moe.kind != "moe":
-            raise ValueError(f"model {spec.name}: the torch engine runs models with an MoE in every layer")
-        if moe.n_shared:
-            raise ValueError(f"model {spec.name}: shared experts are not supported by the torch engine yet")
-        att = spec.mixer("full")
-        kw = dict(hidden=spec.hidden, n_layers=n_layers or spec.n_layers, n_q_heads=att.n_q_heads,
-                  n_kv_heads=att.n_kv_heads, head_dim=att.head_dim, n_experts=moe.n_experts, top_k=moe.top_k,
-                  moe_intermediate=moe.intermediate, vocab=spec.vocab, tie_embeddings=spec.tie_embeddings)
-        kw.update(overrides)
-        return cls(**kw)
-
-    @classmethod
-    def from_hf(cls, hf_config) -> TorchModelConfig:
-        """From a transformers ``Qwen3MoeConfig`` (object or config.json dict; keys a saved config omits take
-        transformers' defaults)."""
-        if isinstance(hf_config, dict):
-            try:
-                from transformers import Qwen3MoeConfig
-
-                hf_config = Qwen3MoeConfig.from_dict(hf_config)
-            except ImportError:
-                hf_config = {**hf_config, "num_experts": hf_config.get("num_experts",
-                                                                       hf_config.get("num_local_experts"))}
-        get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, dict) else (
-            lambda k, d=None: getattr(hf_config, k, d))
-        rope = get("rope_parameters") or {}
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        return cls(hidden=get("hidden_size"), n_layers=get("num_hidden_layers"),
-                   n_q_heads=get("num_attention_heads"), n_kv_heads=get("num_key_value_heads"),
-                   head_dim=get("head_dim") or get("hidden_size") // get("num_attention_heads"),
-                   n_experts=get("num_experts") or get("num_local_experts"), top_k=get("num_experts_per_tok"),
-                   moe_intermediate=get("moe_intermediate_size"), vocab=get("vocab_size"),
-                   rope_theta=float(theta or get("rope_theta", 1_000_000.0)), rms_eps=get("rms_norm_eps", 1e-6),
-                   norm_topk_prob=bool(get("norm_topk_prob", True)),
-                   tie_embeddings=bool(get("tie_word_embeddings", False)))
-
-    @cached_property
-    def attention(self) -> GqaAttention:
-        """The token-mixer kind every layer runs (Qwen3-MoE: GQA with qk-norm, ungated)."""
-        return GqaAttention(hidden=self.hidden, n_q_heads=self.n_q_heads, n_kv_heads=self.n_kv_heads,
-                            head_dim=self.head_dim, qk_norm=True, gated=False)
-
-    @cached_property
-    def moe(self) -> MoeFfn:
-        """The FFN kind every layer runs (routed experts, no shared expert)."""
-        return MoeFfn(hidden=self.hidden, n_experts=self.n_experts, top_k=self.top_k, intermediate=self.moe_intermediate)
-
-    def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
-        return self.n_layers * self.attention.kv_bytes_per_token(elem_bytes)
 
 
 @dataclass(frozen=True)
@@ -133,11 +54,15 @@ class Shard:
                    ep_rank=plan.ep_rank(rank) if plan.ep > 1 else 0)
 
     def q_heads(self, cfg: TorchModelConfig) -> range:
+        if cfg.is_mla:
+            return cfg.attention.heads_of_tp_rank(self.attn_tp, self.attn_rank)
         return cfg.attention.q_heads_of_tp_rank(self.attn_tp, self.attn_rank)
 
     def kv_heads(self, cfg: TorchModelConfig) -> range:
         """The KV heads this rank's query heads read (with tp > KV heads, a KV head replicated on tp / KV heads
-        ranks)."""
+        ranks). MLA: the one latent "head", whole on every rank."""
+        if cfg.is_mla:
+            return range(1)
         return cfg.attention.kv_heads_of_tp_rank(self.attn_tp, self.attn_rank)
 
     def experts(self, cfg: TorchModelConfig) -> range:
@@ -386,9 +311,13 @@ class ShardedQwen3Moe:
         t_idx, j_idx, e_loc = t_idx[order], j_idx[order], e_loc[order]
         xs = x[t_idx]                                                     # [R, D]
         counts = torch.bincount(e_loc, minlength=len(self.experts))
-        y = grouped_swiglu(xs, w["gate_up"], w["down"], counts)           # [R, D]
+        y = self._experts(w, xs, counts)                                   # [R, D]
         out.index_add_(0, t_idx, y * wts[t_idx, j_idx, None])
         return out
+
+    def _experts(self, w, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts on rows ``xs [R, D]`` grouped by local expert (``counts [E_local]``)."""
+        return grouped_swiglu(xs, w["gate_up"], w["down"], counts)
 
     # -- prefill: TP attention + EP MoE on replicated input -------------------------------------------------------
     def forward_prefill(self, seqs: list[torch.Tensor], cache: PagedKvCache, page_tables: list[list[int]]):

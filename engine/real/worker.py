@@ -41,7 +41,8 @@ import torch.distributed as dist
 from rackbed.engine.core.kv import KvLayout
 from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.real.comm import Comm
-from rackbed.engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, TorchModelConfig
+from rackbed.engine.real.families import model_class
+from rackbed.engine.real.model import PagedKvCache, Shard, TorchModelConfig
 from rackbed.engine.real.transfer import KvBackend, TransferEngine
 
 
@@ -115,7 +116,7 @@ def rank_plan(spec: RankSpec) -> ParallelPlan:
     n = len(spec.group_ranks)
     tp = spec.tp if spec.role == "prefill" else 1
     return ParallelPlan(role="prefill" if spec.role == "prefill" else "decode", tp=tp, dp=n // tp, ep=spec.ep, gpus=tuple(range(n)),
-                        kv_replication=spec.cfg.attention.kv_replication(tp))
+                        kv_replication=spec.cfg.attention.kv_replication(tp) if not spec.cfg.is_mla else 1)
 
 
 def make_groups(all_groups, world: int):
@@ -190,11 +191,12 @@ class Rank:
                     x.numel() * x.element_size() <= (64 << 20) else _nccl_all_reduce(x, group)
         else:
             comm = Comm(ep_group=group if spec.ep > 1 else None)
+        cls = model_class(spec.cfg)       # Qwen3-MoE, or the DeepSeek-V3 / gpt-oss / GLM-4.5 families
         if spec.weights:
-            self.model = ShardedQwen3Moe.from_state_dict(_load_state(spec.weights), spec.cfg, shard, comm,
-                                                         device=dev, dtype=dt)
+            self.model = cls.from_state_dict(_load_state(spec.weights), spec.cfg, shard, comm,
+                                             device=dev, dtype=dt)
         else:
-            self.model = ShardedQwen3Moe.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
+            self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
         self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()

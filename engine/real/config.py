@@ -1,0 +1,247 @@
+"""What the torch engine needs to know about a model: ``TorchModelConfig``, built from a ModelSpec (random weights)
+or a Hugging Face config (a checkpoint's config.json, or a transformers config object).
+
+Four families run: ``qwen3_moe`` (GQA with qk-norm in every layer, softmax top-k routing), ``deepseek_v3``
+(Kimi-K2 too: MLA, dense first layers, sigmoid group-limited routing with a correction bias and a scaling factor, an
+ungated shared expert), ``gpt_oss`` (alternating sliding-window / full GQA with learned sinks and q/k/v/o biases,
+top-k-then-softmax routing with a router bias, experts with biases and a clamped SwiGLU) and ``glm4_moe`` (GQA with
+partial rotary, q/k/v bias and optional qk-norm, DeepSeek's routing, dense first layers, a shared expert). The
+Qwen3-MoE fields keep their defaults, so a Qwen config built the old way is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from rackbed.engine.core.layers import GqaAttention, MoeFfn
+from rackbed.engine.core.layers.mla import MlaAttention
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe")
+
+#: routing of each family: "softmax" (softmax over all experts, top-k, optional renormalisation), "sigmoid_group"
+#: (sigmoid scores; selection on score + correction bias inside the top ``topk_group`` of ``n_group`` groups;
+#: weights = scores, renormalised, times ``routed_scaling``), "topk_softmax" (top-k of the biased logits, softmax
+#: over those k)
+ROUTING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid_group", "glm4_moe": "sigmoid_group",
+           "gpt_oss": "topk_softmax"}
+
+
+@dataclass(frozen=True)
+class TorchModelConfig:
+    """What the torch model needs; built from an ``engine.core.model.ModelSpec`` or a Hugging Face config.
+
+    ``layer_kinds[i]`` is layer i's token mixer ("full", "sliding" or "mla"; empty = every layer "full");
+    ``dense_layers`` the layers whose FFN is a dense SwiGLU of width ``dense_intermediate``. For MLA models
+    ``n_kv_heads = n_q_heads`` and ``head_dim = qk_nope + qk_rope`` (as the HF config states them).
+    ``rope_scaling``: the HF ``rope_parameters`` beyond the theta, as sorted (key, value) pairs (hashable).
+    """
+
+    hidden: int
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    moe_intermediate: int
+    vocab: int
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    norm_topk_prob: bool = True
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    family: str = "qwen3_moe"
+    layer_kinds: tuple[str, ...] = ()
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate: int = 0
+    shared_intermediate: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sinks: bool = False
+    sliding_window: int = 0
+    partial_rotary: float = 1.0
+    rope_interleave: bool = False
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    max_position: int = 4096
+    swiglu_limit: float = 0.0            # 0: plain SwiGLU; > 0: gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"TorchModelConfig.family must be one of {FAMILIES}, got {self.family!r}")
+        if self.layer_kinds and len(self.layer_kinds) != self.n_layers:
+            raise ValueError(f"TorchModelConfig.layer_kinds has {len(self.layer_kinds)} entries for "
+                             f"{self.n_layers} layers")
+
+    # -- derived ----------------------------------------------------------------------------------------------
+    @property
+    def routing(self) -> str:
+        return ROUTING[self.family]
+
+    def kind(self, layer: int) -> str:
+        return self.layer_kinds[layer] if self.layer_kinds else "full"
+
+    @property
+    def is_mla(self) -> bool:
+        return "mla" in self.layer_kinds
+
+    def is_dense(self, layer: int) -> bool:
+        return layer in self.dense_layers
+
+    @property
+    def rope(self) -> dict:
+        return dict(self.rope_scaling)
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotary dims per head (MLA: the decoupled rope key; GLM: ``partial_rotary_factor`` of the head)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary)
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk head dim), times YaRN's ``mscale(factor, mscale_all_dim)^2`` for MLA (DeepSeek's softmax
+        correction, as transformers' ``yarn_apply_mscale``)."""
+        s = self.head_dim ** -0.5
+        r = self.rope
+        if self.is_mla and r.get("rope_type", "default") != "default" and r.get("mscale_all_dim"):
+            f = float(r["factor"])
+            m = 0.1 * float(r["mscale_all_dim"]) * math.log(f) + 1.0 if f > 1 else 1.0
+            s *= m * m
+        return s
+
+    @cached_property
+    def attention(self):
+        """The token-mixer kind (MLA, or the GQA kind every full/sliding layer shares)."""
+        if self.is_mla:
+            return MlaAttention(hidden=self.hidden, n_heads=self.n_q_heads, q_lora_rank=self.q_lora_rank,
+                                kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                                qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+        return GqaAttention(hidden=self.hidden, n_q_heads=self.n_q_heads, n_kv_heads=self.n_kv_heads,
+                            head_dim=self.head_dim, qk_norm=self.qk_norm, gated=False)
+
+    @cached_property
+    def moe(self) -> MoeFfn:
+        """The FFN kind every MoE layer runs."""
+        return MoeFfn(hidden=self.hidden, n_experts=self.n_experts, top_k=self.top_k, intermediate=self.moe_intermediate,
+                      n_shared=1 if self.shared_intermediate else 0, shared_intermediate=self.shared_intermediate,
+                      shared_gate=False, router_bias=self.family == "gpt_oss", expert_bias=self.family == "gpt_oss")
+
+    def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
+        return int(self.n_layers * self.attention.kv_bytes_per_token(elem_bytes))
+
+    # -- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_spec(cls, spec, n_layers: int | None = None, **overrides) -> TorchModelConfig:
+        """From a ModelSpec. The family follows from the spec's layer kinds (MLA -> deepseek_v3; sliding windows
+        or sinks -> gpt_oss; an ungated shared expert -> glm4_moe; else qwen3_moe); routing details a ModelSpec
+        does not state take the published models' values (DeepSeek-V3: 8 groups, top 4, scaling 2.5; GLM-4.5: one
+        group, scaling 2.5; gpt-oss: SwiGLU limit 7). ``n_layers`` truncates (keeping the dense first layers)."""
+        kinds = [x.attention.kind for x in spec.layers]
+        if "linear" in kinds:
+            raise ValueError(f"model {spec.name}: linear-attention layers are simulated, not run by the torch engine")
+        n = n_layers or spec.n_layers
+        moe = next((x.ffn for x in spec.layers if x.ffn.kind == "moe"), None)
+        if moe is None:
+            raise ValueError(f"model {spec.name}: the torch engine runs MoE models")
+        fam = ("deepseek_v3" if "mla" in kinds else "gpt_oss" if ("sliding" in kinds or spec.attn_sinks) else
+               "glm4_moe" if moe.n_shared and not moe.shared_gate else "qwen3_moe")
+        if fam == "qwen3_moe" and moe.n_shared:
+            raise ValueError(f"model {spec.name}: gated shared experts are not supported by the torch engine")
+        kw = dict(hidden=spec.hidden, n_layers=n, n_q_heads=spec.n_q_heads, n_kv_heads=spec.n_kv_heads,
+                  head_dim=spec.head_dim, n_experts=moe.n_experts, top_k=moe.top_k, moe_intermediate=moe.intermediate,
+                  vocab=spec.vocab, tie_embeddings=spec.tie_embeddings, family=fam)
+        if fam != "qwen3_moe":
+            dense = tuple(i for i, x in enumerate(spec.layers[:n]) if x.ffn.kind != "moe")
+            kw.update(layer_kinds=tuple(kinds[:n]), dense_layers=dense, dense_intermediate=spec.dense_intermediate,
+                      shared_intermediate=moe.n_shared * moe.shared_intermediate, qk_norm=spec.qk_norm,
+                      qkv_bias=spec.attn_qkv_bias, o_bias=spec.attn_o_bias, sinks=spec.attn_sinks,
+                      sliding_window=spec.sliding_window, rope_theta=10000.0 if fam != "glm4_moe" else 1e6,
+                      max_position=spec.max_context or 4096)
+        if fam == "deepseek_v3":
+            groups = 8 if moe.n_experts % 8 == 0 and moe.n_experts // 8 >= 2 else 1
+            kw.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                      qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
+                      v_head_dim=spec.v_head_dim, n_group=groups, topk_group=max(1, groups // 2), routed_scaling=2.5,
+                      rope_interleave=True)
+        elif fam == "glm4_moe":
+            kw.update(partial_rotary=0.5, routed_scaling=2.5)
+        elif fam == "gpt_oss":
+            kw.update(swiglu_limit=7.0, rope_theta=150000.0)
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def from_hf(cls, hf_config) -> TorchModelConfig:
+        """From a transformers config of a supported family (object or config.json dict; keys a saved config
+        omits take transformers' defaults when transformers is installed)."""
+        mtype = hf_config.get("model_type", "qwen3_moe") if isinstance(hf_config, dict) else getattr(
+            hf_config, "model_type", "qwen3_moe")
+        mtype = "deepseek_v3" if mtype == "kimi_k2" else mtype
+        if mtype not in FAMILIES:
+            raise ValueError(f"model_type {mtype!r}: the torch engine runs {', '.join(FAMILIES)}")
+        if isinstance(hf_config, dict):
+            try:
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.for_model(mtype, **{k: v for k, v in hf_config.items() if k != "model_type"})
+            except (ImportError, ValueError):
+                hf_config = {**hf_config, "num_experts": hf_config.get(
+                    "num_experts", hf_config.get("num_local_experts", hf_config.get("n_routed_experts")))}
+        get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, dict) else (
+            lambda k, d=None: getattr(hf_config, k, d))
+        return _from_hf_get(cls, mtype, get)
+
+
+def _from_hf_get(cls, fam: str, get) -> TorchModelConfig:
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", None) or get("rope_theta", 1_000_000.0))
+    partial = float(rope.pop("partial_rotary_factor", None) or get("partial_rotary_factor", 1.0) or 1.0)
+    n = get("num_hidden_layers")
+    heads = get("num_attention_heads")
+    kw = dict(hidden=get("hidden_size"), n_layers=n, n_q_heads=heads,
+              n_kv_heads=get("num_key_value_heads") or heads,
+              head_dim=get("head_dim") or get("hidden_size") // heads,
+              n_experts=get("num_experts") or get("num_local_experts") or get("n_routed_experts"),
+              top_k=get("num_experts_per_tok"), moe_intermediate=get("moe_intermediate_size") or get(
+                  "intermediate_size"), vocab=get("vocab_size"), rope_theta=theta, rms_eps=get("rms_norm_eps", 1e-6),
+              norm_topk_prob=bool(get("norm_topk_prob", True)), tie_embeddings=bool(get("tie_word_embeddings", False)),
+              family=fam)
+    if fam == "qwen3_moe":
+        return cls(**kw)
+    kw.update(rope_scaling=tuple(sorted(rope.items())) if rope.get("rope_type", "default") != "default" else (),
+              max_position=get("max_position_embeddings", 4096), partial_rotary=partial)
+    if fam in ("deepseek_v3", "glm4_moe"):
+        k = get("first_k_dense_replace", 0) or 0
+        kw.update(dense_layers=tuple(range(min(k, n))), dense_intermediate=get("intermediate_size") if k else 0,
+                  shared_intermediate=get("moe_intermediate_size") * (get("n_shared_experts") or 0),
+                  n_group=get("n_group") or 1, topk_group=get("topk_group") or 1,
+                  routed_scaling=float(get("routed_scaling_factor", 1.0)))
+    if fam == "deepseek_v3":
+        nope, rp = get("qk_nope_head_dim"), get("qk_rope_head_dim")
+        kw.update(layer_kinds=("mla",) * n, n_kv_heads=heads, head_dim=nope + rp, qk_norm=False,
+                  q_lora_rank=get("q_lora_rank") or 0, kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=nope,
+                  qk_rope_head_dim=rp, v_head_dim=get("v_head_dim"), rope_interleave=bool(get("rope_interleave", True)),
+                  qkv_bias=bool(get("attention_bias", False)))
+        if kw["qkv_bias"]:
+            raise ValueError("deepseek_v3 with attention_bias=true is not supported by the torch engine")
+    elif fam == "glm4_moe":
+        kw.update(layer_kinds=("full",) * n, qk_norm=bool(get("use_qk_norm", False)),
+                  qkv_bias=bool(get("attention_bias", False)))
+    else:  # gpt_oss
+        types = get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        kw.update(layer_kinds=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+                  qk_norm=False, qkv_bias=bool(get("attention_bias", True)), o_bias=bool(get("attention_bias", True)),
+                  sinks=True, sliding_window=get("sliding_window") or 0, swiglu_limit=float(get("swiglu_limit", 7.0)),
+                  swiglu_alpha=float(get("swiglu_alpha", 1.702)))
+    return cls(**kw)

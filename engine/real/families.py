@@ -1,0 +1,314 @@
+"""DeepSeek-V3 / Kimi-K2 (MLA), gpt-oss and GLM-4.5 in torch, sharded like Qwen3-MoE (``engine.real.model``).
+
+``ShardedMoeLM`` extends ``ShardedQwen3Moe`` with per-layer kinds: token mixer "mla" (``layers_mla``) or "full" /
+"sliding" GQA with biases, sinks, windows and partial rotary (``layers_gqa``); FFN dense (``dense_layers``) or MoE
+with the family's routing, expert biases / clamped SwiGLU and an ungated shared expert (``layers_moe``).
+
+Prefill (TP attention, EP experts, replicated input): each rank runs its heads; the attention output, the dense
+MLP and the shared expert are split over the TP group (heads / F slices) and summed by the TP all-reduce, the
+routed experts over the expert group by the EP all-reduce (one all-reduce for both when the groups coincide). The
+MLA latent cache is whole on every TP rank. Decode (DP attention, EP experts): every rank holds all heads, the dense
+MLP and the shared expert whole, and the routed experts go through the sparse all-to-all of ``ShardedQwen3Moe``.
+
+Caches: MLA models use ``layers_mla.LatentKvCache`` (``[L, P, S, kv_lora + rope]``), the others the HND
+``PagedKvCache`` (sliding layers included, whole pages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rackbed.engine.real import layers_gqa, layers_mla, layers_moe
+from rackbed.engine.real.comm import Comm
+from rackbed.engine.real.config import TorchModelConfig
+from rackbed.engine.real.model import (
+    PagedKvCache,
+    Shard,
+    ShardedQwen3Moe,
+    _randn,
+    random_global_weights,
+    rms_norm,
+)
+from rackbed.engine.real.rope import rope_of
+
+
+def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (full shape, init) of layer ``li``'s weights; init "w" (std ``init_std``), "norm" (1 + N(0, 0.1)),
+    "small" (N(0, 0.1): biases, sinks, routing correction). The drawing order is this dict's."""
+    D, H = cfg.hidden, cfg.n_q_heads
+    out: dict[str, tuple[tuple[int, ...], str]] = {"input_norm": ((D,), "norm"), "post_norm": ((D,), "norm")}
+    if cfg.kind(li) == "mla":
+        qk = cfg.head_dim
+        if cfg.q_lora_rank:
+            out.update(q_a=((cfg.q_lora_rank, D), "w"), q_a_norm=((cfg.q_lora_rank,), "norm"),
+                       q_b=((H * qk, cfg.q_lora_rank), "w"))
+        else:
+            out["q_proj"] = ((H * qk, D), "w")
+        out.update(kv_a=((cfg.kv_lora_rank + cfg.qk_rope_head_dim, D), "w"), kv_a_norm=((cfg.kv_lora_rank,), "norm"),
+                   kv_b=((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "w"),
+                   o_proj=((D, H * cfg.v_head_dim), "w"))
+    else:
+        Dh, Hk = cfg.head_dim, cfg.n_kv_heads
+        out.update(q_proj=((H * Dh, D), "w"), k_proj=((Hk * Dh, D), "w"), v_proj=((Hk * Dh, D), "w"),
+                   o_proj=((D, H * Dh), "w"))
+        if cfg.qkv_bias:
+            out.update(q_bias=((H * Dh,), "small"), k_bias=((Hk * Dh,), "small"), v_bias=((Hk * Dh,), "small"))
+        if cfg.o_bias:
+            out["o_bias"] = ((D,), "small")
+        if cfg.qk_norm:
+            out.update(q_norm=((Dh,), "norm"), k_norm=((Dh,), "norm"))
+        if cfg.sinks:
+            out["sinks"] = ((H,), "small")
+    if cfg.is_dense(li):
+        Fd = cfg.dense_intermediate
+        return out | {"mlp_gate_up": ((2 * Fd, D), "w"), "mlp_down": ((D, Fd), "w")}
+    E, F = cfg.n_experts, cfg.moe_intermediate
+    out.update(router=((E, D), "w"), gate_up=((E, 2 * F, D), "w"), down=((E, D, F), "w"))
+    if cfg.routing == "sigmoid_group":
+        out["e_bias"] = ((E,), "small")
+    if cfg.family == "gpt_oss":
+        out.update(router_bias=((E,), "small"), gate_up_bias=((E, 2 * F), "small"), down_bias=((E, D), "small"))
+    if cfg.shared_intermediate:
+        Fs = cfg.shared_intermediate
+        out.update(shared_gate_up=((2 * Fs, D), "w"), shared_down=((D, Fs), "w"))
+    return out
+
+
+def random_layer(cfg: TorchModelConfig, li: int, seed: int, device, dtype) -> dict[str, torch.Tensor]:
+    """Full weights of layer ``li`` from a generator seeded by (seed, layer), drawn on ``device``."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed * 1_000_003 + li + 1)
+    out = {}
+    for name, (shape, init) in layer_shapes(cfg, li).items():
+        std = {"w": cfg.init_std, "norm": 0.1, "small": 0.1}[init]
+        t = _randn(shape, gen, std, dev, dtype)
+        out[name] = 1.0 + t if init == "norm" else t
+    return out
+
+
+def _hf_experts(state, p: str, cfg: TorchModelConfig, li: int) -> dict[str, torch.Tensor]:
+    g = state.get
+    if cfg.family == "gpt_oss":
+        gu = state[p + "mlp.experts.gate_up_proj"].transpose(1, 2)              # [E, 2F, D], gate/up interleaved
+        gub = state[p + "mlp.experts.gate_up_proj_bias"]
+        return {"router": state[p + "mlp.router.weight"], "router_bias": state[p + "mlp.router.bias"],
+                "gate_up": torch.cat((gu[:, 0::2], gu[:, 1::2]), 1).contiguous(),
+                "gate_up_bias": torch.cat((gub[:, 0::2], gub[:, 1::2]), 1).contiguous(),
+                "down": state[p + "mlp.experts.down_proj"].transpose(1, 2).contiguous(),
+                "down_bias": state[p + "mlp.experts.down_proj_bias"]}
+    out = {"router": state[p + "mlp.gate.weight"], "e_bias": state[p + "mlp.gate.e_score_correction_bias"]}
+    if g(p + "mlp.experts.gate_up_proj") is not None:
+        out.update(gate_up=state[p + "mlp.experts.gate_up_proj"], down=state[p + "mlp.experts.down_proj"])
+    else:
+        r = range(cfg.n_experts)
+        out["gate_up"] = torch.stack([torch.cat([state[f"{p}mlp.experts.{e}.gate_proj.weight"],
+                                                 state[f"{p}mlp.experts.{e}.up_proj.weight"]]) for e in r])
+        out["down"] = torch.stack([state[f"{p}mlp.experts.{e}.down_proj.weight"] for e in r])
+    if cfg.shared_intermediate:
+        s = p + "mlp.shared_experts."
+        out.update(shared_gate_up=torch.cat([state[s + "gate_proj.weight"], state[s + "up_proj.weight"]]),
+                   shared_down=state[s + "down_proj.weight"])
+    return out
+
+
+def hf_layer(state: dict[str, torch.Tensor], cfg: TorchModelConfig, li: int) -> dict[str, torch.Tensor]:
+    """Layer ``li``'s full weights from a transformers state dict of the family (fused or per-expert experts)."""
+    p = f"model.layers.{li}."
+    a = p + "self_attn."
+    out = {"input_norm": state[p + "input_layernorm.weight"], "post_norm": state[p + "post_attention_layernorm.weight"]}
+    if cfg.kind(li) == "mla":
+        names = {"q_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight", "q_b": "q_b_proj.weight",
+                 "q_proj": "q_proj.weight", "kv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
+                 "kv_b": "kv_b_proj.weight", "o_proj": "o_proj.weight"}
+    else:
+        names = {f"{x}_proj": f"{x}_proj.weight" for x in "qkvo"} | {f"{x}_bias": f"{x}_proj.bias" for x in "qkvo"}
+        names |= {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks"}
+    out |= {k: state[a + v] for k, v in names.items() if a + v in state}
+    if cfg.is_dense(li):
+        out.update(mlp_gate_up=torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
+                   mlp_down=state[p + "mlp.down_proj.weight"])
+        return out
+    return out | _hf_experts(state, p, cfg, li)
+
+
+def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard, li: int) -> dict[str, torch.Tensor]:
+    """Slice layer ``li``'s full weights to what ``shard`` holds: heads of its TP place, the dense MLP and shared
+    expert's F slice (prefill TP), its experts."""
+    q = shard.q_heads(cfg)
+    if cfg.kind(li) == "mla":
+        out = layers_mla.shard(full, cfg, q)
+    else:
+        Dh, kv = cfg.head_dim, shard.kv_heads(cfg)
+        qs, ks = slice(q.start * Dh, q.stop * Dh), slice(kv.start * Dh, kv.stop * Dh)
+        out = {"q_proj": full["q_proj"][qs].clone(), "k_proj": full["k_proj"][ks].clone(),
+               "v_proj": full["v_proj"][ks].clone(), "o_proj": full["o_proj"][:, qs].clone()}
+        for k, s in (("q_bias", qs), ("k_bias", ks), ("v_bias", ks)):
+            if k in full:
+                out[k] = full[k][s].clone()
+        if "sinks" in full:
+            out["sinks"] = full["sinks"][q.start:q.stop].clone()
+        out |= {k: full[k] for k in ("o_bias", "q_norm", "k_norm") if k in full}
+    out |= {k: full[k] for k in ("input_norm", "post_norm", "router", "router_bias", "e_bias") if k in full}
+    tp, r = shard.attn_tp, shard.attn_rank
+    for pre in ("mlp", "shared"):
+        if pre + "_gate_up" in full:
+            out[pre + "_gate_up"], out[pre + "_down"] = layers_moe.tp_slice_mlp(full[pre + "_gate_up"],
+                                                                                full[pre + "_down"], tp, r)
+    if "gate_up" in full:
+        ex = shard.experts(cfg)
+        for k in ("gate_up", "down", "gate_up_bias", "down_bias"):
+            if k in full:
+                out[k] = full[k][ex.start:ex.stop].clone()
+    return out
+
+
+class ShardedMoeLM(ShardedQwen3Moe):
+    """One rank's slice of a DeepSeek-V3 / gpt-oss / GLM-4.5 model (module docstring)."""
+
+    def __init__(self, cfg: TorchModelConfig, shard: Shard, comm: Comm, layers, glob) -> None:
+        super().__init__(cfg, shard, comm, layers, glob)
+        self.rope = rope_of(cfg)
+
+    @classmethod
+    def random(cls, cfg, shard, comm, *, seed: int = 0, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
+        layers = [shard_layer(random_layer(cfg, i, seed, device, dtype), cfg, shard, i) for i in range(cfg.n_layers)]
+        return cls(cfg, shard, comm, layers, random_global_weights(cfg, seed, device, dtype))
+
+    @classmethod
+    def from_state_dict(cls, state, cfg, shard, comm, *, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
+        from rackbed.engine.real.model import hf_global_weights
+
+        conv = lambda t: t.to(device=device, dtype=dtype)
+        layers = [{k: conv(v) for k, v in shard_layer(hf_layer(state, cfg, i), cfg, shard, i).items()}
+                  for i in range(cfg.n_layers)]
+        return cls(cfg, shard, comm, layers, {k: conv(v) for k, v in hf_global_weights(state, cfg).items()})
+
+    def new_cache(self, n_pages: int, page_tokens: int, *, device=None, dtype=None) -> PagedKvCache:
+        ref = self.glob["embed"]
+        if self.cfg.is_mla:
+            return layers_mla.LatentKvCache(self.cfg.n_layers, n_pages, 1, page_tokens,
+                                            self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
+                                            dtype=dtype or ref.dtype, device=device or ref.device)
+        return super().new_cache(n_pages, page_tokens, device=device, dtype=dtype)
+
+    def _window(self, li: int) -> int:
+        return self.cfg.sliding_window if self.cfg.kind(li) == "sliding" else 0
+
+    def _experts(self, w, xs, counts):
+        return layers_moe.experts(w, xs, counts, self.cfg)
+
+    def _route(self, w, h):
+        return layers_moe.route(w, h, self.cfg)
+
+    # -- prefill --------------------------------------------------------------------------------------------------
+    def _attn_prefill(self, li: int, w, h, pos, lens, cache, page_tables) -> torch.Tensor:
+        """The rank's partial attention output ``[T, D]`` (o_proj of its heads; no o bias), KV written."""
+        cfg, outs, off = self.cfg, [], 0
+        if cfg.kind(li) == "mla":
+            q_nope, q_rot, rows = layers_mla.project(w, h, pos, cfg, self.rope)
+            for si, n in enumerate(lens):
+                cache.write_rows(li, page_tables[si], 0, rows[off:off + n])
+                outs.append(layers_mla.prefill(w, q_nope[off:off + n], q_rot[off:off + n], rows[off:off + n], cfg))
+                off += n
+        else:
+            q, k, v = layers_gqa.qkv(w, h, pos, cfg, self.rope)
+            for si, n in enumerate(lens):        # local q heads of one local KV head are contiguous
+                ks, vs = k[:, off:off + n], v[:, off:off + n]
+                cache.write(li, page_tables[si], 0, ks, vs)
+                outs.append(layers_gqa.prefill(w, q[:, off:off + n], ks, vs, self._window(li), cfg))
+                off += n
+        return torch.cat(outs) @ w["o_proj"].T
+
+    def _ffn_prefill(self, w, h: torch.Tensor) -> torch.Tensor:
+        """Dense MLP (TP slice, all-reduced), or routed experts (EP all-reduce) + shared expert (TP slice)."""
+        if "mlp_gate_up" in w:
+            return self.comm.tp_all_reduce(layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"]))
+        topi, topw = self._route(w, h)
+        y = self._local_experts(w, h, topi, topw)
+        if "shared_gate_up" not in w:
+            return self.comm.ep_all_reduce(y)
+        s = layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"])
+        if self.comm.tp_group is not None and self.comm.tp_group is self.comm.ep_group:
+            return self.comm.ep_all_reduce(y + s)                        # one all-reduce for both partial sums
+        return self.comm.ep_all_reduce(y) + self.comm.tp_all_reduce(s)
+
+    def forward_prefill(self, seqs, cache, page_tables):
+        cfg = self.cfg
+        lens = [int(s.numel()) for s in seqs]
+        ids = torch.cat(seqs)
+        pos = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        x = self.glob["embed"][ids]
+        for li, w in enumerate(self.layers):
+            h = rms_norm(x, w["input_norm"], cfg.rms_eps)
+            a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, cache, page_tables))
+            x = x + (a + w["o_bias"] if "o_bias" in w else a)
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            x = x + self._ffn_prefill(w, h)
+        last = torch.tensor(lens, device=ids.device).cumsum(0) - 1
+        return self._logits(x[last])
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+    def _attn_decode(self, li: int, w, h, positions, cache, page_table) -> torch.Tensor:
+        """All heads of this DP rank's batch: writes the new token's KV, attends over the pages, o_proj (+ bias)."""
+        cfg, S = self.cfg, cache.page_tokens
+        st = cache.storage[li]
+        page = page_table.gather(1, (positions // S)[:, None])[:, 0]
+        slot = positions % S
+        if cfg.kind(li) == "mla":
+            q_nope, q_rot, rows = layers_mla.project(w, h, positions, cfg, self.rope)
+            st[page, slot] = rows.to(st.dtype)
+            ctx = torch.arange(page_table.shape[1] * S, device=h.device)
+            o = layers_mla.decode(w, q_nope, q_rot, st[page_table], ctx[None, :] <= positions[:, None], cfg)
+        else:
+            q, k, v = layers_gqa.qkv(w, h, positions, cfg, self.rope)
+            st[page, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
+            st[page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
+            o = layers_gqa.decode(w, q, st[page_table], positions, self._window(li), cfg)
+        o = o @ w["o_proj"].T
+        return o + w["o_bias"] if "o_bias" in w else o
+
+    def forward_decode(self, tokens, positions, cache, page_table):
+        cfg = self.cfg
+        B = tokens.shape[0]
+        x = self.glob["embed"][tokens]
+        for li, w in enumerate(self.layers):
+            if B:
+                x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache,
+                                          page_table)
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            if "mlp_gate_up" in w:
+                x = x + layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
+                continue
+            topi, topw = self._route(w, h) if B else (
+                torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device),
+                torch.zeros(0, cfg.top_k, dtype=x.dtype, device=x.device))
+            y = self._moe_dp_ep(w, h, topi, topw)
+            x = x + (y + layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"]) if "shared_gate_up" in w else y)
+        return self._logits(x)
+
+    def forward_decode_static(self, tokens, positions, cache, page_table):
+        """``forward_decode`` without host synchronisation (one expert group; CUDA-graph capturable): the MoE sorts
+        the B*k (token, expert) pairs by expert (``kernels.moe_block``) instead of selecting local ones."""
+        from rackbed.kernels.moe_block import permute, unpermute
+
+        if self.shard.ep != 1:
+            raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
+        cfg = self.cfg
+        x = self.glob["embed"][tokens]
+        for li, w in enumerate(self.layers):
+            x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache, page_table)
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            if "mlp_gate_up" in w:
+                x = x + layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
+                continue
+            topi, topw = self._route(w, h)
+            order, tok, counts, xs = permute(h, topi, cfg.n_experts)
+            y = unpermute(self._experts(w, xs, counts), tok, order, topw, h)
+            x = x + (y + layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"]) if "shared_gate_up" in w else y)
+        return self._logits(x)
+
+
+def model_class(cfg: TorchModelConfig) -> type[ShardedQwen3Moe]:
+    """The torch model class of ``cfg``'s family."""
+    return ShardedQwen3Moe if cfg.family == "qwen3_moe" else ShardedMoeLM

@@ -1,0 +1,86 @@
+"""GQA attention of gpt-oss and GLM-4.5 in torch: q/k/v (and o) biases, optional qk-norm, partial rotary,
+sliding windows and learned sinks, over the paged HND cache of ``engine.real.model``.
+
+Sliding window (gpt-oss, transformers' mask): query position q sees key positions k with ``q - window < k <= q``.
+Sinks: one learned logit per query head joins the softmax and is dropped after it (the head may attend to
+"nothing"). Sliding layers keep whole HND pages (the memory model caps them at the window; a ring of pages is an
+optimisation this engine skips).
+
+Weights of one layer (names as ``families`` stores them; local heads of the rank's TP place): ``q_proj [Hq*Dh, D]``,
+``k_proj``/``v_proj [Hkv*Dh, D]``, ``o_proj [D, Hq*Dh]``, optional ``q_bias``/``k_bias``/``v_bias``, ``o_bias [D]``
+(added once, after the TP all-reduce), ``q_norm``/``k_norm [Dh]``, ``sinks [Hq]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rackbed.engine.real.model import rms_norm
+
+GQA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def qkv(w, h: torch.Tensor, pos: torch.Tensor, cfg, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, D] -> q [Hq, T, Dh], k, v [Hkv, T, Dh]: projections (+ biases), qk-norm, rotary."""
+    Dh, T = cfg.head_dim, h.shape[0]
+
+    def proj(name):
+        y = h @ w[name + "_proj"].T
+        b = w.get(name + "_bias")
+        return (y if b is None else y + b).view(T, -1, Dh)
+
+    q, k, v = proj("q"), proj("k"), proj("v")
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return rope.apply(q, pos), rope.apply(k, pos), v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """Grouped attention: q ``[..., Hkv, G, Tq, Dh]``, k/v ``[..., Hkv, 1, Tk, Dh]``, ``allowed`` broadcastable to
+    ``[..., Hkv, G, Tq, Tk]``; ``sinks`` ``[Hkv, G]`` or None. Softmax in fp32 (with the sink logit, then
+    dropped). Returns ``[..., Hkv, G, Tq, Dh]``."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sk = sinks.float()[..., None, None].expand(*s.shape[:-1], 1)
+        s = torch.cat((s, sk), -1)
+        p = torch.softmax(s - s.amax(-1, keepdim=True), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[Tq, Tk]`` (or batched): causal, and inside the sliding window when ``window`` > 0."""
+    ok = k_pos[..., None, :] <= q_pos[..., :, None]
+    if window:
+        ok &= k_pos[..., None, :] > q_pos[..., :, None] - window
+    return ok
+
+
+def prefill(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, cfg) -> torch.Tensor:
+    """One sequence's prefill attention: q ``[Hq, T, Dh]``, k/v ``[Hkv, T, Dh]`` -> ``[T, Hq*Dh]``."""
+    Hq, T, Dh = q.shape
+    Hkv = k.shape[0]
+    qg = q.view(Hkv, Hq // Hkv, T, Dh)
+    pos = torch.arange(T, device=q.device)
+    sinks = w.get("sinks")
+    o = attend(qg, k[:, None], v[:, None], window_mask(pos, pos, window),
+               cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
+    return o.reshape(Hq, T, Dh).transpose(0, 1).reshape(T, Hq * Dh)
+
+
+def decode(w, q: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor, window: int, cfg) -> torch.Tensor:
+    """Decode attention from gathered HND pages ``[B, P, 2, Hkv, S, Dh]``; q ``[Hq, B, Dh]`` -> ``[B, Hq*Dh]``."""
+    B, P, _, Hkv, S, Dh = pages.shape
+    Hq = q.shape[0]
+    qg = q.transpose(0, 1).reshape(B, Hkv, Hq // Hkv, 1, Dh)
+    K = pages[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, P * S, Dh)
+    V = pages[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, P * S, Dh)
+    ctx = torch.arange(P * S, device=q.device)
+    ok = window_mask(positions[:, None], ctx[None, :].expand(B, -1), window)     # [B, 1, P*S]
+    sinks = w.get("sinks")
+    o = attend(qg, K, V, ok[:, None, None], cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
+    return o.reshape(B, Hq * Dh)
