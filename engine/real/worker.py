@@ -4,7 +4,8 @@ The driver (``engine.real.driver``) sends commands on this rank's queue; every r
 command and runs it together (collectives inside the group), then replies on the shared result queue with
 ``(token, rank, status, payload)``. Commands:
 
-- ``prefill``  items ``[(rid, token_ids)]`` -> KV kept in this rank's cache; reply ``{rid: (first_token, pages)}``
+- ``prefill``  items ``[(rid, token_ids[, cached])]`` -> KV kept in this rank's cache (a cached prompt prefix
+  reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``
 - ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan
   -> reply bytes (the KV is freed by the ``drop`` the driver sends once the whole transfer has replied)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
@@ -42,6 +43,7 @@ from rackbed.engine.core.kv import KvLayout
 from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.model import PagedKvCache, Shard, ShardedQwen3Moe, TorchModelConfig
+from rackbed.engine.real.prefix import RankPrefixCache
 from rackbed.engine.real.transfer import KvBackend, TransferEngine
 
 
@@ -74,6 +76,10 @@ class RankSpec:
     graph_max_batch: int = 0
     graph_pages: tuple[int, int] = (0, 0)
     kv_peers: tuple[tuple[int, int], ...] = ()   # (prefill rank, decode rank) pairs connected at start-up
+    # prefix cache of a rank that prefills (prefiller, aggregated): blocks of ``prefix_block_tokens`` tokens (a
+    # multiple of page_tokens), at most ``prefix_blocks`` of them (their pages come out of ``n_pages``); 0 = off
+    prefix_blocks: int = 0
+    prefix_block_tokens: int = 0
 
 
 @dataclass
@@ -84,6 +90,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     busy: bool = False              # prefiller: the transfer lane is shipping it
     stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
+    pin: object = None              # its hold on prefix-cache blocks (released with its pages)
 
 
 def _nccl_all_reduce(x, group):
@@ -196,6 +203,9 @@ class Rank:
         else:
             self.model = ShardedQwen3Moe.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
         self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
+        self.prefix: RankPrefixCache | None = None
+        if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
+            self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
         src = KvLayout.for_attention(cfg.attention, cfg.n_layers, eb, spec.page_tokens, spec.prefill_tp,
@@ -316,25 +326,45 @@ class Rank:
     # -- prefill side ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _op_prefill(self, items):
-        seqs, pts = [], []
+        """``items``: ``(rid, token_ids)`` or ``(rid, token_ids, cached)``. With a prefix cache, a prompt reuses the
+        longest cached prefix of its blocks — ``cached`` tokens of it when the plan says how many (None: all) — and
+        only the rest is computed; afterwards its full blocks are cached. Reply ``{rid: (first token, pages, reused
+        tokens)}``; the pages hold the whole prompt's KV (the shared prefix pages first), which the KV transfer
+        ships."""
+        seqs, pts, starts, pins = [], [], [], []
         with self.lock:
-            for rid, ids in items:
+            for item in items:
+                rid, ids = item[0], item[1]
                 old = self.seqs.pop(rid, None)
                 if old is not None and not old.busy:      # a stale copy (re-prefill after a failure)
-                    self.cache.free(old.pages)
+                    self._let_go(old)
                 elif old is not None:                     # still being shipped: the sender frees it
                     old.stale = True
-                pages = self.cache.alloc(len(ids))
+                pin, c, pages = None, 0, []
+                if self.prefix is not None:
+                    pin, c, pages = self.prefix.acquire(ids, item[2] if len(item) > 2 else None)
+                self.cache.grow(pages, len(ids))
                 pts.append(pages)
-                seqs.append(torch.tensor(ids, dtype=torch.long, device=self.dev))
-        logits = self.model.forward_prefill(seqs, self.cache, pts)
+                starts.append(c)
+                pins.append(pin)
+                seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
+        logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
         first = logits.argmax(-1).tolist()
         out = {}
         with self.lock:
-            for (rid, ids), pages, tok in zip(items, pts, first):
-                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
-                out[rid] = (tok, pages)
+            for item, pages, c, pin, tok in zip(items, pts, starts, pins, first):
+                rid, ids = item[0], item[1]
+                if pin is not None:
+                    self.prefix.insert(pin, ids, pages)
+                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok, pin=pin)
+                out[rid] = (tok, pages, c)
         return out
+
+    def _let_go(self, s: _Seq) -> None:
+        """Free a sequence's page references and unpin its prefix-cache blocks (the caller holds the lock)."""
+        self.cache.free(s.pages)
+        if self.prefix is not None:
+            self.prefix.release(s.pin)
 
     def _op_kv_send(self, rid, dst_global, seq_len):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
@@ -354,7 +384,7 @@ class Rank:
             with self.lock:
                 s.busy = False
                 if s.stale:                           # re-prefilled meanwhile: this copy is nobody's
-                    self.cache.free(s.pages)
+                    self._let_go(s)
 
     # -- decode side -------------------------------------------------------------------------------------------
     def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens, free=()):
@@ -399,7 +429,7 @@ class Rank:
         """Free a request's pages (the caller holds the lock)."""
         s = self.seqs.pop(rid, None)
         if s is not None:
-            self.cache.free(s.pages)
+            self._let_go(s)
         if rid in self.running:
             self.running.remove(rid)
 

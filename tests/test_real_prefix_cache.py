@@ -1,0 +1,82 @@
+"""Prefix caching in the real engine on CPU processes (gloo): a conversation's second turn (the first turn's prompt
+and output, then new text) reuses the first turn's KV pages on the TP=2 prefiller instead of recomputing them, and
+generates the tokens of a run without the cache (and of Hugging Face); replaying the measured durations through the
+simulator gives the identical decision log with the cache on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_real_driver import _scenario, _tiny_checkpoint
+
+from rackbed.engine.core.request import Request
+from rackbed.engine.real.driver import replay, run_real
+from rackbed.engine.real.model import TorchModelConfig
+from rackbed.engine.real.prefix import block_hashes
+from rackbed.sim.driver import simulate
+from rackbed.sim.scenario import build
+from rackbed.topology.errors import UserError
+
+BLOCK = 4     # tokens per cached block = decode.page_tokens: a block is one page
+
+#: turn 1 (request 0): 21 prompt tokens, 6 generated; turn 2 (request 1) = those 27 tokens + 7 new; request 2 is
+#: unrelated and overlaps turn 2 in time
+REQS = [Request(0, 0.0, 21, 6, (1, 2, 3, 4, 5)), Request(1, 30.0, 34, 5, (1, 2, 3, 4, 5, 6, 7, 8)),
+        Request(2, 30.0, 13, 4, (9, 10, 11))]
+FOLLOWS = {1: 0}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _tiny_checkpoint(tmp_path_factory.mktemp("real_prefix"))
+
+
+def _run(d, **kw):
+    sc = _scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK})
+    b = build(sc)
+    res, run = run_real(b, REQS, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
+                        decode_pages=64, follows=FOLLOWS,
+                        tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())), **kw)
+    return sc, b, res, run
+
+
+def test_second_turn_reuses_the_first_turns_kv_and_generates_the_same_tokens(ckpt):
+    _, hf, d = ckpt
+    sc, b, res, run = _run(d, prefix_blocks=8, prefix_block_tokens=BLOCK)
+    assert res.metrics["requests"]["done"] == len(REQS)
+    # turn 1's 5 cacheable blocks (its prompt's full blocks before the last token) are reused by turn 2; its 6th
+    # block mixes turn 1's last prompt token with its output, which the prefiller never cached
+    assert run.prefix_hits == {0: [0], 1: [20], 2: [0]}
+    assert run.prefix_hit_tokens() == 20
+    turn2 = run.prompt_ids[1]
+    assert turn2[:27] == run.prompt_ids[0] + run.generated[0] and len(turn2) == 34
+    _, _, res_off, off = _run(d)
+    assert off.prefix_hit_tokens() == 0 and off.prompt_ids == run.prompt_ids
+    assert {r.id: run.generated[r.id] for r in REQS} == {r.id: off.generated[r.id] for r in REQS}
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(turn2)[None], max_new_tokens=5, do_sample=False)[0, 34:]
+    assert run.generated[1] == ref.tolist()
+    rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
+
+
+def test_block_hashes_are_chained_content_keys():
+    a = list(range(10))
+    assert block_hashes(a, 4) == block_hashes(a + [99], 4)          # only full blocks
+    assert len(block_hashes(a, 4)) == 2
+    b = [7] + a[1:]
+    assert block_hashes(b, 4)[0] != block_hashes(a, 4)[0]
+    assert block_hashes(b, 4)[1] != block_hashes(a, 4)[1]          # a later block's key names its whole prefix
+
+
+def test_prefix_cache_settings_are_checked(ckpt):
+    _, _, d = ckpt
+    with pytest.raises(UserError, match="multiple of decode.page_tokens"):
+        _run(d, prefix_blocks=8, prefix_block_tokens=6)
+    with pytest.raises(UserError, match="take 64 KV pages"):
+        _run(d, prefix_blocks=64, prefix_block_tokens=BLOCK)
