@@ -51,6 +51,8 @@ class AggregatedServing:
 
     def _add_aggregated(self, g, status: int, ready_at: float, now: float) -> AggregatedState:
         w = AggregatedState(g, self._order, status, ready_at, self.k, self.p, now)
+        if self.pcache is not None:
+            w.cache = self.pcache.make(self._shared_tier)
         self._register_decoder(w)
         self._aggs.append(w)
         return w
@@ -65,7 +67,7 @@ class AggregatedServing:
 
     def _route_aggregated(self, r: RequestState, now: float, requeue: bool) -> None:
         cands = self._route_d
-        w = self._choose_worker(cands, requeue)
+        w = self._choose_worker(cands, requeue, r)
         if w is None:
             return self._reject(r, now, "queue_full" if cands else "no_worker")
         self._enqueue_prefill(r, w, now)
@@ -87,7 +89,9 @@ class AggregatedServing:
             return self._idle(w, now, WAIT_KV_SPACE if w.n_queued else WAIT_WORK)
         d = self._decode_plan(w, w.joined, w.left)
         plan = w.plan = MixedStep(w.id, d.step, d.rank_batch, d.rank_context_tokens, d.draft_k, d.joined, d.left,
-                                  items, per_rank)
+                                  items, per_rank, tuple(w.loads) if items and w.loads else ())
+        if items and w.loads:
+            w.loads.clear()
         w.joined.clear()
         w.left.clear()
         w.idle = False
@@ -115,6 +119,8 @@ class AggregatedServing:
             r.state = PREFILLING
             w.rank_prefill[rank].append(r)
             w.n_prefilling += 1
+            if w.cache is not None and r.pin is None:
+                self._acquire(w, r)
             w.changes += 1
             if self._log_on:
                 self._add((now, "route_decode", w.id, r.id, rank, need, ""))
@@ -168,6 +174,8 @@ class AggregatedServing:
         """``r``'s last chunk ran: its next token exists; it finishes or waits for the rank's decode batch."""
         w.rank_prefill[rank].remove(r)
         w.n_prefilling -= 1
+        if r.pin is not None:
+            self._cache_prompt(w, r)
         w.changes += 1
         w.admit_blocked = False
         r.generated += 1
@@ -197,6 +205,9 @@ class AggregatedServing:
             q.clear()
         w.queue.clear()
         w.n_queued = w.n_prefilling = w.queued_tokens = 0
+        w.loads.clear()
+        if w.cache is not None:
+            w.cache.clear()  # the worker died: its cached KV with it (pins voided)
         for r in redo:
             r.reserved = 0
             r.rank = -1

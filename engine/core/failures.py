@@ -208,6 +208,9 @@ class FailureHandling:
         pf.n_queued = 0
         pf.queued_tokens = 0
         pf.kv_held = 0
+        pf.loads.clear()
+        if pf.cache is not None:
+            pf.cache.clear()  # its cached KV died with it (pins voided)
         self._wake(pf)
         for r in sorted(redo, key=lambda r: r.id):
             r.owner = None
@@ -285,6 +288,7 @@ class FailureHandling:
             r.ctx0 = r.prompt + r.generated - 1 if r.generated > 0 else r.prompt
             r.generated = max(r.generated - 1, 0)
         r.pf_done = 0
+        r.pin = None  # the worker it was pinned on died, or its prompt was done
         r.state = ARRIVED
         if self.agg:
             return self._route_aggregated(r, now, requeue=True)
@@ -310,5 +314,6 @@ class FailureHandling:
                     pf.n_queued -= 1
                     pf.queued_tokens -= r.ctx0 - r.pf_done
                     pf.kv_held -= r.pf_done
+                    self._unpin(r)
                 self._reject(r, now, "no_prefiller")
         self._maybe_finish(now)

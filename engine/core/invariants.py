@@ -4,7 +4,10 @@ Every open request is in exactly one place matching its state; decoder KV reserv
 capacity; batches stay within their caps; a prefiller's KV stays within its buffer; the token counters and the
 rank keys agree with what they count. An aggregated worker is checked as a decoder whose ranks also hold the KV of
 their prefilling requests (whole-sequence reservations, page-rounded), whose requests per rank stay within the
-cap, and whose queue and prompt-token counters agree with its queues.
+cap, and whose queue and prompt-token counters agree with its queues. With prefix caches: each live worker's
+cache passes its own checks (``PrefixCache.check``: capacities, pins only on HBM blocks), every request pinning
+blocks sits on that worker's queue or batch with its pinned blocks in HBM and counted, and no request on a dead or
+retired worker (or done with its prompt) holds a pin.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def check_invariants(sched) -> None:
             assert 0 <= d.rank_free_kv[rank] < sched._key_base
             assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
         assert d.n_running == len(d.running)
+    _check_caches(sched)
     missing = [rid for rid in sched.reqs if rid not in where]
     assert not missing, f"open requests in no place: {missing[:5]}"
     assert sched.n_open == len(sched.reqs)
@@ -118,3 +122,31 @@ def _check_aggregated(w: AggregatedState, put, used: list[int], nreq: list[int])
     assert w.queued_tokens == qt, f"{w.id}: queued_tokens {w.queued_tokens} != {qt}"
     for rank in range(w.ep):
         assert nreq[rank] <= w.cap, f"{w.id} rank {rank}: {nreq[rank]} requests > cap {w.cap}"
+
+
+def _check_caches(sched) -> None:
+    """The prefix caches and the pins requests hold (see the module docstring)."""
+    if getattr(sched, "pcache", None) is None:
+        return
+    pins: dict[int, dict] = {}
+    for w in (*sched.prefillers, *sched._aggs):
+        if w.status in (DEAD, RETIRED):
+            assert w.cache.used(0) == 0 and w.cache.pinned() == 0, f"{w.id} gone but its cache holds blocks"
+            continue
+        w.cache.check()
+        pins[id(w)] = {}
+    for r in sched.reqs.values():
+        if r.pin is None or r.pin.released:
+            continue
+        w = r.prefiller
+        assert w is not None and id(w) in pins, f"request {r.id} pins blocks of no live worker"
+        assert r.state in (QUEUED_PREFILL, PREFILLING), f"request {r.id} is {STATE_NAMES[r.state]} with a pin"
+        assert r.pin.epoch == w.cache._epoch, f"request {r.id} holds a void pin"
+        assert r.pf_done >= r.pin.cached_tokens, f"request {r.id}: prefilled less than it reused"
+        for k in r.pin.keys:
+            assert w.cache.tier_of(k) == 0, f"request {r.id}: a pinned block left HBM"
+            pins[id(w)][k] = pins[id(w)].get(k, 0) + 1
+    for w in (*sched.prefillers, *sched._aggs):
+        if id(w) in pins:
+            for k, n in pins[id(w)].items():
+                assert w.cache.refcount(k) == n, f"{w.id}: block pinned {w.cache.refcount(k)} times, held {n}"

@@ -34,12 +34,16 @@ class PrefillBatch(NamedTuple):
               chunked prefill (tokens ``[0, start_token)`` were prefilled by earlier batches and are read as
               context by attention).
     n_tokens: sum of ``n_tokens`` over items (the batch's token budget use).
+    loads:    ``(request_id, tier, n_bytes)``: prefix-cache blocks copied up into HBM from a lower tier (1: host
+              memory, 2: storage, :mod:`engine.core.prefix_cache`) before the batch runs; such a request's
+              ``start_token`` counts the reused tokens (they are read as context, not computed).
     """
 
     worker: str
     batch: int
     items: tuple[tuple[int, int, int], ...]
     n_tokens: int
+    loads: tuple[tuple[int, int, int], ...] = ()
 
 
 class KvTransfer(NamedTuple):
@@ -105,7 +109,7 @@ class MixedStep(NamedTuple):
     the order the ranks took them (``start_token > 0``: tokens ``[0, start_token)`` are in the rank's KV cache
     from earlier steps); a chunk that ends its prompt yields the request's next token. ``rank_prefill_tokens``:
     prefill tokens per rank (the chunks' sum per rank). ``step`` numbers every step of the worker, those that
-    only prefill too.
+    only prefill too. ``loads``: as in :class:`PrefillBatch` (prefix-cache copies the step waits for).
     """
 
     worker: str
@@ -117,6 +121,7 @@ class MixedStep(NamedTuple):
     left: tuple[int, ...]
     prefill: tuple[tuple[int, int, int, int], ...]
     rank_prefill_tokens: tuple[int, ...]
+    loads: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def max_batch(self) -> int:

@@ -55,6 +55,16 @@ class QueuedRequest(Protocol):
     arrival_s: float
 
 
+class RoutedRequest(Protocol):
+    id: int
+    ctx0: int                  # tokens to prefill without a cache hit
+    keys: tuple                # prefix-cache keys of its cacheable blocks (() without a cache)
+
+
+class CachedLoad(PrefillerLoad, Protocol):
+    cache: object | None       # its engine.core.prefix_cache.PrefixCache (None: caching off)
+
+
 class WorkerLoad(PrefillerLoad, Protocol):
     rank_nreq: list[int]       # requests holding KV on each of the worker's ranks (prefilling or decoding)
 
@@ -69,10 +79,10 @@ R = TypeVar("R", bound=QueuedRequest)
 class PrefillerRouting(Protocol):
     name: ClassVar[str]
 
-    def choose(self, candidates: Sequence[P], requeue: bool) -> P | None:
+    def choose(self, candidates: Sequence[P], requeue: bool, req: RoutedRequest | None = None) -> P | None:
         """The prefiller to queue a request on, among the routable ones (creation order); None: none can take it
         (the request is rejected ``queue_full``). ``requeue``: the request is routed again after a failure (such
-        work is never refused)."""
+        work is never refused). ``req``: the request (its ``keys`` for a prefix-aware choice)."""
         ...
 
 
@@ -105,7 +115,7 @@ class LeastQueuedTokens:
 
     name: ClassVar[str] = "least_queued_tokens"
 
-    def choose(self, candidates: Sequence[P], requeue: bool) -> P | None:
+    def choose(self, candidates: Sequence[P], requeue: bool, req=None) -> P | None:
         best = None
         best_load = 0
         for p in candidates:
@@ -126,7 +136,7 @@ class LeastRequests:
 
     name: ClassVar[str] = "least_requests"
 
-    def choose(self, candidates: Sequence[W], requeue: bool) -> W | None:
+    def choose(self, candidates: Sequence[W], requeue: bool, req=None) -> W | None:
         best = None
         best_load = (0, 0)
         for w in candidates:
@@ -136,6 +146,85 @@ class LeastRequests:
             if best is None or load < best_load:
                 best, best_load = w, load
         return best
+
+
+def _has_room(p: PrefillerLoad, requeue: bool) -> bool:
+    return requeue or p.max_queue is None or p.n_queued < p.max_queue
+
+
+def overlap_tokens(p, req) -> int:
+    """Prompt tokens of ``req`` that ``p``'s prefix cache holds now (any tier; 0 without a cache or keys)."""
+    cache = getattr(p, "cache", None)
+    keys = getattr(req, "keys", ())
+    if cache is None or not keys:
+        return 0
+    return cache.lookup(keys).blocks * cache.block_tokens
+
+
+class KvAwareRouting:
+    """The prefiller (or aggregated worker) that maximises
+
+        score = overlap_tokens - weight * (queued_tokens + offset_tokens)
+
+    ``overlap_tokens``: prompt tokens its prefix cache holds for the request (the longest cached prefix, any tier:
+    prefill it would skip); ``queued_tokens + offset_tokens``: the load least-queued-tokens routing reads. With
+    ``weight = 1`` a token of cached prefix is worth a token of queue (both are prefill work); a larger weight
+    favours balance, a smaller one locality. Skips full queues unless the request is re-routed; ties → the least
+    loaded, then the earliest. Without caches (or keys) it is least-queued-tokens routing."""
+
+    name: ClassVar[str] = "kv_aware"
+
+    def __init__(self, weight: float = 1.0) -> None:
+        if not weight >= 0:
+            raise ValueError(f"kv_aware weight must be >= 0, got {weight}")
+        self.weight = weight
+
+    def choose(self, candidates: Sequence[P], requeue: bool, req=None) -> P | None:
+        best = None
+        best_key = (0.0, 0)
+        for p in candidates:
+            if not _has_room(p, requeue):
+                continue
+            load = p.queued_tokens + p.offset_tokens
+            key = (overlap_tokens(p, req) - self.weight * load, -load)
+            if best is None or key > best_key:
+                best, best_key = p, key
+        return best
+
+
+class RoundRobinRouting:
+    """Candidates in turn (a counter over the routable list, skipping full queues unless re-routing): the
+    locality-blind baseline."""
+
+    name: ClassVar[str] = "round_robin"
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def choose(self, candidates: Sequence[P], requeue: bool, req=None) -> P | None:
+        n = len(candidates)
+        for j in range(n):
+            p = candidates[(self.i + j) % n]
+            if _has_room(p, requeue):
+                self.i = (self.i + j + 1) % n
+                return p
+        return None
+
+
+class RandomRouting:
+    """A uniformly random candidate with queue room (its own seeded ``random.Random``: deterministic for a seed,
+    independent of the scheduler's MTP draws)."""
+
+    name: ClassVar[str] = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+
+    def choose(self, candidates: Sequence[P], requeue: bool, req=None) -> P | None:
+        ok = [p for p in candidates if _has_room(p, requeue)]
+        return ok[self.rng.randrange(len(ok))] if ok else None
 
 
 class FewestRequests:
@@ -216,10 +305,13 @@ def _prompt(r: QueuedRequest) -> int:
 
 
 # ------------------------------------------------------------------ the bundle and the names scenarios use
-PREFILLER_ROUTING: dict[str, type] = {LeastQueuedTokens.name: LeastQueuedTokens}
+_BASELINES = {KvAwareRouting.name: KvAwareRouting, RoundRobinRouting.name: RoundRobinRouting,
+              RandomRouting.name: RandomRouting}
+PREFILLER_ROUTING: dict[str, type] = {LeastQueuedTokens.name: LeastQueuedTokens, **_BASELINES}
 DECODER_RANK: dict[str, type] = {FewestRequests.name: FewestRequests}
 ADMISSION: dict[str, type] = {FifoAdmission.name: FifoAdmission, ShortestPromptFirst.name: ShortestPromptFirst}
-WORKER_ROUTING: dict[str, type] = {LeastRequests.name: LeastRequests, LeastQueuedTokens.name: LeastQueuedTokens}
+WORKER_ROUTING: dict[str, type] = {LeastRequests.name: LeastRequests, LeastQueuedTokens.name: LeastQueuedTokens,
+                                   **_BASELINES}
 
 
 @dataclass(frozen=True)
@@ -234,7 +326,8 @@ class Policies:
     @classmethod
     def named(cls, prefiller: str = LeastQueuedTokens.name, rank: str = FewestRequests.name,
               admission: str = FifoAdmission.name, worker: str = LeastRequests.name) -> Policies:
-        """The policies registered under these names; ValueError (one line, naming the choices) otherwise."""
+        """The policies registered under these names; ValueError (one line, naming the choices) otherwise.
+        (``kv_aware`` gets its default weight, ``random`` seed 0: build those objects to choose otherwise.)"""
         picked = []
         for what, name, table in (("prefiller", prefiller, PREFILLER_ROUTING), ("rank", rank, DECODER_RANK),
                                   ("admission", admission, ADMISSION), ("worker", worker, WORKER_ROUTING)):

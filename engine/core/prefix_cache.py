@@ -443,3 +443,61 @@ class PrefixCache:
         assert sum(len(d) for d in self._lru[1:]) + self._hbm_used == len(self._where), "exclusive tiers"
         if self.shared is not None:
             assert len(self.shared.blocks) <= self.shared.capacity_blocks, "shared tier over capacity"
+
+
+# ------------------------------------------------------------------ a deployment's caches
+@dataclass(frozen=True)
+class PrefixCacheSpec:
+    """The prefix caches of a deployment: one :class:`PrefixCache` per prefiller (per aggregated worker).
+
+    block_tokens:  tokens per cached block;  unit_tokens: tokens per id of ``Request.prefix_hash_ids`` (512,
+                   Mooncake's block) — see :func:`cacheable_keys`.
+    hbm_blocks:    HBM blocks per worker (the cache's carve-out of the worker's memory).
+    lower:         private lower tiers per worker, in order (host memory, then storage).
+    shared:        a storage tier every worker shares (``(name, capacity_blocks)``), or None.
+    tier_GBps:     per lower tier (``lower`` then ``shared``), the bandwidth (GB/s) one GPU copies blocks up into
+                   HBM with: a worker's ``g`` GPUs each copy their share of the KV over their own link, so a copy
+                   of ``n`` bytes takes ``latency_s + n / (g * GBps * 1e9)`` (:meth:`load_s`).
+    tier_latency_s: per lower tier, a fixed latency per copy (one per tier a batch loads from).
+    """
+
+    hbm_blocks: int
+    block_tokens: int = 512
+    unit_tokens: int = 512
+    lower: tuple[TierSpec, ...] = ()
+    shared: TierSpec | None = None
+    tier_GBps: tuple[float, ...] = ()
+    tier_latency_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.lower) + (self.shared is not None)
+        if len(self.tier_GBps) != n or any(not b > 0 for b in self.tier_GBps):
+            raise ValueError(f"PrefixCacheSpec.tier_GBps: one bandwidth > 0 per lower tier ({n}), got "
+                             f"{self.tier_GBps}")
+        if self.tier_latency_s and len(self.tier_latency_s) != n:
+            raise ValueError("PrefixCacheSpec.tier_latency_s: one latency per lower tier")
+        cacheable_keys((), 1, self.block_tokens, self.unit_tokens)  # the block/unit ratio check
+
+    def shared_tier(self) -> SharedTier | None:
+        """A fresh shared tier for a run (None without one)."""
+        return SharedTier(self.shared.name, self.shared.capacity_blocks) if self.shared is not None else None
+
+    def make(self, shared: SharedTier | None) -> PrefixCache:
+        """One worker's cache (``shared``: the run's shared tier, from :meth:`shared_tier`)."""
+        lower: list[TierSpec | SharedTier] = list(self.lower)
+        if shared is not None:
+            lower.append(shared)
+        return PrefixCache(self.hbm_blocks, self.block_tokens, lower)
+
+    def keys(self, hash_ids: Sequence[Key], prompt_tokens: int) -> tuple[Key, ...]:
+        return cacheable_keys(hash_ids, prompt_tokens, self.block_tokens, self.unit_tokens)
+
+    def load_s(self, loads: Sequence[tuple[int, int, int]], n_gpus: int) -> float:
+        """Seconds a batch waits for its copies ``(request_id, tier, n_bytes)`` into HBM on a worker of
+        ``n_gpus`` GPUs: the copies of one tier share its links (serial), different tiers run in parallel."""
+        per: dict[int, int] = {}
+        for _, t, b in loads:
+            per[t] = per.get(t, 0) + b
+        lat = self.tier_latency_s
+        return max((b / (n_gpus * self.tier_GBps[t - 1] * 1e9) + (lat[t - 1] if lat else 0.0)
+                    for t, b in per.items()), default=0.0)

@@ -40,6 +40,8 @@ class WorkerPool:
 
     def _add_prefiller(self, g: PrefillerGroup, status: int, ready_at: float, now: float) -> PrefillerState:
         pf = PrefillerState(g, self._order, status, ready_at, self._cap_tps(g), now)
+        if self.pcache is not None:
+            pf.cache = self.pcache.make(self._shared_tier)
         self._order += 1
         self._n_pf_created += 1
         self.prefillers.append(pf)
@@ -220,6 +222,8 @@ class WorkerPool:
 
     def _retire(self, w, now: float) -> None:
         self._set_status(w, RETIRED)
+        if getattr(w, "cache", None) is not None:
+            w.cache.clear()  # its GPUs go back to the pool: the cached KV with them
         w.ended_s = now
         self.pool = sorted(set(self.pool) | (set(w.gpus) - self.failed_gpus))
         self._reroute_lists()

@@ -83,7 +83,8 @@ from rackbed.engine.core.plans import (
     Result,
     Stop,
 )
-from rackbed.engine.core.policies import Policies
+from rackbed.engine.core.policies import Policies, overlap_tokens
+from rackbed.engine.core.prefix_cache import CacheStats, PrefixCacheSpec
 from rackbed.engine.core.request import Request
 from rackbed.engine.core.scaling import WorkerPool
 from rackbed.engine.core.specdec import AcceptanceStream
@@ -128,6 +129,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
     log:                   the decision log to append to (default: a new, enabled one).
     policies:              prefiller routing, decoder rank choice and decode admission
                            (:class:`~engine.core.policies.Policies`; default: the rules of the module docstring).
+    prefix_cache:          one prefix cache per prefiller / aggregated worker
+                           (:class:`~engine.core.prefix_cache.PrefixCacheSpec`; None: off, see the module docstring).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         sample_interval_s: float = 1.0,
         log: DecisionLog | None = None,
         policies: Policies | None = None,
+        prefix_cache: PrefixCacheSpec | None = None,
     ) -> None:
         self.dep = deployment
         self.rng = rng
@@ -158,6 +162,12 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self._choose_rank = policies.rank.choose
         self._choose_worker = policies.worker.choose
         self._take_admitted = policies.admission.take
+        self.pcache = prefix_cache
+        self._shared_tier = prefix_cache.shared_tier() if prefix_cache is not None else None
+        route = policies.worker if deployment.aggregated else policies.prefiller
+        self._route_name = route.name
+        # the route's note names the policy and the prefix overlap (only then: logs stay as they were otherwise)
+        self._route_note = prefix_cache is not None or route.name in ("kv_aware", "round_robin", "random")
         self.log = log if log is not None else DecisionLog()
         self._add = self.log.add_record
         self._log_on = self.log.enabled
@@ -261,6 +271,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         """A request arrives at ``now_s``: route it to a prefiller or reject it with a reason."""
         self.now_s = now_s
         r = RequestState(req)
+        if self.pcache is not None:
+            r.keys = self.pcache.keys(req.prefix_hash_ids, req.prompt_tokens)
         self.reqs[r.id] = r
         self.n_arrived += 1
         self.n_open += 1
@@ -308,7 +320,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if not cands and self.asc is not None:
             self._scale_up_prefiller(now)  # emergency: nothing can take it right now
             cands = self._route_p
-        pf = self._choose_prefiller(cands, requeue)
+        pf = self._choose_prefiller(cands, requeue, r)
         if pf is None:
             return self._reject(r, now, "queue_full" if cands else "no_prefiller")
         if not requeue and self.shed_ttft_s is not None and pf.cap_tps > 0:
@@ -323,7 +335,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
     def _enqueue_prefill(self, r: RequestState, q, now: float) -> None:
         """``r`` joins the prefill queue of ``q`` (a prefiller, or an aggregated worker), logged as its route."""
         if self._log_on:
-            self._add((now, "route_prefill", q.id, r.id, q.queued_tokens, r.ctx0, ""))
+            note = f"{self._route_name} overlap={overlap_tokens(q, r)}" if self._route_note else ""
+            self._add((now, "route_prefill", q.id, r.id, q.queued_tokens, r.ctx0, note))
         r.state = QUEUED_PREFILL
         r.prefiller = q
         r.pf_done = 0
@@ -423,8 +436,13 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         running = pf.running
         tokens = 0
         chunked = self.chunked
+        cache = pf.cache
         while q:
             r = q[0]
+            if cache is not None and r.pin is None:
+                if tokens + r.ctx0 > room:  # its reused prefix is held too: the whole prompt must fit
+                    break
+                self._acquire(pf, r)
             left = r.ctx0 - r.pf_done
             if chunked:
                 n = min(left, budget - tokens, room - tokens)
@@ -446,7 +464,11 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                 break
         if not items:
             return self._idle(pf, now, WAIT_KV_SPACE)
-        plan = PrefillBatch(pf.id, pf.batches, tuple(items), tokens)
+        if cache is not None and pf.loads:
+            plan = PrefillBatch(pf.id, pf.batches, tuple(items), tokens, tuple(pf.loads))
+            pf.loads.clear()
+        else:
+            plan = PrefillBatch(pf.id, pf.batches, tuple(items), tokens)
         pf.batches += 1
         pf.kv_held += tokens
         for r in running:
@@ -481,6 +503,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                 r.state = QUEUED_PREFILL
                 partial.append(r)
                 continue
+            if r.pin is not None:
+                self._cache_prompt(pf, r)
             r.generated += 1
             if r.t_first != r.t_first:
                 r.t_first = now
@@ -506,6 +530,51 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                     n_new -= 1
                     if not n_new:
                         break
+
+    # ------------------------------------------------------------------ prefix cache
+    def _acquire(self, w, r: RequestState) -> None:
+        """``r`` starts its prefill on ``w`` (a prefiller or an aggregated worker with a cache): pin its cached
+        prefix, which it then does not prefill (``pf_done`` starts there); copies up from lower tiers wait in
+        ``w.loads`` for the next batch (it runs once they are in HBM)."""
+        pin = r.pin = w.cache.acquire(r.keys, r.ctx0)
+        c = pin.cached_tokens
+        if c:
+            r.pf_done = c
+            w.queued_tokens -= c
+            if w.kind == "prefill":
+                w.kv_held += c
+            per_block = pin.block_tokens * self.kv_bytes_per_token
+            for t, n in enumerate(pin.copied):
+                if n:
+                    w.loads.append((r.id, t, n * per_block))
+
+    def _cache_prompt(self, w, r: RequestState) -> None:
+        """``r``'s prompt is prefilled on ``w``: its blocks join the cache; its pins are released."""
+        w.cache.insert(r.pin, r.keys)
+        w.cache.release(r.pin)
+        r.pin = None
+
+    def _unpin(self, r: RequestState) -> None:
+        """``r`` leaves its prefiller's queue before its prompt was done: release its pins (void ones after the
+        worker's cache was cleared are ignored)."""
+        if r.pin is not None:
+            w = r.prefiller
+            if w is not None and w.cache is not None:
+                w.cache.release(r.pin)
+            r.pin = None
+
+    def prefix_cache_stats(self) -> CacheStats | None:
+        """Every worker's cache statistics summed (dead and retired workers included); None without caches."""
+        if self.pcache is None:
+            return None
+        total = None
+        for w in (*self.prefillers, *self._aggs):
+            if w.cache is None:
+                continue
+            if total is None:
+                total = CacheStats(n_tiers=w.cache.n_tiers, block_tokens=w.cache.block_tokens)
+            total.add(w.cache.stats)
+        return total
 
     def _requeue_running_prefill(self, pf: PrefillerState, now: float, why: str) -> None:
         """A failed batch on a live prefiller: its chunks are dropped, its prompts go back to the queue head."""

@@ -47,9 +47,11 @@ class RequestState:
         "finish_step",
         "generated",
         "id",
+        "keys",
         "out",
         "owner",
         "pf_done",
+        "pin",
         "prefiller",
         "prompt",
         "rank",
@@ -75,7 +77,9 @@ class RequestState:
         self.state = ARRIVED
         self.reason = ""
         self.ctx0 = r.prompt_tokens   # tokens to prefill (prompt, plus generated ones after a KV loss)
-        self.pf_done = 0              # tokens of ctx0 prefilled so far (chunked prefill)
+        self.pf_done = 0              # tokens of ctx0 prefilled so far (chunked prefill), or reused from a cache
+        self.keys = ()                # prefix-cache keys of its cacheable blocks (engine.core.prefix_cache)
+        self.pin = None               # its hold on its prefiller's cache blocks (Pin) from prefill start to end
         self.generated = 0            # output tokens produced so far (the first comes from prefill)
         self.prefiller = None
         self.decoder = None
@@ -140,6 +144,8 @@ class PrefillerState(_GroupState):
         self.batches = 0
         self.streams: list[KvStreamState] = []
         self.changes = 0              # status changes (Scheduler._set_status)
+        self.cache = None             # its PrefixCache (None: prefix caching off)
+        self.loads: list[tuple[int, int, int]] = []  # cache copies the next batch waits for (PrefillBatch.loads)
 
 
 class KvStreamState:
@@ -233,6 +239,8 @@ class AggregatedState(DecoderState):
         self.offset_tokens = 0
         self.rank_prefill: list[deque[RequestState]] = [deque() for _ in range(g.ranks)]
         self.n_prefilling = 0         # requests in rank_prefill
+        self.cache = None             # its PrefixCache (None: prefix caching off)
+        self.loads: list[tuple[int, int, int]] = []  # cache copies the next batch waits for (PrefillBatch.loads)
 
 
 class AutoscalerState:
