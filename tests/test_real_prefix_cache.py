@@ -12,8 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hypothesis import given, settings
+from hypothesis import strategies as st_
 from test_real_driver import _scenario, _tiny_checkpoint
 
+from rackbed.engine.core.prefix_cache import PrefixCacheSpec, TierSpec
 from rackbed.engine.core.request import Request
 from rackbed.engine.real.driver import replay, run_real
 from rackbed.engine.real.model import TorchModelConfig
@@ -29,6 +32,8 @@ BLOCK = 4     # tokens per cached block = decode.page_tokens: a block is one pag
 REQS = [Request(0, 0.0, 21, 6, (1, 2, 3, 4, 5)), Request(1, 30.0, 34, 5, (1, 2, 3, 4, 5, 6, 7, 8)),
         Request(2, 30.0, 13, 4, (9, 10, 11))]
 FOLLOWS = {1: 0}
+#: the scheduler's cache per prefiller (the trace ids above name 4-token blocks), HBM only as real mode runs it
+SPEC = PrefixCacheSpec(hbm_blocks=8, block_tokens=BLOCK, unit_tokens=BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +51,29 @@ def _run(d, **kw):
 
 
 def test_second_turn_reuses_the_first_turns_kv_and_generates_the_same_tokens(ckpt):
+    import inspect
+
+    if "prefix_cache" not in inspect.signature(simulate).parameters:
+        pytest.skip("sim.driver.simulate has no prefix_cache argument yet (the simulator's cache surface)")
     _, hf, d = ckpt
-    sc, b, res, run = _run(d, prefix_blocks=8, prefix_block_tokens=BLOCK)
+    sc, b, res, run = _run(d, prefix_cache=SPEC)
     assert res.metrics["requests"]["done"] == len(REQS)
     # turn 1's 5 cacheable blocks (its prompt's full blocks before the last token) are reused by turn 2; its 6th
     # block mixes turn 1's last prompt token with its output, which the prefiller never cached
     assert run.prefix_hits == {0: [0], 1: [20], 2: [0]}
-    assert run.prefix_hit_tokens() == 20
+    assert run.prefix_hit_tokens() == 20 and run.prefix_shortfall_tokens() == 0
+    assert res.metrics["prefix_cache"]["prefill_tokens_saved"] == 20      # the scheduler's count, the same
     turn2 = run.prompt_ids[1]
     assert turn2[:27] == run.prompt_ids[0] + run.generated[0] and len(turn2) == 34
     _, _, res_off, off = _run(d)
-    assert off.prefix_hit_tokens() == 0 and off.prompt_ids == run.prompt_ids
+    assert res_off.metrics["requests"]["done"] == len(REQS) and off.prefix_hit_tokens() == 0 and off.prompt_ids == run.prompt_ids
     assert {r.id: run.generated[r.id] for r in REQS} == {r.id: off.generated[r.id] for r in REQS}
     with torch.no_grad():
         ref = hf.generate(torch.tensor(turn2)[None], max_new_tokens=5, do_sample=False)[0, 34:]
     assert run.generated[1] == ref.tolist()
-    rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths, prefix_cache=SPEC)
     assert res.log.decisions() == rep.log.decisions()
+    assert rep.metrics["prefix_cache"] == res.metrics["prefix_cache"]
 
 
 def test_block_hashes_are_chained_content_keys():
@@ -77,6 +88,52 @@ def test_block_hashes_are_chained_content_keys():
 def test_prefix_cache_settings_are_checked(ckpt):
     _, _, d = ckpt
     with pytest.raises(UserError, match="multiple of decode.page_tokens"):
-        _run(d, prefix_blocks=8, prefix_block_tokens=6)
+        _run(d, prefix_cache=PrefixCacheSpec(hbm_blocks=8, block_tokens=6, unit_tokens=6))
     with pytest.raises(UserError, match="take 64 KV pages"):
-        _run(d, prefix_blocks=64, prefix_block_tokens=BLOCK)
+        _run(d, prefix_cache=PrefixCacheSpec(hbm_blocks=64, block_tokens=BLOCK, unit_tokens=BLOCK))
+    with pytest.raises(UserError, match="HBM only"):
+        _run(d, prefix_cache=PrefixCacheSpec(hbm_blocks=8, block_tokens=BLOCK, unit_tokens=BLOCK,
+                                             lower=(TierSpec("host", 8),), tier_GBps=(10.0,)))
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(st_.lists(st_.tuples(st_.lists(st_.integers(0, 1), min_size=1, max_size=14), st_.booleans()),
+                 min_size=1, max_size=12),
+       st_.integers(0, 4))
+def test_rank_prefix_cache_reuses_only_equal_tokens_and_frees_pages_when_unreferenced(prompts, hbm_blocks):
+    """A rank cache over a toy KV cache whose "KV" of a token is the token id itself: a reused prefix's pages hold
+    exactly that prompt's tokens, every page's refcount is the number of its holders (live sequences and cached
+    blocks), and pages go back to the free list only when nothing holds them, whatever the LRU evicts."""
+    from rackbed.engine.real.model import PagedKvCache
+    from rackbed.engine.real.prefix import RankPrefixCache
+
+    kv = PagedKvCache(1, 40, 1, 2, 1)
+    rc = RankPrefixCache(kv, hbm_blocks, 4)            # blocks of two pages
+    live: list[tuple] = []
+    for ids, finish_early in prompts:
+        pin, c, pages = rc.acquire(ids, None)
+        assert c % 4 == 0 and c <= max(0, len(ids) - 1)
+        if c:
+            k, _ = kv.read(0, pages, c)
+            assert k.flatten().tolist() == [float(t) for t in ids[:c]]
+        kv.grow(pages, len(ids))
+        t = torch.tensor(ids[c:], dtype=torch.float32)[None, :, None]
+        kv.write(0, pages, c, t, t)
+        rc.insert(pin, ids, pages)
+        live.append((pin, pages))
+        if finish_early:                               # the oldest sequence finishes (shipped, dropped)
+            p0, pg0 = live.pop(0)
+            kv.free(pg0)
+            rc.release(p0)
+        holders: dict[int, int] = {}
+        for pg in [pg for _, pg in live] + list(rc.pages.values()):
+            for x in pg:
+                holders[x] = holders.get(x, 0) + 1
+        assert all(kv.refs[x] == n for x, n in holders.items())
+        assert sorted(kv.free_pages) == sorted(set(range(40)) - set(holders))
+        assert len(rc.pages) <= hbm_blocks
+        rc.index.check()
+    for pin, pages in live:
+        kv.free(pages)
+        rc.release(pin)
+    assert len(kv.free_pages) == 40 - rc.n_pages()

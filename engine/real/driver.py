@@ -223,6 +223,9 @@ class RealExecutor:
         self.pool = run.pool
         self.group_of = sched_group
         self.breakdown_s = {"prefill": {}, "decode": {}}
+        # prefix-cache copies up from lower tiers (sim.executor.Executor's): none in real mode, HBM only
+        self.load_s = None
+        self.load_total_s = 0.0
         self._faults_at: dict[float, list[str]] = {}
         self.env.on_death = self._on_death
 
@@ -249,16 +252,22 @@ class RealExecutor:
         return ev
 
     def _prefill_items(self, items) -> list[tuple]:
-        """``(rid, token ids)`` of ``(rid, start, n)`` prefill items (whole prompts only); with a prefix cache
-        ``(rid, token ids, None)``: the rank reuses the longest prefix its cache holds."""
+        """``(rid, token ids)`` of ``(rid, start, n)`` prefill items (whole prompts only). With a prefix cache
+        ``(rid, token ids, start)``: ``start > 0`` is the prefix the scheduler found cached on the worker, which the
+        rank reuses from its own cache instead of computing it (chunked prefill is simulated only, so a start is
+        never a previous chunk)."""
         run = self.run
         out = []
         for rid, start, n in items:
+            if run.prefix_blocks:
+                out.append((rid, run.token_ids(rid, start + n), start))
+                run.prefill_n[rid] = start + n
+                run.prefix_planned.setdefault(rid, []).append(start)
+                continue
             if start != 0:
                 raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false, "
                                 "aggregated.chunk_tokens: null)")
-            ids = run.token_ids(rid, n)
-            out.append((rid, ids, None) if run.prefix_blocks else (rid, ids))
+            out.append((rid, run.token_ids(rid, n)))
             run.prefill_n[rid] = n
         return out
 
@@ -375,6 +384,22 @@ def graph_pages(requests, page_tokens: int, draft_k: int = 0) -> tuple[int, int]
     lo = min(-(-(r.prompt_tokens + 1) // page_tokens) for r in requests)
     hi = max(-(-(r.prompt_tokens + r.output_tokens + draft_k + 1) // page_tokens) for r in requests)
     return (lo, hi)
+
+
+def real_prefix_cache(spec) -> tuple[int, int]:
+    """``(blocks, block_tokens)`` of each prefilling rank's cache for a ``PrefixCacheSpec`` (``(0, 0)``: None). The
+    ranks cache in their own KV pages only: lower tiers are simulated, not run."""
+    if spec is None:
+        return 0, 0
+    if spec.lower or spec.shared is not None:
+        raise UserError("prefix_cache: real mode caches in HBM only (set prefix_cache.host_gb_per_gpu: 0 and "
+                        "storage_gb: 0; offload tiers are simulated only)")
+    return spec.hbm_blocks, spec.block_tokens
+
+
+def _cache_kw(spec) -> dict:
+    """``simulate``'s prefix-cache argument (none without a cache: a loop without caches need not take it)."""
+    return {"prefix_cache": spec} if spec is not None else {}
 
 
 def prefix_cache_pages(built, *, prefix_blocks: int, prefix_block_tokens: int, prefill_pages: int,
@@ -544,6 +569,7 @@ class RealRun:
         self.follows: dict[int, int] = dict(follows or {})   # a conversation's later turn -> the turn before it
         self.prefix_blocks, self.prefix_block_tokens = prefix_blocks, prefix_block_tokens
         self.prefix_hits: dict[int, list[int]] = {}           # request -> prompt tokens reused, per prefill
+        self.prefix_planned: dict[int, list[int]] = {}        # request -> the scheduler's cached tokens, per prefill
         self.generated: dict[int, list[int]] = {}
         self.src_pages: dict[int, list[int]] = {}
         self.prefill_n: dict[int, int] = {}
@@ -607,6 +633,11 @@ class RealRun:
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the ranks reused from their prefix caches (first prefills and re-prefills)."""
         return sum(sum(v) for v in self.prefix_hits.values())
+
+    def prefix_shortfall_tokens(self) -> int:
+        """Prompt tokens the scheduler counted as cached that a rank's cache did not hold (it recomputed them:
+        same KV, more work); 0 when the ranks' caches track the scheduler's, as they do without failures."""
+        return sum(p - h for rid, ps in self.prefix_planned.items() for p, h in zip(ps, self.prefix_hits.get(rid, ())))
 
     def _on_reply(self, token, rank, status, payload, wall) -> None:
         fl = self.pool.inflight.get(token)
@@ -691,17 +722,20 @@ class RealRun:
 
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
              prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None,
-             pool=None, stall_s: float = STALL_S, prefix_blocks: int = 0, prefix_block_tokens: int = 0, follows=None):
+             pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests`` through ``simulate`` (``sim.driver.simulate``,
     module docstring). Failure drills: ``kill`` ``[(at_s, gpu)]`` kills that GPU's rank process at clock time
     ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
     in flight. ``stall_s``: no rank reply for that long with work in flight raises :class:`RealRunStalled` (the
-    ranks are stopped). Prefix caching on the prefilling ranks: ``prefix_blocks`` blocks of ``prefix_block_tokens``
-    tokens per rank (``engine.real.prefix``; their pages come out of ``prefill_pages``, or ``decode_pages`` on an
-    aggregated rank). ``follows`` ``{request id: previous turn's id}``: a later turn's prompt is the previous turn's
+    ranks are stopped). ``prefix_cache`` (an ``engine.core.prefix_cache.PrefixCacheSpec``; None: the scenario's,
+    ``built.prefix_cache``): the scheduler's cache per prefiller / aggregated worker, and each of its ranks keeps the
+    KV of those blocks (``engine.real.prefix``: ``hbm_blocks`` blocks, their pages out of ``prefill_pages``, or
+    ``decode_pages`` on an aggregated rank) and reuses the prefix each prefill item starts at. ``follows`` ``{request id: previous turn's id}``: a later turn's prompt is the previous turn's
     prompt and output followed by new tokens (a conversation). Returns ``(result of simulate, RealRun)``."""
     from rackbed.engine.core.metrics import Slo
 
+    spec = prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None)
+    prefix_blocks, prefix_block_tokens = real_prefix_cache(spec)
     cache_pages = prefix_cache_pages(built, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens,
                                      prefill_pages=prefill_pages, decode_pages=decode_pages)
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
@@ -734,7 +768,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
         res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
                        kv_chunks=built.cost_model.kv_chunks, env=env, policies=sc.sim.policies.build(),
-                       closed_loop=sc.workload.closed_loop(),
+                       closed_loop=sc.workload.closed_loop(), **_cache_kw(spec),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
     finally:
         if prev_term is not None:
@@ -784,6 +818,8 @@ class ReplayExecutor:
         for w, k, key, m, _ in records:           # a key can repeat (a KV shipped again after a failure)
             self.table.setdefault((w, k, key), []).append(m)
         self.breakdown_s = {"prefill": {}, "decode": {}}
+        self.load_s = None          # a real run has no lower-tier copies (its measured prefill durations are it)
+        self.load_total_s = 0.0
 
     def breakdown(self) -> dict:
         return self.breakdown_s
@@ -803,10 +839,10 @@ class ReplayExecutor:
         return float(self.table[k].pop(0))
 
 
-def replay(built, requests, records, *, simulate, seed: int, deaths=()):
+def replay(built, requests, records, *, simulate, seed: int, deaths=(), prefix_cache=None):
     """Simulate ``built`` through ``simulate`` (``sim.driver.simulate``) with the recorded durations of a real run
     (same scheduler, simulated clock); ``deaths`` (``RealRun.deaths``: ``(t, rank, gpu)``) become faults at the same
-    times."""
+    times; ``prefix_cache`` as the real run had it (None: ``built.prefix_cache``)."""
     from rackbed.engine.core.metrics import Slo
 
     sc = built.scenario
@@ -814,5 +850,6 @@ def replay(built, requests, records, *, simulate, seed: int, deaths=()):
     return simulate(built.deployment, requests, built.cost_model, seed=seed, progress=False, faults=faults,
                     slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
                     policies=sc.sim.policies.build(),
+                    **_cache_kw(prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None)),
                     executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
 

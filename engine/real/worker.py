@@ -90,7 +90,6 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     busy: bool = False              # prefiller: the transfer lane is shipping it
     stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
-    pin: object = None              # its hold on prefix-cache blocks (released with its pages)
 
 
 def _nccl_all_reduce(x, group):
@@ -326,11 +325,12 @@ class Rank:
     # -- prefill side ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _op_prefill(self, items):
-        """``items``: ``(rid, token_ids)`` or ``(rid, token_ids, cached)``. With a prefix cache, a prompt reuses the
-        longest cached prefix of its blocks — ``cached`` tokens of it when the plan says how many (None: all) — and
-        only the rest is computed; afterwards its full blocks are cached. Reply ``{rid: (first token, pages, reused
-        tokens)}``; the pages hold the whole prompt's KV (the shared prefix pages first), which the KV transfer
-        ships."""
+        """``items``: ``(rid, token_ids)`` or ``(rid, token_ids, cached)``. With a prefix cache, a prompt reuses
+        ``cached`` tokens (the scheduler's count; None: as many as the cache holds) of the longest cached prefix of
+        its blocks — fewer if the cache holds fewer, recomputed — and only the rest is computed; afterwards its
+        full blocks are cached and unpinned (the scheduler's cache does the same in the same order, so the two
+        evict alike). Reply ``{rid: (first token, pages, reused tokens)}``; the pages hold the whole prompt's KV
+        (the shared prefix pages first), which the KV transfer ships."""
         seqs, pts, starts, pins = [], [], [], []
         with self.lock:
             for item in items:
@@ -354,17 +354,17 @@ class Rank:
         with self.lock:
             for item, pages, c, pin, tok in zip(items, pts, starts, pins, first):
                 rid, ids = item[0], item[1]
-                if pin is not None:
+                if pin is not None:   # cached, then unpinned: as the scheduler's cache does at prefill end
                     self.prefix.insert(pin, ids, pages)
-                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok, pin=pin)
+                    self.prefix.release(pin)
+                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
                 out[rid] = (tok, pages, c)
         return out
 
     def _let_go(self, s: _Seq) -> None:
-        """Free a sequence's page references and unpin its prefix-cache blocks (the caller holds the lock)."""
+        """Free a sequence's page references (the caller holds the lock): a page shared with the prefix cache
+        stays until the cache evicts its block."""
         self.cache.free(s.pages)
-        if self.prefix is not None:
-            self.prefix.release(s.pin)
 
     def _op_kv_send(self, rid, dst_global, seq_len):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
