@@ -31,6 +31,7 @@ from rackbed.engine.core.deployment import Deployment, PrefillerGroup
 from rackbed.engine.core.metrics import Slo, summarize
 from rackbed.engine.core.plans import PrefillBatch
 from rackbed.engine.core.policies import Policies
+from rackbed.engine.core.prefix_cache import PrefixCacheSpec
 from rackbed.engine.core.request import Request
 from rackbed.engine.core.scheduler import KvChunks, Scheduler
 from rackbed.engine.core.state import ROW_FIELDS, Sample
@@ -108,6 +109,7 @@ def simulate(
     closed_loop: ClosedLoop | None = None,
     stall_s: float | None = STALL_S,
     stall_events: int | None = STALL_EVENTS,
+    prefix_cache: PrefixCacheSpec | None = None,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``requests`` (sorted by arrival; a list or a lazy iterator).
 
@@ -131,6 +133,9 @@ def simulate(
                for that many simulated seconds (while no fault or recovery is still to come) or events, the run
                raises :class:`~engine.loop.watchdog.Stalled` naming the stuck component; None switches a limit off.
                A run that ends with requests open and nothing left to happen rejects them ``stalled``.
+    prefix_cache: a prefix cache per prefiller / aggregated worker (:class:`~engine.core.prefix_cache.
+               PrefixCacheSpec`; None: off); copies from a lower tier lengthen the batch that waits for them
+               (``PrefixCacheSpec.load_s``) and ``metrics["prefix_cache"]`` counts hits.
     """
     t_wall0 = time.perf_counter()
     fault_list = parse_faults(faults)
@@ -147,12 +152,14 @@ def simulate(
         sample_interval_s = max(horizon / 400.0, 0.01)
     sched = Scheduler(deployment, np.random.default_rng(seed), prefill_tokens_per_s=ptps, kv_chunks=kv_chunks,
                       autoscaler=autoscaler, sample_interval_s=sample_interval_s,
-                      log=DecisionLog(enabled=decision_log), policies=policies)
+                      log=DecisionLog(enabled=decision_log), policies=policies, prefix_cache=prefix_cache)
     for f in fault_list:
         sched.check_target(f.target)
     env = env if env is not None else SimEnv()
     net = Network(deployment.nic_GBps)
     ex = (executor_factory or Executor)(cost_model, net, sched.group)
+    if prefix_cache is not None:
+        ex.load_s = lambda loads, g: prefix_cache.load_s(loads, len(g.gpus))
     spans: list[tuple] = []
     procs = WorkerProcesses(sched, env, ex.duration, spans, debug_checks=debug_checks)
     sim_env = type(env) is SimEnv
@@ -181,6 +188,8 @@ def simulate(
             sched.rows, ROW_FIELDS, duration_s=sim_end, slo=slo, groups=sched.groups(),
             busy_gpu_s=sched.busy_gpu_s, step_durations=sched.step_durations, decode_tokens=sched.decode_tokens,
             draft_k=deployment.mtp.draft_k, accept_p=deployment.mtp.accept_p, acceptance=deployment.mtp.acceptance)
+        if prefix_cache is not None:
+            metrics["prefix_cache"] = prefix_cache_metrics(sched.prefix_cache_stats(), ex.load_total_s)
     wall = time.perf_counter() - t_wall0
     n_fast = procs.fast.n_fast if procs.fast is not None else 0
     perf = {"wall_s": wall, "events": n_events, "fast_decode_steps": n_fast, "events_per_s": n_events / max(wall, 1e-9),
@@ -190,6 +199,24 @@ def simulate(
         deployment=deployment, seed=seed, sim_end_s=sim_end, rows=sched.rows, row_fields=ROW_FIELDS,
         log=sched.log, samples=sched.samples, spans=spans, groups=sched.groups(), metrics=metrics,
         breakdown_s=ex.breakdown(), nic_utilisation=net.utilisation(sim_end), perf=perf)
+
+
+def prefix_cache_metrics(st, load_s: float) -> dict:
+    """``metrics["prefix_cache"]``: hit rate over prompt tokens (all tiers and per tier), prefill tokens saved,
+    block traffic between tiers, and the seconds batches waited for copies up from lower tiers."""
+    names = ("hbm", "host", "storage")[:st.n_tiers] if st.n_tiers <= 3 else tuple(map(str, range(st.n_tiers)))
+    B = st.block_tokens
+    return {
+        "lookups": st.requests, "prompt_tokens": st.prompt_tokens, "block_tokens": B,
+        "hit_rate_tokens": st.hit_rate_tokens, "prefill_tokens_saved": st.hit_tokens,
+        "hit_tokens_by_tier": {n: h * B for n, h in zip(names, st.hit_blocks)},
+        "hit_rate_by_tier": {n: (h * B / st.prompt_tokens if st.prompt_tokens else 0.0)
+                             for n, h in zip(names, st.hit_blocks)},
+        "query_blocks": st.query_blocks, "miss_blocks": st.miss_blocks, "inserted_blocks": st.inserted,
+        "not_cached_blocks": st.not_cached,
+        "demoted_blocks": dict(zip(names, st.demoted)), "promoted_blocks": dict(zip(names, st.promoted)),
+        "dropped_blocks": dict(zip(names, st.dropped)), "load_wait_s": load_s,
+    }
 
 
 def _prefill_rate(cost_model: CostModel, head: Sequence[Request]):

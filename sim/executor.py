@@ -77,6 +77,9 @@ class Executor:
         # defined on the class, not reached through a wrapper's __getattr__ (which may change kv_transfer)
         self._kv_fixed = cost_model.kv_fixed_s if hasattr(type(cost_model), "kv_fixed_s") else None
         self._reserve = network.reserve
+        #: ``(loads, group) -> seconds`` a batch waits for its prefix-cache copies (None: no cache in the run)
+        self.load_s = None
+        self.load_total_s = 0.0
 
     def _group(self, worker: str):
         g = self._groups.get(worker)
@@ -118,11 +121,21 @@ class Executor:
             g = self._groups.get(plan.worker) or self._group(plan.worker)
             return self._acc("decode", self.cm.decode(plan, g))
         if tp is PrefillBatch:
-            return self._acc("prefill", self.cm.prefill(plan, self._group(plan.worker)))
+            g = self._group(plan.worker)
+            t = self._acc("prefill", self.cm.prefill(plan, g))
+            return t + self._load(plan, g) if plan.loads else t
         if tp is MixedStep:
             self.breakdown_s.setdefault("aggregated", [0.0] * 5)
-            return self._acc("aggregated", self.cm.mixed(plan, self._group(plan.worker)))
+            g = self._group(plan.worker)
+            t = self._acc("aggregated", self.cm.mixed(plan, g))
+            return t + self._load(plan, g) if plan.loads else t
         raise TypeError(f"executor cannot run {tp.__name__}")
+
+    def _load(self, plan, group) -> float:
+        """Prefix-cache copies into HBM the step waits for before it computes (``plan.loads``)."""
+        t = self.load_s(plan.loads, group) if self.load_s is not None else 0.0
+        self.load_total_s += t
+        return t
 
     def breakdown(self) -> dict[str, dict[str, float]]:
         """Seconds per StepTime field summed over all steps of each role."""

@@ -11,6 +11,7 @@ The cost model a built scenario runs on is ``sim.scenario_costs.ScenarioCostMode
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -121,12 +122,16 @@ class FaultSection(_Strict):
 
 
 class PoliciesSection(_Strict):
-    """The scheduler's policies by name (``engine.core.policies``: PREFILLER_ROUTING, DECODER_RANK, ADMISSION)."""
+    """The scheduler's policies by name (``engine.core.policies``: PREFILLER_ROUTING, DECODER_RANK, ADMISSION).
+    ``kv_aware_weight``: the load weight of ``kv_aware`` routing (score = cached prefix tokens - weight x queued
+    tokens); ``random_seed``: the seed of ``random`` routing."""
 
     prefiller: str = "least_queued_tokens"
     rank: str = "fewest_requests"
     admission: str = "fifo"
     worker: str = "least_requests"  # aggregated workers
+    kv_aware_weight: float = Field(1.0, ge=0)
+    random_seed: int = Field(0, ge=0)
 
     @field_validator("prefiller", "rank", "admission", "worker")
     @classmethod
@@ -141,9 +146,37 @@ class PoliciesSection(_Strict):
 
     def build(self):
         """The :class:`~engine.core.policies.Policies` named here."""
-        from rackbed.engine.core.policies import Policies
+        from rackbed.engine.core.policies import KvAwareRouting, Policies, RandomRouting
 
-        return Policies.named(self.prefiller, self.rank, self.admission, self.worker)
+        pol = Policies.named(self.prefiller, self.rank, self.admission, self.worker)
+        made = {"kv_aware": lambda: KvAwareRouting(self.kv_aware_weight),
+                "random": lambda: RandomRouting(self.random_seed)}
+        upd = {f: made[getattr(self, f)]() for f in ("prefiller", "worker") if getattr(self, f) in made}
+        return dataclasses.replace(pol, **upd) if upd else pol
+
+
+class PrefixCacheSection(_Strict):
+    """Prefix caching on every prefiller (or aggregated worker), ``docs/PREFIX_CACHE.md``: a block cache keyed by
+    the trace's prefix block ids, LRU, with HBM, host-memory and optional shared-storage tiers.
+
+    block_tokens:      tokens per cached block (divides, or is a multiple of, the trace's 512-token blocks).
+    hbm_gb_per_gpu:    HBM each GPU gives the cache (GB; a carve-out beside the prefill KV buffer).
+    host_gb_per_gpu:   host memory per GPU for the host tier (GB; None: the GPU's share of its CPU's memory from
+                       the topology — 240 GB per GPU of a GB200 superchip's Grace, 250 GB on an HGX node; 0: none).
+    host_GBps_per_gpu: copy bandwidth host -> HBM per GPU (None: the topology's GPU-CPU link, capped by the CPU's
+                       memory bandwidth shared by its GPUs: C2C on GB200, PCIe on HGX).
+    storage_gb:        a storage tier every worker shares (GB; 0: none); ``storage_GBps_per_gpu`` its read rate.
+    eviction:          ``lru`` (least recently released block first, a prefix's tail before its head).
+    """
+
+    enabled: bool = False
+    block_tokens: int = Field(512, ge=1)
+    hbm_gb_per_gpu: float = Field(8.0, gt=0)
+    host_gb_per_gpu: float | None = Field(None, ge=0)
+    host_GBps_per_gpu: float | None = Field(None, gt=0)
+    storage_gb: float = Field(0.0, ge=0)
+    storage_GBps_per_gpu: float = Field(5.0, gt=0)
+    eviction: Literal["lru"] = "lru"
 
 
 class SimSection(_Strict):
@@ -207,6 +240,7 @@ class ServingScenario(_Strict):
     slo: SloSection = SloSection()
     autoscaler: AutoscalerSection | None = None
     faults: tuple[FaultSection, ...] = ()
+    prefix_cache: PrefixCacheSection = PrefixCacheSection()
     sim: SimSection = SimSection()
     real: RealSection = RealSection()
 
@@ -333,6 +367,7 @@ class Built:
     calibration: object | None
     calibration_note: str
     caveats: list[str] = field(default_factory=list)
+    prefix_cache: object | None = None   # engine.core.prefix_cache.PrefixCacheSpec (None: caching off)
 
 
 def _load_calibration(sc: ServingScenario, gpu_name: str):
@@ -408,6 +443,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
         b = build_aggregated(sc, topo, model, _KvPathView(topo))
         b.caveats.extend(context)
+        b.prefix_cache = prefix_cache_spec(sc, topo, model, b.deployment)
         return b
     p, d = sc.prefill, sc.decode
     n_p, n_d = p.replicas, d.replicas
@@ -444,7 +480,55 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     from rackbed.sim.coverage import calibration_caveats
 
     caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc) + context
-    return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats)
+    return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats,
+                 prefix_cache_spec(sc, topo, model, dep))
+
+
+def prefix_cache_spec(sc: ServingScenario, topo, model, dep):
+    """The :class:`~engine.core.prefix_cache.PrefixCacheSpec` of ``sc.prefix_cache`` for the deployment's workers
+    (None when caching is off): block capacities from the GB given per GPU and the model's KV bytes per token,
+    the host tier and its copy bandwidth from the topology (``Topology.host_memory``) unless given."""
+    pc = sc.prefix_cache
+    if not pc.enabled:
+        return None
+    from rackbed.engine.core.prefix_cache import PrefixCacheSpec, TierSpec
+
+    workers = dep.aggregated or dep.prefillers
+    if not workers:
+        raise UserError("prefix_cache.enabled: the deployment has no prefiller (or aggregated worker) to cache on")
+    g0 = workers[0].gpus
+    n = len(g0)
+    block_bytes = pc.block_tokens * model.kv_bytes_per_token(2 if sc.kv_dtype == "bf16" else 1)
+    hbm = int(pc.hbm_gb_per_gpu * 1e9 * n // block_bytes)
+    if hbm < 1:
+        raise UserError(f"prefix_cache.hbm_gb_per_gpu: {pc.hbm_gb_per_gpu} GB per GPU holds no "
+                        f"{pc.block_tokens}-token block ({block_bytes / 1e9:.3g} GB for {n} GPUs)")
+    lower, bw, lat = [], [], []
+    host = topo.host_memory(g0[0])
+    host_gb = pc.host_gb_per_gpu
+    if host_gb is None:
+        host_gb = host[0].mem_bytes / host[2] / 1e9 if host is not None else 0.0
+    if host_gb > 0:
+        gbps = pc.host_GBps_per_gpu
+        if gbps is None:
+            if host is None:
+                raise UserError(f"prefix_cache.host_GBps_per_gpu: {topo.name} gives GPU {g0[0]} no CPU link; "
+                                "set the host copy bandwidth")
+            cpu, link, share = host
+            gbps = min(link.GBps_per_dir, cpu.mem_GBps / share)
+        lower.append(TierSpec("host", int(host_gb * 1e9 * n // block_bytes)))
+        bw.append(gbps)
+        lat.append(host[1].latency_us * 1e-6 if host is not None else 0.0)
+    shared = None
+    if pc.storage_gb > 0:
+        shared = TierSpec("storage", int(pc.storage_gb * 1e9 // block_bytes))
+        bw.append(pc.storage_GBps_per_gpu)
+        lat.append(0.0)
+    try:
+        return PrefixCacheSpec(hbm_blocks=hbm, block_tokens=pc.block_tokens, lower=tuple(lower), shared=shared,
+                               tier_GBps=tuple(bw), tier_latency_s=tuple(lat))
+    except ValueError as exc:
+        raise UserError(f"prefix_cache.block_tokens: {exc}") from None
 
 
 def draft_budget(sc: ServingScenario, budget, plan, topo):
@@ -522,12 +606,15 @@ def simulate_scenario(sc: ServingScenario, *, progress: bool = False, built: Bui
     reqs = list(iter_requests(sc.workload, sc.seed))
     if not reqs:
         raise UserError(f"{sc.name}: the workload produced no requests")
+    if b.prefix_cache is not None and not any(r.prefix_hash_ids for r in reqs[:10_000]):
+        raise UserError("prefix_cache.enabled: the workload carries no prefix block ids (a trace with hash_ids, "
+                        "e.g. mooncake)")
     faults = [f.model_dump(exclude_none=True) for f in sc.faults]
     res = simulate(b.deployment, reqs, b.cost_model, seed=sc.seed, faults=faults, autoscaler=auto,
                    until_s=sc.sim.until_s, progress=progress, slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s),
                    kv_chunks=b.cost_model.kv_chunks, sample_interval_s=sc.sim.sample_interval_s,
                    decision_log=sc.sim.decision_log, policies=sc.sim.policies.build(),
-                   closed_loop=sc.workload.closed_loop())
+                   closed_loop=sc.workload.closed_loop(), prefix_cache=b.prefix_cache)
     return b, res
 
 
@@ -616,6 +703,12 @@ def print_summary(console, b: Built, res) -> None:
         (f"goodput (TTFT<={gp.get('slo_ttft_s')} s, TPOT<={gp.get('slo_tpot_s')} s)",
          f"{_num(gp.get('fraction'))} of requests, {_num(gp.get('tokens_per_s'))} tok/s"),
     ]
+    pc = m.get("prefix_cache")
+    if pc:
+        tiers = ", ".join(f"{k} {_num(v)}" for k, v in pc["hit_rate_by_tier"].items())
+        rows += [("prefix cache hit rate (prompt tokens)", f"{_num(pc['hit_rate_tokens'])} ({tiers})"),
+                 ("prefill tokens saved", pc["prefill_tokens_saved"]),
+                 ("waits for lower-tier copies (s)", _num(pc["load_wait_s"]))]
     for k, v in rows:
         t2.add_row(k, str(v))
     console.print(t2)

@@ -71,7 +71,11 @@ _NOT_HASHED = ("name", "description", "claim")
 #: mean what the configuration meant before the field existed — an MTP draft of one layer was the only draft):
 #: left out of the key while at their default, so a configuration keeps the key it had before they existed
 _ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "policies", "worker"): "least_requests",
-          ("mtp", "acceptance"): None, ("mtp", "draft"): (None, {"kind": "mtp", "layers": 1})}
+          ("mtp", "acceptance"): None, ("mtp", "draft"): (None, {"kind": "mtp", "layers": 1}),
+          ("sim", "policies", "kv_aware_weight"): 1.0, ("sim", "policies", "random_seed"): 0,
+          ("prefix_cache",): {"enabled": False, "block_tokens": 512, "hbm_gb_per_gpu": 8.0, "host_gb_per_gpu": None,
+                              "host_GBps_per_gpu": None, "storage_gb": 0.0, "storage_GBps_per_gpu": 5.0,
+                              "eviction": "lru"}}
 DONE_STATUSES = ("ok", "invalid")
 #: default wall-clock limit of one point (seconds): generous, it only ends points that would never end
 POINT_LIMIT_S = 3600.0

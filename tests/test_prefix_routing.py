@@ -17,6 +17,7 @@ from hypothesis.stateful import initialize, rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from test_aggregated import AggregatedMachine, agg_deployment
 from test_scheduler import MiniDriver, SchedulerMachine
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, small_deployment
 
@@ -53,7 +54,7 @@ def test_cached_prefix_is_not_prefilled_and_kv_aware_follows_it():
     assert s.reqs[1].prefiller.id == "P0"                               # overlap 512 > its queue of 0
     b = d.plan["P0"]
     assert type(b) is PrefillBatch and b.items == ((1, 8 * B, 2 * B + 30),) and b.loads == ()
-    note = [r for r in s.log.records if r[1] == "route_prefill" and r[3] == 1][0][6]
+    note = next(r for r in s.log.records if r[1] == "route_prefill" and r[3] == 1)[6]
     assert note == f"kv_aware overlap={8 * B}"
     d.drain()
     st = s.prefix_cache_stats()
@@ -138,9 +139,6 @@ class CachedSchedulerMachine(SchedulerMachine):
 TestCachedSchedulerMachine = CachedSchedulerMachine.TestCase
 TestCachedSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
-
-
-from test_aggregated import AggregatedMachine, agg_deployment  # noqa: E402
 
 
 class CachedAggregatedMachine(AggregatedMachine):

@@ -227,6 +227,17 @@ class Topology:
     def gpu_spec(self, i: int) -> GpuSpec:
         return self._spec[self._check_gpu(i)]
 
+    def host_memory(self, i: int) -> tuple[object, LinkSpec, int] | None:
+        """GPU ``i``'s host memory: ``(CpuSpec, link, GPUs on that CPU)`` — the CPU it hangs off (Grace over
+        NVLink-C2C on GB200 trays, x86 over PCIe on HGX hosts), the GPU–CPU link, and how many GPUs share that
+        CPU's memory; None when the GPU has no CPU link. (A KV offload tier reads this.)"""
+        g = self._check_gpu(i)
+        for x, d in self._g[g].items():
+            if self._kind[x] == "cpu" and d["link"].kind in ("c2c", "pcie"):
+                n = sum(1 for y in self._g[x] if self._kind[y] == "gpu")
+                return self._spec[x], d["link"], max(n, 1)
+        return None
+
     def host_of(self, i: int) -> int:
         self._check_gpu(i)
         return self._host[i]

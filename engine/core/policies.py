@@ -1,6 +1,9 @@
 """Scheduling policies: the choices the scheduler delegates, each a small object with one implementation.
 
-- :class:`PrefillerRouting` — which prefiller a request is queued on (on arrival, and again after a failure);
+- :class:`PrefillerRouting` — which prefiller a request is queued on (on arrival, and again after a failure):
+  least queued tokens (the default), or :class:`KvAwareRouting` (cached prefix overlap against load, reading each
+  worker's prefix cache, :mod:`engine.core.prefix_cache`), or the locality-blind baselines
+  :class:`RoundRobinRouting` and :class:`RandomRouting`;
 - :class:`DecoderRankChoice` — which decoder group and DP rank receive a request's KV (and hold it while it decodes);
 - :class:`DecodeAdmission` — which requests waiting on a decoder rank join its running batch at a step boundary;
 - worker routing (a :class:`PrefillerRouting` over aggregated workers) — which aggregated worker a request is

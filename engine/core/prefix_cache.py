@@ -230,7 +230,7 @@ class PrefixCache:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         for t in lower[:-1]:
             if isinstance(t, SharedTier):
-                raise ValueError(f"shared tier {t.name} must be the last tier")
+                raise ValueError(f"shared tier {t.name} must be the last tier")  # noqa: TRY004 (an order rule)
         self.block_tokens = block_tokens
         self.names: tuple[str, ...] = (HBM, *(t.name for t in lower))
         self.capacity: tuple[int, ...] = (hbm_blocks, *(t.capacity_blocks for t in lower))

@@ -17,8 +17,8 @@ class Request:
     arrival_s:       arrival time in seconds from the start of the run.
     prompt_tokens:   input length (tokens to prefill).
     output_tokens:   tokens to generate (including the first, produced by prefill).
-    prefix_hash_ids: ids of 512-token prefix blocks (Mooncake); equal ids mean shareable prefix KV. Kept for
-                     prefix-cache studies; the scheduler does not use it yet.
+    prefix_hash_ids: ids of 512-token prefix blocks (Mooncake); equal ids mean shareable prefix KV. The
+                     scheduler's prefix caches key blocks by them (``engine.core.prefix_cache``).
     """
 
     id: int

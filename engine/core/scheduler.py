@@ -43,6 +43,11 @@ Aggregated workers (a deployment of kind aggregated) run both halves of this lif
 KV states: queued_prefill → prefilling (a rank holds the sequence's KV) → queued_decode → decoding → done (see
 :mod:`engine.core.aggregated`).
 
+Prefix caching (``prefix_cache``, :mod:`engine.core.prefix_cache`): each prefiller / aggregated worker owns a
+cache; a request acquires its cached prefix when its prefill starts (its batch item then starts at the reused
+tokens, and copies from lower tiers ride on the batch as ``loads``), inserts its blocks and releases its pins when
+its prompt is done; a dead or retired worker's cache is cleared (``docs/PREFIX_CACHE.md``).
+
 Failures (:meth:`Scheduler.fail`): a dead prefiller's queued and running prompts are routed again; KV it held
 is lost, so those requests are prefilled again elsewhere; KV in flight to a dead decoder is re-sent from the
 prefiller (which still holds it); a dead decoder's queued/decoding requests lose their KV and are prefilled again
