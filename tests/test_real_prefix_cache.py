@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 from test_real_driver import _scenario, _tiny_checkpoint
 
-from rackbed.engine.core.prefix_cache import PrefixCacheSpec, TierSpec
+from rackbed.engine.core.prefix_cache import PrefixCacheSpec
 from rackbed.engine.core.request import Request
 from rackbed.engine.real.driver import replay, run_real
 from rackbed.engine.real.model import TorchModelConfig
@@ -28,12 +28,12 @@ from rackbed.topology.errors import UserError
 BLOCK = 4     # tokens per cached block = decode.page_tokens: a block is one page
 
 #: turn 1 (request 0): 21 prompt tokens, 6 generated; turn 2 (request 1) = those 27 tokens + 7 new; request 2 is
-#: unrelated and overlaps turn 2 in time
-REQS = [Request(0, 0.0, 21, 6, (1, 2, 3, 4, 5)), Request(1, 30.0, 34, 5, (1, 2, 3, 4, 5, 6, 7, 8)),
-        Request(2, 30.0, 13, 4, (9, 10, 11))]
+#: unrelated and overlaps turn 2 in time. Prefix ids name 512-token units (one each here; the cache's 4-token
+#: blocks are its sub-blocks): turn 2 starts with turn 1's unit, whose first 5 blocks turn 1 cached
+REQS = [Request(0, 0.0, 21, 6, (1,)), Request(1, 30.0, 34, 5, (1,)), Request(2, 30.0, 13, 4, (2,))]
 FOLLOWS = {1: 0}
-#: the scheduler's cache per prefiller (the trace ids above name 4-token blocks), HBM only as real mode runs it
-SPEC = PrefixCacheSpec(hbm_blocks=8, block_tokens=BLOCK, unit_tokens=BLOCK)
+#: the scenario's cache: 7 blocks of 4 tokens per prefiller (1 KiB each for the tiny model's 2 GPUs), HBM only
+CACHE = {"enabled": True, "block_tokens": BLOCK, "hbm_gb_per_gpu": 3.6e-6, "host_gb_per_gpu": 0}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,9 @@ def ckpt(tmp_path_factory):
     return _tiny_checkpoint(tmp_path_factory.mktemp("real_prefix"))
 
 
-def _run(d, **kw):
-    sc = _scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK})
+def _run(d, cache=None, **kw):
+    sc = _scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK},
+                   **({"prefix_cache": cache} if cache else {}))
     b = build(sc)
     res, run = run_real(b, REQS, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
                         decode_pages=64, follows=FOLLOWS,
@@ -51,12 +52,9 @@ def _run(d, **kw):
 
 
 def test_second_turn_reuses_the_first_turns_kv_and_generates_the_same_tokens(ckpt):
-    import inspect
-
-    if "prefix_cache" not in inspect.signature(simulate).parameters:
-        pytest.skip("sim.driver.simulate has no prefix_cache argument yet (the simulator's cache surface)")
     _, hf, d = ckpt
-    sc, b, res, run = _run(d, prefix_cache=SPEC)
+    sc, b, res, run = _run(d, CACHE)
+    assert b.prefix_cache.hbm_blocks == 7 and not b.prefix_cache.lower
     assert res.metrics["requests"]["done"] == len(REQS)
     # turn 1's 5 cacheable blocks (its prompt's full blocks before the last token) are reused by turn 2; its 6th
     # block mixes turn 1's last prompt token with its output, which the prefiller never cached
@@ -71,7 +69,7 @@ def test_second_turn_reuses_the_first_turns_kv_and_generates_the_same_tokens(ckp
     with torch.no_grad():
         ref = hf.generate(torch.tensor(turn2)[None], max_new_tokens=5, do_sample=False)[0, 34:]
     assert run.generated[1] == ref.tolist()
-    rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths, prefix_cache=SPEC)
+    rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
     assert rep.metrics["prefix_cache"] == res.metrics["prefix_cache"]
 
@@ -91,9 +89,8 @@ def test_prefix_cache_settings_are_checked(ckpt):
         _run(d, prefix_cache=PrefixCacheSpec(hbm_blocks=8, block_tokens=6, unit_tokens=6))
     with pytest.raises(UserError, match="take 64 KV pages"):
         _run(d, prefix_cache=PrefixCacheSpec(hbm_blocks=64, block_tokens=BLOCK, unit_tokens=BLOCK))
-    with pytest.raises(UserError, match="HBM only"):
-        _run(d, prefix_cache=PrefixCacheSpec(hbm_blocks=8, block_tokens=BLOCK, unit_tokens=BLOCK,
-                                             lower=(TierSpec("host", 8),), tier_GBps=(10.0,)))
+    with pytest.raises(UserError, match="HBM only"):       # the scenario's default host tier (the topology's)
+        _run(d, {**CACHE, "host_gb_per_gpu": None})
 
 
 @settings(max_examples=40, derandomize=True, deadline=None)
