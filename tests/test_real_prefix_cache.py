@@ -134,3 +134,26 @@ def test_rank_prefix_cache_reuses_only_equal_tokens_and_frees_pages_when_unrefer
         kv.free(pages)
         rc.release(pin)
     assert len(kv.free_pages) == 40 - rc.n_pages()
+
+
+def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
+    """One aggregated worker (prefill and decode in one cache): turn 2's prefill maps turn 1's cached pages, its
+    decode steps then grow the sequence past them into pages of its own."""
+    from test_real_aggregated import AGG
+
+    _, hf, d = ckpt
+    sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "workers": 1},
+                   prefix_cache={**CACHE, "hbm_gb_per_gpu": 7.2e-6})
+    b = build(sc)
+    res, run = run_real(b, REQS, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
+                        decode_pages=64, follows=FOLLOWS,
+                        tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
+    assert res.metrics["requests"]["done"] == len(REQS)
+    assert run.prefix_hits[1] == [20] and run.prefix_shortfall_tokens() == 0
+    for r in REQS:
+        p = torch.tensor(run.prompt_ids[r.id])[None]
+        with torch.no_grad():
+            ref = hf.generate(p, max_new_tokens=r.output_tokens, do_sample=False)[0, p.shape[1]:]
+        assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
+    rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
