@@ -37,6 +37,10 @@ may import both, hands over ``sim.driver.simulate`` and the scenario ``sim.scena
 Aggregated workers (``deployment: aggregated``) run as one rank each: a mixed step is one ``mixed`` command (the
 batch decodes, then the step's prompts are prefilled into the same cache); no KV moves.
 
+Prefix caching (``built.prefix_cache``): a prefill item's start is the prefix the scheduler found cached; the rank
+maps those tokens' pages from its own cache (``engine.real.prefix``, keys from token content) and prefills the rest;
+docs/PREFIX_CACHE.md ("In the real engine").
+
 Limits (documented, not hidden): random-weight runs draw MTP acceptance
 from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
 and chunked prefill are simulated only; aggregated workers are one GPU each (``tp = dp = ep = 1``).
