@@ -455,12 +455,15 @@ def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: 
 
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
                weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
-               backend: str = "gloo", local_device=None, requests=None, prefix_blocks: int = 0,
-               prefix_block_tokens: int = 0) -> dict:
+               backend: str = "gloo", local_device=None, requests=None, prefix_cache=None) -> dict:
     """Every rank's ``RankSpec``, a pure function of the scenario and the GPU -> rank map (so each torchrun process
     computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank; ``requests`` (the
-    run's) size the decode CUDA-graph buckets captured at warm-up."""
+    run's) size the decode CUDA-graph buckets captured at warm-up; ``prefix_cache`` (None: ``built.prefix_cache``)
+    sizes the prefilling ranks' prefix caches."""
     from rackbed.engine.real.worker import RankSpec
+
+    prefix_blocks, prefix_block_tokens = real_prefix_cache(
+        prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
 
     dep = built.deployment
     groups = deployment_groups(dep)
@@ -525,7 +528,7 @@ class RealRun:
 
     def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
                  prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None,
-                 requests=None, prefix_blocks: int = 0, prefix_block_tokens: int = 0, follows=None) -> None:
+                 requests=None, prefix_cache=None, follows=None) -> None:
         import torch
         import torch.multiprocessing as mp
 
@@ -549,8 +552,7 @@ class RealRun:
                                weights=weights, prefill_pages=prefill_pages, decode_pages=decode_pages,
                                init_file=str(Path(self.tmp.name) / "rdzv"), backend="nccl" if use_cuda else "gloo",
                                local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu",
-                               requests=requests, prefix_blocks=prefix_blocks,
-                               prefix_block_tokens=prefix_block_tokens)
+                               requests=requests, prefix_cache=prefix_cache)
             ctx = mp.get_context("spawn")
             res_qs = [ctx.Queue() for _ in range(world)]  # one per rank (RankPool)
             cmd_qs = [ctx.Queue() for _ in range(world)]
@@ -571,7 +573,8 @@ class RealRun:
         self.prompt_len: dict[int, int] = {}
         self.output_len: dict[int, int] = {}
         self.follows: dict[int, int] = dict(follows or {})   # a conversation's later turn -> the turn before it
-        self.prefix_blocks, self.prefix_block_tokens = prefix_blocks, prefix_block_tokens
+        self.prefix_blocks, self.prefix_block_tokens = real_prefix_cache(
+            prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
         self.prefix_hits: dict[int, list[int]] = {}           # request -> prompt tokens reused, per prefill
         self.prefix_planned: dict[int, list[int]] = {}        # request -> the scheduler's cached tokens, per prefill
         self.generated: dict[int, list[int]] = {}
@@ -744,8 +747,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                                      prefill_pages=prefill_pages, decode_pages=decode_pages)
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
-                  requests=requests, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens,
-                  follows=follows)
+                  requests=requests, prefix_cache=spec, follows=follows)
     run.register(requests)
     # the scheduler plans with the ranks' real caches (less the prefix cache's pages); a replay of the same
     # ``built`` then does too
