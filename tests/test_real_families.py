@@ -175,3 +175,32 @@ def test_mla_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
     assert len(res.log.decisions()) > 40
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_after_a_cached_prefix_equals_a_full_prefill(family):
+    """A prompt's suffix prefilled after its cached prefix (latent rows for MLA; K/V, sliding window and sinks for
+    gpt-oss; partial rotary for GLM) gives the full prefill's logits, and leaves the shared prefix pages as they
+    were; batched with an uncached prompt."""
+    hc, hf = tiny_hf_family(family)
+    cfg = TorchModelConfig.from_hf(hc)
+    m = ShardedMoeLM.from_state_dict(hf.state_dict(), cfg, Shard(), Comm())
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (15, 6, 11)]   # past gpt-oss's window of 6
+    cached = [8, 0, 4]                                                                 # whole pages of 4 tokens
+    cache = m.new_cache(64, 4)
+    with torch.no_grad():
+        full = m.forward_prefill(prompts, cache, [cache.alloc(len(p)) for p in prompts])
+        pre = [cache.alloc(c) for c in cached if c]
+        m.forward_prefill([p[:c] for p, c in zip(prompts, cached) if c], cache, pre)
+        used = [x for pt in pre for x in pt]
+        snap = cache.storage[:, used].clone()
+        shared, it = [], iter(pre)
+        for p, c in zip(prompts, cached):
+            pt = cache.share(next(it)) if c else []
+            cache.grow(pt, len(p))
+            shared.append(pt)
+        part = m.forward_prefill([p[c:] for p, c in zip(prompts, cached)], cache, shared, starts=cached)
+    assert torch.allclose(part, full, atol=ATOL), (family, (part - full).abs().max())
+    assert part.argmax(-1).tolist() == full.argmax(-1).tolist()
+    assert torch.equal(snap, cache.storage[:, used])

@@ -8,6 +8,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st_
 from tiny_qwen3moe import tiny_hf_model
 
 from rackbed.engine.real.comm import Comm
@@ -63,6 +65,37 @@ def _sharded_prefill_rank(rank, world, tp, ep, seed):
     return m.forward_prefill(prompts, cache, pts)
 
 
+def _cached_prefix_prefill(m, seed):
+    """Logits of a full prefill and of a prefill of the same prompts whose first pages come from a cached prefix
+    (shared pages, suffix positions offset by the prefix), in one batch with an uncached prompt; also whether the
+    shared prefix pages were left untouched."""
+    g = torch.Generator().manual_seed(seed + 11)
+    prompts = [torch.randint(0, CFG.vocab, (n,), generator=g) for n in (13, 6, 9)]
+    cached = [8, 0, 4]                          # whole pages (page_tokens 4) of prompts 0 and 2
+    cache = m.new_cache(64, 4)
+    full = m.forward_prefill(prompts, cache, [cache.alloc(len(p)) for p in prompts])
+    # the prefixes' KV, computed by an earlier prefill of those prefixes alone and kept in its pages
+    pre = [cache.alloc(c) for c in cached if c]
+    m.forward_prefill([p[:c] for p, c in zip(prompts, cached) if c], cache, pre)
+    snap = cache.storage[:, [x for pt in pre for x in pt]].clone()
+    shared, it = [], iter(pre)
+    for p, c in zip(prompts, cached):
+        pt = cache.share(next(it)) if c else []
+        cache.grow(pt, len(p))
+        shared.append(pt)
+    part = m.forward_prefill([p[c:] for p, c in zip(prompts, cached)], cache, shared, starts=cached)
+    untouched = bool(torch.equal(snap, cache.storage[:, [x for pt in pre for x in pt]]))
+    return full, part, untouched
+
+
+def test_prefill_after_a_cached_prefix_equals_a_full_prefill():
+    m = ShardedQwen3Moe.random(CFG, Shard(), Comm(), seed=3)
+    full, part, untouched = _cached_prefix_prefill(m, 3)
+    assert torch.allclose(part, full, atol=1e-5), (part - full).abs().max()
+    assert part.argmax(-1).tolist() == full.argmax(-1).tolist()
+    assert untouched
+
+
 def _dp_ep_decode_rank(rank, world, seed):
     group = dist.new_group(list(range(world)))
     m = ShardedQwen3Moe.random(CFG, Shard(attn_tp=1, ep=world, ep_rank=rank), Comm(ep_group=group), seed=seed)
@@ -92,6 +125,10 @@ def _all_cases_rank(rank, world, seed):
     for tp, ep in [(2, 2), (2, 1), (1, 2)]:
         out[(tp, ep)] = _sharded_prefill_rank(rank, world, tp, ep, seed)
     out["dp_ep_decode_err"] = _dp_ep_decode_rank(rank, world, seed)
+    group = dist.new_group(list(range(world)))
+    m = ShardedQwen3Moe.random(CFG, Shard(attn_tp=2, attn_rank=rank, ep=2, ep_rank=rank),
+                               Comm(tp_group=group, ep_group=group), seed=seed)
+    out["cached_prefix"] = _cached_prefix_prefill(m, seed)
     return out
 
 
@@ -107,6 +144,15 @@ def test_sharded_prefill_equals_unsharded(two_rank_results, tp, ep):
         assert torch.allclose(res[(tp, ep)], ref, atol=1e-5), (res[(tp, ep)] - ref).abs().max()
 
 
+def test_tp_prefill_after_a_cached_prefix_equals_a_full_prefill(two_rank_results):
+    """Each TP rank holds its own KV heads of the shared prefix pages; the suffix prefill reads them."""
+    ref = _cached_prefix_prefill(ShardedQwen3Moe.random(CFG, Shard(), Comm(), seed=3), 3)[0]
+    for res in two_rank_results:
+        full, part, untouched = res["cached_prefix"]
+        assert torch.allclose(full, ref, atol=1e-5) and torch.allclose(part, ref, atol=1e-5), (part - ref).abs().max()
+        assert untouched
+
+
 def test_dp_ep_decode_equals_unsharded(two_rank_results):
     errs = [res["dp_ep_decode_err"] for res in two_rank_results]
     assert max(errs) < 1e-5, errs
@@ -118,3 +164,37 @@ def test_kv_replication_when_tp_exceeds_kv_heads():
     assert list(shard.q_heads(CFG)) == [6, 7]
     with pytest.raises(ValueError, match="does not divide"):
         Shard(attn_tp=3).q_heads(CFG)
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st_.lists(st_.tuples(st_.sampled_from(["alloc", "share", "free"]), st_.integers(0, 9), st_.integers(1, 9)),
+                 max_size=40))
+def test_page_refcounts_free_a_page_exactly_when_its_last_holder_lets_go(ops):
+    """Pages held by several owners (sequences, a prefix cache) return to the free list only when the last owner
+    frees them, never twice, and a page is never both free and held."""
+    from rackbed.engine.real.model import PagedKvCache
+
+    cache = PagedKvCache(1, 12, 1, 4, 2)
+    owners: list[list[int]] = []
+    for op, i, n in ops:
+        if op == "alloc":
+            try:
+                owners.append(cache.alloc(n))
+            except MemoryError:
+                assert len(cache.free_pages) < -(-n // 4)
+        elif op == "share" and owners:
+            owners.append(cache.share(owners[i % len(owners)]))
+        elif op == "free" and owners:
+            cache.free(owners.pop(i % len(owners)))
+        held = {}
+        for pages in owners:
+            for p in pages:
+                held[p] = held.get(p, 0) + 1
+        assert not set(held) & set(cache.free_pages)
+        assert len(set(cache.free_pages)) == len(cache.free_pages) == 12 - len(held)
+        assert all(cache.refs[p] == k for p, k in held.items())
+    for pages in owners:
+        cache.free(pages)
+    assert sorted(cache.free_pages) == list(range(12))
+    with pytest.raises(ValueError, match="freed more often"):
+        cache.free([0])

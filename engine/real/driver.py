@@ -37,6 +37,10 @@ may import both, hands over ``sim.driver.simulate`` and the scenario ``sim.scena
 Aggregated workers (``deployment: aggregated``) run as one rank each: a mixed step is one ``mixed`` command (the
 batch decodes, then the step's prompts are prefilled into the same cache); no KV moves.
 
+Prefix caching (``built.prefix_cache``): a prefill item's start is the prefix the scheduler found cached; the rank
+maps those tokens' pages from its own cache (``engine.real.prefix``, keys from token content) and prefills the rest;
+docs/PREFIX_CACHE.md ("In the real engine").
+
 Limits (documented, not hidden): random-weight runs draw MTP acceptance
 from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
 and chunked prefill are simulated only; aggregated workers are one GPU each (``tp = dp = ep = 1``).
@@ -223,6 +227,9 @@ class RealExecutor:
         self.pool = run.pool
         self.group_of = sched_group
         self.breakdown_s = {"prefill": {}, "decode": {}}
+        # prefix-cache copies up from lower tiers (sim.executor.Executor's): none in real mode, HBM only
+        self.load_s = None
+        self.load_total_s = 0.0
         self._faults_at: dict[float, list[str]] = {}
         self.env.on_death = self._on_death
 
@@ -248,11 +255,19 @@ class RealExecutor:
             pass  # the death handler fails this plan's worker
         return ev
 
-    def _prefill_items(self, items) -> list[tuple[int, list[int]]]:
-        """``(rid, token ids)`` of ``(rid, start, n)`` prefill items (whole prompts only)."""
+    def _prefill_items(self, items) -> list[tuple]:
+        """``(rid, token ids)`` of ``(rid, start, n)`` prefill items (whole prompts only). With a prefix cache
+        ``(rid, token ids, start)``: ``start > 0`` is the prefix the scheduler found cached on the worker, which the
+        rank reuses from its own cache instead of computing it (chunked prefill is simulated only, so a start is
+        never a previous chunk)."""
         run = self.run
         out = []
         for rid, start, n in items:
+            if run.prefix_blocks:
+                out.append((rid, run.token_ids(rid, start + n), start))
+                run.prefill_n[rid] = start + n
+                run.prefix_planned.setdefault(rid, []).append(start)
+                continue
             if start != 0:
                 raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false, "
                                 "aggregated.chunk_tokens: null)")
@@ -375,6 +390,42 @@ def graph_pages(requests, page_tokens: int, draft_k: int = 0) -> tuple[int, int]
     return (lo, hi)
 
 
+def real_prefix_cache(spec) -> tuple[int, int]:
+    """``(blocks, block_tokens)`` of each prefilling rank's cache for a ``PrefixCacheSpec`` (``(0, 0)``: None). The
+    ranks cache in their own KV pages only: lower tiers are simulated, not run."""
+    if spec is None:
+        return 0, 0
+    if spec.lower or spec.shared is not None:
+        raise UserError("prefix_cache: real mode caches in HBM only (set prefix_cache.host_gb_per_gpu: 0 and "
+                        "storage_gb: 0; offload tiers are simulated only)")
+    return spec.hbm_blocks, spec.block_tokens
+
+
+def _cache_kw(spec) -> dict:
+    """``simulate``'s prefix-cache argument (none without a cache: a loop without caches need not take it)."""
+    return {"prefix_cache": spec} if spec is not None else {}
+
+
+def prefix_cache_pages(built, *, prefix_blocks: int, prefix_block_tokens: int, prefill_pages: int,
+                       decode_pages: int) -> int:
+    """Pages per prefilling rank that a prefix cache of ``prefix_blocks`` blocks of ``prefix_block_tokens`` tokens
+    sets aside (out of ``prefill_pages``, or ``decode_pages`` on an aggregated rank); 0 when off. Bad settings are
+    a ``UserError`` naming the rule."""
+    if prefix_blocks <= 0:
+        return 0
+    S = built.decode_plan.page_tokens
+    if prefix_block_tokens < 1 or prefix_block_tokens % S:
+        raise UserError(f"prefix cache: block_tokens ({prefix_block_tokens}) must be a positive multiple of "
+                        f"decode.page_tokens ({S}) in real mode: a cached block is whole KV pages, shared read-only")
+    n = prefix_blocks * (prefix_block_tokens // S)
+    dep = built.deployment
+    have = min([prefill_pages] * bool(dep.prefillers) + [decode_pages] * bool(dep.aggregated), default=prefill_pages)
+    if n >= have:
+        raise UserError(f"prefix cache: {prefix_blocks} blocks of {prefix_block_tokens} tokens take {n} KV pages, "
+                        f"all of a rank's {have} (real.prefill_pages / real.decode_pages)")
+    return n
+
+
 def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: int, min_prompt: int = 1):
     """``dep`` with the KV capacities the scheduler plans with set to what the real ranks hold (their caches'
     pages), not the simulated memory budget's: ``decode_pages`` pages per decoder or aggregated rank, and for a
@@ -404,11 +455,15 @@ def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: 
 
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
                weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
-               backend: str = "gloo", local_device=None, requests=None) -> dict:
+               backend: str = "gloo", local_device=None, requests=None, prefix_cache=None) -> dict:
     """Every rank's ``RankSpec``, a pure function of the scenario and the GPU -> rank map (so each torchrun process
     computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank; ``requests`` (the
-    run's) size the decode CUDA-graph buckets captured at warm-up."""
+    run's) size the decode CUDA-graph buckets captured at warm-up; ``prefix_cache`` (None: ``built.prefix_cache``)
+    sizes the prefilling ranks' prefix caches."""
     from rackbed.engine.real.worker import RankSpec
+
+    prefix_blocks, prefix_block_tokens = real_prefix_cache(
+        prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
 
     dep = built.deployment
     groups = deployment_groups(dep)
@@ -436,7 +491,9 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
                               init_file=init_file, backend=backend, kv_peers=peers,
                               graph_max_batch=gmax if role == "decode" else 0,
-                              graph_pages=gpages if role == "decode" else (0, 0))
+                              graph_pages=gpages if role == "decode" else (0, 0),
+                              prefix_blocks=prefix_blocks if role != "decode" else 0,
+                              prefix_block_tokens=prefix_block_tokens if role != "decode" else 0)
     return out
 
 
@@ -471,7 +528,7 @@ class RealRun:
 
     def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
                  prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None,
-                 requests=None) -> None:
+                 requests=None, prefix_cache=None, follows=None) -> None:
         import torch
         import torch.multiprocessing as mp
 
@@ -495,7 +552,7 @@ class RealRun:
                                weights=weights, prefill_pages=prefill_pages, decode_pages=decode_pages,
                                init_file=str(Path(self.tmp.name) / "rdzv"), backend="nccl" if use_cuda else "gloo",
                                local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu",
-                               requests=requests)
+                               requests=requests, prefix_cache=prefix_cache)
             ctx = mp.get_context("spawn")
             res_qs = [ctx.Queue() for _ in range(world)]  # one per rank (RankPool)
             cmd_qs = [ctx.Queue() for _ in range(world)]
@@ -514,6 +571,12 @@ class RealRun:
         self.seed = seed
         self.prompt_ids: dict[int, list[int]] = {}
         self.prompt_len: dict[int, int] = {}
+        self.output_len: dict[int, int] = {}
+        self.follows: dict[int, int] = dict(follows or {})   # a conversation's later turn -> the turn before it
+        self.prefix_blocks, self.prefix_block_tokens = real_prefix_cache(
+            prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
+        self.prefix_hits: dict[int, list[int]] = {}           # request -> prompt tokens reused, per prefill
+        self.prefix_planned: dict[int, list[int]] = {}        # request -> the scheduler's cached tokens, per prefill
         self.generated: dict[int, list[int]] = {}
         self.src_pages: dict[int, list[int]] = {}
         self.prefill_n: dict[int, int] = {}
@@ -539,17 +602,49 @@ class RealRun:
 
     # -- token bookkeeping ---------------------------------------------------------------------------------------
     def register(self, requests) -> None:
+        """Each request's prompt token ids, drawn from ``(seed, request id)``; a later turn of a conversation
+        (``follows``) gets its ids when its prefill starts (:meth:`token_ids`)."""
         import numpy as np
 
         for r in requests:
-            rng = np.random.default_rng([self.seed, r.id])
-            ids = rng.integers(0, self.cfg.vocab, size=r.prompt_tokens).tolist()
-            self.prompt_ids[r.id] = ids
             self.prompt_len[r.id] = r.prompt_tokens
+            self.output_len[r.id] = r.output_tokens
+            if r.id in self.follows:
+                continue
+            rng = np.random.default_rng([self.seed, r.id])
+            self.prompt_ids[r.id] = rng.integers(0, self.cfg.vocab, size=r.prompt_tokens).tolist()
+
+    def _next_turn_ids(self, rid: int) -> list[int]:
+        """A conversation's next turn: the previous turn's prompt and generated output, then new tokens (drawn
+        from ``(seed, request id)``) up to its prompt length. The previous turn must be done by then."""
+        import numpy as np
+
+        prev = self.follows[rid]
+        head = self.token_ids(prev, self.prompt_len[prev]) + self.generated.get(prev, [])
+        if len(self.generated.get(prev, [])) < self.output_len[prev]:
+            raise UserError(f"request {rid} continues request {prev}, which has not finished when {rid}'s prefill "
+                            "starts (a later turn must arrive after the previous one is done)")
+        new = self.prompt_len[rid] - len(head)
+        if new < 0:
+            raise UserError(f"request {rid}: prompt_tokens {self.prompt_len[rid]} is shorter than the turn it "
+                            f"continues (request {prev}: {len(head)} tokens with its output)")
+        rng = np.random.default_rng([self.seed, rid])
+        return head + rng.integers(0, self.cfg.vocab, size=new).tolist()
 
     def token_ids(self, rid: int, n: int) -> list[int]:
+        if rid not in self.prompt_ids:
+            self.prompt_ids[rid] = self._next_turn_ids(rid)
         ids = self.prompt_ids[rid] + self.generated.get(rid, [])
         return ids[:n]
+
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens the ranks reused from their prefix caches (first prefills and re-prefills)."""
+        return sum(sum(v) for v in self.prefix_hits.values())
+
+    def prefix_shortfall_tokens(self) -> int:
+        """Prompt tokens the scheduler counted as cached that a rank's cache did not hold (it recomputed them:
+        same KV, more work); 0 when the ranks' caches track the scheduler's, as they do without failures."""
+        return sum(p - h for rid, ps in self.prefix_planned.items() for p, h in zip(ps, self.prefix_hits.get(rid, ())))
 
     def _on_reply(self, token, rank, status, payload, wall) -> None:
         fl = self.pool.inflight.get(token)
@@ -617,8 +712,9 @@ class RealRun:
             self._absorb_prefill(v["prefill"])
 
     def _absorb_prefill(self, reply: dict) -> None:
-        for rid, (tok, pages) in reply.items():
+        for rid, (tok, pages, reused) in reply.items():
             self.src_pages[rid] = pages
+            self.prefix_hits.setdefault(rid, []).append(reused)
             gen = self.generated.setdefault(rid, [])
             # a re-prefill covers the prompt and the first g generated tokens; its output is token g+1
             del gen[self.prefill_n[rid] - self.prompt_len[rid]:]
@@ -633,21 +729,31 @@ class RealRun:
 
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
              prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None,
-             pool=None, stall_s: float = STALL_S):
+             pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests`` through ``simulate`` (``sim.driver.simulate``,
     module docstring). Failure drills: ``kill`` ``[(at_s, gpu)]`` kills that GPU's rank process at clock time
     ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
     in flight. ``stall_s``: no rank reply for that long with work in flight raises :class:`RealRunStalled` (the
-    ranks are stopped). Returns ``(result of simulate, RealRun)``."""
+    ranks are stopped). ``prefix_cache`` (an ``engine.core.prefix_cache.PrefixCacheSpec``; None: the scenario's,
+    ``built.prefix_cache``): the scheduler's cache per prefiller / aggregated worker, and each of its ranks keeps the
+    KV of those blocks (``engine.real.prefix``: ``hbm_blocks`` blocks, their pages out of ``prefill_pages``, or
+    ``decode_pages`` on an aggregated rank) and reuses the prefix each prefill item starts at. ``follows`` ``{request id: previous turn's id}``: a later turn's prompt is the previous turn's
+    prompt and output followed by new tokens (a conversation). Returns ``(result of simulate, RealRun)``."""
     from rackbed.engine.core.metrics import Slo
 
+    spec = prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None)
+    prefix_blocks, prefix_block_tokens = real_prefix_cache(spec)
+    cache_pages = prefix_cache_pages(built, prefix_blocks=prefix_blocks, prefix_block_tokens=prefix_block_tokens,
+                                     prefill_pages=prefill_pages, decode_pages=decode_pages)
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
-                  requests=requests)
+                  requests=requests, prefix_cache=spec, follows=follows)
     run.register(requests)
-    # the scheduler plans with the ranks' real caches; a replay of the same ``built`` then does too
-    built.deployment = real_capacities(built.deployment, prefill_pages=prefill_pages, decode_pages=decode_pages,
-                                       page_tokens=built.decode_plan.page_tokens,
+    # the scheduler plans with the ranks' real caches (less the prefix cache's pages); a replay of the same
+    # ``built`` then does too
+    built.deployment = real_capacities(built.deployment, prefill_pages=prefill_pages - cache_pages,
+                                       decode_pages=decode_pages - cache_pages if built.deployment.aggregated
+                                       else decode_pages, page_tokens=built.decode_plan.page_tokens,
                                        min_prompt=min((r.prompt_tokens for r in requests), default=1))
     run.kill_after_steps = list(kill_after_steps)
     env = run.env
@@ -668,7 +774,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
         res = simulate(built.deployment, requests, built.cost_model, seed=sc.seed,
                        slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), progress=progress,
                        kv_chunks=built.cost_model.kv_chunks, env=env, policies=sc.sim.policies.build(),
-                       closed_loop=sc.workload.closed_loop(),
+                       closed_loop=sc.workload.closed_loop(), **_cache_kw(spec),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
     finally:
         if prev_term is not None:
@@ -718,6 +824,8 @@ class ReplayExecutor:
         for w, k, key, m, _ in records:           # a key can repeat (a KV shipped again after a failure)
             self.table.setdefault((w, k, key), []).append(m)
         self.breakdown_s = {"prefill": {}, "decode": {}}
+        self.load_s = None          # a real run has no lower-tier copies (its measured prefill durations are it)
+        self.load_total_s = 0.0
 
     def breakdown(self) -> dict:
         return self.breakdown_s
@@ -737,10 +845,10 @@ class ReplayExecutor:
         return float(self.table[k].pop(0))
 
 
-def replay(built, requests, records, *, simulate, seed: int, deaths=()):
+def replay(built, requests, records, *, simulate, seed: int, deaths=(), prefix_cache=None):
     """Simulate ``built`` through ``simulate`` (``sim.driver.simulate``) with the recorded durations of a real run
     (same scheduler, simulated clock); ``deaths`` (``RealRun.deaths``: ``(t, rank, gpu)``) become faults at the same
-    times."""
+    times; ``prefix_cache`` as the real run had it (None: ``built.prefix_cache``)."""
     from rackbed.engine.core.metrics import Slo
 
     sc = built.scenario
@@ -748,5 +856,6 @@ def replay(built, requests, records, *, simulate, seed: int, deaths=()):
     return simulate(built.deployment, requests, built.cost_model, seed=seed, progress=False, faults=faults,
                     slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
                     policies=sc.sim.policies.build(),
+                    **_cache_kw(prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None)),
                     executor_factory=lambda cm, net, group_of: ReplayExecutor(records))
 

@@ -202,21 +202,29 @@ class ShardedMoeLM(ShardedQwen3Moe):
         return layers_moe.route(w, h, self.cfg)
 
     # -- prefill --------------------------------------------------------------------------------------------------
-    def _attn_prefill(self, li: int, w, h, pos, lens, cache, page_tables) -> torch.Tensor:
-        """The rank's partial attention output ``[T, D]`` (o_proj of its heads; no o bias), KV written."""
+    def _attn_prefill(self, li: int, w, h, pos, lens, starts, cache, page_tables) -> torch.Tensor:
+        """The rank's partial attention output ``[T, D]`` (o_proj of its heads; no o bias), KV written. A sequence
+        with ``starts[i]`` > 0 follows a cached prefix whose KV (latent rows) is read from its pages."""
         cfg, outs, off = self.cfg, [], 0
         if cfg.kind(li) == "mla":
             q_nope, q_rot, rows = layers_mla.project(w, h, pos, cfg, self.rope)
             for si, n in enumerate(lens):
-                cache.write_rows(li, page_tables[si], 0, rows[off:off + n])
-                outs.append(layers_mla.prefill(w, q_nope[off:off + n], q_rot[off:off + n], rows[off:off + n], cfg))
+                c = starts[si]
+                prefix = cache.read_rows(li, page_tables[si], c) if c else None
+                cache.write_rows(li, page_tables[si], c, rows[off:off + n])
+                outs.append(layers_mla.prefill(w, q_nope[off:off + n], q_rot[off:off + n], rows[off:off + n], cfg,
+                                               prefix))
                 off += n
         else:
             q, k, v = layers_gqa.qkv(w, h, pos, cfg, self.rope)
             for si, n in enumerate(lens):        # local q heads of one local KV head are contiguous
+                c = starts[si]
                 ks, vs = k[:, off:off + n], v[:, off:off + n]
-                cache.write(li, page_tables[si], 0, ks, vs)
-                outs.append(layers_gqa.prefill(w, q[:, off:off + n], ks, vs, self._window(li), cfg))
+                cache.write(li, page_tables[si], c, ks, vs)
+                if c:
+                    kc, vc = cache.read(li, page_tables[si], c)
+                    ks, vs = torch.cat([kc.to(ks.dtype), ks], 1), torch.cat([vc.to(vs.dtype), vs], 1)
+                outs.append(layers_gqa.prefill(w, q[:, off:off + n], ks, vs, self._window(li), cfg, c))
                 off += n
         return torch.cat(outs) @ w["o_proj"].T
 
@@ -233,15 +241,18 @@ class ShardedMoeLM(ShardedQwen3Moe):
             return self.comm.ep_all_reduce(y + s)                        # one all-reduce for both partial sums
         return self.comm.ep_all_reduce(y) + self.comm.tp_all_reduce(s)
 
-    def forward_prefill(self, seqs, cache, page_tables):
+    def forward_prefill(self, seqs, cache, page_tables, starts=None):
+        """As ``ShardedQwen3Moe.forward_prefill``: prompts, or prompt suffixes after a cached prefix of
+        ``starts[i]`` tokens whose KV is already in ``page_tables[i]`` (read, never recomputed)."""
         cfg = self.cfg
         lens = [int(s.numel()) for s in seqs]
+        starts = list(starts) if starts is not None else [0] * len(seqs)
         ids = torch.cat(seqs)
-        pos = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        pos = torch.cat([torch.arange(c, c + n, device=ids.device) for c, n in zip(starts, lens)])
         x = self.glob["embed"][ids]
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
-            a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, cache, page_tables))
+            a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, starts, cache, page_tables))
             x = x + (a + w["o_bias"] if "o_bias" in w else a)
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             x = x + self._ffn_prefill(w, h)

@@ -60,14 +60,16 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     return ok
 
 
-def prefill(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, cfg) -> torch.Tensor:
-    """One sequence's prefill attention: q ``[Hq, T, Dh]``, k/v ``[Hkv, T, Dh]`` -> ``[T, Hq*Dh]``."""
+def prefill(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, cfg, start: int = 0) -> torch.Tensor:
+    """One sequence's prefill attention: q ``[Hq, T, Dh]`` at positions start..start+T-1, k/v ``[Hkv, start+T,
+    Dh]`` (a cached prefix's keys first when ``start`` > 0) -> ``[T, Hq*Dh]``."""
     Hq, T, Dh = q.shape
     Hkv = k.shape[0]
     qg = q.view(Hkv, Hq // Hkv, T, Dh)
-    pos = torch.arange(T, device=q.device)
+    q_pos = torch.arange(start, start + T, device=q.device)
+    k_pos = torch.arange(start + T, device=q.device)
     sinks = w.get("sinks")
-    o = attend(qg, k[:, None], v[:, None], window_mask(pos, pos, window),
+    o = attend(qg, k[:, None], v[:, None], window_mask(q_pos, k_pos, window),
                cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
     return o.reshape(Hq, T, Dh).transpose(0, 1).reshape(T, Hq * Dh)
 

@@ -37,6 +37,7 @@ class LatentKvCache(PagedKvCache):
         self.storage = torch.zeros(self.n_layers, self.n_pages, self.page_tokens, self.head_dim, dtype=self.dtype,
                                    device=self.device)
         self.free_pages = list(range(self.n_pages - 1, -1, -1))
+        self.refs = [0] * self.n_pages
 
     def write_rows(self, layer: int, pages, start: int, rows: torch.Tensor) -> None:
         """Write latent rows ``[T, W]`` for positions start..start+T-1 of one sequence."""
@@ -44,6 +45,12 @@ class LatentKvCache(PagedKvCache):
         pos = torch.arange(start, start + rows.shape[0], device=rows.device)
         st = self.storage[layer]
         st[torch.as_tensor(pages, device=rows.device)[pos // S], pos % S] = rows.to(st.dtype)
+
+    def read_rows(self, layer: int, pages, n_tokens: int) -> torch.Tensor:
+        """Latent rows ``[n_tokens, W]`` of positions 0..n_tokens-1 of one sequence (a cached prefix)."""
+        S = self.page_tokens
+        idx = torch.as_tensor(list(pages)[:-(-n_tokens // S)], device=self.storage.device)
+        return self.storage[layer][idx].reshape(-1, self.head_dim)[:n_tokens]
 
 
 def shard(full: dict[str, torch.Tensor], cfg, heads: range) -> dict[str, torch.Tensor]:
@@ -74,15 +81,26 @@ def project(w, h: torch.Tensor, pos: torch.Tensor, cfg, rope) -> tuple[torch.Ten
     return q[..., :nope], q_rot, torch.cat((c, k_rot), -1)
 
 
-def prefill(w, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, cfg) -> torch.Tensor:
-    """Expanded attention of one sequence over its own latent rows ``[T, W]`` -> ``[T, H*v]`` (before o_proj)."""
+def prefill(w, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, cfg,
+            prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """Expanded attention of one sequence's new tokens over its latent rows ``[T, W]`` -> ``[T, H*v]`` (before
+    o_proj). ``prefix``: the latent rows ``[c, W]`` of a cached prefix (positions 0..c-1) the new tokens follow:
+    kv_b expands them too and query j attends to keys 0..c+j."""
     T, H, nope = q_nope.shape
     L = cfg.kv_lora_rank
-    kv = (rows[:, :L] @ w["kv_b"].T).view(T, H, nope + cfg.v_head_dim)
-    k = torch.cat((kv[..., :nope], rows[:, None, L:].expand(T, H, cfg.qk_rope_head_dim)), -1).transpose(0, 1)
+    c = 0 if prefix is None else prefix.shape[0]
+    if c:
+        rows = torch.cat((prefix.to(rows.dtype), rows))
+    n = rows.shape[0]
+    kv = (rows[:, :L] @ w["kv_b"].T).view(n, H, nope + cfg.v_head_dim)
+    k = torch.cat((kv[..., :nope], rows[:, None, L:].expand(n, H, cfg.qk_rope_head_dim)), -1).transpose(0, 1)
     q = torch.cat((q_nope, q_rot), -1).transpose(0, 1)
     v = kv[..., nope:].transpose(0, 1)
-    o = F_.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)   # [H, T, v]
+    if c:
+        mask = torch.arange(n, device=q.device)[None, :] <= (c + torch.arange(T, device=q.device))[:, None]
+        o = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.softmax_scale)
+    else:
+        o = F_.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)   # [H, T, v]
     return o.transpose(0, 1).reshape(T, H * cfg.v_head_dim)
 
 

@@ -173,7 +173,13 @@ def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Sha
 class PagedKvCache:
     """Paged KV cache, HND: ``storage[layer]`` is ``[P, 2, Hkv, S, Dh]`` (K then V, heads leading, tokens
     contiguous inside a page). Pages are handed out by the caller (the scheduler's block manager or a simple
-    free list here)."""
+    free list here).
+
+    Pages are reference counted so a cached prompt prefix is shared, not copied: ``alloc`` hands out pages with one
+    reference, ``share`` adds one (a prefix cache keeping a prompt's full blocks, a sequence mapping a cached
+    prefix), ``free`` drops one and returns a page to the free list when its last reference goes. Shared pages are
+    only ever read: a prefix is shared in whole pages (a prefix-cache block is a multiple of ``page_tokens``), and a
+    sequence writes past its prefix into pages of its own, so no page needs copying on write."""
 
     n_layers: int
     n_pages: int
@@ -184,27 +190,48 @@ class PagedKvCache:
     device: str | torch.device = "cpu"
     storage: torch.Tensor = field(init=False)
     free_pages: list[int] = field(init=False)
+    refs: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.storage = torch.zeros(self.n_layers, self.n_pages, 2, self.kv_heads, self.page_tokens, self.head_dim,
                                    dtype=self.dtype, device=self.device)
         self.free_pages = list(range(self.n_pages - 1, -1, -1))
+        self.refs = [0] * self.n_pages
+
+    def _take(self) -> int:
+        p = self.free_pages.pop()
+        self.refs[p] = 1
+        return p
 
     def alloc(self, n_tokens: int) -> list[int]:
         need = -(-n_tokens // self.page_tokens)
         if need > len(self.free_pages):
             raise MemoryError(f"KV cache full: need {need} pages, {len(self.free_pages)} free")
-        return [self.free_pages.pop() for _ in range(need)]
+        return [self._take() for _ in range(need)]
 
     def grow(self, pages: list[int], n_tokens: int) -> None:
         """Make ``pages`` long enough for ``n_tokens`` tokens."""
         while len(pages) * self.page_tokens < n_tokens:
             if not self.free_pages:
                 raise MemoryError("KV cache full")
-            pages.append(self.free_pages.pop())
+            pages.append(self._take())
+
+    def share(self, pages: list[int]) -> list[int]:
+        """One more reference to each of ``pages`` (in use); returns a new list of them."""
+        for p in pages:
+            if self.refs[p] < 1:
+                raise ValueError(f"page {p} is free: only a page in use can be shared")
+            self.refs[p] += 1
+        return list(pages)
 
     def free(self, pages: list[int]) -> None:
-        self.free_pages.extend(reversed(pages))
+        """Drop one reference to each of ``pages``; a page whose last reference goes returns to the free list."""
+        for p in reversed(pages):
+            if self.refs[p] < 1:
+                raise ValueError(f"page {p} freed more often than it was allocated or shared")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_pages.append(p)
 
     def write(self, layer: int, pages: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K, V ``[Hkv, T, Dh]`` for token positions start..start+T-1 of one sequence."""
@@ -216,6 +243,16 @@ class PagedKvCache:
         st = self.storage[layer]
         st[page_idx, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
         st[page_idx, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
+
+    def read(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[Hkv, n_tokens, Dh]`` of token positions 0..n_tokens-1 of one sequence."""
+        S = self.page_tokens
+        idx = torch.as_tensor(pages[:-(-n_tokens // S)], device=self.storage.device)
+        kv = self.storage[layer][idx]                                      # [P, 2, Hkv, S, Dh]
+        P, _, H, _, Dh = kv.shape
+        k = kv[:, 0].transpose(0, 1).reshape(H, P * S, Dh)[:, :n_tokens]
+        v = kv[:, 1].transpose(0, 1).reshape(H, P * S, Dh)[:, :n_tokens]
+        return k, v
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -320,13 +357,17 @@ class ShardedQwen3Moe:
         return grouped_swiglu(xs, w["gate_up"], w["down"], counts)
 
     # -- prefill: TP attention + EP MoE on replicated input -------------------------------------------------------
-    def forward_prefill(self, seqs: list[torch.Tensor], cache: PagedKvCache, page_tables: list[list[int]]):
-        """Prefill whole prompts. ``seqs``: token ids ``[T_i]`` per sequence; KV written to ``page_tables``.
-        Returns the logits of each sequence's last position ``[B, V]``."""
+    def forward_prefill(self, seqs: list[torch.Tensor], cache: PagedKvCache, page_tables: list[list[int]],
+                        starts: list[int] | None = None):
+        """Prefill prompts, or prompt suffixes after a cached prefix. ``seqs``: token ids ``[T_i]`` per sequence,
+        the tokens at positions ``starts[i] .. starts[i] + T_i - 1`` (``starts``: None = all 0); their KV is written
+        to ``page_tables[i]``, whose first ``starts[i]`` tokens already hold the prefix's KV (a prefix-cache hit:
+        those tokens are read, never recomputed). Returns the logits of each sequence's last position ``[B, V]``."""
         cfg = self.cfg
         lens = [int(s.numel()) for s in seqs]
+        starts = list(starts) if starts is not None else [0] * len(seqs)
         ids = torch.cat(seqs)
-        pos = torch.cat([torch.arange(n, device=ids.device) for n in lens])
+        pos = torch.cat([torch.arange(c, c + n, device=ids.device) for c, n in zip(starts, lens)])
         x = self.glob["embed"][ids]                                       # [T, D]
         gmap = self._gqa_map().to(ids.device)
         for li, w in enumerate(self.layers):
@@ -335,8 +376,16 @@ class ShardedQwen3Moe:
             outs, off = [], 0
             for si, n in enumerate(lens):
                 qs, ks, vs = q[:, off:off + n], k[:, off:off + n], v[:, off:off + n]
-                cache.write(li, page_tables[si], 0, ks, vs)
-                o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], is_causal=True, scale=self.scale)
+                c = starts[si]
+                cache.write(li, page_tables[si], c, ks, vs)
+                if c:   # attend over the cached prefix and the new tokens: query j sees keys 0 .. c + j
+                    kc, vc = cache.read(li, page_tables[si], c)
+                    ks, vs = torch.cat([kc.to(ks.dtype), ks], 1), torch.cat([vc.to(vs.dtype), vs], 1)
+                    mask = torch.arange(c + n, device=ids.device)[None, :] <= \
+                        (c + torch.arange(n, device=ids.device))[:, None]
+                    o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], attn_mask=mask, scale=self.scale)
+                else:
+                    o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], is_causal=True, scale=self.scale)
                 outs.append(o)
                 off += n
             attn = torch.cat(outs, 1).transpose(0, 1).reshape(len(ids), -1)  # [T, Hq*Dh]

@@ -4,7 +4,8 @@ The driver (``engine.real.driver``) sends commands on this rank's queue; every r
 command and runs it together (collectives inside the group), then replies on the shared result queue with
 ``(token, rank, status, payload)``. Commands:
 
-- ``prefill``  items ``[(rid, token_ids)]`` -> KV kept in this rank's cache; reply ``{rid: (first_token, pages)}``
+- ``prefill``  items ``[(rid, token_ids[, cached])]`` -> KV kept in this rank's cache (a cached prompt prefix
+  reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``
 - ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan
   -> reply bytes (the KV is freed by the ``drop`` the driver sends once the whole transfer has replied)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
@@ -43,6 +44,7 @@ from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.families import model_class
 from rackbed.engine.real.model import PagedKvCache, Shard, TorchModelConfig
+from rackbed.engine.real.prefix import RankPrefixCache
 from rackbed.engine.real.transfer import KvBackend, TransferEngine
 
 
@@ -75,6 +77,10 @@ class RankSpec:
     graph_max_batch: int = 0
     graph_pages: tuple[int, int] = (0, 0)
     kv_peers: tuple[tuple[int, int], ...] = ()   # (prefill rank, decode rank) pairs connected at start-up
+    # prefix cache of a rank that prefills (prefiller, aggregated): blocks of ``prefix_block_tokens`` tokens (a
+    # multiple of page_tokens), at most ``prefix_blocks`` of them (their pages come out of ``n_pages``); 0 = off
+    prefix_blocks: int = 0
+    prefix_block_tokens: int = 0
 
 
 @dataclass
@@ -198,6 +204,9 @@ class Rank:
         else:
             self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
         self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
+        self.prefix: RankPrefixCache | None = None
+        if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
+            self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
         src = KvLayout.for_attention(cfg.attention, cfg.n_layers, eb, spec.page_tokens, spec.prefill_tp,
@@ -318,25 +327,46 @@ class Rank:
     # -- prefill side ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _op_prefill(self, items):
-        seqs, pts = [], []
+        """``items``: ``(rid, token_ids)`` or ``(rid, token_ids, cached)``. With a prefix cache, a prompt reuses
+        ``cached`` tokens (the scheduler's count; None: as many as the cache holds) of the longest cached prefix of
+        its blocks — fewer if the cache holds fewer, recomputed — and only the rest is computed; afterwards its
+        full blocks are cached and unpinned (the scheduler's cache does the same in the same order, so the two
+        evict alike). Reply ``{rid: (first token, pages, reused tokens)}``; the pages hold the whole prompt's KV
+        (the shared prefix pages first), which the KV transfer ships."""
+        seqs, pts, starts, pins = [], [], [], []
         with self.lock:
-            for rid, ids in items:
+            for item in items:
+                rid, ids = item[0], item[1]
                 old = self.seqs.pop(rid, None)
                 if old is not None and not old.busy:      # a stale copy (re-prefill after a failure)
-                    self.cache.free(old.pages)
+                    self._let_go(old)
                 elif old is not None:                     # still being shipped: the sender frees it
                     old.stale = True
-                pages = self.cache.alloc(len(ids))
+                pin, c, pages = None, 0, []
+                if self.prefix is not None:
+                    pin, c, pages = self.prefix.acquire(ids, item[2] if len(item) > 2 else None)
+                self.cache.grow(pages, len(ids))
                 pts.append(pages)
-                seqs.append(torch.tensor(ids, dtype=torch.long, device=self.dev))
-        logits = self.model.forward_prefill(seqs, self.cache, pts)
+                starts.append(c)
+                pins.append(pin)
+                seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
+        logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
         first = logits.argmax(-1).tolist()
         out = {}
         with self.lock:
-            for (rid, ids), pages, tok in zip(items, pts, first):
+            for item, pages, c, pin, tok in zip(items, pts, starts, pins, first):
+                rid, ids = item[0], item[1]
+                if pin is not None:   # cached, then unpinned: as the scheduler's cache does at prefill end
+                    self.prefix.insert(pin, ids, pages)
+                    self.prefix.release(pin)
                 self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
-                out[rid] = (tok, pages)
+                out[rid] = (tok, pages, c)
         return out
+
+    def _let_go(self, s: _Seq) -> None:
+        """Free a sequence's page references (the caller holds the lock): a page shared with the prefix cache
+        stays until the cache evicts its block."""
+        self.cache.free(s.pages)
 
     def _op_kv_send(self, rid, dst_global, seq_len):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
@@ -356,7 +386,7 @@ class Rank:
             with self.lock:
                 s.busy = False
                 if s.stale:                           # re-prefilled meanwhile: this copy is nobody's
-                    self.cache.free(s.pages)
+                    self._let_go(s)
 
     # -- decode side -------------------------------------------------------------------------------------------
     def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens, free=()):
@@ -401,7 +431,7 @@ class Rank:
         """Free a request's pages (the caller holds the lock)."""
         s = self.seqs.pop(rid, None)
         if s is not None:
-            self.cache.free(s.pages)
+            self._let_go(s)
         if rid in self.running:
             self.running.remove(rid)
 
