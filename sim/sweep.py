@@ -260,7 +260,7 @@ def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | 
     figs = data.get("figures") or []
     from rackbed.sim.sweep_figures import FIGURES
 
-    if not isinstance(figs, list) or any(f not in FIGURES for f in figs):
+    if not isinstance(figs, list) or any(not isinstance(f, str) or f not in FIGURES for f in figs):
         raise UserError(f"{src}: figures: expected a list of figure names ({', '.join(sorted(FIGURES))})")
     name = str(data.get("name") or Path(src).stem)
     return SweepSpec(name=name, base=base, grid=grid_out, points=pts_out, source=src,
