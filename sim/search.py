@@ -165,6 +165,7 @@ class Load:
     prompt_p90: float
     output_mean: float
     n_requests: int
+    requests: list = field(default_factory=list, repr=False)  # the drawn stream (prefix-cache hit estimates)
 
     @property
     def input_tokens_per_s(self) -> float:
@@ -178,10 +179,12 @@ class Load:
 def workload_load(workload, seed: int = 0) -> Load:
     from rackbed.engine.core.workload import WorkloadStats, generate
 
-    st = WorkloadStats.from_requests(generate(workload, seed))
+    reqs = generate(workload, seed)
+    st = WorkloadStats.from_requests(reqs)
     if st.count < 2 or st.mean_rate_per_s <= 0:
         raise UserError("search: workload: needs at least two requests at distinct arrival times")
-    return Load(st.mean_rate_per_s, st.prompt_tokens_mean, st.prompt_tokens_p90, st.output_tokens_mean, st.count)
+    return Load(st.mean_rate_per_s, st.prompt_tokens_mean, st.prompt_tokens_p90, st.output_tokens_mean, st.count,
+                list(reqs))
 
 
 @dataclass
@@ -197,6 +200,8 @@ class PrefillOption:
     batch: tuple[int, int] = (0, 0)  # (sequences, tokens each) of the full batch used for the capacity
     breakdown: object = None
     pruned: str | None = None
+    hit_rate: float = 0.0            # assumed prefix-cache hit rate (of prompt tokens); 0 without a cache
+    cache_blocks: int = 0            # prefix-cache capacity of one replica, 512-token blocks (all private tiers)
 
 
 @dataclass
@@ -324,15 +329,74 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                                             f"SLO {spec.slo.ttft_s * 1e3:.0f} ms")
                                 continue
                             each = min(prompt, mbt) if chunked else prompt
-                            n_seqs = max(1, mbt // each)
-                            bd = cm.prefill_breakdown([(each, 0)] * n_seqs)
-                            o.breakdown, o.batch = bd, (n_seqs, each)
-                            o.capacity_tokens_per_s = n_seqs * each / bd.total_s
-                            o.replicas = max(1, math.ceil(load.input_tokens_per_s * spec.prefill_headroom
-                                                          / o.capacity_tokens_per_s))
+                            _size_prefill(o, spec, load, cm, each, cache_blocks_of(sc, model, topo, max(tp, ep)))
                         except (ValueError, FileNotFoundError) as exc:
                             o.pruned = one_line(exc)
     return out
+
+
+def _price_prefill(o: PrefillOption, cm, each: int, hit: float) -> None:
+    """``o``'s full batch and capacity (prompt tokens/s) when a share ``hit`` of each prompt is cached: batch items
+    ``(new, cached)`` as the scheduler makes them, as many as fit the token budget on their new tokens."""
+    new = max(1, round(each * (1.0 - hit)))
+    n_seqs = max(1, o.max_batch_tokens // new)
+    bd = cm.prefill_breakdown([(new, each - new)] * n_seqs)
+    o.breakdown, o.batch, o.hit_rate = bd, (n_seqs, each), hit
+    o.capacity_tokens_per_s = n_seqs * each / bd.total_s
+
+
+def _size_prefill(o: PrefillOption, spec: SearchSpec, load: Load, cm, each: int, cache_blocks: int) -> None:
+    """Capacity and replicas of a prefill option. With a prefix cache (``cache_blocks`` > 0 per replica) the hit
+    rate depends on the replica count (each replica caches what it prefilled) and the count on the hit rate: from
+    the count without a cache, alternate :func:`assumed_hit_rate` and the count it needs until the count repeats
+    (at most 6 rounds; a cycle keeps its larger count)."""
+    _price_prefill(o, cm, each, 0.0)
+
+    def need() -> int:
+        return max(1, math.ceil(load.input_tokens_per_s * spec.prefill_headroom / o.capacity_tokens_per_s))
+
+    o.replicas, o.cache_blocks = need(), cache_blocks
+    if cache_blocks <= 0:
+        return
+    seen: list[int] = []
+    for _ in range(6):
+        seen.append(o.replicas)
+        _price_prefill(o, cm, each, assumed_hit_rate(load.requests, cache_blocks, o.replicas))
+        r = need()
+        if r in seen:
+            if r != seen[-1]:  # a cycle: keep the larger count and its hit rate
+                r = max(seen[seen.index(r):])
+                _price_prefill(o, cm, each, assumed_hit_rate(load.requests, cache_blocks, r))
+            o.replicas = r
+            return
+        o.replicas = r
+
+
+def assumed_hit_rate(requests: Sequence, cache_blocks: int, replicas: int) -> float:
+    """The prefix-cache hit rate the search plans with: ``replicas`` LRU caches of ``cache_blocks`` blocks, the
+    requests dealt to them in turn (``engine.core.prefix_reuse.lru_reuse``). Routing that ignores the caches
+    (least queued tokens, round robin, random) gets about this; ``kv_aware`` routing gets more (the simulation
+    measures it), so the estimate errs towards more prefillers."""
+    from rackbed.engine.core.prefix_reuse import lru_reuse
+
+    return lru_reuse(requests, cache_blocks, max(1, replicas))
+
+
+def cache_blocks_of(sc, model, topo, n_gpus: int) -> int:
+    """Prefix-cache capacity of one prefill replica of ``n_gpus`` GPUs in 512-token blocks (the ids' block), HBM
+    and host tiers together, as the simulator sizes it (``sim.scenario.prefix_cache_spec``); a shared storage
+    tier is not counted (the estimate errs towards more prefillers). 0 when the scenario's cache is off."""
+    if not sc.prefix_cache.enabled:
+        return 0
+    from types import SimpleNamespace
+
+    from rackbed.engine.core.prefix_reuse import BLOCK
+    from rackbed.sim.scenario import prefix_cache_spec
+
+    dep = SimpleNamespace(aggregated=None, prefillers=[SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, "prefill"))])
+    pcs = prefix_cache_spec(sc, topo, model, dep)
+    blocks = pcs.hbm_blocks + sum(t.capacity_blocks for t in pcs.lower)
+    return max(1, blocks * pcs.block_tokens // BLOCK)
 
 
 def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
@@ -604,9 +668,11 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     dec = decode_options(spec, load, model, topos)
     cands = candidates(spec, load, model, topos, pre, dec)
     chosen = select_for_simulation(cands, spec.max_simulations)
+    notes = [note] if note else []
+    notes += prefix_cache_notes(pre)
     if not chosen:  # every candidate pruned: a sweep of no points would simulate the bare base scenario
         return SearchResult(spec, load, pre, dec, cands, [], [], [], [], [], {}, {}, wall_s=time.perf_counter() - t0,
-                            notes=[note] if note else [])
+                            notes=notes)
     sweep = SweepSpec(name=spec.name, base=base_scenario(spec), points=[c.overrides for c in chosen],
                       source=f"search {spec.name}")
     points = expand(sweep)
@@ -619,7 +685,8 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
         r["est"] = {"tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                     "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "n_gpus": c.n_gpus,
                     "ttft_s": c.est_ttft_s, "tpot_s": c.est_tpot_s,
-                    "kv_transfer_s": None if math.isnan(c.kv_transfer_s) else c.kv_transfer_s}
+                    "kv_transfer_s": None if math.isnan(c.kv_transfer_s) else c.kv_transfer_s,
+                    "prefix_hit_rate": c.prefill.hit_rate}
     scen = {p.key: p.scenario for p in points}
     price = {p.key: spec.price(p.scenario.get("topology", "")) for p in points}
     for r in recs:
@@ -636,7 +703,15 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
         except (ValueError, FileNotFoundError) as exc:
             expl[r["key"]] = {"error": one_line(exc)}
     return SearchResult(spec, load, pre, dec, cands, chosen, recs, elig, front, best, expl, scen,
-                        wall_s=time.perf_counter() - t0, notes=[note] if note else [])
+                        wall_s=time.perf_counter() - t0, notes=notes)
+
+
+def prefix_cache_notes(pre: Sequence[PrefillOption]) -> list[str]:
+    """One line per surviving prefill option with a prefix cache: the hit rate its replica count assumes."""
+    return [f"prefix cache: {o.topology} {o.weight_format} TP{o.tp}/EP{o.ep} prefillers assume a hit rate of "
+            f"{o.hit_rate:.1%} of prompt tokens ({o.replicas} replicas x {o.cache_blocks:,} blocks of 512 tokens, "
+            "LRU, requests dealt in turn; kv_aware routing does better) and are sized for the uncached rest"
+            for o in pre if o.pruned is None and o.cache_blocks > 0]
 
 
 def without_unasked_mtp(spec: SearchSpec, model) -> tuple[SearchSpec, str | None]:

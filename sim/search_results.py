@@ -165,6 +165,8 @@ def prefill_table(res: SearchResult) -> list[dict]:
             row.update(step_s=o.breakdown.total_s, batch=f"{o.batch[0]} x {o.batch[1]}",
                        input_tokens_per_s_per_gpu=o.capacity_tokens_per_s / n, replicas=o.replicas,
                        **{k: v for k, v in o.breakdown.by_category().items()})
+            if o.cache_blocks:  # a prefix cache: the hit rate the capacity assumes (sim.search._size_prefill)
+                row.update(prefix_hit_rate=o.hit_rate, prefix_cache_blocks=o.cache_blocks)
         rows.append(row)
     return rows
 

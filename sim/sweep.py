@@ -13,6 +13,7 @@ A sweep spec (YAML, ``kind: sweep``)::
     points:                        # and/or an explicit list of override sets, each crossed with the grid
       - {topology: gb200-nvl72, weight_format: mxfp8}
       - {topology: hgx-h200*2, weight_format: fp8_block}
+    figures: [prefix_cache]        # optional: figures drawn from the records after the run (sim.sweep_figures)
 
 Every point is the base scenario with its overrides applied (``a.b.c: v`` sets ``scenario["a"]["b"]["c"] = v``;
 a path may not be given both by ``grid`` and by a ``points`` entry). A point's **key** is a SHA-256 (first 20 hex
@@ -96,6 +97,7 @@ class SweepSpec:
     points: list[dict] = field(default_factory=list)
     source: str = "<sweep>"
     description: str = ""
+    figures: tuple[str, ...] = ()   # names in sim.sweep_figures.FIGURES, drawn after the run
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,7 @@ def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | 
     src = str(source)
     if not isinstance(data, Mapping):
         raise UserError(f"{src}: a sweep spec must be a mapping")
-    known = {"kind", "name", "description", "base", "scenario", "grid", "points"}
+    known = {"kind", "name", "description", "base", "scenario", "grid", "points", "figures"}
     extra = sorted(set(data) - known)
     if extra:
         raise UserError(f"{src}: {extra[0]}: unknown key (sweep keys: {', '.join(sorted(known))})")
@@ -255,9 +257,14 @@ def parse_sweep(data: Mapping, source: str | Path = "<sweep>", base_dir: Path | 
                 raise UserError(f"{src}: points[{i}].{k}: also a grid axis; give it in one place")
             _check_path(base_full, str(k), f"{src}: points[{i}]")
         pts_out.append({str(k): v for k, v in pt.items()})
+    figs = data.get("figures") or []
+    from rackbed.sim.sweep_figures import FIGURES
+
+    if not isinstance(figs, list) or any(not isinstance(f, str) or f not in FIGURES for f in figs):
+        raise UserError(f"{src}: figures: expected a list of figure names ({', '.join(sorted(FIGURES))})")
     name = str(data.get("name") or Path(src).stem)
     return SweepSpec(name=name, base=base, grid=grid_out, points=pts_out, source=src,
-                     description=str(data.get("description") or ""))
+                     description=str(data.get("description") or ""), figures=tuple(figs))
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
@@ -342,14 +349,16 @@ def summarize_metrics(m: Mapping) -> dict:
     """The flat per-point summary stored with each record (None where the run produced no sample).
 
     tokens_per_s_per_gpu: output tokens/s of completed requests per allocated GPU (all roles);
-    tokens_per_s_per_user: p50 over requests of 1/TPOT; ttft/tpot at p50/p90/p99 (seconds)."""
+    tokens_per_s_per_user: p50 over requests of 1/TPOT; ttft/tpot at p50/p90/p99 (seconds); with a prefix cache,
+    prefix_hit_rate (of prompt tokens, all tiers), prefix_hbm_hit_rate, prefix_tokens_saved and prefix_load_wait_s
+    (absent without one, so summaries of runs without a cache are as before)."""
     th, lat, req = m.get("throughput", {}), m.get("latency_s", {}), m.get("requests", {})
     gp, ut, dec = m.get("goodput", {}), m.get("utilisation", {}), m.get("decode", {})
 
     def q(d, k):
         return (d or {}).get(k)
 
-    return {
+    out = {
         "requests": req.get("total"), "done": req.get("done"), "rejected": req.get("rejected"),
         "duration_s": th.get("duration_s"), "mean_gpus": th.get("mean_gpus"),
         "output_tokens_per_s": th.get("output_tokens_per_s"), "input_tokens_per_s": th.get("input_tokens_per_s"),
@@ -367,6 +376,12 @@ def summarize_metrics(m: Mapping) -> dict:
         "util_prefill": ut.get("prefill"), "util_decode": ut.get("decode"),
         "decode_steps": dec.get("steps"), "decode_sequence_steps": dec.get("sequence_steps"),
     }
+    pc = m.get("prefix_cache")
+    if pc:
+        out.update(prefix_hit_rate=pc.get("hit_rate_tokens"),
+                   prefix_hbm_hit_rate=(pc.get("hit_rate_by_tier") or {}).get("hbm"),
+                   prefix_tokens_saved=pc.get("prefill_tokens_saved"), prefix_load_wait_s=pc.get("load_wait_s"))
+    return out
 
 
 def run_point(payload: Mapping) -> dict:

@@ -405,14 +405,20 @@ def option_tables(res):
         return fmt(None if x is None else x * 1e3)
 
     multi_topo = len(res.spec.space.topology) > 1 or len(res.spec.space.weight_format) > 1
-    pre = Table("Prefill options (analytic): a full batch of mean prompts; capacity = input tokens/s per GPU",
+    prows = prefill_table(res)
+    cached = any("prefix_hit_rate" in r for r in prows)  # a prefix cache: the hit rate each capacity assumes
+    pre = Table("Prefill options (analytic): a full batch of mean prompts; capacity = input tokens/s per GPU"
+                + (" (cached share of each prompt not recomputed)" if cached else ""),
                 ["topology/format", "TP", "EP", "TTFT floor ms", "batch", "step ms", "input tok/s/GPU",
+                 *(["assumed hit"] if cached else []),
                  "replicas", "attn ms", "moe_gemm ms", "a2a ms", "allreduce ms", "other ms", "pruned"],
                 [[f"{r['topology']}/{r['weight_format']}" if multi_topo else r["topology"], r["tp"], r["ep"],
                   ms(r["ttft_floor_s"]), r.get("batch", "-"), ms(r.get("step_s")),
-                  fmt(r.get("input_tokens_per_s_per_gpu")), r.get("replicas", "-"), ms(r.get("attn_s")),
+                  fmt(r.get("input_tokens_per_s_per_gpu")),
+                  *([f"{r['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in r else "-"] if cached else []),
+                  r.get("replicas", "-"), ms(r.get("attn_s")),
                   ms(r.get("moe_gemm_s")), ms(r.get("a2a_s")), ms(r.get("allreduce_s")), ms(r.get("other_s")),
-                  r["pruned"][:70]] for r in prefill_table(res)])
+                  r["pruned"][:70]] for r in prows])
     dec = Table("Decode options (analytic) at the batch cap, i.e. equal batch per rank across EP degrees",
                 ["topology/format", "EP", "cap", "k", "batch/rank", "step ms", "TPOT ms", "tok/s/user",
                  "tok/s/decode GPU", "attn ms", "moe_gemm ms", "a2a ms", "other ms", "pruned"],
@@ -469,4 +475,5 @@ def search_report_data(res):
         tables=[knob, *option_tables(res), prune],
         notes=[("tokens/s per GPU counts every allocated GPU (prefill and decode); tokens/s per user is the p50 "
                 "of 1/TPOT; cost per million output tokens = $/GPU-hour / (3600 x tokens/s per GPU) x 1e6"),
-               "est = the analytic estimate the pruning used (replicas from the input-token rate and Little's law)"])
+               "est = the analytic estimate the pruning used (replicas from the input-token rate and Little's law)",
+               *res.notes])

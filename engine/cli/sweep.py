@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="simulate many scenarios from a sweep spec (parallel, resumable) -> Pareto report",
         description="Expand a sweep spec (grid / points over dotted scenario fields), simulate the points in "
         "parallel processes (or on Ray), append results to DIR/results.jsonl as they finish (a re-run skips "
-        "done points), then write DIR/report.md, report.html and pareto.png.",
+        "done points), then write DIR/report.md, report.html and pareto.png (and the figures the spec's `figures` "
+        "list names, e.g. prefix_cache.png / .csv).",
     )
     p.add_argument("spec", nargs="?", help="sweep spec YAML (or a name under scenarios/sweeps/)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default rackbed-out/sweep-<name>)")
@@ -84,6 +85,12 @@ def _main(args: argparse.Namespace) -> int:
 
         files = write_report(out, data)
         console.print(f"[dim]wrote {', '.join(str(f) for f in files)}[/dim]")
+    if spec.figures:  # the spec's own figures (sim.sweep_figures), from every record, this run's or earlier
+        from rackbed.sim.sweep_figures import draw
+
+        figs = draw(spec, points, run.records, out)
+        if figs:
+            console.print(f"[dim]wrote {', '.join(str(f) for f in figs)}[/dim]")
     n_err = sum(1 for r in run.records if r.get("status") == "error")
     if n_err:
         console.print(f"[red]{n_err} point(s) failed with an internal error (see 'traceback' in the JSONL); "

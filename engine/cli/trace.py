@@ -22,19 +22,18 @@ holds only full blocks that end before the prompt's last token (prefill must com
 output token's logits); ``--full-blocks`` counts only those, in the caches and in the prompt blocks (the infinite
 cache's number is printed both ways).
 
-A brute-force reference (a set, an ``OrderedDict``), not the simulator's prefix cache.
+A brute-force reference (a set, an ``OrderedDict``: ``engine.core.prefix_reuse``, which ``rackbed search`` also
+uses to estimate a prefix cache's hit rate), not the simulator's prefix cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-BLOCK = 512  # engine.core.traces.HASH_BLOCK_TOKENS (imported lazily with the rest)
+from rackbed.engine.core.prefix_reuse import BLOCK, ReuseStats, prefix_reuse  # noqa: F401 (re-exported)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,83 +59,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ numbers
-
-
-@dataclass(frozen=True)
-class ReuseStats:
-    """Prefix reuse of a request stream (module docstring). Fractions are of all prompt tokens, requests without
-    ids included (they reuse nothing)."""
-
-    prompt_tokens: int
-    blocks: int                 # block ids over all requests
-    distinct_blocks: int
-    requests_with_ids: int
-    inconsistent_ids: int       # ids seen at more than one block position: not whole-prefix ids
-    reused_tokens_infinite: int
-    reused_tokens_lru: dict[int, int]
-
-    @property
-    def infinite(self) -> float:
-        return self.reused_tokens_infinite / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def lru(self, blocks: int) -> float:
-        return self.reused_tokens_lru[blocks] / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def _block_tokens(prompt: int, ids: Sequence[int], full_blocks: bool = False) -> list[int]:
-    """Tokens of each block that lies (partly) in the prompt, ids past a clipped prompt dropped; with
-    ``full_blocks``, only the full blocks that end before the prompt's last token."""
-    if full_blocks:
-        return [BLOCK] * min(len(ids), (prompt - 1) // BLOCK)
-    n = min(len(ids), -(-prompt // BLOCK))
-    return [min(BLOCK, prompt - BLOCK * j) for j in range(n)]
-
-
-def prefix_reuse(requests: Iterable, cache_blocks: Sequence[int] = (), full_blocks: bool = False) -> ReuseStats:
-    """Reuse of ``requests`` (``Request`` objects in arrival order) with an infinite cache and LRU caches of each
-    size in ``cache_blocks``; ``full_blocks``: only full blocks before the last prompt token (module docstring)."""
-    for c in cache_blocks:
-        if c < 1:
-            raise ValueError(f"--cache-blocks: must be >= 1, got {c}")
-    seen: set[int] = set()
-    pos: dict[int, int] = {}
-    inconsistent: set[int] = set()
-    lrus = {c: OrderedDict() for c in cache_blocks}
-    hits_lru = dict.fromkeys(cache_blocks, 0)
-    total = n_blocks = with_ids = hits_inf = 0
-    for r in requests:
-        total += r.prompt_tokens
-        ids = r.prefix_hash_ids
-        if not ids:
-            continue
-        with_ids += 1
-        tokens = _block_tokens(r.prompt_tokens, ids, full_blocks)
-        ids = ids[: len(tokens)]
-        n_blocks += len(ids)
-        hits_inf += _leading_hits(ids, tokens, seen)
-        for j, h in enumerate(ids):
-            if pos.setdefault(h, j) != j:
-                inconsistent.add(h)
-        seen.update(ids)
-        for c, cache in lrus.items():
-            hits_lru[c] += _leading_hits(ids, tokens, cache)
-            for h in reversed(ids):
-                if h in cache:
-                    cache.move_to_end(h)
-                else:
-                    cache[h] = None
-                    if len(cache) > c:
-                        cache.popitem(last=False)
-    return ReuseStats(total, n_blocks, len(seen), with_ids, len(inconsistent), hits_inf, hits_lru)
-
-
-def _leading_hits(ids: Sequence[int], tokens: Sequence[int], cache) -> int:
-    got = 0
-    for h, t in zip(ids, tokens, strict=True):
-        if h not in cache:
-            break
-        got += t
-    return got
 
 
 # ------------------------------------------------------------------------------------------------------ source
