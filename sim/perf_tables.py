@@ -52,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rackbed.sim import perf_tables_attention as pta
+from rackbed.sim import perf_tables_mla as ptm
 from rackbed.sim.perf_tables_base import (
     BACKENDS,
     GEMM_FMT,
@@ -327,13 +328,13 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
 # ------------------------------------------------------------------------------------------------ assembly
 
 
-IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall)
+IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall,
+                                                 *ptm.IMPORTERS)
 
 
 def _attention_importers() -> tuple[Callable[..., Imported], ...]:
-    from rackbed.sim import perf_tables_mla
+    return pta.IMPORTERS
 
-    return pta.IMPORTERS + perf_tables_mla.IMPORTERS
 
 
 def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None = None,
