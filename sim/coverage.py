@@ -111,6 +111,7 @@ def _calibration_gaps(calib, topo, model, prefill_plan, decode_plan) -> list[str
         gap = _gemm_gap(calib, name, fmt if what != "LM head" else "bf16", n, k, what)
         if gap:
             out.append(gap)
+    out += _mixer_gaps(calib, name, model)
     if model.n_experts:
         for role, plan in (("prefill", prefill_plan), ("decode", decode_plan)):
             ep, red = plan.ep, getattr(plan, "redundant_experts", 0)
@@ -159,3 +160,22 @@ PER_SEQUENCE_PREFILL_NOTE = "prefill attention: batches of"
 def _has_fp8_decode(calib, gpu: str) -> bool:
     """Whether ``calib`` has decode-attention curves of fp8 KV caches (key ``kv``) for ``gpu``."""
     return any(e.kind == "decode_attn_GBps" and e.gpu == gpu and e.key.get("kv") == "fp8" for e in calib.entries)
+
+
+def _mixer_gaps(calib, gpu: str, model) -> list[str]:
+    """Token-mixer kinds beyond GQA that the calibration has no curves for (their cores run on the roofline)."""
+    out = []
+    att = model.mixer("sliding")
+    if att is not None and not any(e.gpu == gpu and e.key.get("window") == att.window for e in calib.entries):
+        out.append(f"sliding-window attention (window {att.window}): not in the tables, priced at the rate of a "
+                   f"causal sequence of 2 x window tokens (prefill) and the decode bandwidth roofline")
+    mla = model.mixer("mla")
+    if mla is not None:
+        from rackbed.sim.costs.mla import mla_dims
+
+        dims = mla_dims(mla)
+        for kind in ("mla_prefill_tflops", "mla_decode_GBps", "mla_bmm_us"):
+            if not any(e.gpu == gpu and e.kind == kind and e.key.get("dims") == dims for e in calib.entries):
+                out.append(f"MLA ({dims}): no {kind} curves for these dims, first-principles roofline")
+    return out
+

@@ -27,7 +27,9 @@ alltoall_perf``,          n_ranks, payload)                 rank (tokens x hidde
 ========================  ================================  =====================================================
 
 Attention tables (``attention/*/{context,generation}_attention_perf``) become ``flash_tflops`` and
-``decode_attn_GBps`` curves (:mod:`sim.perf_tables_attention`).
+``decode_attn_GBps`` curves (:mod:`sim.perf_tables_attention`); MLA tables (``mla/*/{context,generation}_mla_perf``,
+``mla_bmm/*/mla_bmm_perf``) become ``mla_prefill_tflops``, ``mla_decode_GBps`` and ``mla_bmm_us`` curves
+(:mod:`sim.perf_tables_mla`).
 
 **Hold-out**: as ``rackbed calibrate`` does for the engine's own rows, every third point of each curve (indices 1,
 4, 7, ...; never an end point) is left out of the fit and predicted by the rackbed cost function the simulator
@@ -50,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rackbed.sim import perf_tables_attention as pta
+from rackbed.sim import perf_tables_mla as ptm
 from rackbed.sim.perf_tables_base import (
     BACKENDS,
     GEMM_FMT,
@@ -325,11 +328,13 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
 # ------------------------------------------------------------------------------------------------ assembly
 
 
-IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall)
+IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall,
+                                                 *ptm.IMPORTERS)
 
 
 def _attention_importers() -> tuple[Callable[..., Imported], ...]:
     return pta.IMPORTERS
+
 
 
 def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None = None,

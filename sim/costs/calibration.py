@@ -28,7 +28,16 @@ kind                    x                                 y                     
                                                                                      n_ranks, payload
 ``step_us``             sequences per rank in the step    µs of framework work per   phase (decode | prefill)
                                                           step beyond its kernels
+``mla_prefill_tflops``  sequence length (tokens)          achieved TFLOP/s           dims, n_heads, seqs, kv
+``mla_decode_GBps``     context tokens per sequence       latent bytes / time, GB/s  dims, n_heads, seqs, kv
+``mla_bmm_us``          tokens                            µs                         dims, op (pre | post),
+                                                                                     n_heads, fmt
 ======================  ================================  =========================  ================================
+
+The ``mla_*`` kinds are the MLA kernels (``sim.costs.mla``): ``dims`` = ``"kv_lora+rope/nope/v"``, ``n_heads``
+the heads on one GPU, ``seqs`` the sequences in the kernel (interpolated in ``log seqs`` by ``lookup_along``).
+``flash_tflops`` and ``decode_attn_GBps`` entries pinning ``window`` are sliding-window kernels; only
+sliding-window queries use them, and those use nothing else.
 
 ``moe_us`` is the routed-expert block of one MoE layer as a serving stack runs it (routing / top-k, permute, the
 expert GEMMs, unpermute and the weighted sum; not the router GEMM, not the dispatch / combine communication): when an
