@@ -7,8 +7,9 @@ user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`):
 * ``sglang``: ``launch.sh`` — one ``python -m sglang.launch_server`` line per group and node
   (``--disaggregation-mode prefill|decode``, ``--tp``, ``--dp`` + ``--enable-dp-attention``, ``--ep-size``,
   ``--max-running-requests``, ``--chunked-prefill-size``, ``--page-size``, ``--kv-cache-dtype``, speculative
-  flags; ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` for a group across nodes) and the PD router.
-* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers), ``disagg.yaml``
+  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` for a group across nodes) and the PD router.
+* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; redundant
+  experts as ``moe_config.load_balancer.num_slots``), ``disagg.yaml``
   (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh``.
 * ``dynamo``: ``graph.yaml`` — a ``DynamoGraphDeployment`` (frontend, prefill and decode worker services on the
   SGLang backend, the same engine arguments as ``sglang``).
@@ -81,6 +82,8 @@ class Plan:
     draft_model: str | None = None  # the draft model's name or config (draft_kind ``model``)
     aggregated: tuple[Group, ...] = ()  # deployment: aggregated (then no prefill / decode groups)
     chunk_tokens: int | None = None     # aggregated: the most prompt tokens of one request in a step
+    n_experts: int = 0                  # routed experts of the model
+    decode_redundant_experts: int = 0   # decode.redundant_experts: extra expert slots (wide EP)
 
     @property
     def is_aggregated(self) -> bool:
@@ -114,7 +117,7 @@ def plan_of(sc) -> Plan:
                 tuple(group(g, "prefill", p.tp, p.ep) for g in dep.prefillers),
                 tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
                 p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers),
-                kind, dmodel)
+                kind, dmodel, n_experts=b.model.n_experts, decode_redundant_experts=d.redundant_experts)
 
 
 def unmapped(sc, engine: str, pl: Plan) -> list[str]:
@@ -170,6 +173,9 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
         a += ["--dp", str(g.dp), "--enable-dp-attention"]
     if g.ep > 1:
         a += ["--ep-size", str(g.ep)]
+    if g.role == "decode" and pl.decode_redundant_experts:
+        # wide EP: the redundant expert slots (EPLB places and rebalances them)
+        a += ["--ep-num-redundant-experts", str(pl.decode_redundant_experts), "--enable-eplb"]
     a += ["--page-size", str(pl.page_tokens),
           "--kv-cache-dtype", "fp8_e4m3" if pl.kv_dtype == "fp8" else "auto"]
     quant = SGLANG_QUANT.get(pl.weight_format)
@@ -275,6 +281,9 @@ def trtllm_options(pl: Plan, role: str) -> dict:
     else:
         o.update(max_batch_size=pl.decode_batch_per_rank,
                  max_num_tokens=pl.decode_batch_per_rank * (pl.draft_k + 1))
+        if pl.decode_redundant_experts:   # wide EP: expert slots = experts + redundant copies, load-balanced
+            o["moe_config"] = {"load_balancer": {"num_slots": pl.n_experts + pl.decode_redundant_experts,
+                                                 "layer_updates_per_iter": 1}}
         if pl.draft_k and pl.draft_kind == "model":
             o["speculative_config"] = {"decoding_type": "Draft_Target", "max_draft_len": pl.draft_k,
                                        "speculative_model_dir": "${DRAFT_MODEL_PATH}"}

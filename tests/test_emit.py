@@ -134,3 +134,19 @@ def test_scripts_are_valid_bash(case):
     for e in ("sglang", "trtllm"):
         r = subprocess.run(["bash", "-n"], input=case[1][e]["launch.sh"], text=True, capture_output=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_wide_ep_decoder_emits_its_redundant_experts():
+    """DeepSeek-V3 with an EP72 decoder and 32 redundant experts: SGLang's decode servers get
+    ``--ep-num-redundant-experts 32`` (with EPLB), TensorRT-LLM's generation options 288 load-balancer slots; the
+    prefill servers neither."""
+    sc = load_scenario(scenarios.resolve("dsv3_nvl72_ep72"))
+    assert sc.decode.redundant_experts == 32
+    files = emit_files(sc, "sglang")
+    cmds = _commands(files["launch.sh"])
+    dec, pre = _worker_flags(cmds, "decode"), _worker_flags(cmds, "prefill")
+    assert dec and all(f["--ep-num-redundant-experts"] == ["32"] and "--enable-eplb" in f for f in dec)
+    assert pre and all("--ep-num-redundant-experts" not in f for f in pre)
+    tr = emit_files(sc, "trtllm")
+    gen, ctx = yaml.safe_load(tr["gen.yaml"]), yaml.safe_load(tr["ctx.yaml"])
+    assert gen["moe_config"]["load_balancer"]["num_slots"] == 256 + 32 and "moe_config" not in ctx

@@ -215,19 +215,19 @@ class RoundRobinRouting:
 
 
 class RandomRouting:
-    """A uniformly random candidate with queue room (its own seeded ``random.Random``: deterministic for a seed,
-    independent of the scheduler's MTP draws)."""
+    """A uniformly random candidate with queue room (its own seeded ``numpy.random.Generator``: deterministic for a
+    seed, independent of the scheduler's MTP draws)."""
 
     name: ClassVar[str] = "random"
 
     def __init__(self, seed: int = 0) -> None:
-        import random
+        import numpy as np
 
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
 
     def choose(self, candidates: Sequence[P], requeue: bool, req=None) -> P | None:
         ok = [p for p in candidates if _has_room(p, requeue)]
-        return ok[self.rng.randrange(len(ok))] if ok else None
+        return ok[int(self.rng.integers(len(ok)))] if ok else None
 
 
 class FewestRequests:
