@@ -17,7 +17,8 @@ table                     rackbed kind                      how
 ``gemm/*/gemm_perf``      ``gemm_tflops`` (fmt, n, k)       one curve per format and (n, k), x = m, y = 2mnk / t;
                                                             (n, k) is a measured grid: other shapes interpolate
 ``moe/*/moe_perf``        ``moe_us`` (fmt, hidden, inter,   the whole routed-expert block, x = tokens into the EP
-                          top_k, n_experts, tp, ep, dist)   group, balanced routing, fastest kernel source per point
+                          top_k, n_experts, tp, ep, dist)   group, balanced routing, fastest kernel source per point;
+                                                            MXFP4 experts as fmt ``mxfp4`` (``MXFP4_MOE``)
 ``comm/nccl/*/nccl_perf`` ``allreduce_us`` (ring, n_ranks)  NCCL all-reduce, x = bytes per rank (fp16 elements x 2)
 ``comm/<backend>/*/       ``allreduce_us`` (oneshot and     the stack's own all-reduce (it picks one- or two-shot
 custom_allreduce_perf``   twoshot, n_ranks)                 itself): the same curve under both names

@@ -18,7 +18,7 @@ replayed from a CUDA graph, latency in ms):
   batch 4b: 0.93-1.06x, mostly within 2 %) — the kernel's parallel units are sequences x KV heads, rackbed's
   ``seq_heads``; ``g`` itself moves the time by a few per cent up to 16 (8 vs 16: mostly 0.93-1.0x).
 
-What becomes a curve (full attention: ``window_size`` 0; head dims ``HEAD_DIMS``; at each point the fastest kernel
+What becomes a curve (full attention, ``window_size`` 0; sliding windows below; head dims ``HEAD_DIMS``; at each point the fastest kernel
 source of the table):
 
 * ``flash_tflops`` (key ``head_dim, n_q_heads, n_kv_heads``; a grid over the two head counts, so a head
@@ -50,7 +50,16 @@ source of the table):
   median 1-3 % off per group size; with 24-32, 20 % low, with 48 or more, shapes the kernel runs compute-bound,
   85 % low — the datasheet rate is 70-97 % low).
 
-Not imported: sliding-window rows (``window_size`` > 0), head dims outside ``HEAD_DIMS`` (192: MLA-like shapes),
+Sliding-window rows (``window_size`` > 0: 128 at head dim 64 — gpt-oss —, 8192 at 128, 1024 at 256) become curves
+of their own, pinning ``window`` (only sliding-window queries match them, and those match nothing else), built as
+above with two changes: a prefill curve's y is ``4 H D x window`` FLOPs per sequence over the time (every query
+against a whole window, :func:`sim.costs.attention.sliding_window_flops`: a power law in ``x``, where the attended
+pairs kink at the window and log-log interpolation across the kink was ~30 % off), and a decode curve's x is the
+sequence's whole context (``step + 1``: the measured time keeps growing past the window, H200 64 / 8 heads at 16
+sequences 11 us at 256 tokens, 32 us at 32k) with y the bytes of its last ``window`` tokens over the time. Groups
+``sliding window`` (prefill) and ``<kv> KV, sliding window`` (decode).
+
+Not imported: head dims outside ``HEAD_DIMS`` (192: MLA-like shapes),
 prefills with a cached prefix (the tables have none: rackbed prices ``q`` new after ``c`` cached tokens at the
 rate of ``q + c``), beam search. (The package's collector runs head dim 64 with attention sinks, as gpt-oss has.)
 """
