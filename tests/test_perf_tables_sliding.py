@@ -12,16 +12,16 @@ import pytest
 pytest.importorskip("aiconfigurator_core", reason="needs the tables extra: pip install 'rackbed[tables]'")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from rackbed.engine.core.model import get_model  # noqa: E402
-from rackbed.sim import perf_tables as pt  # noqa: E402
-from rackbed.sim.calibrate import default_calibration_for  # noqa: E402
-from rackbed.sim.costs.attention import (  # noqa: E402
+from rackbed.engine.core.model import get_model
+from rackbed.sim import perf_tables as pt
+from rackbed.sim.calibrate import default_calibration_for
+from rackbed.sim.costs.attention import (
     full_attention_decode,
     sliding_attention_decode,
     sliding_attention_prefill,
 )
-from rackbed.sim.costs.moe_block import moe_block_s  # noqa: E402
-from rackbed.topology.specs import GPUS  # noqa: E402
+from rackbed.sim.costs.moe_block import moe_block_s
+from rackbed.topology.specs import GPUS
 
 GPU = GPUS["H200-SXM"]
 ATT = "h200_sxm/attention/trtllm/1.3.0rc20/"
