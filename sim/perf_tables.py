@@ -17,7 +17,8 @@ table                     rackbed kind                      how
 ``gemm/*/gemm_perf``      ``gemm_tflops`` (fmt, n, k)       one curve per format and (n, k), x = m, y = 2mnk / t;
                                                             (n, k) is a measured grid: other shapes interpolate
 ``moe/*/moe_perf``        ``moe_us`` (fmt, hidden, inter,   the whole routed-expert block, x = tokens into the EP
-                          top_k, n_experts, tp, ep, dist)   group, balanced routing, fastest kernel source per point
+                          top_k, n_experts, tp, ep, dist)   group, balanced routing, fastest kernel source per point;
+                                                            MXFP4 experts as fmt ``mxfp4`` (``MXFP4_MOE``)
 ``comm/nccl/*/nccl_perf`` ``allreduce_us`` (ring, n_ranks)  NCCL all-reduce, x = bytes per rank (fp16 elements x 2)
 ``comm/<backend>/*/       ``allreduce_us`` (oneshot and     the stack's own all-reduce (it picks one- or two-shot
 custom_allreduce_perf``   twoshot, n_ranks)                 itself): the same curve under both names
@@ -149,6 +150,13 @@ def import_gemm(root: Path, system: str, backend: str, gpu: str) -> Imported:
 # ------------------------------------------------------------------------------------------------ MoE
 
 
+#: MoE ``moe_dtype`` -> rackbed weight format, beyond ``GEMM_FMT``: MXFP4 experts (gpt-oss) as the stack runs them,
+#: with bf16 activations (``w4a16``: the only MXFP4 MoE measured on Hopper, which has no FP4 tensor cores) or MXFP8
+#: activations (``w4a8``: Blackwell); a shape measured both ways takes the first of ``MXFP4_MOE`` (the faster)
+MXFP4_MOE = ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4")
+MOE_FMT = {**GEMM_FMT, **{d: "mxfp4" for d in MXFP4_MOE}}
+
+
 def import_moe(root: Path, system: str, backend: str, gpu: str) -> Imported:
     out = Imported(grid={"moe_us": ("ep",)})
     tabs = find_tables(root, system, "moe", backend, "moe_perf.parquet")
@@ -156,7 +164,7 @@ def import_moe(root: Path, system: str, backend: str, gpu: str) -> Imported:
             "moe_tp_size", "moe_ep_size", "distribution", "latency")
 
     def usable(r) -> bool:
-        return (str(r["moe_dtype"]) in GEMM_FMT and str(r["distribution"]) == "balanced"
+        return (str(r["moe_dtype"]) in MOE_FMT and str(r["distribution"]) == "balanced"
                 and "nongated" not in str(r["kernel_source"]))
 
     cache: dict = {}
@@ -165,23 +173,42 @@ def import_moe(root: Path, system: str, backend: str, gpu: str) -> Imported:
         out.notes.append(f"no MoE table for {system}/{backend}")
         return out
     rows = cached_rows(t, cols, cache)
+
+    def shape(r) -> tuple:
+        return (MOE_FMT[str(r["moe_dtype"])], int(r["hidden_size"]), int(r["inter_size"]), int(r["topk"]),
+                int(r["num_experts"]), int(r["moe_tp_size"]), int(r["moe_ep_size"]))
+
+    # per MXFP4 shape, the table's dtype it is read from (the first of MXFP4_MOE measured at that shape)
+    mx: dict[tuple, str] = {}
+    for r in rows:
+        d = str(r["moe_dtype"])
+        if d in MXFP4_MOE and usable(r):
+            k = shape(r)
+            if k not in mx or MXFP4_MOE.index(d) < MXFP4_MOE.index(mx[k]):
+                mx[k] = d
     curves: dict[tuple, Curve] = {}
     used = 0
     for r in rows:
         if not usable(r):
             continue
-        key = {"fmt": GEMM_FMT[str(r["moe_dtype"])], "hidden": int(r["hidden_size"]), "inter": int(r["inter_size"]),
-               "top_k": int(r["topk"]), "n_experts": int(r["num_experts"]), "tp": int(r["moe_tp_size"]),
-               "ep": int(r["moe_ep_size"]), "dist": "balanced"}
-        kt = tuple(key[f] for f in ("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep"))
+        kt = shape(r)
+        d = str(r["moe_dtype"])
+        if d in MXFP4_MOE and mx[kt] != d:
+            continue
         c = curves.get(kt)
         if c is None:
-            c = curves[kt] = Curve("moe_us", key, _source(t) + " (balanced routing; fastest kernel source)")
+            key = dict(zip(("fmt", "hidden", "inter", "top_k", "n_experts", "tp", "ep"), kt)) | {"dist": "balanced"}
+            how = f"{d}, " if d in MXFP4_MOE else ""
+            c = curves[kt] = Curve("moe_us", key, _source(t) + f" ({how}balanced routing; fastest kernel source)")
         s = r["latency"] * latency_s(t)
         c.add(float(int(r["num_tokens"])), _sig(s * 1e6), s)
         used += 1
     out.curves = [curves[k] for k in sorted(curves)]
     out.tables.append(_table_meta(t, len(rows), used))
+    if mx:
+        shapes = sorted({(k[1], k[2], k[3], k[4], mx[k]) for k in mx})
+        out.notes.append("MoE blocks with MXFP4 experts (fmt mxfp4): " + ", ".join(
+            f"{h}/{i} top-{tk} of {n} ({d})" for h, i, tk, n, d in shapes))
 
     def predict(calib, c: Curve, x: float) -> float:
         return calib.lookup("moe_us", gpu, x, **c.key) * 1e-6

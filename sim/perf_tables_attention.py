@@ -18,7 +18,7 @@ replayed from a CUDA graph, latency in ms):
   batch 4b: 0.93-1.06x, mostly within 2 %) — the kernel's parallel units are sequences x KV heads, rackbed's
   ``seq_heads``; ``g`` itself moves the time by a few per cent up to 16 (8 vs 16: mostly 0.93-1.0x).
 
-What becomes a curve (full attention: ``window_size`` 0; head dims ``HEAD_DIMS``; at each point the fastest kernel
+What becomes a curve (full attention, ``window_size`` 0; sliding windows below; head dims ``HEAD_DIMS``; at each point the fastest kernel
 source of the table):
 
 * ``flash_tflops`` (key ``head_dim, n_q_heads, n_kv_heads``; a grid over the two head counts, so a head
@@ -50,7 +50,16 @@ source of the table):
   median 1-3 % off per group size; with 24-32, 20 % low, with 48 or more, shapes the kernel runs compute-bound,
   85 % low — the datasheet rate is 70-97 % low).
 
-Not imported: sliding-window rows (``window_size`` > 0), head dims outside ``HEAD_DIMS`` (192: MLA-like shapes),
+Sliding-window rows (``window_size`` > 0: 128 at head dim 64 — gpt-oss —, 8192 at 128, 1024 at 256) become curves
+of their own, pinning ``window`` (only sliding-window queries match them, and those match nothing else), built as
+above with two changes: a prefill curve's y is ``4 H D x window`` FLOPs per sequence over the time (every query
+against a whole window, :func:`sim.costs.attention.sliding_window_flops`: a power law in ``x``, where the attended
+pairs kink at the window and log-log interpolation across the kink was ~30 % off), and a decode curve's x is the
+sequence's whole context (``step + 1``: the measured time keeps growing past the window, H200 64 / 8 heads at 16
+sequences 11 us at 256 tokens, 32 us at 32k) with y the bytes of its last ``window`` tokens over the time. Groups
+``sliding window`` (prefill) and ``<kv> KV, sliding window`` (decode).
+
+Not imported: head dims outside ``HEAD_DIMS`` (192: MLA-like shapes),
 prefills with a cached prefix (the tables have none: rackbed prices ``q`` new after ``c`` cached tokens at the
 rate of ``q + c``), beam search. (The package's collector runs head dim 64 with attention sinks, as gpt-oss has.)
 """
@@ -103,8 +112,13 @@ def _net(seconds: float) -> float:
     return max(seconds - FIXED_S, NET_FLOOR * seconds)
 
 
-def prefill_flops(n_q_heads: int, head_dim: int, seq: int) -> float:
-    """Causal attention FLOPs of one sequence of ``seq`` new tokens (``full_attention_prefill``'s count)."""
+def prefill_flops(n_q_heads: int, head_dim: int, seq: int, window: int = 0) -> float:
+    """Causal attention FLOPs of one sequence of ``seq`` new tokens (``full_attention_prefill``'s count); with a
+    ``window``, ``seq x window`` pairs: every query against a whole window, the work measure of the sliding-window
+    curves (``sliding_window_flops``), a power law in ``seq``, so that the curves interpolate across the window
+    (the attended pairs grow as ``seq^2`` below it and as ``seq`` above, a kink log-log interpolation misses by ~30 %)."""
+    if window:
+        return 4.0 * n_q_heads * head_dim * seq * window
     return 4.0 * n_q_heads * head_dim * seq * (seq + 1) / 2
 
 
@@ -113,11 +127,20 @@ def decode_kv_bytes(batch: int, ctx: int, n_kv_heads: int, head_dim: int, elem_b
     return batch * ctx * 2 * n_kv_heads * head_dim * elem_bytes
 
 
-@lru_cache(maxsize=256)
-def _model(n_q_heads: int, n_kv_heads: int, head_dim: int):
+#: a model with sliding-window layers, whose copy with other heads and window prices a sliding-window row
+WINDOW_MODEL = "gpt-oss-120b"
+
+
+@lru_cache(maxsize=1024)
+def _model(n_q_heads: int, n_kv_heads: int, head_dim: int, window: int = 0):
     from rackbed.sim.calibration.predict import attn_model
 
-    return attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
+    if not window:
+        return attn_model(None, {"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim})
+    from rackbed.engine.core.model import get_model
+
+    return get_model(WINDOW_MODEL).model_copy(update={"n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads,
+                                                      "head_dim": head_dim, "sliding_window": window})
 
 
 def _summary_pct(errs: list[float]) -> str:
@@ -130,7 +153,7 @@ def _summary_pct(errs: list[float]) -> str:
 
 
 def _ctx_usable(r: dict) -> bool:
-    return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) == 0 and int(r["step"]) == 0
+    return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) >= 0 and int(r["step"]) == 0
             and str(r["attn_dtype"]) in BF16 and str(r["kv_cache_dtype"]) in BF16
             and int(r["num_heads"]) % int(r["num_key_value_heads"]) == 0)
 
@@ -145,23 +168,30 @@ def import_context_attention(root: Path, system: str, backend: str, gpu: str) ->
         return out
     rows = cached_rows(t, CTX_COLS, cache)
     usable = [r for r in rows if _ctx_usable(r)]
-    single = {(int(r["head_dim"]), int(r["num_heads"]), int(r["num_key_value_heads"])) for r in usable
-              if int(r["batch_size"]) == 1}
+    single = {(int(r["window_size"]), int(r["head_dim"]), int(r["num_heads"]), int(r["num_key_value_heads"]))
+              for r in usable if int(r["batch_size"]) == 1}
     curves: dict[tuple, Curve] = {}
     #: batched curve -> (query heads, KV heads, sequences) of the rows it is priced as (the fewest sequences)
     rep: dict[tuple, tuple[int, int, int]] = {}
     paired: list[tuple[dict, tuple]] = []  # batched rows whose heads across the batch have one-sequence rows
     used = 0
     for r in usable:
-        d, h, kv, q, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "isl", "batch_size"))
-        k = (d, b * h, b * kv)
+        w, d, h, kv, q, b = (int(r[f]) for f in ("window_size", "head_dim", "num_heads", "num_key_value_heads",
+                                                  "isl", "batch_size"))
+        k = (w, d, b * h, b * kv)
         if b > 1 and k in single:
-            paired.append((r, k))
+            if not w:
+                paired.append((r, k))
             continue
         c = curves.get(k)
         if c is None:
             key = {"head_dim": d, "n_q_heads": b * h, "n_kv_heads": b * kv}
-            if b == 1:
+            if w:  # sliding window: curves of their own, x = the sequence's length, y = its windowed FLOPs / time
+                key["window"] = w
+                c = Curve("flash_tflops", key, _source(t) + f" (sliding window {w}, "
+                          + ("batch 1" if b == 1 else "batched rows as sequences x heads") + ", bf16, fastest)",
+                          group="sliding window")
+            elif b == 1:
                 c = Curve("flash_tflops", key, _source(t) + " (batch 1, bf16, fastest kernel source)",
                           group="one sequence")
             else:
@@ -171,25 +201,35 @@ def import_context_attention(root: Path, system: str, backend: str, gpu: str) ->
         if b > 1 and (k not in rep or b < rep[k][2]):
             rep[k] = (h, kv, b)
         s = r["latency"] * 1e-3
-        c.add(float(q), _sig(prefill_flops(b * h, d, q) / _net(s) / 1e12), s)
+        c.add(float(q), _sig(prefill_flops(b * h, d, q, w) / _net(s) / 1e12), s)
         used += 1
     out.curves = [curves[k] for k in sorted(curves)]
     out.tables.append(_table_meta(t, len(rows), used))
-    dims = sorted({k[0] for k in curves})
-    out.notes.append(f"prefill attention: curves at head dims {', '.join(map(str, dims))} for {len(single)} head "
-                     f"configurations (query / KV heads per GPU, interpolated between) and {len(rep)} more from "
-                     f"batched rows: n sequences of h / kv heads run as one sequence of n h / n kv heads "
-                     + _pair_note(paired, curves))
+    full = {k: c for k, c in curves.items() if not k[0]}
+    dims = sorted({k[1] for k in full})
+    out.notes.append(f"prefill attention: curves at head dims {', '.join(map(str, dims))} for "
+                     f"{sum(1 for k in single if not k[0])} head configurations (query / KV heads per GPU, "
+                     f"interpolated between) and {sum(1 for k in rep if not k[0])} more from batched rows: n "
+                     f"sequences of h / kv heads run as one sequence of n h / n kv heads " + _pair_note(paired, curves))
+    windows = sorted({(k[0], k[1]) for k in curves if k[0]})
+    if windows:
+        out.notes.append("prefill sliding-window attention (key window; x = the sequence's length, y = the FLOPs of "
+                         "its attended pairs over the time): " + ", ".join(
+                             f"window {w} at head dim {d} ({sum(1 for k in curves if k[:2] == (w, d))} curves)"
+                             for w, d in windows))
 
     def predict(calib, c: Curve, x: float) -> float:
         from rackbed.sim.costs.attention import full_attention_prefill
 
-        d = c.key["head_dim"]
-        h, kv, b = rep.get((d, c.key["n_q_heads"], c.key["n_kv_heads"]), (c.key["n_q_heads"], c.key["n_kv_heads"], 1))
-        return full_attention_prefill(_gpu(gpu), _model(h, kv, d), [(int(x), 0)] * b, tp=1, calib=calib).core_s
+        d, w = c.key["head_dim"], int(c.key.get("window", 0))
+        h, kv, b = rep.get((w, d, c.key["n_q_heads"], c.key["n_kv_heads"]),
+                           (c.key["n_q_heads"], c.key["n_kv_heads"], 1))
+        return full_attention_prefill(_gpu(gpu), _model(h, kv, d, w), [(int(x), 0)] * b, tp=1, calib=calib,
+                                      kind="sliding" if w else "full").core_s
 
     out.predict["flash_tflops"] = predict
-    note = batch_note([r for r in usable if int(r["batch_size"]) > 1], out.curves, gpu)
+    note = batch_note([r for r in usable if int(r["batch_size"]) > 1 and not int(r["window_size"])],
+                      [c for c in out.curves if "window" not in c.key], gpu)
     if note:
         out.notes.append(note)
     return out
@@ -243,7 +283,7 @@ def batch_note(batched: list[dict], curves: list[Curve], gpu: str) -> str | None
 
 
 def _gen_usable(r: dict) -> bool:
-    return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) == 0 and int(r["isl"]) == 1
+    return (int(r["head_dim"]) in HEAD_DIMS and int(r["window_size"]) >= 0 and int(r["isl"]) == 1
             and (int(r["num_heads"]), int(r["num_key_value_heads"])) in DECODE_HEADS)
 
 
@@ -268,41 +308,53 @@ def import_generation_attention(root: Path, system: str, backend: str, gpu: str)
         if not _gen_usable(r) or fmt is None:
             continue
         kvf, eb = fmt
-        d, h, kv, b = (int(r[f]) for f in ("head_dim", "num_heads", "num_key_value_heads", "batch_size"))
+        w, d, h, kv, b = (int(r[f]) for f in ("window_size", "head_dim", "num_heads", "num_key_value_heads",
+                                               "batch_size"))
         ctx = int(r["step"]) + 1
-        c = curves.get((kvf, d, h, kv, b))
+        c = curves.get((w, kvf, d, h, kv, b))
         if c is None:
             key = {"head_dim": d, "seq_heads": b * kv, "kv": kvf}
-            src = _source(t) + f" ({kvf} KV, batch {b}, fastest kernel source"
+            src = _source(t) + (f" (sliding window {w}, " if w else " (") + f"{kvf} KV, batch {b}, fastest kernel source"
             if (h, kv) == GENERIC_DECODE_HEADS:
                 src += f"; {h} / {kv} heads, for any head counts of head dim {d} without curves of their own)"
             else:
                 key |= {"n_q_heads": h, "n_kv_heads": kv}
                 src += ")"
-            c = curves[(kvf, d, h, kv, b)] = Curve("decode_attn_GBps", key, src, group=f"{kvf} KV")
+            if w:
+                key["window"] = w
+            c = curves[(w, kvf, d, h, kv, b)] = Curve("decode_attn_GBps", key, src,
+                                                      group=f"{kvf} KV" + (", sliding window" if w else ""))
         s = r["latency"] * 1e-3
-        c.add(float(ctx), _sig(decode_kv_bytes(b, ctx, kv, d, eb) / _net(s) / 1e9), s)
+        # x = the sequence's context (the kernel's time keeps growing past the window); the bytes are the window's
+        c.add(float(ctx), _sig(decode_kv_bytes(b, min(ctx, w) if w else ctx, kv, d, eb) / _net(s) / 1e9), s)
         used += 1
     out.curves = [curves[k] for k in sorted(curves)]
     out.tables.append(_table_meta(t, len(rows), used))
-    dims = sorted({k[1] for k in curves})
-    fmts = sorted({k[0] for k in curves})
+    dims = sorted({k[2] for k in curves if not k[0]})
+    fmts = sorted({k[1] for k in curves})
     out.notes.append(f"decode attention: {' and '.join(fmts)} KV caches (key kv), head dims "
                      f"{', '.join(map(str, dims))}, head configurations "
                      f"{' '.join(f'{h}/{kv}' for h, kv in DECODE_HEADS)} (query / KV heads per GPU); others of these "
                      f"head dims priced by the {GENERIC_DECODE_HEADS[0]}/{GENERIC_DECODE_HEADS[1]} curves at their "
                      f"sequences x KV heads")
+    windows = sorted({(k[0], k[2]) for k in curves if k[0]})
+    if windows:
+        out.notes.append("decode sliding-window attention (key window; x = the sequence's context, y = the bytes of "
+                         "its last window tokens over the time): " + ", ".join(
+                             f"window {w} at head dim {d} ({sum(1 for k in curves if (k[0], k[2]) == (w, d))} curves)"
+                             for w, d in windows))
 
     def predict(calib, c: Curve, x: float) -> float:
-        from rackbed.sim.costs.attention import full_attention_decode
+        from rackbed.sim.costs.attention import full_attention_decode, sliding_attention_decode
 
         h = int(c.key.get("n_q_heads", GENERIC_DECODE_HEADS[0]))
         kv = int(c.key.get("n_kv_heads", GENERIC_DECODE_HEADS[1]))
-        m = _model(h, kv, c.key["head_dim"])
+        w = int(c.key.get("window", 0))
+        m = _model(h, kv, c.key["head_dim"], w)
         batch = int(c.key["seq_heads"]) // kv
         eb = 1.0 if c.key["kv"] == "fp8" else 2.0
-        return full_attention_decode(_gpu(gpu), m, [int(x)] * batch, tp=1, page_tokens=1, kv_elem_bytes=eb,
-                                     calib=calib).core_s
+        decode = sliding_attention_decode if w else full_attention_decode
+        return decode(_gpu(gpu), m, [int(x)] * batch, tp=1, page_tokens=1, kv_elem_bytes=eb, calib=calib).core_s
 
     out.predict["decode_attn_GBps"] = predict
     return out

@@ -120,16 +120,23 @@ def test_h200_holdout_meets_targets(h200_doc):
     assert set(v) == {"flash_tflops", "decode_attn_GBps"}
     groups = h200_doc["meta"]["validation_groups"]
     assert set(groups) == {"flash_tflops: one sequence", "flash_tflops: batched", "decode_attn_GBps: bf16 KV",
-                           "decode_attn_GBps: fp8 KV"}
+                           "decode_attn_GBps: fp8 KV", "flash_tflops: sliding window",
+                           "decode_attn_GBps: bf16 KV, sliding window", "decode_attn_GBps: fp8 KV, sliding window"}
     for kind, s in (v | groups).items():
         assert s["n"] > 300, kind
-        assert s["median_pct"] <= 5.0 and s["p90_pct"] <= 15.0, (kind, s)
+        # sliding-window prefill: the held-out row at the window's length sits where the kernel's time steps up
+        # (~15 % off); the other rows are within a few per cent
+        p90 = 20.0 if kind == "flash_tflops: sliding window" else 15.0
+        assert s["median_pct"] <= 5.0 and s["p90_pct"] <= p90, (kind, s)
     for kind in v:
         assert v[kind]["n"] == sum(g["n"] for k, g in groups.items() if k.startswith(kind + ": "))
     rows = pt.validation_table(h200_doc["meta"])
     assert [r.split(" |")[0] for r in rows[2:]] == ["| decode_attn_GBps", "| decode_attn_GBps: bf16 KV",
-                                                    "| decode_attn_GBps: fp8 KV", "| flash_tflops",
-                                                    "| flash_tflops: batched", "| flash_tflops: one sequence"]
+                                                    "| decode_attn_GBps: bf16 KV, sliding window",
+                                                    "| decode_attn_GBps: fp8 KV",
+                                                    "| decode_attn_GBps: fp8 KV, sliding window", "| flash_tflops",
+                                                    "| flash_tflops: batched", "| flash_tflops: one sequence",
+                                                    "| flash_tflops: sliding window"]
     assert h200_doc["grid"] == {"flash_tflops": ["n_q_heads", "n_kv_heads"]}
     files = {t["file"] for t in h200_doc["meta"]["tables"]}
     assert files == {"h200_sxm/attention/trtllm/1.3.0rc20/context_attention_perf.parquet",
@@ -322,7 +329,7 @@ def test_batched_rows_priced_as_measured(h200_parts, h200_table):
     new, old = [], []
     for i, r in enumerate(pt.read_rows(ctx, pta.CTX_COLS)):
         b, q = int(r["batch_size"]), int(r["isl"])
-        if not pta._ctx_usable(r) or not 2 <= b <= 8 or q < 512 or i % 5:
+        if not pta._ctx_usable(r) or int(r["window_size"]) or not 2 <= b <= 8 or q < 512 or i % 5:
             continue
         m = pta._model(int(r["num_heads"]), int(r["num_key_value_heads"]), int(r["head_dim"]))
         t = r["latency"] * 1e-3
@@ -340,8 +347,8 @@ def test_fp8_kv_curves_price_the_fp8_rows(h200_parts, h200_table):
     """Every decode head configuration has fp8-KV curves of its own; through full_attention_decode at 1 B per
     element they price the table's fp8 rows, which the bf16 curves at 1 B per element miss by far more."""
     gen = h200_parts[1]
-    fp8 = [c for c in gen.curves if c.key["kv"] == "fp8"]
-    bf16 = [c for c in gen.curves if c.key["kv"] == "bf16"]
+    fp8 = [c for c in gen.curves if c.key["kv"] == "fp8" and "window" not in c.key]
+    bf16 = [c for c in gen.curves if c.key["kv"] == "bf16" and "window" not in c.key]
     assert len(fp8) == len(bf16) == 540
     bf16_only = CalibrationTable(entries=tuple(e for e in h200_table.entries if e.key.get("kv") != "fp8"),
                                  interpolation="log-log")

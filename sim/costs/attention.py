@@ -154,6 +154,13 @@ def flash_rate(calib: CalibrationTable | None, gpu: GpuSpec, seq_tokens: float, 
     return y0 if y1 is None else y0 + math.log2(copies / n0) * (y1 - y0)
 
 
+def sliding_window_flops(att, new_tokens: int, tp: int = 1) -> float:
+    """The work measure of the measured sliding-window prefill curves: every new token against a whole window
+    (``new_tokens x window`` pairs), whatever it attends (a power law in the length, which the curves
+    interpolate smoothly across the window; :mod:`sim.perf_tables_attention`)."""
+    return att.core_flops_per_pair(tp) * new_tokens * att.window
+
+
 def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]], *, tp: int = 1,
                            fmt: str = "bf16", calib: CalibrationTable | None = None,
                            kind: str = "full") -> AttentionCost:
@@ -171,18 +178,20 @@ def full_attention_prefill(gpu: GpuSpec, model, seqs: Sequence[tuple[int, int]],
     window = getattr(att, "window", 0)
     for q, c, f in work:
         copies = _copies(total, f)
-        # a sliding-window layer runs at the rate of a causal sequence with as many keys per query (2 x window),
-        # its measured curves (``window``) where the calibration has them
-        seq = q + c if not window else min(q + c, 2 * window)
+        # a sliding-window layer: its measured curves (key ``window``, x = the sequence's length) where the
+        # calibration has them, else the rate of a causal sequence with as many keys per query (2 x window)
+        seq = q + c
         measured = flash_rate(calib, gpu, seq, d, h, hkv, copies, window)
-        rate = measured * 1e12 if measured is not None else peak * flash_efficiency(gpu, seq)
-        core_s += f / rate
+        rate = measured * 1e12 if measured is not None else \
+            peak * flash_efficiency(gpu, min(seq, 2 * window) if window else seq)
+        work = sliding_window_flops(att, q, tp) if window and measured is not None else f
+        core_s += work / rate
         flops += f
         kv_bytes += att.kv_read_bytes(att.kv_tokens(q + c), tp, 2)
         if measured is not None and mixed:
             # a mixed batch is never faster than its slowest sequence alone (the copies rule is measured on
             # equal sequences only; a short sequence beside a long cached one would otherwise borrow a batch's rate)
-            alone_s = max(alone_s, f / (flash_rate(calib, gpu, seq, d, h, hkv, 1.0, window) * 1e12))
+            alone_s = max(alone_s, work / (flash_rate(calib, gpu, seq, d, h, hkv, 1.0, window) * 1e12))
     core_s = max(core_s, alone_s)
     core_s += kernel_fixed_us(calib, gpu) * 1e-6 if flops else 0.0
     n_tokens = sum(q for q, _ in seqs)
@@ -222,8 +231,9 @@ def sliding_attention_decode(gpu: GpuSpec, model, context_lens: Sequence[int], *
         first = (ctx - k) // page_tokens  # the page holding the window's first token
         tokens += (-(-ctx // page_tokens) - first) * page_tokens
         kept += k
+    mean = sum(context_lens) / len(context_lens) if context_lens else 0.0
     return _full_decode(gpu, model, len(context_lens), tokens, kept, tp, fmt, q_per_seq, kv_elem_bytes, calib,
-                        att)
+                        att, mean)
 
 
 def sliding_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_tokens: float, *, tp: int = 1,
@@ -243,7 +253,7 @@ def sliding_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_to
     mean = context_tokens / n_seqs
     kept = n_seqs * min(mean, att.window)
     paged = n_seqs * min(mean + (page_tokens - 1) / 2, att.window + page_tokens - 1)
-    return _full_decode(gpu, model, n_seqs, paged, kept, tp, fmt, q_per_seq, kv_elem_bytes, calib, att)
+    return _full_decode(gpu, model, n_seqs, paged, kept, tp, fmt, q_per_seq, kv_elem_bytes, calib, att, mean)
 
 
 def full_attention_decode_totals(gpu: GpuSpec, model, n_seqs: int, context_tokens: float, *, tp: int = 1,
@@ -265,7 +275,11 @@ def kv_format(kv_elem_bytes: float) -> str:
 
 
 def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ctx: float, tp: int, fmt: str,
-                 q_per_seq: int, kv_elem_bytes: float, calib: CalibrationTable | None, att=None) -> AttentionCost:
+                 q_per_seq: int, kv_elem_bytes: float, calib: CalibrationTable | None, att=None,
+                 mean_ctx: float = 0.0) -> AttentionCost:
+    """The decode core and projections of a full or sliding-window (``att``) layer. ``total_ctx``: the tokens the
+    sequences attend (a sliding layer's windows); ``mean_ctx``: a sliding layer's mean context per sequence, the x
+    of its measured curves, which price the window's bytes (``total_ctx``) at the measured kernel's time."""
     if q_per_seq < 1:
         raise UserError(f"q_per_seq must be >= 1, got {q_per_seq}")
     if n_seqs <= 0:
@@ -283,15 +297,20 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
         measured = calib.lookup_along("decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), "seq_heads",
                                       float(n_seqs * hkv), head_dim=d, n_q_heads=h, n_kv_heads=hkv,
                                       kv=kv_format(kv_elem_bytes))
-    elif calib is not None:
-        # sliding-window curves (key ``window``) only: a short context of a full-attention curve is another kernel
-        measured = _along_pinned(calib, "decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0),
+    read_bytes = kv_bytes
+    if calib is not None and window:
+        # sliding-window curves (key ``window``) only: a short context of a full-attention curve is another kernel.
+        # Their x is the sequence's whole context (the measured kernel's time keeps growing past the window) and
+        # their rate is over the window's tokens (no page rounding: the measured time is the kernel's)
+        measured = _along_pinned(calib, "decode_attn_GBps", gpu.name, max(mean_ctx, 1.0),
                                  "seq_heads", float(n_seqs * hkv), "window", window, head_dim=d, n_q_heads=h,
                                  n_kv_heads=hkv, kv=kv_format(kv_elem_bytes))
+        if measured is not None:
+            read_bytes = att.kv_read_bytes(total_ctx, tp, kv_elem_bytes)
     if measured is None:
         measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY
-    memory_s = kv_bytes / bw
+    memory_s = read_bytes / bw
     compute_s = flops / (gpu.dense_tflops.bf16 * 1e12 * C.FLASH_EFFICIENCY[gpu.arch])
     core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
     proj = full_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib, kind=att.kind)
