@@ -41,12 +41,12 @@ def ckpt(tmp_path_factory):
     return _tiny_checkpoint(tmp_path_factory.mktemp("real_prefix"))
 
 
-def _run(d, cache=None, **kw):
+def _run(d, cache=None, reqs=REQS, follows=FOLLOWS, **kw):
     sc = _scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK},
                    **({"prefix_cache": cache} if cache else {}))
     b = build(sc)
-    res, run = run_real(b, REQS, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
-                        decode_pages=64, follows=FOLLOWS,
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
+                        decode_pages=64, follows=follows,
                         tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())), **kw)
     return sc, b, res, run
 
@@ -157,3 +157,17 @@ def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
         assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
     rep = replay(b, REQS, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
+
+
+def test_trace_block_ids_give_the_prompts_their_shared_tokens(ckpt):
+    """Trace requests (no conversation links) whose block ids agree get equal tokens there, so the ranks'
+    content-keyed caches reuse exactly what the scheduler's id-keyed cache counts: request 1 shares request 0's
+    block id, request 2 does not; the tokens equal a run without the cache."""
+    _, _, d = ckpt
+    reqs = [Request(0, 0.0, 21, 3, (7,)), Request(1, 30.0, 30, 3, (7,)), Request(2, 30.0, 13, 3, (8,))]
+    sc, b, res, run = _run(d, CACHE, reqs=reqs, follows={})
+    assert run.prompt_ids[1][:21] == run.prompt_ids[0] and run.prompt_ids[2][:5] != run.prompt_ids[0][:5]
+    assert run.prefix_hits == {0: [0], 1: [20], 2: [0]} and run.prefix_shortfall_tokens() == 0
+    assert res.metrics["prefix_cache"]["prefill_tokens_saved"] == 20
+    _, _, _, off = _run(d, reqs=reqs, follows={})
+    assert off.prompt_ids == run.prompt_ids and off.generated == run.generated

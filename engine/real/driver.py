@@ -463,8 +463,9 @@ class RealRun:
 
     # -- token bookkeeping ---------------------------------------------------------------------------------------
     def register(self, requests) -> None:
-        """Each request's prompt token ids, drawn from ``(seed, request id)``; a later turn of a conversation
-        (``follows``) gets its ids when its prefill starts (:meth:`token_ids`)."""
+        """Each request's prompt token ids, drawn from ``(seed, request id)``, or block by block from its trace block
+        ids when it has them (:meth:`_ids_of_blocks`); a later turn of a conversation (``follows``) gets its ids when
+        its prefill starts (:meth:`token_ids`)."""
         import numpy as np
 
         for r in requests:
@@ -472,8 +473,28 @@ class RealRun:
             self.output_len[r.id] = r.output_tokens
             if r.id in self.follows:
                 continue
+            if r.prefix_hash_ids:
+                self.prompt_ids[r.id] = self._ids_of_blocks(r)
+                continue
             rng = np.random.default_rng([self.seed, r.id])
             self.prompt_ids[r.id] = rng.integers(0, self.cfg.vocab, size=r.prompt_tokens).tolist()
+
+    def _ids_of_blocks(self, r) -> list[int]:
+        """A trace request's prompt from its block ids (Mooncake: one id per 512 tokens): block ``j`` is drawn from
+        ``(seed, id)``, so requests whose ids agree share their tokens there and the ranks' content-keyed prefix
+        caches find what the trace says is shared (a partial last block is the head of its id's 512 tokens)."""
+        import numpy as np
+
+        unit, out = 512, []
+        for j, h in enumerate(r.prefix_hash_ids):
+            n = min(unit, r.prompt_tokens - j * unit)
+            if n <= 0:
+                break
+            out += np.random.default_rng([self.seed, 1 << 32, h]).integers(0, self.cfg.vocab, size=unit)[:n].tolist()
+        if len(out) < r.prompt_tokens:      # ids short of the prompt (not in a valid trace): the rest per request
+            rng = np.random.default_rng([self.seed, r.id])
+            out += rng.integers(0, self.cfg.vocab, size=r.prompt_tokens - len(out)).tolist()
+        return out
 
     def _next_turn_ids(self, rid: int) -> list[int]:
         """A conversation's next turn: the previous turn's prompt and generated output, then new tokens (drawn
