@@ -112,7 +112,7 @@ def test_preset_contexts_are_the_published_ones():
     """max_position_embeddings of each preset's config.json (Qwen3: 40,960 native, 131,072 only with YaRN)."""
     assert {n: get_model(n).max_context for n in PRESET_NAMES} == {
         "qwen3-235b-a22b": 40960, "qwen3-30b-a3b": 40960, "qwen3.5-397b-a17b": 262144, "qwen3.5-122b-a10b": 262144,
-        "deepseek-v3": 163840, "kimi-k2": 131072, "gpt-oss-120b": 131072, "glm-4.5": 131072}
+        "deepseek-v3": 163840, "deepseek-r1": 163840, "kimi-k2": 131072, "gpt-oss-120b": 131072, "glm-4.5": 131072}
     m = get_model("qwen3-30b-a3b")
     assert "max_context" not in m.model_dump() and "max_context" not in m.model_dump_json()
     # fields of the later families stay out of a Qwen spec's dumps (run records and sweep keys unchanged)
@@ -296,7 +296,7 @@ def test_get_model_errors():
     with pytest.raises(FileNotFoundError):
         get_model("/nonexistent/config.json")
     assert set(PRESET_NAMES) == {"qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3.5-397b-a17b", "qwen3.5-122b-a10b",
-                                 "deepseek-v3", "kimi-k2", "gpt-oss-120b", "glm-4.5"}
+                                 "deepseek-v3", "deepseek-r1", "kimi-k2", "gpt-oss-120b", "glm-4.5"}
 
 
 # ---- CLI

@@ -642,6 +642,10 @@ _PRESETS: dict[str, ModelSpec] = {
     ),
 }
 
+# DeepSeek-R1 is DeepSeek-V3's architecture (the same config.json but for the checkpoint's weights)
+_PRESETS["deepseek-r1"] = _PRESETS["deepseek-v3"].model_copy(
+    update={"name": "deepseek-r1", "source": "deepseek-ai/DeepSeek-R1 config.json (DeepSeek-V3's architecture)"})
+
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 #: what each preset's publisher states (total, active parameters, and how its counting differs from ours), for
@@ -652,6 +656,7 @@ PUBLISHED_SIZES: dict[str, tuple[float, float, str]] = {
     "qwen3.5-397b-a17b": (397e9, 17e9, "model card; the total also counts the vision encoder (not modelled)"),
     "qwen3.5-122b-a10b": (122e9, 10e9, "model name"),
     "deepseek-v3": (671e9, 37e9, "technical report; 685B with the MTP module and its own embedding/head copies"),
+    "deepseek-r1": (671e9, 37e9, "model card; 685B with the MTP module and its own embedding/head copies"),
     "kimi-k2": (1e12, 32e9, "model card: 1 trillion (a rounded figure) / 32B"),
     "gpt-oss-120b": (116.83e9, 5.13e9, "model card; its active count leaves out the input embedding (0.58B)"),
     "glm-4.5": (355e9, 32e9, "model card; the total includes the MTP layer, active leaves out the embedding"),
