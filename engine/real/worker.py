@@ -422,7 +422,7 @@ class Rank:
                     break
                 if pages is None:
                     time.sleep(0.002)
-        except Exception as exc:   # the offer still goes out (refused): the sources are waiting for one
+        except Exception as exc:  # noqa: BLE001 — the offer still goes out (refused): the sources wait for it
             failure = exc
         try:
             self.transfer.offer(None if failure is not None else pages, seq_len, list(src_globals), self.dev)
