@@ -122,3 +122,70 @@ def test_warmup_buckets_cover_every_reachable_width():
 
     check()
     assert graph_pages([], 64) == (0, 0)
+
+
+def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(tmp_path):
+    """A prefiller rank asked to ship KV it no longer holds (its copy was dropped: a retry after the decoder died)
+    fails that transfer — the decoder's receive fails too, it does not hang — and the next transfer on the same
+    (prefiller, decoder) pairs, of a different size, lands intact. Gloo aborts a process whose receive meets a
+    larger message than it posted, so a source that skipped the offer of the failed transfer would take the
+    offer of the next one and kill the prefiller."""
+    hc, hf = tiny_hf_model()
+    d = save_checkpoint(hc, hf, tmp_path / "ckpt")
+    sc = parse_scenario({
+        "name": "cpu-kv-framing", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
+        "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
+        "decode": {"ep": 2, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": 4},
+        "mtp": {"draft_k": 0},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
+                     "prompt": {"kind": "uniform", "lo": 5, "hi": 30},
+                     "output": {"kind": "uniform", "lo": 2, "hi": 8}, "n_requests": 2, "seed": 1}})
+    b = build(sc)
+    cfg = TorchModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+    run = RealRun(b, device="cpu", dtype="fp32", n_layers=None, seed=0, weights=str(d), prefill_pages=64,
+                  decode_pages=64, tiny_cfg=cfg)
+    pool = run.pool
+    p0, p1 = run.group_ranks[b.deployment.prefillers[0].id]
+    d0, d1 = run.group_ranks[b.deployment.decoders[0].id]
+    g = torch.Generator().manual_seed(7)
+    ids1 = torch.randint(0, cfg.vocab, (9,), generator=g).tolist()
+    ids2 = torch.randint(0, cfg.vocab, (26,), generator=g).tolist()
+
+    def kv(rid, ids, src_pages, last):
+        t = pool.token()
+        for r in (p0, p1):
+            pool.send(r, "kv_send", t, rid=rid, dst_global=d0, seq_len=len(ids))
+        pool.send(d0, "kv_recv", t, rid=rid, src_globals=[p0, p1], seq_len=len(ids), src_pages=src_pages,
+                  last_token=last, tokens=[])
+        return _collect(pool, {t: 3}, 60).get(t, {})
+
+    try:
+        t = pool.token()
+        for r in (p0, p1):
+            pool.send(r, "prefill", t, items=[(1, ids1), (2, ids2)])
+        rep = _collect(pool, {t: 2}, 60)[t]
+        assert {s for s, _ in rep.values()} == {"ok"}, rep
+        (tok1, pages1), (tok2, pages2) = rep[p0][1][0][1][:2], rep[p0][1][0][2][:2]
+        t = pool.token()
+        pool.send(p1, "drop", t, rids=[2])             # p1 no longer holds request 2; p0 still does
+        assert _collect(pool, {t: 1}, 30)[t][p1][0] == "ok"
+        bad = kv(2, ids2, pages2, tok2)                # 7 pages offered: p0 ships, p1 declines
+        assert set(bad) == {p0, p1, d0}, bad
+        assert bad[p0][0] == "ok" and bad[p1][0] == "error" and bad[d0][0] == "error", bad
+        assert "declined" in bad[d0][1], bad
+        good = kv(1, ids1, pages1, tok1)               # 3 pages offered on the same pairs
+        assert {s for s, _ in good.values()} == {"ok"}, good
+        assert good[p0][1][0] + good[p1][1][0] == good[d0][1][0] > 0
+        assert all(p.exitcode is None for p in pool.procs)
+        t = pool.token()
+        for r in (d0, d1):
+            pool.send(r, "decode", t, joined=[(1, 0)], left=[])
+        out = _collect(pool, {t: 2}, 60)[t]
+        assert {s for s, _ in out.values()} == {"ok"}, out
+        tok1b = out[d0][1][0][1]
+    finally:
+        pool.stop()
+        run.tmp.cleanup()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids1]), max_new_tokens=2, do_sample=False)[0, len(ids1):].tolist()
+    assert [tok1, tok1b] == ref

@@ -240,7 +240,7 @@ class RealExecutor:
         # prefix-cache copies up from lower tiers (sim.executor.Executor's): none in real mode, HBM only
         self.load_s = None
         self.load_total_s = 0.0
-        self._faults_at: dict[float, list[str]] = {}
+        self._faults_at: dict[float, list[tuple[str, int]]] = {}
         self.env.on_death = self._on_death
 
     # the sim.executor.Executor interface the driver also reads
@@ -378,9 +378,14 @@ class RealExecutor:
             if pend is None:
                 pend = self._faults_at[at] = []
                 ev = self.env.event()
-                ev.callbacks.append(lambda _e, at=at: [self.env.on_fault(t) for t in sorted(self._faults_at.pop(at))])
+                ev.callbacks.append(lambda _e, at=at: self._deliver_faults(at))
                 self.env.trigger(ev, None, at - self.env.now)
-            pend.append(f"gpu:{gpu}")
+            pend.append((f"gpu:{gpu}", rank))
+
+    def _deliver_faults(self, at: float) -> None:
+        for target, rank in sorted(self._faults_at.pop(at)):
+            self.run.faulted.add(rank)
+            self.env.on_fault(target)
 
 
 class RealRun:
@@ -444,6 +449,7 @@ class RealRun:
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
         self.kill_after_steps: list[tuple[int, int]] = []
         self.deaths: list[tuple] = []       # (t, rank, gpu), sorted by (t, gpu)
+        self.faulted: set[int] = set()      # ranks whose death the scheduler has been told of (on the clock)
         self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
         self._wait_ready(len(gpus))
         self.env._progress_w = time.perf_counter()  # the stall clock starts once every rank is ready
@@ -580,10 +586,8 @@ class RealRun:
         self.env.on_death(blame)
 
     def _absorb(self, fl: _Inflight) -> None:
-        if fl.kind == "kv":   # landed: the prefiller's copy can go (a reply to this drop has no plan: ignored)
-            for r in fl.srcs:
-                if r not in self.pool.dead:
-                    self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
+        if fl.kind == "kv":   # landed: the prefiller's copy goes once the scheduler sees it land
+            fl.ev.callbacks.insert(0, lambda _e, fl=fl: self._release_shipped(fl))
         elif fl.kind == "prefill":
             self._absorb_prefill(next(v for v in fl.replies.values() if v is not None))
         elif fl.kind == "decode":
@@ -592,6 +596,18 @@ class RealRun:
             (v,) = fl.replies.values()
             self._absorb_decode([v["decode"]])
             self._absorb_prefill(v["prefill"])
+
+    def _release_shipped(self, fl: _Inflight) -> None:
+        """A KV transfer's completion reaches the scheduler (its event is processed at its measured clock time):
+        the prefiller ranks drop their copy of the request's KV (a reply to this drop has no plan: ignored) —
+        unless the decoder's group died before that on the clock. Then the fault has interrupted the transfer and
+        the scheduler ships the request again from the prefiller, which must still hold it: dropping it when the
+        reply arrives (wall time, earlier) would leave the retry nothing to ship."""
+        if fl.dst is not None and set(next(rs for rs in self.group_ranks.values() if fl.dst in rs)) & self.faulted:
+            return
+        for r in fl.srcs:
+            if r not in self.pool.dead:
+                self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
 
     def _absorb_prefill(self, reply: dict) -> None:
         for rid, (tok, pages, reused) in reply.items():

@@ -8,7 +8,17 @@ the gather/scatter works on ``storage`` viewed as rows of ``unit`` bytes, ``unit
 
 The destination allocates its pages itself (:meth:`TransferEngine.offer`): it sends the page list to every source
 rank, which waits for it (:meth:`TransferEngine.await_offer`) before shipping — the pull-style handshake of
-production engines, so neither side needs a round trip through the driver. The worker runs all of this on a
+production engines, so neither side needs a round trip through the driver.
+
+Framing. Every transfer exchanges the same messages on each (source, destination) pair whatever fails: the offer
+(destination -> source; all ``-1`` = refused), then, unless refused, a one-number header (source -> destination:
+the payload's byte count, or ``-1`` = the source cannot ship, e.g. it no longer holds the request's KV) and the
+payload of exactly that many bytes. Point-to-point messages of one pair are matched in order, by size, with no
+per-transfer tag, and gloo aborts the process (``EnforceNotMet``, not an exception) when a message is larger than
+the receive posted for it — so a side that skipped its half of one transfer would hand its peer's next receive the
+wrong message and kill it. Hence both sides always complete their half (:meth:`TransferEngine.decline`,
+``offer(None, ...)``) and fail the transfer afterwards, and the destination receives whatever size the header
+announces before it checks it against the plan. The worker runs all of this on a
 dedicated transfer thread, CUDA stream and process group (``engine.real.worker``), beside its compute loop.
 
 Backends: ``torch.distributed`` point-to-point (gloo on CPU, NCCL on GPUs — NCCL rides NVLink inside a node and
@@ -83,11 +93,13 @@ class TransferEngine:
         """Destination side: send the reserved page list to every source rank (all ``-1`` = refused, e.g. the
         cache is full: the sources then fail the transfer instead of waiting forever)."""
         n = self.dst_pages_for(seq_len)
-        if dst_pages is not None and len(dst_pages) != n:
-            raise ValueError(f"offer: {len(dst_pages)} pages for a {seq_len}-token sequence, expected {n}")
-        t = torch.tensor(dst_pages if dst_pages is not None else [-1] * n, dtype=torch.long, device=device)
+        bad = dst_pages is not None and len(dst_pages) != n
+        t = torch.tensor(dst_pages if dst_pages is not None and not bad else [-1] * n, dtype=torch.long,
+                         device=device)
         for g in src_globals:
             self.backend.send(t, g)
+        if bad:   # refused above, so the sources are not left waiting
+            raise ValueError(f"offer: {len(dst_pages)} pages for a {seq_len}-token sequence, expected {n}")
 
     def await_offer(self, dst_global: int, seq_len: int, device) -> list[int] | None:
         """Source side: the destination's page list (None if it refused)."""
@@ -100,35 +112,62 @@ class TransferEngine:
         return reshard_plan(self.src_layout, self.dst_layout, seq_len, np.asarray(src_pages),
                             np.asarray(dst_pages))
 
+    def decline(self, dst_global: int, device) -> None:
+        """Source side, after a (non-refused) offer: tell the destination no payload follows (this source cannot
+        ship), so the pair's next transfer starts in step."""
+        self.backend.send(torch.tensor([-1], dtype=torch.long, device=device), dst_global)
+
     def send(self, storage: torch.Tensor, my_tp_rank: int, dst_global: int, seq_len: int, src_pages,
              dst_pages) -> int:
-        """Called on each source rank; returns bytes sent."""
-        p = self.plan(seq_len, src_pages, dst_pages)
-        sel = np.asarray(p.src_rank) == my_tp_rank
-        offs, sizes = np.asarray(p.src_offset)[sel], np.asarray(p.nbytes)[sel]
-        if sizes.sum() == 0:
-            return 0
-        unit = _unit(offs, sizes, storage.numel() * storage.element_size())
-        idx = _row_index(offs, sizes, unit).to(storage.device)
-        buf = _rows(storage, unit)[idx].reshape(-1).contiguous()
-        self.backend.send(buf, dst_global)
+        """Called on each source rank after a (non-refused) offer: the header, then the payload; returns bytes
+        sent. A failure before the header declines the transfer (the destination's receive fails, not hangs)."""
+        try:
+            p = self.plan(seq_len, src_pages, dst_pages)
+            sel = np.asarray(p.src_rank) == my_tp_rank
+            offs, sizes = np.asarray(p.src_offset)[sel], np.asarray(p.nbytes)[sel]
+            if sizes.sum() == 0:
+                buf = torch.zeros(0, dtype=torch.uint8, device=storage.device)
+            else:
+                unit = _unit(offs, sizes, storage.numel() * storage.element_size())
+                idx = _row_index(offs, sizes, unit).to(storage.device)
+                buf = _rows(storage, unit)[idx].reshape(-1).contiguous()
+        except BaseException:
+            self.decline(dst_global, storage.device)
+            raise
+        self.backend.send(torch.tensor([buf.numel()], dtype=torch.long, device=storage.device), dst_global)
+        if buf.numel():
+            self.backend.send(buf, dst_global)
         return int(buf.numel())
 
     def recv(self, storage: torch.Tensor, src_globals: list[int], seq_len: int, src_pages, dst_pages) -> int:
-        """Called on the destination rank; returns bytes received."""
+        """Called on the destination rank after a (non-refused) offer; returns bytes received. Every source's
+        header and announced payload are received before a declined or mis-sized one fails the transfer."""
         p = self.plan(seq_len, src_pages, dst_pages)
         total = 0
         src_rank = np.asarray(p.src_rank)
+        problems = []
+        head = torch.empty(1, dtype=torch.long, device=storage.device)
         for r, g in enumerate(src_globals):
             sel = src_rank == r
             offs, sizes = np.asarray(p.dst_offset)[sel], np.asarray(p.nbytes)[sel]
             n = int(sizes.sum())
+            self.backend.recv(head, g)
+            got = int(head.item())
+            if got < 0:
+                problems.append(f"source rank {g} declined")
+                continue
+            buf = torch.empty(got, dtype=torch.uint8, device=storage.device)
+            if got:
+                self.backend.recv(buf, g)
+            if got != n:
+                problems.append(f"source rank {g} sent {got} bytes, the plan says {n}")
+                continue
             if n == 0:
                 continue
-            buf = torch.empty(n, dtype=torch.uint8, device=storage.device)
-            self.backend.recv(buf, g)
             unit = _unit(offs, sizes, storage.numel() * storage.element_size())
             idx = _row_index(offs, sizes, unit).to(storage.device)
             _rows(storage, unit)[idx] = buf.view(-1, unit)
             total += n
+        if problems:
+            raise RuntimeError("KV transfer failed: " + "; ".join(problems))
         return total

@@ -7,7 +7,8 @@ command and runs it together (collectives inside the group), then replies on the
 - ``prefill``  items ``[(rid, token_ids[, cached])]`` -> KV kept in this rank's cache (a cached prompt prefix
   reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``
 - ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan
-  -> reply bytes (the KV is freed by the ``drop`` the driver sends once the whole transfer has replied)
+  -> reply bytes (the KV is freed by the ``drop`` the driver sends once the scheduler has seen the transfer
+  complete)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
 - ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
@@ -370,23 +371,29 @@ class Rank:
 
     def _op_kv_send(self, rid, dst_global, seq_len):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
-        once the whole transfer has replied: a decoder that dies after the bytes left but before it replied fails
-        the transfer, and the scheduler's retry to another decoder ships this copy again."""
+        once the scheduler has seen the whole transfer complete: a decoder that dies before that fails the
+        transfer, and the scheduler's retry to another decoder ships this copy again. Whatever fails, the
+        decoder's offer is received and answered (``transfer`` module docstring, "Framing")."""
         with self.lock:
-            s = self.seqs[rid]
-            s.busy = True
+            s = self.seqs.get(rid)
+            if s is not None:
+                s.busy = True
         try:
             dst_pages = self.transfer.await_offer(dst_global, seq_len, self.dev)
             if dst_pages is None:
                 raise MemoryError(f"decoder rank {dst_global} has no room for request {rid}")
+            if s is None:
+                self.transfer.decline(dst_global, self.dev)
+                raise KeyError(f"request {rid}: no KV here to ship (already dropped?)")
             n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
             self._sync()                              # the gather has read the pages before the reply
             return n
         finally:
-            with self.lock:
-                s.busy = False
-                if s.stale:                           # re-prefilled meanwhile: this copy is nobody's
-                    self._let_go(s)
+            if s is not None:
+                with self.lock:
+                    s.busy = False
+                    if s.stale:                       # re-prefilled meanwhile: this copy is nobody's
+                        self._let_go(s)
 
     # -- decode side -------------------------------------------------------------------------------------------
     def _op_kv_recv(self, rid, src_globals, seq_len, src_pages, last_token, tokens, free=()):
@@ -395,32 +402,36 @@ class Rank:
         finished on this rank whose ``left`` step has not run yet; their pages are freed first. A full cache is
         retried for up to ``KV_ROOM_WAIT_S``: a decode step already queued on the compute lane may be about to
         free a finished request's pages (the scheduler counted them free when the request finished)."""
-        pages = None
-        with self.lock:
-            for old in free:
-                self._drop(old)
-            if rid in self.seqs:
-                self._drop(rid)                       # a stale copy from before a failure
-        deadline = time.monotonic() + KV_ROOM_WAIT_S
-        while pages is None:
-            with self.lock:
-                try:
-                    pages = self.cache.alloc(seq_len + 1)
-                    s = self.seqs[rid] = _Seq(pages=pages, length=0, last_token=-1)
-                except MemoryError:
-                    pass
-            if pages is None and time.monotonic() >= deadline:
-                break
-            if pages is None:
-                time.sleep(0.002)
-        self.transfer.offer(pages, seq_len, list(src_globals), self.dev)
-        if pages is None:
-            raise MemoryError(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
+        pages, s, failure = None, None, None
         try:
+            with self.lock:
+                for old in free:
+                    self._drop(old)
+                if rid in self.seqs:
+                    self._drop(rid)                   # a stale copy from before a failure
+            deadline = time.monotonic() + KV_ROOM_WAIT_S
+            while pages is None:
+                with self.lock:
+                    try:
+                        pages = self.cache.alloc(seq_len + 1)
+                        s = self.seqs[rid] = _Seq(pages=pages, length=0, last_token=-1)
+                    except MemoryError:
+                        pass
+                if pages is None and time.monotonic() >= deadline:
+                    failure = MemoryError(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
+                    break
+                if pages is None:
+                    time.sleep(0.002)
+        except Exception as exc:  # noqa: BLE001 — the offer still goes out (refused): the sources wait for it
+            failure = exc
+        try:
+            self.transfer.offer(None if failure is not None else pages, seq_len, list(src_globals), self.dev)
+            if failure is not None:
+                raise failure
             n = self.transfer.recv(self.cache.storage, list(src_globals), seq_len, src_pages, pages)
         except BaseException:
             with self.lock:
-                if self.seqs.get(rid) is s:
+                if s is not None and self.seqs.get(rid) is s:
                     self._drop(rid)
             raise
         with self.lock:
