@@ -66,6 +66,11 @@ from rackbed.topology.errors import UserError, one_line
 
 KINDS = ("disaggregated", "aggregated")
 RATE_KEY = "workload.arrival.rate_per_s"
+#: a trace's rate is the workload's own field (``rate_per_s``: requests/s of the replay)
+TRACE_RATE_KEY = "workload.rate_per_s"
+#: requests of a trace drawn for the analytic stage (lengths and prefix-cache hit rates): a simulation at rate r
+#: sees r x duration of them
+ESTIMATE_REQUESTS = 6000
 
 #: aggregated worker shapes tried: (tp, dp); ep = tp * dp (experts over every GPU of the worker)
 AGG_SHAPES = ((1, 4), (1, 8), (1, 16), (1, 32), (2, 1), (4, 1), (8, 1))
@@ -91,6 +96,7 @@ class BudgetCandidate:
     est_tpot_s: float = math.nan
     pruned: str | None = None
     budget: int = 0                     # N, the GPU budget (for the replicas that fill it)
+    est_hit_rate: float | None = None   # prefix-cache hit rate the estimate assumes (None: no cache)
 
     @property
     def replicas(self) -> int:
@@ -197,6 +203,44 @@ def budget_topology(name: str, gpus: int) -> str:
 # Analytic stage
 
 
+def rate_key(spec: se.SearchSpec) -> str:
+    """The dotted scenario field that sets a simulation's request rate."""
+    return TRACE_RATE_KEY if spec.workload.kind == "trace" else RATE_KEY
+
+
+def estimate_load(spec: se.SearchSpec) -> se.Load:
+    """The load the analytic stage prices. A trace is drawn for :data:`ESTIMATE_REQUESTS` requests (looped, each
+    pass on fresh block ids) whatever the rate: the spec's rate is a placeholder in a budget search and a trace's
+    order, hence its prefix reuse, does not depend on the rate; a synthetic workload is drawn as given."""
+    wl = spec.workload
+    if wl.kind == "trace":
+        wl = wl.model_copy(update={"duration_s": None, "max_requests": ESTIMATE_REQUESTS, "loop": True})
+    return se.workload_load(wl, spec.seed)
+
+
+class HitRates:
+    """Prefix-cache hit rates the budget search assumes (:func:`sim.search.assumed_hit_rate`'s rule: LRU caches
+    of a replica's capacity, requests dealt to them in turn), of the requests a simulation at a given rate sees —
+    the first ``rate x duration_s`` of the stream, so that a low rate's colder caches count. One pass of the stream
+    per (capacity, caches) (``engine.core.prefix_reuse.lru_reuse_curve``), memoised."""
+
+    def __init__(self, requests: Sequence, duration_s: float | None):
+        self.requests, self.duration_s = list(requests), duration_s
+        self._curves: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def __call__(self, blocks: int, caches: int, rate_per_s: float) -> float:
+        from rackbed.engine.core.prefix_reuse import lru_reuse_curve
+
+        key = (blocks, max(1, caches))
+        if key not in self._curves:
+            self._curves[key] = lru_reuse_curve(self.requests, blocks, key[1])
+        total, hits = self._curves[key]
+        if not total:
+            return 0.0
+        n = len(total) if not self.duration_s else min(len(total), max(1, round(rate_per_s * self.duration_s)))
+        return hits[n - 1] / total[n - 1] if total[n - 1] else 0.0
+
+
 def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.DecodeOption):
     """TPOT(b) of a decode option (memoised on the integer batch), priced as :func:`sim.search.decode_options`."""
     from rackbed.engine.core.specdec import expected_tokens_per_step
@@ -216,8 +260,11 @@ def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.Decod
     return lambda b: at(max(1, math.ceil(b - 1e-9)))
 
 
-def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int) -> list[BudgetCandidate]:
-    """Every (prefill option x decode option x decoder count) that fits ``gpus`` (module docstring)."""
+def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int,
+                             hits: HitRates | None = None) -> list[BudgetCandidate]:
+    """Every (prefill option x decode option x decoder count) that fits ``gpus`` (module docstring). With a
+    prefix cache (``hits``; the prefill option's ``cache_blocks``) a prefiller's capacity is priced at the hit
+    rate of the prefiller count that carries the decoders' rate (:func:`_prefillers_for`)."""
     topos = {spec.space.topology[0]: topo}
     pre = se.prefill_options(spec, load, model, topos)
     dec = se.decode_options(spec, load, model, topos)
@@ -250,8 +297,12 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
             rate_p1 = p.capacity_tokens_per_s / (prompt * h)        # one prefiller at 1/headroom utilisation
             for n_d in range(1, (gpus - gp) // d.ep + 1):
                 p_max = (gpus - n_d * d.ep) // gp
-                rate = min(p_max * rate_p1, n_d * rate_d1)
-                n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
+                hit = None
+                if hits is not None and p.cache_blocks > 0:
+                    n_p, rate, hit = _prefillers_for(p, hits, n_d * rate_d1, p_max, prompt * h)
+                else:
+                    rate = min(p_max * rate_p1, n_d * rate_d1)
+                    n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
                 b = float(d.b_max)
                 for _ in range(12):  # b = rate x output x TPOT(b) / (D x EP), from above
                     nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ep))
@@ -269,7 +320,8 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                 c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill + {n_d} x DP-EP{d.ep} "
                                     f"decode, batch <= {d.max_batch_per_rank}, MTP k={d.draft_k}", ov, n,
                                     rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,
-                                    est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t)
+                                    est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t,
+                                    est_hit_rate=hit)
                 if t > slo.tpot_s:
                     c.pruned = (f"TPOT {t * 1e3:.1f} ms at batch {b:.0f}/rank with the KV transfer > SLO "
                                 f"{slo.tpot_s * 1e3:.1f} ms")
@@ -277,14 +329,45 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
     return out
 
 
-def aggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int) -> list[BudgetCandidate]:
-    """Aggregated workers tiling ``gpus`` (module docstring), pruned ones included."""
+def _prefillers_for(p: se.PrefillOption, hits: HitRates, target: float, p_max: int,
+                    tokens_per_request: float) -> tuple[int, float, float]:
+    """``(prefillers, rate, hit rate)``: the fewest of at most ``p_max`` prefillers of option ``p`` whose cached
+    capacity carries ``target`` requests/s (each at ``1 / headroom`` utilisation: ``tokens_per_request`` = prompt x
+    headroom), at the hit rate of that many caches at that rate; ``p_max`` of them and the rate they carry (at its
+    own hit rate, one refinement) when none does."""
+    for n in range(1, p_max + 1):
+        hit = hits(p.cache_blocks, n, target)
+        if n * _capacity(p, hit) / tokens_per_request >= target:
+            return n, target, hit
+    hit = hits(p.cache_blocks, p_max, target)
+    rate = p_max * _capacity(p, hit) / tokens_per_request
+    hit = hits(p.cache_blocks, p_max, rate)
+    return p_max, min(target, p_max * _capacity(p, hit) / tokens_per_request), hit
+
+
+def _capacity(p: se.PrefillOption, hit: float) -> float:
+    """One prefiller's prompt tokens/s at hit rate ``hit`` (``PrefillOption.capacity_at``), memoised per option at
+    0.1 % steps of the hit rate."""
+    memo = p.__dict__.setdefault("_capacity_memo", {})
+    k = round(hit, 3)
+    if k not in memo:
+        memo[k] = p.capacity_at(k)
+    return memo[k]
+
+
+def aggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int,
+                          hits: HitRates | None = None) -> list[BudgetCandidate]:
+    """Aggregated workers tiling ``gpus`` (module docstring), pruned ones included. With a prefix cache
+    (``hits``) every worker caches what it prefilled: its operating point prefills the uncached share of the
+    mean prompt, at the hit rate of ``workers`` caches at the deployment's rate (two rounds from the rate
+    without a cache)."""
     from rackbed.engine.core.specdec import expected_tokens_per_step
     from rackbed.sim.aggregated import aggregated_plan_for
     from rackbed.sim.costs.mixed import aggregated_operating_point
     from rackbed.sim.scenario import cost_model_for
 
     base = se.base_scenario(spec)
+    cached = hits is not None and bool((base.get("prefix_cache") or {}).get("enabled"))
     prompt, out_tok = max(1, round(load.prompt_mean)), max(1, round(load.output_mean))
     ctx = load.prompt_mean + load.output_mean / 2
     slo, h = spec.slo, spec.prefill_headroom
@@ -316,10 +399,19 @@ def aggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus:
                             continue
                         calib = cost_model_for(sc, model, topo, plan, plan, engine_calibration=False)[1]
                         e = expected_tokens_per_step(k, sc.mtp.accept_p)
-                        op = aggregated_operating_point(model, plan, topo, prompt_tokens=prompt,
-                                                        output_tokens=out_tok, max_batch_per_rank=b_max,
-                                                        max_batch_tokens=mbt, chunk_tokens=chunk, draft_k=k,
-                                                        tokens_per_step=e, calib=calib)
+
+                        def at(hit: float):
+                            return aggregated_operating_point(
+                                model, plan, topo, prompt_tokens=prompt, output_tokens=out_tok,
+                                max_batch_per_rank=b_max, max_batch_tokens=mbt, chunk_tokens=chunk, draft_k=k,
+                                tokens_per_step=e, calib=calib, cached_tokens=min(prompt - 1, round(prompt * hit)))
+
+                        op = at(0.0)
+                        if cached:
+                            blocks = se.cache_blocks_of(sc, model, topo, size, "aggregated worker")
+                            for _ in range(2):
+                                c.est_hit_rate = hits(blocks, workers, workers * op.requests_per_s / h)
+                                op = at(c.est_hit_rate)
                     except (ValueError, FileNotFoundError) as exc:
                         c.pruned = one_line(exc)
                         continue
@@ -371,13 +463,21 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     stack, calib_line = _stack_of(spec, topo)
     model = scenario_model(parse_scenario(se.base_scenario(spec), f"search {spec.name}"))
     spec, note = se.without_unasked_mtp(spec, model)
-    load = se.workload_load(spec.workload, spec.seed)
+    load = estimate_load(spec)
+    se.check_prefix_ids(spec, load)
     notes = [note] if note else []
+    hits = None
+    if (se.base_scenario(spec).get("prefix_cache") or {}).get("enabled"):
+        hits = HitRates(load.requests, getattr(spec.workload, "duration_s", None))
+        notes.append("prefix cache: each candidate is sized for the uncached share of its prompts at the hit rate "
+                     "of its prefillers' (aggregated: workers') LRU caches, HBM and host tiers, with the requests "
+                     "a simulation at its rate sees dealt in turn (column est hit; kv_aware routing does better, "
+                     "sim hit is measured)")
     cands: list[BudgetCandidate] = []
     if "disaggregated" in kinds:
-        cands += disaggregated_candidates(spec, load, model, topo, gpus)
+        cands += disaggregated_candidates(spec, load, model, topo, gpus, hits)
     if "aggregated" in kinds:
-        cands += aggregated_candidates(spec, load, model, topo, gpus)
+        cands += aggregated_candidates(spec, load, model, topo, gpus, hits)
     for c in cands:
         c.budget = gpus
     res = BudgetResult(spec, gpus, tname, load, cands, [], [], {k: [] for k in kinds}, None, notes=notes,
@@ -397,7 +497,7 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     while pending and n_sim < max_simulations:
         batch = pending[: max_simulations - n_sim]
         pending, lower, higher = [], [], []
-        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, RATE_KEY: round(r, 4)}
+        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, rate_key(spec): round(r, 4)}
                                                              for c, r, _ in batch], source=f"search {spec.name}")
         points = expand(sweep)
         run = run_points(points, Path(out_dir) / "results.jsonl", jobs=jobs, progress=progress, console=console)
@@ -409,7 +509,8 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
             rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus,
                        est={"rate_per_s": c.rate_per_s, "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                             "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "ttft_s": c.est_ttft_s,
-                            "tpot_s": c.est_tpot_s})
+                            "tpot_s": c.est_tpot_s,
+                            **({} if c.est_hit_rate is None else {"prefix_hit_rate": c.est_hit_rate})})
             res.records.append(rec)
             scen[p.key] = p.scenario
             if meets_slo(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile):
@@ -509,14 +610,16 @@ def summary(res: BudgetResult) -> dict:
                 "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
                 "tokens_per_s_per_gpu_with_drain": s.get("tokens_per_s_per_gpu_with_drain"),
                 "tokens_per_s_per_user": s.get("tokens_per_s_per_user"), "ttft_p90_s": s.get("ttft_p90_s"),
-                "tpot_p90_s": s.get("tpot_p90_s"), "est": r["est"], "overrides": r.get("overrides"),
+                "tpot_p90_s": s.get("tpot_p90_s"), "prefix_hit_rate": s.get("prefix_hit_rate"), "est": r["est"],
+                "overrides": r.get("overrides"),
                 "reason": r.get("reason") or None}
 
     return {"model": res.spec.model, "gpus": res.gpus, "topology": res.topology,
             "weight_format": res.spec.space.weight_format[0],
             "prompt_tokens": res.load.prompt_mean, "output_tokens": res.load.output_mean,
             "slo": res.spec.slo.model_dump(), "wall_s": res.wall_s, "notes": res.notes, "stack": res.stack,
-            "calibration": res.calibration,
+            "calibration": res.calibration, "workload": res.spec.workload.kind,
+            "prefix_cache": se.base_scenario(res.spec).get("prefix_cache"),
             "candidates": len(res.candidates), "analytic_survivors": sum(c.pruned is None for c in res.candidates),
             "fronts": {k: [pt(r) for r in v] for k, v in res.fronts.items()},
             "best": pt(res.best) if res.best else None,
@@ -524,7 +627,7 @@ def summary(res: BudgetResult) -> dict:
             "analytic_fronts": {k: [{"config": c.label, "gpus": c.n_gpus, "rate_per_s": c.rate_per_s,
                                      "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                                      "tokens_per_s_per_user": c.est_tokens_per_s_per_user,
-                                     "replicas": c.replicas,
+                                     "prefix_hit_rate": c.est_hit_rate, "replicas": c.replicas,
                                      "tokens_per_s_per_budget_gpu": c.est_tokens_per_s_per_budget_gpu}
                                     for c in res.analytic_front(k)] for k in res.fronts}}
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -202,6 +202,7 @@ class PrefillOption:
     pruned: str | None = None
     hit_rate: float = 0.0            # assumed prefix-cache hit rate (of prompt tokens); 0 without a cache
     cache_blocks: int = 0            # prefix-cache capacity of one replica, 512-token blocks (all private tiers)
+    capacity_at: Callable[[float], float] | None = field(default=None, repr=False)  # capacity at a hit rate
 
 
 @dataclass
@@ -330,17 +331,32 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                                 continue
                             each = min(prompt, mbt) if chunked else prompt
                             _size_prefill(o, spec, load, cm, each, cache_blocks_of(sc, model, topo, max(tp, ep)))
+                            o.capacity_at = functools.partial(_capacity_at, cm, mbt, each)
                         except (ValueError, FileNotFoundError) as exc:
                             o.pruned = one_line(exc)
     return out
 
 
-def _price_prefill(o: PrefillOption, cm, each: int, hit: float) -> None:
-    """``o``'s full batch and capacity (prompt tokens/s) when a share ``hit`` of each prompt is cached: batch items
-    ``(new, cached)`` as the scheduler makes them, as many as fit the token budget on their new tokens."""
+def _full_batch(cm, max_batch_tokens: int, each: int, hit: float):
+    """``(sequences, breakdown)`` of a full prefill batch of ``each``-token prompts when a share ``hit`` of each is
+    cached: batch items ``(new, cached)`` as the scheduler makes them, as many as fit the token budget on their new
+    tokens."""
     new = max(1, round(each * (1.0 - hit)))
-    n_seqs = max(1, o.max_batch_tokens // new)
-    bd = cm.prefill_breakdown([(new, each - new)] * n_seqs)
+    n_seqs = max(1, max_batch_tokens // new)
+    return n_seqs, cm.prefill_breakdown([(new, each - new)] * n_seqs)
+
+
+def _capacity_at(cm, max_batch_tokens: int, each: int, hit: float) -> float:
+    """Prompt tokens/s of one prefill replica when a share ``hit`` of each prompt is cached (:func:`_full_batch`):
+    what the budget search prices a replica count's hit rate with."""
+    n_seqs, bd = _full_batch(cm, max_batch_tokens, each, hit)
+    return n_seqs * each / bd.total_s
+
+
+def _price_prefill(o: PrefillOption, cm, each: int, hit: float) -> None:
+    """``o``'s full batch and capacity (prompt tokens/s) when a share ``hit`` of each prompt is cached
+    (:func:`_full_batch`)."""
+    n_seqs, bd = _full_batch(cm, o.max_batch_tokens, each, hit)
     o.breakdown, o.batch, o.hit_rate = bd, (n_seqs, each), hit
     o.capacity_tokens_per_s = n_seqs * each / bd.total_s
 
@@ -382,8 +398,9 @@ def assumed_hit_rate(requests: Sequence, cache_blocks: int, replicas: int) -> fl
     return lru_reuse(requests, cache_blocks, max(1, replicas))
 
 
-def cache_blocks_of(sc, model, topo, n_gpus: int) -> int:
-    """Prefix-cache capacity of one prefill replica of ``n_gpus`` GPUs in 512-token blocks (the ids' block), HBM
+def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill") -> int:
+    """Prefix-cache capacity of one prefill replica (or aggregated worker: ``role``) of ``n_gpus`` GPUs in
+    512-token blocks (the ids' block), HBM
     and host tiers together, as the simulator sizes it (``sim.scenario.prefix_cache_spec``); a shared storage
     tier is not counted (the estimate errs towards more prefillers). 0 when the scenario's cache is off."""
     if not sc.prefix_cache.enabled:
@@ -393,7 +410,7 @@ def cache_blocks_of(sc, model, topo, n_gpus: int) -> int:
     from rackbed.engine.core.prefix_reuse import BLOCK
     from rackbed.sim.scenario import prefix_cache_spec
 
-    dep = SimpleNamespace(aggregated=None, prefillers=[SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, "prefill"))])
+    dep = SimpleNamespace(aggregated=None, prefillers=[SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, role))])
     pcs = prefix_cache_spec(sc, topo, model, dep)
     blocks = pcs.hbm_blocks + sum(t.capacity_blocks for t in pcs.lower)
     return max(1, blocks * pcs.block_tokens // BLOCK)
@@ -664,6 +681,7 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     for t in spec.space.topology:
         _cache_get(topos, t, topo_mod.load)
     load = workload_load(spec.workload, spec.seed)
+    check_prefix_ids(spec, load)
     pre = prefill_options(spec, load, model, topos)
     dec = decode_options(spec, load, model, topos)
     cands = candidates(spec, load, model, topos, pre, dec)
@@ -731,9 +749,13 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     gpu_hour_usd: float = 0.0, prefill_tp: Sequence[int] | None = None,
                     decode_ep: Sequence[int] | None = None, max_batch_per_rank: Sequence[int] | None = None,
                     draft_k: Sequence[int] | None = None, max_simulations: int = 60, top: int = 5,
-                    name: str = "search", mtp_layers: int | None = None) -> SearchSpec:
+                    name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
+                    prefix_cache: Mapping | None = None) -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
-    the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers."""
+    the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
+    ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
+    does not run out of requests (each pass on fresh block ids); its lengths replace the fixed ones.
+    ``prefix_cache``: the scenarios' ``prefix_cache`` section."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k)):
@@ -745,6 +767,25 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                          "output": {"kind": "fixed", "tokens": output_tokens}, "duration_s": duration_s},
             "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s}, "gpu_hour_usd": gpu_hour_usd, "space": space,
             "max_simulations": max_simulations, "top": top}
+    if trace is not None:
+        from rackbed.engine.core.traces import TRACE_FILES
+
+        data["workload"] = {"kind": "trace", **({"name": trace} if trace in TRACE_FILES else {"path": trace}),
+                            "rate_per_s": rate_per_s, "duration_s": duration_s, "loop": True}
+    scenario: dict[str, Any] = {}
     if mtp_layers is not None:
-        data["scenario"] = {"mtp": {"draft": {"kind": "mtp", "layers": mtp_layers}}}
+        scenario["mtp"] = {"draft": {"kind": "mtp", "layers": mtp_layers}}
+    if prefix_cache is not None:
+        scenario["prefix_cache"] = dict(prefix_cache)
+    if scenario:
+        data["scenario"] = scenario
     return parse_search(data, "rackbed search flags")
+
+
+def check_prefix_ids(spec: SearchSpec, load: Load) -> None:
+    """A search whose scenarios enable the prefix cache needs a workload with prefix block ids (a trace with hash
+    ids, or sessions): a one-line UserError otherwise, before any candidate is priced."""
+    if (spec.scenario.get("prefix_cache") or {}).get("enabled") and not any(
+            r.prefix_hash_ids for r in load.requests[:10_000]):
+        raise UserError(f"prefix cache: the {spec.workload.kind} workload carries no prefix block ids, so nothing "
+                        "can be reused; give --trace mooncake (a trace with hash ids) or a sessions workload")

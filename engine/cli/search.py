@@ -65,8 +65,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", type=_strs, default=["disaggregated", "aggregated"],
                    help="with --gpus: deployment kinds searched, comma-separated")
     p.add_argument("--rate", type=float, default=None, help="requests/s (Poisson): search for this load; default: none (give --gpus)")
-    p.add_argument("--prompt", "--isl", dest="prompt", type=int, default=4000, help="prompt tokens (fixed)")
-    p.add_argument("--output", "--osl", dest="output", type=int, default=400, help="output tokens (fixed)")
+    p.add_argument("--prompt", "--isl", dest="prompt", type=int, default=None,
+                   help="prompt tokens (fixed); default 4000")
+    p.add_argument("--output", "--osl", dest="output", type=int, default=None,
+                   help="output tokens (fixed); default 400")
+    p.add_argument("--trace", default=None, metavar="NAME|PATH",
+                   help="replay this trace instead of fixed --isl/--osl requests (a shipped name: "
+                   "mooncake, azure-conv, azure-code; or a file), at the searched rate, looped; default: none")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="every prefiller and aggregated worker keeps a prefix cache (scenario prefix_cache: "
+                   "8 GB of HBM per GPU and the topology's host tier); needs a workload with prefix block ids "
+                   "(--trace mooncake, or a spec's); docs/PREFIX_CACHE.md")
+    p.add_argument("--prefix-cache-gb", type=float, default=None, metavar="G",
+                   help="the prefix cache with G GB of HBM per GPU (implies --prefix-cache); default 8")
+    p.add_argument("--no-host-tier", action="store_true",
+                   help="the prefix cache without its host-memory tier (HBM only)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals simulated per point")
     p.add_argument("--ttft", type=float, default=2.0, help="TTFT SLO, seconds (p90)")
     p.add_argument("--tpot", type=float, default=0.05, help="TPOT SLO, seconds (p90)")
@@ -147,17 +160,58 @@ def check_flags(args: argparse.Namespace) -> None:
         bad("--format", ",".join(args.weight_format), "with --gpus give one format")
     if args.emit_out is not None and args.emit is None:
         bad("--emit-out", args.emit_out, "needs --emit ENGINE")
+    _check_cache_flags(args, bad)
+
+
+def _check_cache_flags(args: argparse.Namespace, bad) -> None:
+    """``--trace`` / ``--prefix-cache*``: one-line errors for the combinations the search cannot use."""
+    cache = args.prefix_cache or args.prefix_cache_gb is not None
+    if args.prefix_cache_gb is not None and not args.prefix_cache_gb > 0:
+        bad("--prefix-cache-gb", args.prefix_cache_gb, "must be a positive number (GB of HBM per GPU)")
+    if args.no_host_tier and not cache:
+        bad("--no-host-tier", "", "needs --prefix-cache or --prefix-cache-gb G")
+    if args.max_rate and (cache or args.trace):
+        bad("--prefix-cache" if cache else "--trace", args.trace or "",
+            "not with --max-rate (set the scenario's prefix_cache: / workload: instead)")
+    if args.trace is not None:
+        from rackbed.engine.core.traces import TRACE_FILES
+
+        if args.spec:
+            bad("--trace", args.trace, "not with a search spec (its workload: field says what to replay)")
+        for flag, v in (("--isl", args.prompt), ("--osl", args.output)):
+            if v is not None:
+                bad(flag, v, "not with --trace (the trace gives every request's lengths)")
+        if args.trace not in TRACE_FILES and not Path(args.trace).is_file():
+            bad("--trace", args.trace, f"no such file, nor a shipped trace ({', '.join(sorted(TRACE_FILES))})")
+    elif cache and not args.spec:
+        bad("--prefix-cache" if args.prefix_cache else "--prefix-cache-gb",
+            "" if args.prefix_cache else args.prefix_cache_gb,
+            "fixed --isl/--osl requests carry no prefix block ids, so nothing is reused; give --trace mooncake")
+
+
+def _prefix_cache(args: argparse.Namespace) -> dict | None:
+    """The scenarios' ``prefix_cache`` section the flags ask for (None: the flags leave it alone)."""
+    if not (args.prefix_cache or args.prefix_cache_gb is not None):
+        return None
+    pc: dict = {"enabled": True}
+    if args.prefix_cache_gb is not None:
+        pc["hbm_gb_per_gpu"] = args.prefix_cache_gb
+    if args.no_host_tier:
+        pc["host_gb_per_gpu"] = 0
+    return pc
 
 
 def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, topology=None):
     from rackbed.sim import search as se
 
     return se.spec_from_flags(model=args.model, topology=topology or args.topology, weight_format=args.weight_format,
-                              rate_per_s=rate, prompt_tokens=args.prompt, output_tokens=args.output,
+                              rate_per_s=rate, prompt_tokens=4000 if args.prompt is None else args.prompt,
+                              output_tokens=400 if args.output is None else args.output,
                               duration_s=args.duration, ttft_s=args.ttft, tpot_s=args.tpot,
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
-                              max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers)
+                              max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
+                              trace=args.trace, prefix_cache=_prefix_cache(args))
 
 
 def _with_stack(spec, stack: str | None):
@@ -186,6 +240,11 @@ def _main(args: argparse.Namespace) -> int:
         if upd:
             spec = spec.model_copy(update=upd)
         spec = _with_stack(spec, args.stack)
+        pc = _prefix_cache(args)
+        if pc is not None:  # the flags' cache over the spec's scenario (its other prefix_cache fields kept)
+            from rackbed.sim.sweep import deep_merge
+
+            spec = spec.model_copy(update={"scenario": deep_merge(dict(spec.scenario), {"prefix_cache": pc})})
     elif args.rate is None and args.gpus is not None:
         return _budget(args, console, jobs)
     else:
@@ -241,7 +300,9 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
     from rackbed.sim import budget as bu
 
     spec = _with_stack(_flags_spec(args, 1.0, 12), args.stack)
-    name = f"budget-{bu._safe(args.topology[0])}-{args.gpus}" + (f"-{args.stack}" if args.stack else "")
+    name = (f"budget-{bu._safe(args.topology[0])}-{args.gpus}" + (f"-{args.stack}" if args.stack else "")
+            + (f"-{bu._safe(Path(args.trace).stem)}" if args.trace else "")
+            + ("-cache" if _prefix_cache(args) else ""))
     spec = spec.model_copy(update={"name": name})
     out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
                       default=args.out is None)
@@ -269,7 +330,9 @@ def print_budget(console, res) -> None:
 
     sp, ld = res.spec, res.load
     alive = sum(c.pruned is None for c in res.candidates)
-    console.print(f"[bold]{sp.model} on {res.gpus} GPUs ({res.topology}, {sp.space.weight_format[0]})[/bold]: prompt "
+    wl = sp.workload
+    what = f"trace {wl.name or wl.path}, " if wl.kind == "trace" else ""
+    console.print(f"[bold]{sp.model} on {res.gpus} GPUs ({res.topology}, {sp.space.weight_format[0]})[/bold]: {what}prompt "
                   f"{ld.prompt_mean:.0f} / output {ld.output_mean:.0f} tokens; SLO TTFT {sp.slo.ttft_s:g} s, TPOT "
                   f"{sp.slo.tpot_s * 1e3:g} ms at {sp.slo.percentile}")
     console.print(f"priced by stack {res.stack}: {res.calibration}")
@@ -277,22 +340,25 @@ def print_budget(console, res) -> None:
                   f"simulations, {len(res.confirmed)} deployments confirmed; {res.wall_s:.0f} s")
     for note in res.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+    cached = bool((se_base(res).get("prefix_cache") or {}).get("enabled"))
     t = Table(title="Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
               "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the budget")
     for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
-              "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user"):
+              "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user",
+              *(("est hit", "sim hit") if cached else ())):
         t.add_column(h, justify="left" if h in ("kind", "configuration") else "right",
                      min_width={"kind": 13, "configuration": 36}.get(h))
     for kind, front in res.fronts.items():
         if not front:
-            t.add_row(kind, "none confirmed", *[""] * 11)
+            t.add_row(kind, "none confirmed", *[""] * (13 if cached else 11))
         for r in front:
             s, e = r["summary"], r["est"]
             t.add_row(kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
                       fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
                       fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
                       fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]), fmt(e["tokens_per_s_per_gpu"]),
-                      fmt(e["tokens_per_s_per_user"]))
+                      fmt(e["tokens_per_s_per_user"]),
+                      *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate"))) if cached else ()))
     console.print(t)
     for title, b in (("best", res.best), ("best on the whole budget", res.best_total)):
         if b is None or (title != "best" and b is res.best):
@@ -303,7 +369,20 @@ def print_budget(console, res) -> None:
                       f"{s['tokens_per_s_per_user']:.4g} tokens/s/user (TTFT p90 {s['ttft_p90_s']:.3g} s, TPOT p90 "
                       f"{s['tpot_p90_s'] * 1e3:.3g} ms); on the budget: {u['replicas']} x = {u['gpus_used']} of "
                       f"{u['gpus']} GPUs, {u['tokens_per_s']:.5g} tokens/s in total, "
-                      f"{u['tokens_per_s_per_budget_gpu']:.4g} tokens/s per budget GPU")
+                      f"{u['tokens_per_s_per_budget_gpu']:.4g} tokens/s per budget GPU"
+                      + (f"; prefix-cache hit rate {_pct(s.get('prefix_hit_rate'))} of prompt tokens (assumed "
+                         f"{_pct(b['est'].get('prefix_hit_rate'))})" if cached else ""))
+
+
+def se_base(res) -> dict:
+    """The base scenario of a budget search's candidates."""
+    from rackbed.sim.search import base_scenario
+
+    return base_scenario(res.spec)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _max_rate(args: argparse.Namespace, console) -> int:

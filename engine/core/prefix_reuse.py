@@ -97,21 +97,33 @@ def lru_reuse(requests: Iterable, blocks: int, n_caches: int = 1, full_blocks: b
     the caches in turn (round robin, a cache unaware of where a prefix lives). ``n_caches=1`` with the pool's
     total capacity is the other extreme: routing that sends every request to the worker holding its prefix makes
     the workers' caches one cache. Lower-tier capacity counts as blocks too (a hit in any tier skips prefill)."""
+    total, hits = lru_reuse_curve(requests, blocks, n_caches, full_blocks)
+    return hits[-1] / total[-1] if total and total[-1] else 0.0
+
+
+def lru_reuse_curve(requests: Iterable, blocks: int, n_caches: int = 1,
+                    full_blocks: bool = True) -> tuple[list[int], list[int]]:
+    """:func:`lru_reuse` after every request: ``(prompt tokens, reused tokens)`` of the first ``i + 1`` requests
+    at index ``i``, so that the hit rate of any leading part of a stream (what a run of that many requests sees,
+    cold caches included) costs one pass."""
     if blocks < 1 or n_caches < 1:
         raise ValueError(f"lru_reuse: blocks and n_caches must be >= 1, got {blocks}, {n_caches}")
     caches = [OrderedDict() for _ in range(n_caches)]
     total = hits = 0
+    totals: list[int] = []
+    reused: list[int] = []
     for i, r in enumerate(requests):
         total += r.prompt_tokens
         ids = r.prefix_hash_ids
-        if not ids:
-            continue
-        tokens = _block_tokens(r.prompt_tokens, ids, full_blocks)
-        ids = ids[: len(tokens)]
-        cache = caches[i % n_caches]
-        hits += _leading_hits(ids, tokens, cache)
-        _touch(cache, ids, blocks)
-    return hits / total if total else 0.0
+        if ids:
+            tokens = _block_tokens(r.prompt_tokens, ids, full_blocks)
+            ids = ids[: len(tokens)]
+            cache = caches[i % n_caches]
+            hits += _leading_hits(ids, tokens, cache)
+            _touch(cache, ids, blocks)
+        totals.append(total)
+        reused.append(hits)
+    return totals, reused
 
 
 def _touch(cache: OrderedDict, ids: Sequence[int], capacity: int) -> None:

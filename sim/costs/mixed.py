@@ -174,25 +174,30 @@ class OperatingPoint:
 def aggregated_operating_point(model, plan, topo, *, prompt_tokens: int, output_tokens: int,
                                max_batch_per_rank: int, max_batch_tokens: int, chunk_tokens: int | None,
                                draft_k: int = 0, tokens_per_step: float = 1.0,
-                               calib: CalibrationTable | None = None) -> OperatingPoint:
+                               calib: CalibrationTable | None = None, cached_tokens: int = 0) -> OperatingPoint:
     """The step an aggregated worker settles into when every request has ``prompt_tokens`` / ``output_tokens``
     and the worker is never short of work: each rank decodes ``B`` sequences, which finish at ``B × e / O`` per
     step (``e = tokens_per_step``, MTP included), so as many prompts (``B × e × P / O`` tokens) must be prefilled
     per step in the room the decode tokens leave in the budget: ``B`` is the cap, or smaller when that room is
     what limits it (``B × (1 + k) + B × e × P / O = budget``). The step is priced at contexts half way through
     the outputs and prefill chunks of ``chunk_tokens`` (whole prompts when None) half way through their prompts.
+    ``cached_tokens`` of each prompt come from a prefix cache: only the rest is prefilled (and takes budget), its
+    chunks start after the cached context; decode contexts are whole prompts.
     """
     if min(prompt_tokens, output_tokens, max_batch_per_rank, max_batch_tokens) < 1 or tokens_per_step <= 0:
         raise UserError("aggregated_operating_point: tokens, batch and budget must be >= 1")
+    if not 0 <= cached_tokens < prompt_tokens:
+        raise UserError("aggregated_operating_point: cached_tokens must be in [0, prompt_tokens)")
+    new = prompt_tokens - cached_tokens
     q = draft_k + 1
-    per_seq = q + tokens_per_step * prompt_tokens / output_tokens  # budget tokens one decoding sequence costs
+    per_seq = q + tokens_per_step * new / output_tokens  # budget tokens one decoding sequence costs
     b = min(float(max_batch_per_rank), max_batch_tokens / per_seq)
     nb = max(1, round(b))
-    pf = max(1, round(b * tokens_per_step * prompt_tokens / output_tokens))
-    size = min(prompt_tokens, chunk_tokens or prompt_tokens)
-    chunks = [(size, prompt_tokens // 2 if size < prompt_tokens else 0)] * (pf // size)
+    pf = max(1, round(b * tokens_per_step * new / output_tokens))
+    size = min(new, chunk_tokens or new)
+    chunks = [(size, cached_tokens + (new // 2 if size < new else 0))] * (pf // size)
     if pf % size:
-        chunks.append((pf % size, 0))
+        chunks.append((pf % size, cached_tokens))
     ctx = nb * (prompt_tokens + output_tokens / 2)
     st = mixed_step_time(model, plan, topo, [nb] * plan.dp, [ctx] * plan.dp, [chunks] * plan.dp,
                          draft_k=draft_k, calib=calib)
