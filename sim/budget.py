@@ -399,19 +399,16 @@ def aggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus:
                             continue
                         calib = cost_model_for(sc, model, topo, plan, plan, engine_calibration=False)[1]
                         e = expected_tokens_per_step(k, sc.mtp.accept_p)
-
-                        def at(hit: float):
-                            return aggregated_operating_point(
-                                model, plan, topo, prompt_tokens=prompt, output_tokens=out_tok,
-                                max_batch_per_rank=b_max, max_batch_tokens=mbt, chunk_tokens=chunk, draft_k=k,
-                                tokens_per_step=e, calib=calib, cached_tokens=min(prompt - 1, round(prompt * hit)))
-
-                        op = at(0.0)
+                        at = functools.partial(aggregated_operating_point, model, plan, topo,
+                                               prompt_tokens=prompt, output_tokens=out_tok, max_batch_per_rank=b_max,
+                                               max_batch_tokens=mbt, chunk_tokens=chunk, draft_k=k,
+                                               tokens_per_step=e, calib=calib)
+                        op = at()
                         if cached:
                             blocks = se.cache_blocks_of(sc, model, topo, size, "aggregated worker")
                             for _ in range(2):
                                 c.est_hit_rate = hits(blocks, workers, workers * op.requests_per_s / h)
-                                op = at(c.est_hit_rate)
+                                op = at(cached_tokens=min(prompt - 1, round(prompt * c.est_hit_rate)))
                     except (ValueError, FileNotFoundError) as exc:
                         c.pruned = one_line(exc)
                         continue

@@ -182,7 +182,8 @@ def aggregated_operating_point(model, plan, topo, *, prompt_tokens: int, output_
     what limits it (``B × (1 + k) + B × e × P / O = budget``). The step is priced at contexts half way through
     the outputs and prefill chunks of ``chunk_tokens`` (whole prompts when None) half way through their prompts.
     ``cached_tokens`` of each prompt come from a prefix cache: only the rest is prefilled (and takes budget), its
-    chunks start after the cached context; decode contexts are whole prompts.
+    whole chunks start after the cached context (the leftover chunk stays at position 0, as without a cache, so that
+    a cache never prices a step dearer); decode contexts are whole prompts.
     """
     if min(prompt_tokens, output_tokens, max_batch_per_rank, max_batch_tokens) < 1 or tokens_per_step <= 0:
         raise UserError("aggregated_operating_point: tokens, batch and budget must be >= 1")
@@ -197,7 +198,7 @@ def aggregated_operating_point(model, plan, topo, *, prompt_tokens: int, output_
     size = min(new, chunk_tokens or new)
     chunks = [(size, cached_tokens + (new // 2 if size < new else 0))] * (pf // size)
     if pf % size:
-        chunks.append((pf % size, cached_tokens))
+        chunks.append((pf % size, 0))
     ctx = nb * (prompt_tokens + output_tokens / 2)
     st = mixed_step_time(model, plan, topo, [nb] * plan.dp, [ctx] * plan.dp, [chunks] * plan.dp,
                          draft_k=draft_k, calib=calib)
