@@ -2,7 +2,8 @@
 
 Each process runs :func:`engine.core.worker_loop.worker_loop` (the generator the real driver runs too) and
 resolves what it yields: a work plan becomes ``env.timeout(executor.duration(plan, now))`` — or, with a real
-executor, the completion event it returns, whose value is the measured duration — interrupted by a fault; an
+executor, the completion event it returns, whose value is the measured duration — interrupted by a fault; a
+:class:`~engine.core.plans.Failed` answer (or event value) fails the plan after its duration; an
 :class:`~engine.core.plans.Idle` becomes a wait on the worker's wake-up event with an optional timer. After every
 resumption the scheduler's wake-ups go to the idle workers named and every new (scaled-up) worker gets a process
 (:meth:`WorkerProcesses.flush`). SimPy orders simultaneous events by (time, priority, insertion), so a run is a
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import simpy
 
-from rackbed.engine.core.plans import DecodeStep, Idle, KvTransfer, MixedStep, PrefillBatch, Result
+from rackbed.engine.core.plans import DecodeStep, Failed, Idle, KvTransfer, MixedStep, PrefillBatch, Result
 from rackbed.engine.core.worker_loop import worker_loop
 from rackbed.sim.faults import Fault
 
@@ -132,9 +133,16 @@ class WorkerProcesses:
         lane = None
         try:
             if type(dur) is not float:  # a real executor's completion event: its value is the measured duration
-                done_value = yield dur
-                dur, accepted = done_value if type(done_value) is tuple else (done_value, None)
-                result = Result(dur, accepted=accepted)
+                if type(dur) is Failed:     # a replayed failure: it takes its time, then fails
+                    yield env.timeout(dur.duration_s)
+                    done_value = dur
+                else:
+                    done_value = yield dur
+                if type(done_value) is Failed:
+                    result = Result(done_value.duration_s, failed=done_value.reason)
+                else:
+                    dur, accepted = done_value if type(done_value) is tuple else (done_value, None)
+                    result = Result(dur, accepted=accepted)
             elif type(plan) is DecodeStep and self.fast is not None and (st := self.fast.start_step(wid, plan, t0,
                                                                                                    dur)):
                 tmo, lane = st
@@ -149,7 +157,7 @@ class WorkerProcesses:
             else:
                 yield env.timeout(dur)
                 result = Result(dur)
-            failed = False
+            failed = result.failed is not None
         except simpy.Interrupt as intr:
             if lane is not None and lane.virtual:
                 return self._interrupted_on_lane(wid, lane, intr)

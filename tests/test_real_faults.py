@@ -83,6 +83,46 @@ def test_decoders_killed_at_random_moments_leave_no_request_stalled(ckpt, seed):
     assert res.log.decisions() == rep.log.decisions()
 
 
+def test_a_source_that_lost_the_kv_kills_no_rank_and_the_request_is_prefilled_again(ckpt):
+    """Two requests' first KV transfers find their copy gone on the prefiller's second TP rank (the drill frees it
+    just before the send): that source declines, the other ships, the decoder frees the pages it reserved and
+    replies ``declined`` too. No rank is declared dead; the scheduler prefills the two requests again and they
+    finish with Hugging Face's greedy tokens; its invariants hold after every call; the replay fails the same
+    transfers the same way and makes the same decisions."""
+    import functools
+
+    _, hf = tiny_hf_model()
+    sc = parse_scenario({
+        "name": "cpu-kv-lost", "topology": "hgx-h200", "model": str(ckpt / "config.json"), "weight_format": "bf16",
+        "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
+        "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": 4},
+        "mtp": {"draft_k": 0},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
+                     "prompt": {"kind": "uniform", "lo": 5, "hi": 30},
+                     "output": {"kind": "uniform", "lo": 3, "hi": 8}, "n_requests": 5, "seed": 1}})
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    lose = [reqs[1].id, reqs[3].id]
+    checked = functools.partial(simulate, debug_checks=True)
+    res, run = run_real(b, reqs, simulate=checked, device="cpu", dtype="fp32", weights=str(ckpt),
+                        prefill_pages=64, decode_pages=64, lose_kv=lose, stall_s=60,
+                        tiny_cfg=TorchModelConfig.from_hf(json.loads((ckpt / "config.json").read_text())))
+    assert sorted(run.kv_declined) == sorted(lose)
+    assert run.deaths == [] and run.pool.dead == set() and run.pool.errors == [], (run.deaths, run.pool.errors)
+    m = res.metrics["requests"]
+    assert m["done"] == m["total"] == len(reqs), m
+    requeued = sorted((rec[3], rec[4], rec[6]) for rec in res.log.of_kind("requeue"))
+    assert requeued == sorted((rid, 1, "kv_lost") for rid in lose)
+    assert sum(1 for w, k, key, _, _ in run.records if k == "kv:kv_lost") == len(lose)
+    for r in reqs:
+        prompt = torch.tensor(run.prompt_ids[r.id])[None]
+        with torch.no_grad():
+            ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
+        assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
+    rep = replay(b, reqs, run.records, simulate=checked, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
+
+
 def _children(pid: int) -> set[int]:
     out = set()
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -172,7 +172,8 @@ class Result(NamedTuple):
     duration_s: how long it ran (simulated or measured); for :class:`Idle`, how long the worker slept.
     accepted:   optional real MTP outcome of a :class:`DecodeStep`: request id -> accepted draft tokens (0..k).
                 When None the scheduler draws acceptance from its seeded RNG (identically in every driver).
-    failed:     None, or why the plan did not complete (the scheduler then re-queues its work).
+    failed:     None, or why the plan did not complete (the scheduler then re-queues its work): a fault's target
+                (``"gpu:3"``), or :data:`KV_LOST`.
     woken:      for :class:`Idle`: True if woken by the scheduler, False if the timer fired.
     """
 
@@ -180,3 +181,18 @@ class Result(NamedTuple):
     accepted: Mapping[int, int] | None = None
     failed: str | None = None
     woken: bool = False
+
+
+#: ``Result.failed`` of a :class:`KvTransfer` whose source no longer holds the request's KV (it declined to ship):
+#: the request is prefilled again (prompt and tokens generated so far), as when its prefiller dies — shipping it
+#: again from the same prefiller would meet the same missing KV
+KV_LOST = "kv_lost"
+
+
+class Failed(NamedTuple):
+    """An executor's answer for a plan that ran ``duration_s`` and failed for ``reason`` (``Result.failed``) with
+    no fault to interrupt it: a real run's declined KV transfer, and its replay. ``executor.duration`` returns it
+    (or a completion event fires with it) instead of a duration."""
+
+    duration_s: float
+    reason: str

@@ -51,8 +51,9 @@ its prompt is done; a dead or retired worker's cache is cleared (``docs/PREFIX_C
 Failures (:meth:`Scheduler.fail`): a dead prefiller's queued and running prompts are routed again; KV it held
 is lost, so those requests are prefilled again elsewhere; KV in flight to a dead decoder is re-sent from the
 prefiller (which still holds it); a dead decoder's queued/decoding requests lose their KV and are prefilled again
-(prompt + tokens generated so far). Nothing is dropped: every request ends ``done`` or ``rejected`` with a
-reason. Overload: bounded prefiller queues (``queue_full``), optional TTFT shedding (``ttft_slo_unreachable``),
+(prompt + tokens generated so far); a KV transfer that fails because its prefiller no longer holds the KV
+(``Result.failed == KV_LOST``: a real source declined) is prefilled again too. Nothing is dropped: every request
+ends ``done`` or ``rejected`` with a reason. Overload: bounded prefiller queues (``queue_full``), optional TTFT shedding (``ttft_slo_unreachable``),
 requests that can never fit (``exceeds_decoder_kv``, ``exceeds_prefiller_kv``) or never be served
 (``no_prefiller``, ``no_decoder``; ``unreachable`` when the decoders left have lost every NIC for good: such a
 decoder is drained, not routed to), and ``horizon`` for requests still open when a run is cut off.
@@ -76,6 +77,7 @@ from rackbed.engine.core.deployment import DecoderGroup, Deployment, PrefillerGr
 from rackbed.engine.core.failures import FailureHandling
 from rackbed.engine.core.invariants import check_invariants
 from rackbed.engine.core.plans import (
+    KV_LOST,
     WAIT_KV_SPACE,
     WAIT_READY,
     WAIT_WORK,
@@ -680,6 +682,13 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         d = r.decoder
         if result.failed is not None:
             self._unreserve(r)
+            if result.failed == KV_LOST:
+                # the prefiller no longer holds the KV (its source declined): prefill it again, as after the
+                # prefiller's death; shipping it again would decline again
+                pf.kv_held -= r.ctx0
+                self._wake_prefiller(pf)
+                self._requeue_prefill(r, now, KV_LOST, lost_kv=True)
+                return
             r.state = KV_PENDING
             pf.pending.appendleft(r)
             self._add((now, "requeue", s.id, r.id, 0, 0, result.failed))
@@ -695,6 +704,10 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if d.idle:
             d.idle = False
             self.wakeups.append(d.id)
+        self._wake_prefiller(pf)
+
+    def _wake_prefiller(self, pf: PrefillerState) -> None:
+        """``pf`` holds less KV now: wake it if it waits for KV room, or drains (it may be done)."""
         if pf.idle and (pf.waits_for == WAIT_KV_SPACE or pf.status == DRAINING):
             pf.idle = False
             self.wakeups.append(pf.id)

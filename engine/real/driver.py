@@ -18,7 +18,9 @@ code is not):
 
 Worker processes that die are detected (exit code) and turned into a fault of their GPU at the current time: the
 scheduler re-queues their requests; the group's other ranks are stopped. A live rank that fails a plan with no dead
-peer to explain it is declared dead the same way (:meth:`RealRun._fail_plan`), so no plan waits forever. The
+peer to explain it is declared dead the same way (:meth:`RealRun._fail_plan`), so no plan waits forever — unless
+the failure is a KV source's decline (it no longer holds the request's KV): then no rank is blamed and the request
+is prefilled again (:meth:`RealRun._decline_plan`). The
 scheduler plans with the ranks' real KV caches (:func:`real_capacities`). docs/ARCHITECTURE.md ("Failure
 behaviour") has the whole list.
 
@@ -58,7 +60,7 @@ from pathlib import Path
 
 import simpy
 
-from rackbed.engine.core.plans import DecodeStep, KvTransfer, MixedStep, PrefillBatch
+from rackbed.engine.core.plans import KV_LOST, DecodeStep, Failed, KvTransfer, MixedStep, PrefillBatch
 from rackbed.engine.loop.simenv import SimEnv
 from rackbed.engine.real.rank_setup import (  # noqa: F401  (re-exported: callers import them from the driver)
     _cache_kw,
@@ -87,6 +89,7 @@ class _Inflight:
     kind: str
     key: int
     replies: dict[int, object] = field(default_factory=dict)
+    declined: set[int] = field(default_factory=set)   # ranks that replied ``declined`` (a source lost the KV)
     worker_s: float = 0.0
     dst: int | None = None          # a KV plan's decoder rank (blamed first when the transfer fails)
     srcs: tuple[int, ...] = ()      # a KV plan's prefiller ranks (told to drop the KV once it has landed)
@@ -315,6 +318,9 @@ class RealExecutor:
             last = gen[plan.tokens - n_prompt] if gen and plan.tokens - n_prompt < len(gen) else gen[-1]
             sends = [(r, "kv_send", {"rid": rid, "dst_global": dst_rank, "seq_len": plan.tokens})
                      for r in src_ranks]
+            if rid in run.lose_kv:       # failure drill: the prefiller's last rank loses its copy first
+                run.lose_kv.discard(rid)
+                sends[-1][2]["lose"] = True
             sends.append((dst_rank, "kv_recv", {"rid": rid, "src_globals": src_ranks, "seq_len": plan.tokens,
                                                 "src_pages": src_pages, "last_token": last,
                                                 "tokens": gen[:plan.tokens - n_prompt],
@@ -448,6 +454,8 @@ class RealRun:
         self.prefill_n: dict[int, int] = {}
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
         self.kill_after_steps: list[tuple[int, int]] = []
+        self.lose_kv: set[int] = set()      # failure drill: requests whose first KV transfer finds the KV gone
+        self.kv_declined: list[int] = []    # requests whose KV transfer a source declined (prefilled again)
         self.deaths: list[tuple] = []       # (t, rank, gpu), sorted by (t, gpu)
         self.faulted: set[int] = set()      # ranks whose death the scheduler has been told of (on the clock)
         self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
@@ -540,7 +548,10 @@ class RealRun:
             if status == "error":
                 self.pool.errors.append(f"rank {rank}: {payload}")
             return
-        if status != "ok":
+        if status == "declined":        # a KV source no longer holds the request's KV: no rank's fault
+            fl.declined.add(rank)
+            fl.replies[rank] = None
+        elif status != "ok":
             self.pool.errors.append(f"rank {rank} {fl.kind}: {payload}")
             fl.replies[rank] = None
         else:
@@ -552,16 +563,34 @@ class RealRun:
         del self.pool.inflight[token]
         measured = wall - fl.start_w
         if any(v is None for v in fl.replies.values()):
-            self._fail_plan(fl)
+            if fl.declined and all(v is not None or r in fl.declined for r, v in fl.replies.items()):
+                self._decline_plan(fl, measured)
+            else:
+                self._fail_plan(fl)
             return
         self._absorb(fl)
         self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
         self.env.trigger(fl.ev, measured, max(fl.start_v + measured - self.env.now, 0.0))
 
+    def _decline_plan(self, fl: _Inflight, measured: float) -> None:
+        """A KV transfer failed only because a source no longer held the request's KV (every failing rank replied
+        ``declined``: the decoder has freed the pages it reserved). No rank is at fault and none is declared
+        dead: the plan fails at its measured clock time with :data:`KV_LOST`, and the scheduler prefills the
+        request again. The prefiller ranks that still hold their shards drop them now — the scheduler will not ship
+        this copy again (a decoder death that reaches it first re-sends the request, which then declines again).
+        The record's kind says how it failed, so a replay fails it the same way."""
+        self.records.append((fl.worker, f"{fl.kind}:{KV_LOST}", fl.key, measured, fl.worker_s))
+        self.kv_declined.append(fl.key)
+        for r in fl.srcs:
+            if r not in self.pool.dead:
+                self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
+        self.env.trigger(fl.ev, Failed(measured, KV_LOST), max(fl.start_v + measured - self.env.now, 0.0))
+
     def _fail_plan(self, fl: _Inflight) -> None:
         """Every rank of ``fl`` replied and one at least with an error. If a peer died (seen within
         :data:`DEATH_GRACE_S`: a transfer from a dead peer fails before its exit is noticed), that death's fault
-        interrupts the plan. Otherwise the rank that failed is declared dead — a KV plan's decoder first, else the
+        interrupts the plan. Otherwise the rank that failed is declared dead — a KV plan's decoder first (a transfer
+        whose only failure is a source's decline goes to :meth:`_decline_plan` instead, which blames nobody), else the
         lowest failing rank: its process is stopped and its GPU fails like a dead one's, so the scheduler requeues
         the plan's requests and a replay meets the same fault at the same time. The plan never completes (an
         infinite duration on record: the fault interrupts it in the replay too)."""
@@ -626,13 +655,14 @@ class RealRun:
 
 
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
-             prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), progress=False, tiny_cfg=None,
-             pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None):
+             prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), lose_kv=(), progress=False,
+             tiny_cfg=None, pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests`` through ``simulate`` (``sim.driver.simulate``,
     module docstring). Failure drills: ``kill`` ``[(at_s, gpu)]`` kills that GPU's rank process at clock time
     ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
-    in flight. ``stall_s``: no rank reply for that long with work in flight raises :class:`RealRunStalled` (the
-    ranks are stopped). ``prefix_cache`` (an ``engine.core.prefix_cache.PrefixCacheSpec``; None: the scenario's,
+    in flight; ``lose_kv`` ``[request id]``: that request's first KV transfer finds its copy gone on the
+    prefiller's last rank (the rank frees it just before), so the source declines. ``stall_s``: no rank reply for
+    that long with work in flight raises :class:`RealRunStalled` (the ranks are stopped). ``prefix_cache`` (an ``engine.core.prefix_cache.PrefixCacheSpec``; None: the scenario's,
     ``built.prefix_cache``): the scheduler's cache per prefiller / aggregated worker, and each of its ranks keeps the
     KV of those blocks (``engine.real.prefix``: ``hbm_blocks`` blocks, their pages out of ``prefill_pages``, or
     ``decode_pages`` on an aggregated rank) and reuses the prefix each prefill item starts at. ``follows`` ``{request id: previous turn's id}``: a later turn's prompt is the previous turn's
@@ -654,6 +684,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                                        else decode_pages, page_tokens=built.decode_plan.page_tokens,
                                        min_prompt=min((r.prompt_tokens for r in requests), default=1))
     run.kill_after_steps = list(kill_after_steps)
+    run.lose_kv = set(lose_kv)
     env = run.env
     env.stall_s = stall_s
 
@@ -718,9 +749,10 @@ class ReplayExecutor:
     """The simulator's executor for the cross-mode identity test: returns a real run's measured durations."""
 
     def __init__(self, records) -> None:
-        self.table: dict[tuple, list[float]] = {}
+        self.table: dict[tuple, list] = {}
         for w, k, key, m, _ in records:           # a key can repeat (a KV shipped again after a failure)
-            self.table.setdefault((w, k, key), []).append(m)
+            k, _, failed = k.partition(":")       # "kv:kv_lost": failed without a fault (RealRun._decline_plan)
+            self.table.setdefault((w, k, key), []).append(Failed(m, failed) if failed else m)
         self.breakdown_s = {"prefill": {}, "decode": {}}
         self.load_s = None          # a real run has no lower-tier copies (its measured prefill durations are it)
         self.load_total_s = 0.0
@@ -740,7 +772,8 @@ class ReplayExecutor:
             k = (plan.worker, "decode", plan.step)
         if not self.table.get(k):
             raise KeyError(f"replay: the real run has no duration for {k} (decisions diverged)")
-        return float(self.table[k].pop(0))
+        v = self.table[k].pop(0)
+        return v if type(v) is Failed else float(v)
 
 
 def replay(built, requests, records, *, simulate, seed: int, deaths=(), prefix_cache=None):

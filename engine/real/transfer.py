@@ -41,6 +41,12 @@ import torch.distributed as dist
 from rackbed.engine.core.kv import KvLayout, reshard_plan
 
 
+class KvDeclined(RuntimeError):
+    """A transfer failed only because a source no longer holds the request's KV (it declined): no rank is at
+    fault, the KV is gone. The worker replies ``"declined"`` rather than ``"error"``, so the driver has the request
+    prefilled again instead of declaring a rank dead."""
+
+
 def _unit(offsets: np.ndarray, sizes: np.ndarray, total: int) -> int:
     g = reduce(math.gcd, (int(x) for x in np.unique(np.concatenate([offsets, sizes]))), int(total))
     return max(g, 1)
@@ -141,7 +147,8 @@ class TransferEngine:
 
     def recv(self, storage: torch.Tensor, src_globals: list[int], seq_len: int, src_pages, dst_pages) -> int:
         """Called on the destination rank after a (non-refused) offer; returns bytes received. Every source's
-        header and announced payload are received before a declined or mis-sized one fails the transfer."""
+        header and announced payload are received before a declined or mis-sized one fails the transfer
+        (:class:`KvDeclined` when every problem is a decline)."""
         p = self.plan(seq_len, src_pages, dst_pages)
         total = 0
         src_rank = np.asarray(p.src_rank)
@@ -169,5 +176,8 @@ class TransferEngine:
             _rows(storage, unit)[idx] = buf.view(-1, unit)
             total += n
         if problems:
-            raise RuntimeError("KV transfer failed: " + "; ".join(problems))
+            msg = "KV transfer failed: " + "; ".join(problems)
+            if all(x.endswith(" declined") for x in problems):
+                raise KvDeclined(msg)
+            raise RuntimeError(msg)
         return total

@@ -123,11 +123,13 @@ def unseal(token: bytes, queue: str, index: int | None, data: bytes):
 
 
 # -- the schemas -------------------------------------------------------------------------------------------------
-INT, FLOAT, STR = "int", "float", "str"
+INT, FLOAT, STR, BOOL = "int", "float", "str", "bool"
 
 
 def _ok(v, t) -> bool:
-    """``v`` matches type spec ``t``: INT, FLOAT, STR, ("list", t), ("tuple", t1, t2, ...), ("opt", t)."""
+    """``v`` matches type spec ``t``: INT, FLOAT, STR, BOOL, ("list", t), ("tuple", t1, t2, ...), ("opt", t)."""
+    if t == BOOL:
+        return isinstance(v, bool)
     if t == INT:
         return isinstance(v, int) and not isinstance(v, bool)
     if t == FLOAT:
@@ -152,13 +154,13 @@ COMMANDS: dict[str, dict[str, object]] = {
     "prefill": {"items": _ITEMS},
     "decode": {"joined": _JOINED, "left": _INTS},
     "mixed": {"joined": _JOINED, "left": _INTS, "items": _ITEMS},
-    "kv_send": {"rid": INT, "dst_global": INT, "seq_len": INT},
+    "kv_send": {"rid": INT, "dst_global": INT, "seq_len": INT, "lose": BOOL},
     "kv_recv": {"rid": INT, "src_globals": _INTS, "seq_len": INT, "src_pages": ("opt", _INTS), "last_token": INT,
                 "tokens": _INTS, "free": _INTS},
     "drop": {"rids": _INTS},
     "stop": {},
 }
-OPTIONAL_ARGS = {"kv_recv": {"free": []}}
+OPTIONAL_ARGS = {"kv_recv": {"free": []}, "kv_send": {"lose": False}}
 
 
 def check_command(msg, where: str = "command"):
@@ -202,7 +204,7 @@ def check_reply(msg, world: int, where: str = "reply"):
         raise BadMessage(f"{where}: token must be an int or null and rank in [0, {world})")
     if status == "ready":
         good = payload is None
-    elif status == "error":
+    elif status in ("error", "declined"):
         good = isinstance(payload, str)
     elif status == "ok":
         good = payload is None or (isinstance(payload, tuple) and len(payload) == 2 and _ok(payload[1], FLOAT)

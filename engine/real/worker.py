@@ -2,7 +2,8 @@
 
 The driver (``engine.real.driver``) sends commands on this rank's queue; every rank of a group gets the same
 command and runs it together (collectives inside the group), then replies on the shared result queue with
-``(token, rank, status, payload)``. Commands:
+``(token, rank, status, payload)`` (status ``ok``, ``error``, or ``declined``: a KV transfer that failed only
+because a source no longer holds the request's KV). Commands:
 
 - ``prefill``  items ``[(rid, token_ids[, cached])]`` -> KV kept in this rank's cache (a cached prompt prefix
   reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``
@@ -46,7 +47,7 @@ from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.families import model_class
 from rackbed.engine.real.model import PagedKvCache, Shard, TorchModelConfig
 from rackbed.engine.real.prefix import RankPrefixCache
-from rackbed.engine.real.transfer import KvBackend, TransferEngine
+from rackbed.engine.real.transfer import KvBackend, KvDeclined, TransferEngine
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,8 @@ class Rank:
             out = getattr(self, f"_op_{op}")(**args)
             self._sync()
             res_q.put((token, self.spec.rank, "ok", (out, time.perf_counter() - t0)))
+        except KvDeclined as exc:   # the KV is gone on a source: not this rank's fault (transfer.KvDeclined)
+            res_q.put((token, self.spec.rank, "declined", str(exc)))
         except Exception as exc:
             res_q.put((token, self.spec.rank, "error", f"{type(exc).__name__}: {exc}"))
 
@@ -369,12 +372,16 @@ class Rank:
         stays until the cache evicts its block."""
         self.cache.free(s.pages)
 
-    def _op_kv_send(self, rid, dst_global, seq_len):
+    def _op_kv_send(self, rid, dst_global, seq_len, lose=False):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
         once the scheduler has seen the whole transfer complete: a decoder that dies before that fails the
         transfer, and the scheduler's retry to another decoder ships this copy again. Whatever fails, the
-        decoder's offer is received and answered (``transfer`` module docstring, "Framing")."""
+        decoder's offer is received and answered (``transfer`` module docstring, "Framing"); a rank that holds no
+        KV for ``rid`` declines (reply ``declined``). ``lose``: failure drill — free this rank's copy first, as if
+        it had been lost (``run_real(lose_kv=...)``)."""
         with self.lock:
+            if lose:
+                self._drop(rid)
             s = self.seqs.get(rid)
             if s is not None:
                 s.busy = True
@@ -384,7 +391,7 @@ class Rank:
                 raise MemoryError(f"decoder rank {dst_global} has no room for request {rid}")
             if s is None:
                 self.transfer.decline(dst_global, self.dev)
-                raise KeyError(f"request {rid}: no KV here to ship (already dropped?)")
+                raise KvDeclined(f"request {rid}: no KV here to ship (already dropped?)")
             n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
             self._sync()                              # the gather has read the pages before the reply
             return n

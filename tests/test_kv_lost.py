@@ -1,0 +1,97 @@
+"""A KV transfer that fails because its prefiller no longer holds the KV (``Result.failed == KV_LOST``, a real
+source's decline) sends the request back to prefill — not back to the prefiller's pending list, whose copy is gone
+— and frees the decoder reservation: whichever transfers lose their KV, every request still finishes with all its
+tokens, each lost one is prefilled exactly once more, no worker dies, and the scheduler's invariants hold after
+every call. A replayed ``Failed`` answer (``engine.real.driver.ReplayExecutor``) fails the plan the same way."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_sim_driver_models import AnalyticCost, poisson_requests, small_deployment
+
+from rackbed.engine.core.plans import KV_LOST, DecodeStep, Failed, KvTransfer, MixedStep, PrefillBatch
+from rackbed.sim.driver import simulate
+from rackbed.sim.executor import Executor
+
+N_REQ = 12
+
+
+class _Losing(Executor):
+    """The simulated executor, except that the first ``lose[rid]`` KV transfers of request ``rid`` fail with
+    :data:`KV_LOST` after their priced duration."""
+
+    def __init__(self, cm, net, group_of, lose: dict[int, int]) -> None:
+        super().__init__(cm, net, group_of)
+        self.lose = dict(lose)
+        self.lost: list[int] = []
+        self.records: list[tuple] = []
+
+    def duration(self, plan, now_s):
+        d = super().duration(plan, now_s)
+        tp = type(plan)
+        kind, key = {PrefillBatch: ("prefill", "batch"), KvTransfer: ("kv", "request_id"),
+                     DecodeStep: ("decode", "step"), MixedStep: ("mixed", "step")}[tp]
+        key = getattr(plan, key)
+        if tp is KvTransfer and self.lose.get(plan.request_id, 0) > 0:
+            self.lose[plan.request_id] -= 1
+            self.lost.append(plan.request_id)
+            self.records.append((plan.worker, f"kv:{KV_LOST}", key, d, 0.0))
+            return Failed(d, KV_LOST)
+        self.records.append((plan.worker, kind, key, d, 0.0))   # as a real run records them (RealRun.records)
+        return d
+
+
+def _run(lose: dict[int, int]):
+    made = []
+
+    def factory(cm, net, group_of):
+        made.append(_Losing(cm, net, group_of, lose))
+        return made[-1]
+
+    reqs = poisson_requests(N_REQ, 20.0, 5)
+    res = simulate(small_deployment(n_pf=2, n_dec=2, ep=2, draft_k=0), reqs, AnalyticCost(), seed=0,
+                   progress=False, debug_checks=True, executor_factory=factory)
+    return res, reqs, made[0]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(st.dictionaries(st.integers(0, N_REQ - 1), st.integers(1, 2), max_size=5))
+def test_a_lost_kv_is_prefilled_again_and_every_request_finishes(lose):
+    res, reqs, ex = _run(lose)
+    m = res.metrics["requests"]
+    assert m["done"] == m["total"] == len(reqs), m
+    assert sorted(ex.lost) == sorted(r for r, n in lose.items() for _ in range(n))
+    log = res.log
+    assert not log.of_kind("fault")
+    requeues = [(rec[3], rec[4], rec[6]) for rec in log.of_kind("requeue")]
+    assert sorted(requeues) == sorted((rid, 1, KV_LOST) for rid in ex.lost)   # lost_kv=1, nothing else requeued
+    # a request's KV is shipped once per prefill: one transfer more per loss than without losses
+    shipped: dict[int, int] = {}
+    for rec in log.of_kind("kv_transfer"):
+        shipped[rec[3]] = shipped.get(rec[3], 0) + 1
+    assert all(shipped.get(r.id, 0) == 1 + lose.get(r.id, 0) for r in reqs if r.output_tokens > 1)
+    rows = {row[0]: dict(zip(res.row_fields, row)) for row in res.rows}
+    for r in reqs:   # every token is produced once more after its loss, none twice: k = 0, one token per step
+        row = rows[r.id]
+        assert row["status"] == "done" and row["requeues"] == len([x for x in ex.lost if x == r.id]), row
+        assert row["decode_steps"] == r.output_tokens - 1, row
+
+
+def test_a_replayed_failure_fails_the_same_way():
+    """The run's durations recorded as a real run records them (a lost transfer's kind ``kv:kv_lost``) and
+    replayed through :class:`engine.real.driver.ReplayExecutor` give the same decisions."""
+    from rackbed.engine.real.driver import ReplayExecutor
+
+    res, reqs, ex = _run({2: 1, 5: 2})
+    assert sorted(ex.lost) == [2, 5, 5]
+    assert sum(1 for r in ex.records if r[1] == f"kv:{KV_LOST}") == 3
+    rep = simulate(small_deployment(n_pf=2, n_dec=2, ep=2, draft_k=0), reqs, AnalyticCost(), seed=0,
+                   progress=False, debug_checks=True, executor_factory=lambda cm, net, g: ReplayExecutor(ex.records))
+    assert rep.log.decisions() == res.log.decisions()
