@@ -138,13 +138,17 @@ def test_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp_pat
     2 DP decode ranks (DeepSeek-V3: the latent, replicated on both prefill ranks; gpt-oss and GLM: KV heads sharded
     over them), greedy tokens equal transformers'; replaying the measured durations through the simulator gives
     the identical decision log (cross-mode identity). Prompts of 5-30 tokens are mostly longer than gpt-oss's
-    window of 6, so the window matters on both sides of the transfer."""
+    window of 6: its sliding layers ship only the window's latest tokens (fewer bytes than the whole prompt),
+    and the decoder's tokens still equal transformers'."""
     import json
+    from dataclasses import replace
 
     from tiny_qwen3moe import save_checkpoint
 
+    from rackbed.engine.core.kv import reshard_plan
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import replay, run_real
+    from rackbed.engine.real.worker import kv_layouts
     from rackbed.sim.driver import simulate
     from rackbed.sim.scenario import build, parse_scenario
 
@@ -170,6 +174,16 @@ def test_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp_pat
         with torch.no_grad():
             ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
         assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
+    # every transfer moved the plan's bytes: sliding layers (gpt-oss) only their window's latest tokens
+    src, dst = kv_layouts(cfg, 4, 4, 2, 256, 256)
+    assert bool(src.windows) == (family == "gpt_oss")
+    for r in reqs:
+        plan = reshard_plan(src, dst, r.prompt_tokens).total_bytes
+        whole = reshard_plan(replace(src, windows=()), replace(dst, windows=()), r.prompt_tokens).total_bytes
+        assert run.kv_bytes[r.id] == [plan], r.id
+        assert plan < whole if src.windows and r.prompt_tokens > cfg.sliding_window else plan == whole
+    if family == "gpt_oss":
+        assert sum(r.prompt_tokens > cfg.sliding_window for r in reqs) >= len(reqs) // 2
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
     assert len(res.log.decisions()) > 40
