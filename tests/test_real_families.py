@@ -129,31 +129,33 @@ def test_dp_ep_decode_equals_unsharded(sharded, family):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# disaggregated real run of an MLA model: TP prefill -> latent KV transfer -> DP-EP decode, and its replay
+# disaggregated real run of each family: TP prefill -> KV transfer -> DP-EP decode, and its replay
 
 
-def test_mla_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp_path):
-    """Tiny DeepSeek-V3 through ``run_real``: prefill TP=2/EP=2 (latent cache replicated on both ranks), the latent
-    pages shipped along ``engine.core.kv``'s latent plan to 2 DP decode ranks, greedy tokens equal transformers';
-    replaying the measured durations through the simulator gives the identical decision log (cross-mode
-    identity)."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp_path, family):
+    """Each tiny family through ``run_real``: prefill TP=2/EP=2, the KV shipped along ``engine.core.kv``'s plan to
+    2 DP decode ranks (DeepSeek-V3: the latent, replicated on both prefill ranks; gpt-oss and GLM: KV heads sharded
+    over them), greedy tokens equal transformers'; replaying the measured durations through the simulator gives
+    the identical decision log (cross-mode identity). Prompts of 5-30 tokens are mostly longer than gpt-oss's
+    window of 6: its sliding layers ship only the window's latest tokens (fewer bytes than the whole prompt),
+    and the decoder's tokens still equal transformers'."""
     import json
+    from dataclasses import replace
 
     from tiny_qwen3moe import save_checkpoint
 
+    from rackbed.engine.core.kv import reshard_plan
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import replay, run_real
+    from rackbed.engine.real.worker import kv_layouts
     from rackbed.sim.driver import simulate
     from rackbed.sim.scenario import build, parse_scenario
 
-    from rackbed.sim.costs.attention import MIXER_COSTS
-
-    if "mla" not in MIXER_COSTS:
-        pytest.skip("the simulator has no MLA cost model in this checkout (sim.costs.attention.MIXER_COSTS)")
-    hc, hf = tiny_hf_family("deepseek_v3")
+    hc, hf = tiny_hf_family(family)
     d = save_checkpoint(hc, hf, tmp_path / "ckpt")
     sc = parse_scenario({
-        "name": "cpu-real-mla", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
+        "name": f"cpu-real-{family}", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
         "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
         "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": 4},
         "mtp": {"draft_k": 0},
@@ -163,7 +165,7 @@ def test_mla_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     cfg = TorchModelConfig.from_hf(json.loads((d / "config.json").read_text()))
-    assert cfg.is_mla
+    assert cfg.family == family
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
                         decode_pages=256, tiny_cfg=cfg)
     assert res.metrics["requests"]["done"] == len(reqs)
@@ -172,6 +174,16 @@ def test_mla_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp
         with torch.no_grad():
             ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
         assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
+    # every transfer moved the plan's bytes: sliding layers (gpt-oss) only their window's latest tokens
+    src, dst = kv_layouts(cfg, 4, 4, 2, 256, 256)
+    assert bool(src.windows) == (family == "gpt_oss")
+    for r in reqs:
+        plan = reshard_plan(src, dst, r.prompt_tokens).total_bytes
+        whole = reshard_plan(replace(src, windows=()), replace(dst, windows=()), r.prompt_tokens).total_bytes
+        assert run.kv_bytes[r.id] == [plan], r.id
+        assert plan < whole if src.windows and r.prompt_tokens > cfg.sliding_window else plan == whole
+    if family == "gpt_oss":
+        assert sum(r.prompt_tokens > cfg.sliding_window for r in reqs) >= len(reqs) // 2
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
     assert len(res.log.decisions()) > 40

@@ -93,6 +93,12 @@ class TorchModelConfig:
         return self.layer_kinds[layer] if self.layer_kinds else "full"
 
     @property
+    def kv_windows(self) -> tuple[int, ...]:
+        """Per layer, the tokens of KV a sequence keeps and a KV transfer ships (``engine.core.kv.KvLayout.windows``):
+        the sliding window on "sliding" layers, 0 (the whole sequence) elsewhere."""
+        return tuple(self.sliding_window if self.kind(li) == "sliding" else 0 for li in range(self.n_layers))
+
+    @property
     def is_mla(self) -> bool:
         return "mla" in self.layer_kinds
 

@@ -459,6 +459,7 @@ class RealRun:
         self.deaths: list[tuple] = []       # (t, rank, gpu), sorted by (t, gpu)
         self.faulted: set[int] = set()      # ranks whose death the scheduler has been told of (on the clock)
         self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
+        self.kv_bytes: dict[int, list[int]] = {}  # request -> bytes each of its landed KV transfers moved
         self._wait_ready(len(gpus))
         self.env._progress_w = time.perf_counter()  # the stall clock starts once every rank is ready
 
@@ -616,6 +617,8 @@ class RealRun:
 
     def _absorb(self, fl: _Inflight) -> None:
         if fl.kind == "kv":   # landed: the prefiller's copy goes once the scheduler sees it land
+            if fl.dst in fl.replies:
+                self.kv_bytes.setdefault(fl.key, []).append(int(fl.replies[fl.dst]))
             fl.ev.callbacks.insert(0, lambda _e, fl=fl: self._release_shipped(fl))
         elif fl.kind == "prefill":
             self._absorb_prefill(next(v for v in fl.replies.values() if v is not None))

@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,19 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
+
+
+def kv_layouts(cfg, elem_bytes: int, page_tokens: int, prefill_tp: int, prefill_pages: int,
+               decode_pages: int) -> tuple[KvLayout, KvLayout]:
+    """``(prefiller, decoder)`` layouts of the KV transfer: the prefiller's TP group (MLA: the latent replicated
+    on every rank; GQA: KV heads sharded) to one DP decode rank. Sliding layers carry their window
+    (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them; the decoder's
+    earlier pages of those layers are never read (the decode mask stops at the window)."""
+    def layout(tp: int, n_pages: int) -> KvLayout:
+        lay = KvLayout.for_attention(cfg.attention, cfg.n_layers, elem_bytes, page_tokens, tp, n_pages)
+        return lay if lay.latent else replace(lay, windows=cfg.kv_windows)
+
+    return layout(prefill_tp, prefill_pages), layout(1, decode_pages)
 
 
 def rank_plan(spec: RankSpec) -> ParallelPlan:
@@ -211,9 +224,7 @@ class Rank:
             self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
-        src = KvLayout.for_attention(cfg.attention, cfg.n_layers, eb, spec.page_tokens, spec.prefill_tp,
-                                     spec.prefill_pages)
-        dst = KvLayout.for_attention(cfg.attention, cfg.n_layers, eb, spec.page_tokens, 1, spec.decode_pages)
+        src, dst = kv_layouts(cfg, eb, spec.page_tokens, spec.prefill_tp, spec.prefill_pages, spec.decode_pages)
         self.transfer = TransferEngine(src, dst, KvBackend(kv_group))
         self.seqs: dict[int, _Seq] = {}        # prefiller: KV awaiting shipment; decoder: received / running
         self.running: list[int] = []           # decoder: request ids in the batch, in join order
