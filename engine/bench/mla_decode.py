@@ -83,29 +83,6 @@ def _time(step, dev, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _profile(model, cache, cfg, a, dev) -> list[dict]:
-    """The 15 costliest CUDA kernels (total time over one eager step) at the first batch size: where the gap to
-    the roofline goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    b, S = a.batches[0], cache.page_tokens
-    pages_per = -(-(a.context + 1) // S)
-    table = torch.arange(8, 8 + b * pages_per, device=dev).view(b, pages_per)
-    tok = torch.randint(0, cfg.vocab, (b,), device=dev)
-    pos = torch.full((b,), a.context, device=dev)
-    with torch.inference_mode():
-        model.forward_decode(tok, pos, cache, table)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.forward_decode(tok, pos, cache, table)
-            torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:15]
-    out = [{"kernel": e.key[:120], "calls": e.count, "total_us": e.device_time_total} for e in rows]
-    for r in out:
-        print(f"  {r['total_us']:10.1f} us  x{r['calls']:4d}  {r['kernel']}", flush=True)
-    return out
-
-
 def main(argv=None) -> int:
     from rackbed.engine.real.comm import Comm
     from rackbed.engine.real.families import ShardedMoeLM
@@ -122,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke test)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
-                    help="also print and record the CUDA kernels of one eager step at the first batch size")
+                    help="also record CUDA time per step by kernel (engine.bench.decode.profile_step) at the first batch size")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     modes = a.modes or (["eager", "graph"] if dev.type == "cuda" else ["eager"])
@@ -169,8 +146,14 @@ def main(argv=None) -> int:
                          "ratio_to_spec_roofline": step_s / spec_s, "ratio_to_measured_roofline": step_s / meas_s})
             print(f"{mode:6s} b={b:4d} step {step_s * 1e3:8.3f} ms  roofline {spec_s * 1e3:7.3f} ms (spec) "
                   f"{meas_s * 1e3:7.3f} ms (copy)  x{step_s / spec_s:5.2f}  experts/layer {experts:5.1f}", flush=True)
-    profile = _profile(model, cache, cfg, a, dev) if a.profile and dev.type == "cuda" else None
-    doc = {"bench": "mla_decode", "profile_top_kernels": profile, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    profile = None
+    if a.profile and dev.type == "cuda":
+        from rackbed.engine.bench.decode import profile_step
+
+        with torch.inference_mode():
+            profile = profile_step(model, cache, cfg, dev, a.batches[0], a.context, pages_per)
+    doc = {"bench": "mla_decode", "profile": profile,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join([sys.executable, "-m", "rackbed.engine.bench.mla_decode", *(argv or sys.argv[1:])]),
            "model": "tiny" if a.tiny else a.model, "layers": cfg.n_layers, "hidden": cfg.hidden,
