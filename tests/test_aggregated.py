@@ -4,17 +4,11 @@ arrivals, completions and worker failures that checks requests and KV reservatio
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_scheduler import MiniDriver, req
 from test_sim_driver_models import KV_BYTES_PER_TOKEN
 

@@ -6,14 +6,8 @@ every call. A replayed ``Failed`` answer (``engine.real.driver.ReplayExecutor``)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_models import AnalyticCost, poisson_requests, small_deployment
 
 from rackbed.engine.core.plans import KV_LOST, DecodeStep, Failed, KvTransfer, MixedStep, PrefillBatch

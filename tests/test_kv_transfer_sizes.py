@@ -7,12 +7,12 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_sim_driver_models import small_deployment
 
 from rackbed.engine.core.deployment import kv_transfer_sizes
 from rackbed.engine.core.kv import KvLayout, transfer_stats
 from rackbed.engine.core.model import PRESET_NAMES, get_model
 from rackbed.sim import scenario as S
-from tests.test_sim_driver_models import small_deployment
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)

@@ -9,6 +9,8 @@ metrics must equal a run from the checkout byte for byte, calibrated from the sh
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -25,12 +27,15 @@ SCENARIO = "i_h200_mooncake"
 
 
 def _tree_packages() -> set[str]:
-    """Every package (folder with ``__init__.py``) under the folders pyproject maps into the namespace."""
-    out = set()
-    for name, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder).parts
-            out.add(".".join((name, *rel)))
+    """Every package under ``rackbed/`` (following its links to the top-level folders): a folder with
+    ``__init__.py``, or one of the links themselves (namespace packages, see ``rackbed/__init__.py``)."""
+    out = {"rackbed"}
+    for link in (ROOT / "rackbed").iterdir():
+        if link.is_symlink():
+            out.add(f"rackbed.{link.name}")
+    for dirpath, _dirs, files in os.walk(ROOT / "rackbed", followlinks=True):
+        if "__init__.py" in files:
+            out.add(".".join(Path(dirpath).relative_to(ROOT).parts))
     return out
 
 
@@ -43,6 +48,49 @@ def test_pyproject_names_every_package():
 def test_everything_under_one_name():
     assert all(name == "rackbed" or name.startswith("rackbed.") for name in PYPROJECT["tool"]["setuptools"]["packages"])
     assert PYPROJECT["project"]["scripts"]["rackbed"].startswith("rackbed.")
+
+
+#: folders that a launcher puts on sys.path: the root (``python -m …`` run from it, pytest's ``pythonpath``) and tests/
+PATH_DIRS = (ROOT, ROOT / "tests")
+
+
+def _installed_import_names() -> dict[str, list[str]]:
+    """Top-level import names of every installed distribution but rackbed itself -> the distributions."""
+    return {name: dists for name, dists in importlib.metadata.packages_distributions().items()
+            if "rackbed" not in dists}
+
+
+def test_no_checkout_folder_shadows_an_installed_package():
+    """A folder of the root or of tests/ that is a regular package (has ``__init__.py``) would be imported in place of
+    an installed package of the same name whenever that folder's parent is first on sys.path; Hugging Face's
+    ``kernels``, which transformers imports, met the repository's ``kernels/`` that way. Such a name must be a
+    namespace portion (no ``__init__.py``): the import system prefers any regular package further down the path.
+    Checked twice: by the names every installed distribution provides, and by importing each of them in this process,
+    whichever launcher started it (the launcher test below runs this test under each)."""
+    installed = _installed_import_names()
+    for parent in PATH_DIRS:
+        for folder in parent.iterdir():
+            if not folder.is_dir() or not folder.name.isidentifier():
+                continue
+            assert not ((folder / "__init__.py").exists() and folder.name in installed), (
+                f"{folder.relative_to(ROOT)}/ is a regular package named like {installed.get(folder.name)}'s "
+                f"'{folder.name}': remove its __init__.py or rename it")
+            if folder.name in installed:
+                spec = importlib.util.find_spec(folder.name)
+                where = spec.origin or next(iter(spec.submodule_search_locations or []), "")
+                assert spec.origin is None or not Path(where).resolve().is_relative_to(ROOT), (
+                    f"import {folder.name} gives {where}, not {installed[folder.name]}'s package")
+
+
+def test_installed_packages_win_under_every_launcher():
+    """``python -m pytest`` and ``pytest``, from the root and from tests/: the shadowing test above passes under each
+    (``python -m`` puts the working directory first on sys.path; pytest adds the root and tests/)."""
+    here = "tests/test_packaging.py::test_no_checkout_folder_shadows_an_installed_package"
+    script = Path(sys.executable).with_name("pytest")
+    launchers = [[sys.executable, "-m", "pytest"]] + ([[str(script)]] if script.exists() else [])
+    for cwd, node in ((ROOT, here), (ROOT / "tests", here.removeprefix("tests/"))):
+        for launcher in launchers:
+            _run([*launcher, "-q", "-p", "no:randomly", node], cwd, timeout=120)
 
 
 def _run(cmd: list, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -58,8 +106,8 @@ def test_wheel_in_fresh_venv(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for folder in PYPROJECT["tool"]["setuptools"]["package-dir"].values():
-        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder in ("rackbed", *(p.name for p in (ROOT / "rackbed").iterdir() if p.is_symlink())):
+        shutil.copytree(ROOT / folder, src / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dist, src], tmp_path)
     (wheel,) = dist.glob("rackbed-*.whl")
     tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
@@ -84,3 +132,13 @@ def test_wheel_in_fresh_venv(tmp_path):
 
     val = _run([rackbed, "validate"], away, env)
     assert "held-out rows:" in val.stdout and "target <= 3%: ok" in val.stdout, val.stdout[-2000:]
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_venv():
+    """CI sees what a new user sees: `.ci/run` makes a virtual environment of its own (no system site-packages) and
+    runs, inside it, the README's test command verbatim."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = ci.split("# --- README test command", 1)[1].splitlines()[1].strip()
+    assert command and command in (ROOT / "README.md").read_text()
+    venv_at = ci.index("python3 -m venv")
+    assert "--system-site-packages" not in ci and venv_at < ci.index("activate") < ci.rindex(command)

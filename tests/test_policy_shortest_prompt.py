@@ -5,16 +5,11 @@ step-by-step results under it, and the policy changes what a loaded run does."""
 
 from __future__ import annotations
 
-import sys
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_scheduler import MiniDriver, req
 from test_sim_driver_fastdecode import GridCost, _assert_same, _both
 from test_sim_driver_models import poisson_requests, small_deployment

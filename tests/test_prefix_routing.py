@@ -7,16 +7,10 @@ invariant (pins included) and conserves requests: each ends done or rejected wit
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_aggregated import AggregatedMachine, agg_deployment
 from test_scheduler import MiniDriver, SchedulerMachine
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, small_deployment

@@ -3,17 +3,11 @@ and a hypothesis state machine over random arrivals, completions and faults."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, small_deployment
 
 from rackbed.engine.core import autoscaler as asc

@@ -4,15 +4,10 @@ horizon, output files (metrics JSON, CSVs, Perfetto trace, PNGs)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_models import (
     KV_BYTES_PER_TOKEN,
     AnalyticCost,

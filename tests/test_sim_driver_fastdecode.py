@@ -8,14 +8,9 @@ cost model priced on a context grid (the fast path then skips recomputing contex
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost, poisson_requests, small_deployment
 
 from rackbed.engine.core.autoscaler import AutoscalerConfig

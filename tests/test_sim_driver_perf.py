@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost
 
 from rackbed.engine.core.deployment import DecoderTemplate, MtpSpec, PrefillerTemplate, place

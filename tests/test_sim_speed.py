@@ -12,16 +12,11 @@
 
 from __future__ import annotations
 
-import sys
 from bisect import bisect_left
-from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_fastdecode import GridCost, _assert_same, _both
 from test_sim_driver_models import poisson_requests, small_deployment
 

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_fastdecode import GridCost
 from test_sim_driver_models import poisson_requests, small_deployment
 

@@ -3,16 +3,11 @@ a run that stops making progress raises :class:`engine.loop.watchdog.Stalled` na
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from test_sim_driver_models import AnalyticCost, poisson_requests, small_deployment
 
 from rackbed.engine.cli.run import _stalled_status
