@@ -184,3 +184,15 @@ def test_shipped_sweep_specs_parse():
             s = sw.load_sweep(p)
             assert sw.n_points(s) >= 1
     assert sw.n_points(sw.load_sweep("bench-1000")) == 1000
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_every_start_method_gives_the_in_process_records(tmp_path, method):
+    """Pool workers started by a fork server have the fork server for their operating-system parent; they must not
+    take that for their parent's death and exit (every point then failed with BrokenProcessPool). `fork` is the
+    test above."""
+    pts = sw.expand(spec({"decode.ep": [8, 16], "mtp.draft_k": [1]}))
+    a = sw.run_points(pts, tmp_path / "a.jsonl", jobs=1, progress=False)
+    b = sw.run_points(pts, tmp_path / "b.jsonl", jobs=2, progress=False, start_method=method)
+    assert [r["status"] for r in b.records] == ["ok", "ok"]
+    assert [r["metrics"] for r in a.records] == [r["metrics"] for r in b.records]
