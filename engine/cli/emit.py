@@ -36,6 +36,6 @@ def _main(args: argparse.Namespace) -> int:
     sc = load_scenario(path)
     out = prepare_dir(args.out or Path("rackbed-out") / path.stem / args.engine, force=args.force,
                       default=args.out is None)
-    for p in write_emit(sc, args.engine, out):
+    for p in write_emit(sc, args.engine, out, source=path):
         print(p)
     return 0
