@@ -134,7 +134,7 @@ def test_scripts_are_valid_bash(case):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     for e in ("sglang", "trtllm"):
-        r = subprocess.run(["bash", "-n"], input=case[1][e]["launch.sh"], text=True, capture_output=True)
+        r = subprocess.run(["bash", "-n"], input=case[1][e]["launch.sh"], text=True, capture_output=True, check=False)
         assert r.returncode == 0, r.stderr
 
 
