@@ -24,7 +24,20 @@ workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg
 
 Flag names follow the engines' public documentation; a setting rackbed models that an engine has no flag for is
 named in a comment at the top of the file (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the
-topology's host numbers) and the checkpoint is ``${MODEL_PATH}`` (default: the model's Hugging Face id).
+topology's host numbers) and the checkpoint is ``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set,
+else sets it to the model (a preset's Hugging Face id, or the ``model`` path as the scenario writes it).
+
+Scenario text reaches the files in three fields: ``name`` (comments; the Dynamo object name), ``model`` and a draft
+model's ``mtp.draft.model`` (comments; ``model`` also the ``MODEL_PATH`` default). :func:`emit_files` refuses, in
+one line naming the field, any of them that holds a control, format or line-break character
+(:func:`check_emittable`); whatever the text, :func:`render` quotes it for where it lands:
+
+* a shell word is single-quoted (:func:`shlex.quote`): ``$(...)``, backticks, quotes and newlines stay text;
+  only ``${HOST_<n>}``, ``${MODEL_PATH}`` and ``${DRAFT_MODEL_PATH}`` (:data:`PLACEHOLDER`) stay expandable;
+* a ``#`` comment line of a script or a YAML file shows every non-printable character as its Python escape
+  (``\\n``, ``\\u2028``), so that nothing ends the comment and starts a command or a YAML key;
+* YAML values are written by ``yaml.safe_dump``; the Dynamo ``metadata.name`` keeps only ``a-z``, ``0-9`` and
+  ``-`` of the name (an RFC 1123 label, :func:`dns_label`).
 """
 
 from __future__ import annotations
