@@ -24,12 +24,27 @@ workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg
 
 Flag names follow the engines' public documentation; a setting rackbed models that an engine has no flag for is
 named in a comment at the top of the file (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the
-topology's host numbers) and the checkpoint is ``${MODEL_PATH}`` (default: the model's Hugging Face id).
+topology's host numbers) and the checkpoint is ``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set,
+else sets it to the model (a preset's Hugging Face id, or the ``model`` path as the scenario writes it).
+
+Scenario text reaches the files in three fields: ``name`` (comments; the Dynamo object name), ``model`` and a draft
+model's ``mtp.draft.model`` (comments; ``model`` also the ``MODEL_PATH`` default). :func:`emit_files` refuses, in
+one line naming the field, any of them that holds a control, format or line-break character
+(:func:`check_emittable`); whatever the text, :func:`render` quotes it for where it lands:
+
+* a shell word is single-quoted (:func:`shlex.quote`): ``$(...)``, backticks, quotes and newlines stay text;
+  only ``${HOST_<n>}``, ``${MODEL_PATH}`` and ``${DRAFT_MODEL_PATH}`` (:data:`PLACEHOLDER`) stay expandable;
+* a ``#`` comment line of a script or a YAML file shows every non-printable character as its Python escape
+  (``\\n``, ``\\u2028``), so that nothing ends the comment and starts a command or a YAML key;
+* YAML values are written by ``yaml.safe_dump``; the Dynamo ``metadata.name`` keeps only ``a-z``, ``0-9`` and
+  ``-`` of the name (an RFC 1123 label, :func:`dns_label`).
 """
 
 from __future__ import annotations
 
+import re
 import shlex
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +119,7 @@ def plan_of(sc) -> Plan:
         n = len(g.gpus)
         return Group(g.id, role, hosts, n // len(hosts), tp, ep, max(1, n // tp))
 
-    src = b.model.source.split()[0] if "/" in (b.model.source or "") else sc.model
+    src = model_path_of(sc, b.model)
     dr = sc.mtp.draft
     kind, dmodel = (dr.kind, getattr(dr, "model", None)) if dr is not None else ("mtp", None)
     if sc.deployment == "aggregated":
@@ -118,6 +133,43 @@ def plan_of(sc) -> Plan:
                 tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
                 p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers),
                 kind, dmodel, n_experts=b.model.n_experts, decode_redundant_experts=d.redundant_experts)
+
+
+def model_path_of(sc, model) -> str:
+    """The default checkpoint (``${MODEL_PATH}``): a preset's Hugging Face id (the first word of its ``source``),
+    else the model exactly as the scenario gives it (a config.json or its folder: a path may hold spaces)."""
+    from rackbed.engine.core.model import PRESET_NAMES
+
+    source = model.source or ""
+    if sc.model in PRESET_NAMES:
+        return source.split()[0] if "/" in source else sc.model
+    return sc.model
+
+
+#: Unicode categories no text written by emit may hold: controls (newline, carriage return, NUL ...), format
+#: characters (bidirectional overrides, zero-width marks), surrogates, line and paragraph separators
+REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def check_text(field: str, value: str, source: str | Path | None = None) -> None:
+    """One-line :class:`UserError` when ``value`` (the scenario's ``field``) holds a character of
+    :data:`REFUSED_CATEGORIES`: such text has no business in a name or a path, and in a launch file it would end a
+    comment or a line."""
+    for c in value:
+        if unicodedata.category(c) in REFUSED_CATEGORIES:
+            shown = repr(value if len(value) <= 60 else value[:57] + "...")
+            raise UserError(f"{f'{source}: ' if source else ''}{field}: {shown} holds {c!r}, a control or "
+                            "line-break character; rackbed emit writes this field into launch files and refuses it")
+
+
+def check_emittable(sc, source: str | Path | None = None) -> None:
+    """Refuse (:func:`check_text`) the scenario text that reaches the emitted files: ``name``, ``model`` and a
+    draft model's ``mtp.draft.model``. Everything else written is rackbed's own (numbers, validated names)."""
+    check_text("name", sc.name, source)
+    check_text("model", sc.model, source)
+    dmodel = getattr(sc.mtp.draft, "model", None)
+    if dmodel is not None:
+        check_text("mtp.draft.model", dmodel, source)
 
 
 def unmapped(sc, engine: str, pl: Plan) -> list[str]:
@@ -211,10 +263,10 @@ def _sglang_lines(pl: Plan) -> list[str]:
     for role, groups in (("prefill", pl.prefill), ("decode", pl.decode)):
         for i, g in enumerate(groups):
             port = (PREFILL_PORT if role == "prefill" else DECODE_PORT) + i
-            head = f"${{HOST_{g.hosts[0]}}}"
+            head = _host(g.hosts[0])
             for rank, h in enumerate(g.hosts):
-                lines.append(f"# {g.id}: {role}, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), node {rank} of "
-                             f"{len(g.hosts)}: run on ${{HOST_{h}}}")
+                lines.append(_comment(f"{g.id}: {role}, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), "
+                                      f"node {rank} of {len(g.hosts)}: run on {_host(h)}"))
                 a = ["python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
                      "--port", str(port)]
                 if role == "prefill":
@@ -225,21 +277,21 @@ def _sglang_lines(pl: Plan) -> list[str]:
                 lines.append(_shell(a))
     router = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for i, g in enumerate(pl.prefill):
-        router += ["--prefill", f"http://${{HOST_{g.hosts[0]}}}:{PREFILL_PORT + i}", str(BOOTSTRAP_PORT + i)]
+        router += ["--prefill", f"http://{_host(g.hosts[0])}:{PREFILL_PORT + i}", str(BOOTSTRAP_PORT + i)]
     for i, g in enumerate(pl.decode):
-        router += ["--decode", f"http://${{HOST_{g.hosts[0]}}}:{DECODE_PORT + i}"]
+        router += ["--decode", f"http://{_host(g.hosts[0])}:{DECODE_PORT + i}"]
     router += ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
-    return [*lines, "# the PD router (the OpenAI-compatible endpoint)", _shell(router)]
+    return [*lines, _comment("the PD router (the OpenAI-compatible endpoint)"), _shell(router)]
 
 
 def _sglang_agg_lines(pl: Plan) -> list[str]:
     lines, urls = [], []
     for i, g in enumerate(pl.aggregated):
-        head = f"${{HOST_{g.hosts[0]}}}"
+        head = _host(g.hosts[0])
         urls.append(f"http://{head}:{DECODE_PORT + i}")
         for rank, h in enumerate(g.hosts):
-            lines.append(f"# {g.id}: aggregated, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), node "
-                         f"{rank} of {len(g.hosts)}: run on ${{HOST_{h}}}")
+            lines.append(_comment(f"{g.id}: aggregated, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), "
+                                  f"node {rank} of {len(g.hosts)}: run on {_host(h)}"))
             a = ["python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
                  "--port", str(DECODE_PORT + i)]
             if len(g.hosts) > 1:
@@ -248,22 +300,66 @@ def _sglang_agg_lines(pl: Plan) -> list[str]:
             lines.append(_shell(a))
     router = ["python", "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "0.0.0.0",
               "--port", str(ROUTER_PORT)]
-    return [*lines, "# the router over the workers (the OpenAI-compatible endpoint)", _shell(router)]
+    return [*lines, _comment("the router over the workers (the OpenAI-compatible endpoint)"), _shell(router)]
+
+
+#: the variables an emitted argument may leave to the shell (``${HOST_<n>}``, the checkpoints); nothing else expands
+PLACEHOLDER = re.compile(r"\$\{(?:HOST_\d+|MODEL_PATH|DRAFT_MODEL_PATH)\}")
+_PLAIN = re.compile(r"[\w@%+=:,./-]*", re.ASCII)  # what shlex.quote leaves bare (nothing special in "...")
+
+
+def _host(h: int) -> str:
+    return f"${{HOST_{int(h)}}}"
+
+
+def _sh(text: str) -> str:
+    """``text`` as one shell word that is exactly ``text`` (single quotes: ``$``, backticks, newlines are inert)."""
+    if "\0" in text:
+        raise UserError(f"{text!r}: a NUL character cannot be written into a shell script")
+    return shlex.quote(text)
+
+
+def _shell_word(arg: str) -> str:
+    """One argument as a shell word: quoted, except its :data:`PLACEHOLDER` variables, which stay expandable (in
+    double quotes: a value with spaces stays one argument)."""
+    holes = PLACEHOLDER.findall(arg)
+    if not holes:
+        return _sh(arg)
+    texts = PLACEHOLDER.split(arg)
+    if all(_PLAIN.fullmatch(t) for t in texts):  # nothing else special: the whole word in double quotes
+        return f'"{arg}"'
+    out = [_sh(t) if t else "" for t in texts[:1]]
+    for hole, t in zip(holes, texts[1:], strict=True):
+        out += [f'"{hole}"', _sh(t) if t else ""]
+    return "".join(out)
 
 
 def _shell(args: list[str]) -> str:
-    """One shell line; ``${VAR}`` placeholders stay expandable (double quotes), everything else is quoted."""
-    return " ".join(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)
+    """One shell command line (:func:`_shell_word` each argument)."""
+    return " ".join(_shell_word(a) for a in args)
+
+
+def _comment(text: str) -> str:
+    """``text`` as one ``#`` comment line of a shell script or a YAML file: every character that is not printable
+    (a line break of either language, a control, a format character) is written as its Python escape (``\\n``),
+    so that no text ends the comment and starts a command or a YAML key."""
+    return "# " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _comments(notes: list[str]) -> str:
+    """The ``# no equivalent:`` lines of the settings an engine cannot express (:func:`unmapped`)."""
+    return "".join(_comment(f"no equivalent: {n}") + "\n" for n in notes)
 
 
 def _script(pl: Plan, notes: list[str], lines: list[str]) -> str:
+    """``launch.sh``: the title, the checkpoint (``MODEL_PATH`` if set, else the model: a quoted default, so that
+    no text of it runs), the settings without a flag, then ``lines``."""
     shape = (f"{len(pl.aggregated)} aggregated workers" if pl.is_aggregated else
              f"{len(pl.prefill)} prefill + {len(pl.decode)} decode groups")
-    title = (f"# {pl.name}: {shape} (emitted by `rackbed emit`). "
-             "Run each command on the host it names; set HOST_<n> to the topology's hosts.")
-    head = ["#!/usr/bin/env bash", title, f': "${{MODEL_PATH:={pl.model_id}}}"',
-            *(f"# no equivalent: {n}" for n in notes), ""]
-    return "\n".join(head + lines) + "\n"
+    title = _comment(f"{pl.name}: {shape} (emitted by `rackbed emit`). "
+                     "Run each command on the host it names; set HOST_<n> to the topology's hosts.")
+    head = ["#!/usr/bin/env bash", title, f'[ -n "${{MODEL_PATH:-}}" ] || MODEL_PATH={_sh(pl.model_id)}']
+    return "\n".join(head) + "\n" + _comments(notes) + "\n" + "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ TensorRT-LLM
@@ -308,14 +404,13 @@ def trtllm_agg_options(pl: Plan) -> dict:
 def _trtllm_agg_files(pl: Plan, notes: list[str]) -> dict[str, str]:
     lines = []
     for i, g in enumerate(pl.aggregated):
-        lines.append(f"# {g.id}: aggregated, {g.n_gpus} GPUs on hosts {', '.join(f'${{HOST_{h}}}' for h in g.hosts)}"
-                     + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
-                        if len(g.hosts) > 1 else ""))
+        lines.append(_comment(f"{g.id}: aggregated, {g.n_gpus} GPUs on hosts {', '.join(map(_host, g.hosts))}"
+                              + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
+                                 if len(g.hosts) > 1 else "")))
         lines.append(_shell(["trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0", "--port", str(DECODE_PORT + i),
                              "--backend", "pytorch", "--tp_size", str(g.n_gpus), "--ep_size", str(g.ep),
                              "--extra_llm_api_options", "agg.yaml"]))
-    comment = "".join(f"# no equivalent: {n}\n" for n in notes)
-    return {"agg.yaml": comment + yaml.safe_dump(trtllm_agg_options(pl), sort_keys=False),
+    return {"agg.yaml": _comments(notes) + yaml.safe_dump(trtllm_agg_options(pl), sort_keys=False),
             "launch.sh": _script(pl, notes, lines)}
 
 
@@ -325,20 +420,20 @@ def _trtllm_files(pl: Plan, notes: list[str]) -> dict[str, str]:
     for key, role, groups, port in (("context_servers", "prefill", pl.prefill, PREFILL_PORT),
                                     ("generation_servers", "decode", pl.decode, DECODE_PORT)):
         servers[key] = {"num_instances": len(groups), **opts[role],
-                        "urls": [f"${{HOST_{g.hosts[0]}}}:{port + i}" for i, g in enumerate(groups)]}
+                        "urls": [f"{_host(g.hosts[0])}:{port + i}" for i, g in enumerate(groups)]}
     disagg = {"hostname": "0.0.0.0", "port": ROUTER_PORT, "backend": "pytorch", **servers}
     lines = []
     for role, groups, port, f in (("prefill", pl.prefill, PREFILL_PORT, "ctx.yaml"),
                                   ("decode", pl.decode, DECODE_PORT, "gen.yaml")):
         for i, g in enumerate(groups):
-            lines.append(f"# {g.id}: {role}, {g.n_gpus} GPUs on hosts {', '.join(f'${{HOST_{h}}}' for h in g.hosts)}"
-                         + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
-                            if len(g.hosts) > 1 else ""))
+            lines.append(_comment(f"{g.id}: {role}, {g.n_gpus} GPUs on hosts {', '.join(map(_host, g.hosts))}"
+                                  + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
+                                     if len(g.hosts) > 1 else "")))
             lines.append(_shell(["trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0", "--port", str(port + i),
                                  "--backend", "pytorch", "--tp_size", str(g.n_gpus), "--ep_size", str(g.ep),
                                  "--extra_llm_api_options", f]))
-    lines += ["# the disaggregated front end", _shell(["trtllm-serve", "disaggregated", "-c", "disagg.yaml"])]
-    comment = "".join(f"# no equivalent: {n}\n" for n in notes)
+    lines += [_comment("the disaggregated front end"), _shell(["trtllm-serve", "disaggregated", "-c", "disagg.yaml"])]
+    comment = _comments(notes)
     return {"ctx.yaml": comment + yaml.safe_dump(opts["prefill"], sort_keys=False),
             "gen.yaml": comment + yaml.safe_dump(opts["decode"], sort_keys=False),
             "disagg.yaml": comment + yaml.safe_dump(disagg, sort_keys=False),
@@ -349,7 +444,7 @@ def _trtllm_files(pl: Plan, notes: list[str]) -> dict[str, str]:
 
 
 def _dynamo_graph(pl: Plan, notes: list[str]) -> str:
-    name = "".join(c if c.isalnum() else "-" for c in pl.name.lower()).strip("-") or "rackbed"
+    name = dns_label(pl.name)
     services: dict = {"Frontend": {"componentType": "frontend", "replicas": 1, "extraPodSpec": {"mainContainer": {
         "image": "${DYNAMO_IMAGE}", "command": ["python3", "-m", "dynamo.frontend"]}}}}
     for label, groups in (("Prefill", pl.prefill), ("Decode", pl.decode), ("", pl.aggregated)):
@@ -367,21 +462,35 @@ def _dynamo_graph(pl: Plan, notes: list[str]) -> str:
         services[f"SGLang{label}Worker"] = svc
     doc = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment", "metadata": {"name": name},
            "spec": {"services": services}}
-    comment = "".join(f"# no equivalent: {n}\n" for n in notes)
     kind = "aggregated" if pl.is_aggregated else "disaggregated"
-    return (f"# {pl.name} as a Dynamo {kind} graph on the SGLang backend (emitted by `rackbed emit`); set "
-            f"${{DYNAMO_IMAGE}} and ${{MODEL_PATH}} (e.g. {pl.model_id})\n" + comment
+    return (_comment(f"{pl.name} as a Dynamo {kind} graph on the SGLang backend (emitted by `rackbed emit`); set "
+                     f"${{DYNAMO_IMAGE}} and ${{MODEL_PATH}} (e.g. {pl.model_id})") + "\n" + _comments(notes)
             + yaml.safe_dump(doc, sort_keys=False))
+
+
+def dns_label(name: str) -> str:
+    """A Kubernetes object name from a scenario name: lower case, every character but ``a-z`` / ``0-9`` a ``-``,
+    no ``-`` at either end, at most 63 characters (an RFC 1123 label); ``rackbed`` when nothing is left."""
+    label = "".join(c if c in "abcdefghijklmnopqrstuvwxyz0123456789" else "-" for c in name.lower())
+    return label.strip("-")[:63].rstrip("-") or "rackbed"
 
 
 # ------------------------------------------------------------------------------------------------ entry points
 
 
-def emit_files(sc, engine: str) -> dict[str, str]:
-    """``{file name: text}`` of the launch settings of ``sc`` for ``engine`` (module docstring)."""
+def emit_files(sc, engine: str, source: str | Path | None = None) -> dict[str, str]:
+    """``{file name: text}`` of the launch settings of ``sc`` for ``engine`` (module docstring). Text a launch file
+    cannot carry is refused first (:func:`check_emittable`; ``source``, the scenario file, prefixes the error)."""
     if engine not in ENGINES:
         raise UserError(f"--engine {engine}: unknown engine; one of {', '.join(ENGINES)}")
-    pl = plan_of(sc)
+    check_emittable(sc, source)
+    return render(sc, plan_of(sc), engine)
+
+
+def render(sc, pl: Plan, engine: str) -> dict[str, str]:
+    """The files of :func:`emit_files` from ``sc``'s plan ``pl``. Every text is quoted for where it lands,
+    whatever it holds: a shell word (single quotes), a ``#`` comment line (non-printable characters escaped), a
+    YAML value (``yaml.safe_dump``)."""
     notes = unmapped(sc, engine, pl)
     if engine == "sglang":
         return {"launch.sh": _script(pl, notes, _sglang_agg_lines(pl) if pl.is_aggregated else _sglang_lines(pl))}
@@ -390,10 +499,10 @@ def emit_files(sc, engine: str) -> dict[str, str]:
     return {"graph.yaml": _dynamo_graph(pl, notes)}
 
 
-def write_emit(sc, engine: str, out: str | Path) -> list[Path]:
+def write_emit(sc, engine: str, out: str | Path, source: str | Path | None = None) -> list[Path]:
     """Write :func:`emit_files` into ``out`` (created); returns the paths. ``rackbed emit`` and, with the
     configuration it chose, ``rackbed search`` call this."""
-    files = emit_files(sc, engine)
+    files = emit_files(sc, engine, source)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -35,7 +35,9 @@ def _flags(argv: list[str]) -> dict[str, list[str]]:
 
 
 def _commands(script: str) -> list[list[str]]:
-    return [shlex.split(ln) for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", ":"))]
+    """The engine command lines (not the comments, nor the line that defaults MODEL_PATH)."""
+    cmds = [shlex.split(ln) for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [c for c in cmds if c[0] in ("python", "trtllm-serve")]
 
 
 def _worker_flags(cmds, mode):
@@ -132,7 +134,7 @@ def test_scripts_are_valid_bash(case):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     for e in ("sglang", "trtllm"):
-        r = subprocess.run(["bash", "-n"], input=case[1][e]["launch.sh"], text=True, capture_output=True)
+        r = subprocess.run(["bash", "-n"], input=case[1][e]["launch.sh"], text=True, capture_output=True, check=False)
         assert r.returncode == 0, r.stderr
 
 

@@ -45,7 +45,9 @@ def _flags(argv):
 
 
 def _commands(script):
-    return [shlex.split(ln) for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", ":"))]
+    """The engine command lines (not the comments, nor the line that defaults MODEL_PATH)."""
+    cmds = [shlex.split(ln) for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [c for c in cmds if c[0] in ("python", "trtllm-serve")]
 
 
 def test_sglang_workers_and_router(case):

@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run",
         help="simulate a scenario (YAML path or shipped name)",
         description="Simulate a scenario and write metrics, plots and a Perfetto trace. "
-        "SCENARIO is a YAML file or the name of a shipped scenario (see `rackbed run --list`).",
+        "SCENARIO is the name of a shipped scenario (see `rackbed run --list`) or a YAML file; a name without a "
+        "path separator or suffix is always the shipped one (./NAME for a file here).",
     )
     p.add_argument("scenario", nargs="?", default="nvl72-default", help="YAML file or shipped name (default: nvl72-default)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: rackbed-out/<name>)")
@@ -54,6 +55,7 @@ def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rackbed import scenarios
+    from rackbed.engine.cli.scenario_arg import resolve_scenario
 
     # piped output (CI logs, files) gets wide tables instead of rich's 80-column default
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -64,7 +66,7 @@ def _main(args: argparse.Namespace) -> int:
             console.print(f"{name:<{width}}  {scenarios.summary(name)}".rstrip(), markup=False, highlight=False,
                           soft_wrap=True)
         return 0
-    path = scenarios.resolve(args.scenario)
+    path = resolve_scenario(args.scenario)
     data = load_yaml(path)
     kind = data.get("kind", "serving")
     out = args.out or Path("rackbed-out") / path.stem
