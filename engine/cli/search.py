@@ -6,7 +6,9 @@
 
 Enumerates candidates, prunes them with the memory budget and the analytic step-time model, simulates the
 survivors (parallel, resumable: DIR/results.jsonl), prints the Pareto front's best few with where their step
-time goes, and writes DIR/report.md / report.html / pareto.png (see ``sim.search``).
+time goes, and writes DIR/report.md / report.html / pareto.png (see ``sim.search``). DIR/search.json says which
+search wrote DIR: the same search run again resumes there, another needs ``--force`` (:func:`search_dir`). A flag
+the chosen search does not read is an error (:func:`check_flags`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rackbed.topology.outputs import add_force, prepare_dir, safe_name
+from rackbed.topology.outputs import add_force, prepare_dir, safe_name, write_text
+
+MARKER = "search.json"  # in a search's folder: which search wrote it (resumed by the same search only)
+# What a search's identity leaves out: how far it goes and how much it prints (a re-run with more simulations
+# resumes the same search); everything else — the spec, the mode and its budget — makes it another search.
+EFFORT = ("max_simulations", "top")
 
 
 def _ints(s: str) -> list[int]:
@@ -115,9 +122,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emit", choices=("sglang", "trtllm", "dynamo"), default=None,
                    help="write the best configuration's launch settings for this engine (rackbed emit); default: none")
     p.add_argument("--emit-out", type=Path, default=None, help="folder for --emit; default OUT/emit-ENGINE")
-    p.add_argument("--out", type=Path, default=None, help="output folder; default rackbed-out/search-<name>")
-    add_force(p, "write into an existing, non-empty --out folder that is not a search's (one holding "
-              "results.jsonl is resumed without it)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder; a folder this same search wrote (its search.json) is resumed: the "
+                   "simulations already in its results.jsonl are not run again. Default rackbed-out/search-<name> "
+                   "(or the first of -2, -3 ... that is free or this search's)")
+    add_force(p, "write into an existing, non-empty --out folder that is not this search's (other files, or "
+              "another search's: its report is replaced, simulations of the same points are reused); not needed "
+              "to resume the same search — the same flags or spec, --max-simulations, --per-front, --top, --jobs "
+              "and --emit may differ")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes; default: CPU count")
     p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed); default: local processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -305,6 +317,64 @@ def _with_stack(spec, stack: str | None):
     return spec.model_copy(update={"scenario": {**spec.scenario, "stack": stack}})
 
 
+def identity(spec, mode: str, **budget) -> dict:
+    """What makes two searches the same (resumable in one folder): the mode, the spec but for :data:`EFFORT`, and
+    the budget search's ``gpus``, ``kinds`` and ``fill_tolerance``; JSON-normal (lists, no tuples)."""
+    import json
+
+    return json.loads(json.dumps({"mode": mode, "spec": spec.model_dump(mode="json", exclude=set(EFFORT)),
+                                  **budget}))
+
+
+def _differs(a, b, at: str = "") -> list[str]:
+    """The dotted keys where ``a`` and ``b`` differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b), key=str)
+                for k in _differs(a.get(key), b.get(key), f"{at}.{key}" if at else str(key))]
+    return [] if a == b else [at or "(all)"]
+
+
+def search_dir(args: argparse.Namespace, name: str, ident: dict, console=None) -> Path:
+    """The search's output folder under ``topology.outputs``' rule, a folder written by the same search
+    (:func:`identity`, in its ``search.json``) being its own: resumed without ``--force``. Writes ``search.json``
+    before any simulation, so that an interrupted search resumes too. Another search's folder given as ``--out``
+    is a one-line error naming what differs. Says on ``console`` when it resumes."""
+    import json
+
+    from rackbed.topology.errors import UserError
+
+    def recorded(q: Path) -> dict | None:
+        f = q / MARKER
+        if f.is_symlink() or not f.is_file():
+            return None
+        try:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return d.get("search") if isinstance(d, dict) else None
+
+    out = args.out
+    if out is not None and not args.force and out.is_dir() and not out.is_symlink() and any(out.iterdir()):
+        old = recorded(out)
+        if old is None and (out / "results.jsonl").exists():
+            raise UserError(f"--out {out}: holds a results.jsonl but no {MARKER} (not a search of this rackbed: a "
+                            "sweep's, or an older search's); pass --force to write into it (simulations of the "
+                            "same points are reused), or choose another folder")
+        if old is not None and old != ident:
+            diff = _differs(old, ident)
+            raise UserError(f"--out {out}: holds another search (differs in {', '.join(diff[:4])}"
+                            f"{' ...' if len(diff) > 4 else ''}); pass --force to write into it, or choose another "
+                            "folder")
+    out = prepare_dir(out or Path("rackbed-out") / f"search-{safe_name(name)}", force=args.force,
+                      own=lambda q: recorded(q) == ident, default=out is None)
+    if console is not None and recorded(out) == ident:
+        done = out / "results.jsonl"
+        n = sum(1 for line in done.read_text(encoding="utf-8").splitlines() if line.strip()) if done.is_file() else 0
+        console.print(f"resuming the search in {out}: {n} simulation(s) already in results.jsonl")
+    write_text(out / MARKER, json.dumps({"search": ident}, indent=1) + "\n")
+    return out
+
+
 def _main(args: argparse.Namespace) -> int:
     import os
 
@@ -345,8 +415,7 @@ def _main(args: argparse.Namespace) -> int:
 
         for t in spec.space.topology:
             check_stack(args.stack, t)
-    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
-                      resume_marker="results.jsonl", default=args.out is None)
+    out = search_dir(args, spec.name, identity(spec, mode), console)
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)
     for note in res.notes:
@@ -386,8 +455,8 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
             + (f"-{bu._safe(Path(args.trace).stem)}" if args.trace else "")
             + ("-cache" if _prefix_cache(args) else ""))
     spec = spec.model_copy(update={"name": name})
-    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
-                      default=args.out is None)
+    out = search_dir(args, spec.name, identity(spec, "budget", gpus=args.gpus, kinds=sorted(args.kind),
+                                               fill_tolerance=args.fill_tolerance), console)
     res = bu.run_budget_search(spec, args.gpus, out, kinds=tuple(args.kind), per_front=args.per_front,
                                max_simulations=12 if args.max_simulations is None else args.max_simulations,
                                fill_tolerance=args.fill_tolerance, jobs=jobs, progress=not args.no_progress, console=console)
