@@ -475,8 +475,7 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
 
 def print_budget(console, res) -> None:
     """The budget search's answer: per kind its front, then the best configuration."""
-    from rich.table import Table
-
+    from rackbed.engine.cli.tables import print_table
     from rackbed.sim.report import fmt
 
     sp, ld = res.spec, res.load
@@ -492,25 +491,25 @@ def print_budget(console, res) -> None:
     for note in res.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     cached = bool((se_base(res).get("prefix_cache") or {}).get("enabled"))
-    t = Table(title="Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
-              "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the budget")
-    for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
-              "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user",
-              *(("est hit", "sim hit") if cached else ())):
-        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right",
-                     min_width={"kind": 13, "configuration": 36}.get(h))
+    heads = ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
+             "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user",
+             *(("est hit", "sim hit") if cached else ()))
+    rows = []
     for kind, front in res.fronts.items():
         if not front:
-            t.add_row(kind, "none confirmed", *[""] * (13 if cached else 11))
+            rows.append([kind, "none confirmed", *[""] * (len(heads) - 2)])
         for r in front:
             s, e = r["summary"], r["est"]
-            t.add_row(kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
-                      fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
-                      fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
-                      fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]), fmt(e["tokens_per_s_per_gpu"]),
-                      fmt(e["tokens_per_s_per_user"]),
-                      *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate"))) if cached else ()))
-    console.print(t)
+            rows.append([kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
+                         fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
+                         fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
+                         fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]),
+                         fmt(e["tokens_per_s_per_gpu"]), fmt(e["tokens_per_s_per_user"]),
+                         *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate"))) if cached else ())])
+    print_table(console, "Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
+                "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the "
+                "budget", heads, rows, text=("configuration",), left=("kind", "configuration"), key=2,
+                min_width={"configuration": 36})
     for title, b in (("best", res.best), ("best on the whole budget", res.best_total)):
         if b is None or (title != "best" and b is res.best):
             continue
@@ -564,8 +563,7 @@ def _max_rate(args: argparse.Namespace, console) -> int:
 
 
 def print_search(console, res) -> None:
-    from rich.table import Table
-
+    from rackbed.engine.cli.tables import print_table
     from rackbed.sim.report import fmt
     from rackbed.sim.search_results import axis_table, prune_summary, where_time_goes
 
@@ -580,43 +578,36 @@ def print_search(console, res) -> None:
                   f"SLOs, {len(res.front)} on the front; {res.wall_s:.1f} s")
     for reason, n in list(prune_summary(res).items())[:6]:
         console.print(f"  [dim]pruned {n:4d}: {reason}[/dim]")
-    t = Table(title="best points (Pareto front of tokens/s per GPU vs tokens/s per user)")
-    for h in ("#", "configuration", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT p90 ms", "TPOT p90 ms", "$/M tok",
-              "est tok/s/GPU", "est tok/s/user"):
-        t.add_column(h, justify="left" if h == "configuration" else "right")
+    rows = []
     for i, r in enumerate(res.best, 1):
         s, e = r["summary"], r.get("est", {})
-        t.add_row(str(i), r.get("candidate", r.get("label", "")), fmt(s["mean_gpus"], 3),
-                  fmt(s["tokens_per_s_per_gpu"]), fmt(s["tokens_per_s_per_user"]),
-                  fmt((s.get("ttft_p90_s") or 0) * 1e3), fmt((s.get("tpot_p90_s") or 0) * 1e3),
-                  fmt(s.get("cost_per_mtok_usd"), 3), fmt(e.get("tokens_per_s_per_gpu")),
-                  fmt(e.get("tokens_per_s_per_user")))
-    console.print(t)
+        rows.append([str(i), r.get("candidate", r.get("label", "")), fmt(s["mean_gpus"], 3),
+                     fmt(s["tokens_per_s_per_gpu"]), fmt(s["tokens_per_s_per_user"]),
+                     fmt((s.get("ttft_p90_s") or 0) * 1e3), fmt((s.get("tpot_p90_s") or 0) * 1e3),
+                     fmt(s.get("cost_per_mtok_usd"), 3), fmt(e.get("tokens_per_s_per_gpu")),
+                     fmt(e.get("tokens_per_s_per_user"))])
+    print_table(console, "best points (Pareto front of tokens/s per GPU vs tokens/s per user)",
+                ("#", "configuration", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT p90 ms", "TPOT p90 ms", "$/M tok",
+                 "est tok/s/GPU", "est tok/s/user"), rows, left=("configuration",), key=2)
     for i, r in enumerate(res.best, 1):
         ex = res.explanations.get(r["key"]) or {}
         if "prefill" in ex:
             console.print(f"  #{i} why: prefill {where_time_goes(ex['prefill'])}")
             console.print(f"       decode  {where_time_goes(ex['decode'])}")
     for tab in option_tables(res):
-        rt = Table(title=tab.title)
-        for h in tab.headers:
-            rt.add_column(h, justify="right")
-        for row in tab.rows:
-            rt.add_row(*(str(c) for c in row))
-        console.print(rt)
+        key = 3 if "TP" in tab.headers else 4  # topology and TP/EP (prefill); topology, EP, cap and k (decode)
+        print_table(console, tab.title, tab.headers, tab.rows, text=("pruned",), key=key,
+                    bare=("topology/format",))
     rows = axis_table(res)
     if rows:
-        at = Table(title="per knob: best analytic estimate and best simulated point meeting the SLOs")
-        for h in ("knob", "value", "cand.", "pruned", "sim.", "ok", "est tok/s/GPU", "sim tok/s/GPU",
-                  "sim tok/s/user", "sim tok/s/GPU @ >= median user", "note"):
-            at.add_column(h, justify="right")
-        for row in rows:
-            at.add_row(row["axis"], str(row["value"]), str(row["candidates"]), str(row["pruned"]),
-                       str(row["simulated"]), str(row["eligible"]), fmt(row.get("est_best_tokens_per_s_per_gpu")),
-                       fmt(row.get("sim_best_tokens_per_s_per_gpu")), fmt(row.get("sim_best_tokens_per_s_per_user")),
-                       fmt(row.get("sim_best_tokens_per_s_per_gpu_at_median_user")),
-                       _note(row))
-        console.print(at)
+        print_table(console, "per knob: best analytic estimate and best simulated point meeting the SLOs",
+                    ("knob", "value", "cand.", "pruned", "sim.", "ok", "est tok/s/GPU", "sim tok/s/GPU",
+                     "sim tok/s/user", "sim tok/s/GPU @ >= median user", "note"),
+                    [[row["axis"], str(row["value"]), str(row["candidates"]), str(row["pruned"]),
+                      str(row["simulated"]), str(row["eligible"]), fmt(row.get("est_best_tokens_per_s_per_gpu")),
+                      fmt(row.get("sim_best_tokens_per_s_per_gpu")), fmt(row.get("sim_best_tokens_per_s_per_user")),
+                      fmt(row.get("sim_best_tokens_per_s_per_gpu_at_median_user")), _note(row)] for row in rows],
+                    text=("note",), key=2, bare=("knob", "value"))
     inv = [r for r in res.records if r.get("status") == "invalid"]
     if inv:
         reasons: dict[str, int] = {}
