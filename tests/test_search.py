@@ -233,6 +233,12 @@ def test_a_search_resumes_in_its_own_folder_and_refuses_another(tmp_path, capsys
     assert main([*argv[:-1], str(legacy)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no search.json" in err and "--force" in err
+    # --emit-out is an output folder too: one holding other files needs --force, said before the search runs
+    (legacy / "launch.sh").write_text("mine")
+    assert main([*argv, "--emit", "sglang", "--emit-out", str(legacy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rackbed: error: --emit-out {legacy}: folder exists and is not empty; pass --force")
+    assert (legacy / "launch.sh").read_text() == "mine"
 
 
 def test_a_budget_search_folder_is_its_own_for_the_same_budget(tmp_path):

@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="best points to print and explain (--rate or a spec); default 5")
     p.add_argument("--emit", choices=("sglang", "trtllm", "dynamo"), default=None,
                    help="write the best configuration's launch settings for this engine (rackbed emit); default: none")
-    p.add_argument("--emit-out", type=Path, default=None, help="folder for --emit; default OUT/emit-ENGINE")
+    p.add_argument("--emit-out", type=Path, default=None,
+                   help="folder for --emit (an existing, non-empty one needs --force); default OUT/emit-ENGINE")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder; a folder this same search wrote (its search.json) is resumed: the "
                    "simulations already in its results.jsonl are not run again. Default rackbed-out/search-<name> "
@@ -387,6 +388,8 @@ def _main(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     if mode == "max-rate":
         return _max_rate(args, console)
+    if args.emit_out is not None:  # before the search, not after it: a folder of other files needs --force
+        prepare_dir(args.emit_out, force=args.force, flag="--emit-out")
     if mode == "budget":
         return _budget(args, console, jobs)
     if mode == "spec":
