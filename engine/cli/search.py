@@ -19,9 +19,9 @@ from pathlib import Path
 from rackbed.topology.outputs import add_force, prepare_dir, safe_name, write_text
 
 MARKER = "search.json"  # in a search's folder: which search wrote it (resumed by the same search only)
-# What a search's identity leaves out: how far it goes and how much it prints (a re-run with more simulations
-# resumes the same search); everything else — the spec, the mode and its budget — makes it another search.
-EFFORT = ("max_simulations", "top")
+# What a search's identity leaves out: how far it goes, how much it prints and its prose (a re-run with more
+# simulations resumes the same search); everything else — the spec, the mode and its budget — makes it another.
+ASIDE = ("max_simulations", "top", "description")
 
 
 def _ints(s: str) -> list[int]:
@@ -319,11 +319,11 @@ def _with_stack(spec, stack: str | None):
 
 
 def identity(spec, mode: str, **budget) -> dict:
-    """What makes two searches the same (resumable in one folder): the mode, the spec but for :data:`EFFORT`, and
+    """What makes two searches the same (resumable in one folder): the mode, the spec but for :data:`ASIDE`, and
     the budget search's ``gpus``, ``kinds`` and ``fill_tolerance``; JSON-normal (lists, no tuples)."""
     import json
 
-    return json.loads(json.dumps({"mode": mode, "spec": spec.model_dump(mode="json", exclude=set(EFFORT)),
+    return json.loads(json.dumps({"mode": mode, "spec": spec.model_dump(mode="json", exclude=set(ASIDE)),
                                   **budget}))
 
 
