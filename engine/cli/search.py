@@ -129,8 +129,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(or the first of -2, -3 ... that is free or this search's)")
     add_force(p, "write into an existing, non-empty --out folder that is not this search's (other files, or "
               "another search's: its report is replaced, simulations of the same points are reused); not needed "
-              "to resume the same search — the same flags or spec, --max-simulations, --per-front, --top, --jobs "
-              "and --emit may differ")
+              "to resume the same search: the same flags or spec, where --max-simulations, --per-front, --top, "
+              "--jobs and --emit may differ")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes; default: CPU count")
     p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed); default: local processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
