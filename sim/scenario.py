@@ -651,6 +651,23 @@ def _flags(overrides: dict) -> str:
     return " ".join(f"--{k.removesuffix('_s')} {v}" for k, v in overrides.items())
 
 
+def gpus_in_use(dep, n_topology: int) -> str:
+    """The summary's line of the GPUs a deployment holds at the start: its prefillers and decoders, or its
+    aggregated workers (a deployment has one or the other)."""
+    if dep.aggregated:
+        ag = sum(len(g.gpus) for g in dep.aggregated)
+        shapes = sorted({(g.template.tp, g.template.dp) for g in dep.aggregated})
+        each = ", ".join(f"TP={tp} x DP={dp}" for tp, dp in shapes)
+        parts = f"{len(dep.aggregated)} aggregated worker(s) ({ag} GPUs, {each} each)"
+        used = ag
+    else:
+        pg = sum(len(g.gpus) for g in dep.prefillers)
+        dg = sum(len(g.gpus) for g in dep.decoders)
+        parts = f"{len(dep.prefillers)} prefiller(s) ({pg} GPUs), {len(dep.decoders)} decoder(s) ({dg} GPUs)"
+        used = pg + dg
+    return f"GPUs in use: {used} of {n_topology} — {parts}; per-GPU rates below divide by the GPUs in use"
+
+
 def print_summary(console, b: Built, res) -> None:
     from rich.table import Table
 
@@ -662,11 +679,7 @@ def print_summary(console, b: Built, res) -> None:
              f"prefill TP={sc.prefill.tp}/EP={sc.prefill.ep}, decode DP-EP={sc.decode.ep}")
     console.print(f"[bold]{sc.name}[/bold] — {sc.model} ({sc.weight_format}) on {sc.topology}: {shape}, "
                   f"{mtp_label(sc.mtp)}")
-    dep = b.deployment
-    pg = sum(len(g.gpus) for g in dep.prefillers)
-    dg = sum(len(g.gpus) for g in dep.decoders)
-    console.print(f"GPUs in use: {pg + dg} of {b.topology.n_gpus} — {len(dep.prefillers)} prefiller(s) ({pg} GPUs), "
-                  f"{len(dep.decoders)} decoder(s) ({dg} GPUs); per-GPU rates below divide by the GPUs in use")
+    console.print(gpus_in_use(b.deployment, b.topology.n_gpus))
     console.print(f"[dim]{b.calibration_note}[/dim]")
     for c in b.caveats:
         console.print(f"[yellow]caveat:[/yellow] {c}")

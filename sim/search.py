@@ -24,7 +24,8 @@ For a model, candidate hardware, a workload and SLOs, the search
      between — to its estimated TPOT, which must meet the SLO at ``b_max`` too; its estimated TTFT is the prefill
      option's floor. At low load (no queueing) both are what the simulation measures
      (``tests/test_search_consistency.py``);
-   * the whole deployment must fit the topology's GPUs;
+   * the whole deployment must fit the topology's GPUs (and ``max_gpus``, when the spec sets it:
+     ``rackbed search --rate R --gpus N``);
 
 3. keeps at most ``max_simulations`` survivors, taking whole layers of the *analytic* Pareto front (non-dominated
    sorting on estimated tokens/s per GPU and per user), and **simulates** them through ``sim.sweep`` (parallel,
@@ -108,7 +109,7 @@ class SearchSlo(_Strict):
 class SearchSpec(_Strict):
     """What to plan for (module docstring). ``scenario`` holds extra scenario fields applied to every simulated
     point (e.g. ``sim``, ``calibration``, ``decode.page_tokens``); ``gpu_hour_usd`` is one price or a price per
-    topology name."""
+    topology name; ``max_gpus`` caps a candidate's GPUs below its topology's (None: the topology's)."""
 
     kind: Literal["search"] = "search"
     name: str = "search"
@@ -123,6 +124,7 @@ class SearchSpec(_Strict):
     prefill_headroom: float = Field(1.25, gt=0)
     max_simulations: int = Field(60, ge=0)
     top: int = Field(5, ge=1)
+    max_gpus: int | None = Field(None, ge=1)
     seed: int = 0
     scenario: dict[str, Any] = Field(default_factory=dict)
 
@@ -540,6 +542,10 @@ def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
             if (p.topology, p.weight_format) != (d.topology, d.weight_format):
                 continue
             n_topo = topos[p.topology].n_gpus
+            if spec.max_gpus is not None and spec.max_gpus < n_topo:
+                n_topo, where = spec.max_gpus, "max_gpus is"
+            else:
+                where = f"{p.topology} has"
             kv = _pair_kv_s(base, kv_cache, p, d, prompt) if p.pruned is None and d.pruned is None else None
             kv_tok = kv / after_first if kv is not None and after_first > 0 else 0.0
             if p.pruned is None and d.pruned is None and d.tpot_at_cap_s + kv_tok > spec.slo.tpot_s:
@@ -561,7 +567,7 @@ def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
                     if pruned is None and (pr < 1 or dr < 1):
                         pruned = "needs at least one prefiller and one decoder"
                     if pruned is None and n > n_topo:
-                        pruned = f"needs {n} GPUs ({pr} x {max(p.tp, p.ep)} + {dr} x {d.ep}); {p.topology} has {n_topo}"
+                        pruned = f"needs {n} GPUs ({pr} x {max(p.tp, p.ep)} + {dr} x {d.ep}); {where} {n_topo}"
                     tpg = load.output_tokens_per_s / n if n and pruned is None else math.nan
                     tpot = d.tpot_s + kv_tok
                     tpu = 1.0 / tpot if pruned is None and tpot > 0 else math.nan
@@ -750,12 +756,13 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     decode_ep: Sequence[int] | None = None, max_batch_per_rank: Sequence[int] | None = None,
                     draft_k: Sequence[int] | None = None, max_simulations: int = 60, top: int = 5,
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
-                    prefix_cache: Mapping | None = None) -> SearchSpec:
+                    prefix_cache: Mapping | None = None, max_gpus: int | None = None) -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
     does not run out of requests (each pass on fresh block ids); its lengths replace the fixed ones.
-    ``prefix_cache``: the scenarios' ``prefix_cache`` section."""
+    ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
+    GPUs."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k)):
@@ -766,7 +773,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                          "prompt": {"kind": "fixed", "tokens": prompt_tokens},
                          "output": {"kind": "fixed", "tokens": output_tokens}, "duration_s": duration_s},
             "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s}, "gpu_hour_usd": gpu_hour_usd, "space": space,
-            "max_simulations": max_simulations, "top": top}
+            "max_simulations": max_simulations, "top": top, "max_gpus": max_gpus}
     if trace is not None:
         from rackbed.engine.core.traces import TRACE_FILES
 

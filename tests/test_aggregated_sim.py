@@ -164,3 +164,24 @@ def test_the_same_trace_disaggregated_and_aggregated_on_the_same_gpus_finishes_e
     # no KV transfer when aggregated; the disaggregated run ships every multi-token request's KV
     assert out["aggregated"]["queueing_s"]["kv_transfer"]["max"] == 0
     assert out["disaggregated"]["queueing_s"]["kv_transfer"]["max"] > 0
+
+
+def test_the_summary_counts_aggregated_workers_as_gpus_in_use(tmp_path, capsys):
+    """``rackbed run`` of an aggregated scenario: its header's GPUs in use are the workers' GPUs (no prefillers or
+    decoders), the figure its metrics' mean GPUs in use gives; a disaggregated deployment counts its groups."""
+    from rackbed.engine.cli.main import main
+    from rackbed.sim.scenario import gpus_in_use
+
+    assert main(["run", "agg_h200_node", "--duration", "1", "--no-progress", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("GPUs in use"))
+    assert head.startswith("GPUs in use: 8 of 8 — 2 aggregated worker(s) (8 GPUs, TP=1 x DP=4 each)")
+    assert "prefiller" not in head
+    import json
+
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["throughput"]["mean_gpus"] == 8
+    dis = build(_scenario(deployment="disaggregated", aggregated=None,
+                          prefill={"tp": 4, "ep": 4, "replicas": 1, "max_batch_tokens": 16384},
+                          decode={"ep": 4, "replicas": 1, "max_batch_per_rank": 64, "page_tokens": 64}))
+    assert gpus_in_use(dis.deployment, 8).startswith(
+        "GPUs in use: 8 of 8 — 1 prefiller(s) (4 GPUs), 1 decoder(s) (4 GPUs);")

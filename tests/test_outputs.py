@@ -132,3 +132,24 @@ def test_a_default_folder_in_use_gives_a_fresh_one(tmp_path):
     assert (base / "metrics.json").read_text() == "{}"
     with pytest.raises(UserError, match="not empty"):  # a folder the user named is never silently swapped
         prepare_dir(base)
+
+
+def test_a_default_folder_of_the_same_command_is_resumed(tmp_path):
+    """``own``: a command's own test of a folder (a search's search.json naming the same search); the default
+    folder and its -2, -3 … siblings are resumed when they are the command's own, skipped when another's."""
+    base = tmp_path / "search-x"
+    base.mkdir()
+    (base / "mark").write_text("A")
+    other = tmp_path / "search-x-2"
+    other.mkdir()
+    (other / "mark").write_text("B")
+
+    def own_of(tag):
+        return lambda q: (q / "mark").is_file() and (q / "mark").read_text() == tag
+
+    assert prepare_dir(base, default=True, own=own_of("A")) == base
+    assert prepare_dir(base, default=True, own=own_of("B")) == other
+    assert prepare_dir(base, default=True, own=own_of("C")) == tmp_path / "search-x-3"
+    assert prepare_dir(other, own=own_of("B")) == other
+    with pytest.raises(UserError, match="not empty; pass --force"):
+        prepare_dir(other, own=own_of("A"))

@@ -193,3 +193,71 @@ def test_spec_errors_and_cli_flags(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "best points" in out and "why: prefill" in out and (tmp_path / "report.md").exists()
+
+
+def test_a_search_resumes_in_its_own_folder_and_refuses_another(tmp_path, capsys):
+    """A search's folder holds search.json (which search wrote it): the same search again — with more
+    --max-simulations, as after an interruption — resumes there without --force, running only what is not in
+    results.jsonl; another search (a different SLO), or a results.jsonl without search.json, is a one-line error
+    naming --out and --force, and leaves the folder as it was. ``--rate`` with ``--gpus`` says the GPU cap."""
+    import json
+
+    from rackbed.engine.cli.main import main
+
+    out = tmp_path / "s"
+    argv = ["search", "--model", "qwen3-30b-a3b", "--topology", "hgx-h200", "--gpus", "8", "--rate", "4",
+            "--isl", "1000", "--osl", "30", "--duration", "3", "--decode-ep", "4,8", "--batch-cap", "16",
+            "--prefill-tp", "2,4", "--jobs", "1", "--no-progress", "--no-report", "--out", str(out)]
+    assert main([*argv, "--max-simulations", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "--gpus 8: deployments of at most 8 GPUs" in printed and "deployments of at most 8 GPUs;" in printed
+    first = (out / "results.jsonl").read_text().splitlines()
+    marker = json.loads((out / "search.json").read_text())["search"]
+    assert len(first) == 1 and marker["mode"] == "rate" and marker["spec"]["max_gpus"] == 8
+    assert "max_simulations" not in marker["spec"]
+    # resumed: the recorded simulation is not run again, one more is
+    assert main([*argv, "--max-simulations", "2"]) == 0
+    assert "resuming the search in" in capsys.readouterr().out
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert lines[:1] == first and len(lines) == 2
+    # another search's folder is not written into without --force
+    assert main([*argv, "--ttft", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--out {out}: holds another search" in err and "slo.ttft_s" in err
+    assert "--force" in err and (out / "results.jsonl").read_text().splitlines() == lines
+    assert json.loads((out / "search.json").read_text())["search"] == marker
+    # a folder with results but no search.json (a sweep's): --force, named
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "results.jsonl").write_text("")
+    assert main([*argv[:-1], str(legacy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no search.json" in err and "--force" in err
+    # --emit-out is an output folder too: one holding other files needs --force, said before the search runs
+    (legacy / "launch.sh").write_text("mine")
+    assert main([*argv, "--emit", "sglang", "--emit-out", str(legacy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rackbed: error: --emit-out {legacy}: folder exists and is not empty; pass --force")
+    assert (legacy / "launch.sh").read_text() == "mine"
+
+
+def test_a_budget_search_folder_is_its_own_for_the_same_budget(tmp_path):
+    """The budget search's identity: its spec, --gpus, --kind and --fill-tolerance; effort flags may differ."""
+    import argparse
+
+    from rackbed.engine.cli.search import identity, search_dir
+
+    spec = se.spec_from_flags(model="qwen3-30b-a3b", topology=["hgx-h200"], weight_format=["fp8"], rate_per_s=1.0,
+                              prompt_tokens=1000, output_tokens=40, duration_s=4, ttft_s=2, tpot_s=0.05)
+    args = argparse.Namespace(out=tmp_path / "b", force=False)
+
+    def ident(gpus=8, **upd):
+        return identity(spec.model_copy(update=upd), "budget", gpus=gpus, kinds=["aggregated", "disaggregated"],
+                        fill_tolerance=0.05)
+
+    assert search_dir(args, "b", ident()) == tmp_path / "b"
+    (tmp_path / "b" / "results.jsonl").write_text("{}\n")
+    assert search_dir(args, "b", ident(max_simulations=30, top=2)) == tmp_path / "b"
+    with pytest.raises(UserError, match=r"holds another search \(differs in gpus\); pass --force"):
+        search_dir(args, "b", ident(gpus=16))
+    assert search_dir(argparse.Namespace(out=tmp_path / "b", force=True), "b", ident(gpus=16)) == tmp_path / "b"

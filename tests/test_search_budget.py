@@ -109,6 +109,56 @@ def test_bad_flags_one_line_exit_2(argv, flag, capsys):
     assert len(err.splitlines()) == 1 and flag in err and "workload." not in err and "space." not in err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--gpus", "8", "--rate", "5", "--kind", "aggregated"], "--kind:"),
+    (["--rate", "5", "--per-front", "2"], "--per-front:"),
+    (["--rate", "5", "--fill-tolerance", "0.1"], "--fill-tolerance:"),
+    (["--gpus", "8", "--top", "3"], "--top:"),
+    (["--gpus", "8", "--gpu-hour-usd", "3"], "--gpu-hour-usd:"),
+    (["--gpus", "8", "--ray-address", "auto"], "--ray-address:"),
+    (["--max-rate", "agg_h200_node", "--model", "qwen3-30b-a3b"], "--model:"),
+    (["--max-rate", "agg_h200_node", "--isl", "100"], "--isl:"),
+    (["--max-rate", "agg_h200_node", "--out", "x"], "--out:"),
+    (["prefix-cache-search-h200", "--ttft", "1"], "--ttft:"),
+    (["prefix-cache-search-h200", "--gpus", "72"], "--gpus:"),
+    (["prefix-cache-search-h200", "--rate", "5"], "--rate:"),
+    (["prefix-cache-search-h200", "--max-rate", "agg_h200_node"], "search spec prefix-cache-search-h200:"),
+])
+def test_a_flag_the_search_does_not_read_is_an_error(argv, flag, capsys):
+    """Every flag given is used or refused: one line naming it and what applies instead, exit 2, before any work
+    (the flags' defaults are None so that a flag given can be told from one left out)."""
+    from rackbed.engine.cli.main import main
+
+    assert main(["search", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"rackbed: error: {flag}"), err
+    assert "only" in err or "not with" in err
+
+
+def test_rate_search_with_gpus_keeps_deployments_within_them():
+    """``--rate R --gpus N``: candidates of at most N GPUs (``max_gpus``), even on a topology with more; the
+    others are pruned naming the cap."""
+    from rackbed import topology
+
+    spec = se.spec_from_flags(model="qwen3-30b-a3b", topology=["hgx-h200*2"], weight_format=["fp8"], rate_per_s=30,
+                              prompt_tokens=2000, output_tokens=50, duration_s=2, ttft_s=2, tpot_s=0.05,
+                              prefill_tp=[2, 4], decode_ep=[4, 8], max_batch_per_rank=[64], draft_k=[0])
+    model = get_model(spec.model)
+    topos = {"hgx-h200*2": topology.load("hgx-h200*2")}
+    load = se.workload_load(spec.workload)
+    pre = se.prefill_options(spec, load, model, topos)
+    dec = se.decode_options(spec, load, model, topos)
+
+    def alive(sp):
+        return [c for c in se.candidates(sp, load, model, topos, pre, dec) if c.pruned is None]
+
+    assert max(c.n_gpus for c in alive(spec)) > 8
+    capped = spec.model_copy(update={"max_gpus": 8})
+    cands = se.candidates(capped, load, model, topos, pre, dec)
+    assert alive(capped) and all(c.n_gpus <= 8 for c in alive(capped))
+    assert any(c.pruned and c.pruned.endswith("max_gpus is 8") for c in cands)
+
+
 def test_infeasible_budget_exits_non_zero_with_a_hint(tmp_path, capsys):
     from rackbed.engine.cli.main import main
 

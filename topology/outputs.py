@@ -2,8 +2,9 @@
 
 Every command with ``--out`` follows one rule (:func:`prepare_dir`): the folder is created if missing; an existing
 *file* there is an error; an existing folder that is not empty is an error unless ``--force`` is given — or it
-holds the command's own resume marker (a sweep's ``results.jsonl``: re-running there resumes). A command's default
-folder (no ``--out`` given) is never reused when not empty: the run gets a fresh one beside it. Files are written
+is the command's own (a sweep's holds its resume marker ``results.jsonl``; a search's holds ``search.json`` naming
+the same search): re-running there resumes. A command's default folder (no ``--out`` given) is never reused when
+not empty and not its own: the run gets a fresh one beside it (or resumes in one of those that is). Files are written
 to a temporary name in the same folder and renamed into place (:func:`write_text`, :func:`write_bytes`,
 :func:`replacing`): a reader sees the old file or the new one, never half of one, and a kill leaves no torn
 output. Nothing is written through a symbolic link. Names taken from specs (a sweep's ``name``) become one path
@@ -18,7 +19,7 @@ import argparse
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,22 +49,32 @@ def _no_link(path: Path, what: str) -> None:
 
 
 def prepare_dir(path: str | Path, *, force: bool = False, resume_marker: str | None = None, flag: str = "--out",
-                default: bool = False) -> Path:
+                default: bool = False, own: Callable[[Path], bool] | None = None) -> Path:
     """Create output folder ``path`` (and its parents) or accept an existing one under the module's rule; returns
     the folder to write into. ``resume_marker``: a file whose presence makes a non-empty folder the command's own (it
-    resumes there). ``default``: ``path`` is the command's default (the user gave no ``--out``): a non-empty folder
-    there is left alone and the next free ``path-2``, ``path-3`` … is used instead (the commands print it)."""
+    resumes there); ``own``: the test of that instead (given a folder, True when it is the command's own).
+    ``default``: ``path`` is the command's default (the user gave no ``--out``): a non-empty folder there that is
+    not the command's own is left alone and the first of ``path-2``, ``path-3`` … that is missing, empty or the
+    command's own is used instead (the commands print it)."""
     p = Path(path)
     _no_link(p, flag)
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {p}: is a file, not a folder; give a folder to write into")
-    own = resume_marker is not None and (p / resume_marker).is_file()
-    if default and not force and not own and p.is_dir() and any(p.iterdir()):
+
+    def is_own(q: Path) -> bool:
+        if own is not None:
+            return own(q)
+        return resume_marker is not None and (q / resume_marker).is_file()
+
+    mine = p.is_dir() and is_own(p)
+    if default and not force and not mine and p.is_dir() and any(p.iterdir()):
         n = 2
-        while (p.parent / f"{p.name}-{n}").exists():
+        while True:
+            q = p.parent / f"{p.name}-{n}"
+            if not q.exists() or (q.is_dir() and not q.is_symlink() and (not any(q.iterdir()) or is_own(q))):
+                return prepare_dir(q, flag=flag, force=True)
             n += 1
-        return prepare_dir(p.parent / f"{p.name}-{n}", flag=flag)
-    if p.is_dir() and not force and not own and any(p.iterdir()):
+    if p.is_dir() and not force and not mine and any(p.iterdir()):
         raise UserError(f"{flag} {p}: folder exists and is not empty; pass --force to write into it, or choose "
                         "another folder")
     p.mkdir(parents=True, exist_ok=True)

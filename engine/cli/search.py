@@ -6,7 +6,9 @@
 
 Enumerates candidates, prunes them with the memory budget and the analytic step-time model, simulates the
 survivors (parallel, resumable: DIR/results.jsonl), prints the Pareto front's best few with where their step
-time goes, and writes DIR/report.md / report.html / pareto.png (see ``sim.search``).
+time goes, and writes DIR/report.md / report.html / pareto.png (see ``sim.search``). DIR/search.json says which
+search wrote DIR: the same search run again resumes there, another needs ``--force`` (:func:`search_dir`). A flag
+the chosen search does not read is an error (:func:`check_flags`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rackbed.topology.outputs import add_force, prepare_dir, safe_name
+from rackbed.topology.outputs import add_force, prepare_dir, safe_name, write_text
+
+MARKER = "search.json"  # in a search's folder: which search wrote it (resumed by the same search only)
+# What a search's identity leaves out: how far it goes, how much it prints and its prose (a re-run with more
+# simulations resumes the same search); everything else — the spec, the mode and its budget — makes it another.
+ASIDE = ("max_simulations", "top", "description")
 
 
 def _ints(s: str) -> list[int]:
@@ -45,25 +52,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="With --gpus N (no --rate): the best deployments on N GPUs, aggregated and disaggregated, each "
         "at the highest rate it sustains under the SLOs — the Pareto fronts of tokens/s per GPU vs tokens/s per "
         "user and the best configuration (docs/CAPACITY.md). With --rate: the Pareto search for that load "
-        "(enumerate, prune with the memory budget and the analytic step-time model, simulate the survivors). "
-        "With --max-rate SCENARIO: the highest rate a given deployment sustains under the SLOs.",
+        "(enumerate, prune with the memory budget and the analytic step-time model, simulate the survivors; with "
+        "--gpus N too, deployments of at most N GPUs). With a search spec: that search (the spec sets what the "
+        "flags would). With --max-rate SCENARIO: the highest rate a given deployment sustains under the SLOs. "
+        "A flag the chosen search does not use is an error naming it.",
     )
     p.add_argument("spec", nargs="?", help="search spec YAML (kind: search) or a name under scenarios/sweeps/ "
                    "(instead of the flags)")
-    p.add_argument("--model", default="qwen3-235b-a22b", help="model name (rackbed model show)")
+    p.add_argument("--model", default=None, help="model name (rackbed model show); default qwen3-235b-a22b")
     p.add_argument("--gpus", type=int, default=None,
                    help="GPU budget: without --rate, search every deployment on this many GPUs at the rate each "
-                   "sustains; the topology is resized to it (NAME, NAME*k, NAME@G); default: none (give --rate)")
-    p.add_argument("--topology", type=_strs, default=["gb200-nvl72"],
-                   help="topology (with --gpus: one preset, resized); with --rate: comma-separated names")
-    p.add_argument("--format", dest="weight_format", type=_strs, default=["fp8"],
-                   help="weight format (rackbed formats); with --rate: comma-separated")
+                   "sustains; with --rate, only deployments of at most this many GPUs; a preset topology is "
+                   "resized to it (NAME, NAME*k, NAME@G); default: none (give --rate)")
+    p.add_argument("--topology", type=_strs, default=None,
+                   help="topology (with --gpus alone: one preset, resized); with --rate: comma-separated names; "
+                   "default gb200-nvl72")
+    p.add_argument("--format", dest="weight_format", type=_strs, default=None,
+                   help="weight format (rackbed formats); with --rate: comma-separated; default fp8")
     p.add_argument("--stack", choices=("auto", "rackbed", "trtllm", "sglang", "vllm"), default=None,
                    help="serving stack whose calibration prices every candidate (scenario field stack): auto = the "
                    "first shipped for the GPU (rackbed's own, then trtllm, sglang, vllm); default: the spec's or "
                    "scenario's own, else auto")
-    p.add_argument("--kind", type=_strs, default=["disaggregated", "aggregated"],
-                   help="with --gpus: deployment kinds searched, comma-separated")
+    p.add_argument("--kind", type=_strs, default=None,
+                   help="with --gpus alone: deployment kinds searched, comma-separated; default "
+                   "disaggregated,aggregated (the --rate search is disaggregated)")
     p.add_argument("--rate", type=float, default=None, help="requests/s (Poisson): search for this load; default: none (give --gpus)")
     p.add_argument("--prompt", "--isl", dest="prompt", type=int, default=None,
                    help="prompt tokens (fixed); default 4000")
@@ -80,10 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the prefix cache with G GB of HBM per GPU (implies --prefix-cache); default 8")
     p.add_argument("--no-host-tier", action="store_true",
                    help="the prefix cache without its host-memory tier (HBM only)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals simulated per point")
-    p.add_argument("--ttft", type=float, default=2.0, help="TTFT SLO, seconds (p90)")
-    p.add_argument("--tpot", type=float, default=0.05, help="TPOT SLO, seconds (p90)")
-    p.add_argument("--gpu-hour-usd", type=float, default=0.0, help="price of one GPU-hour, for $/M tokens (0: none)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals simulated per point; default 30")
+    p.add_argument("--ttft", type=float, default=None, help="TTFT SLO, seconds (p90); default 2")
+    p.add_argument("--tpot", type=float, default=None, help="TPOT SLO, seconds (p90); default 0.05")
+    p.add_argument("--gpu-hour-usd", type=float, default=None,
+                   help="price of one GPU-hour, for $/M tokens (with --rate); default 0 (none)")
     p.add_argument("--prefill-tp", type=_ints, default=None, help="prefill TP degrees (EP = TP); default 2,4,8")
     p.add_argument("--decode-ep", type=_ints, default=None, help="decode DP-EP degrees; default 4,8,16,32")
     p.add_argument("--batch-cap", type=_ints, default=None,
@@ -95,22 +108,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "for draft_k > 0 with a model without MTP layers (a trained MTP head, e.g. Qwen3-235B); "
                         "default: none")
     p.add_argument("--max-simulations", type=int, default=None,
-                   help="cap on simulations; default 12 with --gpus, 60 with --rate")
-    p.add_argument("--per-front", type=int, default=3,
-                   help="with --gpus: analytic front points simulated per deployment kind")
-    p.add_argument("--fill-tolerance", type=float, default=0.05,
-                   help="with --gpus: the best may give up this fraction of the most tokens/s per used GPU for more "
-                   "tokens/s per budget GPU (a deployment that uses the budget)")
+                   help="cap on simulations; default 12 with --gpus alone, 60 with --rate, a spec's own")
+    p.add_argument("--per-front", type=int, default=None,
+                   help="with --gpus alone: analytic front points simulated per deployment kind; default 3")
+    p.add_argument("--fill-tolerance", type=float, default=None,
+                   help="with --gpus alone: the best may give up this fraction of the most tokens/s per used GPU for "
+                   "more tokens/s per budget GPU (a deployment that uses the budget); default 0.05")
     p.add_argument("--max-rate", metavar="SCENARIO", default=None,
                    help="the highest rate this scenario's deployment sustains under --ttft / --tpot (doubling from --rate or "
                    "the scenario's rate, then bisection; --duration per simulation); default: not this mode")
-    p.add_argument("--top", type=int, default=None, help="best points to print and explain; default 5")
+    p.add_argument("--top", type=int, default=None,
+                   help="best points to print and explain (--rate or a spec); default 5")
     p.add_argument("--emit", choices=("sglang", "trtllm", "dynamo"), default=None,
                    help="write the best configuration's launch settings for this engine (rackbed emit); default: none")
-    p.add_argument("--emit-out", type=Path, default=None, help="folder for --emit; default OUT/emit-ENGINE")
-    p.add_argument("--out", type=Path, default=None, help="output folder; default rackbed-out/search-<name>")
-    add_force(p, "write into an existing, non-empty --out folder that is not a search's (one holding "
-              "results.jsonl is resumed without it)")
+    p.add_argument("--emit-out", type=Path, default=None,
+                   help="folder for --emit (an existing, non-empty one needs --force); default OUT/emit-ENGINE")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder; a folder this same search wrote (its search.json) is resumed: the "
+                   "simulations already in its results.jsonl are not run again. Default rackbed-out/search-<name> "
+                   "(or the first of -2, -3 ... that is free or this search's)")
+    add_force(p, "write into an existing, non-empty --out folder that is not this search's (other files, or "
+              "another search's: its report is replaced, simulations of the same points are reused); not needed "
+              "to resume the same search: the same flags or spec, where --max-simulations, --per-front, --top, "
+              "--jobs and --emit may differ")
     p.add_argument("--jobs", "-j", type=int, default=None, help="worker processes; default: CPU count")
     p.add_argument("--ray-address", default=None, help="simulate on this Ray cluster (needs `ray` installed); default: local processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -118,14 +138,87 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Flag values the search cannot use: a one-line UserError naming the flag as typed (never a spec path)."""
+# The flags' defaults where a flag was not given (argparse leaves them None, so that a flag given to a search that
+# does not use it can be told from its default).
+DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_format": ["fp8"],
+            "kind": ["disaggregated", "aggregated"], "duration": 30.0, "ttft": 2.0, "tpot": 0.05,
+            "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05}
+
+# The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
+_WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
+             "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
+             "mtp_layers", "max_simulations", "emit", "emit_out", "out", "force", "jobs", "no_report"}
+USED = {
+    "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
+    "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address"},
+    "spec": {"spec", "prefix_cache", "prefix_cache_gb", "no_host_tier", "max_simulations", "top", "emit",
+             "emit_out", "out", "force", "jobs", "ray_address", "no_report"},
+    "max-rate": {"max_rate", "rate", "duration", "ttft", "tpot"},
+}
+_FLAG = {"weight_format": "--format", "prompt": "--isl", "output": "--osl"}
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    """Which search the flags ask for: ``max-rate``, ``spec``, ``budget`` (--gpus without --rate) or ``rate``."""
+    from rackbed.topology.errors import UserError
+
+    if args.max_rate:
+        return "max-rate"
+    if args.spec:
+        return "spec"
+    if args.rate is None and args.gpus is not None:
+        return "budget"
+    if args.rate is not None:
+        return "rate"
+    raise UserError("rackbed search: give --gpus N (the best deployments on N GPUs at any rate), --rate "
+                    "(requests/s), --max-rate SCENARIO, or a search spec YAML")
+
+
+def _unused(args: argparse.Namespace, mode: str) -> None:
+    """A flag given to a search that does not read it: a one-line UserError naming it and what applies instead
+    (never a flag silently ignored)."""
+    from rackbed.topology.errors import UserError
+
+    for dest, v in vars(args).items():
+        if dest in ("command", "func", "stack", "no_progress") or v is None or v is False or dest in USED[mode]:
+            continue
+        flag = f"search spec {args.spec}" if dest == "spec" else _FLAG.get(dest, "--" + dest.replace("_", "-"))
+        if mode == "max-rate":
+            why = ("not with --max-rate SCENARIO (it simulates the scenario's own deployment, model and workload, "
+                   "one rate at a time, and writes nothing); only --rate (the first rate tried), --duration, "
+                   "--ttft, --tpot and --stack apply")
+        elif mode == "spec":
+            why = (f"not with a search spec: set it in {args.spec} instead; with a spec only --max-simulations, "
+                   "--top, --stack, --prefix-cache*, --emit, --out, --force, --jobs and --ray-address apply")
+        elif dest in ("kind", "per_front", "fill_tolerance"):
+            why = ("only with --gpus N and no --rate (the budget search); the --rate search enumerates disaggregated "
+                   "deployments for that load")
+        elif dest == "gpu_hour_usd":
+            why = "only with --rate (the budget search --gpus N reports no cost per token)"
+        elif dest == "top":
+            why = "only with --rate or a spec (the budget search --gpus N prints every front point)"
+        elif dest == "ray_address":
+            why = "only with --rate or a spec (the budget search --gpus N simulates in local processes: --jobs)"
+        else:
+            why = f"not used by the {mode} search"
+        raise UserError(f"{flag}: {why}")
+
+
+def check_flags(args: argparse.Namespace) -> str:
+    """Flag values the search cannot use: a one-line UserError naming the flag as typed (never a spec path); a flag
+    the chosen search does not read is one too. Fills in the defaults of the flags not given (:data:`DEFAULTS`)
+    and returns the search's mode (:func:`mode_of`)."""
     from rackbed.engine.core.formats import FORMAT_NAMES
     from rackbed.topology.errors import UserError
 
     def bad(flag, v, rule):
         raise UserError(f"{flag} {v}: {rule}")
 
+    mode = mode_of(args)
+    given = argparse.Namespace(**vars(args))
+    for k, v in DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     for flag, v in (("--rate", args.rate), ("--duration", args.duration), ("--ttft", args.ttft),
                     ("--tpot", args.tpot)):
         if v is not None and not v > 0:
@@ -154,13 +247,15 @@ def check_flags(args: argparse.Namespace) -> None:
             bad(flag, ",".join(map(str, v)), "expected comma-separated integers >= 1")
     if args.draft_k is not None and (not args.draft_k or any(x < 0 for x in args.draft_k)):
         bad("--draft-k", ",".join(map(str, args.draft_k)), "expected comma-separated integers >= 0")
-    if args.gpus is not None and args.rate is None and len(args.topology) != 1:
+    if mode == "budget" and len(args.topology) != 1:
         bad("--topology", ",".join(args.topology), "with --gpus give one topology")
-    if args.gpus is not None and args.rate is None and len(args.weight_format) != 1:
+    if mode == "budget" and len(args.weight_format) != 1:
         bad("--format", ",".join(args.weight_format), "with --gpus give one format")
     if args.emit_out is not None and args.emit is None:
         bad("--emit-out", args.emit_out, "needs --emit ENGINE")
     _check_cache_flags(args, bad)
+    _unused(given, mode)
+    return mode
 
 
 def _check_cache_flags(args: argparse.Namespace, bad) -> None:
@@ -211,7 +306,8 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
-                              trace=args.trace, prefix_cache=_prefix_cache(args))
+                              trace=args.trace, prefix_cache=_prefix_cache(args),
+                              max_gpus=args.gpus if args.rate is not None else None)
 
 
 def _with_stack(spec, stack: str | None):
@@ -222,6 +318,64 @@ def _with_stack(spec, stack: str | None):
     return spec.model_copy(update={"scenario": {**spec.scenario, "stack": stack}})
 
 
+def identity(spec, mode: str, **budget) -> dict:
+    """What makes two searches the same (resumable in one folder): the mode, the spec but for :data:`ASIDE`, and
+    the budget search's ``gpus``, ``kinds`` and ``fill_tolerance``; JSON-normal (lists, no tuples)."""
+    import json
+
+    return json.loads(json.dumps({"mode": mode, "spec": spec.model_dump(mode="json", exclude=set(ASIDE)),
+                                  **budget}))
+
+
+def _differs(a, b, at: str = "") -> list[str]:
+    """The dotted keys where ``a`` and ``b`` differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b), key=str)
+                for k in _differs(a.get(key), b.get(key), f"{at}.{key}" if at else str(key))]
+    return [] if a == b else [at or "(all)"]
+
+
+def search_dir(args: argparse.Namespace, name: str, ident: dict, console=None) -> Path:
+    """The search's output folder under ``topology.outputs``' rule, a folder written by the same search
+    (:func:`identity`, in its ``search.json``) being its own: resumed without ``--force``. Writes ``search.json``
+    before any simulation, so that an interrupted search resumes too. Another search's folder given as ``--out``
+    is a one-line error naming what differs. Says on ``console`` when it resumes."""
+    import json
+
+    from rackbed.topology.errors import UserError
+
+    def recorded(q: Path) -> dict | None:
+        f = q / MARKER
+        if f.is_symlink() or not f.is_file():
+            return None
+        try:
+            d = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return d.get("search") if isinstance(d, dict) else None
+
+    out = args.out
+    if out is not None and not args.force and out.is_dir() and not out.is_symlink() and any(out.iterdir()):
+        old = recorded(out)
+        if old is None and (out / "results.jsonl").exists():
+            raise UserError(f"--out {out}: holds a results.jsonl but no {MARKER} (not a search of this rackbed: a "
+                            "sweep's, or an older search's); pass --force to write into it (simulations of the "
+                            "same points are reused), or choose another folder")
+        if old is not None and old != ident:
+            diff = _differs(old, ident)
+            raise UserError(f"--out {out}: holds another search (differs in {', '.join(diff[:4])}"
+                            f"{' ...' if len(diff) > 4 else ''}); pass --force to write into it, or choose another "
+                            "folder")
+    out = prepare_dir(out or Path("rackbed-out") / f"search-{safe_name(name)}", force=args.force,
+                      own=lambda q: recorded(q) == ident, default=out is None)
+    if console is not None and recorded(out) == ident:
+        done = out / "results.jsonl"
+        n = sum(1 for line in done.read_text(encoding="utf-8").splitlines() if line.strip()) if done.is_file() else 0
+        console.print(f"resuming the search in {out}: {n} simulation(s) already in results.jsonl")
+    write_text(out / MARKER, json.dumps({"search": ident}, indent=1) + "\n")
+    return out
+
+
 def _main(args: argparse.Namespace) -> int:
     import os
 
@@ -229,12 +383,16 @@ def _main(args: argparse.Namespace) -> int:
 
     from rackbed.sim import search as se
 
-    check_flags(args)
+    mode = check_flags(args)
     console = Console() if Console().is_terminal else Console(width=160)
     jobs = args.jobs or os.cpu_count() or 1
-    if args.max_rate:
+    if mode == "max-rate":
         return _max_rate(args, console)
-    if args.spec:
+    if args.emit_out is not None:  # before the search, not after it: a folder of other files needs --force
+        prepare_dir(args.emit_out, force=args.force, flag="--emit-out")
+    if mode == "budget":
+        return _budget(args, console, jobs)
+    if mode == "spec":
         spec = se.load_search(args.spec)
         upd = {k: v for k, v in (("max_simulations", args.max_simulations), ("top", args.top)) if v is not None}
         if upd:
@@ -245,17 +403,14 @@ def _main(args: argparse.Namespace) -> int:
             from rackbed.sim.sweep import deep_merge
 
             spec = spec.model_copy(update={"scenario": deep_merge(dict(spec.scenario), {"prefix_cache": pc})})
-    elif args.rate is None and args.gpus is not None:
-        return _budget(args, console, jobs)
     else:
-        if args.rate is None:
-            raise ValueError("rackbed search: give --gpus N (the best deployments on N GPUs at any rate), --rate "
-                             "(requests/s), --max-rate SCENARIO, or a search spec YAML")
         topology = None
-        if args.gpus is not None:
+        if args.gpus is not None:  # deployments of at most --gpus GPUs, on the topologies resized to hold them
             from rackbed.sim.budget import budget_topology
 
             topology = [budget_topology(t, args.gpus) for t in args.topology]
+            console.print(f"--gpus {args.gpus}: deployments of at most {args.gpus} GPUs, on "
+                          + ", ".join(t if r == t else f"{r} ({t} resized)" for t, r in zip(args.topology, topology)))
         spec = _with_stack(_flags_spec(args, args.rate, 60 if args.max_simulations is None else args.max_simulations,
                                        topology), args.stack)
     if args.stack not in (None, "auto"):  # one line naming --stack, not every candidate pruned for it
@@ -263,8 +418,7 @@ def _main(args: argparse.Namespace) -> int:
 
         for t in spec.space.topology:
             check_stack(args.stack, t)
-    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
-                      resume_marker="results.jsonl", default=args.out is None)
+    out = search_dir(args, spec.name, identity(spec, mode), console)
     res = se.run_search(spec, out, jobs=jobs, ray_address=args.ray_address, progress=not args.no_progress,
                         console=console)
     for note in res.notes:
@@ -304,8 +458,8 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
             + (f"-{bu._safe(Path(args.trace).stem)}" if args.trace else "")
             + ("-cache" if _prefix_cache(args) else ""))
     spec = spec.model_copy(update={"name": name})
-    out = prepare_dir(args.out or Path("rackbed-out") / f"search-{safe_name(spec.name)}", force=args.force,
-                      default=args.out is None)
+    out = search_dir(args, spec.name, identity(spec, "budget", gpus=args.gpus, kinds=sorted(args.kind),
+                                               fill_tolerance=args.fill_tolerance), console)
     res = bu.run_budget_search(spec, args.gpus, out, kinds=tuple(args.kind), per_front=args.per_front,
                                max_simulations=12 if args.max_simulations is None else args.max_simulations,
                                fill_tolerance=args.fill_tolerance, jobs=jobs, progress=not args.no_progress, console=console)
@@ -324,8 +478,7 @@ def _budget(args: argparse.Namespace, console, jobs: int) -> int:
 
 def print_budget(console, res) -> None:
     """The budget search's answer: per kind its front, then the best configuration."""
-    from rich.table import Table
-
+    from rackbed.engine.cli.tables import print_table
     from rackbed.sim.report import fmt
 
     sp, ld = res.spec, res.load
@@ -341,25 +494,25 @@ def print_budget(console, res) -> None:
     for note in res.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     cached = bool((se_base(res).get("prefix_cache") or {}).get("enabled"))
-    t = Table(title="Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
-              "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the budget")
-    for h in ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
-              "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user",
-              *(("est hit", "sim hit") if cached else ())):
-        t.add_column(h, justify="left" if h in ("kind", "configuration") else "right",
-                     min_width={"kind": 13, "configuration": 36}.get(h))
+    heads = ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
+             "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user",
+             *(("est hit", "sim hit") if cached else ()))
+    rows = []
     for kind, front in res.fronts.items():
         if not front:
-            t.add_row(kind, "none confirmed", *[""] * (13 if cached else 11))
+            rows.append([kind, "none confirmed", *[""] * (len(heads) - 2)])
         for r in front:
             s, e = r["summary"], r["est"]
-            t.add_row(kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
-                      fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
-                      fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
-                      fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]), fmt(e["tokens_per_s_per_gpu"]),
-                      fmt(e["tokens_per_s_per_user"]),
-                      *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate"))) if cached else ()))
-    console.print(t)
+            rows.append([kind, r["candidate"], str(r["gpus"]), fmt(r["rate_per_s"]), fmt(s["tokens_per_s_per_gpu"]),
+                         fmt(s["tokens_per_s_per_user"]), fmt(s.get("ttft_p90_s"), 3),
+                         fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
+                         fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]),
+                         fmt(e["tokens_per_s_per_gpu"]), fmt(e["tokens_per_s_per_user"]),
+                         *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate"))) if cached else ())])
+    print_table(console, "Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
+                "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the "
+                "budget", heads, rows, text=("configuration",), left=("kind", "configuration"), key=2,
+                min_width={"configuration": 36})
     for title, b in (("best", res.best), ("best on the whole budget", res.best_total)):
         if b is None or (title != "best" and b is res.best):
             continue
@@ -413,13 +566,12 @@ def _max_rate(args: argparse.Namespace, console) -> int:
 
 
 def print_search(console, res) -> None:
-    from rich.table import Table
-
+    from rackbed.engine.cli.tables import print_table
     from rackbed.sim.report import fmt
     from rackbed.sim.search_results import axis_table, prune_summary, where_time_goes
 
     sp, ld = res.spec, res.load
-    console.print(f"[bold]search {sp.name}[/bold]: {sp.model}; load {ld.rate_per_s:.3g} req/s, prompt "
+    console.print(f"[bold]search {sp.name}[/bold]: {sp.model} on {_where(sp)}; load {ld.rate_per_s:.3g} req/s, prompt "
                   f"{ld.prompt_mean:.0f} tok (p90 {ld.prompt_p90:.0f}), output {ld.output_mean:.0f} tok -> "
                   f"{ld.input_tokens_per_s:.4g} input / {ld.output_tokens_per_s:.4g} output tok/s; SLO TTFT "
                   f"{sp.slo.ttft_s} s, TPOT {sp.slo.tpot_s * 1e3:g} ms at {sp.slo.percentile}")
@@ -429,43 +581,36 @@ def print_search(console, res) -> None:
                   f"SLOs, {len(res.front)} on the front; {res.wall_s:.1f} s")
     for reason, n in list(prune_summary(res).items())[:6]:
         console.print(f"  [dim]pruned {n:4d}: {reason}[/dim]")
-    t = Table(title="best points (Pareto front of tokens/s per GPU vs tokens/s per user)")
-    for h in ("#", "configuration", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT p90 ms", "TPOT p90 ms", "$/M tok",
-              "est tok/s/GPU", "est tok/s/user"):
-        t.add_column(h, justify="left" if h == "configuration" else "right")
+    rows = []
     for i, r in enumerate(res.best, 1):
         s, e = r["summary"], r.get("est", {})
-        t.add_row(str(i), r.get("candidate", r.get("label", "")), fmt(s["mean_gpus"], 3),
-                  fmt(s["tokens_per_s_per_gpu"]), fmt(s["tokens_per_s_per_user"]),
-                  fmt((s.get("ttft_p90_s") or 0) * 1e3), fmt((s.get("tpot_p90_s") or 0) * 1e3),
-                  fmt(s.get("cost_per_mtok_usd"), 3), fmt(e.get("tokens_per_s_per_gpu")),
-                  fmt(e.get("tokens_per_s_per_user")))
-    console.print(t)
+        rows.append([str(i), r.get("candidate", r.get("label", "")), fmt(s["mean_gpus"], 3),
+                     fmt(s["tokens_per_s_per_gpu"]), fmt(s["tokens_per_s_per_user"]),
+                     fmt((s.get("ttft_p90_s") or 0) * 1e3), fmt((s.get("tpot_p90_s") or 0) * 1e3),
+                     fmt(s.get("cost_per_mtok_usd"), 3), fmt(e.get("tokens_per_s_per_gpu")),
+                     fmt(e.get("tokens_per_s_per_user"))])
+    print_table(console, "best points (Pareto front of tokens/s per GPU vs tokens/s per user)",
+                ("#", "configuration", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT p90 ms", "TPOT p90 ms", "$/M tok",
+                 "est tok/s/GPU", "est tok/s/user"), rows, left=("configuration",), key=2)
     for i, r in enumerate(res.best, 1):
         ex = res.explanations.get(r["key"]) or {}
         if "prefill" in ex:
             console.print(f"  #{i} why: prefill {where_time_goes(ex['prefill'])}")
             console.print(f"       decode  {where_time_goes(ex['decode'])}")
     for tab in option_tables(res):
-        rt = Table(title=tab.title)
-        for h in tab.headers:
-            rt.add_column(h, justify="right")
-        for row in tab.rows:
-            rt.add_row(*(str(c) for c in row))
-        console.print(rt)
+        key = 3 if "TP" in tab.headers else 4  # topology and TP/EP (prefill); topology, EP, cap and k (decode)
+        print_table(console, tab.title, tab.headers, tab.rows, text=("pruned",), key=key,
+                    bare=("topology/format",))
     rows = axis_table(res)
     if rows:
-        at = Table(title="per knob: best analytic estimate and best simulated point meeting the SLOs")
-        for h in ("knob", "value", "cand.", "pruned", "sim.", "ok", "est tok/s/GPU", "sim tok/s/GPU",
-                  "sim tok/s/user", "sim tok/s/GPU @ >= median user", "note"):
-            at.add_column(h, justify="right")
-        for row in rows:
-            at.add_row(row["axis"], str(row["value"]), str(row["candidates"]), str(row["pruned"]),
-                       str(row["simulated"]), str(row["eligible"]), fmt(row.get("est_best_tokens_per_s_per_gpu")),
-                       fmt(row.get("sim_best_tokens_per_s_per_gpu")), fmt(row.get("sim_best_tokens_per_s_per_user")),
-                       fmt(row.get("sim_best_tokens_per_s_per_gpu_at_median_user")),
-                       _note(row))
-        console.print(at)
+        print_table(console, "per knob: best analytic estimate and best simulated point meeting the SLOs",
+                    ("knob", "value", "cand.", "pruned", "sim.", "ok", "est tok/s/GPU", "sim tok/s/GPU",
+                     "sim tok/s/user", "sim tok/s/GPU @ >= median user", "note"),
+                    [[row["axis"], str(row["value"]), str(row["candidates"]), str(row["pruned"]),
+                      str(row["simulated"]), str(row["eligible"]), fmt(row.get("est_best_tokens_per_s_per_gpu")),
+                      fmt(row.get("sim_best_tokens_per_s_per_gpu")), fmt(row.get("sim_best_tokens_per_s_per_user")),
+                      fmt(row.get("sim_best_tokens_per_s_per_gpu_at_median_user")), _note(row)] for row in rows],
+                    text=("note",), key=2, bare=("knob", "value"))
     inv = [r for r in res.records if r.get("status") == "invalid"]
     if inv:
         reasons: dict[str, int] = {}
@@ -473,6 +618,11 @@ def print_search(console, res) -> None:
             reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
         for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:4]:
             console.print(f"  [yellow]invalid in simulation ({n}):[/yellow] {reason}")
+
+
+def _where(sp) -> str:
+    """The topologies a search's candidates run on, and its GPU cap (``max_gpus``) if any."""
+    return ", ".join(sp.space.topology) + (f", deployments of at most {sp.max_gpus} GPUs" if sp.max_gpus else "")
 
 
 def option_tables(res):
@@ -544,6 +694,7 @@ def search_report_data(res):
     return ReportData(
         title=f"search {sp.name}: {sp.model}",
         intro=[sp.description,
+               f"on {_where(sp)}",
                (f"load: {ld.rate_per_s:.3g} req/s, prompt {ld.prompt_mean:.0f} tokens (p90 {ld.prompt_p90:.0f}), "
                 f"output {ld.output_mean:.0f} tokens; SLO TTFT <= {sp.slo.ttft_s} s and TPOT <= "
                 f"{sp.slo.tpot_s * 1e3:g} ms at {sp.slo.percentile}; $/GPU-hour {sp.gpu_hour_usd}"),

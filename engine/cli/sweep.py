@@ -128,18 +128,12 @@ def sweep_report_data(spec, points, records, *, top: int = 5):
 
 
 def _print_best(console, data) -> None:
-    from rich.table import Table
-
+    from rackbed.engine.cli.tables import print_table
     from rackbed.sim.report import best_table
     from rackbed.sim.search_results import where_time_goes
 
-    t = best_table(data)
-    rt = Table(title=t.title)
-    for h in t.headers:
-        rt.add_column(h, justify="left" if h == "configuration" else "right")
-    for row in t.rows:
-        rt.add_row(*(str(c) for c in row))
-    console.print(rt)
+    t = best_table(data)  # a point's label is a list of knob=value words: it may wrap between them
+    print_table(console, t.title, t.headers, t.rows, text=("configuration",), key=2)
     for i, r in enumerate(data.best, 1):
         ex = data.explanations.get(r["key"]) or {}
         if "prefill" in ex:
