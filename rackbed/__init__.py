@@ -24,8 +24,10 @@ from pathlib import Path
 def shipped(package: str, *parts: str) -> Path:
     """The folder (or file) ``parts`` of shipped data package ``package`` (``"calibration"``, ``"scenarios"``,
     ``"engine.core"`` …), wherever rackbed is installed. Wheels install unzipped, so this is a real path. Namespace
-    packages (``calibration``) are found through their one search location."""
+    packages (``calibration``) are found through their one search location. The path is resolved (in a checkout,
+    the top-level folder rather than the link to it under ``rackbed/``), so it compares equal to any resolved path
+    into the same data."""
     spec = importlib.util.find_spec(f"rackbed.{package}")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(f"rackbed.{package}: not a package")
-    return Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
+    return Path(list(spec.submodule_search_locations)[0]).resolve().joinpath(*parts)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rackbed import shipped
@@ -31,17 +32,35 @@ def summary(name: str) -> str:
     return ""
 
 
+#: suffixes that make an argument a path, never a shipped name
+SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def is_bare_name(arg: str) -> bool:
+    """Whether a command-line ``arg`` names a shipped scenario rather than a path: no path separator, no
+    ``.yaml`` / ``.yml`` / ``.json`` suffix."""
+    seps = {"/", os.sep, *((os.altsep,) if os.altsep else ())}
+    return (bool(arg) and arg not in (".", "..") and not any(s in arg for s in seps)
+            and not arg.lower().endswith(SUFFIXES))
+
+
 def resolve(name_or_path: str | Path) -> Path:
-    """A scenario file path from a path or a shipped name; one-line ValueError when neither exists."""
+    """A scenario file path from a shipped name or a path; one-line ValueError when neither exists.
+
+    A bare name (a ``str`` for which :func:`is_bare_name` holds) is the shipped scenario of that name whatever the
+    working directory holds: ``nvl72-default`` reads the shipped file even beside a folder or file called
+    ``nvl72-default``. Anything else is a path (``./nvl72-default``, ``my.yaml``, ``runs/x.yaml``, a ``Path``), and
+    so is a bare name no scenario ships under. Every command that takes a scenario resolves it here."""
+    if isinstance(name_or_path, str) and is_bare_name(name_or_path):
+        for cand in (HERE / f"{name_or_path}.yaml", HERE / f"{name_or_path}.yml"):
+            if cand.is_file():
+                return cand
     p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
+    if p.suffix in SUFFIXES or p.exists():
         if not p.exists():
             raise FileNotFoundError(f"{p}: no such scenario file")
         if p.is_dir():
             raise ValueError(f"{p}: is a directory, expected a scenario YAML file")
         return p
-    for cand in (HERE / f"{name_or_path}.yaml", HERE / f"{name_or_path}.yml"):
-        if cand.exists():
-            return cand
     names = ", ".join(available()) or "(none yet)"
     raise ValueError(f"unknown scenario {str(name_or_path)!r}; shipped scenarios: {names}")

@@ -315,7 +315,7 @@ def test_allreduce_worker_exit_is_bounded_when_the_barrier_hangs(tmp_path):
     import sys
     import time
 
-    code = ("import threading, kernels.bench.measure as m\n"
+    code = ("import threading, rackbed.kernels.bench.measure as m\n"
             "m.EXIT_BARRIER_S = 0.5\n"
             "class D:\n"
             "    def barrier(self): threading.Event().wait()\n"

@@ -367,3 +367,15 @@ def test_run_name_is_the_shipped_scenario(decoys, capsys):
     assert "fig_allreduce_nvls.yaml is a figure file" in err and "directory" not in err
     assert main(["run", "./fig_allreduce_nvls", "--rate", "1"]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_every_command_resolves_a_bare_name_to_the_shipped_scenario(decoys, capsys):
+    """One resolver for every command that takes a scenario (run, emit, real, trace, search --max-rate, sweeps,
+    figure references): a bare name beside a same-named folder or file is still the shipped file."""
+    from rackbed import scenarios
+
+    for name in ("nvl72-default", "i_h200_mooncake", "fig_allreduce_nvls"):
+        assert scenarios.resolve(name) == scenarios.HERE / f"{name}.yaml"
+    assert scenarios.resolve("./i_h200_mooncake") == Path("./i_h200_mooncake")  # a path stays a path
+    assert main(["trace", "stats", "i_h200_mooncake"]) == 0
+    capsys.readouterr()

@@ -120,7 +120,7 @@ def test_wheel_in_fresh_venv(tmp_path):
     away = tmp_path / "elsewhere"
     away.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")} | {"MPLBACKEND": "Agg"}
-    where = _run([py, "-c", "import rackbed.sim; print(rackbed.sim.__file__)"], away, env).stdout.strip()
+    where = _run([py, "-c", "import rackbed.sim.driver as d; print(d.__file__)"], away, env).stdout.strip()
     assert where.startswith(str(venv)), where
 
     run = _run([rackbed, "run", SCENARIO, "--out", tmp_path / "wheel-run"], away, env)

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from rackbed.engine.cli.scenario_arg import resolve_scenario
+    from rackbed import scenarios
     from rackbed.sim.emit import ENGINES, check_emittable, write_emit
     from rackbed.sim.scenario import load_scenario
     from rackbed.topology.errors import UserError
@@ -34,7 +34,7 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.engine not in ENGINES:  # before loading anything
         raise UserError(f"--engine {args.engine}: unknown engine; one of {', '.join(ENGINES)}")
-    path = resolve_scenario(args.scenario)
+    path = scenarios.resolve(args.scenario)
     sc = load_scenario(path)
     check_emittable(sc, path)  # before the output folder is made
     out = prepare_dir(args.out or Path("rackbed-out") / path.stem / args.engine, force=args.force,

@@ -55,7 +55,6 @@ def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rackbed import scenarios
-    from rackbed.engine.cli.scenario_arg import resolve_scenario
 
     # piped output (CI logs, files) gets wide tables instead of rich's 80-column default
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -66,7 +65,7 @@ def _main(args: argparse.Namespace) -> int:
             console.print(f"{name:<{width}}  {scenarios.summary(name)}".rstrip(), markup=False, highlight=False,
                           soft_wrap=True)
         return 0
-    path = resolve_scenario(args.scenario)
+    path = scenarios.resolve(args.scenario)
     data = load_yaml(path)
     kind = data.get("kind", "serving")
     out = args.out or Path("rackbed-out") / path.stem

@@ -78,7 +78,9 @@ def load_requests(source: str, fmt: str = "auto", seed: int | None = None,
     if max_requests is not None and max_requests < 1:
         raise UserError(f"--max-requests: must be >= 1, got {max_requests}")
     p = Path(source)
-    if p.is_file() and p.suffix not in (".yaml", ".yml"):
+    shipped_name = scenarios.is_bare_name(source) and any((scenarios.HERE / f"{source}{x}").is_file()
+                                                          for x in (".yaml", ".yml"))
+    if p.is_file() and p.suffix not in (".yaml", ".yml") and not shipped_name:
         spec, what, run_seed = TraceReplay(path=str(p), format=fmt), f"{p} (trace)", None
     elif not p.exists() and source in TRACE_FILES:
         spec, what, run_seed = TraceReplay(name=source, format=fmt), f"shipped trace {source}", None
