@@ -63,6 +63,9 @@ real: {{device: cpu, dtype: fp32, prefill_pages: 64, decode_pages: 64, weights: 
     assert doc["world"] == 4 and doc["metrics"]["requests"]["done"] == 8
     assert doc["replay_identical_decisions"] is True
     assert any(p["kind"] == "kv" for p in doc["plans"])          # KV crossed from host 0 to host 1
+    refusals = doc["store_refusals"]                               # nothing refused, every rank reported
+    assert refusals["rank0_process"] == {"log_lines_suppressed": 0}
+    assert refusals["ranks"] == {str(r): {"log_lines_suppressed": 0} for r in range(4)}
     for rid, toks in doc["generated_tokens"].items():
         prompt = torch.tensor(doc["prompt_ids"][rid])[None]
         with torch.no_grad():

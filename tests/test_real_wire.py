@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from rackbed.engine.real.wire import VERSION, BadMessage, check_command, check_reply, seal, unseal
 
 TOKEN = b"0123456789abcdef" * 4
+RUN = "5eed" * 8
 
 
 class _Boom:
@@ -30,6 +31,15 @@ class _Boom:
         return (open, (self.path, "w"))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_refusal_log():
+    from rackbed.engine.real.kvstore import REFUSALS
+
+    REFUSALS.reset()
+    yield
+    REFUSALS.reset()
+
+
 def _sealed_raw(env: bytes, token: bytes = TOKEN) -> bytes:
     import hashlib
     import hmac
@@ -40,10 +50,10 @@ def _sealed_raw(env: bytes, token: bytes = TOKEN) -> bytes:
 def test_a_command_round_trips_with_its_types():
     cmd = ("kv_recv", 7, {"rid": 3, "src_globals": [0, 1], "seq_len": 9, "src_pages": [4, 5, 6], "last_token": 11,
                           "tokens": [1, 2], "free": [8]})
-    got = check_command(unseal(TOKEN, "cmd/2", 5, seal(TOKEN, "cmd/2", 5, cmd)))
+    got = check_command(unseal(TOKEN, RUN, "cmd/2", 5, seal(TOKEN, RUN, "cmd/2", 5, cmd)))
     assert got == cmd and isinstance(got, tuple)
     reply = (7, 2, "ok", ({4: (17, [1, 2])}, 0.25))
-    assert check_reply(unseal(TOKEN, "res", 1, seal(TOKEN, "res", 1, reply)), world=4) == reply
+    assert check_reply(unseal(TOKEN, RUN, "res", 1, seal(TOKEN, RUN, "res", 1, reply)), world=4) == reply
 
 
 @pytest.mark.parametrize("make, why", [
@@ -52,15 +62,16 @@ def test_a_command_round_trips_with_its_types():
     (lambda tmp: _sealed_raw(b'{"v": 1, "q": "cmd/0", "i": 1, "body": ['), "malformed JSON"),
     (lambda tmp: _sealed_raw(json.dumps({"v": VERSION + 1, "q": "cmd/0", "i": 1, "body": None}).encode()),
      "version"),
-    (lambda tmp: seal(b"another run's token" * 3, "cmd/0", 1, ("stop", 0, {})), "bad MAC"),
-    (lambda tmp: seal(TOKEN, "cmd/1", 1, ("stop", 0, {})), "written for 'cmd/1'"),
-    (lambda tmp: seal(TOKEN, "cmd/0", 2, ("stop", 0, {})), "written for 'cmd/0'#2"),
-    (lambda tmp: _sealed_raw(json.dumps({"v": VERSION, "q": "cmd/0", "i": 1,
+    (lambda tmp: seal(b"another run's token" * 3, RUN, "cmd/0", 1, ("stop", 0, {})), "bad MAC"),
+    (lambda tmp: seal(TOKEN, "another run", "cmd/0", 1, ("stop", 0, {})), "written for another run"),
+    (lambda tmp: seal(TOKEN, RUN, "cmd/1", 1, ("stop", 0, {})), "written for 'cmd/1'"),
+    (lambda tmp: seal(TOKEN, RUN, "cmd/0", 2, ("stop", 0, {})), "written for 'cmd/0'#2"),
+    (lambda tmp: _sealed_raw(json.dumps({"v": VERSION, "r": RUN, "q": "cmd/0", "i": 1,
                                          "body": {"py/object": "os.system"}}).encode()), "neither a tuple nor a dict"),
 ])
 def test_a_hostile_or_stale_message_is_refused_and_nothing_runs(tmp_path, make, why):
     with pytest.raises(BadMessage, match=why) as exc:
-        unseal(TOKEN, "cmd/0", 1, make(tmp_path))
+        unseal(TOKEN, RUN, "cmd/0", 1, make(tmp_path))
     assert "\n" not in str(exc.value)
     assert not (tmp_path / "ran").exists()
 
@@ -74,7 +85,7 @@ def test_a_hostile_or_stale_message_is_refused_and_nothing_runs(tmp_path, make, 
 ])
 def test_a_command_of_the_wrong_shape_is_refused(cmd, why):
     with pytest.raises(BadMessage, match=why):
-        check_command(unseal(TOKEN, "cmd/0", 1, seal(TOKEN, "cmd/0", 1, cmd)))
+        check_command(unseal(TOKEN, RUN, "cmd/0", 1, seal(TOKEN, RUN, "cmd/0", 1, cmd)))
 
 
 _plain = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -85,7 +96,7 @@ _plain = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allo
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(_plain)
 def test_plain_values_round_trip(v):
-    assert unseal(TOKEN, "q", 3, seal(TOKEN, "q", 3, v)) == v
+    assert unseal(TOKEN, RUN, "q", 3, seal(TOKEN, RUN, "q", 3, v)) == v
 
 
 @settings(max_examples=300, derandomize=True, deadline=None)
@@ -93,13 +104,13 @@ def test_plain_values_round_trip(v):
 def test_any_bytes_are_refused_with_bad_message_only(data, mac_ok):
     """Random bytes (with or without a valid MAC over them) never raise anything but BadMessage."""
     with pytest.raises(BadMessage):
-        unseal(TOKEN, "cmd/0", 1, _sealed_raw(data) if mac_ok else data)
+        unseal(TOKEN, RUN, "cmd/0", 1, _sealed_raw(data) if mac_ok else data)
 
 
 def _store(listen):
     from rackbed.engine.real.torchrun import open_store
 
-    return open_store("127.0.0.1", listen.getsockname()[1], world=1, listen=listen, timeout_s=5)
+    return open_store("127.0.0.1", listen.getsockname()[1], TOKEN, listen=listen, timeout_s=5)
 
 
 def test_the_store_queue_skips_a_refused_message_with_one_line(tmp_path, capfd):
@@ -107,7 +118,7 @@ def test_the_store_queue_skips_a_refused_message_with_one_line(tmp_path, capfd):
 
     ls = listen_socket("127.0.0.1", 0)
     st_ = _store(ls)
-    q = command_queue(st_, 0, TOKEN)
+    q = command_queue(st_, 0, TOKEN, RUN)
     st_.add("cmd/0/n", 1)                                               # a third party takes slot 1 ...
     st_.set("cmd/0/1", pickle.dumps(_Boom(str(tmp_path / "ran"))))    # ... and writes a pickle into it
     q.put(("drop", 5, {"rids": [3]}))
@@ -165,18 +176,18 @@ def test_liveness_counts_beats_on_the_readers_clock():
 
     ls = listen_socket("127.0.0.1", 0)
     st_ = _store(ls)
-    p = _RemoteProc(st_, 3, TOKEN, dead_after_s=0.3)
+    p = _RemoteProc(st_, 3, TOKEN, RUN, dead_after_s=0.3)
     for i in range(1, 4):
-        st_.set("hb/3", seal(TOKEN, "hb/3", i, None))
+        st_.set("hb/3", seal(TOKEN, RUN, "hb/3", i, {}))
         p.check()
         time.sleep(0.15)
     assert p.is_alive() and p.seq == 3
-    last = seal(TOKEN, "hb/3", 3, None)
+    last = seal(TOKEN, RUN, "hb/3", 3, {})
     t0 = time.monotonic()
     while time.monotonic() - t0 < 0.6:
         st_.set("hb/3", last)                                   # the same beat again
         p.check()
-        st_.set("hb/3", seal(b"x" * 64, "hb/3", 10**6, None))    # a forged one
+        st_.set("hb/3", seal(b"x" * 64, RUN, "hb/3", 10**6, {}))    # a forged one
         p.check()
         time.sleep(0.05)
     assert not p.is_alive()

@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     from rackbed.engine.real.driver import rank_specs, real_model_config, run_real
     from rackbed.engine.real.torchrun import (
         BIND_ENV,
+        agree_run,
         command_queue,
         heartbeat,
         listen_socket,
@@ -91,9 +92,10 @@ def main(argv=None) -> int:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
     token = _shared_token(rank, "cuda" if use_cuda else "cpu")
     listen = listen_socket(os.environ.get(BIND_ENV) or host, port) if rank == 0 else None
-    store = open_store(host, port, world=world, listen=listen)
+    store = open_store(host, port, token, listen=listen)
+    run_id = agree_run(store, rank, world, token)
     stop_hb = threading.Event()
-    threading.Thread(target=heartbeat, args=(host, port, rank, token, stop_hb), daemon=True).start()
+    threading.Thread(target=heartbeat, args=(host, port, rank, token, run_id, stop_hb), daemon=True).start()
     b = build(sc)
     if b.topology.n_gpus != world:
         raise SystemExit(f"rackbed: error: {a.scenario}: torchrun started {world} processes but topology "
@@ -109,8 +111,8 @@ def main(argv=None) -> int:
     groups, kv_group = make_groups(any_spec.all_groups, world)
 
     def serve() -> None:
-        cmd_q = command_queue(open_store(host, port), rank, token)
-        res_q = reply_queue(open_store(host, port), world, token)
+        cmd_q = command_queue(open_store(host, port, token), rank, token, run_id)
+        res_q = reply_queue(open_store(host, port, token), world, token, run_id)
         if rank in specs:
             worker = Rank(specs[rank], groups[specs[rank].group_id], kv_group)
             res_q.put((None, rank, "ready", None))
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
 
         from rackbed.sim.outputs import write_all
 
-        pool = store_pool(store, world, token)
+        pool = store_pool(store, world, token, run_id)
         try:
             res, run = run_real(b, reqs, simulate=simulate, device=device, dtype=rs.dtype, weights=rs.weights,
                                 seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
             "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},
             "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},
             "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
-                      for w, k, key, m, ws in run.records], "metrics": res.metrics}, indent=1, default=str))
+                      for w, k, key, m, ws in run.records], "metrics": res.metrics,
+            "store_refusals": pool.refusals()}, indent=1, default=str))
         m = res.metrics["requests"]
         print(f"real run over {world} ranks: {m['done']}/{m['total']} done, {m['rejected']} rejected; "
               f"replay identical: {same}; wrote {out}")

@@ -32,7 +32,7 @@ import os
 import secrets
 
 #: bumped whenever a message's layout changes; a reader refuses any other version
-VERSION = 1
+VERSION = 2
 TOKEN_ENV = "RACKBED_RUN_TOKEN"
 
 
@@ -91,16 +91,16 @@ def _dec(x, depth: int = 0):
 
 
 # -- the envelope ------------------------------------------------------------------------------------------------
-def seal(token: bytes, queue: str, index: int, body) -> bytes:
-    """``body`` as the bytes stored under ``queue``'s ``index``-th key."""
-    env = json.dumps({"v": VERSION, "q": queue, "i": index, "body": _enc(body)}, separators=(",", ":"),
+def seal(token: bytes, run: str, queue: str, index: int, body) -> bytes:
+    """``body`` as the bytes stored under ``queue``'s ``index``-th key of run ``run`` (its nonce)."""
+    env = json.dumps({"v": VERSION, "r": run, "q": queue, "i": index, "body": _enc(body)}, separators=(",", ":"),
                      allow_nan=True).encode()
     return hmac.new(token, env, hashlib.sha256).hexdigest().encode() + b"." + env
 
 
-def unseal(token: bytes, queue: str, index: int | None, data: bytes):
-    """The body of a sealed message after every check (module docstring); ``index`` None skips the index check
-    and returns ``(index, body)`` (heartbeats: the reader wants the newest)."""
+def unseal(token: bytes, run: str, queue: str, index: int | None, data: bytes):
+    """The body of a sealed message of run ``run`` after every check (module docstring); ``index`` None skips the
+    index check and returns ``(index, body)`` (heartbeats: the reader checks that the number grew)."""
     where = f"{queue}#{index if index is not None else '?'}"
     mac, sep, env = bytes(data).partition(b".")
     if not sep or len(mac) != 64:
@@ -112,10 +112,14 @@ def unseal(token: bytes, queue: str, index: int | None, data: bytes):
         doc = json.loads(env)
     except ValueError as exc:
         raise BadMessage(f"{where}: malformed JSON ({exc})") from None
-    if not isinstance(doc, dict) or set(doc) != {"v", "q", "i", "body"}:
-        raise BadMessage(f"{where}: the envelope must have exactly v, q, i, body")
+    if not isinstance(doc, dict) or "v" not in doc:
+        raise BadMessage(f"{where}: the envelope has no version")
     if doc["v"] != VERSION:
         raise BadMessage(f"{where}: message version {doc['v']!r}, this build reads version {VERSION}")
+    if set(doc) != {"v", "r", "q", "i", "body"}:
+        raise BadMessage(f"{where}: the envelope must have exactly v, r, q, i, body")
+    if doc["r"] != run:
+        raise BadMessage(f"{where}: written for another run ({str(doc['r'])[:16]!r}, this run is {run[:16]!r})")
     if doc["q"] != queue or not isinstance(doc["i"], int) or (index is not None and doc["i"] != index):
         raise BadMessage(f"{where}: written for {doc['q']!r}#{doc['i']!r}, read from {queue!r}#{index}")
     body = _dec(doc["body"])
