@@ -1,27 +1,32 @@
-"""The key-value store of a multi-node real run: a small TCP server that serves only clients holding the run's token.
+"""The key-value store of a multi-node real run: a TCP server serving only clients that hold the run's token.
 
 Rank 0 runs :class:`StoreServer` on the socket ``engine.real.torchrun.listen_socket`` gives it; every process
-(rank 0's driver too) talks to it through a :class:`StoreClient`. A connection is served only after a handshake:
-the server sends a fresh random challenge, the client answers with HMAC-SHA256(token, challenge); a wrong answer,
-or none within :data:`HANDSHAKE_S`, closes the connection. A client without the token therefore reads, writes and
-deletes nothing, and what it can cost the run is bounded:
+(rank 0's driver too) talks to it through a :class:`StoreClient`. A connection is served only after a
+handshake: the server sends a fresh random challenge, the client answers with HMAC-SHA256(token, challenge); a
+wrong answer, or none within :data:`HANDSHAKE_S`, closes the connection. A client without the token therefore
+reads, writes and deletes nothing, and what it can cost the run is bounded:
 
-- **time**: nothing it does touches a key, so it cannot delay a message of a started run. At start it can hold at
-  most :data:`MAX_PENDING` unanswered handshakes, each closed after :data:`HANDSHAKE_S`; a connection beyond them
-  is closed at once, and a rank that cannot get in retries until its connect timeout (``timeout_s``, 60 s) and
-  then fails with one line;
-- **memory**: the server reads at most :data:`CHALLENGE_BYTES` from a connection before its handshake, so such a
-  client holds at most ``MAX_PENDING`` sockets, threads and 32-byte buffers. Authenticated clients (token
-  holders) are bounded too: a key at most :data:`MAX_KEY` bytes, a value at most :data:`MAX_VALUE`, at most
-  :data:`MAX_KEYS` keys and :data:`MAX_HELD` bytes of values held (a write past them is refused with an error);
-- **logs**: every refused connection is counted and reported through :data:`REFUSALS`, which prints at most
-  :data:`LOG_LINES` lines per :data:`LOG_WINDOW_S` and counts the rest (the run's report carries the counts).
+- **time**: nothing it does touches a key, so it cannot delay a message of a started run. Its connections wait
+  for their handshake at most :data:`HANDSHAKE_S` (2 s) each and at most :data:`MAX_PENDING` (64) at once: a
+  new connection beyond them drops the oldest waiting one, so a rank connecting at start is kept out only by a
+  client opening more than ``MAX_PENDING`` connections per handshake round trip (a millisecond on a LAN), and
+  a rank that cannot get in fails after its connect timeout (``timeout_s``, 60 s) with one line;
+- **memory**: the server reads at most :data:`CHALLENGE_BYTES` (32) from a connection before its handshake, so
+  such a client holds at most ``MAX_PENDING`` sockets, threads and 32-byte buffers on rank 0. Token holders
+  are bounded too: a key at most :data:`MAX_KEY` bytes, a value at most :data:`MAX_VALUE` (16 MiB), at most
+  :data:`MAX_KEYS` keys and :data:`MAX_HELD` (256 MiB) of values held (a write past them is refused with an
+  error), at most :data:`MAX_CLIENTS` connections;
+- **logs**: every refused connection is counted in :data:`REFUSALS`, which prints at most :data:`LOG_LINES`
+  (5) lines per :data:`LOG_WINDOW_S` (10 s) per process and counts the rest (the run's report carries the
+  counts).
 
-Requests after the handshake: one byte op (``S`` set, ``G`` get, ``C`` check, ``D`` delete, ``A`` add; ``W`` wait
-for a key and get it, ``T`` wait for a key and take it, both at most the milliseconds the value gives, at most
-:data:`MAX_WAIT_S`), a 2-byte key length, a 4-byte value length, the key, the value; the reply is a status byte (0 ok, 1 absent, 2 refused), a
-4-byte length and the data. The values themselves are sealed messages (``engine.real.wire``): the store
-authenticates who may write, the seal binds each message to its run, queue and slot.
+Requests after the handshake: one byte op (``S`` set, ``G`` get, ``C`` check, ``D`` delete, ``A`` add; ``W``
+wait for a key and get it, ``T`` wait for a key and take it, both for at most the milliseconds the value gives
+and at most :data:`MAX_WAIT_S`), a 2-byte key length, a 4-byte value length, the key, the value; the reply is
+a
+status byte (0 ok, 1 absent, 2 refused), a 4-byte length and the data. The values are sealed messages
+(``engine.real.wire``): the store decides who may write, the seal binds each message to its run, queue and
+slot.
 """
 
 from __future__ import annotations
@@ -126,13 +131,14 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float | None = None) -> b
 
 
 class StoreServer:
-    """The store, served on ``listen`` (a listening socket) to clients that answer the handshake with ``token``."""
+    """The store, served on ``listen`` (a listening socket) to clients that answer the handshake with
+    ``token``."""
 
     def __init__(self, listen: socket.socket, token: bytes, log: RefusalLog = REFUSALS) -> None:
         self.listen, self.token, self.log = listen, token, log
         self.data: dict[str, bytes] = {}
         self.held = 0
-        self.pending = 0
+        self._pending: dict[socket.socket, None] = {}   # connections before their handshake, oldest first
         self.clients = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -159,16 +165,30 @@ class StoreServer:
             except OSError:
                 return
             with self._lock:
-                full = self.pending >= MAX_PENDING or self.clients >= MAX_CLIENTS
+                full = self.clients >= MAX_CLIENTS
+                oldest = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING and not full else None
+                if oldest is not None:
+                    del self._pending[oldest]
                 if not full:
-                    self.pending += 1
+                    self._pending[conn] = None
                     self._conns.add(conn)
             if full:
                 conn.close()
-                self.log.note("store_connections_refused", f"a store connection from {addr[0]}: too many "
-                              f"connections ({MAX_PENDING} handshakes pending or {MAX_CLIENTS} clients)")
+                self.log.note("store_connections_refused",
+                              f"a store connection from {addr[0]}: {MAX_CLIENTS} clients already")
                 continue
+            if oldest is not None:          # its thread sees the shutdown, refuses it and closes it
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             threading.Thread(target=self._serve, args=(conn, addr), name="store-conn", daemon=True).start()
+
+    @property
+    def pending(self) -> int:
+        """Connections waiting for their handshake."""
+        with self._lock:
+            return len(self._pending)
 
     def _serve(self, conn: socket.socket, addr) -> None:
         authed = False
@@ -180,14 +200,17 @@ class StoreServer:
                 got = _recv_exact(conn, CHALLENGE_BYTES, time.monotonic() + HANDSHAKE_S)
             except (OSError, TimeoutError):
                 self.log.note("store_connections_refused",
-                              f"a store connection from {addr[0]}: no handshake within {HANDSHAKE_S:g} s")
+                              f"a store connection from {addr[0]}: no handshake answer "
+                              f"(at most {HANDSHAKE_S:g} s, "
+                              f"{MAX_PENDING} waiting at once)")
                 return
             if not hmac.compare_digest(got, _answer(self.token, challenge)):
                 self.log.note("store_connections_refused",
                               f"a store connection from {addr[0]}: wrong handshake (not this run's token)")
                 return
             with self._lock:
-                self.pending -= 1
+                if self._pending.pop(conn, "gone") is not None:
+                    return                  # dropped for a newer connection while it answered
                 self.clients += 1
                 authed = True
             conn.settimeout(None)
@@ -207,8 +230,7 @@ class StoreServer:
             with self._lock:
                 if authed:
                     self.clients -= 1
-                else:
-                    self.pending -= 1
+                self._pending.pop(conn, None)
                 self._conns.discard(conn)
             conn.close()
 
@@ -242,7 +264,8 @@ class StoreServer:
             if op == b"A":
                 if len(value) != 8 or (old is not None and len(old) != 8):
                     return REFUSED, b""
-                value = struct.pack("!q", (struct.unpack("!q", old)[0] if old else 0) + struct.unpack("!q", value)[0])
+                base = struct.unpack("!q", old)[0] if old else 0
+                value = struct.pack("!q", base + struct.unpack("!q", value)[0])
             elif op != b"S":
                 return REFUSED, b""
             grow = len(value) - (len(old) if old is not None else 0)
@@ -255,7 +278,7 @@ class StoreServer:
 
 
 class StoreClient:
-    """A connection to the store at ``host``:``port`` (the methods the queues use: ``set``, ``get``, ``check``,
+    """A connection to the store at ``host``:``port`` (``set``, ``get``, ``wait_get``, ``check``,
     ``delete_key``, ``add``); connecting retries until ``timeout_s`` (the server may start later)."""
 
     def __init__(self, host: str, port: int, token: bytes, timeout_s: float = 60.0) -> None:
@@ -304,8 +327,8 @@ class StoreClient:
             except (OSError, ConnectionError, struct.error) as exc:
                 raise StoreError(f"store {self.where}: connection lost ({exc})") from None
         if status == REFUSED:
-            raise StoreError(f"store {self.where}: {op.decode()} {key!r} refused (store full: at most {MAX_KEYS} "
-                             f"keys and {MAX_HELD >> 20} MiB)")
+            raise StoreError(f"store {self.where}: {op.decode()} {key!r} refused (store full: at most "
+                             f"{MAX_KEYS} keys and {MAX_HELD >> 20} MiB)")
         return status, out
 
     def set(self, key: str, value) -> None:
@@ -318,7 +341,8 @@ class StoreClient:
         return out
 
     def wait_get(self, key: str, timeout_s: float, take: bool = False) -> bytes | None:
-        """``key``'s value once it is there (deleted from the store if ``take``), or None after ``timeout_s``."""
+        """``key``'s value once it is there (deleted from the store if ``take``), or None after
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             ms = max(0, min(int((deadline - time.monotonic()) * 1000), int(MAX_WAIT_S * 1000)))

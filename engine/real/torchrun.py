@@ -1,16 +1,22 @@
-"""Real runs under torchrun, the transport: commands, replies and liveness between hosts through a c10d store.
+"""Real runs under torchrun, the transport: commands, replies and liveness between hosts through a store.
 
-The entry is ``engine/cli/torchrun.py`` (``torchrun ... -m rackbed.engine.cli.torchrun SCENARIO``): one process per GPU of
-the topology, global rank = topology GPU id; global rank 0 also runs the driver. This module holds what crosses
-hosts. Rank 0 hosts a TCPStore at ``MASTER_PORT + 1``, listening only on the address it is told
-(:func:`listen_socket`: ``$RACKBED_STORE_BIND``, else ``MASTER_ADDR`` — loopback for a single-host run).
-Commands and replies are sealed messages (``engine.real.wire``: JSON values, a version, an HMAC under the run's
-token, a schema check; never pickles) in :class:`StoreQueue` s (one writer counter per queue, one reader, a key
-deleted once read). Liveness is a sealed heartbeat per rank carrying a sequence number (:func:`heartbeat`); the
-driver notes on its own monotonic clock when each rank's number last grew, and a rank whose number has not grown
-for ``RACKBED_DEAD_AFTER_S`` (10 s) becomes a fault of its GPU, exactly as a dead local process does
-(:func:`store_pool`: the driver's :class:`~engine.real.driver.RankPool` over the store). No host's wall clock is
-compared with another's.
+The entry is ``engine/cli/torchrun.py`` (``torchrun ... -m rackbed.engine.cli.torchrun SCENARIO``): one
+process
+per GPU of the topology, global rank = topology GPU id; global rank 0 also runs the driver. This module holds
+what crosses hosts. Rank 0 hosts the store (``engine.real.kvstore``: served only to clients that prove the
+run's
+token) at ``MASTER_PORT + 1``, listening only on the address it is told (:func:`listen_socket`:
+``$RACKBED_STORE_BIND``, else ``MASTER_ADDR`` — loopback for a single-host run). At start every process agrees
+on the run's nonce (:func:`agree_run`). Commands and replies are sealed messages (``engine.real.wire``: JSON
+values, a version, the run nonce, an HMAC under the run's token, a schema check; never pickles) in
+:class:`StoreQueue` s (one writer counter per queue, one reader, a key taken out as it is read). Liveness is a
+sealed heartbeat per rank carrying a number that grows (:func:`heartbeat`); the driver notes on its own
+monotonic clock when each rank's number last grew, and a rank whose number has not grown for
+``RACKBED_DEAD_AFTER_S`` (10 s) becomes a fault of its GPU, exactly as a dead local process does
+(:func:`store_pool`: the driver's :class:`~engine.real.driver.RankPool` over the store). No host's wall clock
+is
+compared with another's. A beat also carries its process's refusal counts, which rank 0 writes to the run's
+report (``real.json``: ``store_refusals``).
 """
 
 from __future__ import annotations
@@ -44,10 +50,11 @@ def listen_socket(bind: str, port: int) -> socket.socket:
     return s
 
 
-def open_store(host: str, port: int, token: bytes, *, listen: socket.socket | None = None, timeout_s: float = 60.0):
-    """A client of the store at ``host``:``port`` (``engine.real.kvstore``), or (``listen`` given, rank 0) first the
-    store itself on that socket, served to clients holding ``token``, then a client of it (closing that client
-    closes the store)."""
+def open_store(host: str, port: int, token: bytes, *, listen: socket.socket | None = None,
+               timeout_s: float = 60.0):
+    """A client of the store at ``host``:``port`` (``engine.real.kvstore``), or (``listen`` given, rank 0)
+    first the store itself on that socket, served to clients holding ``token``, then a client of it (closing
+    that client closes the store)."""
     server = StoreServer(listen, token) if listen is not None else None
     client = StoreClient(host, port, token, timeout_s=timeout_s)
     client.server = server
@@ -59,10 +66,11 @@ def _refuse(kind: str, msg: str) -> None:
 
 
 def agree_run(store, rank: int, world: int, token: bytes, timeout_s: float = 120.0) -> str:
-    """The run's nonce, which every later message is bound to (``engine.real.wire``): each process writes a fresh
-    random ``hello/<rank>``; rank 0 draws the nonce and writes ``run``: the nonce and every hello, sealed; a process
-    takes the nonce only from a ``run`` that carries its own hello, so an announcement recorded in another run (or
-    an earlier start) is refused. Raises :class:`~engine.real.wire.BadMessage` after ``timeout_s`` without one."""
+    """The run's nonce, which every later message is bound to (``engine.real.wire``): each process writes a
+    fresh random ``hello/<rank>``; rank 0 draws the nonce and writes ``run``: the nonce and every hello,
+    sealed; a process takes the nonce only from a ``run`` that carries its own hello, so an announcement
+    recorded in another run (or an earlier start) is refused. Raises :class:`~engine.real.wire.BadMessage`
+    after ``timeout_s`` without one."""
     mine = secrets.token_hex(16)
     store.set(f"hello/{rank}", seal(token, "", f"hello/{rank}", 0, mine))
     deadline = time.monotonic() + timeout_s
@@ -89,8 +97,8 @@ def agree_run(store, rank: int, world: int, token: bytes, timeout_s: float = 120
         store.set("run", seal(token, "", "run", 0, {"nonce": secrets.token_hex(16), "hello": hellos}))
 
     def announcement(doc):
-        if not (isinstance(doc, dict) and isinstance(doc.get("nonce"), str) and isinstance(doc.get("hello"), list)
-                and len(doc["hello"]) == world):
+        if not (isinstance(doc, dict) and isinstance(doc.get("nonce"), str)
+                and isinstance(doc.get("hello"), list) and len(doc["hello"]) == world):
             raise BadMessage("run: an announcement is {nonce, hello: one per rank}")
         if doc["hello"][rank] != mine:
             raise BadMessage(f"run: announces another start (rank {rank}'s hello is not in it)")
@@ -106,11 +114,12 @@ class StoreQueue:
     """A FIFO over the store: ``put`` from any process, ``get`` from one. Same interface as ``mp.Queue``.
 
     Messages are sealed for run ``run`` (its nonce, :func:`agree_run`), this queue and their slot. ``check``
-    validates a decoded body (``wire.check_command`` / ``check_reply``); a message that fails the MAC, version,
-    run, slot or schema check is refused (counted, one rate-limited line on stderr: ``kvstore.REFUSALS``):
-    nothing acts on it. A refused message in a slot no writer has claimed yet (the queue's counter is below it)
-    leaves the slot to the message still to come; in a claimed slot it is skipped. A reader holds one message at
-    a time (at most ``kvstore.MAX_VALUE`` bytes) and takes it out of the store as it reads it."""
+    validates a decoded body (``wire.check_command`` / ``check_reply``); a message that fails the MAC,
+    version, run, slot or schema check is refused (counted, one rate-limited line on stderr:
+    ``kvstore.REFUSALS``): nothing acts on it. A refused message in a slot no writer has claimed yet (the
+    queue's counter is below it) leaves the slot to the message still to come; in a claimed slot it is
+    skipped. A reader holds one message at a time (at most ``kvstore.MAX_VALUE`` bytes) and takes it out of
+    the store as it reads it."""
 
     def __init__(self, store, name: str, token: bytes, run: str, check) -> None:
         self.store, self.name, self.token, self.run, self.check, self.read = store, name, token, run, check, 0
@@ -155,8 +164,8 @@ def reply_queue(store, world: int, token: bytes, run: str) -> StoreQueue:
 
 
 class _RemoteProc:
-    """What the driver needs of a rank process it did not start: liveness from the heartbeat's sequence number,
-    timed on this process's monotonic clock (module docstring), and the rank's refusal counts the beat carries."""
+    """What the driver needs of a rank process it did not start: liveness from the heartbeat's number, timed
+    on this process's monotonic clock (module docstring), and the rank's refusal counts the beat carries."""
 
     def __init__(self, store, rank: int, token: bytes, run: str, dead_after_s: float = DEAD_AFTER_S) -> None:
         self.store, self.rank, self.token, self.run, self.exitcode = store, rank, token, run, None
@@ -193,7 +202,8 @@ class _RemoteProc:
 
 
 def store_pool(store, world: int, token: bytes, run: str):
-    """The driver's rank pool over the store: every rank's command queue, one reply queue, heartbeat liveness."""
+    """The driver's rank pool over the store: every rank's command queue, one reply queue, heartbeat
+    liveness."""
     from rackbed.engine.real.driver import RankPool
 
     class StorePool(RankPool):
@@ -219,8 +229,9 @@ def store_pool(store, world: int, token: bytes, run: str):
 
 def heartbeat(host: str, port: int, rank: int, token: bytes, run: str, stop: threading.Event,
               every_s: float = 1.0) -> None:
-    """Write a sealed beat to ``hb/<rank>`` every ``every_s`` until ``stop`` is set: bound to the run, numbered
-    1, 2, ... (the reader counts only a number above the last it saw), carrying this process's refusal counts."""
+    """Write a sealed beat to ``hb/<rank>`` every ``every_s`` until ``stop`` is set: bound to the run,
+    numbered 1, 2, ... (the reader counts only a number above the last it saw), carrying this process's
+    refusal counts."""
     st = open_store(host, port, token, timeout_s=60)
     seq = 0
     key = f"hb/{rank}"

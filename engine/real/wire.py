@@ -1,25 +1,34 @@
 """What crosses hosts in a multi-node real run: typed, versioned, authenticated messages (no pickles).
 
-Commands (driver -> rank), replies (rank -> driver) and heartbeats travel through a TCP key-value store
-(``engine.real.torchrun``). Anything that can reach that store's port can write keys into it, so a message is
-plain data in a small explicit encoding, checked before anything acts on it:
+Commands (driver -> rank), replies (rank -> driver) and heartbeats travel through the run's key-value store
+(``engine.real.kvstore``, which serves only clients holding the run's token; ``engine.real.torchrun``). A
+message
+is plain data in a small explicit encoding, checked before anything acts on it:
 
-- **encoding**: JSON of ``None``/bool/int/float/str and lists; a tuple is ``{"T": [...]}``, a dict is
-  ``{"D": [[key, value], ...]}`` (int or str keys). Any other JSON object is refused, so decoding builds plain values
+- **encoding**: JSON of ``None``/bool/int/float/str and lists; a tuple is ``{"T": [...]}``, a dict is ``{"D":
+  [[key, value], ...]}`` (int or str keys). Any other JSON object is refused, so decoding builds plain values
   only — nothing is imported, constructed or called (a pickle payload is not JSON and is refused);
-- **envelope**: ``{"v": VERSION, "q": queue name, "i": sequence number, "body": ...}``, preceded by an HMAC-SHA256
-  of the envelope under the run's token (:func:`run_token`). The reader checks the MAC, the version, that the
-  message was written for its queue at the index it expects (a message replayed into another queue or slot is
-  refused), then the body's schema: a command's op and the names and types of its arguments
+- **envelope**: ``{"v": VERSION, "r": run nonce, "q": queue name, "i": sequence number, "body": ...}``,
+  preceded by an HMAC-SHA256 of the envelope under the run's token (:func:`run_token`). The run nonce is drawn
+  by rank 0 at start and learned by every process from an announcement that carries a random hello of its own
+  (``engine.real.torchrun.agree_run``), so two runs never share one even when they share the token. The reader
+  checks the MAC, the version, that the message was written for this run, for its queue and at the index it
+  expects (a message replayed from another run, or into another queue or slot, is refused; a heartbeat's index
+  must grow), then the body's schema: a command's op and the names and types of its arguments
   (:data:`COMMANDS`), a reply's shape (:func:`check_reply`);
-- a message that fails any check raises :class:`BadMessage` with one line; the reader refuses it and nothing runs.
+- a message that fails any check raises :class:`BadMessage` with one line; the reader refuses it (counted, the
+  lines rate-limited: ``engine.real.kvstore.REFUSALS``) and nothing runs.
 
-Trust model: whoever can reach the store's port *and* knows the run's token can command every rank (the token is
-the run's one secret: it is never written to the store, only MACs are); whoever reaches the port without the token
-can delete or overwrite keys — stall or slow the run, which the stall timeout and the liveness rules turn into
-failures — but cannot make a rank or the driver run code or a plan it did not send. Local runs
-(``engine.real.launch``, :class:`engine.real.driver.RealRun`) pass pickled tuples over ``multiprocessing`` pipes
-between the driver and the processes it spawned, which nothing else can write to; they need none of this.
+Trust model: the token is the run's one secret (it is never written to the store; the store's handshake and
+the MACs prove it without sending it). Whoever knows it and can reach the store can command every rank.
+Whoever
+reaches the store without it is refused at the handshake: it reads, writes and deletes nothing, and the store
+bounds what its connections cost (``engine.real.kvstore``: time, memory, log lines). Messages recorded in
+another
+run that shares the token are refused by the run nonce. Local runs (``engine.real.launch``,
+:class:`engine.real.driver.RealRun`) pass pickled tuples over ``multiprocessing`` pipes between the driver and
+the
+processes it spawned, which nothing else can write to; they need none of this.
 """
 
 from __future__ import annotations
@@ -93,14 +102,14 @@ def _dec(x, depth: int = 0):
 # -- the envelope ------------------------------------------------------------------------------------------------
 def seal(token: bytes, run: str, queue: str, index: int, body) -> bytes:
     """``body`` as the bytes stored under ``queue``'s ``index``-th key of run ``run`` (its nonce)."""
-    env = json.dumps({"v": VERSION, "r": run, "q": queue, "i": index, "body": _enc(body)}, separators=(",", ":"),
-                     allow_nan=True).encode()
+    env = json.dumps({"v": VERSION, "r": run, "q": queue, "i": index, "body": _enc(body)},
+                     separators=(",", ":"), allow_nan=True).encode()
     return hmac.new(token, env, hashlib.sha256).hexdigest().encode() + b"." + env
 
 
 def unseal(token: bytes, run: str, queue: str, index: int | None, data: bytes):
-    """The body of a sealed message of run ``run`` after every check (module docstring); ``index`` None skips the
-    index check and returns ``(index, body)`` (heartbeats: the reader checks that the number grew)."""
+    """The body of a sealed message of run ``run`` after every check (module docstring); ``index`` None skips
+    the index check and returns ``(index, body)`` (heartbeats: the reader checks that the number grew)."""
     where = f"{queue}#{index if index is not None else '?'}"
     mac, sep, env = bytes(data).partition(b".")
     if not sep or len(mac) != 64:
@@ -119,7 +128,8 @@ def unseal(token: bytes, run: str, queue: str, index: int | None, data: bytes):
     if set(doc) != {"v", "r", "q", "i", "body"}:
         raise BadMessage(f"{where}: the envelope must have exactly v, r, q, i, body")
     if doc["r"] != run:
-        raise BadMessage(f"{where}: written for another run ({str(doc['r'])[:16]!r}, this run is {run[:16]!r})")
+        raise BadMessage(f"{where}: written for another run ({str(doc['r'])[:16]!r}, "
+                         f"this run is {run[:16]!r})")
     if doc["q"] != queue or not isinstance(doc["i"], int) or (index is not None and doc["i"] != index):
         raise BadMessage(f"{where}: written for {doc['q']!r}#{doc['i']!r}, read from {queue!r}#{index}")
     body = _dec(doc["body"])
