@@ -229,3 +229,20 @@ def test_recorded_messages_replayed_into_another_run_with_the_same_token_act_on_
     assert cmd_b.get(timeout=1) == ("drop", 1, {"rids": [2]})
     for st in (a, b, c):
         st.close()
+
+
+def test_a_rank_reads_a_stop_once_the_store_is_gone(capfd):
+    """Rank 0 (the store's host) ends: a rank waiting for a command reads a stop at once, and the driver's side
+    raises a one-line StoreError."""
+    ls = listen_socket("127.0.0.1", 0)
+    st = open_store("127.0.0.1", ls.getsockname()[1], TOKEN, listen=ls, timeout_s=5)
+    rank_side = kvstore.StoreClient("127.0.0.1", _port(st), TOKEN, timeout_s=5)
+    cmd = command_queue(rank_side, 1, TOKEN, "r1")
+    res = reply_queue(st, 2, TOKEN, "r1")
+    threading.Timer(0.2, st.close).start()
+    t0 = time.monotonic()
+    assert cmd.get() == ("stop", 0, {})
+    assert time.monotonic() - t0 < 3
+    assert "cmd/1: store 127.0.0.1" in capfd.readouterr().err
+    with pytest.raises(StoreError, match="connection lost"):
+        res.get(timeout=1)

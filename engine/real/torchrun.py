@@ -25,10 +25,11 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 
-from rackbed.engine.real.kvstore import REFUSALS, StoreClient, StoreServer
+from rackbed.engine.real.kvstore import REFUSALS, StoreClient, StoreError, StoreServer
 from rackbed.engine.real.wire import TOKEN_ENV, BadMessage, check_command, check_reply, seal, unseal
 from rackbed.topology.errors import UserError
 
@@ -121,15 +122,25 @@ class StoreQueue:
     skipped. A reader holds one message at a time (at most ``kvstore.MAX_VALUE`` bytes) and takes it out of
     the store as it reads it."""
 
-    def __init__(self, store, name: str, token: bytes, run: str, check) -> None:
+    def __init__(self, store, name: str, token: bytes, run: str, check, on_gone=None) -> None:
         self.store, self.name, self.token, self.run, self.check, self.read = store, name, token, run, check, 0
         self.refused = 0
+        self.on_gone = on_gone      # what ``get`` returns once the store is gone (None: raise StoreError)
 
     def put(self, obj) -> None:
         i = self.store.add(f"{self.name}/n", 1)
         self.store.set(f"{self.name}/{i}", seal(self.token, self.run, self.name, i, obj))
 
     def get(self, timeout: float | None = None):
+        try:
+            return self._get(timeout)
+        except StoreError as exc:
+            if self.on_gone is None:
+                raise
+            print(f"rackbed: {self.name}: {exc}; stopping", file=sys.stderr, flush=True)
+            return self.on_gone
+
+    def _get(self, timeout: float | None):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             i = self.read + 1
@@ -156,7 +167,8 @@ class StoreQueue:
 
 
 def command_queue(store, rank: int, token: bytes, run: str) -> StoreQueue:
-    return StoreQueue(store, f"cmd/{rank}", token, run, check_command)
+    """Rank ``rank``'s commands; once the store is gone (rank 0 ended) the rank reads a ``stop``."""
+    return StoreQueue(store, f"cmd/{rank}", token, run, check_command, on_gone=("stop", 0, {}))
 
 
 def reply_queue(store, world: int, token: bytes, run: str) -> StoreQueue:
