@@ -1,8 +1,8 @@
-"""The store of a multi-node real run against a client without the run's token, on loopback: it reads and writes
-nothing; it cannot hold up a message, grow the store host's memory past its handshake buffers, or flood the log
-(refusals are counted, at most ``LOG_LINES`` lines per window are printed); token holders are bounded too.
-Messages replayed from another run that shares the token (its announcement, commands, replies, heartbeats) are
-refused and nothing acts on them."""
+"""The store of a multi-node real run against a client without the run's token, on loopback: it reads and
+writes nothing; it cannot hold up a message, grow the store host's memory past its handshake buffers, or flood
+the log (refusals are counted, at most ``LOG_LINES`` lines per window are printed); token holders are bounded
+too. Messages replayed from another run that shares the token (its announcement, commands, replies,
+heartbeats) are refused and nothing acts on them."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def test_a_client_without_the_token_writes_and_reads_nothing(store):
 
 
 def test_flooding_connections_delays_no_message_and_a_connecting_rank_gets_in(store, monkeypatch):
-    """Every handshake slot held by silent or trickling connections: a started run's queue still moves at once,
-    a rank connecting meanwhile gets in at once (the oldest waiting connection is dropped), and a held
+    """Every handshake slot held by silent or trickling connections: a started run's queue still moves at
+    once, a rank connecting meanwhile gets in at once (the oldest waiting connection is dropped), and a held
     connection is closed after HANDSHAKE_S however it trickles."""
     monkeypatch.setattr(kvstore, "HANDSHAKE_S", 1.5)
     monkeypatch.setattr(kvstore, "MAX_PENDING", 8)
@@ -232,8 +232,8 @@ def test_recorded_messages_replayed_into_another_run_with_the_same_token_act_on_
 
 
 def test_a_rank_reads_a_stop_once_the_store_is_gone(capfd):
-    """Rank 0 (the store's host) ends: a rank waiting for a command reads a stop at once, and the driver's side
-    raises a one-line StoreError."""
+    """Rank 0 (the store's host) ends: a rank waiting for a command reads a stop at once, and the driver's
+    side raises a one-line StoreError."""
     ls = listen_socket("127.0.0.1", 0)
     st = open_store("127.0.0.1", ls.getsockname()[1], TOKEN, listen=ls, timeout_s=5)
     rank_side = kvstore.StoreClient("127.0.0.1", _port(st), TOKEN, timeout_s=5)

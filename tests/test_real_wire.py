@@ -1,8 +1,8 @@
-"""What crosses hosts in a multi-node real run is plain, checked data: a sealed message round-trips; anything else
-— a pickle that would run code, malformed JSON, another version, another token, a message moved to another queue
-or slot, a command of the wrong shape — is refused with one line and nothing runs; the store listens only on the
-address it is given; liveness counts heartbeat numbers on the reader's clock, so a replayed or forged beat keeps
-no rank alive."""
+"""What crosses hosts in a multi-node real run is plain, checked data: a sealed message round-trips; anything
+else — a pickle that would run code, malformed JSON, another version, another token, another run, a message
+moved to another queue or slot, a command of the wrong shape — is refused with one line and nothing runs; the
+store listens only on the address it is given; liveness counts heartbeat numbers on the reader's clock, so a
+replayed or forged beat keeps no rank alive."""
 
 from __future__ import annotations
 

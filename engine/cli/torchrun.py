@@ -12,12 +12,15 @@ group's process group in the same order, and serves plan commands for its GPU (r
 does not use only wait for the stop). Global rank 0 also runs the driver — the simulator's loop
 (``sim.driver.simulate``, passed to ``engine.real.driver.run_real``) with the real executor — in its main thread
 while its own rank serves in a second thread, and writes the simulator's output files plus ``real.json``.
-Commands, replies and liveness cross hosts through a TCPStore (``engine.real.torchrun``: ``StoreQueue``,
-``heartbeat``, ``store_pool``) that listens on ``$RACKBED_STORE_BIND`` (default ``MASTER_ADDR``) only; its messages
-are sealed with the run's token (``$RACKBED_RUN_TOKEN`` on every host, else a random one rank 0 broadcasts over the
-process group; ``engine.real.wire`` says what that protects); collectives and KV transfers use the process groups (NCCL over NVLink inside the
-NVLink domain and InfiniBand beyond it; gloo on CPU for the tests, where several torchrun "nodes" on one machine
-stand in for trays).
+Commands, replies and liveness cross hosts through rank 0's key-value store (``engine.real.kvstore``, used
+by ``engine.real.torchrun``: ``agree_run``, ``StoreQueue``, ``heartbeat``, ``store_pool``) that listens on
+``$RACKBED_STORE_BIND`` (default ``MASTER_ADDR``) only and serves only clients holding the run's token
+(``$RACKBED_RUN_TOKEN`` on every host, else a random one rank 0 broadcasts over the process group); its
+messages are sealed with the token and bound to the run's nonce (``engine.real.wire`` says what that
+protects). ``real.json`` counts what was refused (``store_refusals``: by rank 0's process, and by each rank as
+of its last heartbeat). Collectives and KV transfers use the process groups (NCCL over NVLink inside the
+NVLink domain and InfiniBand beyond it; gloo on CPU for the tests, where several torchrun "nodes" on one
+machine stand in for trays).
 
 The entry lives here, above ``engine/real``, because it builds the scenario (``sim.scenario``) and writes the
 outputs (``sim.outputs``) with the simulator's modules, which ``engine/real`` does not import.

@@ -16,15 +16,14 @@ reads, writes and deletes nothing, and what it can cost the run is bounded:
   are bounded too: a key at most :data:`MAX_KEY` bytes, a value at most :data:`MAX_VALUE` (16 MiB), at most
   :data:`MAX_KEYS` keys and :data:`MAX_HELD` (256 MiB) of values held (a write past them is refused with an
   error), at most :data:`MAX_CLIENTS` connections;
-- **logs**: every refused connection is counted in :data:`REFUSALS`, which prints at most :data:`LOG_LINES`
-  (5) lines per :data:`LOG_WINDOW_S` (10 s) per process and counts the rest (the run's report carries the
-  counts).
+- **logs**: every refused connection (and every message ``engine.real.torchrun`` refuses) is counted in
+  :data:`REFUSALS`, which prints at most :data:`LOG_LINES` (5) lines per :data:`LOG_WINDOW_S` (10 s) per
+  process and counts the rest (the run's report carries the counts).
 
 Requests after the handshake: one byte op (``S`` set, ``G`` get, ``C`` check, ``D`` delete, ``A`` add; ``W``
 wait for a key and get it, ``T`` wait for a key and take it, both for at most the milliseconds the value gives
 and at most :data:`MAX_WAIT_S`), a 2-byte key length, a 4-byte value length, the key, the value; the reply is
-a
-status byte (0 ok, 1 absent, 2 refused), a 4-byte length and the data. The values are sealed messages
+a status byte (0 ok, 1 absent, 2 refused), a 4-byte length and the data. The values are sealed messages
 (``engine.real.wire``): the store decides who may write, the seal binds each message to its run, queue and
 slot.
 """

@@ -1,21 +1,18 @@
 """Real runs under torchrun, the transport: commands, replies and liveness between hosts through a store.
 
 The entry is ``engine/cli/torchrun.py`` (``torchrun ... -m rackbed.engine.cli.torchrun SCENARIO``): one
-process
-per GPU of the topology, global rank = topology GPU id; global rank 0 also runs the driver. This module holds
-what crosses hosts. Rank 0 hosts the store (``engine.real.kvstore``: served only to clients that prove the
-run's
-token) at ``MASTER_PORT + 1``, listening only on the address it is told (:func:`listen_socket`:
-``$RACKBED_STORE_BIND``, else ``MASTER_ADDR`` — loopback for a single-host run). At start every process agrees
-on the run's nonce (:func:`agree_run`). Commands and replies are sealed messages (``engine.real.wire``: JSON
-values, a version, the run nonce, an HMAC under the run's token, a schema check; never pickles) in
-:class:`StoreQueue` s (one writer counter per queue, one reader, a key taken out as it is read). Liveness is a
-sealed heartbeat per rank carrying a number that grows (:func:`heartbeat`); the driver notes on its own
-monotonic clock when each rank's number last grew, and a rank whose number has not grown for
+process per GPU of the topology, global rank = topology GPU id; global rank 0 also runs the driver. This
+module holds what crosses hosts. Rank 0 hosts the store (``engine.real.kvstore``: served only to clients that
+prove the run's token) at ``MASTER_PORT + 1``, listening only on the address it is told
+(:func:`listen_socket`: ``$RACKBED_STORE_BIND``, else ``MASTER_ADDR`` — loopback for a single-host run). At
+start every process agrees on the run's nonce (:func:`agree_run`). Commands and replies are sealed messages
+(``engine.real.wire``: JSON values, a version, the run nonce, an HMAC under the run's token, a schema check;
+never pickles) in :class:`StoreQueue` s (one writer counter per queue, one reader, a key taken out as it is
+read). Liveness is a sealed heartbeat per rank carrying a number that grows (:func:`heartbeat`); the driver
+notes on its own monotonic clock when each rank's number last grew, and a rank whose number has not grown for
 ``RACKBED_DEAD_AFTER_S`` (10 s) becomes a fault of its GPU, exactly as a dead local process does
 (:func:`store_pool`: the driver's :class:`~engine.real.driver.RankPool` over the store). No host's wall clock
-is
-compared with another's. A beat also carries its process's refusal counts, which rank 0 writes to the run's
+is compared with another's. A beat also carries its process's refusal counts, which rank 0 writes to the run's
 report (``real.json``: ``store_refusals``).
 """
 

@@ -2,8 +2,7 @@
 
 Commands (driver -> rank), replies (rank -> driver) and heartbeats travel through the run's key-value store
 (``engine.real.kvstore``, which serves only clients holding the run's token; ``engine.real.torchrun``). A
-message
-is plain data in a small explicit encoding, checked before anything acts on it:
+message is plain data in a small explicit encoding, checked before anything acts on it:
 
 - **encoding**: JSON of ``None``/bool/int/float/str and lists; a tuple is ``{"T": [...]}``, a dict is ``{"D":
   [[key, value], ...]}`` (int or str keys). Any other JSON object is refused, so decoding builds plain values
@@ -20,15 +19,12 @@ is plain data in a small explicit encoding, checked before anything acts on it:
   lines rate-limited: ``engine.real.kvstore.REFUSALS``) and nothing runs.
 
 Trust model: the token is the run's one secret (it is never written to the store; the store's handshake and
-the MACs prove it without sending it). Whoever knows it and can reach the store can command every rank.
-Whoever
-reaches the store without it is refused at the handshake: it reads, writes and deletes nothing, and the store
-bounds what its connections cost (``engine.real.kvstore``: time, memory, log lines). Messages recorded in
-another
-run that shares the token are refused by the run nonce. Local runs (``engine.real.launch``,
+the MACs prove it). Whoever knows it and can reach the store can command every rank. Whoever reaches the store
+without it is refused at the handshake: it reads, writes and deletes nothing, and the store bounds what its
+connections cost (``engine.real.kvstore``: time, memory, log lines). Messages recorded in another run that
+shares the token are refused by the run nonce. Local runs (``engine.real.launch``,
 :class:`engine.real.driver.RealRun`) pass pickled tuples over ``multiprocessing`` pipes between the driver and
-the
-processes it spawned, which nothing else can write to; they need none of this.
+the processes it spawned, which nothing else can write to; they need none of this.
 """
 
 from __future__ import annotations
