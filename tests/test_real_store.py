@@ -218,7 +218,7 @@ def test_recorded_messages_replayed_into_another_run_with_the_same_token_act_on_
         time.sleep(0.05)
     assert not p.is_alive() and p.seq == 0
     rep = REFUSALS.report()
-    assert rep["messages_refused"] == 2 and rep["heartbeats_refused"] >= 5
+    assert rep["messages_refused"] == 2 and rep["heartbeats_refused"] >= 3
     # A's announcement replayed to a rank of B that is starting: refused, the rank waits for its own
     c = kvstore.StoreClient("127.0.0.1", _port(b), TOKEN, timeout_s=5)
     c.set("run", recorded["run"])

@@ -31,6 +31,8 @@ from rackbed.engine.real.wire import TOKEN_ENV, BadMessage, check_command, check
 from rackbed.topology.errors import UserError
 
 DEAD_AFTER_S = float(os.environ.get("RACKBED_DEAD_AFTER_S", "10"))
+#: the driver reads a rank's beat at most this often (one store request per rank each time)
+READ_BEAT_EVERY_S = 0.1
 BIND_ENV = "RACKBED_STORE_BIND"
 
 
@@ -43,8 +45,8 @@ def listen_socket(bind: str, port: int) -> socket.socket:
         s.bind(addr)
         s.listen(1024)
     except OSError as exc:
-        raise UserError(f"store: cannot listen on {bind}:{port} ({exc}); set ${BIND_ENV} to this host's address "
-                        "on the network the other hosts reach it by") from None
+        raise UserError(f"store: cannot listen on {bind}:{port} ({exc}); set ${BIND_ENV} to this host's "
+                        "address on the network the other hosts reach it by") from None
     return s
 
 
@@ -181,10 +183,19 @@ class _RemoteProc:
         self.dead_after_s = dead_after_s
         self.seq, self.seen = 0, time.monotonic()
         self.refusals: dict[str, int] = {}
+        self._read_t = -float("inf")
 
     def check(self) -> None:
         if self.exitcode is not None:
             return
+        now = time.monotonic()
+        if now - self._read_t >= READ_BEAT_EVERY_S:
+            self._read_t = now
+            self._read_beat()
+        if time.monotonic() - self.seen > self.dead_after_s:
+            self.exitcode = -1
+
+    def _read_beat(self) -> None:
         key = f"hb/{self.rank}"
         try:
             data = self.store.wait_get(key, 0.0)
@@ -197,8 +208,6 @@ class _RemoteProc:
                     self.seq, self.seen, self.refusals = seq, time.monotonic(), body
         except BadMessage as exc:
             _refuse("heartbeats_refused", str(exc))
-        if time.monotonic() - self.seen > self.dead_after_s:
-            self.exitcode = -1
 
     def is_alive(self) -> bool:
         return self.exitcode is None
