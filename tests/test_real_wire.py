@@ -76,7 +76,17 @@ def test_a_hostile_or_stale_message_is_refused_and_nothing_runs(tmp_path, make, 
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.parametrize("cmd", [
+    ("prefill", 4, {"items": [(3, [1, 2, 3]), (5, [4])]}),
+    ("prefill", 4, {"items": [(3, [1, 2, 3], 2)]}),                # with a prefix cache: the cached tokens
+    ("mixed", 4, {"joined": [(1, 0)], "left": [2], "items": [(3, [1, 2], 0)]}),
+])
+def test_prefill_items_with_and_without_a_prefix_cache_are_accepted(cmd):
+    assert check_command(unseal(TOKEN, RUN, "cmd/0", 1, seal(TOKEN, RUN, "cmd/0", 1, cmd))) == cmd
+
+
 @pytest.mark.parametrize("cmd, why", [
+    (("prefill", 1, {"items": [(3, [1], 2, 9)]}), "'items'"),
     (("exec", 1, {}), "unknown op 'exec'"),
     (("decode", 1, {"joined": [(1, 0)]}), "arguments"),
     (("decode", 1, {"joined": [(1, 0)], "left": ["x"]}), "'left'"),

@@ -137,7 +137,8 @@ INT, FLOAT, STR, BOOL = "int", "float", "str", "bool"
 
 
 def _ok(v, t) -> bool:
-    """``v`` matches type spec ``t``: INT, FLOAT, STR, BOOL, ("list", t), ("tuple", t1, t2, ...), ("opt", t)."""
+    """``v`` matches type spec ``t``: INT, FLOAT, STR, BOOL, ("list", t), ("tuple", t1, t2, ...), ("opt", t),
+    ("any", t1, t2, ...)."""
     if t == BOOL:
         return isinstance(v, bool)
     if t == INT:
@@ -153,11 +154,14 @@ def _ok(v, t) -> bool:
         return isinstance(v, (tuple, list)) and len(v) == len(t) - 1 and all(_ok(x, s) for x, s in zip(v, t[1:]))
     if kind == "opt":
         return v is None or _ok(v, t[1])
+    if kind == "any":
+        return any(_ok(v, s) for s in t[1:])
     raise ValueError(f"bad type spec {t!r}")
 
 
 _INTS = ("list", INT)
-_ITEMS = ("list", ("tuple", INT, _INTS))              # prefill items: (rid, token ids)
+# prefill items: (rid, token ids), or with a prefix cache (rid, token ids, tokens the scheduler found cached)
+_ITEMS = ("list", ("any", ("tuple", INT, _INTS), ("tuple", INT, _INTS, INT)))
 _JOINED = ("list", ("tuple", INT, INT))                # (rid, rank in group)
 #: every command's arguments and their types: nothing else is accepted
 COMMANDS: dict[str, dict[str, object]] = {
