@@ -86,12 +86,16 @@ def _unauthenticated_set(port: int, key: str, value: bytes) -> None:
 
 
 def test_a_client_without_the_token_writes_and_reads_nothing(store):
-    store.set("res/1", b"genuine")
+    """It tries to overwrite a reply waiting in the store: the driver reads the genuine reply at once."""
+    res = reply_queue(store, 2, TOKEN, "r1")
+    res.put((7, 1, "ok", None))
     _unauthenticated_set(_port(store), "res/1", b"junk")
     with pytest.raises(StoreError, match="could not connect"):
         kvstore.StoreClient("127.0.0.1", _port(store), b"not the token" * 4, timeout_s=0.5)
-    assert store.get("res/1") == b"genuine"
+    t0 = time.monotonic()
+    assert res.get(timeout=5) == (7, 1, "ok", None) and time.monotonic() - t0 < 1.0
     assert _until(lambda: REFUSALS.report().get("store_connections_refused", 0) >= 2)
+    assert "messages_refused" not in REFUSALS.report()
 
 
 def test_flooding_connections_delays_no_message_and_a_connecting_rank_gets_in(store, monkeypatch):

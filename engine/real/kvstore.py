@@ -140,7 +140,7 @@ class StoreServer:
         self._pending: dict[socket.socket, None] = {}   # connections before their handshake, oldest first
         self.clients = 0
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._waiters: dict[str, list[threading.Event]] = {}   # key -> requests waiting for it
         self._closed = False
         self._conns: set[socket.socket] = set()
         threading.Thread(target=self._accept, name="store-accept", daemon=True).start()
@@ -148,7 +148,9 @@ class StoreServer:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._changed.notify_all()
+            for evs in self._waiters.values():
+                for ev in evs:
+                    ev.set()
             conns = list(self._conns)
         for c in [self.listen, *conns]:
             try:
@@ -239,13 +241,20 @@ class StoreServer:
             if op in (b"W", b"T"):
                 if len(value) != 4:
                     return REFUSED, b""
-                deadline = time.monotonic() + min(struct.unpack("!I", value)[0] / 1000, MAX_WAIT_S)
-                while old is None and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self._changed.wait(left):
-                        break
+                wait_s = min(struct.unpack("!I", value)[0] / 1000, MAX_WAIT_S)
+                if old is None and wait_s > 0 and not self._closed:
+                    ev = threading.Event()          # set by the write of this key (only its waiters wake)
+                    self._waiters.setdefault(key, []).append(ev)
+                    self._lock.release()
+                    try:
+                        ev.wait(wait_s)
+                    finally:
+                        self._lock.acquire()
+                        evs = self._waiters[key]
+                        evs.remove(ev)
+                        if not evs:
+                            del self._waiters[key]
                     old = self.data.get(key)
-                old = self.data.get(key)
                 if old is None:
                     return ABSENT, b""
                 if op == b"T":
@@ -272,7 +281,8 @@ class StoreServer:
                 return REFUSED, b""
             self.data[key] = value
             self.held += grow
-            self._changed.notify_all()
+            for ev in self._waiters.get(key, ()):
+                ev.set()
             return OK, value if op == b"A" else b""
 
 
