@@ -1,7 +1,7 @@
 """Multi-node real runs on CPU: two torchrun "nodes" on this machine stand in for two hosts of a cluster topology.
 
 The prefiller (TP=2) sits on host 0 and both decoders on host 1, so every KV transfer crosses "nodes"; commands
-and replies travel through the TCPStore queues. The greedy tokens must equal transformers', and the simulator's
+and replies travel through the store queues. The greedy tokens must equal transformers', and the simulator's
 replay of the measured durations must make the same decisions.
 """
 
