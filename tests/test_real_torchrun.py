@@ -2,7 +2,9 @@
 
 The prefiller (TP=2) sits on host 0 and both decoders on host 1, so every KV transfer crosses "nodes"; commands
 and replies travel through the store queues. The greedy tokens must equal transformers', and the simulator's
-replay of the measured durations must make the same decisions.
+replay of the measured durations must make the same decisions. Meanwhile a client without the run's token keeps
+connecting to the store and sending junk: the run is unaffected, its report counts the refusals, and rank 0's log
+holds at most the rate limit's lines.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from rackbed.engine.real.kvstore import LOG_LINES, LOG_WINDOW_S
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -56,16 +62,39 @@ real: {{device: cpu, dtype: fp32, prefill_pages: 64, decode_pages: 64, weights: 
              "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "rackbed.engine.cli.torchrun", str(scen),
              "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
+    stop, tries = threading.Event(), [0]
+
+    def attacker() -> None:     # no token, on the store's port (MASTER_PORT + 1) for the whole run
+        junk = b"x" * (1 << 20)
+        while not stop.is_set():
+            tries[0] += 1
+            try:
+                with socket.create_connection(("127.0.0.1", port + 1), timeout=1) as s:
+                    s.sendall(junk)
+            except OSError:
+                pass
+            stop.wait(0.02)
+
+    t0 = time.monotonic()
     nodes = [node(1), node(0)]
-    logs = [p.communicate(timeout=240)[0] for p in nodes]
+    threading.Thread(target=attacker, daemon=True).start()
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in nodes]
+    finally:
+        stop.set()
+    took = time.monotonic() - t0
     assert all(p.returncode == 0 for p in nodes), logs[1][-3000:] + logs[0][-3000:]
     doc = json.loads((out / "real.json").read_text())
     assert doc["world"] == 4 and doc["metrics"]["requests"]["done"] == 8
     assert doc["replay_identical_decisions"] is True
     assert any(p["kind"] == "kv" for p in doc["plans"])          # KV crossed from host 0 to host 1
-    refusals = doc["store_refusals"]                               # nothing refused, every rank reported
-    assert refusals["rank0_process"] == {"log_lines_suppressed": 0}
-    assert refusals["ranks"] == {str(r): {"log_lines_suppressed": 0} for r in range(4)}
+    refusals = doc["store_refusals"]          # rank 0's store refused the junk; no rank refused a message
+    assert refusals["rank0_process"].get("store_connections_refused", 0) >= 1
+    assert not {k for k in refusals["rank0_process"] if k.endswith("_refused")} - {"store_connections_refused"}
+    assert {r: c for r, c in refusals["ranks"].items() if r != "0"} == {str(r): {"log_lines_suppressed": 0}
+                                                                          for r in (1, 2, 3)}
+    lines = [ln for ln in logs[1].splitlines() if "rackbed: " in ln and "refus" in ln]
+    assert len(lines) <= (LOG_LINES + 1) * (took // LOG_WINDOW_S + 1), lines[:20]
     for rid, toks in doc["generated_tokens"].items():
         prompt = torch.tensor(doc["prompt_ids"][rid])[None]
         with torch.no_grad():
