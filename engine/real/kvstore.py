@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 
+from rackbed.engine.real.wire import TOKEN_ENV
+
 MAGIC = b"RKBS1"
 CHALLENGE_BYTES = 32
 #: seconds a connection has to answer the challenge (the whole answer, however it trickles in)
@@ -314,8 +316,13 @@ class StoreClient:
             if not hello.startswith(MAGIC):
                 raise ConnectionError("not a rackbed store")
             s.sendall(_answer(token, hello[len(MAGIC):]))
-            if _recv_exact(s, 1, time.monotonic() + HANDSHAKE_S) != bytes([OK]):
-                raise ConnectionError("handshake refused")
+            try:
+                ok = _recv_exact(s, 1, time.monotonic() + HANDSHAKE_S) == bytes([OK])
+            except (OSError, ConnectionError):
+                ok = False
+            if not ok:
+                raise ConnectionError(f"the store refused the handshake (is ${TOKEN_ENV} the same on every "
+                                      "host?)")
         except BaseException:
             s.close()
             raise

@@ -255,5 +255,8 @@ def heartbeat(host: str, port: int, rank: int, token: bytes, run: str, stop: thr
     key = f"hb/{rank}"
     while not stop.is_set():
         seq += 1
-        st.set(key, seal(token, run, key, seq, REFUSALS.report()))
+        try:
+            st.set(key, seal(token, run, key, seq, REFUSALS.report()))
+        except StoreError:
+            return          # the store is gone (rank 0 ended): the command queue says so and stops
         stop.wait(every_s)
