@@ -250,3 +250,27 @@ def test_a_rank_reads_a_stop_once_the_store_is_gone(capfd):
     assert "cmd/1: store 127.0.0.1" in capfd.readouterr().err
     with pytest.raises(StoreError, match="connection lost"):
         res.get(timeout=1)
+
+
+def test_a_store_that_stops_answering_fails_a_request_after_the_answer_limit(monkeypatch):
+    """Rank 0's host goes silent (no close, no reply): a request fails with one line after ANSWER_S."""
+    ls = listen_socket("127.0.0.1", 0)
+    port = ls.getsockname()[1]
+
+    def silent_store():                    # answers the handshake, then nothing
+        conn, _ = ls.accept()
+        conn.sendall(kvstore.MAGIC + b"\0" * kvstore.CHALLENGE_BYTES)
+        conn.recv(64)
+        conn.sendall(bytes([kvstore.OK]))
+        time.sleep(3)
+        conn.close()
+
+    threading.Thread(target=silent_store, daemon=True).start()
+    monkeypatch.setattr(kvstore, "ANSWER_S", 0.3)
+    c = kvstore.StoreClient("127.0.0.1", port, TOKEN, timeout_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="connection lost"):
+        c.get("res/1")
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(StoreError):                     # the connection is not used again
+        c.get("res/1")

@@ -23,7 +23,8 @@ reads, writes and deletes nothing, and what it can cost the run is bounded:
 Requests after the handshake: one byte op (``S`` set, ``G`` get, ``C`` check, ``D`` delete, ``A`` add; ``W``
 wait for a key and get it, ``T`` wait for a key and take it, both for at most the milliseconds the value gives
 and at most :data:`MAX_WAIT_S`), a 2-byte key length, a 4-byte value length, the key, the value; the reply is
-a status byte (0 ok, 1 absent, 2 refused), a 4-byte length and the data. The values are sealed messages
+a status byte (0 ok, 1 absent, 2 refused), a 4-byte length and the data. A client gives up on a request not
+answered within :data:`ANSWER_S` (60 s) and does not use that connection again. The values are sealed messages
 (``engine.real.wire``): the store decides who may write, the seal binds each message to its run, queue and
 slot.
 """
@@ -45,7 +46,7 @@ MAGIC = b"RKBS1"
 CHALLENGE_BYTES = 32
 #: seconds a connection has to answer the challenge (the whole answer, however it trickles in)
 HANDSHAKE_S = 2.0
-#: connections not yet past their handshake; beyond this a new connection is closed at once
+#: connections waiting for their handshake; a new one beyond them drops the oldest
 MAX_PENDING = 64
 #: authenticated connections (a run opens about three per rank)
 MAX_CLIENTS = 1024
@@ -55,6 +56,8 @@ MAX_KEYS = 65536
 MAX_HELD = 256 << 20
 #: the longest one wait request blocks (a client waiting longer asks again)
 MAX_WAIT_S = 1.0
+#: a client gives up on a request the store has not answered in this long (rank 0's host gone silent)
+ANSWER_S = 60.0
 #: at most LOG_LINES refusal lines per LOG_WINDOW_S seconds per process; the rest are counted
 LOG_LINES, LOG_WINDOW_S = 5, 10.0
 
@@ -326,7 +329,7 @@ class StoreClient:
         except BaseException:
             s.close()
             raise
-        s.settimeout(None)
+        s.settimeout(ANSWER_S)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return s
 
@@ -341,7 +344,9 @@ class StoreClient:
                 status, n = _REPLY.unpack(_recv_exact(self.sock, _REPLY.size))
                 out = _recv_exact(self.sock, n) if n else b""
             except (OSError, ConnectionError, struct.error) as exc:
-                raise StoreError(f"store {self.where}: connection lost ({exc})") from None
+                self.sock.close()           # a request half answered leaves the stream out of step
+                why = str(exc) or type(exc).__name__
+                raise StoreError(f"store {self.where}: connection lost ({why})") from None
         if status == REFUSED:
             raise StoreError(f"store {self.where}: {op.decode()} {key!r} refused (store full: at most "
                              f"{MAX_KEYS} keys and {MAX_HELD >> 20} MiB)")
