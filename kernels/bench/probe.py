@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None)
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args(argv)
+    out = entry_file(a.out, force=a.force)  # before the probes, not after them
     if not torch.cuda.is_available():
         print("probe: no CUDA GPU found", file=sys.stderr)
         return 2
@@ -82,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     timer = M.Timer(device, rounds=a.rounds)
     gen = torch.Generator(device=device).manual_seed(0)
     doc = {"schema": SCHEMA, "env": M.environment(device), "rows": [], "complete": False}
-    out = entry_file(a.out, force=a.force)  # before the probes, not after them
     M._warm_clocks(device)
     for part in a.only:
         t0 = time.time()
