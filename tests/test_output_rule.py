@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -294,6 +293,7 @@ from pathlib import Path
 from rackbed.topology.errors import UserError
 from rackbed.topology.outputs import prepare_dir
 go, path, default = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+print("ready", flush=True)
 while not go.exists():
     time.sleep(0.001)
 try:
@@ -312,7 +312,8 @@ def _race(tmp_path: Path, path: Path, default: bool, n: int = 3) -> list[str]:
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(go), str(path), "1" if default else "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for _ in range(n)]
-    time.sleep(1.0)  # every racer imported and waiting
+    for p in procs:  # every racer imported and waiting
+        assert p.stdout.readline().strip() == "ready"
     go.touch()
     return [p.communicate(timeout=60)[0].strip() for p in procs]
 
