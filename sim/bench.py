@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import platform
 import time
-from pathlib import Path
 
 #: requests/s of the looped Mooncake trace (mean prompt ≈ 13.7k tokens, mean output ≈ 350 tokens)
 DEFAULT_RATE_PER_S = 20.0
@@ -97,7 +96,7 @@ def run_cli(args) -> int:
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
+        from rackbed.topology.outputs import write_text
+
+        write_text(args.out, text + "\n")  # checked (topology.outputs.prepare_file) before the benchmark
     return 0

@@ -661,8 +661,11 @@ def plot_fronts(res: BudgetResult, path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    from rackbed.topology.outputs import replacing
+
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    with replacing(path, "wb") as f:  # topology.outputs: atomic, never through a link
+        fig.savefig(f, format=path.suffix.lstrip(".").lower() or "png", dpi=120)
     plt.close(fig)
     return path
 
@@ -674,7 +677,9 @@ def write_budget(res: BudgetResult, out: str | Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "budget.json"
-    js.write_text(json.dumps(summary(res), indent=1, default=str) + "\n")
+    from rackbed.topology.outputs import write_text
+
+    write_text(js, json.dumps(summary(res), indent=1, default=str) + "\n")
     return [js, plot_fronts(res, out / "pareto.png")]
 
 

@@ -582,19 +582,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="trtllm", help="stack whose tables are compared (%(default)s)")
     ap.add_argument("--out", required=True, help="JSON output")
     ap.add_argument("--md", help="Markdown output (default: --out with .md)")
+    ap.add_argument("--force", action="store_true", help="replace existing --out / --md files")
     args = ap.parse_args(argv)
+    from rackbed.topology.outputs import entry_file, write_text
+
+    out = entry_file(args.out, force=args.force)  # before the comparison, not after it
+    md = entry_file(args.md, force=args.force, flag="--md") if args.md else \
+        entry_file(out.with_suffix(".md"), force=args.force, default=True)
     try:
         doc = compare(args.measurements, args.system, args.backend)
         check(doc)
     except (UserError, FileNotFoundError) as exc:
         print(f"cross_source: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    md = Path(args.md) if args.md else out.with_suffix(".md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    md.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dumps(doc))
-    md.write_text(render_markdown(doc))
+    write_text(out, dumps(doc))
+    write_text(md, render_markdown(doc))
     print(f"wrote {out} and {md}")
     for k, v in doc["kinds"].items():
         s = v["summary"]

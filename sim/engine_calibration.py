@@ -386,8 +386,10 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
         key, q = r["metric"].split()
         r["uncalibrated_sim_s"] = uncal[key][q]
     if write_calibration is not None:
+        from rackbed.topology.outputs import write_text
+
         write_calibration.parent.mkdir(parents=True, exist_ok=True)
-        write_calibration.write_text(yaml.safe_dump(json.loads(cal.model_dump_json()), sort_keys=False))
+        write_text(write_calibration, yaml.safe_dump(json.loads(cal.model_dump_json()), sort_keys=False))
     return {"run": str(run_dir), "gpu": gpu, "model": b.model.name, "calibration": json.loads(cal.model_dump_json()),
             "held_out_plans": rows, "per_plan": per_kind, "serving": serving,
             "targets": {"step_time": 0.05, "ttft_tpot_p50": 0.05, "ttft_tpot_p90": 0.10}}

@@ -500,7 +500,9 @@ class _Appender:
             with path.open("rb") as f:
                 f.seek(-1, os.SEEK_END)
                 torn = f.read(1) != b"\n"
-        self.f = path.open("a", encoding="utf-8")
+        from rackbed.topology.outputs import open_append
+
+        self.f = open_append(path)  # never through a link
         if torn:
             self.f.write("\n")
 
@@ -689,7 +691,7 @@ def _loadavg() -> tuple[float, float, float] | None:
 
 
 def bench(spec_path: str | Path | None = None, *, out_dir: str | Path | None = None, sample: int = 200,
-          jobs: int = 2, full: bool = True, console=None, progress: bool = True) -> dict:
+          jobs: int = 2, full: bool = True, console=None, progress: bool = True, force: bool = False) -> dict:
     """Time the 1,000-point benchmark sweep.
 
     1. ``sample`` points spread evenly over the spec with 1 process, then the same points with ``jobs`` processes (fresh result
@@ -697,17 +699,21 @@ def bench(spec_path: str | Path | None = None, *, out_dir: str | Path | None = N
     2. with ``full``: the whole spec with ``jobs`` processes (fresh file), its wall time and points/s, and the
        efficiency against the 1-process sample rate (the pool's start-up amortised over 1,000 points).
 
-    Returns a dict of the figures (also written as ``bench.json`` in ``out_dir``); the machine's load average
-    before and after is recorded since the figures depend on what else runs.
+    ``out_dir`` follows the output rule (``topology.outputs.prepare_dir``: missing or empty, or ``force``);
+    without it a fresh temporary folder is used. Returns a dict of the figures (also written as ``bench.json``
+    there); the machine's load average before and after is recorded since the figures depend on what else
+    runs.
     """
     import tempfile
 
     spec = load_sweep(spec_path or SWEEPS_DIR / "bench-1000.yaml")
     pts = expand(spec)
-    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="rackbed-bench-"))
-    out.mkdir(parents=True, exist_ok=True)
-    for f in out.glob("bench-*.jsonl"):
-        f.unlink()
+    from rackbed.topology.outputs import prepare_dir, write_text
+
+    # an --out folder under the output rule (empty, or --force: its bench files are replaced); else a new one
+    out = prepare_dir(out_dir, force=force) if out_dir else Path(tempfile.mkdtemp(prefix="rackbed-bench-"))
+    for name in ("bench-1proc.jsonl", f"bench-{jobs}proc.jsonl", "bench-full.jsonl"):
+        (out / name).unlink(missing_ok=True)  # results files resume: these runs start afresh
     res: dict[str, Any] = {"spec": spec.source, "points": len(pts), "cpus": os.cpu_count(),
                            "loadavg_before": _loadavg(), "sample": min(sample, len(pts)), "jobs": jobs}
     step = max(1, len(pts) // max(1, sample))
@@ -730,7 +736,7 @@ def bench(spec_path: str | Path | None = None, *, out_dir: str | Path | None = N
                        # the pool's start-up (spawned workers importing the simulator) amortised over the whole spec
                        "parallel_efficiency_vs_1proc_sample": rf.points_per_s / (jobs * r1.points_per_s)}
     res["loadavg_after"] = _loadavg()
-    (out / "bench.json").write_text(json.dumps(res, indent=1))
+    write_text(out / "bench.json", json.dumps(res, indent=1))
     res["out_dir"] = str(out)
     return res
 

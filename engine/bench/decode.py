@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from rackbed.topology.outputs import add_force, entry_file, write_text
+
 
 def hbm_copy_GBps(device, n_bytes: int = 4 << 30, reps: int = 10) -> float:
     a = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
@@ -143,7 +145,10 @@ def main(argv=None) -> int:
                     help="graph modes: per batch, the replay's time against the sum of its kernels and the host's "
                          "time per call (graph_step_overhead)")
     ap.add_argument("--out", default=None)
+    add_force(ap, "replace an existing --out file")
     a = ap.parse_args(argv)
+    if a.out:  # before the benchmark, not after it
+        entry_file(a.out, force=a.force)
     dev = torch.device("cuda:0")
     spec = truncate_model(get_model(a.model), a.layers)
     cfg = M.TorchModelConfig.from_spec(spec)
@@ -222,8 +227,7 @@ def main(argv=None) -> int:
            "bytes_model": "weights of every layer's attention/router + touched experts + LM head + KV read "
                           "(batch x (context+1) x KV bytes/token); roofline = bytes / measured copy bandwidth"}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_text(a.out, json.dumps(doc, indent=1))
     return 0
 
 

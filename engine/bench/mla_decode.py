@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from rackbed.topology.outputs import add_force, entry_file, write_text
+
 H200_HBM_SPEC_GBPS = 4800.0
 
 
@@ -98,9 +100,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke test)")
     ap.add_argument("--out", default=None)
+    add_force(ap, "replace an existing --out file")
     ap.add_argument("--profile", action="store_true",
                     help="also record CUDA time per step by kernel (engine.bench.decode.profile_step) at the first batch size")
     a = ap.parse_args(argv)
+    if a.out:  # before the benchmark, not after it
+        entry_file(a.out, force=a.force)
     dev = torch.device(a.device)
     modes = a.modes or (["eager", "graph"] if dev.type == "cuda" else ["eager"])
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -165,8 +170,7 @@ def main(argv=None) -> int:
                           "experts touched; + embedding row reads ignored, LM head; + latent KV read (batch x "
                           "(context+1) x kv_lora+rope x elem bytes x layers); roofline = bytes / bandwidth"}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_text(a.out, json.dumps(doc, indent=1))
     return 0
 
 

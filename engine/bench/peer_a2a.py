@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rackbed.topology.outputs import add_force, entry_file, write_text
+
 SIZES = (1, 8, 32, 64, 128)
 #: extra correctness cases, tokens per rank: a batch needing two chunks of max_tokens (256) on one rank only, and a
 #: rank with no tokens
@@ -423,6 +425,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m rackbed.engine.bench.peer_a2a", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="results JSON path")
+    add_force(ap, "replace an existing --out file")
     ap.add_argument("--layers", type=int, default=2, choices=range(2, 9), metavar="2..8")
     ap.add_argument("--sizes", type=_sizes, default=SIZES, help="tokens per rank, comma-separated (default "
                     f"{','.join(map(str, SIZES))})")
@@ -433,13 +436,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.reps < 1 or a.inner < 1:
         ap.error("--reps and --inner must be >= 1")
+    entry_file(a.out, force=a.force)  # before the benchmark, not after it
     return a
 
 
 def _write(path: str, doc: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(doc, indent=1))
+    write_text(path, json.dumps(doc, indent=1))  # rewritten as it goes: the file checked at the start
 
 
 def main(argv=None) -> int:

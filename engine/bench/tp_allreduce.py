@@ -8,6 +8,8 @@ import json
 import statistics
 import time
 
+from rackbed.topology.outputs import add_force, entry_file, write_text
+
 
 def _rank(rank, world, layers, tokens, reps):
     import torch
@@ -60,14 +62,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
+    add_force(ap, "replace an existing --out file")
     a = ap.parse_args(argv)
+    if a.out:  # before the benchmark, not after it
+        entry_file(a.out, force=a.force)
     res = spawn_local(_rank, 2, a.layers, a.tokens, a.reps, backend="nccl")
     for r in res:
         print(json.dumps(r))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "layers": a.layers, "tokens": a.tokens, "ranks": res}, f,
-                      indent=1)
+        doc = {"date": time.strftime("%Y-%m-%d"), "layers": a.layers, "tokens": a.tokens, "ranks": res}
+        write_text(a.out, json.dumps(doc, indent=1))
     return 0
 
 

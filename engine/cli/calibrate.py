@@ -19,8 +19,13 @@ measured per-operator tables of the aiconfigurator-core package (the ``tables`` 
 'rackbed[tables]'``; ``sim.perf_tables``), held-out errors per kind printed and kept in ``meta.validation``. It
 writes ``rackbed-out/calibration/<gpu>-<backend>.json`` unless ``--out`` names a file.
 
-A measured calibration goes to ``rackbed-out/calibration/h200.yaml`` unless ``--out`` names a file; an existing
-file (a shipped one under ``calibration/`` included) is replaced only with ``--force``, atomically.
+A measured calibration goes to ``rackbed-out/calibration/h200.yaml`` unless ``--out`` names a file, and the
+measurements it writes (measured, or merged with ``--from-bench``) to ``--measurements-out`` or
+``<out>_measure.json`` beside it; the raw ``--from-measurements`` files are only read. Every file follows the
+output rule (``topology.outputs``): an existing file is replaced only with ``--force``, atomically, never
+through a link; a file inside the shipped data (``calibration/``) is written only when named explicitly
+(``--out``, ``--measurements-out``) together with ``--force``: that is how a maintainer regenerates a shipped
+calibration.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def _run_tables(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else pt.default_out(args.from_aiconfigurator, args.backend)
     if out.suffix != ".json":
         raise UserError(f"--out {out}: a calibration built from tables is written as JSON (.json)")
-    prepare_file(out, force=args.force)
+    prepare_file(out, force=args.force, default=args.out is None)
     doc = pt.build_calibration(args.from_aiconfigurator, args.backend, progress=lambda s: print(f"  {s}"))
     write_text(out, pt.dumps(doc))
     m = doc["meta"]
@@ -92,7 +97,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.from_aiconfigurator:
         return _run_tables(args)
     # never the shipped calibration/h200.yaml by default (run from a checkout, that path is the shipped file)
-    args.out = str(prepare_file(args.out or DEFAULT_OUT, force=args.force))
+    args.out = str(prepare_file(args.out or DEFAULT_OUT, force=args.force, default=args.out is None))
+    # the measurements file written (measured, or merged with --from-bench, or --measurements-out asked for):
+    # --measurements-out, else <out>_measure.json beside the calibration; checked now, before the work
+    mpath = None
+    if not args.from_measurements or args.from_bench or args.measurements_out:
+        mpath = args.measurements_out or Path(args.out).with_suffix("").as_posix() + "_measure.json"
+        if Path(mpath).resolve() == Path(args.out).resolve():
+            raise UserError(f"--measurements-out {mpath}: is the --out file; give another file")
+        mpath = str(prepare_file(mpath, force=args.force, flag="--measurements-out",
+                                 default=args.measurements_out is None))
     from rackbed.sim.calibrate import (
         Holdout,
         calibrate,
@@ -117,21 +131,17 @@ def _run(args: argparse.Namespace) -> int:
                 gpu_name_for_device(meas.get("env", {}).get("gpu_name", ""))
             except UserError as exc:
                 raise UserError(f"{args.from_measurements[0]}: env.gpu_name: {exc}") from None
-        p = Path(args.from_measurements[0])
-        # merged rows (with --from-bench) go to --measurements-out or <name>_merged.json; the raw files stay
-        mpath = args.measurements_out or (str(p.with_name(p.stem + "_merged.json")) if args.from_bench else
-                                          (args.from_measurements[0] if len(docs) == 1 else list(args.from_measurements)))
+        if mpath is None:  # nothing merged: the calibration names the files it was fitted from
+            mpath = args.from_measurements[0] if len(docs) == 1 else list(args.from_measurements)
     else:
         from rackbed.kernels.bench.measure import run
 
-        mpath = args.measurements_out or str(Path(args.out).with_suffix("").as_posix() + "_measure.json")
         meas = run(quick=args.quick, dry_run=args.dry_run, only=args.only, partial_out=mpath)
     for f in args.from_bench or []:
         from rackbed.topology.yamlio import parse_json, read_text
 
         meas.setdefault("rows", []).extend(bench_rows(parse_json(read_text(f, "bench file"), f), f))
-    if not args.from_measurements or args.from_bench:
-        Path(mpath).parent.mkdir(parents=True, exist_ok=True)
+    if not args.from_measurements or args.from_bench or args.measurements_out:
         write_text(mpath, json.dumps(meas, indent=1))
         print(f"measurements: {mpath} ({len(meas.get('rows', []))} rows)")
     shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.holdout_shape) if args.holdout_shape else \
@@ -154,7 +164,8 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="calibration file to write (.yaml or .json; default "
                    f"{DEFAULT_OUT} when measuring, rackbed-out/calibration/<gpu>-<backend>.json from tables)")
-    add_force(p, "replace an existing --out file")
+    add_force(p, "replace an existing --out / --measurements-out file (and write a shipped one named "
+              "explicitly)")
     p.add_argument("--from-aiconfigurator", metavar="SYSTEM",
                    help="build the calibration of a serving stack from aiconfigurator-core's measured tables "
                         "(gb200, h200, b200; needs the 'tables' extra)")
@@ -163,7 +174,8 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="every other size, fewer repeats")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
     p.add_argument("--only", nargs="+", help="subset of kernels/bench/measure.py benchmarks")
-    p.add_argument("--measurements-out", help="where to write the raw measurements JSON")
+    p.add_argument("--measurements-out", help="where to write the measurements JSON (measured, or merged "
+                   "with --from-bench; default <out>_measure.json)")
     p.add_argument("--from-measurements", nargs="+", metavar="FILE",
                    help="fit earlier kernels/bench/measure.py JSON instead of measuring (several files of one GPU "
                         "model: fitted together)")

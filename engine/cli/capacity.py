@@ -12,7 +12,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from rackbed.topology.outputs import add_force, prepare_file, safe_name
+from rackbed.topology.outputs import add_force, prepare_dir, prepare_file, safe_name
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,10 @@ def _main(args: argparse.Namespace) -> int:
 
     if safe_name(args.tag) != args.tag:
         raise ValueError(f"--tag: expected a plain file name stem (letters, digits, '._+-'), got {args.tag!r}")
-    for suffix in (".json", ".md"):  # before hours of searches, not after
+    # before hours of searches, not after. The folder collects one pair of files per tag (so it may hold
+    # others): claimed, never a link nor shipped data; the two files need --force to be replaced
+    prepare_dir(args.out, own=lambda q: True)
+    for suffix in (".json", ".md"):
         prepare_file(args.out / f"{args.tag}{suffix}", force=args.force)
     names = args.specs or list(cap.DEFAULT_SPECS)
     specs = [cap.load_capacity(s) for s in names]
@@ -54,6 +57,8 @@ def _main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    # the searches' working folder resumes whatever it holds (searches of the same specs); one run at a time
+    prepare_dir(work, own=lambda q: True, flag="--work")
     log(f"searches in {work}")
     run = cap.run_capacity(specs, work, jobs=args.jobs, progress=args.progress, command=command, log=log)
     files = cap.write(args.out, args.tag, run)

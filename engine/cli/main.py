@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from rackbed.topology.errors import one_line
+    from rackbed.topology.outputs import release_claims
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (``rackbed topo show x --json | head``): stop quietly
         _silence_stdout()
         return 141  # what a shell reports for a process killed by SIGPIPE (128 + 13)
+    finally:
+        release_claims()  # the output folders this command claimed (topology.outputs)
     return int(rc or 0)
 
 

@@ -55,7 +55,8 @@ def _main(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     if args.bench:
         res = sw.bench(args.spec, out_dir=args.out, sample=args.bench_sample, jobs=max(2, jobs),
-                       full=not args.bench_no_full, console=console, progress=not args.no_progress)
+                       full=not args.bench_no_full, console=console, progress=not args.no_progress,
+                       force=args.force)
         console.print(sw.format_bench(res))
         console.print(f"[dim]figures in {res['out_dir']}/bench.json[/dim]")
         return 0

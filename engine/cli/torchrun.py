@@ -54,6 +54,19 @@ def _shared_token(rank: int, device: str) -> bytes:
     return bytes(t.cpu().tolist())
 
 
+#: the output folder without --out (a fresh NAME-2, NAME-3 … beside it when taken: topology.outputs)
+DEFAULT_OUT = "rackbed-out/real-torchrun"
+
+
+def prepare_out(out: str | None, force: bool):
+    """Rank 0's output folder, claimed under the output rule (``topology.outputs.prepare_dir``) before the
+    run: ``--out`` missing or empty (or ``--force``), never a link nor shipped data; without ``--out`` a fresh
+    folder beside :data:`DEFAULT_OUT`. A broken rule prints one line and exits with status 2."""
+    from rackbed.topology.outputs import entry_dir
+
+    return entry_dir(out or DEFAULT_OUT, force=force, default=out is None)
+
+
 def main(argv=None) -> int:
     """One torchrun process: serve this rank's GPU; on global rank 0 also drive the run and write its outputs."""
     import torch
@@ -77,12 +90,15 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description="a rackbed real run under torchrun (see the module docstring)")
     ap.add_argument("scenario")
-    ap.add_argument("--out", default="rackbed-out/real-torchrun")
+    ap.add_argument("--out", default=None,
+                    help=f"output folder (default {DEFAULT_OUT}, or a fresh one beside it)")
+    ap.add_argument("--force", action="store_true", help="write into an existing, non-empty --out folder")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = prepare_out(a.out, a.force) if rank == 0 else None  # before the run, not after it
     local = int(os.environ.get("LOCAL_RANK", "0"))
     sc = load_scenario(a.scenario)
     rs = sc.real
@@ -130,9 +146,8 @@ def main(argv=None) -> int:
     else:
         t = threading.Thread(target=serve, daemon=True)
         t.start()
-        from pathlib import Path
-
         from rackbed.sim.outputs import write_all
+        from rackbed.topology.outputs import write_text
 
         pool = store_pool(store, world, token, run_id)
         try:
@@ -146,12 +161,10 @@ def main(argv=None) -> int:
 
         from rackbed.engine.real.driver import bad_endings, replay
 
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
         write_all(res, out)
         same = res.log.decisions() == replay(b, reqs, run.records, simulate=simulate, seed=sc.seed,
                                                 deaths=run.deaths).log.decisions()
-        (out / "real.json").write_text(json.dumps({
+        write_text(out / "real.json", json.dumps({
             "scenario": str(a.scenario), "world": world, "replay_identical_decisions": same,
             "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
             "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},

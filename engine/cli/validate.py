@@ -35,7 +35,7 @@ import statistics
 from pathlib import Path
 
 from rackbed.topology.errors import UserError
-from rackbed.topology.outputs import add_force, write_out_file
+from rackbed.topology.outputs import add_force, prepare_file, write_out_file
 
 #: what ``--engine DIR`` reads from a ``rackbed real`` output folder
 ENGINE_RUN_FILES = ("real.json", "decisions.csv")
@@ -278,6 +278,10 @@ def _run(args: argparse.Namespace) -> int:
         measurement_paths,
     )
 
+    wec = getattr(args, "write_engine_calibration", None)
+    for flag, f in (("--out", args.out), ("--write-engine-calibration", wec)):
+        if f:  # before the work, not after it
+            prepare_file(f, force=args.force, flag=flag)
     if getattr(args, "engine", None):  # before the kernel level's long table: a typo fails at once
         missing = [f for f in ENGINE_RUN_FILES if not (Path(args.engine) / f).is_file()]
         if missing:
@@ -333,7 +337,7 @@ def register(subparsers) -> None:
                    "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "
                    "from index i, so every inner point is held out once (slow: K fits)")
     p.add_argument("--out", help="write the validation JSON here")
-    add_force(p, "replace an existing --out file")
+    add_force(p, "replace an existing --out or --write-engine-calibration file")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
     p.add_argument("--write-engine-calibration", metavar="FILE", help="engine level: write the fitted curves here")

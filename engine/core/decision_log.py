@@ -88,7 +88,9 @@ class DecisionLog:
             w.writerow((f"{r[0]:.9f}", *r[1:]))
         text = buf.getvalue()
         if path is not None:
-            Path(path).write_text(text)
+            from rackbed.topology.outputs import write_text
+
+            write_text(path, text)
         return text
 
     def digest(self, with_time: bool = True) -> str:

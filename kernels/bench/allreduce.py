@@ -24,6 +24,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from rackbed.topology.outputs import write_text
+
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v
 
@@ -339,8 +341,7 @@ def worker(rank: int, world: int, port: int, cfg: dict, result_path: str) -> Non
             del sbuf
             partial = os.environ.get("RACKBED_BENCH_PARTIAL")
             if partial and rank == 0:
-                with open(partial, "w") as f:
-                    json.dump(dict(res, rows=rows), f)
+                write_text(partial, json.dumps(dict(res, rows=rows)))
     res["tune"] = _tune(rank, world, sizes, cfg) if (ar is not None and cfg.get("tune", True)) else []
     _add_ratios(rows)
     res["rows"] = rows
@@ -349,8 +350,7 @@ def worker(rank: int, world: int, port: int, cfg: dict, result_path: str) -> Non
         ar.close()
     dist.barrier()
     if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(res, f, indent=1)
+        write_text(result_path, json.dumps(res, indent=1))
     dist.destroy_process_group()
 
 

@@ -72,6 +72,8 @@ from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
+from rackbed.topology.outputs import entry_file, write_text
+
 SCHEMA = "rackbed.measure/2"
 #: Qwen3-235B-A22B shapes (hidden 4096, 64 query heads / 4 KV heads of 128, experts 1536 wide, 128 experts)
 HIDDEN, N_Q_HEADS, N_KV_HEADS, HEAD_DIM, MOE_INTER = 4096, 64, 4, 128, 1536
@@ -1244,9 +1246,7 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], rounds
                      "GBps": sz / st["median_us"] / 1e3,
                      "busbw_GBps": 2 * (world - 1) / world * sz / st["median_us"] / 1e3, "relerr": rel})
     if rank == 0:
-        with open(path + ".tmp", "w") as f:
-            json.dump(rows, f)
-        os.replace(path + ".tmp", path)
+        write_text(path, json.dumps(rows))
         say(f"{len(rows)} rows written")
     _worker_exit(dist, cases)
 
@@ -1417,9 +1417,7 @@ def run(quick: bool = False, dry_run: bool = False, only: list[str] | None = Non
     def flush():
         if partial_out:  # what is done survives a time-out
             Path(partial_out).parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(str(partial_out) + ".tmp")
-            tmp.write_text(json.dumps(doc, indent=1))
-            tmp.replace(partial_out)
+            write_text(partial_out, json.dumps(doc, indent=1))
 
     flush()
     for b in only:
@@ -1458,6 +1456,7 @@ class _null:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rackbed.kernels.bench.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="measure.json")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out file")
     ap.add_argument("--quick", action="store_true", help="every other size, fewer rounds")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU tensors (plumbing test)")
     ap.add_argument("--only", nargs="*", choices=BENCHES)
@@ -1465,6 +1464,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget: later curves are skipped / cut short to fit (default: none)")
     a = ap.parse_args(argv)
+    entry_file(a.out, force=a.force)  # before the measurements, not after them
     echo = lambda *m: print(*m, flush=True)
     doc = run(a.quick, a.dry_run, a.only, echo=echo, partial_out=a.out, budget_s=a.budget_s, rounds=a.rounds,
               command=" ".join(["python -m rackbed.kernels.bench.measure", *(argv if argv is not None else sys.argv[1:])]))

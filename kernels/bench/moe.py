@@ -357,8 +357,9 @@ def run_gemm(cfg=None) -> dict:
               f"{row.get('mma_best_graph_speedup', nan):.2f}x); eager: torch {row.get('torch_us', nan):.1f} "
               f"v2 {row.get('mma_us', nan):.1f} best {row.get('mma_best_us', nan):.1f}", flush=True)
         if partial:
-            with open(partial, "w") as f:
-                json.dump(res, f)
+            from rackbed.topology.outputs import write_text
+
+            write_text(partial, json.dumps(res))
     # rules for grouped_gemm.DECODE_DISPATCH, by the host-known mean rows per expert, from the graph (kernel) times
     alias = (("cute", "cute_gemv"), ("mma_best", "cute_mma"))
     rows_alias = [{**r, "torch_us": r.get("torch_graph_us"),
@@ -520,15 +521,21 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="results JSON; one file per suite: OUT_<suite>.json")
     p.add_argument("--suite", action="append", choices=["moe_gemm", "moe_a2a", "moe_prefill_gemm"])
+    p.add_argument("--force", action="store_true", help="replace existing OUT_<suite>.json files")
     a = p.parse_args(argv)
     from rackbed.kernels.bench.suites import BenchConfig, run_suites
+    from rackbed.topology.outputs import entry_file
 
     t0 = time.time()
     base, ext = os.path.splitext(a.out)
-    for name in a.suite or ["moe_gemm", "moe_a2a"]:  # one JSON per suite, written as soon as it is done
-        run_suites([name], BenchConfig(sizes=()), out=f"{base}_{name}{ext or '.json'}")
+    names = a.suite or ["moe_gemm", "moe_a2a"]
+    outs = {n: f"{base}_{n}{ext or '.json'}" for n in names}
+    for f in outs.values():  # before the benchmarks, not after them
+        entry_file(f, force=a.force, default=True)
+    for name in names:  # one JSON per suite, written as soon as it is done
+        run_suites([name], BenchConfig(sizes=()), out=outs[name])
         print(f"{name} done at {time.time() - t0:.0f} s", flush=True)
     return 0
 

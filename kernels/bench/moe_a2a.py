@@ -36,6 +36,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 import numpy as np
 
+from rackbed.topology.outputs import entry_dir, open_append, write_text
+
 D, K, E, TM = 4096, 8, 128, 128  # hidden, top-k, experts, max tokens per rank (the issue's shape)
 TOKENS = (1, 8, 32, 64, 128)
 ROUTINGS = ("uniform", "zipf", "one", "asym")
@@ -482,13 +484,12 @@ def run(out_dir: str, deadline_s: float = 200.0, tokens=TOKENS, full: bool = Fal
     watchdog: list[str] = []
     exited: set[int] = set()
     first_dead = None
-    jsonl = open(os.path.join(out_dir, "cases.jsonl"), "a")
+    jsonl = open_append(os.path.join(out_dir, "cases.jsonl"))
 
     def save(rec):
         cases.append(rec)
         i = len(cases)
-        with open(os.path.join(out_dir, "cases", f"{i:03d}_{rec['case']}.json"), "w") as f:
-            json.dump(rec, f, indent=1)
+        write_text(os.path.join(out_dir, "cases", f"{i:03d}_{rec['case']}.json"), json.dumps(rec, indent=1))
         jsonl.write(json.dumps(rec) + "\n")
         jsonl.flush()
 
@@ -557,8 +558,7 @@ def run(out_dir: str, deadline_s: float = 200.0, tokens=TOKENS, full: bool = Fal
     except Exception:
         pass
     summary = _summarize(cases, watchdog, meta)
-    with open(os.path.join(out_dir, "a2a.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_text(os.path.join(out_dir, "a2a.json"), json.dumps(summary, indent=1))
     echo(summary["table"])
     echo(f"wrote {os.path.join(out_dir, 'a2a.json')} ({len(cases)} cases, {meta['elapsed_s']} s)")
     return summary
@@ -568,19 +568,19 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description="decode DP-EP dispatch/combine: device checks and benchmark (2 GPUs)")
-    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--out", required=True, help="output directory (created; an existing one must be empty)")
+    p.add_argument("--force", action="store_true", help="write into an existing, non-empty --out folder")
     p.add_argument("--deadline", type=float, default=200.0, help="seconds before the watchdog stops everything")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per rank, comma separated")
     p.add_argument("--full", action="store_true", help="every routing for fp8 too")
     p.add_argument("--from-cases", metavar="JSONL", help="no GPU: rebuild a2a.json and the table from a run's cases.jsonl")
     a = p.parse_args(argv)
+    entry_dir(a.out, force=a.force)  # before the benchmark, not after it
     if a.from_cases:
         with open(a.from_cases) as fh:
             cases = [json.loads(line) for line in fh if line.strip()]
         s = _summarize(cases, [], {"rebuilt_from": a.from_cases})
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "a2a.json"), "w") as fh:
-            json.dump(s, fh, indent=1)
+        write_text(os.path.join(a.out, "a2a.json"), json.dumps(s, indent=1))
         print(s["table"])
         return 0 if s["checks_ok"] else 1
     s = run(a.out, a.deadline, tuple(int(t) for t in a.tokens.split(",")), a.full,

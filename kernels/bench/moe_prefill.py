@@ -30,6 +30,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import numpy as np
 
 from rackbed.kernels.bench.suites import register_suite
+from rackbed.topology.outputs import entry_file, write_text
 
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K, ROWS = 4096, 1536, 128, 8, 375
 HANG_S = 20.0
@@ -40,9 +41,7 @@ _partial_path: str | None = None
 
 def _write(res: dict) -> None:
     if _partial_path:
-        with open(_partial_path + ".tmp", "w") as f:
-            json.dump({"suites": {"moe_prefill_gemm": res}}, f, indent=1, default=str)
-        os.replace(_partial_path + ".tmp", _partial_path)
+        write_text(_partial_path, json.dumps({"suites": {"moe_prefill_gemm": res}}, indent=1, default=str))
 
 
 def _say(msg: str) -> None:
@@ -417,7 +416,7 @@ def _run_group(flag: str, grp, part: str, limit: float):
     JSON or a failed child becomes an error entry, never an exception."""
     try:
         rc = subprocess.run([sys.executable, "-u", "-m", "rackbed.kernels.bench.moe_prefill", flag, ",".join(grp),
-                             "--out", part], check=False, timeout=limit).returncode
+                             "--out", part, "--force"], check=False, timeout=limit).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     try:
@@ -448,9 +447,7 @@ def _run_isolated(out_path: str, budget_s: float) -> dict:
         parts.append(res)
         merged = merge_results(parts)
         merged["elapsed_s"] = time.time() - t0
-        with open(out_path + ".tmp", "w") as f:
-            json.dump({"suites": {"moe_prefill_gemm": merged}}, f, indent=1, default=str)
-        os.replace(out_path + ".tmp", out_path)
+        write_text(out_path, json.dumps({"suites": {"moe_prefill_gemm": merged}}, indent=1, default=str))
     return merged
 
 
@@ -627,9 +624,7 @@ def run_diagnose(out_path: str, budget_s: float = 66.0) -> dict:
         merged["rows"] += p.get("rows", [])
         merged["shares"] = diag_shares(merged["rows"])
         merged["elapsed_s"] = time.time() - t0
-        with open(out_path + ".tmp", "w") as f_:
-            json.dump({"suites": {"moe_prefill_gemm_diag": merged}}, f_, indent=1, default=str)
-        os.replace(out_path + ".tmp", out_path)
+        write_text(out_path, json.dumps({"suites": {"moe_prefill_gemm_diag": merged}}, indent=1, default=str))
     return merged
 
 
@@ -647,8 +642,9 @@ def main(argv=None) -> int:
                    "diagnostic twins (no_epilogue, no_promote; wrong results on purpose, timed unchecked) and a "
                    "tail-free shape; about 60 s")
     p.add_argument("--diag-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    entry_file(a.out, force=a.force)  # before the benchmark, not after it
     t0 = time.time()
     if a.diag_child:
         run_diagnose_child(a.diag_child.split(","), a.out)

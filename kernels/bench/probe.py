@@ -18,9 +18,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from rackbed.kernels.bench import measure as M
+from rackbed.topology.outputs import entry_file, write_text
 
 SCHEMA = "rackbed.probe/1"
 #: copy probe sizes (MiB)
@@ -68,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m rackbed.kernels.bench.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="probe.json")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out file")
     ap.add_argument("--only", nargs="*", choices=list(PARTS), default=list(PARTS))
     ap.add_argument("--budget-s", type=float, default=None)
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args(argv)
+    out = entry_file(a.out, force=a.force)  # before the probes, not after them
     if not torch.cuda.is_available():
         print("probe: no CUDA GPU found", file=sys.stderr)
         return 2
@@ -81,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     timer = M.Timer(device, rounds=a.rounds)
     gen = torch.Generator(device=device).manual_seed(0)
     doc = {"schema": SCHEMA, "env": M.environment(device), "rows": [], "complete": False}
-    out = Path(a.out)
     M._warm_clocks(device)
     for part in a.only:
         t0 = time.time()
@@ -90,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 — recorded, the other parts still run
             doc["rows"].append({"probe": part, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         echo(f"probe: {part}: {time.time() - t0:.1f} s")
-        out.write_text(json.dumps(doc, indent=1))
+        write_text(out, json.dumps(doc, indent=1))
     doc["complete"] = True
-    out.write_text(json.dumps(doc, indent=1))
+    write_text(out, json.dumps(doc, indent=1))
     print(f"wrote {out} ({len(doc['rows'])} rows)", flush=True)
     return 0
 

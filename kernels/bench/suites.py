@@ -149,8 +149,10 @@ def run_suites(names: list[str], cfg: BenchConfig, out: str | Path | None = None
         echo(suite.table(results[n]))
     doc = {"suites": results}
     if out:
+        from rackbed.topology.outputs import write_text
+
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(doc, indent=1))
+        write_text(out, json.dumps(doc, indent=1))
         echo(f"wrote {out}")
     return doc
 
