@@ -83,6 +83,32 @@ def test_decoders_killed_at_random_moments_leave_no_request_stalled(ckpt, seed):
     assert res.log.decisions() == rep.log.decisions()
 
 
+@pytest.mark.parametrize("first", [0.3, 0.45, 0.6])
+def test_the_prefiller_survives_when_all_its_decoders_die(ckpt, first):
+    """Both decoders of a two-decoder run are killed while the prefiller holds KV waiting for room on them.
+    The scheduler rejects those requests (no decoder left) and counts their KV free; the prefiller's ranks
+    must free it too, or the next prefill (of the requests the last decoder was decoding, routed again) finds the
+    cache full and the healthy prefiller is declared dead — as happened in every run of this drill before the
+    driver passed those requests to the prefill's ``free``. Three kill times (the failure depended on
+    timing)."""
+    sc = _scenario(ckpt, decoders=2, n_requests=24, rate=150.0)
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    last = max(r.arrival_s for r in reqs)
+    d0, d1 = (g.gpus[0] for g in b.deployment.decoders)
+    kills = [(first * last, d0), (0.75 * last, d1)]
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(ckpt),
+                        prefill_pages=64, decode_pages=40, kill=kills, stall_s=60,
+                        tiny_cfg=TorchModelConfig.from_hf(json.loads((ckpt / "config.json").read_text())))
+    assert sorted(g for _, _, g in run.deaths) == sorted([d0, d1]), (run.deaths, run.pool.errors)
+    assert not any("MemoryError" in e for e in run.pool.errors), run.pool.errors
+    m = res.metrics["requests"]
+    assert bad_endings(res.metrics) == {}, m
+    assert set(m["rejected_by_reason"]) <= {"no_decoder"}, m
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
+
+
 def test_a_source_that_lost_the_kv_kills_no_rank_and_the_request_is_prefilled_again(ckpt):
     """Two requests' first KV transfers find their copy gone on the prefiller's second TP rank (the drill frees it
     just before the send): that source declines, the other ships, the decoder frees the pages it reserved and

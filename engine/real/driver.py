@@ -295,8 +295,8 @@ class RealExecutor:
             g = self.group_of(plan.worker)
             items = self._prefill_items(plan.items)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
-            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", {"items": items}) for r in ranks],
-                                  now_s)
+            args = {"items": items, "free": self._given_up_on(plan.worker)}
+            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", args) for r in ranks], now_s)
         if tp is MixedStep:
             g = self.group_of(plan.worker)
             args = {"joined": list(plan.joined), "left": list(plan.left),
@@ -339,6 +339,21 @@ class RealExecutor:
                         p.kill()
             return ev
         raise TypeError(f"real executor cannot run {tp.__name__}")
+
+    def _given_up_on(self, prefiller: str) -> list[int]:
+        """Requests whose KV ``prefiller``'s ranks still hold although the scheduler is done with them: it
+        rejected them while they waited for a decoder (e.g. when the last decoder died) and counts their KV
+        free already, so the ranks free it before the next prefill (its ``free``) — else that prefill would
+        find the cache full and its healthy prefiller would be declared dead. The scheduler is the bound
+        ``group_of``'s owner (as in :meth:`_finished_on`); another ``group_of`` gives none."""
+        held = self.run.pf_held.get(prefiller)
+        sched = getattr(self.group_of, "__self__", None)
+        reqs = getattr(sched, "reqs", None)
+        if not held or reqs is None:
+            return []
+        gone = sorted(rid for rid in held if rid not in reqs)
+        held.difference_update(gone)
+        return gone
 
     def _finished_on(self, worker: str, rank: int) -> list[int]:
         """Requests the scheduler has finished on decoder ``worker`` whose pages ``rank`` still holds: a rank
@@ -460,6 +475,7 @@ class RealRun:
         self.faulted: set[int] = set()      # ranks whose death the scheduler has been told of (on the clock)
         self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
         self.kv_bytes: dict[int, list[int]] = {}  # request -> bytes each of its landed KV transfers moved
+        self.pf_held: dict[str, set[int]] = {}    # prefiller -> requests whose KV its ranks still hold
         self._wait_ready(len(gpus))
         self.env._progress_w = time.perf_counter()  # the stall clock starts once every rank is ready
 
@@ -582,9 +598,7 @@ class RealRun:
         The record's kind says how it failed, so a replay fails it the same way."""
         self.records.append((fl.worker, f"{fl.kind}:{KV_LOST}", fl.key, measured, fl.worker_s))
         self.kv_declined.append(fl.key)
-        for r in fl.srcs:
-            if r not in self.pool.dead:
-                self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
+        self._drop_shipped(fl)
         self.env.trigger(fl.ev, Failed(measured, KV_LOST), max(fl.start_v + measured - self.env.now, 0.0))
 
     def _fail_plan(self, fl: _Inflight) -> None:
@@ -621,7 +635,9 @@ class RealRun:
                 self.kv_bytes.setdefault(fl.key, []).append(int(fl.replies[fl.dst]))
             fl.ev.callbacks.insert(0, lambda _e, fl=fl: self._release_shipped(fl))
         elif fl.kind == "prefill":
-            self._absorb_prefill(next(v for v in fl.replies.values() if v is not None))
+            reply = next(v for v in fl.replies.values() if v is not None)
+            self._absorb_prefill(reply)
+            self.pf_held.setdefault(fl.worker, set()).update(reply)
         elif fl.kind == "decode":
             self._absorb_decode(fl.replies.values())
         elif fl.kind == "mixed":  # one rank: its decode tokens, then its prompts' first tokens
@@ -637,6 +653,13 @@ class RealRun:
         reply arrives (wall time, earlier) would leave the retry nothing to ship."""
         if fl.dst is not None and set(next(rs for rs in self.group_ranks.values() if fl.dst in rs)) & self.faulted:
             return
+        self._drop_shipped(fl)
+
+    def _drop_shipped(self, fl: _Inflight) -> None:
+        """The KV plan ``fl``'s prefiller ranks drop their copy of its request's KV."""
+        gid = next((g for g, rs in self.group_ranks.items() if fl.srcs and fl.srcs[0] in rs), None)
+        if gid in self.pf_held:
+            self.pf_held[gid].discard(fl.key)
         for r in fl.srcs:
             if r not in self.pool.dead:
                 self.pool.send(r, "drop", self.pool.token(), rids=[fl.key])
