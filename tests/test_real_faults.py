@@ -87,9 +87,9 @@ def test_decoders_killed_at_random_moments_leave_no_request_stalled(ckpt, seed):
 def test_the_prefiller_survives_when_all_its_decoders_die(ckpt, first):
     """Both decoders of a two-decoder run are killed while the prefiller holds KV waiting for room on them.
     The scheduler rejects those requests (no decoder left) and counts their KV free; the prefiller's ranks
-    must free it too, or the next prefill (of the requests the last decoder was decoding, routed again) finds the
-    cache full and the healthy prefiller is declared dead — as happened in every run of this drill before the
-    driver passed those requests to the prefill's ``free``. Three kill times (the failure depended on
+    must free it too, or the next prefill (of the requests the last decoder was decoding, routed again) finds
+    the cache full and the healthy prefiller is declared dead — as happened in every run of this drill before
+    the driver passed those requests to the prefill's ``free``. Three kill times (the failure depended on
     timing)."""
     sc = _scenario(ckpt, decoders=2, n_requests=24, rate=150.0)
     b = build(sc)

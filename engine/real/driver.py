@@ -295,8 +295,12 @@ class RealExecutor:
             g = self.group_of(plan.worker)
             items = self._prefill_items(plan.items)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
-            args = {"items": items, "free": self._given_up_on(plan.worker)}
-            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", args) for r in ranks], now_s)
+            gone = self._given_up_on(plan.worker)
+            for r in ranks:      # a compute command: the rank runs it before the prefill
+                if gone and r not in self.pool.dead:
+                    self.pool.send(r, "drop", self.pool.token(), rids=gone)
+            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", {"items": items}) for r in ranks],
+                                  now_s)
         if tp is MixedStep:
             g = self.group_of(plan.worker)
             args = {"joined": list(plan.joined), "left": list(plan.left),
@@ -343,7 +347,7 @@ class RealExecutor:
     def _given_up_on(self, prefiller: str) -> list[int]:
         """Requests whose KV ``prefiller``'s ranks still hold although the scheduler is done with them: it
         rejected them while they waited for a decoder (e.g. when the last decoder died) and counts their KV
-        free already, so the ranks free it before the next prefill (its ``free``) — else that prefill would
+        free already, so the ranks drop it before the next prefill — else that prefill would
         find the cache full and its healthy prefiller would be declared dead. The scheduler is the bound
         ``group_of``'s owner (as in :meth:`_finished_on`); another ``group_of`` gives none."""
         held = self.run.pf_held.get(prefiller)

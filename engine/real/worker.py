@@ -6,8 +6,7 @@ command and runs it together (collectives inside the group), then replies on the
 because a source no longer holds the request's KV). Commands:
 
 - ``prefill``  items ``[(rid, token_ids[, cached])]`` -> KV kept in this rank's cache (a cached prompt prefix
-  reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``;
-  ``free``: requests the scheduler gave up whose KV is freed first
+  reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``
 - ``kv_send``  (prefiller ranks) wait for the decoder's page list, ship ``rid``'s KV along the resharding plan
   -> reply bytes (the KV is freed by the ``drop`` the driver sends once the scheduler has seen the transfer
   complete)
@@ -342,11 +341,8 @@ class Rank:
 
     # -- prefill side ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _op_prefill(self, items, free=()):
-        """``free``: requests whose KV this rank still holds although the scheduler no longer does (it gave
-        them up while they waited for a decoder, e.g. rejected when the last decoder died); their pages are
-        freed first, as the scheduler's count of this prefiller's KV already has them free.
-        ``items``: ``(rid, token_ids)`` or ``(rid, token_ids, cached)``. With a prefix cache, a prompt reuses
+    def _op_prefill(self, items):
+        """``items``: ``(rid, token_ids)`` or ``(rid, token_ids, cached)``. With a prefix cache, a prompt reuses
         ``cached`` tokens (the scheduler's count; None: as many as the cache holds) of the longest cached prefix of
         its blocks — fewer if the cache holds fewer, recomputed — and only the rest is computed; afterwards its
         full blocks are cached and unpinned (the scheduler's cache does the same in the same order, so the two
@@ -354,8 +350,6 @@ class Rank:
         (the shared prefix pages first), which the KV transfer ships."""
         seqs, pts, starts, pins = [], [], [], []
         with self.lock:
-            for rid in free:
-                self._drop(rid)
             for item in items:
                 rid, ids = item[0], item[1]
                 old = self.seqs.pop(rid, None)
