@@ -109,6 +109,77 @@ def test_the_prefiller_survives_when_all_its_decoders_die(ckpt, first):
     assert res.log.decisions() == rep.log.decisions()
 
 
+class _Proc:
+    exitcode = None
+
+    def __init__(self) -> None:
+        self.killed = False
+
+    def is_alive(self) -> bool:
+        return not self.killed
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+class _Queue(list):
+    put = list.append
+
+
+def _kv_in_flight(replies: dict[int, tuple[str, object]]):
+    """A bare :class:`RealRun` (no processes) with one KV plan in flight from prefiller ranks 0, 1 to decoder
+    rank 2, answered with ``replies`` ``{rank: (status, payload)}``; returns the run, the plan's event and the
+    command queues."""
+    from rackbed.engine.real.driver import MeasuredClockEnv, RankPool, RealRun, _Inflight
+
+    run = RealRun.__new__(RealRun)
+    cmd_qs = [_Queue() for _ in range(3)]
+    run.pool = RankPool([_Proc() for _ in range(3)], cmd_qs, [], {0: 0, 1: 1, 2: 2})
+    run.env = MeasuredClockEnv(run.pool, run._on_reply)
+    run.env.on_death = lambda r: run.deaths.append(r)
+    run.records, run.deaths, run.kv_declined, run.kv_refused, run.kv_bytes = [], [], [], [], {}
+    run.group_ranks, run.pf_held, run.faulted = {"P0": (0, 1), "D0": (2,)}, {"P0": {7}}, set()
+    ev = run.env.event()
+    run.pool.inflight[1] = _Inflight(ev=ev, start_v=0.0, start_w=time.perf_counter(), waiting={0, 1, 2},
+                                     worker="P0.kv0", kind="kv", key=7, dst=2, srcs=(0, 1))
+    for rank, (status, payload) in replies.items():
+        run._on_reply(1, rank, status, payload, time.perf_counter())
+    return run, ev, cmd_qs
+
+
+def test_a_decoder_without_free_pages_is_not_declared_dead():
+    """A decoder that refuses a transfer for lack of pages replies ``declined: no pages`` (and so do the
+    sources that saw the refusal): no rank is declared dead or stopped, the plan fails with ``KV_NO_ROOM``
+    (the scheduler ships it again later, to this decoder or another), the prefiller keeps its copy (no drop
+    is sent), and the record's kind lets the replay fail it the same way. A source that lost the KV still
+    fails the plan with ``KV_LOST`` and has the copies dropped; an error (not a decline) still blames the
+    decoder."""
+    from rackbed.engine.core.plans import KV_LOST, KV_NO_ROOM, Failed
+
+    no = "declined: no pages: decoder rank 2 has no room for request 7"
+    full = "declined: no pages: KV cache full: no room for request 7 (20 tokens)"
+    run, ev, cmd_qs = _kv_in_flight({0: ("declined", no), 1: ("declined", no), 2: ("declined", full)})
+    run.env.run(until=1.0)
+    assert ev.processed and type(ev.value) is Failed and ev.value.reason == KV_NO_ROOM
+    assert run.deaths == [] and run.pool.dead == set() and not any(p.killed for p in run.pool.procs)
+    assert run.kv_refused == [7] and run.kv_declined == [] and run.pool.errors == []
+    assert [r[1] for r in run.records] == [f"kv:{KV_NO_ROOM}"]
+    assert all(q == [] for q in cmd_qs) and run.pf_held == {"P0": {7}}     # the prefiller keeps its copy
+
+    run, ev, cmd_qs = _kv_in_flight({0: ("ok", (40, 0.01)), 1: ("declined", "declined: KV lost: no KV here"),
+                                     2: ("declined", "declined: KV lost: source rank 1 declined")})
+    run.env.run(until=1.0)
+    assert ev.value.reason == KV_LOST and run.kv_declined == [7] and run.deaths == []
+    assert [q[0][0] for q in cmd_qs[:2]] == ["drop", "drop"] and run.pf_held == {"P0": set()}
+
+    ok = ("ok", (40, 0.01))
+    run, ev, _ = _kv_in_flight({0: ok, 1: ok, 2: ("error", "RuntimeError: bad")})
+    assert run.deaths == [2] and run.pool.procs[2].killed and not ev.triggered
+
+
 def test_a_source_that_lost_the_kv_kills_no_rank_and_the_request_is_prefilled_again(ckpt):
     """Two requests' first KV transfers find their copy gone on the prefiller's second TP rank (the drill frees it
     just before the send): that source declines, the other ships, the decoder frees the pages it reserved and

@@ -124,7 +124,7 @@ def test_warmup_buckets_cover_every_reachable_width():
     assert graph_pages([], 64) == (0, 0)
 
 
-def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(tmp_path):
+def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(tmp_path, monkeypatch):
     """A prefiller rank asked to ship KV it no longer holds (its copy was dropped: a retry after the decoder died)
     fails that transfer — the decoder's receive fails too, it does not hang — and the next transfer on the same
     (prefiller, decoder) pairs, of a different size, lands intact. Gloo aborts a process whose receive meets a
@@ -132,7 +132,10 @@ def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(t
     offer of the next one and kill the prefiller. The decoder frees the pages it reserved for the failed transfer:
     its cache has 8 pages, the failed transfer reserved 7 and the next one needs 3. The failure is a decline
     (reply ``declined``, not ``error``) on the source without the KV and on the decoder, so the driver blames no
-    rank."""
+    rank. Then a decoder whose cache has no room for a transfer (request 3 needs 6 pages, 5 are free) refuses
+    it: it and both sources reply ``declined: no pages`` (alive, nobody's fault: the driver ships it again
+    later), the sources keep their copy, and once the decoder has freed a request the same transfer lands."""
+    monkeypatch.setenv("RACKBED_KV_ROOM_WAIT_S", "0.2")   # the ranks inherit it: refuse a full cache quickly
     hc, hf = tiny_hf_model()
     d = save_checkpoint(hc, hf, tmp_path / "ckpt")
     sc = parse_scenario({
@@ -153,6 +156,7 @@ def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(t
     g = torch.Generator().manual_seed(7)
     ids1 = torch.randint(0, cfg.vocab, (9,), generator=g).tolist()
     ids2 = torch.randint(0, cfg.vocab, (26,), generator=g).tolist()
+    ids3 = torch.randint(0, cfg.vocab, (21,), generator=g).tolist()
 
     def kv(rid, ids, src_pages, last):
         t = pool.token()
@@ -165,10 +169,11 @@ def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(t
     try:
         t = pool.token()
         for r in (p0, p1):
-            pool.send(r, "prefill", t, items=[(1, ids1), (2, ids2)])
+            pool.send(r, "prefill", t, items=[(1, ids1), (2, ids2), (3, ids3)])
         rep = _collect(pool, {t: 2}, 60)[t]
         assert {s for s, _ in rep.values()} == {"ok"}, rep
         (tok1, pages1), (tok2, pages2) = rep[p0][1][0][1][:2], rep[p0][1][0][2][:2]
+        tok3, pages3 = rep[p0][1][0][3][:2]
         t = pool.token()
         pool.send(p1, "drop", t, rids=[2])             # p1 no longer holds request 2; p0 still does
         assert _collect(pool, {t: 1}, 30)[t][p1][0] == "ok"
@@ -187,6 +192,16 @@ def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(t
         out = _collect(pool, {t: 2}, 60)[t]
         assert {s for s, _ in out.values()} == {"ok"}, out
         tok1b = out[d0][1][0][1]
+        full = kv(3, ids3, pages3, tok3)               # 6 pages needed, 5 free: refused, nobody's fault
+        assert {s for s, _ in full.values()} == {"declined"}, full
+        assert all(msg.startswith("declined: no pages") for _, msg in full.values()), full
+        t = pool.token()
+        pool.send(d0, "drop", t, rids=[1])             # request 1 is done: 8 pages free
+        assert _collect(pool, {t: 1}, 30)[t][d0][0] == "ok"
+        again = kv(3, ids3, pages3, tok3)              # the sources kept their copy
+        assert {s for s, _ in again.values()} == {"ok"}, again
+        assert again[p0][1][0] + again[p1][1][0] == again[d0][1][0] > 0
+        assert all(p.exitcode is None for p in pool.procs)
     finally:
         pool.stop()
         run.tmp.cleanup()

@@ -173,7 +173,7 @@ class Result(NamedTuple):
     accepted:   optional real MTP outcome of a :class:`DecodeStep`: request id -> accepted draft tokens (0..k).
                 When None the scheduler draws acceptance from its seeded RNG (identically in every driver).
     failed:     None, or why the plan did not complete (the scheduler then re-queues its work): a fault's target
-                (``"gpu:3"``), or :data:`KV_LOST`.
+                (``"gpu:3"``), :data:`KV_LOST` or :data:`KV_NO_ROOM`.
     woken:      for :class:`Idle`: True if woken by the scheduler, False if the timer fired.
     """
 
@@ -182,6 +182,12 @@ class Result(NamedTuple):
     failed: str | None = None
     woken: bool = False
 
+
+#: ``Result.failed`` of a :class:`KvTransfer` whose decoder had no free pages for the KV (a real decoder
+#: refused the offer: its cache was fuller than the scheduler's count, e.g. a finished request's pages not
+#: freed yet). The KV is still on the prefiller: the scheduler ships it again later, to whichever decoder rank
+#: it then picks
+KV_NO_ROOM = "kv_no_room"
 
 #: ``Result.failed`` of a :class:`KvTransfer` whose source no longer holds the request's KV (it declined to ship):
 #: the request is prefilled again (prompt and tokens generated so far), as when its prefiller dies — shipping it

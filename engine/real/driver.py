@@ -19,8 +19,10 @@ code is not):
 Worker processes that die are detected (exit code) and turned into a fault of their GPU at the current time: the
 scheduler re-queues their requests; the group's other ranks are stopped. A live rank that fails a plan with no dead
 peer to explain it is declared dead the same way (:meth:`RealRun._fail_plan`), so no plan waits forever — unless
-the failure is a KV source's decline (it no longer holds the request's KV): then no rank is blamed and the request
-is prefilled again (:meth:`RealRun._decline_plan`). The
+the failure is a decline: a KV source no longer holds the request's KV (the request is prefilled again),
+or the decoder has no free pages for it (``declined: no pages``: the transfer is shipped again later); then
+no rank is blamed (:meth:`RealRun._decline_plan`). A prefiller frees the KV of requests the scheduler gave up
+on before its next prefill (:meth:`RealExecutor._given_up_on`). The
 scheduler plans with the ranks' real KV caches (:func:`real_capacities`). docs/ARCHITECTURE.md ("Failure
 behaviour") has the whole list.
 
@@ -60,7 +62,15 @@ from pathlib import Path
 
 import simpy
 
-from rackbed.engine.core.plans import KV_LOST, DecodeStep, Failed, KvTransfer, MixedStep, PrefillBatch
+from rackbed.engine.core.plans import (
+    KV_LOST,
+    KV_NO_ROOM,
+    DecodeStep,
+    Failed,
+    KvTransfer,
+    MixedStep,
+    PrefillBatch,
+)
 from rackbed.engine.loop.simenv import SimEnv
 from rackbed.engine.real.rank_setup import (  # noqa: F401  (re-exported: callers import them from the driver)
     _cache_kw,
@@ -79,6 +89,11 @@ class RankDied(RuntimeError):
     pass
 
 
+#: how a rank's ``declined`` reply starts when a decoder refused a KV transfer for lack of free pages
+#: (``engine.real.transfer.KvNoRoom``); any other decline is a source that lost the KV
+NO_PAGES = "declined: no pages"
+
+
 @dataclass
 class _Inflight:
     ev: simpy.Event
@@ -89,7 +104,7 @@ class _Inflight:
     kind: str
     key: int
     replies: dict[int, object] = field(default_factory=dict)
-    declined: set[int] = field(default_factory=set)   # ranks that replied ``declined`` (a source lost the KV)
+    declined: dict[int, str] = field(default_factory=dict)  # rank -> its ``declined`` reply
     worker_s: float = 0.0
     dst: int | None = None          # a KV plan's decoder rank (blamed first when the transfer fails)
     srcs: tuple[int, ...] = ()      # a KV plan's prefiller ranks (told to drop the KV once it has landed)
@@ -475,6 +490,7 @@ class RealRun:
         self.kill_after_steps: list[tuple[int, int]] = []
         self.lose_kv: set[int] = set()      # failure drill: requests whose first KV transfer finds the KV gone
         self.kv_declined: list[int] = []    # requests whose KV transfer a source declined (prefilled again)
+        self.kv_refused: list[int] = []     # requests whose KV transfer found no free pages (shipped again)
         self.deaths: list[tuple] = []       # (t, rank, gpu), sorted by (t, gpu)
         self.faulted: set[int] = set()      # ranks whose death the scheduler has been told of (on the clock)
         self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
@@ -569,8 +585,8 @@ class RealRun:
             if status == "error":
                 self.pool.errors.append(f"rank {rank}: {payload}")
             return
-        if status == "declined":        # a KV source no longer holds the request's KV: no rank's fault
-            fl.declined.add(rank)
+        if status == "declined":        # a source lost the KV, or the decoder has no pages: no rank's fault
+            fl.declined[rank] = str(payload)
             fl.replies[rank] = None
         elif status != "ok":
             self.pool.errors.append(f"rank {rank} {fl.kind}: {payload}")
@@ -585,7 +601,8 @@ class RealRun:
         measured = wall - fl.start_w
         if any(v is None for v in fl.replies.values()):
             if fl.declined and all(v is not None or r in fl.declined for r, v in fl.replies.items()):
-                self._decline_plan(fl, measured)
+                no_room = any(p.startswith(NO_PAGES) for p in fl.declined.values())
+                self._decline_plan(fl, measured, KV_NO_ROOM if no_room else KV_LOST)
             else:
                 self._fail_plan(fl)
             return
@@ -593,23 +610,31 @@ class RealRun:
         self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
         self.env.trigger(fl.ev, measured, max(fl.start_v + measured - self.env.now, 0.0))
 
-    def _decline_plan(self, fl: _Inflight, measured: float) -> None:
-        """A KV transfer failed only because a source no longer held the request's KV (every failing rank replied
-        ``declined``: the decoder has freed the pages it reserved). No rank is at fault and none is declared
-        dead: the plan fails at its measured clock time with :data:`KV_LOST`, and the scheduler prefills the
-        request again. The prefiller ranks that still hold their shards drop them now — the scheduler will not ship
-        this copy again (a decoder death that reaches it first re-sends the request, which then declines again).
-        The record's kind says how it failed, so a replay fails it the same way."""
-        self.records.append((fl.worker, f"{fl.kind}:{KV_LOST}", fl.key, measured, fl.worker_s))
-        self.kv_declined.append(fl.key)
-        self._drop_shipped(fl)
-        self.env.trigger(fl.ev, Failed(measured, KV_LOST), max(fl.start_v + measured - self.env.now, 0.0))
+    def _decline_plan(self, fl: _Inflight, measured: float, reason: str) -> None:
+        """A KV transfer failed only because of declines (every failing rank replied ``declined``; the decoder
+        holds no pages for it). No rank is at fault and none is declared dead: the plan fails at its measured
+        clock time with ``reason``, and the record's kind says so (``kv:kv_lost``), so a replay fails it the
+        same way.
+
+        - :data:`KV_LOST`: a source no longer held the request's KV. The scheduler prefills the request
+          again; the prefiller ranks that still hold their shards drop them now — the scheduler will not ship
+          this copy again (a decoder death that reaches it first re-sends the request, which then declines
+          again).
+        - :data:`KV_NO_ROOM`: the decoder had no free pages (``declined: no pages``). The prefiller keeps its
+          copy and the scheduler ships it again later, to this decoder or another."""
+        self.records.append((fl.worker, f"{fl.kind}:{reason}", fl.key, measured, fl.worker_s))
+        if reason == KV_NO_ROOM:
+            self.kv_refused.append(fl.key)
+        else:
+            self.kv_declined.append(fl.key)
+            self._drop_shipped(fl)
+        self.env.trigger(fl.ev, Failed(measured, reason), max(fl.start_v + measured - self.env.now, 0.0))
 
     def _fail_plan(self, fl: _Inflight) -> None:
         """Every rank of ``fl`` replied and one at least with an error. If a peer died (seen within
         :data:`DEATH_GRACE_S`: a transfer from a dead peer fails before its exit is noticed), that death's fault
         interrupts the plan. Otherwise the rank that failed is declared dead — a KV plan's decoder first (a transfer
-        whose only failure is a source's decline goes to :meth:`_decline_plan` instead, which blames nobody), else the
+        whose only failures are declines goes to :meth:`_decline_plan` instead, which blames nobody), else the
         lowest failing rank: its process is stopped and its GPU fails like a dead one's, so the scheduler requeues
         the plan's requests and a replay meets the same fault at the same time. The plan never completes (an
         infinite duration on record: the fault interrupts it in the replay too)."""

@@ -43,8 +43,20 @@ from rackbed.engine.core.kv import KvLayout, reshard_plan
 
 class KvDeclined(RuntimeError):
     """A transfer failed only because a source no longer holds the request's KV (it declined): no rank is at
-    fault, the KV is gone. The worker replies ``"declined"`` rather than ``"error"``, so the driver has the request
-    prefilled again instead of declaring a rank dead."""
+    fault, the KV is gone. The worker replies ``"declined"`` rather than ``"error"`` (its text starts with
+    ``"declined: "`` and :attr:`why`), so the driver has the request prefilled again instead of declaring a
+    rank dead."""
+
+    why = "KV lost"
+
+
+class KvNoRoom(KvDeclined):
+    """The decoder has no free pages for the request's KV (its cache is full): it refuses the offer, and the
+    sources, which see the refusal, decline too. No rank is at fault and the KV is still on the prefiller: the
+    replies read ``"declined: no pages: ..."``, and the driver fails the transfer with ``KV_NO_ROOM`` so the
+    scheduler ships it again later, to this decoder or another."""
+
+    why = "no pages"
 
 
 def _unit(offsets: np.ndarray, sizes: np.ndarray, total: int) -> int:

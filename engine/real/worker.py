@@ -3,7 +3,8 @@
 The driver (``engine.real.driver``) sends commands on this rank's queue; every rank of a group gets the same
 command and runs it together (collectives inside the group), then replies on the shared result queue with
 ``(token, rank, status, payload)`` (status ``ok``, ``error``, or ``declined``: a KV transfer that failed only
-because a source no longer holds the request's KV). Commands:
+because a source no longer holds the request's KV, ``declined: KV lost: ...``, or because the decoder has no
+free pages for it, ``declined: no pages: ...``). Commands:
 
 - ``prefill``  items ``[(rid, token_ids[, cached])]`` -> KV kept in this rank's cache (a cached prompt prefix
   reused from the rank's prefix cache, ``engine.real.prefix``); reply ``{rid: (first_token, pages, reused)}``
@@ -47,7 +48,7 @@ from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.families import model_class
 from rackbed.engine.real.model import PagedKvCache, Shard, TorchModelConfig
 from rackbed.engine.real.prefix import RankPrefixCache
-from rackbed.engine.real.transfer import KvBackend, KvDeclined, TransferEngine
+from rackbed.engine.real.transfer import KvBackend, KvDeclined, KvNoRoom, TransferEngine
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,8 @@ class Rank:
             out = getattr(self, f"_op_{op}")(**args)
             self._sync()
             res_q.put((token, self.spec.rank, "ok", (out, time.perf_counter() - t0)))
-        except KvDeclined as exc:   # the KV is gone on a source: not this rank's fault (transfer.KvDeclined)
-            res_q.put((token, self.spec.rank, "declined", str(exc)))
+        except KvDeclined as exc:   # the KV is gone on a source, or the decoder has no pages: no rank's fault
+            res_q.put((token, self.spec.rank, "declined", f"declined: {exc.why}: {exc}"))
         except Exception as exc:
             res_q.put((token, self.spec.rank, "error", f"{type(exc).__name__}: {exc}"))
 
@@ -398,8 +399,8 @@ class Rank:
                 s.busy = True
         try:
             dst_pages = self.transfer.await_offer(dst_global, seq_len, self.dev)
-            if dst_pages is None:
-                raise MemoryError(f"decoder rank {dst_global} has no room for request {rid}")
+            if dst_pages is None:     # refused: the decoder's cache is full (or it failed: it says which)
+                raise KvNoRoom(f"decoder rank {dst_global} has no room for request {rid}")
             if s is None:
                 self.transfer.decline(dst_global, self.dev)
                 raise KvDeclined(f"request {rid}: no KV here to ship (already dropped?)")
@@ -419,7 +420,9 @@ class Rank:
         in the running batch until a later decode step's ``joined`` names it. ``free``: requests the scheduler has
         finished on this rank whose ``left`` step has not run yet; their pages are freed first. A full cache is
         retried for up to ``KV_ROOM_WAIT_S``: a decode step already queued on the compute lane may be about to
-        free a finished request's pages (the scheduler counted them free when the request finished)."""
+        free a finished request's pages (the scheduler counted them free when the request finished); then the
+        offer is refused and the reply is ``declined: no pages`` (:class:`transfer.KvNoRoom`): this rank is
+        alive and well, the transfer is shipped again later."""
         pages, s, failure = None, None, None
         try:
             with self.lock:
@@ -436,7 +439,7 @@ class Rank:
                     except MemoryError:
                         pass
                 if pages is None and time.monotonic() >= deadline:
-                    failure = MemoryError(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
+                    failure = KvNoRoom(f"KV cache full: no room for request {rid} ({seq_len} tokens)")
                     break
                 if pages is None:
                     time.sleep(0.002)
