@@ -172,30 +172,73 @@ class EngineCalibratedCostModel:
 # Fitting and validation from a real run's files
 
 
+def run_deaths(real: dict) -> list[tuple[float, int, int]]:
+    """The rank deaths of a real run's ``real.json`` as ``(t_s, rank, gpu)``: its ``deaths`` are objects
+    ``{"t_s", "rank", "gpu"}`` (``engine/cli/real.py``); triples are read too."""
+    out = []
+    for d in real.get("deaths") or ():
+        t, rank, gpu = (d["t_s"], d.get("rank", -1), d["gpu"]) if isinstance(d, dict) else d
+        out.append((float(t), int(rank), int(gpu)))
+    return out
+
+
+def run_faults(real: dict) -> list[dict]:
+    """A real run's rank deaths as the simulator's fault list (each a fault of its GPU at its clock time, as
+    the real run's replay has them)."""
+    return [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in run_deaths(real)]
+
+
+def run_deployment(built, real: dict):
+    """The deployment a real run's scheduler planned with: ``built``'s, with the KV capacities of the ranks'
+    real caches that ``real.json`` records (``kv_capacity``); ``built``'s as it is for a run recorded without
+    them. Replaying the run's times through another capacity can make other decisions."""
+    cap = real.get("kv_capacity")
+    if not cap:
+        return built.deployment
+    from rackbed.engine.core.deployment import with_kv_capacities
+
+    return with_kv_capacities(built.deployment, prefill_tokens=int(cap["prefill_tokens"]),
+                              rank_tokens=int(cap["rank_tokens"]))
+
+
+def _measured(p: dict) -> float:
+    """A plan's measured time (``inf``: it never completed, a rank death interrupted it)."""
+    m = p.get("measured_s")
+    return float("inf") if m is None else float(m)
+
+
 class _Replayed:
-    """Executor for :func:`_replay_plans`: each plan's recorded duration, and the plan kept."""
+    """Executor for :func:`_replay_plans`: each plan's recorded duration, and the plan kept. A plan that
+    failed without a fault (kind ``kv:kv_lost`` / ``kv:kv_no_room``: a declined KV transfer) fails again with
+    its reason; one that never completed (a rank death interrupted it) runs until the replayed fault
+    interrupts it too."""
 
     def __init__(self, records) -> None:
-        self.table: dict[tuple, list[float]] = {}
+        self.table: dict[tuple, list] = {}
         for p in records:           # a key can repeat (a KV shipped again after a failure)
-            self.table.setdefault((p["worker"], p["kind"], p["key"]), []).append(p["measured_s"])
+            kind, _, failed = p["kind"].partition(":")
+            m = _measured(p)
+            self.table.setdefault((p["worker"], kind, p["key"]), []).append((m, failed))
         self.plans: dict[tuple, list] = {}
         self.breakdown_s = {"prefill": {}, "decode": {}}
 
     def breakdown(self) -> dict:
         return self.breakdown_s
 
-    def duration(self, plan, now_s: float) -> float:
-        from rackbed.engine.core.plans import KvTransfer, PrefillBatch
+    def duration(self, plan, now_s: float):
+        from rackbed.engine.core.plans import Failed, KvTransfer, MixedStep, PrefillBatch
 
         tp = type(plan)
         k = (plan.worker, "prefill", plan.batch) if tp is PrefillBatch else \
-            (plan.worker, "kv", plan.request_id) if tp is KvTransfer else (plan.worker, "decode", plan.step)
+            (plan.worker, "kv", plan.request_id) if tp is KvTransfer else \
+            (plan.worker, "mixed", plan.step) if tp is MixedStep else (plan.worker, "decode", plan.step)
         if not self.table.get(k):
             raise UserError(f"engine calibration: replaying the real run diverged (no measured time for {k})")
         self.plans.setdefault(k, []).append(plan)
-        d = self.table[k].pop(0)
-        return float(d) if np.isfinite(d) else 1e9
+        d, failed = self.table[k].pop(0)
+        if failed:
+            return Failed(d, failed)
+        return d if np.isfinite(d) else 1e9
 
 
 def _replay_plans(real: dict, built) -> dict[tuple, list]:
@@ -207,16 +250,32 @@ def _replay_plans(real: dict, built) -> dict[tuple, list]:
 
     sc = built.scenario
     ex = _Replayed(real["plans"])
-    faults = [{"at_s": t, "target": f"gpu:{gpu}"} for t, _, gpu in real.get("deaths") or ()]
-    simulate(built.deployment, generate(sc.workload, sc.seed), built.cost_model, seed=sc.seed, progress=False,
-             faults=faults, slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s), kv_chunks=built.cost_model.kv_chunks,
-             decision_log=False, executor_factory=lambda cm, net, group_of: ex)
+    simulate(run_deployment(built, real), generate(sc.workload, sc.seed), built.cost_model, seed=sc.seed,
+             progress=False, faults=run_faults(real), slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s),
+             kv_chunks=built.cost_model.kv_chunks, decision_log=False,
+             executor_factory=lambda cm, net, group_of: ex)
     return ex.plans
+
+
+def skipped_plans(real: dict) -> dict:
+    """The plans of a real run that measure no step and are left out of the fit: ``interrupted`` (no time: a
+    rank death interrupted them), ``failed`` (``{reason: n}``: KV transfers that failed without a fault, e.g.
+    ``kv_lost``, ``kv_no_room``); with the run's ``deaths`` (``[{"t_s", "rank", "gpu"}]``)."""
+    interrupted, failed = 0, {}
+    for p in real.get("plans", ()):
+        _, _, why = p["kind"].partition(":")
+        if why:
+            failed[why] = failed.get(why, 0) + 1
+        elif not np.isfinite(_measured(p)):
+            interrupted += 1
+    return {"interrupted": interrupted, "failed": failed,
+            "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run_deaths(real)]}
 
 
 def _plans(run_dir: Path, built, kv_bytes_per_token: int | None = None) -> list[dict]:
     """Each measured plan of a real run with its size: decode -> batch, prefill -> tokens (and ``pairs``, its
-    causal attention work), kv -> tokens; in the run's completion order."""
+    causal attention work), kv -> tokens; in the run's completion order. Plans that measure no step are left
+    out (:func:`skipped_plans`): those a rank death interrupted and KV transfers that failed."""
     real = json.loads((run_dir / "real.json").read_text())
     dec, pre, kv = {}, {}, {}
     with open(run_dir / "decisions.csv") as f:
@@ -232,9 +291,9 @@ def _plans(run_dir: Path, built, kv_bytes_per_token: int | None = None) -> list[
     out = []
     seen: dict[tuple, int] = {}
     for p in real["plans"]:
-        k3 = (p["worker"], p["kind"], p["key"])
+        k3 = (p["worker"], p["kind"].partition(":")[0], p["key"])
         i = seen[k3] = seen.get(k3, -1) + 1
-        if p["measured_s"] is None or not np.isfinite(p["measured_s"]):
+        if ":" in p["kind"] or not np.isfinite(_measured(p)):
             continue
         k = (p["worker"], p["key"])
         if p["kind"] == "decode" and k in dec:
@@ -337,6 +396,13 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
     return cal, hold
 
 
+def _rel(pred, measured) -> float | None:
+    """``(pred - measured) / measured``, or None when either is missing or the measurement is not positive."""
+    if pred is None or measured is None or not measured > 0 or not math.isfinite(pred):
+        return None
+    return (pred - measured) / measured
+
+
 def _err_stats(rows: list[dict]) -> dict:
     e = [abs(r["rel_error"]) for r in rows]
     return {"n": len(e), "median_abs": statistics.median(e) if e else None, "max_abs": max(e) if e else None}
@@ -345,7 +411,12 @@ def _err_stats(rows: list[dict]) -> dict:
 def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_calibration: Path | None = None) -> dict:
     """Engine-level validation of a real run: fit on the plans not held out, then (1) per-plan error on the
     held-out plans, (2) re-simulate the run's scenario with the engine-calibrated cost model and compare the
-    serving metrics (TTFT/TPOT p50/p90, decode step and prefill medians) with the real run's."""
+    serving metrics (TTFT/TPOT p50/p90, decode step and prefill medians) with the real run's. A run that had
+    rank deaths is read too: the plans they interrupted and the KV transfers that failed are left out of the
+    fit and counted under ``skipped`` (:func:`skipped_plans`), and the re-simulations meet the same deaths
+    (faults of their GPUs at the same clock times); they plan with the KV capacities the run's scheduler had
+    (:func:`run_deployment`). A metric without a value on either side (e.g. no request
+    finished) has a null error."""
     from rackbed.engine.core.workload import generate
     from rackbed.sim.driver import simulate
     from rackbed.sim.scenario import build, load_scenario
@@ -363,25 +434,27 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
             if p["kind"] == "prefill" else cal.kv(p["x"])
         rows.append({"plan": f"{p['worker']}/{p['kind']}/{p['key']}", "kind": p["kind"], "x": p["x"],
                      "measured_s": p["measured_s"], "predicted_s": pred,
-                     "rel_error": (pred - p["measured_s"]) / p["measured_s"]})
-    per_kind = {k: _err_stats([r for r in rows if r["kind"] == k]) for k in ("decode", "prefill", "kv")}
+                     "rel_error": _rel(pred, p["measured_s"])})
+    per_kind = {k: _err_stats([r for r in rows if r["kind"] == k and r["rel_error"] is not None])
+                for k in ("decode", "prefill", "kv")}
     # (2) serving metrics: the scenario re-simulated with the engine calibration vs the real run
     from rackbed.engine.core.metrics import Slo
 
     cm = EngineCalibratedCostModel(b.cost_model, cal)
     reqs = generate(sc.workload, sc.seed)
-    res = simulate(b.deployment, reqs, cm, seed=sc.seed, progress=False, slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s),
-                   kv_chunks=b.cost_model.kv_chunks, decision_log=False)
+    faults, dep = run_faults(real), run_deployment(b, real)
+    res = simulate(dep, reqs, cm, seed=sc.seed, progress=False, slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s),
+                   kv_chunks=b.cost_model.kv_chunks, decision_log=False, faults=faults)
     rm = real["metrics"]["latency_s"]
     sm = res.metrics["latency_s"]
     serving = []
     for key in ("ttft", "tpot", "itl", "e2e"):
         for q in ("p50", "p90"):
             m, s = rm[key][q], sm[key][q]
-            serving.append({"metric": f"{key} {q}", "real_s": m, "sim_s": s, "rel_error": (s - m) / m})
-    uncal = simulate(b.deployment, reqs, b.cost_model, seed=sc.seed, progress=False,
+            serving.append({"metric": f"{key} {q}", "real_s": m, "sim_s": s, "rel_error": _rel(s, m)})
+    uncal = simulate(dep, reqs, b.cost_model, seed=sc.seed, progress=False,
                      slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s), kv_chunks=b.cost_model.kv_chunks,
-                     decision_log=False).metrics["latency_s"]
+                     decision_log=False, faults=faults).metrics["latency_s"]
     for r in serving:
         key, q = r["metric"].split()
         r["uncalibrated_sim_s"] = uncal[key][q]
@@ -391,5 +464,5 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
         write_calibration.parent.mkdir(parents=True, exist_ok=True)
         write_text(write_calibration, yaml.safe_dump(json.loads(cal.model_dump_json()), sort_keys=False))
     return {"run": str(run_dir), "gpu": gpu, "model": b.model.name, "calibration": json.loads(cal.model_dump_json()),
-            "held_out_plans": rows, "per_plan": per_kind, "serving": serving,
+            "held_out_plans": rows, "per_plan": per_kind, "serving": serving, "skipped": skipped_plans(real),
             "targets": {"step_time": 0.05, "ttft_tpot_p50": 0.05, "ttft_tpot_p90": 0.10}}

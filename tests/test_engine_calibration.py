@@ -1,4 +1,5 @@
-"""Engine calibration (sim.engine_calibration): the prefill form a + b*tokens + c*attention pairs."""
+"""Engine calibration (sim.engine_calibration): the prefill form a + b*tokens + c*attention pairs; a real run
+that had a rank death is read (its failure records left out of the fit and reported)."""
 
 import os
 from itertools import pairwise
@@ -91,3 +92,74 @@ def test_held_out_prefills_of_the_h200_run():
         os.chdir(cwd)
     assert res["calibration"]["prefill_attn_s"] > 0
     assert res["per_plan"]["prefill"]["max_abs"] <= 0.10
+
+
+def test_failed_and_interrupted_plans_are_replayed_and_left_out_of_the_fit():
+    """A real run's records: a KV transfer refused for lack of pages (``kv:kv_no_room``) and shipped again, a
+    decode step a rank death interrupted (no time: ``inf``), a KV transfer whose source lost the KV
+    (``kv:kv_lost``); deaths as ``real.json`` writes them. The replay fails the failed ones with their reason
+    and lets the fault interrupt the other; all three are counted, not fitted."""
+    import types
+
+    from rackbed.engine.core.plans import Failed, KvTransfer
+    from rackbed.sim.engine_calibration import _Replayed, run_faults, skipped_plans
+
+    real = {"deaths": [{"t_s": 0.5, "rank": 2, "gpu": 3}], "plans": [
+        {"worker": "P0.kv0", "kind": "kv:kv_no_room", "key": 3, "measured_s": 0.01, "worker_s": 0.0},
+        {"worker": "P0.kv0", "kind": "kv", "key": 3, "measured_s": 0.02, "worker_s": 0.01},
+        {"worker": "D0", "kind": "decode", "key": 4, "measured_s": float("inf"), "worker_s": 0.0},
+        {"worker": "P0.kv1", "kind": "kv:kv_lost", "key": 5, "measured_s": 0.03, "worker_s": 0.0}]}
+    assert run_faults(real) == [{"at_s": 0.5, "target": "gpu:3"}]
+    assert skipped_plans(real) == {"interrupted": 1, "failed": {"kv_no_room": 1, "kv_lost": 1},
+                                   "deaths": [{"t_s": 0.5, "rank": 2, "gpu": 3}]}
+    ex = _Replayed(real["plans"])
+    kv = KvTransfer("P0.kv0", 3, "P0", "D0", 0, 20, 100, 1, ())
+    assert ex.duration(kv, 0.0) == Failed(0.01, "kv_no_room")
+    assert ex.duration(kv, 0.1) == 0.02
+    assert ex.duration(types.SimpleNamespace(worker="D0", step=4), 0.2) == 1e9
+    assert ex.duration(KvTransfer("P0.kv1", 5, "P0", "D0", 0, 20, 100, 1, ()), 0.3) == Failed(0.03, "kv_lost")
+
+
+def test_validate_reads_a_real_run_that_had_a_rank_death(tmp_path, capsys):
+    """``rackbed real`` with a decoder killed, then ``rackbed validate --engine`` on its folder: no traceback
+    (it used to stop at ``could not convert string to float: 't_s'``, reading the deaths' objects as
+    triples); the death and the plans left out are reported, the held-out plans and serving metrics are
+    compared, the replay planning with the KV capacities the real run recorded."""
+    import argparse
+    import json
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+
+    from rackbed.engine.cli.main import main
+    from rackbed.engine.cli.validate import validate_engine
+
+    ck = save_checkpoint(*tiny_hf_model(), tmp_path / "ckpt")
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"""kind: serving
+name: killed
+topology: hgx-h200
+model: {ck / 'config.json'}
+weight_format: bf16
+prefill: {{tp: 1, ep: 1, replicas: 1, max_batch_tokens: 256}}
+decode: {{ep: 1, replicas: 2, max_batch_per_rank: 4, page_tokens: 4}}
+mtp: {{draft_k: 0}}
+workload: {{kind: synthetic, arrival: {{kind: poisson, rate_per_s: 40}},
+           prompt: {{kind: uniform, lo: 5, hi: 30}}, output: {{kind: uniform, lo: 10, hi: 30}},
+           n_requests: 12, seed: 1}}
+real: {{device: cpu, dtype: fp32, weights: {ck}, prefill_pages: 64, decode_pages: 40,
+       kill: [{{at_s: 0.1, gpu: 1}}]}}
+""")
+    out = tmp_path / "run"
+    assert main(["real", str(scen), "--out", str(out)]) == 0
+    real = json.loads((out / "real.json").read_text())
+    assert [d["gpu"] for d in real["deaths"]] == [1] and real["kv_capacity"]["rank_tokens"] == 40 * 4
+    capsys.readouterr()
+    res = validate_engine(None, None, argparse.Namespace(engine=str(out), holdout_every=3,
+                                                          write_engine_calibration=None))
+    text = capsys.readouterr().out
+    assert "rank deaths: GPU 1 (rank 1)" in text, text
+    assert res["skipped"]["deaths"] == real["deaths"]
+    assert res["skipped"]["interrupted"] == sum(1 for p in real["plans"] if p["measured_s"] == float("inf"))
+    assert res["per_plan"]["decode"]["n"] > 0 and res["serving"]

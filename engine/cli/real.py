@@ -54,6 +54,7 @@ def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rackbed import scenarios
+    from rackbed.engine.core.deployment import kv_capacities
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import bad_endings, replay, run_real
     from rackbed.sim.driver import simulate
@@ -83,6 +84,7 @@ def _main(args: argparse.Namespace) -> int:
                 "step" if not rs.weights else "checkpoint weights: no MTP head is run; acceptance drawn (seeded)"),
         "model": {"name": b.model.name, "layers": run.cfg.n_layers, "hidden": run.cfg.hidden, "dtype": rs.dtype},
         "kv_bytes_per_token": b.deployment.kv_bytes_per_token,
+        "kv_capacity": kv_capacities(b.deployment),   # what the scheduler planned with: the ranks' caches
         "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
         "rank_errors": run.pool.errors,
         "replay_identical_decisions": same,

@@ -159,6 +159,7 @@ def main(argv=None) -> int:
         t.join(timeout=60)
         import json
 
+        from rackbed.engine.core.deployment import kv_capacities
         from rackbed.engine.real.driver import bad_endings, replay
 
         write_all(res, out)
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
                                                 deaths=run.deaths).log.decisions()
         write_text(out / "real.json", json.dumps({
             "scenario": str(a.scenario), "world": world, "replay_identical_decisions": same,
+            "kv_capacity": kv_capacities(b.deployment),
             "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
             "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},
             "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},

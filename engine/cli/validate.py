@@ -215,14 +215,24 @@ def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
     res = validate_engine_run(args.engine, holdout_every=args.holdout_every, write_calibration=wc)
     print(f"engine level: {res['model']} on {res['gpu']} from {res['run']} "
           f"({res['calibration']['n_plans']['fit']} plans fitted, {len(res['held_out_plans'])} held out)")
+    sk = res.get("skipped") or {}
+    if sk.get("deaths") or sk.get("interrupted") or sk.get("failed"):
+        deaths = ", ".join(f"GPU {d['gpu']} (rank {d['rank']}) at {d['t_s']:.3f} s"
+                           for d in sk.get("deaths", ()))
+        failed = ", ".join(f"{n} {why}" for why, n in sorted(sk.get("failed", {}).items()))
+        print(f"  rank deaths: {deaths or 'none'}; left out of the fit: {sk.get('interrupted', 0)} plans "
+              f"they interrupted (no time), failed KV transfers: {failed or 'none'}; the re-simulations "
+              f"meet the same deaths")
     for kind, st in res["per_plan"].items():
         if st["n"]:
             print(f"  held-out {kind:8s} n={st['n']:4d}  median |error| {st['median_abs'] * 100:6.1f}%  "
                   f"max {st['max_abs'] * 100:7.1f}%")
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}ms"  # noqa: E731
+    pct = lambda v: "-" if v is None else f"{v * 100:+.1f}%"  # noqa: E731
     print(f"  {'metric':10s} {'real':>10s} {'sim':>10s} {'error':>8s} {'uncalibrated sim':>17s}")
     for r in res["serving"]:
-        print(f"  {r['metric']:10s} {r['real_s'] * 1e3:9.2f}ms {r['sim_s'] * 1e3:9.2f}ms {r['rel_error'] * 100:+7.1f}%"
-              f" {r['uncalibrated_sim_s'] * 1e3:15.2f}ms")
+        print(f"  {r['metric']:10s} {ms(r['real_s']):>10s} {ms(r['sim_s']):>10s} {pct(r['rel_error']):>8s} "
+              f"{ms(r['uncalibrated_sim_s']):>17s}")
     if wc:
         print(f"  wrote {wc}")
     return res

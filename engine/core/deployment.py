@@ -313,6 +313,35 @@ class TopologyView(Protocol):
     def nvlink_domain(self, i: int) -> frozenset[int]: ...
 
 
+def with_kv_capacities(dep: Deployment, *, prefill_tokens: int, rank_tokens: int) -> Deployment:
+    """``dep`` with every prefiller's KV capacity set to ``prefill_tokens`` and every decoder or aggregated
+    rank's to ``rank_tokens`` (templates included, so workers made later have them too): what a real run's
+    scheduler plans with (``engine.real.rank_setup.real_capacities``, recorded in its ``real.json``)."""
+    import dataclasses
+
+    def tpl(t, **kw):
+        return dataclasses.replace(t, **kw)
+
+    def grp(g, **kw):
+        return dataclasses.replace(g, template=tpl(g.template, **kw))
+
+    return dataclasses.replace(
+        dep,
+        prefillers=tuple(grp(g, kv_capacity_tokens=prefill_tokens) for g in dep.prefillers),
+        decoders=tuple(grp(g, kv_capacity_tokens_per_rank=rank_tokens) for g in dep.decoders),
+        aggregated=tuple(grp(g, kv_capacity_tokens_per_rank=rank_tokens) for g in dep.aggregated),
+        prefiller_template=tpl(dep.prefiller_template, kv_capacity_tokens=prefill_tokens),
+        decoder_template=tpl(dep.decoder_template, kv_capacity_tokens_per_rank=rank_tokens))
+
+
+def kv_capacities(dep: Deployment) -> dict[str, int]:
+    """``{"prefill_tokens", "rank_tokens"}``: the KV capacities :func:`with_kv_capacities` sets (a
+    prefiller's, a decoder or aggregated rank's), read from ``dep``'s templates and groups."""
+    ranks = [g.template for g in (*dep.decoders, *dep.aggregated)] or [dep.decoder_template]
+    return {"prefill_tokens": dep.prefiller_template.kv_capacity_tokens,
+            "rank_tokens": ranks[0].kv_capacity_tokens_per_rank}
+
+
 def kv_transfer_sizes(model, elem_bytes: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """``(kv_bytes_per_token, kv_window_bytes)`` of a :class:`Deployment` for ``model`` (MTP layers excluded, as
     ``ModelSpec.kv_bytes_per_token``): the per-token bytes of the layers that keep the whole sequence, and

@@ -68,25 +68,12 @@ def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: 
     prefiller group ``prefill_pages`` pages per rank less the page rounding of its prompts (the scheduler counts a
     prefiller's KV in tokens, a rank allocates whole pages per prompt: a prompt of ``p >= min_prompt`` tokens takes
     at most ``p * (min_prompt + page_tokens - 1) / min_prompt`` tokens of pages)."""
-    import dataclasses
+    from rackbed.engine.core.deployment import with_kv_capacities
 
     dcap = decode_pages * page_tokens
     m = max(min_prompt, 1)
     pcap = max(1, prefill_pages * page_tokens * m // (m + page_tokens - 1))
-
-    def tpl(t, **kw):
-        return dataclasses.replace(t, **kw)
-
-    def grp(g, **kw):
-        return dataclasses.replace(g, template=tpl(g.template, **kw))
-
-    return dataclasses.replace(
-        dep,
-        prefillers=tuple(grp(g, kv_capacity_tokens=pcap) for g in dep.prefillers),
-        decoders=tuple(grp(g, kv_capacity_tokens_per_rank=dcap) for g in dep.decoders),
-        aggregated=tuple(grp(g, kv_capacity_tokens_per_rank=dcap) for g in dep.aggregated),
-        prefiller_template=tpl(dep.prefiller_template, kv_capacity_tokens=pcap),
-        decoder_template=tpl(dep.decoder_template, kv_capacity_tokens_per_rank=dcap))
+    return with_kv_capacities(dep, prefill_tokens=pcap, rank_tokens=dcap)
 
 
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
