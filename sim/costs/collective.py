@@ -28,7 +28,12 @@ NVLS; across domains the sum of the GPU's NIC line rates (capped by NVLink).
 
 ``algo="auto"`` picks the fastest candidate, as NCCL's tuner does from its own cost table; any algorithm can be
 forced. A calibration table (kind ``allreduce_us``, key algo / n_ranks, x = bytes) replaces the estimate of the
-algorithms it covers.
+algorithms it covers. Where it measures a symmetric-memory kernel (``one_shot`` / ``two_shot`` / ``nvls``) for the
+group's GPU and size, it measured the serving stack's own all-reduce (TensorRT-LLM's custom all-reduce, which picks
+one- or two-shot itself, beside NCCL, which picks ring, tree or NVLS itself): "auto" then chooses among the measured
+algorithms only, since an estimate of a kernel the stack does not run would undercut the measured ones (the NVLS
+estimate, 10-20 % below the measured TP4 curves on H200 and B200, e.g.). A calibration measuring NCCL only (the
+``rackbed`` stack's ``h200.yaml``) leaves the symmetric kernels, which rackbed's engine runs, to the model.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from rackbed.topology.errors import UserError
 from rackbed.topology.specs import GpuSpec
 
 ALGOS: tuple[str, ...] = ("one_shot", "two_shot", "ring", "nvls")
+#: the symmetric-memory kernels: a calibration measuring one of them for a group measured its stack's own
+#: all-reduce, and "auto" then picks among the measured algorithms only (module docstring)
+SYMMETRIC: frozenset[str] = frozenset(("one_shot", "two_shot", "nvls"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +257,7 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
             return _auto_fast(g, terms, n_bytes)
     avail = available_algos(g)
     if algo in ("auto", "auto_no_nvls"):
-        names = [a for a in avail if not (algo == "auto_no_nvls" and a == "nvls")]
-        return min((_estimate(g, a, n_bytes, calib) for a in names), key=lambda c: c.total_s)
+        return min((_estimate(g, a, n_bytes, calib) for a in auto_names(g, algo, calib)), key=lambda c: c.total_s)
     if algo not in ALGOS:
         raise UserError(f"all-reduce algo must be auto, auto_no_nvls or one of {', '.join(ALGOS)}, got {algo!r}")
     if algo not in avail:
@@ -258,6 +265,19 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
                else "the group spans NVLink domains (only ring over the network)")
         raise UserError(f"all-reduce algo {algo!r} not available on GPUs {sorted(set(gpus))}: {why}")
     return _estimate(g, algo, n_bytes, calib)
+
+
+def _measured(calib: CalibrationTable | None, g: GroupLinks, algo: str) -> bool:
+    return calib is not None and g.one_domain and \
+        calib.entry("allreduce_us", g.gpu.name, algo=algo, n_ranks=g.n_ranks) is not None
+
+
+def auto_names(g: GroupLinks, algo: str = "auto", calib: CalibrationTable | None = None) -> list[str]:
+    """The algorithms ``algo`` ("auto" / "auto_no_nvls") chooses between on group ``g``: those available, and
+    where ``calib`` measures a symmetric-memory kernel for the group, only the measured ones (module docstring)."""
+    names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
+    measured = [a for a in names if _measured(calib, g, a)]
+    return measured if any(a in SYMMETRIC for a in measured) else names
 
 
 # "auto" without calibrated all-reduce entries, per (group, algo, calibration): every candidate's _terms, so a
@@ -270,9 +290,8 @@ def _auto_terms(g: GroupLinks, algo: str, calib: CalibrationTable | None) -> tup
     hit = _AUTO.get(key)
     if hit is not None and hit[0] is g and hit[1] is calib:
         return hit[2]
-    names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
-    if calib is not None and g.one_domain and any(
-            calib.entry("allreduce_us", g.gpu.name, algo=a, n_ranks=g.n_ranks) is not None for a in names):
+    names = auto_names(g, algo, calib)
+    if calib is not None and g.one_domain and any(_measured(calib, g, a) for a in names):
         terms = None  # measured entries depend on n_bytes: the general path
     else:
         fixed_us = kernel_fixed_us(calib, g.gpu)
