@@ -230,3 +230,23 @@ def test_tp_allreduce_priced_from_measured_curves(gpu_file, n):
         measured = [calib.lookup("allreduce_us", topo.gpu_spec(0).name, n_bytes, algo=a, n_ranks=n)
                     for a in collective.ALGOS]
         assert c.total_s * 1e6 == pytest.approx(min(m for m in measured if m is not None))
+
+
+def test_unmeasured_group_size_scales_the_nearest_measured():
+    """GB200's tables measure all-reduces at 2 and 4 GPUs: TP8 takes the TP4 curves scaled by the model's TP8 / TP4
+    ratio (so a measured TP4 is not compared with a first-principles TP8), and no NVLS estimate competes."""
+    calib = _load(Path(CALIBRATION_DIR) / "gb200-trtllm.json")
+    topo = _topology("B200-GB200")
+    g8 = collective.group_links(topo, list(range(8)))
+    assert collective.auto_names(g8, "auto", calib) == ["one_shot", "two_shot", "ring"]
+    for n_bytes in (7168 * 2 * 64, 7168 * 2 * 4096):
+        for algo in ("one_shot", "two_shot", "ring"):
+            c8 = collective.allreduce_time(topo, list(range(8)), n_bytes, algo=algo, calib=calib)
+            m4 = calib.lookup("allreduce_us", "B200-GB200", n_bytes, algo=algo, n_ranks=4) * 1e-6
+            e8 = collective.allreduce_time(topo, list(range(8)), n_bytes, algo=algo).total_s
+            e4 = collective.allreduce_time(topo, list(range(4)), n_bytes, algo=algo).total_s
+            assert c8.calibrated and c8.total_s == pytest.approx(m4 * e8 / e4)
+    # a calibration without the stack's own all-reduce (rackbed's h200.yaml: NCCL at 2 GPUs) scales nothing
+    h200 = _load(Path(CALIBRATION_DIR) / "h200.yaml")
+    c = collective.allreduce_time(preset("hgx-h200"), list(range(4)), 1 << 20, algo="ring", calib=h200)
+    assert not c.calibrated

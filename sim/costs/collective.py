@@ -33,14 +33,18 @@ group's GPU and size, it measured the serving stack's own all-reduce (TensorRT-L
 one- or two-shot itself, beside NCCL, which picks ring, tree or NVLS itself): "auto" then chooses among the measured
 algorithms only, since an estimate of a kernel the stack does not run would undercut the measured ones (the NVLS
 estimate, 10-20 % below the measured TP4 curves on H200 and B200, e.g.). A calibration measuring NCCL only (the
-``rackbed`` stack's ``h200.yaml``) leaves the symmetric kernels, which rackbed's engine runs, to the model.
+``rackbed`` stack's ``h200.yaml``) leaves the symmetric kernels, which rackbed's engine runs, to the model. In a
+calibration that measures its stack's own all-reduce, a group size it did not measure (GB200 TP8: measured at 2
+and 4 GPUs) takes each algorithm's curve at the nearest measured size, scaled by the model's ratio between the
+two sizes, so that a measured TP4 is not compared with a first-principles TP8.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from rackbed.engine.core.collectives import schedule
@@ -239,8 +243,31 @@ def _estimate(g: GroupLinks, algo: str, n_bytes: float, calib: CalibrationTable 
     measured = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=g.n_ranks) \
         if g.one_domain else None
     if measured is None:
-        return est
+        n2 = _nearest_measured(calib, g, algo)
+        if n2 is None:
+            return est
+        # a stack calibration measured this algorithm at other group sizes: the nearest one, scaled by the model
+        g2 = replace(g, n_ranks=n2)
+        est2 = _ring(g2, n_bytes) if algo == "ring" else _symmetric(g2, algo, n_bytes, kernel_fixed_us(calib, g.gpu))
+        m2 = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=n2)
+        measured = m2 * est.total_s / est2.total_s if est2.total_s > 0 else m2
     return CollectiveCost(algo, est.protocol, g.n_ranks, n_bytes, 0.0, 0.0, measured * 1e-6, est.link_bytes, True)
+
+
+def _nearest_measured(calib: CalibrationTable | None, g: GroupLinks, algo: str) -> int | None:
+    """The measured group size nearest ``g``'s (in log ratio; ties: the larger) at which ``calib`` has ``algo``,
+    when ``calib`` measures its stack's own all-reduce on the GPU (a symmetric kernel at any size) and the group is
+    one NVLink domain; else None (module docstring)."""
+    if calib is None or not g.one_domain:
+        return None
+    sizes: dict[str, set[int]] = {}
+    for e in calib._entries_of("allreduce_us", g.gpu.name):
+        n = e.key.get("n_ranks")
+        if isinstance(n, int) and n > 1 and isinstance(e.key.get("algo"), str):
+            sizes.setdefault(e.key["algo"], set()).add(n)
+    if not any(a in SYMMETRIC for a in sizes) or not sizes.get(algo):
+        return None
+    return min(sizes[algo], key=lambda n: (abs(math.log(n / g.n_ranks)), -n))
 
 
 def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "auto",
@@ -268,8 +295,10 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
 
 
 def _measured(calib: CalibrationTable | None, g: GroupLinks, algo: str) -> bool:
-    return calib is not None and g.one_domain and \
+    """``calib`` prices ``algo`` on ``g`` from a measured curve (of the group's size, or scaled from another)."""
+    return calib is not None and g.one_domain and (
         calib.entry("allreduce_us", g.gpu.name, algo=algo, n_ranks=g.n_ranks) is not None
+        or _nearest_measured(calib, g, algo) is not None)
 
 
 def auto_names(g: GroupLinks, algo: str = "auto", calib: CalibrationTable | None = None) -> list[str]:
