@@ -39,10 +39,14 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    run, every request of those two quarters finished and their TTFT and TPOT at the SLO's percentile, continued
    at the median's trend from the second quarter to the third (no better than flat) until the end of a window
    :data:`HOLD_WINDOWS` (4) times as long (12 quarters on), stay within the SLOs — a queue that still grows,
-   however slowly, is caught before it would break the SLOs in a 4x longer run. A point that fails it is
-   treated like a miss: retried at ``backoff`` times the rate, or lower where its queue grew — a queue fed at
-   ``r`` and served at ``mu`` makes each request wait ``r / mu - 1`` seconds longer per second of arrivals, so
-   the retry takes ``backoff x r / (1 + that growth)``. Every simulation's ``steady`` says what it found.
+   however slowly, would break the SLOs in a 4x longer run. The projection multiplies the rise between two
+   quarters by 12, so a rise that is noise (a batch that fluctuates by a few sequences) can fail it too: a point
+   that meets the SLOs but fails the projection is therefore **simulated again for** :data:`HOLD_WINDOWS`
+   **(4) times the window**, and holds if that run meets the SLOs (it counts as a simulation). A point that
+   misses the SLOs, in the window or in the longer run, is retried at ``backoff`` times the rate, or lower where
+   its queue grew — a queue fed at ``r`` and served at ``mu`` makes each request wait ``r / mu - 1`` seconds
+   longer per second of arrivals, so the retry takes ``backoff x r / (1 + that growth)``. Every simulation's
+   ``steady``, ``window_s`` and ``holds`` say what was found.
    Tokens/s per GPU of a simulation is the throughput **at the rate it sustains**: the output tokens of the
    requests that arrived in the arrival window over that window and the deployment's GPUs (:func:`sustained`). The simulation runs on past the window until the last request finishes (the
    drain); counting the drain in the denominator, as ``rackbed run``'s ``output_tokens_per_s_per_gpu`` does,
@@ -217,7 +221,10 @@ def steady(rec: Mapping, ttft_s: float | None, tpot_s: float | None, percentile:
 
 
 def holds(rec: Mapping, slo) -> bool:
-    """A simulation that meets the SLOs and whose steady state holds (:func:`steady`)."""
+    """A simulation that meets the SLOs and whose steady state holds (:func:`steady`), or the record's own
+    ``holds`` (the search's decision, module docstring step 2)."""
+    if "holds" in rec:
+        return bool(rec["holds"])
     return meets_slo(rec, slo.ttft_s, slo.tpot_s, slo.percentile) and (rec.get("steady") or {}).get("ok", True)
 
 
@@ -565,48 +572,57 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     if not any(c.pruned is None for c in cands):
         raise UserError(infeasible_hint(res))
     base = se.base_scenario(spec)
-    pending = [(c, c.rate_per_s, 0) for kind in kinds for c in spread(res.analytic_front(kind), per_front)]
+    # pending simulations: (candidate, rate, retries so far, window multiple: 1, or HOLD_WINDOWS to decide a trend)
+    pending = [(c, c.rate_per_s, 0, 1) for kind in kinds for c in spread(res.analytic_front(kind), per_front)]
     for kind in kinds:  # each kind's best estimate on the whole budget, when the front's spread left it out
         c = res.budget_pick(kind)
-        if c is not None and all(c is not q for q, _, _ in pending):
-            pending.append((c, c.rate_per_s, 0))
+        if c is not None and all(c is not q for q, _, _, _ in pending):
+            pending.append((c, c.rate_per_s, 0, 1))
     best_ok: dict[int, dict] = {}
     tried_up: set[int] = set()
     scen: dict[str, dict] = {}
     n_sim = 0
+    wkey = "workload.duration_s"
     while pending and n_sim < max_simulations:
         batch = pending[: max_simulations - n_sim]
-        pending, lower, higher = [], [], []
-        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, rate_key(spec): round(r, 4)}
-                                                             for c, r, _ in batch], source=f"search {spec.name}")
+        pending, lower, longer, higher = [], [], [], []
+        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, rate_key(spec): round(r, 4),
+                                                              **({wkey: round(f * window, 4)} if f > 1 else {})}
+                                                             for c, r, _, f in batch], source=f"search {spec.name}")
         points = expand(sweep)
         run = run_points(points, Path(out_dir) / "results.jsonl", jobs=jobs, progress=progress, console=console)
         n_sim += len(points)
         by_key = {r["key"]: r for r in run.records}
-        for (c, r, tries), p in zip(batch, points):
+        for (c, r, tries, f), p in zip(batch, points):
+            w = round(f * window, 4) if f > 1 else window
             rec = sustained(dict(by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label})),
-                            c.n_gpus, window)
-            rec["steady"] = steady(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile, window_s=window,
+                            c.n_gpus, w)
+            rec["steady"] = steady(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile, window_s=w,
                                    output_tokens=load.output_mean)
-            rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus,
+            met = meets_slo(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)
+            # a run HOLD_WINDOWS x as long that meets the SLOs decides a trend the shorter one could not
+            rec["holds"] = met and (rec["steady"]["ok"] or f > 1)
+            rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus, window_s=w,
                        est={"rate_per_s": c.rate_per_s, "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                             "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "ttft_s": c.est_ttft_s,
                             "tpot_s": c.est_tpot_s,
                             **({} if c.est_hit_rate is None else {"prefix_hit_rate": c.est_hit_rate})})
             res.records.append(rec)
             scen[p.key] = p.scenario
-            if holds(rec, spec.slo):
+            if rec["holds"]:
                 prev = best_ok.get(id(c))
                 if prev is None or r > prev["rate_per_s"]:
                     best_ok[id(c)] = rec
                 if id(c) not in tried_up and tries == 0:  # once: does it carry more than the estimate?
                     tried_up.add(id(c))
-                    higher.append((c, r / backoff, tries + 1))
+                    higher.append((c, r / backoff, tries + 1, 1))
+            elif met and f == 1:  # meets the SLOs, but its latency still rises: simulate it for longer to decide
+                longer.append((c, r, tries, HOLD_WINDOWS))
             elif rec.get("status") == "ok" and id(c) not in best_ok and tries < retries:
                 # a queue that grows says how much less the deployment serves: below that, not just backoff x
                 g = rec["steady"].get("wait_growth") or 0.0
-                lower.append((c, r * min(backoff, backoff / (1.0 + g)), tries + 1))
-        pending = lower + higher  # a point still missing the SLOs first
+                lower.append((c, r * min(backoff, backoff / (1.0 + g)), tries + 1, 1))
+        pending = lower + longer + higher  # a point still missing the SLOs first
     res.confirmed = list(best_ok.values())
     for kind in kinds:
         el = [r for r in res.confirmed if r["kind"] == kind]
@@ -804,7 +820,8 @@ def max_rate(sc, ttft_s: float, tpot_s: float, percentile: str = "p90", *, start
     that met and the first that missed. Every rate is a simulation of ``sc`` with that rate (``--rate``).
     ``hold`` (default): as the budget search (module docstring, step 2), the arrival window is at least
     :data:`LIFE_WINDOWS` lives of a request at the SLOs (at the workload's mean output) and a rate meets the SLOs
-    only if its steady state holds (:func:`steady`); each summary in ``tried`` carries its ``steady``."""
+    only if its steady state holds (:func:`steady`, or a run :data:`HOLD_WINDOWS` times as long that meets them);
+    each summary in ``tried`` carries its ``steady``."""
     import itertools
     import statistics
 
@@ -833,7 +850,11 @@ def max_rate(sc, ttft_s: float, tpot_s: float, percentile: str = "p90", *, start
             st = steady({"status": "ok", "quarters": arrival_quarters(r, window)}, ttft_s, tpot_s, percentile,
                         window_s=window, output_tokens=out_mean)
             summ["steady"] = st
-            good = good and st["ok"]
+            if good and not st["ok"]:  # the trend decides nothing: a run HOLD_WINDOWS x as long does
+                s = apply_overrides(s, duration_s=HOLD_WINDOWS * window)
+                _, r = simulate_scenario(s, built=build(s))
+                summ = {**summarize_metrics(clean(r.metrics)), "steady": st, "window_s": HOLD_WINDOWS * window}
+                good = meets_slo({"status": "ok", "summary": summ}, ttft_s, tpot_s, percentile)
         tried.append((rate, good, summ))
         return good
 
