@@ -25,8 +25,8 @@ input: every candidate deployment that fits the budget is evaluated at the load 
 
 2. **Simulation**: per kind, up to ``per_front`` points of the analytic Pareto front (spread along it, the best
    tokens/s per GPU first) are simulated at their estimated rate; a point that misses the SLOs is simulated again
-   at ``backoff`` times the rate (up to ``retries`` times), one that meets them once more at ``1 / backoff`` times
-   (the highest rate that met the SLOs is the point's). At most ``max_simulations`` simulations in all.
+   at ``backoff`` times the rate (up to ``retries`` times), one that holds once more at ``1 / backoff`` times
+   (the highest rate that held is the point's). At most ``max_simulations`` simulations in all.
    **The arrival window** (:func:`arrival_window`) is at least ``workload.duration_s`` and at least
    :data:`LIFE_WINDOWS` (4) *lives* of a request at the SLOs, ``L = TTFT SLO + (output - 1) x TPOT SLO`` — the
    longest a request that meets the SLOs stays in the system. A deployment starts empty: its decode batch fills
@@ -48,13 +48,13 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    longer per second of arrivals, so the retry takes ``backoff x r / (1 + that growth)``. Every simulation's
    ``steady``, ``window_s`` and ``holds`` say what was found.
    Tokens/s per GPU of a simulation is the throughput **at the rate it sustains**: the output tokens of the
-   requests that arrived in the arrival window over that window and the deployment's GPUs (:func:`sustained`). The simulation runs on past the window until the last request finishes (the
-   drain); counting the drain in the denominator, as ``rackbed run``'s ``output_tokens_per_s_per_gpu`` does,
-   would read about 0.75x lower at 30 s of 500-token outputs. A point that meets the SLOs completed every
-   request, so this is the long-run throughput of that arrival rate. The drained figure stays in the record
-   (``tokens_per_s_per_gpu_with_drain``).
+   requests that arrived in the arrival window over that window and the deployment's GPUs (:func:`sustained`).
+   The simulation runs on past the window until the last request finishes (the drain); counting the drain in the
+   denominator, as ``rackbed run``'s ``output_tokens_per_s_per_gpu`` does, would read lower (about 0.9x at 68 s
+   of 500-token outputs). A point that holds completed every request, so this is the long-run throughput of that
+   arrival rate. The drained figure stays in the record (``tokens_per_s_per_gpu_with_drain``).
 3. **Fronts**: per kind, the Pareto front of tokens/s per GPU vs tokens/s per user of the simulated points that
-   meet the SLOs (:func:`sim.search_results.meets_slo`).
+   hold (:func:`holds`).
 4. **The budget used**: a deployment of ``n`` GPUs runs as ``replicas = N // n`` independent copies on the budget
    (each with its own router; copies share no GPU, so each carries what its simulation did): ``replicas x n`` GPUs
    used, ``replicas x`` its output tokens/s in total, and tokens/s per *budget* GPU = that total / N besides the
@@ -66,7 +66,8 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    **best on the whole budget** (the most tokens/s per budget GPU whatever its efficiency) is reported too.
 
 :func:`max_rate` answers the fixed-deployment question (``rackbed search --max-rate SCENARIO``): the highest rate a
-given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated).
+given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated, with the
+window rule and the steady-state check of step 2).
 """
 
 from __future__ import annotations
