@@ -301,12 +301,24 @@ def _measured(calib: CalibrationTable | None, g: GroupLinks, algo: str) -> bool:
         or _nearest_measured(calib, g, algo) is not None)
 
 
+# auto_names per (group, algo, calibration), kept with the objects it was computed for (ids can be reused)
+_NAMES: dict[tuple[int, str, int], tuple] = {}
+
+
 def auto_names(g: GroupLinks, algo: str = "auto", calib: CalibrationTable | None = None) -> list[str]:
     """The algorithms ``algo`` ("auto" / "auto_no_nvls") chooses between on group ``g``: those available, and
     where ``calib`` measures a symmetric-memory kernel for the group, only the measured ones (module docstring)."""
+    key = (id(g), algo, id(calib))
+    hit = _NAMES.get(key)
+    if hit is not None and hit[0] is g and hit[1] is calib:
+        return hit[2]
     names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
     measured = [a for a in names if _measured(calib, g, a)]
-    return measured if any(a in SYMMETRIC for a in measured) else names
+    out = measured if any(a in SYMMETRIC for a in measured) else names
+    if len(_NAMES) > 4096:
+        _NAMES.clear()
+    _NAMES[key] = (g, calib, out)
+    return out
 
 
 # "auto" without calibrated all-reduce entries, per (group, algo, calibration): every candidate's _terms, so a
