@@ -25,17 +25,36 @@ input: every candidate deployment that fits the budget is evaluated at the load 
 
 2. **Simulation**: per kind, up to ``per_front`` points of the analytic Pareto front (spread along it, the best
    tokens/s per GPU first) are simulated at their estimated rate; a point that misses the SLOs is simulated again
-   at ``backoff`` times the rate (up to ``retries`` times), one that meets them once more at ``1 / backoff`` times
-   (the highest rate that met the SLOs is the point's). At most ``max_simulations`` simulations in all.
+   at ``backoff`` times the rate (up to ``retries`` times), one that holds once more at ``1 / backoff`` times
+   (the highest rate that held is the point's). At most ``max_simulations`` simulations in all.
+   **The arrival window** (:func:`arrival_window`) is at least ``workload.duration_s`` and at least
+   :data:`LIFE_WINDOWS` (4) *lives* of a request at the SLOs, ``L = TTFT SLO + (output - 1) x TPOT SLO`` — the
+   longest a request that meets the SLOs stays in the system. A deployment starts empty: its decode batch fills
+   for one life (Little's law: a batch of ``rate x L`` sequences builds up at ``rate`` per second, so the fill
+   time ``batch / rate`` is the life itself) and, after the window, drains for one more. A window of 30 s with
+   1,000-token outputs at 80 ms (``L`` ~ 82 s) never leaves the ramp, so an overloaded rate looks fine; with
+   ``W >= 4 L`` the requests arriving in the window's second and third quarters live entirely in the steady
+   state (they arrive after one life and finish before the drain).
+   **The steady-state check** (:func:`steady`): a point holds only if, besides meeting the SLOs over the whole
+   run, every request of those two quarters finished and their TTFT and TPOT at the SLO's percentile, continued
+   at the median's trend from the second quarter to the third (no better than flat) until the end of a window
+   :data:`HOLD_WINDOWS` (4) times as long (12 quarters on), stay within the SLOs — a queue that still grows,
+   however slowly, would break the SLOs in a 4x longer run. The projection multiplies the rise between two
+   quarters by 12, so a rise that is noise (a batch that fluctuates by a few sequences) can fail it too: a point
+   that meets the SLOs but fails the projection is therefore **simulated again for** :data:`HOLD_WINDOWS`
+   **(4) times the window**, and holds if that run meets the SLOs (it counts as a simulation). A point that
+   misses the SLOs, in the window or in the longer run, is retried at ``backoff`` times the rate, or lower where
+   its queue grew — a queue fed at ``r`` and served at ``mu`` makes each request wait ``r / mu - 1`` seconds
+   longer per second of arrivals, so the retry takes ``backoff x r / (1 + that growth)``. Every simulation's
+   ``steady``, ``window_s`` and ``holds`` say what was found.
    Tokens/s per GPU of a simulation is the throughput **at the rate it sustains**: the output tokens of the
-   requests that arrived in the arrival window (``workload.duration_s``) over that window and the deployment's
-   GPUs (:func:`sustained`). The simulation runs on past the window until the last request finishes (the
-   drain); counting the drain in the denominator, as ``rackbed run``'s ``output_tokens_per_s_per_gpu`` does,
-   would read about 0.75x lower at 30 s of 500-token outputs. A point that meets the SLOs completed every
-   request, so this is the long-run throughput of that arrival rate. The drained figure stays in the record
-   (``tokens_per_s_per_gpu_with_drain``).
+   requests that arrived in the arrival window over that window and the deployment's GPUs (:func:`sustained`).
+   The simulation runs on past the window until the last request finishes (the drain); counting the drain in the
+   denominator, as ``rackbed run``'s ``output_tokens_per_s_per_gpu`` does, would read lower (about 0.9x at 68 s
+   of 500-token outputs). A point that holds completed every request, so this is the long-run throughput of that
+   arrival rate. The drained figure stays in the record (``tokens_per_s_per_gpu_with_drain``).
 3. **Fronts**: per kind, the Pareto front of tokens/s per GPU vs tokens/s per user of the simulated points that
-   meet the SLOs (:func:`sim.search_results.meets_slo`).
+   hold (:func:`holds`).
 4. **The budget used**: a deployment of ``n`` GPUs runs as ``replicas = N // n`` independent copies on the budget
    (each with its own router; copies share no GPU, so each carries what its simulation did): ``replicas x n`` GPUs
    used, ``replicas x`` its output tokens/s in total, and tokens/s per *budget* GPU = that total / N besides the
@@ -47,7 +66,8 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    **best on the whole budget** (the most tokens/s per budget GPU whatever its efficiency) is reported too.
 
 :func:`max_rate` answers the fixed-deployment question (``rackbed search --max-rate SCENARIO``): the highest rate a
-given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated).
+given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated, with the
+window rule and the steady-state check of step 2).
 """
 
 from __future__ import annotations
@@ -78,6 +98,10 @@ AGG_SHAPES = ((1, 4), (1, 8), (1, 16), (1, 32), (2, 1), (4, 1), (8, 1))
 FILL_TOLERANCE = 0.05
 #: aggregated (max_batch_tokens, chunk_tokens) pairs tried
 AGG_BUDGETS = ((8192, 2048), (16384, 4096), (16384, 16384))
+#: the arrival window is at least this many lives of a request at the SLOs (module docstring, step 2)
+LIFE_WINDOWS = 4
+#: a point's latency trend must keep it within the SLOs over a run this many times as long as its window
+HOLD_WINDOWS = 4
 
 
 @dataclass
@@ -143,6 +167,66 @@ class BudgetResult:
         alive = [c for c in self.candidates if c.kind == kind and c.pruned is None]
         return max(alive, key=lambda c: (round(c.est_tokens_per_s_per_budget_gpu, 6), c.est_tokens_per_s_per_user),
                    default=None)
+
+
+def request_life_s(spec: se.SearchSpec, output_tokens: float) -> float:
+    """The longest a request of ``output_tokens`` that meets the SLOs stays in the system: TTFT SLO + (output - 1)
+    x TPOT SLO."""
+    return spec.slo.ttft_s + max(0.0, output_tokens - 1.0) * spec.slo.tpot_s
+
+
+def arrival_window(spec: se.SearchSpec, load: se.Load) -> float:
+    """Seconds of arrivals per simulation (module docstring, step 2): ``workload.duration_s``, or
+    :data:`LIFE_WINDOWS` lives of a request at the SLOs (:func:`request_life_s` at the mean output) when longer."""
+    life = LIFE_WINDOWS * request_life_s(spec, load.output_mean)
+    return max(getattr(spec.workload, "duration_s", None) or 0.0, life)
+
+
+def steady(rec: Mapping, ttft_s: float | None, tpot_s: float | None, percentile: str = "p90", *,
+           window_s: float | None = None, output_tokens: float = 1.0) -> dict:
+    """Whether a simulation reached a steady state that holds (module docstring, step 2): ``{"ok", "reason",
+    "projected", "wait_growth"}`` from its ``quarters`` (:func:`sim.sweep.arrival_quarters`). ``projected``: the
+    TTFT / TPOT at ``percentile`` of the third quarter's arrivals plus ``4 x HOLD_WINDOWS - 4`` times the rise of the
+    median from the second quarter's (no rise: the third quarter's own). A growing queue delays every request alike,
+    so the median measures its growth; the tail of a heavy-tailed workload (a trace's long prompts) swings from
+    quarter to quarter by more than a queue that holds would move it. Not ok when a request of those quarters did not finish
+    or a projection passes its SLO; ok with reason "no quarters" for a record without them (a run without a
+    window). ``wait_growth`` (with ``window_s``): how fast a request's wait grows with its arrival time between the
+    two quarters, ``max(rise of TTFT, rise of TPOT x (output_tokens - 1)) / (window_s / 4)`` — a queue fed at rate
+    ``r`` and served at ``mu`` grows by ``r / mu - 1`` seconds a second, so ``r / (1 + wait_growth)`` is about what
+    the deployment serves."""
+    qs = rec.get("quarters")
+    if rec.get("status") != "ok":
+        return {"ok": False, "reason": "not simulated", "projected": None, "wait_growth": None}
+    if not qs:
+        return {"ok": True, "reason": "no quarters", "projected": None, "wait_growth": None}
+    q2, q3 = qs[1], qs[2]
+    if q2["done"] < q2["n"] or q3["done"] < q3["n"]:
+        return {"ok": False, "reason": f"{q2['n'] - q2['done'] + q3['n'] - q3['done']} requests of the steady "
+                                       "quarters unfinished", "projected": None, "wait_growth": None}
+    ahead = 4 * HOLD_WINDOWS - 4  # quarters from the third to the last undrained one of a HOLD_WINDOWS x run
+    proj, why, rise = {}, [], 0.0
+    for name, bound in (("ttft", ttft_s), ("tpot", tpot_s)):
+        a, b = q2.get(f"{name}_p50_s"), q3.get(f"{name}_p50_s")
+        tail = q3.get(f"{name}_{percentile}_s")
+        if a is None or b is None or tail is None:
+            continue
+        proj[name] = tail + ahead * max(0.0, b - a)
+        rise = max(rise, max(0.0, b - a) * (max(1.0, output_tokens - 1.0) if name == "tpot" else 1.0))
+        if bound is not None and proj[name] > bound:
+            why.append(f"{name.upper()} p50 {a * 1e3:.0f} -> {b * 1e3:.0f} ms from the 2nd to the 3rd quarter, "
+                       f"{percentile} {proj[name] * 1e3:.0f} ms over a {HOLD_WINDOWS}x longer run > SLO "
+                       f"{bound * 1e3:.0f} ms")
+    growth = rise / (window_s / 4) if window_s else None
+    return {"ok": not why, "reason": "; ".join(why) or "steady", "projected": proj, "wait_growth": growth}
+
+
+def holds(rec: Mapping, slo) -> bool:
+    """A simulation that meets the SLOs and whose steady state holds (:func:`steady`), or the record's own
+    ``holds`` (the search's decision, module docstring step 2)."""
+    if "holds" in rec:
+        return bool(rec["holds"])
+    return meets_slo(rec, slo.ttft_s, slo.tpot_s, slo.percentile) and (rec.get("steady") or {}).get("ok", True)
 
 
 def sustained(rec: dict, gpus: int, window_s: float | None) -> dict:
@@ -463,9 +547,16 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     load = estimate_load(spec)
     se.check_prefix_ids(spec, load)
     notes = [note] if note else []
+    window = arrival_window(spec, load)
+    given = getattr(spec.workload, "duration_s", None)
+    if given is None or window > given:
+        notes.append(f"arrival window {window:.0f} s per simulation: {LIFE_WINDOWS} lives of a request at the SLOs "
+                     f"({request_life_s(spec, load.output_mean):.1f} s = TTFT + {load.output_mean - 1:.0f} x TPOT)"
+                     + (f", longer than --duration {given:g} s" if given else ""))
+        spec = spec.model_copy(update={"workload": spec.workload.model_copy(update={"duration_s": window})})
     hits = None
     if (se.base_scenario(spec).get("prefix_cache") or {}).get("enabled"):
-        hits = HitRates(load.requests, getattr(spec.workload, "duration_s", None))
+        hits = HitRates(load.requests, window)
         notes.append("prefix cache: each candidate is sized for the uncached share of its prompts at the hit rate "
                      "of its prefillers' (aggregated: workers') LRU caches, HBM and host tiers, with the requests "
                      "a simulation at its rate sees dealt in turn (column est hit; kv_aware routing does better, "
@@ -482,44 +573,57 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     if not any(c.pruned is None for c in cands):
         raise UserError(infeasible_hint(res))
     base = se.base_scenario(spec)
-    pending = [(c, c.rate_per_s, 0) for kind in kinds for c in spread(res.analytic_front(kind), per_front)]
+    # pending simulations: (candidate, rate, retries so far, window multiple: 1, or HOLD_WINDOWS to decide a trend)
+    pending = [(c, c.rate_per_s, 0, 1) for kind in kinds for c in spread(res.analytic_front(kind), per_front)]
     for kind in kinds:  # each kind's best estimate on the whole budget, when the front's spread left it out
         c = res.budget_pick(kind)
-        if c is not None and all(c is not q for q, _, _ in pending):
-            pending.append((c, c.rate_per_s, 0))
+        if c is not None and all(c is not q for q, _, _, _ in pending):
+            pending.append((c, c.rate_per_s, 0, 1))
     best_ok: dict[int, dict] = {}
     tried_up: set[int] = set()
     scen: dict[str, dict] = {}
     n_sim = 0
+    wkey = "workload.duration_s"
     while pending and n_sim < max_simulations:
         batch = pending[: max_simulations - n_sim]
-        pending, lower, higher = [], [], []
-        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, rate_key(spec): round(r, 4)}
-                                                             for c, r, _ in batch], source=f"search {spec.name}")
+        pending, lower, longer, higher = [], [], [], []
+        sweep = SweepSpec(name=spec.name, base=base, points=[{**c.overrides, rate_key(spec): round(r, 4),
+                                                              **({wkey: round(f * window, 4)} if f > 1 else {})}
+                                                             for c, r, _, f in batch], source=f"search {spec.name}")
         points = expand(sweep)
         run = run_points(points, Path(out_dir) / "results.jsonl", jobs=jobs, progress=progress, console=console)
         n_sim += len(points)
         by_key = {r["key"]: r for r in run.records}
-        for (c, r, tries), p in zip(batch, points):
+        for (c, r, tries, f), p in zip(batch, points):
+            w = round(f * window, 4) if f > 1 else window
             rec = sustained(dict(by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label})),
-                            c.n_gpus, getattr(spec.workload, "duration_s", None))
-            rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus,
+                            c.n_gpus, w)
+            rec["steady"] = steady(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile, window_s=w,
+                                   output_tokens=load.output_mean)
+            met = meets_slo(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)
+            # a run HOLD_WINDOWS x as long that meets the SLOs decides a trend the shorter one could not
+            rec["holds"] = met and (rec["steady"]["ok"] or f > 1)
+            rec.update(candidate=c.label, kind=c.kind, rate_per_s=r, gpus=c.n_gpus, window_s=w,
                        est={"rate_per_s": c.rate_per_s, "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                             "tokens_per_s_per_user": c.est_tokens_per_s_per_user, "ttft_s": c.est_ttft_s,
                             "tpot_s": c.est_tpot_s,
                             **({} if c.est_hit_rate is None else {"prefix_hit_rate": c.est_hit_rate})})
             res.records.append(rec)
             scen[p.key] = p.scenario
-            if meets_slo(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile):
+            if rec["holds"]:
                 prev = best_ok.get(id(c))
                 if prev is None or r > prev["rate_per_s"]:
                     best_ok[id(c)] = rec
                 if id(c) not in tried_up and tries == 0:  # once: does it carry more than the estimate?
                     tried_up.add(id(c))
-                    higher.append((c, r / backoff, tries + 1))
+                    higher.append((c, r / backoff, tries + 1, 1))
+            elif met and f == 1:  # meets the SLOs, but its latency still rises: simulate it for longer to decide
+                longer.append((c, r, tries, HOLD_WINDOWS))
             elif rec.get("status") == "ok" and id(c) not in best_ok and tries < retries:
-                lower.append((c, r * backoff, tries + 1))
-        pending = lower + higher  # a point still missing the SLOs first
+                # a queue that grows says how much less the deployment serves: below that, not just backoff x
+                g = rec["steady"].get("wait_growth") or 0.0
+                lower.append((c, r * min(backoff, backoff / (1.0 + g)), tries + 1, 1))
+        pending = lower + longer + higher  # a point still missing the SLOs first
     res.confirmed = list(best_ok.values())
     for kind in kinds:
         el = [r for r in res.confirmed if r["kind"] == kind]
@@ -604,6 +708,7 @@ def summary(res: BudgetResult) -> dict:
                 "use": r.get("use"),
                 "status": r.get("status"), "meets_slo": meets_slo(r, res.spec.slo.ttft_s, res.spec.slo.tpot_s,
                                                                    res.spec.slo.percentile),
+                "steady": r.get("steady"), "holds": holds(r, res.spec.slo),
                 "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
                 "tokens_per_s_per_gpu_with_drain": s.get("tokens_per_s_per_gpu_with_drain"),
                 "tokens_per_s_per_user": s.get("tokens_per_s_per_user"), "ttft_p90_s": s.get("ttft_p90_s"),
@@ -614,7 +719,8 @@ def summary(res: BudgetResult) -> dict:
     return {"model": res.spec.model, "gpus": res.gpus, "topology": res.topology,
             "weight_format": res.spec.space.weight_format[0],
             "prompt_tokens": res.load.prompt_mean, "output_tokens": res.load.output_mean,
-            "slo": res.spec.slo.model_dump(), "wall_s": res.wall_s, "notes": res.notes, "stack": res.stack,
+            "slo": res.spec.slo.model_dump(), "window_s": getattr(res.spec.workload, "duration_s", None),
+            "wall_s": res.wall_s, "notes": res.notes, "stack": res.stack,
             "calibration": res.calibration, "workload": res.spec.workload.kind,
             "prefix_cache": se.base_scenario(res.spec).get("prefix_cache"),
             "candidates": len(res.candidates), "analytic_survivors": sum(c.pruned is None for c in res.candidates),
@@ -714,22 +820,47 @@ class MaxRate:
 
 
 def max_rate(sc, ttft_s: float, tpot_s: float, percentile: str = "p90", *, start: float | None = None,
-             steps: int = 5, max_doublings: int = 8) -> MaxRate:
+             steps: int = 5, max_doublings: int = 8, hold: bool = True) -> MaxRate:
     """The highest Poisson rate (requests/s) at which the scenario ``sc`` meets the SLOs: double from ``start``
     (default: the scenario's rate, or 1) until a rate misses, then ``steps`` bisections between the last rate
-    that met and the first that missed. Every rate is a simulation of ``sc`` with that rate (``--rate``)."""
+    that met and the first that missed. Every rate is a simulation of ``sc`` with that rate (``--rate``).
+    ``hold`` (default): as the budget search (module docstring, step 2), the arrival window is at least
+    :data:`LIFE_WINDOWS` lives of a request at the SLOs (at the workload's mean output) and a rate meets the SLOs
+    only if its steady state holds (:func:`steady`, or a run :data:`HOLD_WINDOWS` times as long that meets them);
+    each summary in ``tried`` carries its ``steady``."""
+    import itertools
+    import statistics
+
     from rackbed.engine.core.metrics import clean
+    from rackbed.engine.core.workload import iter_requests
     from rackbed.sim.overrides import apply_overrides
     from rackbed.sim.scenario import build, simulate_scenario
-    from rackbed.sim.sweep import summarize_metrics
+    from rackbed.sim.sweep import arrival_quarters, summarize_metrics
 
     tried: list[tuple[float, bool, dict]] = []
+    out_mean = 1.0
+    if hold:
+        sample = list(itertools.islice(iter_requests(sc.workload, sc.seed), 2000))
+        out_mean = statistics.fmean(r.output_tokens for r in sample) if sample else 1.0
+        life = ttft_s + max(0.0, out_mean - 1.0) * tpot_s
+        if (getattr(sc.workload, "duration_s", None) or 0.0) < LIFE_WINDOWS * life:
+            sc = apply_overrides(sc, duration_s=LIFE_WINDOWS * life)
 
     def ok(rate: float) -> bool:
         s = apply_overrides(sc, rate=rate)
         _, r = simulate_scenario(s, built=build(s))
         summ = summarize_metrics(clean(r.metrics))
         good = meets_slo({"status": "ok", "summary": summ}, ttft_s, tpot_s, percentile)
+        window = getattr(s.workload, "duration_s", None)
+        if hold and window:
+            st = steady({"status": "ok", "quarters": arrival_quarters(r, window)}, ttft_s, tpot_s, percentile,
+                        window_s=window, output_tokens=out_mean)
+            summ["steady"] = st
+            if good and not st["ok"]:  # the trend decides nothing: a run HOLD_WINDOWS x as long does
+                s = apply_overrides(s, duration_s=HOLD_WINDOWS * window)
+                _, r = simulate_scenario(s, built=build(s))
+                summ = {**summarize_metrics(clean(r.metrics)), "steady": st, "window_s": HOLD_WINDOWS * window}
+                good = meets_slo({"status": "ok", "summary": summ}, ttft_s, tpot_s, percentile)
         tried.append((rate, good, summ))
         return good
 

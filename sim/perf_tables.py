@@ -20,8 +20,9 @@ table                     rackbed kind                      how
                           top_k, n_experts, tp, ep, dist)   group, balanced routing, fastest kernel source per point;
                                                             MXFP4 experts as fmt ``mxfp4`` (``MXFP4_MOE``)
 ``comm/nccl/*/nccl_perf`` ``allreduce_us`` (ring, n_ranks)  NCCL all-reduce, x = bytes per rank (fp16 elements x 2)
-``comm/<backend>/*/       ``allreduce_us`` (oneshot and     the stack's own all-reduce (it picks one- or two-shot
-custom_allreduce_perf``   twoshot, n_ranks)                 itself): the same curve under both names
+``comm/<backend>/*/       ``allreduce_us`` (one_shot and    the stack's own all-reduce (it picks one- or two-shot
+custom_allreduce_perf``   two_shot, n_ranks)                itself): the same curve under both names, the names
+                                                            ``sim.costs.collective`` prices them by
 ``comm/trtllm/*/trtllm_   ``a2a_us`` (dispatch | combine,   DP-EP decode dispatch / combine, x = payload bytes per
 alltoall_perf``,          n_ranks, payload)                 rank (tokens x hidden x element bytes)
 ``comm/*/moe_a2a_perf``
@@ -256,7 +257,7 @@ def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Importe
                 continue
             n = int(r["num_gpus"])
             s = r["latency"] * latency_s(t)
-            for algo in ("oneshot", "twoshot"):
+            for algo in ("one_shot", "two_shot"):  # collective.ALGOS' names (KEY_ALIASES maps TRT-LLM's)
                 c = curves.get((algo, n))
                 if c is None:
                     c = curves[(algo, n)] = Curve("allreduce_us", {"algo": algo, "n_ranks": n},

@@ -25,8 +25,9 @@ points whose key has a record with status ``ok`` or ``invalid`` (``error`` recor
 point runs for at most ``limit_s`` wall seconds (``--point-limit``, default :data:`POINT_LIMIT_S`); one that runs
 longer is stopped and recorded ``timeout`` with its limit, and a re-run retries it only under a larger limit. A
 record: ``{key, index, label, overrides, status: ok|invalid|error|timeout, reason, wall_s, cpu_s, pid, summary,
-metrics}``;
-``summary`` is the flat dict :func:`summarize_metrics` makes; ``invalid`` means the scenario was rejected with a
+metrics, quarters}``;
+``summary`` is the flat dict :func:`summarize_metrics` makes; ``quarters`` (:func:`arrival_quarters`) the latency
+of the requests that arrived in each quarter of the arrival window (how the budget search tells a steady state); ``invalid`` means the scenario was rejected with a
 user error (a pydantic field error, ``ParallelPlan.validate`` "does not fit", a placement that does not fit ...),
 whose one-line message is the ``reason``.
 
@@ -384,6 +385,35 @@ def summarize_metrics(m: Mapping) -> dict:
     return out
 
 
+def arrival_quarters(res, window_s: float | None) -> list[dict] | None:
+    """Per quarter of the arrival window ``[0, window_s)``: the requests that arrived in it (``n``), how many
+    finished (``done``), and the p50 / p90 / p99 TTFT and TPOT of those done (seconds; None without a sample). A request
+    unfinished at the end of the run counts as missing its SLOs where the budget search reads this. None
+    without a window."""
+    import numpy as np
+
+    from rackbed.engine.core.metrics import request_arrays
+
+    if not window_s or not res.rows:
+        return None
+    a = request_arrays(res.rows, res.row_fields)
+    arrival, out_tok = a["arrival_s"], a["output_tokens"]
+    done = a["status"] == "done"
+    ttft = a["first_token_s"] - arrival
+    out = []
+    for i in range(4):
+        sel = (arrival >= i * window_s / 4) & (arrival < (i + 1) * window_s / 4)
+        d = sel & done
+        m = d & (out_tok > 1)
+        tpot = (a["end_s"][m] - a["first_token_s"][m]) / (out_tok[m] - 1)
+        q = {"n": int(sel.sum()), "done": int(d.sum())}
+        for pct in (50, 90, 99):
+            q[f"ttft_p{pct}_s"] = round(float(np.percentile(ttft[d], pct)), 6) if d.any() else None
+            q[f"tpot_p{pct}_s"] = round(float(np.percentile(tpot, pct)), 6) if m.any() else None
+        out.append(q)
+    return out
+
+
 def run_point(payload: Mapping) -> dict:
     """Simulate one point; never raises for a bad point. ``payload``: ``{index, key, label, overrides, scenario}``.
     Returns the record (module docstring). Top level so that process pools can pickle it."""
@@ -401,7 +431,8 @@ def run_point(payload: Mapping) -> dict:
             _reuse_cost_model(b)
             _, res = simulate_scenario(sc, built=b)
         m = clean(res.metrics)
-        rec.update(status="ok", reason="", summary=summarize_metrics(m), metrics=m)
+        rec.update(status="ok", reason="", summary=summarize_metrics(m), metrics=m,
+                   quarters=arrival_quarters(res, getattr(sc.workload, "duration_s", None)))
     except PointTimeout:
         rec.update(status="timeout", reason=f"ran longer than the per-point limit of {limit:g} s", limit_s=limit)
     except (ValueError, FileNotFoundError) as exc:  # UserError, pydantic ValidationError: a bad point

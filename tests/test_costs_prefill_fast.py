@@ -11,14 +11,13 @@ from hypothesis import strategies as st
 from rackbed import topology
 from rackbed.sim.costs import gemm as G
 from rackbed.sim.costs.calibration import CalibrationTable
-from rackbed.sim.costs.collective import _estimate, allreduce_time, available_algos, group_links
+from rackbed.sim.costs.collective import _estimate, allreduce_time, auto_names, group_links
 from rackbed.topology.presets import PRESETS
 
 
 def _general(topo, gpus, n_bytes, algo, calib):
-    g = group_links(topo, gpus)
-    names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
-    return min((_estimate(g, a, n_bytes, calib) for a in names), key=lambda c: c.total_s)
+    g = group_links(topo, gpus)  # the candidates "auto" chooses between (measured ones only where measured)
+    return min((_estimate(g, a, n_bytes, calib) for a in auto_names(g, algo, calib)), key=lambda c: c.total_s)
 
 
 @pytest.fixture(scope="module")

@@ -44,15 +44,18 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
             assert p["ttft_p90_s"] <= 2 and p["tpot_p90_s"] <= 0.05
     # no MTP searched for a model without MTP layers
     assert all(p["overrides"]["mtp.draft_k"] == 0 for p in d["simulations"])
-    # tokens/s per GPU at the sustained rate: every request's 40 output tokens over the 4 s arrival window, not the
-    # run's length (the drain included); the simulator's own figure kept
+    # tokens/s per GPU at the sustained rate: every request's 40 output tokens over the arrival window (4 lives of a
+    # request at the SLOs, 4 x (2 + 39 x 0.05) = 15.8 s > --duration 4), not the run's length (the drain included);
+    # the simulator's own figure kept
+    w = d["window_s"]
+    assert w == pytest.approx(4 * (2 + 39 * 0.05))
     raw = {r["key"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     for r in raw.values():
         s = r.get("summary") or {}
         if s.get("done") and s["done"] == s["requests"]:
             g = _gpus(r["overrides"])
-            got = bu.sustained(r, g, 4.0)["summary"]
-            assert got["tokens_per_s_per_gpu"] == pytest.approx(s["done"] * 40 / (4.0 * g), rel=1e-6)
+            got = bu.sustained(r, g, w)["summary"]
+            assert got["tokens_per_s_per_gpu"] == pytest.approx(s["done"] * 40 / (w * g), rel=1e-6)
             assert got["tokens_per_s_per_gpu_with_drain"] == s["tokens_per_s_per_gpu"] <= got["tokens_per_s_per_gpu"]
     for p in d["simulations"]:
         if p["meets_slo"]:
@@ -257,7 +260,7 @@ def test_max_rate_brackets_the_highest_rate():
 
     sc = apply_overrides(load_scenario(scenarios.resolve("agg_h200_node")), duration_s=2.0)
     steps = 2
-    r = bu.max_rate(sc, 2.0, 0.05, start=50.0, steps=steps)
+    r = bu.max_rate(sc, 2.0, 0.05, start=50.0, steps=steps, hold=False)  # the bracketing, on 2 s windows
     met = [rate for rate, ok, _ in r.tried if ok]
     missed = [rate for rate, ok, _ in r.tried if not ok]
     assert r.rate_per_s is not None and r.rate_per_s == max(met)

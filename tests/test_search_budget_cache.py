@@ -18,7 +18,7 @@ from rackbed.sim import budget as bu
 from rackbed.sim import search as se
 
 FLAGS = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--topology", "hgx-h200", "--format", "fp8", "--trace",
-         "mooncake", "--duration", "20", "--ttft", "3", "--tpot", "0.05", "--prefill-tp", "2", "--decode-ep", "2,4",
+         "mooncake", "--duration", "20", "--ttft", "5", "--tpot", "0.05", "--prefill-tp", "2", "--decode-ep", "2,4",
          "--batch-cap", "32,64"]
 
 

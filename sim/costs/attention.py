@@ -292,21 +292,13 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     # calibration kind decode_attn_GBps (the measured decode kernel per sequences x KV heads, context and KV
     # format), else hbm_GBps (a streaming copy of the same bytes), else the datasheet rate times
     # DECODE_ATTN_BW_EFFICIENCY
-    measured = None
-    if calib is not None and not window:
-        measured = calib.lookup_along("decode_attn_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), "seq_heads",
-                                      float(n_seqs * hkv), head_dim=d, n_q_heads=h, n_kv_heads=hkv,
-                                      kv=kv_format(kv_elem_bytes))
+    # sliding-window curves are read at the sequence's whole context (the measured kernel's time keeps growing past
+    # the window) and their rate is over the window's tokens (no page rounding: the measured time is the kernel's)
+    ctx = max(mean_ctx, 1.0) if window else max(paged_tokens / n_seqs, 1.0)
+    measured = decode_attn_rate(calib, gpu, ctx, float(n_seqs * hkv), d, h, hkv, kv_format(kv_elem_bytes), window)
     read_bytes = kv_bytes
-    if calib is not None and window:
-        # sliding-window curves (key ``window``) only: a short context of a full-attention curve is another kernel.
-        # Their x is the sequence's whole context (the measured kernel's time keeps growing past the window) and
-        # their rate is over the window's tokens (no page rounding: the measured time is the kernel's)
-        measured = _along_pinned(calib, "decode_attn_GBps", gpu.name, max(mean_ctx, 1.0),
-                                 "seq_heads", float(n_seqs * hkv), "window", window, head_dim=d, n_q_heads=h,
-                                 n_kv_heads=hkv, kv=kv_format(kv_elem_bytes))
-        if measured is not None:
-            read_bytes = att.kv_read_bytes(total_ctx, tp, kv_elem_bytes)
+    if measured is not None and window:
+        read_bytes = att.kv_read_bytes(total_ctx, tp, kv_elem_bytes)
     if measured is None:
         measured = lookup(calib, "hbm_GBps", gpu.name, max(kv_bytes, 1.0))
     bw = measured * 1e9 if measured is not None else hbm_rate_Bps(gpu) * C.DECODE_ATTN_BW_EFFICIENCY
@@ -315,6 +307,21 @@ def _full_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ct
     core_s = max(memory_s, compute_s) + kernel_fixed_us(calib, gpu) * 1e-6
     proj = full_attention_projections(gpu, model, n_seqs * q_per_seq, tp=tp, fmt=fmt, calib=calib, kind=att.kind)
     return AttentionCost(proj.total_s, core_s, flops, kv_bytes)
+
+
+def decode_attn_rate(calib: CalibrationTable | None, gpu: GpuSpec, ctx: float, seq_heads: float, head_dim: int,
+                     n_q_heads: int, n_kv_heads: int, kv: str, window: int = 0) -> float | None:
+    """Measured decode-attention rate (GB/s, kind ``decode_attn_GBps``) at ``ctx`` tokens per sequence and
+    ``seq_heads`` sequences x local KV heads (interpolated in ``log seq_heads``); a sliding layer (``window``) reads
+    only the curves pinning its window (a short context of a full-attention curve is another kernel). None
+    without a curve."""
+    if calib is None:
+        return None
+    if not window:
+        return calib.lookup_along("decode_attn_GBps", gpu.name, ctx, "seq_heads", seq_heads, head_dim=head_dim,
+                                  n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, kv=kv)
+    return _along_pinned(calib, "decode_attn_GBps", gpu.name, ctx, "seq_heads", seq_heads, "window", window,
+                         head_dim=head_dim, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, kv=kv)
 
 
 def _along_pinned(calib: CalibrationTable, kind: str, gpu: str, x: float, field: str, value: float, pin: str,

@@ -101,7 +101,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rackbed.sim.costs import constants as C
 from rackbed.topology.errors import UserError, from_validation
@@ -132,6 +140,26 @@ KINDS: dict[str, tuple[str, ...]] = {
     "mla_bmm_us": ("dims", "op", "n_heads", "fmt"),
 }
 
+#: (kind, key field) -> {other spelling: the value rackbed's cost functions query}. Entries are stored with the
+#: canonical value (an alias in a file is rewritten when it loads) and queries are canonicalised the same way, so a
+#: curve written under a stack's own name (TensorRT-LLM's ``oneshot`` / ``twoshot``) cannot go unread.
+KEY_ALIASES: dict[tuple[str, str], dict[str, str]] = {
+    ("allreduce_us", "algo"): {"oneshot": "one_shot", "one-shot": "one_shot", "twoshot": "two_shot",
+                               "two-shot": "two_shot"},
+}
+_ALIASED_KINDS = frozenset(k for k, _ in KEY_ALIASES)
+
+
+def canonical_key(kind: str, key: dict) -> dict:
+    """``key`` with every aliased value (``KEY_ALIASES``) replaced by its canonical spelling."""
+    if kind not in _ALIASED_KINDS:
+        return key
+    out = dict(key)
+    for (k, f), names in KEY_ALIASES.items():
+        if k == kind and isinstance(out.get(f), str):
+            out[f] = names.get(out[f], out[f])
+    return out
+
 
 class CalibrationEntry(BaseModel):
     """One measured curve: ``points`` are ``(x, y)`` pairs with strictly increasing ``x > 0`` and ``y > 0``."""
@@ -153,6 +181,13 @@ class CalibrationEntry(BaseModel):
             if i and x <= pts[i - 1][0]:
                 raise ValueError(f"point {i}: x values must be strictly increasing")
         return pts
+
+    @model_validator(mode="after")
+    def _canonical(self) -> CalibrationEntry:
+        key = canonical_key(self.kind, self.key)
+        if key != self.key:
+            object.__setattr__(self, "key", key)
+        return self
 
     def matches(self, gpu: str, key: dict) -> int:
         """-1 if this entry does not apply to (gpu, key), else the number of key fields it pins."""
@@ -282,6 +317,7 @@ class CalibrationTable(BaseModel):
         return res
 
     def _resolve_uncached(self, kind, gpu, key):
+        key = canonical_key(kind, key)
         cands = self._entries_of(kind, gpu)
         fields = self.grid.get(kind)
         if fields and all(isinstance(key.get(f), (int, float)) for f in fields):
@@ -299,6 +335,14 @@ class CalibrationTable(BaseModel):
         """Entries pinning every grid field and matching ``key`` on all other fields: {grid values: entry} (per
         grid point the most specific entry, ties the first)."""
         other = {f: v for f, v in key.items() if f not in fields}
+        # the points depend on the fields off the grid only: one scan of the entries per (kind, gpu, those fields)
+        try:
+            mkey = ("grid", id(cands), fields, tuple(sorted(other.items())))
+            hit = self._resolved.get(mkey)
+        except TypeError:  # an unhashable key value
+            mkey, hit = None, None
+        if hit is not None and hit[0] is cands:
+            return hit[1]
         pts: dict[tuple, tuple[int, CalibrationEntry]] = {}
         for e in cands:
             if not all(f in e.key for f in fields):
@@ -309,7 +353,10 @@ class CalibrationTable(BaseModel):
             gv = tuple(float(e.key[f]) for f in fields)
             if gv not in pts or s > pts[gv][0]:
                 pts[gv] = (s, e)
-        return {g: e for g, (s, e) in pts.items()}
+        out = {g: e for g, (s, e) in pts.items()}
+        if mkey is not None:
+            self._resolved[mkey] = (cands, out)
+        return out
 
     def _grid_resolve(self, cands, fields, key):
         pts = self._grid_points(cands, fields, key)
@@ -374,6 +421,7 @@ class CalibrationTable(BaseModel):
         ``field`` value the most specific wins). Without any curve pinning ``field``: :meth:`lookup`."""
         if kind not in KINDS:
             raise UserError(f"calibration kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        key = canonical_key(kind, key)
         mkey = ("along", kind, gpu, field, tuple(sorted(key.items())))
         cands = self._resolved.get(mkey)
         if cands is None:

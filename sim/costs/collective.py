@@ -28,14 +28,23 @@ NVLS; across domains the sum of the GPU's NIC line rates (capped by NVLink).
 
 ``algo="auto"`` picks the fastest candidate, as NCCL's tuner does from its own cost table; any algorithm can be
 forced. A calibration table (kind ``allreduce_us``, key algo / n_ranks, x = bytes) replaces the estimate of the
-algorithms it covers.
+algorithms it covers. Where it measures a symmetric-memory kernel (``one_shot`` / ``two_shot`` / ``nvls``) for the
+group's GPU and size, it measured the serving stack's own all-reduce (TensorRT-LLM's custom all-reduce, which picks
+one- or two-shot itself, beside NCCL, which picks ring, tree or NVLS itself): "auto" then chooses among the measured
+algorithms only, since an estimate of a kernel the stack does not run would undercut the measured ones (the NVLS
+estimate, 10-20 % below the measured TP4 curves on H200 and B200, e.g.). A calibration measuring NCCL only (the
+``rackbed`` stack's ``h200.yaml``) leaves the symmetric kernels, which rackbed's engine runs, to the model. In a
+calibration that measures its stack's own all-reduce, a group size it did not measure (GB200 TP8: measured at 2
+and 4 GPUs) takes each algorithm's curve at the nearest measured size, scaled by the model's ratio between the
+two sizes, so that a measured TP4 is not compared with a first-principles TP8.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from rackbed.engine.core.collectives import schedule
@@ -45,6 +54,9 @@ from rackbed.topology.errors import UserError
 from rackbed.topology.specs import GpuSpec
 
 ALGOS: tuple[str, ...] = ("one_shot", "two_shot", "ring", "nvls")
+#: the symmetric-memory kernels: a calibration measuring one of them for a group measured its stack's own
+#: all-reduce, and "auto" then picks among the measured algorithms only (module docstring)
+SYMMETRIC: frozenset[str] = frozenset(("one_shot", "two_shot", "nvls"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,8 +243,31 @@ def _estimate(g: GroupLinks, algo: str, n_bytes: float, calib: CalibrationTable 
     measured = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=g.n_ranks) \
         if g.one_domain else None
     if measured is None:
-        return est
+        n2 = _nearest_measured(calib, g, algo)
+        if n2 is None:
+            return est
+        # a stack calibration measured this algorithm at other group sizes: the nearest one, scaled by the model
+        g2 = replace(g, n_ranks=n2)
+        est2 = _ring(g2, n_bytes) if algo == "ring" else _symmetric(g2, algo, n_bytes, kernel_fixed_us(calib, g.gpu))
+        m2 = lookup(calib, "allreduce_us", g.gpu.name, max(n_bytes, 1.0), algo=algo, n_ranks=n2)
+        measured = m2 * est.total_s / est2.total_s if est2.total_s > 0 else m2
     return CollectiveCost(algo, est.protocol, g.n_ranks, n_bytes, 0.0, 0.0, measured * 1e-6, est.link_bytes, True)
+
+
+def _nearest_measured(calib: CalibrationTable | None, g: GroupLinks, algo: str) -> int | None:
+    """The measured group size nearest ``g``'s (in log ratio; ties: the larger) at which ``calib`` has ``algo``,
+    when ``calib`` measures its stack's own all-reduce on the GPU (a symmetric kernel at any size) and the group is
+    one NVLink domain; else None (module docstring)."""
+    if calib is None or not g.one_domain:
+        return None
+    sizes: dict[str, set[int]] = {}
+    for e in calib._entries_of("allreduce_us", g.gpu.name):
+        n = e.key.get("n_ranks")
+        if isinstance(n, int) and n > 1 and isinstance(e.key.get("algo"), str):
+            sizes.setdefault(e.key["algo"], set()).add(n)
+    if not any(a in SYMMETRIC for a in sizes) or not sizes.get(algo):
+        return None
+    return min(sizes[algo], key=lambda n: (abs(math.log(n / g.n_ranks)), -n))
 
 
 def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "auto",
@@ -249,8 +284,7 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
             return _auto_fast(g, terms, n_bytes)
     avail = available_algos(g)
     if algo in ("auto", "auto_no_nvls"):
-        names = [a for a in avail if not (algo == "auto_no_nvls" and a == "nvls")]
-        return min((_estimate(g, a, n_bytes, calib) for a in names), key=lambda c: c.total_s)
+        return min((_estimate(g, a, n_bytes, calib) for a in auto_names(g, algo, calib)), key=lambda c: c.total_s)
     if algo not in ALGOS:
         raise UserError(f"all-reduce algo must be auto, auto_no_nvls or one of {', '.join(ALGOS)}, got {algo!r}")
     if algo not in avail:
@@ -258,6 +292,33 @@ def allreduce_time(topo, gpus: Sequence[int], n_bytes: float, *, algo: str = "au
                else "the group spans NVLink domains (only ring over the network)")
         raise UserError(f"all-reduce algo {algo!r} not available on GPUs {sorted(set(gpus))}: {why}")
     return _estimate(g, algo, n_bytes, calib)
+
+
+def _measured(calib: CalibrationTable | None, g: GroupLinks, algo: str) -> bool:
+    """``calib`` prices ``algo`` on ``g`` from a measured curve (of the group's size, or scaled from another)."""
+    return calib is not None and g.one_domain and (
+        calib.entry("allreduce_us", g.gpu.name, algo=algo, n_ranks=g.n_ranks) is not None
+        or _nearest_measured(calib, g, algo) is not None)
+
+
+# auto_names per (group, algo, calibration), kept with the objects it was computed for (ids can be reused)
+_NAMES: dict[tuple[int, str, int], tuple] = {}
+
+
+def auto_names(g: GroupLinks, algo: str = "auto", calib: CalibrationTable | None = None) -> list[str]:
+    """The algorithms ``algo`` ("auto" / "auto_no_nvls") chooses between on group ``g``: those available, and
+    where ``calib`` measures a symmetric-memory kernel for the group, only the measured ones (module docstring)."""
+    key = (id(g), algo, id(calib))
+    hit = _NAMES.get(key)
+    if hit is not None and hit[0] is g and hit[1] is calib:
+        return hit[2]
+    names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
+    measured = [a for a in names if _measured(calib, g, a)]
+    out = measured if any(a in SYMMETRIC for a in measured) else names
+    if len(_NAMES) > 4096:
+        _NAMES.clear()
+    _NAMES[key] = (g, calib, out)
+    return out
 
 
 # "auto" without calibrated all-reduce entries, per (group, algo, calibration): every candidate's _terms, so a
@@ -270,9 +331,8 @@ def _auto_terms(g: GroupLinks, algo: str, calib: CalibrationTable | None) -> tup
     hit = _AUTO.get(key)
     if hit is not None and hit[0] is g and hit[1] is calib:
         return hit[2]
-    names = [a for a in available_algos(g) if not (algo == "auto_no_nvls" and a == "nvls")]
-    if calib is not None and g.one_domain and any(
-            calib.entry("allreduce_us", g.gpu.name, algo=a, n_ranks=g.n_ranks) is not None for a in names):
+    names = auto_names(g, algo, calib)
+    if calib is not None and g.one_domain and any(_measured(calib, g, a) for a in names):
         terms = None  # measured entries depend on n_bytes: the general path
     else:
         fixed_us = kernel_fixed_us(calib, g.gpu)

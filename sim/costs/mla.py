@@ -98,9 +98,26 @@ def mla_absorb_s(gpu: GpuSpec, model, n_tokens: int, *, tp: int = 1, fmt: str = 
     bf = bmm_format(fmt)
     total = 0.0
     for op, (n, k) in zip(("pre", "post"), _split(att, tp, "decode")[1]):
-        us = lookup(calib, "mla_bmm_us", gpu.name, n_tokens, op=op, n_heads=h, fmt=bf, dims=mla_dims(att))
-        total += us * 1e-6 if us is not None else gemm_time(gpu, n_tokens, n, k, bf, calib=calib).total_s
+        s = mla_bmm_s(calib, gpu, att, n_tokens, op, h, bf)
+        total += s if s is not None else gemm_time(gpu, n_tokens, n, k, bf, calib=calib).total_s
     return total
+
+
+def mla_bmm_s(calib: CalibrationTable | None, gpu: GpuSpec, att, n_tokens: float, op: str, n_heads: int,
+              fmt: str) -> float | None:
+    """Measured seconds of one absorbed batched GEMM (kind ``mla_bmm_us``; ``op`` pre = W_UK, post = W_UV) over
+    ``n_heads`` local heads in ``fmt`` (bf16 | fp8); None without a curve."""
+    us = lookup(calib, "mla_bmm_us", gpu.name, n_tokens, op=op, n_heads=n_heads, fmt=fmt, dims=mla_dims(att))
+    return None if us is None else us * 1e-6
+
+
+def mla_decode_rate(calib: CalibrationTable | None, gpu: GpuSpec, att, ctx: float, seqs: float, n_heads: int,
+                    kv: str) -> float | None:
+    """Measured absorbed-decode MLA rate (GB/s of latent bytes, kind ``mla_decode_GBps``) at ``ctx`` tokens per
+    sequence for ``seqs`` sequences (interpolated in ``log seqs``); None without a curve."""
+    if calib is None:
+        return None
+    return _pinned_along(calib, "mla_decode_GBps", gpu.name, ctx, seqs, n_heads=n_heads, kv=kv, dims=mla_dims(att))
 
 
 def mla_prefill_rate(calib: CalibrationTable | None, gpu: GpuSpec, att, seq_tokens: float, n_heads: int,
@@ -190,10 +207,8 @@ def _mla_decode(gpu: GpuSpec, model, n_seqs: int, paged_tokens: float, total_ctx
     flops = att.decode_core_flops(total_ctx, tp, q_per_seq)
     compute_rate = gpu.dense_tflops.bf16 * 1e12 * C.FLASH_EFFICIENCY[gpu.arch]
     compute_s = flops / compute_rate
-    measured = None
-    if calib is not None:
-        measured = _pinned_along(calib, "mla_decode_GBps", gpu.name, max(paged_tokens / n_seqs, 1.0), float(n_seqs),
-                                 n_heads=h, kv=kv_format(kv_elem_bytes), dims=mla_dims(att))
+    measured = mla_decode_rate(calib, gpu, att, max(paged_tokens / n_seqs, 1.0), float(n_seqs), h,
+                               kv_format(kv_elem_bytes))
     if measured is not None:
         # the measured one-query kernel, scaled by the extra query tokens' FLOPs where it was compute-bound
         t1 = kv_bytes / (measured * 1e9)
