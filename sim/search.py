@@ -30,8 +30,14 @@ For a model, candidate hardware, a workload and SLOs, the search
 3. keeps at most ``max_simulations`` survivors, taking whole layers of the *analytic* Pareto front (non-dominated
    sorting on estimated tokens/s per GPU and per user), and **simulates** them through ``sim.sweep`` (parallel,
    resumable);
+   Each simulation runs the budget search's arrival window (``sim.budget``, step 2): at least 4 lives of a request
+   at the SLOs, ``TTFT SLO + (output - 1) x TPOT SLO``, or the workload's ``duration_s`` when longer (a workload
+   given as a number of requests keeps it), so that the rate is judged in the queues' steady state, not while they
+   build up;
 4. computes the **Pareto front** of the simulated points that meet the SLOs (TTFT and TPOT at the SLO percentile,
-   every request completed) — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)
+   every request completed) and **hold**: the latency of the 2nd and 3rd quarters' arrivals, continued at its
+   trend for a run 4x as long, stays within the SLOs, or such a run, simulated when the trend is in doubt, meets
+   them — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)
    — and the **cost per million output tokens** ``$/GPU-hour / (3600 x tokens/s per GPU) x 1e6``;
 5. prints the best few with **why**: their prefill and decode ``StepBreakdown`` at the operating point (the
    simulated mean batch per rank), i.e. where the step time goes.
@@ -697,13 +703,48 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     if not chosen:  # every candidate pruned: a sweep of no points would simulate the bare base scenario
         return SearchResult(spec, load, pre, dec, cands, [], [], [], [], [], {}, {}, wall_s=time.perf_counter() - t0,
                             notes=notes)
-    sweep = SweepSpec(name=spec.name, base=base_scenario(spec), points=[c.overrides for c in chosen],
-                      source=f"search {spec.name}")
+    from rackbed.sim import budget as bu  # its window rule and steady-state check (it imports this module)
+
+    base = base_scenario(spec)
+    window = None
+    if base["workload"].get("duration_s"):  # a workload of so many seconds of arrivals (not of N requests)
+        window = bu.arrival_window(spec, load)
+        base["workload"]["duration_s"] = round(window, 4)
+        if window > (getattr(spec.workload, "duration_s", None) or 0.0):
+            notes.append(f"arrival window {window:.0f} s per simulation: {bu.LIFE_WINDOWS} lives of a request at "
+                         f"the SLOs (TTFT + (output - 1) x TPOT), so that its queues reach their steady state")
+    sweep = SweepSpec(name=spec.name, base=base, points=[c.overrides for c in chosen], source=f"search {spec.name}")
     points = expand(sweep)
-    run = run_points(points, Path(out_dir) / "results.jsonl", jobs=jobs, ray_address=ray_address,
-                     progress=progress, console=console)
+    results = Path(out_dir) / "results.jsonl"
+    run = run_points(points, results, jobs=jobs, ray_address=ray_address, progress=progress, console=console)
     by_key = {r["key"]: r for r in run.records}
     recs = [by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label}) for p in points]
+    slo = spec.slo
+    if window:
+        # a point that meets the SLOs but whose latency still rises is decided by a run HOLD_WINDOWS x as long
+        # (as the budget search does: sim.budget, step 2); every other point by its own run
+        longer = []
+        for i, r in enumerate(recs):
+            r["steady"] = bu.steady(r, slo.ttft_s, slo.tpot_s, slo.percentile, window_s=window,
+                                    output_tokens=load.output_mean)
+            met = meets_slo(r, slo.ttft_s, slo.tpot_s, slo.percentile)
+            r["holds"], r["window_s"] = met and r["steady"]["ok"], window
+            if met and not r["steady"]["ok"]:
+                longer.append(i)
+        if longer:
+            wl = round(bu.HOLD_WINDOWS * window, 4)
+            long_points = expand(SweepSpec(name=spec.name, base={**base, "workload": {**base["workload"],
+                                                                                        "duration_s": wl}},
+                                           points=[chosen[i].overrides for i in longer], source=f"search {spec.name}"))
+            run = run_points(long_points, results, jobs=jobs, ray_address=ray_address, progress=progress,
+                             console=console)
+            by_key = {r["key"]: r for r in run.records}
+            for i, p in zip(longer, long_points):
+                lr = by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label})
+                lr["steady"] = bu.steady(lr, slo.ttft_s, slo.tpot_s, slo.percentile, window_s=wl,
+                                         output_tokens=load.output_mean)
+                lr["holds"], lr["window_s"] = meets_slo(lr, slo.ttft_s, slo.tpot_s, slo.percentile), wl
+                recs[i], points[i] = lr, p
     for r, c in zip(recs, chosen):
         r["candidate"] = c.label
         r["est"] = {"tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
@@ -717,7 +758,8 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
         if r.get("status") == "ok":
             r["summary"]["cost_per_mtok_usd"] = cost_per_mtok_usd(price[r["key"]], r["summary"]["tokens_per_s_per_gpu"]) \
                 if price[r["key"]] else None
-    elig = [r for r in recs if meets_slo(r, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)]
+    elig = [r for r in recs if r["holds"]] if window else \
+        [r for r in recs if meets_slo(r, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)]
     front = front_of(elig)
     best = sorted(front, key=lambda r: -r["summary"]["tokens_per_s_per_gpu"])[: spec.top]
     expl = {}

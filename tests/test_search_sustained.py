@@ -106,3 +106,32 @@ def test_steady_check():
     assert not bu.steady(_rec((0.1, 0.01), (0.1, 0.01), done_all=False), 1.0, 0.03)["ok"]
     # no quarters (a run without a window): nothing to check
     assert bu.steady({"status": "ok"}, 1.0, 0.03)["ok"]
+
+
+def test_rate_search_runs_the_window_rule_and_its_best_points_hold():
+    """The fixed-rate search (``rackbed search --rate``, spec searches, ``rackbed capacity``) simulates the same
+    arrival window as the budget search and reports only points that hold; each, simulated for 4x that window,
+    still meets the SLOs."""
+    import tempfile
+
+    from rackbed.sim.scenario import parse_scenario
+
+    spec = _spec().model_copy(update={"max_simulations": 4})
+    spec = spec.model_copy(update={"workload": spec.workload.model_copy(
+        update={"arrival": spec.workload.arrival.model_copy(update={"rate_per_s": 250.0})})})
+    res = se.run_search(spec, tempfile.mkdtemp(), progress=False)
+    window = bu.arrival_window(spec, res.load)
+    assert window > DURATION and any("arrival window" in n for n in res.notes)
+    assert res.best
+    for rec in res.records:
+        assert res.scenarios[rec["key"]]["workload"]["duration_s"] in (pytest.approx(window),
+                                                                        pytest.approx(bu.HOLD_WINDOWS * window))
+    for rec in res.best:
+        assert rec["holds"]
+        sc = res.scenarios[rec["key"]]
+        sc = parse_scenario({**sc, "workload": {**sc["workload"], "duration_s": 4 * sc["workload"]["duration_s"]}},
+                            "4x")
+        _, run = simulate_scenario(sc, built=build(sc))
+        s = summarize_metrics(clean(run.metrics))
+        assert meets_slo({"status": "ok", "summary": s}, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile), (
+            rec["candidate"], s["ttft_p90_s"], s["tpot_p90_s"], s["done"], s["requests"])
