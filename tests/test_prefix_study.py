@@ -82,7 +82,7 @@ def _search_spec(cache: bool):
         sc["prefix_cache"] = {"enabled": True, "hbm_gb_per_gpu": 8}
     return parse_search({
         "name": "pc", "model": "qwen3-235b-a22b",
-        "workload": {"kind": "trace", "name": "mooncake", "rate_per_s": 19.0, "max_requests": 600},
+        "workload": {"kind": "trace", "name": "mooncake", "rate_per_s": 18.0, "max_requests": 600},
         "slo": {"ttft_s": 4.0, "tpot_s": 0.05},
         "space": {"topology": ["gb200-nvl72"], "weight_format": ["mxfp8"], "prefill_tp": [4], "decode_ep": [16],
                   "max_batch_per_rank": [64], "draft_k": [1]},
@@ -94,7 +94,9 @@ def test_search_with_prefix_cache_plans_fewer_prefillers(tmp_path):
     (po,), (pn,) = ([o for o in r.prefill if o.pruned is None] for r in (off, on))
     assert po.hit_rate == 0.0 and not any("prefix cache" in n for n in off.notes)
     assert 0.0 < pn.hit_rate < 0.3 and pn.capacity_tokens_per_s > po.capacity_tokens_per_s
-    assert pn.replicas < po.replicas                         # 4 prefillers instead of 5 at 19 requests/s
+    # at 18 requests/s the uncached prompts need 4 prefillers, all of them 5 (the rate sits where the hit rate
+    # crosses a whole prefiller; at any rate the cache never asks for more)
+    assert pn.replicas < po.replicas
     assert on.simulated[0].n_gpus < off.simulated[0].n_gpus
     assert any(f"{pn.hit_rate:.1%}" in n for n in on.notes)
     rec_on, rec_off = on.records[0], off.records[0]
