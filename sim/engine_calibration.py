@@ -333,6 +333,8 @@ def _line(xs, ys) -> tuple[float, float]:
     b, a = np.polyfit(x, y, 1)
     if b < 0:
         return float(np.median(y)), 0.0
+    if a < 0:
+        return 0.0, float(np.dot(x, y) / np.dot(x, x))
     return float(a), float(b)
 
 
