@@ -22,7 +22,7 @@ class RankFailed(RuntimeError):
     """A rank process raised or died; carries the rank and its error text."""
 
 
-def _entry(rank: int, world: int, init_file: str, backend: str, fn, args, q) -> None:
+def _entry(rank: int, world: int, init_file: str, backend: str, fn, args, q, ack=None) -> None:
     from rackbed.engine.loop.lifetime import die_with_parent
 
     die_with_parent()   # ends with the launcher, even a killed one
@@ -35,6 +35,10 @@ def _entry(rank: int, world: int, init_file: str, backend: str, fn, args, q) -> 
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
         out = fn(rank, world, *args)
         q.put((rank, "ok", out))
+        # tensors in ``out`` cross as shared-memory file descriptors, fetched from this process when the parent
+        # unpickles them: exiting before that makes the parent's get fail (EOFError on a loaded machine)
+        if ack is not None:
+            ack.wait(timeout=120)
     except BaseException as exc:  # report every failure to the parent, with its traceback
         q.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -47,10 +51,10 @@ def spawn_local(fn, world_size: int, *args, backend: str | None = None, timeout_
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q, ack = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, backend, fn, args, q), daemon=False)
+        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, backend, fn, args, q, ack), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -75,6 +79,7 @@ def spawn_local(fn, world_size: int, *args, backend: str | None = None, timeout_
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}: {payload}")
+        ack.set()
         for p in procs:
             p.join(timeout=30)
         if errors:
