@@ -87,6 +87,7 @@ def _main(args: argparse.Namespace) -> int:
         "kv_capacity": kv_capacities(b.deployment),   # what the scheduler planned with: the ranks' caches
         "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
         "rank_errors": run.pool.errors,
+        "graphs": {str(r): g for r, g in sorted(run.pool.graph_reports.items())},
         "replay_identical_decisions": same,
         "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
                   for w, k, key, m, ws in run.records],

@@ -138,6 +138,7 @@ class RankPool:
         self._tok = 0
         self.dead: set[int] = set()
         self.errors: list[str] = []
+        self.graph_reports: dict[int, dict] = {}
 
     def token(self) -> int:
         self._tok += 1
@@ -194,9 +195,19 @@ class RankPool:
         return died
 
     def stop(self) -> None:
-        for r, q in enumerate(self.cmd_qs):
-            if r not in self.dead and self.procs[r].is_alive():
-                q.put(("stop", 0, {}))
+        """Stop every live rank; each one's last reply (token 0) says what ran as CUDA graphs (``graph_reports``)."""
+        live = [r for r in range(len(self.cmd_qs)) if r not in self.dead and self.procs[r].is_alive()]
+        for r in live:
+            self.cmd_qs[r].put(("stop", 0, {}))
+        deadline = time.monotonic() + 20
+        want = set(live)
+        while want and time.monotonic() < deadline:
+            for tok, rank, status, payload in self.poll(0.2):
+                if tok == 0 and status == "ok":
+                    want.discard(rank)
+                    if isinstance(payload, dict):
+                        self.graph_reports[rank] = payload
+            want = {r for r in want if self.procs[r].is_alive()}
         for p in self.procs:
             p.join(timeout=20)
             if p.is_alive():
@@ -284,23 +295,30 @@ class RealExecutor:
         return ev
 
     def _prefill_items(self, items) -> list[tuple]:
-        """``(rid, token ids)`` of ``(rid, start, n)`` prefill items (whole prompts only). With a prefix cache
-        ``(rid, token ids, start)``: ``start > 0`` is the prefix the scheduler found cached on the worker, which the
-        rank reuses from its own cache instead of computing it (chunked prefill is simulated only, so a start is
-        never a previous chunk)."""
+        """The rank commands' items for ``(rid, start, n)`` prefill items: ``(rid, token ids)`` for a whole prompt;
+        with a prefix cache ``(rid, token ids, start)``, ``start > 0`` being the prefix the scheduler found cached on
+        the worker, which the rank reuses from its own cache instead of computing it; ``(rid, token ids, start,
+        True)`` for a later chunk of a prompt whose first ``start`` tokens an earlier chunk prefilled on the same
+        rank (chunked prefill). A chunk that does not end its prompt yields no token: its reply is not absorbed
+        (``chunk_open``)."""
         run = self.run
         out = []
         for rid, start, n in items:
-            if run.prefix_blocks:
+            whole = run.prefill_target(rid)
+            cont = run.chunk_open.pop(rid, None) == start and start > 0
+            if start + n < whole:
+                run.chunk_open[rid] = start + n
+            if cont:
+                out.append((rid, run.token_ids(rid, start + n), start, True))
+            elif run.prefix_blocks:
                 out.append((rid, run.token_ids(rid, start + n), start))
-                run.prefill_n[rid] = start + n
                 run.prefix_planned.setdefault(rid, []).append(start)
-                continue
-            if start != 0:
-                raise UserError("real mode: chunked prefill is simulated only (set sim.chunked_prefill: false, "
-                                "aggregated.chunk_tokens: null)")
-            out.append((rid, run.token_ids(rid, n)))
-            run.prefill_n[rid] = n
+            elif start != 0:
+                raise UserError(f"real mode: request {rid}'s prefill starts at token {start} with no earlier chunk "
+                                "or prefix cache on its rank")
+            else:
+                out.append((rid, run.token_ids(rid, n)))
+            run.prefill_n[rid] = start + n
         return out
 
     def duration(self, plan, now_s: float):
@@ -486,6 +504,7 @@ class RealRun:
         self.generated: dict[int, list[int]] = {}
         self.src_pages: dict[int, list[int]] = {}
         self.prefill_n: dict[int, int] = {}
+        self.chunk_open: dict[int, int] = {}      # request -> tokens its chunks so far prefilled (not all)
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
         self.kill_after_steps: list[tuple[int, int]] = []
         self.lose_kv: set[int] = set()      # failure drill: requests whose first KV transfer finds the KV gone
@@ -563,6 +582,10 @@ class RealRun:
                             f"continues (request {prev}: {len(head)} tokens with its output)")
         rng = np.random.default_rng([self.seed, rid])
         return head + rng.integers(0, self.cfg.vocab, size=new).tolist()
+
+    def prefill_target(self, rid: int) -> int:
+        """Tokens a prefill of ``rid`` covers: its prompt, and after a failure the tokens it generated so far."""
+        return self.prompt_len[rid] + len(self.generated.get(rid, ()))
 
     def token_ids(self, rid: int, n: int) -> list[int]:
         if rid not in self.prompt_ids:
@@ -695,6 +718,8 @@ class RealRun:
 
     def _absorb_prefill(self, reply: dict) -> None:
         for rid, (tok, pages, reused) in reply.items():
+            if rid in self.chunk_open:      # a chunk that does not end its prompt: no token yet
+                continue
             self.src_pages[rid] = pages
             self.prefix_hits.setdefault(rid, []).append(reused)
             gen = self.generated.setdefault(rid, [])

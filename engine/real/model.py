@@ -469,6 +469,39 @@ class ShardedQwen3Moe:
                               norm_topk_prob=cfg.norm_topk_prob)
         return self._logits(x)
 
+    def forward_chunk_static(self, tokens: torch.Tensor, positions: torch.Tensor, write_page: torch.Tensor,
+                             page_row: torch.Tensor, last: torch.Tensor, cache: PagedKvCache) -> torch.Tensor:
+        """A prefill chunk of ONE sequence without host synchronisation or data-dependent shapes, so it can be
+        captured in a CUDA graph (:class:`PrefillGraphRunner`). ``tokens [T]`` at ``positions [T]``; their KV goes
+        to page ``write_page[t]`` at slot ``positions[t] % S`` (padding rows name a scratch page); every query
+        attends over the sequence's pages ``page_row [P]`` up to its own position (the cached prefix and earlier
+        chunks included). Returns the logits of row ``last`` (``[1]``, the chunk's last real token) ``[1, V]``.
+        Same math as :meth:`forward_prefill`; the MoE is ``moe_block`` as in :meth:`forward_decode_static`."""
+        if self.shard.ep != 1 or self.shard.attn_tp != 1:
+            raise ValueError("forward_chunk_static needs one rank (tp = ep = 1)")
+        cfg = self.cfg
+        x = self.glob["embed"][tokens]
+        S = cache.page_tokens
+        slot = positions % S
+        L = page_row.shape[0] * S
+        mask = torch.arange(L, device=tokens.device)[None, :] <= positions[:, None]          # [T, L]
+        gmap = self._gqa_map().to(tokens.device)
+        for li, w in enumerate(self.layers):
+            h = rms_norm(x, w["input_norm"], cfg.rms_eps)
+            q, k, v = self._qkv(w, h, positions)                          # q [Hq, T, Dh], k/v [Hkv, T, Dh]
+            st = cache.storage[li]
+            st[write_page, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
+            st[write_page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
+            kv = st[page_row]                                             # [P, 2, Hkv, S, Dh]
+            K = kv[:, 0].permute(1, 0, 2, 3).reshape(kv.shape[2], L, -1).to(q.dtype)
+            V = kv[:, 1].permute(1, 0, 2, 3).reshape(kv.shape[2], L, -1).to(q.dtype)
+            o = F_.scaled_dot_product_attention(q, K[gmap], V[gmap], attn_mask=mask, scale=self.scale)
+            x = x + o.transpose(0, 1).reshape(x.shape[0], -1) @ w["o_proj"].T
+            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+            x = x + moe_block(h, h @ w["router"].T, w["gate_up"], w["down"], cfg.top_k, swiglu=grouped_swiglu,
+                              norm_topk_prob=cfg.norm_topk_prob)
+        return self._logits(x.index_select(0, last))
+
     def _moe_dp_ep(self, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
         """Sparse all-to-all MoE: dispatch each token once per destination rank, apply local experts, combine."""
         ep = self.shard.ep
@@ -703,3 +736,139 @@ class DecodeGraphRunner:
                 g.replay()
                 return out[:B]
         return self.model.forward_decode_static(tk, ps, self.cache, tab)[:B]
+
+
+class PrefillGraphRunner:
+    """Replays CUDA graphs of ``forward_chunk_static``: a prompt (or a chunk of one, or the suffix after a cached
+    prefix) per replay, one graph per (token bucket, page-table-width bucket).
+
+    A chunk of ``n`` tokens is padded to the next token bucket; padding rows write their KV to a scratch page and
+    their outputs are dropped, so only the bucket's extra compute is paid. Page rows are padded with the sequence's
+    first page (masked by position). A batch of several prompts replays one graph per prompt. Capture failures
+    fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does.
+    """
+
+    TOKEN_BUCKETS = (16, 32, 64, 128) + tuple(range(256, 1024, 128)) + tuple(range(1024, 16385, 256))
+    PAGE_ROUND = 8
+
+    def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache, pool=None) -> None:
+        self.model, self.cache = model, cache
+        self.scratch = cache.alloc(1)[0]
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.mode = "graph"
+        self.why = ""
+        self.pool = pool
+        self.n_captured_late = 0
+        self.n_eager = 0            # chunks longer than the largest bucket (run eagerly)
+
+    @classmethod
+    def key(cls, start: int, n: int, page_tokens: int) -> tuple[int, int] | None:
+        """The (token bucket, page bucket) of a chunk of ``n`` tokens after ``start``; None past the buckets."""
+        tb = next((b for b in cls.TOKEN_BUCKETS if b >= n), None)
+        if tb is None:
+            return None
+        pages = -(-(start + n) // page_tokens)
+        return tb, -(-pages // cls.PAGE_ROUND) * cls.PAGE_ROUND
+
+    @classmethod
+    def warm_keys(cls, lo: int, hi: int, chunk: int, page_tokens: int) -> list[tuple[int, int]]:
+        """Keys a run whose prompts are ``lo..hi`` tokens long can meet: whole prompts (``chunk`` 0), or chunks of
+        at most ``chunk`` tokens at any start below ``hi``; largest first (the shared pool is sized once)."""
+        keys = set()
+        if chunk:
+            top = min(chunk, hi)
+            for n in sorted({min(b, top) for b in cls.TOKEN_BUCKETS if b <= top} | {top}):
+                for start in range(0, hi, page_tokens * cls.PAGE_ROUND):
+                    if start + n <= hi + page_tokens * cls.PAGE_ROUND:
+                        k = cls.key(start, n, page_tokens)
+                        if k:
+                            keys.add(k)
+        else:
+            for n in range(max(lo, 1), hi + 1, 16):
+                k = cls.key(0, n, page_tokens)
+                if k:
+                    keys.add(k)
+            k = cls.key(0, hi, page_tokens)
+            if k:
+                keys.add(k)
+        return sorted(keys, key=lambda k: (k[0] * k[1], k), reverse=True)
+
+    @torch.inference_mode()
+    def warm(self, keys, *, reserve_bytes: int = 8 << 30, budget_s: float = 90.0) -> dict:
+        import time
+
+        t0, done, why = time.perf_counter(), 0, "all"
+        for key in keys:
+            if self.mode != "graph":
+                why = "capture failed: " + self.why
+                break
+            if time.perf_counter() - t0 > budget_s:
+                why = f"time budget {budget_s:.0f} s"
+                break
+            free, _ = torch.cuda.mem_get_info(self.cache.storage.device)
+            if free < reserve_bytes:
+                why = f"memory reserve ({free / 2**30:.1f} GiB free)"
+                break
+            if key not in self.graphs:
+                try:
+                    self.graphs[key] = self._capture(*key)
+                except Exception as exc:  # fall back, once, and say why
+                    self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
+                    continue
+            done += 1
+        torch.cuda.synchronize()
+        return {"captured": done, "wanted": len(keys), "stopped_by": why,
+                "seconds": round(time.perf_counter() - t0, 2)}
+
+    def _capture(self, T: int, P: int):
+        dev = self.cache.storage.device
+        tok = torch.zeros(T, dtype=torch.long, device=dev)
+        pos = torch.zeros(T, dtype=torch.long, device=dev)
+        wpage = torch.full((T,), self.scratch, dtype=torch.long, device=dev)
+        row = torch.full((P,), self.scratch, dtype=torch.long, device=dev)
+        last = torch.zeros(1, dtype=torch.long, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.model.forward_chunk_static(tok, pos, wpage, row, last, self.cache)
+        torch.cuda.current_stream().wait_stream(s)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = self.model.forward_chunk_static(tok, pos, wpage, row, last, self.cache)
+        return g, tok, pos, wpage, row, last, out
+
+    def inputs(self, ids: torch.Tensor, start: int, pages: list[int], T: int, P: int):
+        """The padded static inputs of a chunk: ``ids [n]`` at positions ``start..start+n-1`` of ``pages``."""
+        dev, S, n = ids.device, self.cache.page_tokens, int(ids.numel())
+        tok = torch.zeros(T, dtype=torch.long, device=dev)
+        tok[:n] = ids
+        p = list(range(start, start + n))
+        pos_l = p + [p[-1]] * (T - n)
+        wp = [pages[q // S] for q in p] + [self.scratch] * (T - n)
+        row = list(pages[:P]) + [pages[0]] * (P - min(P, len(pages)))
+        t = torch.tensor([pos_l, wp], dtype=torch.long).to(dev, non_blocking=True)
+        return (tok, t[0], t[1], torch.tensor(row, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor([n - 1], dtype=torch.long).to(dev, non_blocking=True))
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, start: int, pages: list[int]) -> torch.Tensor:
+        """Logits ``[1, V]`` of the chunk's last token; its KV is written into ``pages``."""
+        key = self.key(start, int(ids.numel()), self.cache.page_tokens)
+        if key is None or self.mode != "graph":
+            self.n_eager += key is None
+            return self.model.forward_prefill([ids], self.cache, [pages], [start])
+        if key not in self.graphs:
+            self.n_captured_late += 1
+            try:
+                self.graphs[key] = self._capture(*key)
+            except Exception as exc:  # fall back, once, and say why
+                self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
+                return self.model.forward_prefill([ids], self.cache, [pages], [start])
+        g, tok_b, pos_b, wp_b, row_b, last_b, out = self.graphs[key]
+        for dst, src in zip((tok_b, pos_b, wp_b, row_b, last_b), self.inputs(ids, start, pages, *key)):
+            dst.copy_(src)
+        g.replay()
+        return out

@@ -98,8 +98,11 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     peers = tuple((p, d) for p in p_ranks for d in d_ranks)
     if len(peers) > 64:     # start-up cost grows with P x D: connect lazily, on first use, beyond that
         peers = ()
-    gmax = dep.decoders[0].template.max_batch_per_rank if dep.decoders and requests else 0
+    dec = dep.decoders or dep.aggregated
+    gmax = dec[0].template.max_batch_per_rank if dec and requests else 0
     gpages = graph_pages(requests, built.decode_plan.page_tokens, dep.mtp.draft_k) if gmax else (0, 0)
+    plens = (min(r.prompt_tokens for r in requests), max(r.prompt_tokens for r in requests)) if requests else (0, 0)
+    chunk = (dep.aggregated[0].template.chunk_tokens or 0) if dep.aggregated else 0
     out = {}
     for gid, gs, role in groups:
         tpl = {"prefill": dep.prefillers, "decode": dep.decoders, "aggregated": dep.aggregated}[role][0].template
@@ -113,8 +116,10 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
                               prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
                               init_file=init_file, backend=backend, kv_peers=peers,
-                              graph_max_batch=gmax if role == "decode" else 0,
-                              graph_pages=gpages if role == "decode" else (0, 0),
+                              graph_max_batch=gmax if role != "prefill" else 0,
+                              graph_pages=gpages if role != "prefill" else (0, 0),
+                              prefill_lens=plens if role != "decode" else (0, 0),
+                              chunk_tokens=chunk if role == "aggregated" else 0,
                               prefix_blocks=prefix_blocks if role != "decode" else 0,
                               prefix_block_tokens=prefix_block_tokens if role != "decode" else 0)
     return out

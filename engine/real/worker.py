@@ -79,6 +79,11 @@ class RankSpec:
     # ``graph_pages`` = (lo, hi)); (0, 0) = none, capture on first use only
     graph_max_batch: int = 0
     graph_pages: tuple[int, int] = (0, 0)
+    # prefilling ranks of one GPU (a TP1 prefiller, an aggregated worker): prefill CUDA graphs captured at warm-up
+    # for prompts of ``prefill_lens`` = (lo, hi) tokens, in chunks of at most ``chunk_tokens`` (0: whole prompts);
+    # (0, 0) = capture on first use only
+    prefill_lens: tuple[int, int] = (0, 0)
+    chunk_tokens: int = 0
     kv_peers: tuple[tuple[int, int], ...] = ()   # (prefill rank, decode rank) pairs connected at start-up
     # prefix cache of a rank that prefills (prefiller, aggregated): blocks of ``prefix_block_tokens`` tokens (a
     # multiple of page_tokens), at most ``prefix_blocks`` of them (their pages come out of ``n_pages``); 0 = off
@@ -234,11 +239,19 @@ class Rank:
         # the transfer lane's stream (CUDA); the compute lane uses the thread's default stream
         self.kv_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs = None
+        self.prefill_graphs = None
         self.graph_info: dict = {}
-        if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
+        graphs_on = dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1"
+        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
+        if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1 \
+                and hasattr(self.model, "forward_chunk_static") and spec.cfg.family == "qwen3_moe":
+            from rackbed.engine.real.model import PrefillGraphRunner
+
+            self.prefill_graphs = PrefillGraphRunner(self.model, self.cache,
+                                                     pool=self.graphs.pool if self.graphs else None)
         self._warm_up()
         self._connect_kv_peers()
 
@@ -262,6 +275,17 @@ class Rank:
                                                                  * (1 << 30)),
                                                budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
             print(f"rank {self.spec.rank}: decode graphs at warm-up: {self.graph_info}", flush=True)
+        if self.prefill_graphs is not None and self.spec.prefill_lens[1] > 0:
+            from rackbed.engine.real.model import PrefillGraphRunner
+
+            keys = PrefillGraphRunner.warm_keys(*self.spec.prefill_lens, self.spec.chunk_tokens,
+                                                self.spec.page_tokens)
+            if self.graphs is not None and self.graphs.pool is not None:
+                self.prefill_graphs.pool = self.graphs.pool
+            self.graph_info["prefill"] = self.prefill_graphs.warm(
+                keys, reserve_bytes=int(float(os.environ.get("RACKBED_GRAPH_RESERVE_GB", "8")) * (1 << 30)),
+                budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
+            print(f"rank {self.spec.rank}: prefill graphs at warm-up: {self.graph_info['prefill']}", flush=True)
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
 
@@ -329,16 +353,26 @@ class Rank:
             op, token, args = comp_q.get()
             if op == "stop":
                 xfer.join(timeout=10)   # a transfer stuck on a dead peer does not hold the stop up for long
-                if self.graphs is not None:
-                    print(f"rank {self.spec.rank}: decode graphs captured inside measured steps: "
-                          f"{self.graphs.n_captured_late} (at warm-up: {self.graph_info.get('captured', 0)})",
-                          flush=True)
-                res_q.put((token, self.spec.rank, "ok", None))
+                res_q.put((token, self.spec.rank, "ok", self.graph_report()))
                 return
             if op not in COMPUTE_OPS:
                 res_q.put((token, self.spec.rank, "error", f"unknown op {op!r}"))
                 continue
             self._run(op, token, args, res_q)
+
+    def graph_report(self) -> dict:
+        """What ran as CUDA graphs: per step kind, the mode (graph / eager and why), graphs captured at warm-up
+        and inside measured steps, and chunks too long for any bucket (run eagerly)."""
+        out = {}
+        for kind, r in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
+            if r is None:
+                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, family, "
+                                                       "or RACKBED_NO_GRAPHS=1)"}
+            else:
+                out[kind] = {"mode": r.mode, "why": r.why, "captured": len(r.graphs),
+                             "captured_late": r.n_captured_late, "eager_chunks": getattr(r, "n_eager", 0)}
+        print(f"rank {self.spec.rank}: graphs: {out}", flush=True)
+        return out
 
     # -- prefill side ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -353,6 +387,18 @@ class Rank:
         with self.lock:
             for item in items:
                 rid, ids = item[0], item[1]
+                if len(item) > 3 and item[3]:   # a later chunk of a prompt: continue the sequence held here
+                    s = self.seqs.get(rid)
+                    c = item[2]
+                    if s is None or s.length != c:
+                        raise RuntimeError(f"request {rid}: chunk at {c} but this rank holds "
+                                           f"{None if s is None else s.length} tokens of it")
+                    self.cache.grow(s.pages, len(ids))
+                    pts.append(s.pages)
+                    starts.append(c)
+                    pins.append(None)
+                    seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
+                    continue
                 old = self.seqs.pop(rid, None)
                 if old is not None and not old.busy:      # a stale copy (re-prefill after a failure)
                     self._let_go(old)
@@ -366,7 +412,10 @@ class Rank:
                 starts.append(c)
                 pins.append(pin)
                 seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
-        logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
+        if self.prefill_graphs is not None:
+            logits = torch.cat([self.prefill_graphs(q, c, pg) for q, c, pg in zip(seqs, starts, pts)])
+        else:
+            logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
         first = logits.argmax(-1).tolist()
         out = {}
         with self.lock:
