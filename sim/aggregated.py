@@ -74,7 +74,7 @@ def aggregated_plan_for(sc, model, gpus):
                         max_batch_seqs=a.max_batch_per_rank)
 
 
-def build_aggregated(sc, topo, model, kv_view):
+def build_aggregated(sc, topo, model, kv_view, *, engine_calibration: bool = True):
     """``sim.scenario.build`` for ``deployment: aggregated``: the placed workers, their plan (as both the
     ``prefill_plan`` and the ``decode_plan`` of :class:`~sim.scenario.Built`) and the cost model."""
     from rackbed.engine.core.deployment import AggregatedTemplate, place_aggregated
@@ -97,9 +97,10 @@ def build_aggregated(sc, topo, model, kv_view):
     plan = aggregated_plan_for(sc, model, placed(1).aggregated[0].gpus)
     budget = draft_budget(sc, plan.validate(model, topo), plan, topo)
     dep = placed(max(1, budget.kv_capacity_tokens))
-    # the engine calibrations are fitted to whole prefill and decode steps of the disaggregated engine: a mixed step
-    # is priced from the kernel calibration alone
-    cm, calib, note = cost_model_for(sc, model, topo, plan, plan, engine_calibration=False)
+    # an engine calibration applies when it was fitted to this engine's aggregated runs (mixed steps); one fitted to
+    # disaggregated prefill batches and decode steps does not describe a mixed step
+    cm, calib, note = cost_model_for(sc, model, topo, plan, plan, engine_calibration=engine_calibration,
+                                     mode="aggregated")
     # the parts a mixed step prices: DP ranks have no TP or EP-combine all-reduce, one TP group no all-to-all
     skip = ("prefill TP", "prefill EP combine") if plan.tp == 1 else ("decode dispatch/combine",)
     caveats = [c for c in calibration_caveats(calib, topo, model, plan, plan) if not c.startswith(skip)]

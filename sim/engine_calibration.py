@@ -62,9 +62,29 @@ class EngineCalibration(BaseModel):
     prefill_s: tuple[float, float]                                          # (a, b): a + b * tokens
     prefill_attn_s: float = 0.0                                             # + c * causal attention pairs
     kv_transfer_s: tuple[float, float]                                      # (a, b): a + b * tokens
+    # the deployment kind whose runs fitted it: "disaggregated" (prefill batches, decode steps, KV transfers) or
+    # "aggregated" (one-GPU workers' mixed steps, ``mixed_s``)
+    mode: str = "disaggregated"
+    # aggregated: a + b * decode seqs + c * decode context tokens + d * prefill tokens + e * causal pairs
+    mixed_s: tuple[float, ...] = ()
     n_plans: dict[str, int] = Field(default_factory=dict)
 
-    @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s")
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v):
+        if v not in ("disaggregated", "aggregated"):
+            raise ValueError(f"mode: {v!r} is not 'disaggregated' or 'aggregated'")
+        return v
+
+    @field_validator("mixed_s")
+    @classmethod
+    def _mixed(cls, v):
+        if v and len(v) != 5:
+            raise ValueError("mixed_s: five numbers (per step, per decode seq, per decode context token, per prefill "
+                             "token, per causal attention pair)")
+        return v
+
+    @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s", "mixed_s")
     @classmethod
     def _finite_non_negative(cls, v, info):
         """Every fitted number is a time, a rate per token or a batch size: finite and >= 0 (the file is loaded
@@ -89,6 +109,12 @@ class EngineCalibration(BaseModel):
     def kv(self, tokens: float) -> float:
         return max(self.kv_transfer_s[0] + self.kv_transfer_s[1] * tokens, 0.0)
 
+    def mixed(self, batch: float, context: float, tokens: float, pairs: float) -> float:
+        """An aggregated worker's step: ``batch`` decoding sequences holding ``context`` tokens of KV in all, and
+        prefill chunks of ``tokens`` tokens whose attention covers ``pairs`` query-key pairs."""
+        a, b, c, d, e = self.mixed_s
+        return a + b * batch + c * context + d * tokens + e * pairs
+
 
 def load_engine_calibration(path: str | Path) -> EngineCalibration:
     from rackbed.topology.yamlio import load_yaml
@@ -100,13 +126,20 @@ def load_engine_calibration(path: str | Path) -> EngineCalibration:
         raise from_validation(exc, path) from None
 
 
-def find_engine_calibration(gpu: str, model: str, directory: Path | None = None) -> tuple[Path, EngineCalibration] | None:
-    """The shipped engine calibration for this GPU model and model name, if any."""
+def find_engine_calibration(gpu: str, model: str, directory: Path | None = None, *,
+                            mode: str = "disaggregated") -> tuple[Path, EngineCalibration] | None:
+    """The shipped engine calibration for this GPU model, model name and deployment kind (``mode``), if any."""
     for p in sorted((directory or ENGINE_DIR).glob("engine-*.yaml")):
         cal = load_engine_calibration(p)  # a broken file is an error, not skipped: it would price runs silently
-        if cal.gpu == gpu and cal.model == model:
+        if cal.gpu == gpu and cal.model == model and cal.mode == mode:
             return p, cal
     return None
+
+
+def mixed_shape(plan) -> tuple[float, float, float, float]:
+    """``(decode seqs, their context tokens, prefill tokens, causal pairs)`` of a ``MixedStep``."""
+    return (float(sum(plan.rank_batch)), float(sum(plan.rank_context_tokens)),
+            float(sum(n for *_, n in plan.prefill)), attn_pairs((rid, s, n) for rid, _, s, n in plan.prefill))
 
 
 class EngineCalibratedCostModel:
@@ -159,6 +192,12 @@ class EngineCalibratedCostModel:
         """``decode_point`` term by term: the base model's breakdown rescaled to the fitted step time."""
         bd = self.base.decode_breakdown(max_batch, max_context_tokens, draft_k, group)
         return self._scaled_breakdown(bd, self.cal.decode(max_batch))
+
+    def mixed(self, plan, group):
+        """An aggregated worker's step: the fitted ``mixed_s`` (a calibration fitted to disaggregated runs has none:
+        the base model's price)."""
+        st = self.base.mixed(plan, group)
+        return self._scaled(st, self.cal.mixed(*mixed_shape(plan))) if self.cal.mixed_s else st
 
     def kv_transfer(self, plan):
         tc = self.base.kv_transfer(plan)
@@ -303,6 +342,9 @@ def _plans(run_dir: Path, built, kv_bytes_per_token: int | None = None) -> list[
             out.append({**p, "x": pre[k], "pairs": attn_pairs(items), "n_seqs": len(items)})
         elif p["kind"] == "kv" and k in kv:
             out.append({**p, "x": kv[k] / kv_bpt if kv_bpt else kv[k]})
+        elif p["kind"] == "mixed" and replayed.get(k3):
+            b, c, t, pairs = mixed_shape(replayed[k3][i])
+            out.append({**p, "x": b, "ctx": c, "tokens": t, "pairs": pairs})
     return out
 
 
@@ -379,6 +421,8 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
     if not plans:
         raise UserError(f"{run_dir}: no measured plans to fit (need real.json and decisions.csv)")
     fit, hold = _split(plans, holdout_every)
+    if built.deployment.aggregated:
+        return _fit_mixed(str(run_dir), real, fit, hold, gpu=gpu, model=model, holdout_every=holdout_every)
     dpts = [(p["x"], p["measured_s"]) for p in fit if p["kind"] == "decode"]
     if not dpts:
         raise UserError(f"{run_dir}: no decode steps among the fitted plans")
@@ -396,6 +440,62 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
                             kv_transfer_s=_line(*zip(*kvs)) if kvs else (0.0, 0.0),
                             n_plans={"fit": len(fit), "held_out": len(hold)})
     return cal, hold
+
+
+def fit_engine_runs(run_dirs, *, holdout_every: int = 3) -> tuple[EngineCalibration, list[dict]]:
+    """One engine calibration from several real runs of the same GPU, model and deployment kind (e.g. an aggregated
+    worker with and without chunked prefill): each run's plans are split into fitted and held-out ones as in
+    :func:`fit_engine`, and the fitted plans of all runs make one fit. Returns it and the held-out plans."""
+    from rackbed.sim.scenario import build, load_scenario
+
+    fit, hold, keys, reals = [], [], set(), []
+    for d in map(Path, run_dirs):
+        real = json.loads((d / "real.json").read_text())
+        b = build(load_scenario(real["scenario"]), engine_calibration=False)
+        gpu = b.topology.gpu_spec((b.deployment.decoders or b.deployment.aggregated)[0].gpus[0]).name
+        mode = "aggregated" if b.deployment.aggregated else "disaggregated"
+        keys.add((gpu, b.model.name, mode))
+        f, h = _split(_plans(d, b, b.deployment.kv_bytes_per_token), holdout_every)
+        fit += f
+        hold += h
+        reals.append(real)
+    if len(keys) != 1:
+        raise UserError(f"engine calibration: the runs differ in (GPU, model, deployment kind): {sorted(keys)}")
+    (gpu, model, mode), = keys
+    if mode != "aggregated":
+        raise UserError("engine calibration from several runs: aggregated runs only (fit a disaggregated run "
+                        "with rackbed validate --engine)")
+    return _fit_mixed(", ".join(str(d) for d in run_dirs), reals[0], fit, hold, gpu=gpu, model=model,
+                      holdout_every=holdout_every)
+
+
+def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every) -> tuple[EngineCalibration, list[dict]]:
+    """An aggregated run: every step is a mixed step; ``mixed_s`` is the robust non-negative fit of its time in
+    the decode batch, the decode context, the prefill tokens and the prefill's causal pairs. The decode and
+    prefill curves are that fit's pure-decode (no prefill) and pure-prefill (no decode) cuts."""
+    pts = [p for p in fit if p["kind"] == "mixed"]
+    if len(pts) < 8:
+        raise UserError(f"{run_dir}: {len(pts)} measured mixed steps to fit; an aggregated run needs at least 8")
+    coef = _lstsq_nonneg([[1.0] * len(pts), [p["x"] for p in pts], [p["ctx"] for p in pts],
+                          [p["tokens"] for p in pts], [p["pairs"] for p in pts]], [p["measured_s"] for p in pts])
+    a, b, c, d, e = coef
+    dec = [p for p in pts if p["tokens"] == 0 and p["x"] > 0]
+    mean_ctx = statistics.mean(p["ctx"] / p["x"] for p in dec) if dec else 0.0
+    batches = sorted({int(p["x"]) for p in pts if p["x"] > 0}) or [1]
+    cal = EngineCalibration(gpu=gpu, model=model, mode="aggregated", source=str(run_dir),
+                            date=real.get("versions", {}).get("date", ""), holdout_every=holdout_every,
+                            decode_step_s=tuple((float(x), a + (b + c * mean_ctx) * x) for x in batches),
+                            prefill_s=(a, d), prefill_attn_s=e, kv_transfer_s=(0.0, 0.0), mixed_s=coef,
+                            n_plans={"fit": len(fit), "held_out": len(hold)})
+    return cal, hold
+
+
+def predict_plan(cal: EngineCalibration, p: dict) -> float:
+    """The calibration's time for a measured plan row of :func:`_plans`."""
+    if p["kind"] == "mixed":
+        return cal.mixed(p["x"], p["ctx"], p["tokens"], p["pairs"])
+    return cal.decode(p["x"]) if p["kind"] == "decode" else cal.prefill(p["x"], p["pairs"]) \
+        if p["kind"] == "prefill" else cal.kv(p["x"])
 
 
 def _rel(pred, measured) -> float | None:
@@ -427,18 +527,17 @@ def validate_engine_run(run_dir: str | Path, *, holdout_every: int = 3, write_ca
     real = json.loads((run_dir / "real.json").read_text())
     sc = load_scenario(real["scenario"])
     b = build(sc, engine_calibration=False)
-    gpu = b.topology.gpu_spec(b.deployment.decoders[0].gpus[0]).name
+    gpu = b.topology.gpu_spec((b.deployment.decoders or b.deployment.aggregated)[0].gpus[0]).name
     cal, hold = fit_engine(run_dir, gpu=gpu, model=b.model.name, holdout_every=holdout_every,
                            kv_bytes_per_token=b.deployment.kv_bytes_per_token, built=b)
     rows = []
     for p in hold:
-        pred = cal.decode(p["x"]) if p["kind"] == "decode" else cal.prefill(p["x"], p["pairs"]) \
-            if p["kind"] == "prefill" else cal.kv(p["x"])
+        pred = predict_plan(cal, p)
         rows.append({"plan": f"{p['worker']}/{p['kind']}/{p['key']}", "kind": p["kind"], "x": p["x"],
                      "measured_s": p["measured_s"], "predicted_s": pred,
                      "rel_error": _rel(pred, p["measured_s"])})
     per_kind = {k: _err_stats([r for r in rows if r["kind"] == k and r["rel_error"] is not None])
-                for k in ("decode", "prefill", "kv")}
+                for k in ("decode", "prefill", "kv", "mixed")}
     # (2) serving metrics: the scenario re-simulated with the engine calibration vs the real run
     from rackbed.engine.core.metrics import Slo
 

@@ -442,7 +442,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     if sc.deployment == "aggregated":
         from rackbed.sim.aggregated import build_aggregated
 
-        b = build_aggregated(sc, topo, model, _KvPathView(topo))
+        b = build_aggregated(sc, topo, model, _KvPathView(topo), engine_calibration=engine_calibration)
         b.caveats.extend(context)
         b.prefix_cache = prefix_cache_spec(sc, topo, model, b.deployment)
         return b
@@ -564,7 +564,8 @@ def scenario_model(sc: ServingScenario):
     return model if sc.model_layers is None else truncate_model(model, sc.model_layers)
 
 
-def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, *, engine_calibration: bool = True):
+def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, *, engine_calibration: bool = True,
+                   mode: str = "disaggregated"):
     """``(cost model, calibration table or None, note)``: the cost model ``build`` gives the simulator for a
     deployment whose group 0 of each role has these plans — the calibration the scenario selects for the GPU
     (:func:`_load_calibration`), wrapped in the engine calibration when one matches the GPU and the model. One of
@@ -580,7 +581,7 @@ def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, 
     if engine_calibration and sc.calibration != "none" and stack == "rackbed":
         from rackbed.sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
 
-        found = find_engine_calibration(gpu_name, model.name)
+        found = find_engine_calibration(gpu_name, model.name, mode=mode)
         if found is not None:
             path, ecal = found
             cm = EngineCalibratedCostModel(cm, ecal)
