@@ -65,8 +65,8 @@ class EngineCalibration(BaseModel):
     # the deployment kind whose runs fitted it: "disaggregated" (prefill batches, decode steps, KV transfers) or
     # "aggregated" (one-GPU workers' mixed steps, ``mixed_s``)
     mode: str = "disaggregated"
-    # aggregated: a + b * decode seqs + c * decode context tokens + d * prefill tokens + e * causal pairs
-    mixed_s: tuple[float, ...] = ()
+    # aggregated: seconds per unit of each term of a mixed step (:data:`MIXED_TERMS`), summed
+    mixed_s: dict[str, float] = Field(default_factory=dict)
     n_plans: dict[str, int] = Field(default_factory=dict)
 
     @field_validator("mode")
@@ -79,12 +79,14 @@ class EngineCalibration(BaseModel):
     @field_validator("mixed_s")
     @classmethod
     def _mixed(cls, v):
-        if v and len(v) != 5:
-            raise ValueError("mixed_s: five numbers (per step, per decode seq, per decode context token, per prefill "
-                             "token, per causal attention pair)")
+        if v and set(v) != set(MIXED_TERMS):
+            raise ValueError(f"mixed_s: one coefficient per term {', '.join(MIXED_TERMS)}; got {', '.join(v)}")
+        bad = [k for k, x in v.items() if not (math.isfinite(x) and x >= 0)]
+        if bad:
+            raise ValueError(f"mixed_s.{bad[0]}: must be finite and >= 0 (seconds per unit)")
         return v
 
-    @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s", "mixed_s")
+    @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s")
     @classmethod
     def _finite_non_negative(cls, v, info):
         """Every fitted number is a time, a rate per token or a batch size: finite and >= 0 (the file is loaded
@@ -109,11 +111,10 @@ class EngineCalibration(BaseModel):
     def kv(self, tokens: float) -> float:
         return max(self.kv_transfer_s[0] + self.kv_transfer_s[1] * tokens, 0.0)
 
-    def mixed(self, batch: float, context: float, tokens: float, pairs: float) -> float:
-        """An aggregated worker's step: ``batch`` decoding sequences holding ``context`` tokens of KV in all, and
-        prefill chunks of ``tokens`` tokens whose attention covers ``pairs`` query-key pairs."""
-        a, b, c, d, e = self.mixed_s
-        return a + b * batch + c * context + d * tokens + e * pairs
+    def mixed(self, shape: dict[str, float]) -> float:
+        """An aggregated worker's step of ``shape`` (:func:`mixed_shape`): the sum of each term times its fitted
+        seconds per unit."""
+        return sum(self.mixed_s[k] * shape[k] for k in MIXED_TERMS)
 
 
 def load_engine_calibration(path: str | Path) -> EngineCalibration:
@@ -136,10 +137,31 @@ def find_engine_calibration(gpu: str, model: str, directory: Path | None = None,
     return None
 
 
-def mixed_shape(plan) -> tuple[float, float, float, float]:
-    """``(decode seqs, their context tokens, prefill tokens, causal pairs)`` of a ``MixedStep``."""
-    return (float(sum(plan.rank_batch)), float(sum(plan.rank_context_tokens)),
-            float(sum(n for *_, n in plan.prefill)), attn_pairs((rid, s, n) for rid, _, s, n in plan.prefill))
+#: the terms of an aggregated worker's mixed step (one GPU): a fixed cost per step; the experts the decode batch
+#: touches per layer, ``E (1 - (1 - k/E)^B)`` for B sequences routed to k of E experts each (their weights are read
+#: once: the MoE's cost saturates with the batch); the decode sequences; the KV tokens they attend over; the prefill
+#: tokens and query-key pairs the engine computes for its chunks (padded to its CUDA-graph shapes,
+#: ``engine.core.graph_shapes.prefill_padded``); and the chunks (each one forward, reading every expert's weights)
+MIXED_TERMS = ("step", "touched_experts", "seqs", "context", "prefill_tokens", "pairs", "chunks")
+
+
+def touched_experts(batch: float, n_experts: int, top_k: int) -> float:
+    """Expected distinct experts ``batch`` tokens routed uniformly to ``top_k`` of ``n_experts`` reach."""
+    if not batch or not n_experts:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
+
+
+def mixed_shape(plan, model, page_tokens: int) -> dict[str, float]:
+    """The :data:`MIXED_TERMS` of a ``MixedStep`` of ``model`` (a ``ModelSpec``: its experts and top-k) on a worker
+    with KV pages of ``page_tokens`` tokens."""
+    from rackbed.engine.core.graph_shapes import prefill_padded
+
+    b = float(sum(plan.rank_batch))
+    padded = [prefill_padded(s, n, page_tokens) for _, _, s, n in plan.prefill]
+    return {"step": 1.0, "touched_experts": touched_experts(b, model.n_experts, model.top_k), "seqs": b,
+            "context": float(sum(plan.rank_context_tokens)), "prefill_tokens": float(sum(t for t, _ in padded)),
+            "pairs": float(sum(q for _, q in padded)), "chunks": float(len(plan.prefill))}
 
 
 class EngineCalibratedCostModel:
@@ -197,7 +219,9 @@ class EngineCalibratedCostModel:
         """An aggregated worker's step: the fitted ``mixed_s`` (a calibration fitted to disaggregated runs has none:
         the base model's price)."""
         st = self.base.mixed(plan, group)
-        return self._scaled(st, self.cal.mixed(*mixed_shape(plan))) if self.cal.mixed_s else st
+        if not self.cal.mixed_s:
+            return st
+        return self._scaled(st, self.cal.mixed(mixed_shape(plan, self.base.model, self.base.dplan0.page_tokens)))
 
     def kv_transfer(self, plan):
         tc = self.base.kv_transfer(plan)
@@ -343,8 +367,8 @@ def _plans(run_dir: Path, built, kv_bytes_per_token: int | None = None) -> list[
         elif p["kind"] == "kv" and k in kv:
             out.append({**p, "x": kv[k] / kv_bpt if kv_bpt else kv[k]})
         elif p["kind"] == "mixed" and replayed.get(k3):
-            b, c, t, pairs = mixed_shape(replayed[k3][i])
-            out.append({**p, "x": b, "ctx": c, "tokens": t, "pairs": pairs})
+            shape = mixed_shape(replayed[k3][i], built.model, built.decode_plan.page_tokens)
+            out.append({**p, "x": shape["seqs"], "shape": shape})
     return out
 
 
@@ -422,7 +446,8 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
         raise UserError(f"{run_dir}: no measured plans to fit (need real.json and decisions.csv)")
     fit, hold = _split(plans, holdout_every)
     if built.deployment.aggregated:
-        return _fit_mixed(str(run_dir), real, fit, hold, gpu=gpu, model=model, holdout_every=holdout_every)
+        return _fit_mixed(str(run_dir), real, fit, hold, gpu=gpu, model=model, holdout_every=holdout_every,
+                          spec=built.model)
     dpts = [(p["x"], p["measured_s"]) for p in fit if p["kind"] == "decode"]
     if not dpts:
         raise UserError(f"{run_dir}: no decode steps among the fitted plans")
@@ -448,7 +473,7 @@ def fit_engine_runs(run_dirs, *, holdout_every: int = 3) -> tuple[EngineCalibrat
     :func:`fit_engine`, and the fitted plans of all runs make one fit. Returns it and the held-out plans."""
     from rackbed.sim.scenario import build, load_scenario
 
-    fit, hold, keys, reals = [], [], set(), []
+    fit, hold, keys, reals, spec = [], [], set(), [], None
     for d in map(Path, run_dirs):
         real = json.loads((d / "real.json").read_text())
         b = build(load_scenario(real["scenario"]), engine_calibration=False)
@@ -459,6 +484,7 @@ def fit_engine_runs(run_dirs, *, holdout_every: int = 3) -> tuple[EngineCalibrat
         fit += f
         hold += h
         reals.append(real)
+        spec = b.model
     if len(keys) != 1:
         raise UserError(f"engine calibration: the runs differ in (GPU, model, deployment kind): {sorted(keys)}")
     (gpu, model, mode), = keys
@@ -466,34 +492,42 @@ def fit_engine_runs(run_dirs, *, holdout_every: int = 3) -> tuple[EngineCalibrat
         raise UserError("engine calibration from several runs: aggregated runs only (fit a disaggregated run "
                         "with rackbed validate --engine)")
     return _fit_mixed(", ".join(str(d) for d in run_dirs), reals[0], fit, hold, gpu=gpu, model=model,
-                      holdout_every=holdout_every)
+                      holdout_every=holdout_every, spec=spec)
 
 
-def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every) -> tuple[EngineCalibration, list[dict]]:
+def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every, spec) -> tuple[EngineCalibration, list[dict]]:
     """An aggregated run: every step is a mixed step; ``mixed_s`` is the robust non-negative fit of its time in
     the decode batch, the decode context, the prefill tokens and the prefill's causal pairs. The decode and
     prefill curves are that fit's pure-decode (no prefill) and pure-prefill (no decode) cuts."""
     pts = [p for p in fit if p["kind"] == "mixed"]
-    if len(pts) < 8:
-        raise UserError(f"{run_dir}: {len(pts)} measured mixed steps to fit; an aggregated run needs at least 8")
-    coef = _lstsq_nonneg([[1.0] * len(pts), [p["x"] for p in pts], [p["ctx"] for p in pts],
-                          [p["tokens"] for p in pts], [p["pairs"] for p in pts]], [p["measured_s"] for p in pts])
-    a, b, c, d, e = coef
-    dec = [p for p in pts if p["tokens"] == 0 and p["x"] > 0]
-    mean_ctx = statistics.mean(p["ctx"] / p["x"] for p in dec) if dec else 0.0
-    batches = sorted({int(p["x"]) for p in pts if p["x"] > 0}) or [1]
+    if len(pts) < 2 * len(MIXED_TERMS):
+        raise UserError(f"{run_dir}: {len(pts)} measured mixed steps to fit; an aggregated run needs at least "
+                        f"{2 * len(MIXED_TERMS)}")
+    coef = dict(zip(MIXED_TERMS, _lstsq_nonneg([[p["shape"][k] for p in pts] for k in MIXED_TERMS],
+                                              [p["measured_s"] for p in pts])))
+    # the pure-decode and pure-prefill cuts, for readers of the file (the simulator prices mixed steps whole)
+    dec = [p["shape"] for p in pts if p["shape"]["prefill_tokens"] == 0 and p["shape"]["seqs"] > 0]
+    ctx = statistics.mean(s["context"] / s["seqs"] for s in dec) if dec else 0.0
+    batches = sorted({int(s["seqs"]) for s in dec}) or [1]
+    cut = EngineCalibration(gpu=gpu, model=model, decode_step_s=((1.0, 0.0),), prefill_s=(0.0, 0.0),
+                            kv_transfer_s=(0.0, 0.0), mode="aggregated", mixed_s=coef)
+    decode = tuple((float(b), cut.mixed({"step": 1.0, "touched_experts": touched_experts(b, spec.n_experts, spec.top_k),
+                                         "seqs": b, "context": ctx * b, "prefill_tokens": 0.0, "pairs": 0.0,
+                                         "chunks": 0.0}))
+                   for b in batches)
     cal = EngineCalibration(gpu=gpu, model=model, mode="aggregated", source=str(run_dir),
                             date=real.get("versions", {}).get("date", ""), holdout_every=holdout_every,
-                            decode_step_s=tuple((float(x), a + (b + c * mean_ctx) * x) for x in batches),
-                            prefill_s=(a, d), prefill_attn_s=e, kv_transfer_s=(0.0, 0.0), mixed_s=coef,
+                            decode_step_s=decode, prefill_s=(coef["step"] + coef["chunks"], coef["prefill_tokens"]),
+                            prefill_attn_s=coef["pairs"], kv_transfer_s=(0.0, 0.0), mixed_s=coef,
                             n_plans={"fit": len(fit), "held_out": len(hold)})
     return cal, hold
+
 
 
 def predict_plan(cal: EngineCalibration, p: dict) -> float:
     """The calibration's time for a measured plan row of :func:`_plans`."""
     if p["kind"] == "mixed":
-        return cal.mixed(p["x"], p["ctx"], p["tokens"], p["pairs"])
+        return cal.mixed(p["shape"])
     return cal.decode(p["x"]) if p["kind"] == "decode" else cal.prefill(p["x"], p["pairs"]) \
         if p["kind"] == "prefill" else cal.kv(p["x"])
 

@@ -41,7 +41,7 @@ def check_run(run_dir: str | Path, *, calibration=None) -> dict:
         real = json.loads((run_dir / "real.json").read_text())
     except FileNotFoundError:
         raise UserError(f"{run_dir}: no real.json (a `rackbed real` output folder is expected)") from None
-    sc = load_scenario(real["scenario"])
+    sc = load_scenario(_scenario_path(real["scenario"]))
     if calibration is None:
         b = build(sc)
         cm = b.cost_model
@@ -66,9 +66,24 @@ def check_run(run_dir: str | Path, *, calibration=None) -> dict:
                          "kernel_only_sim_s": raw[key][q] if raw else None})
     graphs = real.get("graphs") or {}
     return {"run": str(run_dir), "scenario": real["scenario"], "device": real.get("versions", {}).get("device"),
-            "date": real.get("versions", {}).get("date"), "engine_calibration": b.note.split("engine-calibrated: ")[-1]
-            if calibration is None and "engine-calibrated" in b.note else (calibration.source if calibration else None),
+            "date": real.get("versions", {}).get("date"), "engine_calibration": b.calibration_note.split("engine-calibrated: ")[-1]
+            if calibration is None and "engine-calibrated" in b.calibration_note else (calibration.source if calibration else None),
             "graphs": graphs, "replay_identical_decisions": real.get("replay_identical_decisions"), "rows": rows}
+
+
+def _scenario_path(recorded: str) -> Path:
+    """The scenario file a run recorded: as written (relative to where it ran), else the shipped file of that name
+    under ``scenarios/`` (a run made in a checkout and read from elsewhere)."""
+    p = Path(recorded)
+    if p.exists():
+        return p
+    from rackbed import shipped
+
+    parts = p.parts[p.parts.index("scenarios") + 1:] if "scenarios" in p.parts else (p.name,)
+    q = shipped("scenarios", *parts)
+    if not q.exists():
+        raise UserError(f"{recorded}: the run's scenario file is not here, nor shipped as {q}")
+    return q
 
 
 def misses(check: dict) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def _versions() -> dict:
             v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:
             pass
+        from rackbed.engine.real.model import GROUPED_IMPL
+        from rackbed.kernels.grouped_gemm import cute_unavailable
+
+        # which expert GEMMs the ranks run: the CuTe DSL decode kernel where it measured faster, or torch
+        v["grouped_impl"] = GROUPED_IMPL
+        v["cute_dsl"] = cute_unavailable() or "available"
+        v["graphs"] = "off (RACKBED_NO_GRAPHS=1)" if os.environ.get("RACKBED_NO_GRAPHS") == "1" else "on"
     return v
 
 

@@ -299,15 +299,22 @@ class RealExecutor:
         with a prefix cache ``(rid, token ids, start)``, ``start > 0`` being the prefix the scheduler found cached on
         the worker, which the rank reuses from its own cache instead of computing it; ``(rid, token ids, start,
         True)`` for a later chunk of a prompt whose first ``start`` tokens an earlier chunk prefilled on the same
-        rank (chunked prefill). A chunk that does not end its prompt yields no token: its reply is not absorbed
+        rank (chunked prefill). A chunk that ends before its prompt does yields no token: its reply is not absorbed
         (``chunk_open``)."""
         run = self.run
         out = []
         for rid, start, n in items:
-            whole = run.prefill_target(rid)
-            cont = run.chunk_open.pop(rid, None) == start and start > 0
-            if start + n < whole:
+            cont = start > 0 and run.chunk_end.get(rid) == start
+            if cont and start > run.prompt_len[rid]:
+                # the previous chunk ended past the prompt (a re-prefill of generated tokens after a failure) and was
+                # taken as the last one: its token and the truncation of the generated tokens would be wrong
+                raise UserError(f"real mode: request {rid}: a re-prefill chunked past its prompt's end is simulated "
+                                "only (set aggregated.chunk_tokens: null for fault drills)")
+            run.chunk_end[rid] = start + n
+            if start + n < run.prompt_len[rid]:
                 run.chunk_open[rid] = start + n
+            else:
+                run.chunk_open.pop(rid, None)
             if cont:
                 out.append((rid, run.token_ids(rid, start + n), start, True))
             elif run.prefix_blocks:
@@ -505,6 +512,7 @@ class RealRun:
         self.src_pages: dict[int, list[int]] = {}
         self.prefill_n: dict[int, int] = {}
         self.chunk_open: dict[int, int] = {}      # request -> tokens its chunks so far prefilled (not all)
+        self.chunk_end: dict[int, int] = {}       # request -> where its last prefill chunk ended
         self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
         self.kill_after_steps: list[tuple[int, int]] = []
         self.lose_kv: set[int] = set()      # failure drill: requests whose first KV transfer finds the KV gone
@@ -582,10 +590,6 @@ class RealRun:
                             f"continues (request {prev}: {len(head)} tokens with its output)")
         rng = np.random.default_rng([self.seed, rid])
         return head + rng.integers(0, self.cfg.vocab, size=new).tolist()
-
-    def prefill_target(self, rid: int) -> int:
-        """Tokens a prefill of ``rid`` covers: its prompt, and after a failure the tokens it generated so far."""
-        return self.prompt_len[rid] + len(self.generated.get(rid, ()))
 
     def token_ids(self, rid: int, n: int) -> list[int]:
         if rid not in self.prompt_ids:

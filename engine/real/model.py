@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F_
 
+from rackbed.engine.core.graph_shapes import DECODE_BATCH_BUCKETS, PAGE_ROUND, PREFILL_TOKEN_BUCKETS, prefill_key
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.config import TorchModelConfig
 from rackbed.kernels.moe_block import moe_block, route
@@ -485,7 +486,9 @@ class ShardedQwen3Moe:
         slot = positions % S
         L = page_row.shape[0] * S
         mask = torch.arange(L, device=tokens.device)[None, :] <= positions[:, None]          # [T, L]
-        gmap = self._gqa_map().to(tokens.device)
+        gmap = self.__dict__.get("_gmap_dev")
+        if gmap is None or gmap.device != tokens.device:   # made once, before any capture (no copy inside one)
+            gmap = self._gmap_dev = self._gqa_map().to(tokens.device)
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
             q, k, v = self._qkv(w, h, positions)                          # q [Hq, T, Dh], k/v [Hkv, T, Dh]
@@ -626,9 +629,9 @@ class DecodeGraphRunner:
     (a kernel that is not capturable), the runner falls back to the eager static step and says why (``mode``).
     """
 
-    BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    BATCH_BUCKETS = DECODE_BATCH_BUCKETS
 
-    PAGE_ROUND = 8      # page-table widths are padded to a multiple of this
+    PAGE_ROUND = PAGE_ROUND      # page-table widths are padded to a multiple of this
 
     def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache) -> None:
         self.model, self.cache = model, cache
@@ -748,8 +751,8 @@ class PrefillGraphRunner:
     fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does.
     """
 
-    TOKEN_BUCKETS = (16, 32, 64, 128) + tuple(range(256, 1024, 128)) + tuple(range(1024, 16385, 256))
-    PAGE_ROUND = 8
+    TOKEN_BUCKETS = PREFILL_TOKEN_BUCKETS
+    PAGE_ROUND = PAGE_ROUND
 
     def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache, pool=None) -> None:
         self.model, self.cache = model, cache
@@ -764,11 +767,7 @@ class PrefillGraphRunner:
     @classmethod
     def key(cls, start: int, n: int, page_tokens: int) -> tuple[int, int] | None:
         """The (token bucket, page bucket) of a chunk of ``n`` tokens after ``start``; None past the buckets."""
-        tb = next((b for b in cls.TOKEN_BUCKETS if b >= n), None)
-        if tb is None:
-            return None
-        pages = -(-(start + n) // page_tokens)
-        return tb, -(-pages // cls.PAGE_ROUND) * cls.PAGE_ROUND
+        return prefill_key(start, n, page_tokens)
 
     @classmethod
     def warm_keys(cls, lo: int, hi: int, chunk: int, page_tokens: int) -> list[tuple[int, int]]:
