@@ -10,7 +10,8 @@ top-k experts (dispatch), the owner applies its experts, results come back to th
 (combine).
 
 The KV cache is paged and HND: per layer ``[pages, 2 (K|V), kv_heads, page_tokens, head_dim]`` — heads leading,
-tokens contiguous — the layout ``engine.core.kv`` plans transfers for.
+tokens contiguous — the layout ``engine.core.kv`` plans transfers for. Sliding-window layers (gpt-oss) keep the same
+page shape on a per-sequence ring of the window instead (``PagedKvCache``).
 
 Shape legend: T = tokens in the step, B = sequences, D = hidden, Hq / Hkv = local query / KV heads, Dh = head dim,
 E = local experts, F = expert width (moe_intermediate), V = vocab, P = pages, S = tokens per page, L = layers.

@@ -85,6 +85,21 @@ def ring_seqs(n_pages: int, page_tokens: int, min_tokens: int) -> int:
     return n_pages // max(1, -(-max(min_tokens, 1) // page_tokens)) + 2
 
 
+def kv_rings(built, cfg, prefill_pages: int, decode_pages: int, requests=None) -> dict:
+    """The sliding-window rings of a real run's ranks: ``window``, ``ring_pages`` per sequence (per sliding layer)
+    and the rings of a prefiller rank (``prefill_rings``) and of a decoder or aggregated rank (``decode_rings``),
+    from the shortest of ``requests``' prompts (:func:`ring_seqs`); all 0 without sliding layers."""
+    from rackbed.engine.real.model import ring_pages
+
+    w = max(cfg.kv_windows, default=0)
+    if not w:
+        return {"window": 0, "ring_pages": 0, "prefill_rings": 0, "decode_rings": 0}
+    S, m = built.decode_plan.page_tokens, min((r.prompt_tokens for r in requests or ()), default=1)
+    dm = m if built.deployment.aggregated else m + 1         # an aggregated rank holds a prompt before its token
+    return {"window": w, "ring_pages": ring_pages(w, S), "prefill_rings": ring_seqs(prefill_pages, S, m),
+            "decode_rings": ring_seqs(decode_pages, S, dm)}
+
+
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
                weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
                backend: str = "gloo", local_device=None, requests=None, prefix_cache=None) -> dict:
@@ -99,11 +114,8 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     if prefix_blocks and any(cfg.kv_windows):
         raise UserError("prefix_cache: real mode caches no prefix of a model with sliding-window layers (their KV "
                         "is a per-sequence ring of the window, not shareable pages); set prefix_cache: null")
-    rings = {"prefill_rings": 0, "decode_rings": 0}
-    if any(cfg.kv_windows):
-        S, m = built.decode_plan.page_tokens, min((r.prompt_tokens for r in requests or ()), default=1)
-        dm = m if built.deployment.aggregated else m + 1     # an aggregated rank holds a prompt before its token
-        rings = {"prefill_rings": ring_seqs(prefill_pages, S, m), "decode_rings": ring_seqs(decode_pages, S, dm)}
+    rings = {k: v for k, v in kv_rings(built, cfg, prefill_pages, decode_pages, requests).items()
+             if k in ("prefill_rings", "decode_rings")}
 
     dep = built.deployment
     groups = deployment_groups(dep)
