@@ -225,3 +225,42 @@ def test_prefix_cache_is_refused_for_sliding_window_models(tiny, tmp_path):
         run_real(build(sc), [Request(0, 0.0, 20, 3, (1,))], simulate=simulate, device="cpu", dtype="fp32",
                  weights=str(d), prefill_pages=64, decode_pages=64, tiny_cfg=cfg,
                  prefix_cache=PrefixCacheSpec(hbm_blocks=4, block_tokens=PAGE, unit_tokens=PAGE))
+
+
+@pytest.mark.slow
+def test_aggregated_run_with_a_tight_cache_keeps_windows_on_rings(tiny, tmp_path):
+    """One aggregated worker (prefill and decode in mixed steps, one cache) with 40 pages of 4 tokens: the
+    scheduler's 160 tokens hold at most four of these requests (prompts of 24-40 tokens, outputs of 12-16) at once,
+    and ``rank_setup.ring_seqs`` gives the rank a ring for every sequence its pages can hold; every request's
+    tokens equal transformers' greedy decoding."""
+    from tiny_qwen3moe import save_checkpoint
+
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import run_real
+    from rackbed.engine.real.rank_setup import kv_rings
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build, parse_scenario
+
+    hc, hf, cfg = tiny
+    d = save_checkpoint(hc, hf, tmp_path / "ckpt")
+    sc = parse_scenario({
+        "name": "cpu-real-gpt-oss-ring-agg", "topology": "hgx-h200", "model": str(d / "config.json"),
+        "weight_format": "bf16", "deployment": "aggregated", "mtp": {"draft_k": 0},
+        "aggregated": {"workers": 1, "tp": 1, "dp": 1, "ep": 1, "max_batch_per_rank": 4, "max_batch_tokens": 80,
+                       "chunk_tokens": None, "page_tokens": PAGE},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 200},
+                     "prompt": {"kind": "uniform", "lo": 24, "hi": 40},
+                     "output": {"kind": "uniform", "lo": 12, "hi": 16}, "n_requests": 5, "seed": 3}})
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    cfg = TorchModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+    rings = kv_rings(b, cfg, 40, 40, reqs)
+    assert rings["ring_pages"] == 3 and rings["decode_rings"] == 40 // -(-min(r.prompt_tokens for r in reqs) // 4) + 2
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=40,
+                        decode_pages=40, tiny_cfg=cfg)
+    assert res.metrics["requests"]["done"] == len(reqs)
+    for r in reqs:
+        prompt = torch.tensor(run.prompt_ids[r.id])[None]
+        with torch.no_grad():
+            ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
+        assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
