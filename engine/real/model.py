@@ -684,8 +684,9 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
 class DecodeGraphRunner:
     """Replays CUDA graphs of ``forward_decode_static``, one per (batch bucket, page-table-width bucket).
 
-    Batches are padded to the next bucket: padded rows read and write only a scratch page reserved here, and their
-    logits are dropped. Page tables are padded with each row's first page (the mask hides them). If capture fails
+    Batches are padded to the next bucket: padded rows read and write only a scratch page reserved here (and its
+    ring, with sliding layers), and their logits are dropped. Page tables are padded with each row's first page
+    (the mask hides them); column 0 stays the sequence's first page, which names its sliding layers' ring. If capture fails
     (a kernel that is not capturable), the runner falls back to the eager static step and says why (``mode``).
     """
 
