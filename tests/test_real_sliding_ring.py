@@ -264,3 +264,22 @@ def test_aggregated_run_with_a_tight_cache_keeps_windows_on_rings(tiny, tmp_path
         with torch.no_grad():
             ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
         assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_a_rank_holds_what_the_memory_budget_charges_per_layer_kind(page):
+    """gpt-oss-120b (18 sliding layers of window 128 + 18 full) on a DP decode rank, bf16: one sequence's ring in
+    every sliding layer is exactly the simulator's ``window_bytes_per_seq_per_rank`` (``ceil(128 / page) + 1``
+    pages per layer), and one page of every full layer is ``page`` tokens of ``kv_bytes_per_token_per_rank``:
+    the real rank and the scheduler's memory model charge a request alike. (Shapes only: the meta device.)"""
+    from rackbed.engine.core.model import get_model
+    from rackbed.engine.core.sharding import ParallelPlan
+
+    m = get_model("gpt-oss-120b")
+    cfg = TorchModelConfig.from_spec(m)
+    cache = PagedKvCache(cfg.n_layers, 1, cfg.n_kv_heads, page, cfg.head_dim, dtype=torch.bfloat16, device="meta",
+                         windows=cfg.kv_windows, ring_seqs=1)
+    p = ParallelPlan(role="decode", tp=1, ep=4, dp=4, gpus=(0, 1, 2, 3), page_tokens=page, weight_format="mxfp4")
+    assert cache.ring_storage.shape[0] == cache.storage.shape[0] == 18
+    assert cache.ring_storage.numel() * 2 == p.window_bytes_per_seq_per_rank(m)
+    assert cache.storage.numel() * 2 == page * p.kv_bytes_per_token_per_rank(m)
