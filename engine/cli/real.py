@@ -65,6 +65,7 @@ def _main(args: argparse.Namespace) -> int:
     from rackbed.engine.core.deployment import kv_capacities
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import bad_endings, replay, run_real
+    from rackbed.engine.real.rank_setup import kv_rings
     from rackbed.sim.driver import simulate
     from rackbed.sim.outputs import write_all
     from rackbed.sim.scenario import build, load_scenario, print_summary
@@ -93,6 +94,8 @@ def _main(args: argparse.Namespace) -> int:
         "model": {"name": b.model.name, "layers": run.cfg.n_layers, "hidden": run.cfg.hidden, "dtype": rs.dtype},
         "kv_bytes_per_token": b.deployment.kv_bytes_per_token,
         "kv_capacity": kv_capacities(b.deployment),   # what the scheduler planned with: the ranks' caches
+        # sliding-window layers: one ring of ring_pages pages per sequence, *_rings of them per rank
+        "kv_rings": kv_rings(b, run.cfg, rs.prefill_pages, rs.decode_pages, reqs),
         "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
         "rank_errors": run.pool.errors,
         "graphs": {str(r): g for r, g in sorted(run.pool.graph_reports.items())},

@@ -74,6 +74,7 @@ def main(argv=None) -> int:
 
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import rank_specs, real_model_config, run_real
+    from rackbed.engine.real.rank_setup import kv_rings
     from rackbed.engine.real.torchrun import (
         BIND_ENV,
         agree_run,
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
         write_text(out / "real.json", json.dumps({
             "scenario": str(a.scenario), "world": world, "replay_identical_decisions": same,
             "kv_capacity": kv_capacities(b.deployment),
+            "kv_rings": kv_rings(b, cfg, rs.prefill_pages, rs.decode_pages, reqs),
             "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
             "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},
             "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},

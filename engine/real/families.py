@@ -11,7 +11,8 @@ MLA latent cache is whole on every TP rank. Decode (DP attention, EP experts): e
 MLP and the shared expert whole, and the routed experts go through the sparse all-to-all of ``ShardedQwen3Moe``.
 
 Caches: MLA models use ``layers_mla.LatentKvCache`` (``[L, P, S, kv_lora + rope]``), the others the HND
-``PagedKvCache`` (sliding layers included, whole pages).
+``PagedKvCache``: full layers in pages that grow with the sequence, sliding layers (gpt-oss) on a per-sequence ring
+of the window (``model.ring_pages``), so a long prompt costs its full layers' pages plus one ring.
 """
 
 from __future__ import annotations
@@ -184,13 +185,18 @@ class ShardedMoeLM(ShardedQwen3Moe):
                   for i in range(cfg.n_layers)]
         return cls(cfg, shard, comm, layers, {k: conv(v) for k, v in hf_global_weights(state, cfg).items()})
 
-    def new_cache(self, n_pages: int, page_tokens: int, *, device=None, dtype=None) -> PagedKvCache:
+    def new_cache(self, n_pages: int, page_tokens: int, *, device=None, dtype=None,
+                  ring_seqs: int | None = None) -> PagedKvCache:
+        """The rank's cache: ``n_pages`` pages of the full layers and, with sliding layers, ``ring_seqs`` rings
+        (None: ``n_pages``, one per page, so rings never run out before pages: every sequence holds a page)."""
         ref = self.glob["embed"]
         if self.cfg.is_mla:
             return layers_mla.LatentKvCache(self.cfg.n_layers, n_pages, 1, page_tokens,
                                             self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
                                             dtype=dtype or ref.dtype, device=device or ref.device)
-        return super().new_cache(n_pages, page_tokens, device=device, dtype=dtype)
+        return PagedKvCache(self.cfg.n_layers, n_pages, len(self.kv_heads), page_tokens, self.cfg.head_dim,
+                            dtype=dtype or ref.dtype, device=device or ref.device, windows=self.cfg.kv_windows,
+                            ring_seqs=n_pages if ring_seqs is None else ring_seqs)
 
     def _window(self, li: int) -> int:
         return self.cfg.sliding_window if self.cfg.kind(li) == "sliding" else 0
@@ -217,14 +223,16 @@ class ShardedMoeLM(ShardedQwen3Moe):
                 off += n
         else:
             q, k, v = layers_gqa.qkv(w, h, pos, cfg, self.rope)
+            win = self._window(li)
             for si, n in enumerate(lens):        # local q heads of one local KV head are contiguous
                 c = starts[si]
                 ks, vs = k[:, off:off + n], v[:, off:off + n]
-                cache.write(li, page_tables[si], c, ks, vs)
-                if c:
-                    kc, vc = cache.read(li, page_tables[si], c)
+                k0 = max(0, c - win + 1) if win else 0     # a sliding layer's ring holds the window's prefix
+                if c:                                      # read before the write: it may overwrite ring slots
+                    kc, vc = cache.read(li, page_tables[si], c, first=k0)
                     ks, vs = torch.cat([kc.to(ks.dtype), ks], 1), torch.cat([vc.to(vs.dtype), vs], 1)
-                outs.append(layers_gqa.prefill(w, q[:, off:off + n], ks, vs, self._window(li), cfg, c))
+                cache.write(li, page_tables[si], c, k[:, off:off + n], v[:, off:off + n])
+                outs.append(layers_gqa.prefill(w, q[:, off:off + n], ks, vs, win, cfg, c, k0 if c else 0))
                 off += n
         return torch.cat(outs) @ w["o_proj"].T
 
@@ -261,9 +269,20 @@ class ShardedMoeLM(ShardedQwen3Moe):
 
     # -- decode ---------------------------------------------------------------------------------------------------
     def _attn_decode(self, li: int, w, h, positions, cache, page_table) -> torch.Tensor:
-        """All heads of this DP rank's batch: writes the new token's KV, attends over the pages, o_proj (+ bias)."""
+        """All heads of this DP rank's batch: writes the new token's KV, attends over the pages (a sliding layer:
+        over the sequence's ring, found through its first page), o_proj (+ bias). No host synchronisation."""
         cfg, S = self.cfg, cache.page_tokens
-        st = cache.storage[li]
+        if cache.is_ring(li):
+            q, k, v = layers_gqa.qkv(w, h, positions, cfg, self.rope)
+            rings = cache.ring_table[page_table[:, 0]]                             # [B, Rp]
+            R = cache.ring_tokens
+            st = cache.ring_storage[cache.slot_of[li]]
+            page = rings.gather(1, ((positions % R) // S)[:, None])[:, 0]
+            st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
+            st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
+            o = layers_gqa.decode_ring(w, q, st[rings], positions, self._window(li), cfg) @ w["o_proj"].T
+            return o + w["o_bias"] if "o_bias" in w else o
+        st = cache.storage[li] if cfg.kind(li) == "mla" else cache.storage[cache.slot_of[li]]
         page = page_table.gather(1, (positions // S)[:, None])[:, 0]
         slot = positions % S
         if cfg.kind(li) == "mla":

@@ -3,8 +3,10 @@ sliding windows and learned sinks, over the paged HND cache of ``engine.real.mod
 
 Sliding window (gpt-oss, transformers' mask): query position q sees key positions k with ``q - window < k <= q``.
 Sinks: one learned logit per query head joins the softmax and is dropped after it (the head may attend to
-"nothing"). Sliding layers keep whole HND pages (the memory model caps them at the window; a ring of pages is an
-optimisation this engine skips).
+"nothing"). Sliding layers keep a sequence's latest ``R`` positions on a ring of pages (``PagedKvCache``: position
+``p`` at ring slot ``p mod R``, ``R`` the window in whole pages plus one page): prefill attends over the prompt's
+own K/V with the exact window mask and leaves only the last ``R`` positions in the ring; decode reads the whole
+ring and masks each slot by the position it holds (``ring_mask``).
 
 Weights of one layer (names as ``families`` stores them; local heads of the rank's TP place): ``q_proj [Hq*Dh, D]``,
 ``k_proj``/``v_proj [Hkv*Dh, D]``, ``o_proj [D, Hq*Dh]``, optional ``q_bias``/``k_bias``/``v_bias``, ``o_bias [D]``
@@ -60,14 +62,16 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     return ok
 
 
-def prefill(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, cfg, start: int = 0) -> torch.Tensor:
-    """One sequence's prefill attention: q ``[Hq, T, Dh]`` at positions start..start+T-1, k/v ``[Hkv, start+T,
-    Dh]`` (a cached prefix's keys first when ``start`` > 0) -> ``[T, Hq*Dh]``."""
+def prefill(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, cfg, start: int = 0,
+            k_start: int = 0) -> torch.Tensor:
+    """One sequence's prefill attention: q ``[Hq, T, Dh]`` at positions start..start+T-1, k/v ``[Hkv, start+T-
+    k_start, Dh]`` of positions k_start..start+T-1 (a cached prefix's keys first when ``start`` > 0; a sliding
+    layer's ring gives its prefix from ``k_start`` = the window's start) -> ``[T, Hq*Dh]``."""
     Hq, T, Dh = q.shape
     Hkv = k.shape[0]
     qg = q.view(Hkv, Hq // Hkv, T, Dh)
     q_pos = torch.arange(start, start + T, device=q.device)
-    k_pos = torch.arange(start + T, device=q.device)
+    k_pos = torch.arange(k_start, start + T, device=q.device)
     sinks = w.get("sinks")
     o = attend(qg, k[:, None], v[:, None], window_mask(q_pos, k_pos, window),
                cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
@@ -85,4 +89,27 @@ def decode(w, q: torch.Tensor, pages: torch.Tensor, positions: torch.Tensor, win
     ok = window_mask(positions[:, None], ctx[None, :].expand(B, -1), window)     # [B, 1, P*S]
     sinks = w.get("sinks")
     o = attend(qg, K, V, ok[:, None, None], cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
+    return o.reshape(B, Hq * Dh)
+
+
+def ring_mask(positions: torch.Tensor, ring_tokens: int, window: int) -> torch.Tensor:
+    """``[B, R]``: which ring slots a query at ``positions [B]`` attends to, once its own K/V is written. Slot
+    ``j`` holds position ``p - ((p - j) mod R)`` (the latest position congruent to ``j``); it is read when that
+    position is inside the window (``(p - j) mod R < window``) and not before the sequence (``<= p``)."""
+    j = torch.arange(ring_tokens, device=positions.device)
+    age = (positions[:, None] - j[None, :]) % ring_tokens
+    return (age < window) & (age <= positions[:, None])
+
+
+def decode_ring(w, q: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, window: int, cfg) -> torch.Tensor:
+    """Decode attention of a sliding layer from its gathered rings ``[B, Rp, 2, Hkv, S, Dh]`` (the new token's
+    K/V already written); q ``[Hq, B, Dh]`` -> ``[B, Hq*Dh]``. Static shapes, no host synchronisation."""
+    B, P, _, Hkv, S, Dh = ring.shape
+    Hq = q.shape[0]
+    qg = q.transpose(0, 1).reshape(B, Hkv, Hq // Hkv, 1, Dh)
+    K = ring[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, P * S, Dh)
+    V = ring[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, Hkv, 1, P * S, Dh)
+    ok = ring_mask(positions, P * S, window)[:, None, None, None, :]             # [B, 1, 1, 1, R]
+    sinks = w.get("sinks")
+    o = attend(qg, K, V, ok, cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
     return o.reshape(B, Hq * Dh)

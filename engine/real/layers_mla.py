@@ -38,6 +38,7 @@ class LatentKvCache(PagedKvCache):
                                    device=self.device)
         self.free_pages = list(range(self.n_pages - 1, -1, -1))
         self.refs = [0] * self.n_pages
+        self.windows, self.window, self.ring_pages, self.free_rings, self.rings = (), 0, 0, [], {}
 
     def write_rows(self, layer: int, pages, start: int, rows: torch.Tensor) -> None:
         """Write latent rows ``[T, W]`` for positions start..start+T-1 of one sequence."""

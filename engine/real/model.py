@@ -10,7 +10,8 @@ top-k experts (dispatch), the owner applies its experts, results come back to th
 (combine).
 
 The KV cache is paged and HND: per layer ``[pages, 2 (K|V), kv_heads, page_tokens, head_dim]`` — heads leading,
-tokens contiguous — the layout ``engine.core.kv`` plans transfers for.
+tokens contiguous — the layout ``engine.core.kv`` plans transfers for. Sliding-window layers (gpt-oss) keep the same
+page shape on a per-sequence ring of the window instead (``PagedKvCache``).
 
 Shape legend: T = tokens in the step, B = sequences, D = hidden, Hq / Hkv = local query / KV heads, Dh = head dim,
 E = local experts, F = expert width (moe_intermediate), V = vocab, P = pages, S = tokens per page, L = layers.
@@ -170,17 +171,34 @@ def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Sha
 # Paged HND KV cache
 
 
+def ring_pages(window: int, page_tokens: int) -> int:
+    """Pages of one sequence's ring in a sliding layer of ``window`` tokens: the window in whole pages plus one
+    (``ceil(window / page_tokens) + 1``, what ``engine.core.sharding``'s memory model charges a sequence per
+    sliding layer): the window rarely starts on a page boundary, and a step writes its tokens before it attends."""
+    return -(-window // page_tokens) + 1
+
+
 @dataclass
 class PagedKvCache:
-    """Paged KV cache, HND: ``storage[layer]`` is ``[P, 2, Hkv, S, Dh]`` (K then V, heads leading, tokens
-    contiguous inside a page). Pages are handed out by the caller (the scheduler's block manager or a simple
-    free list here).
+    """Paged KV cache, HND: ``storage[l]`` is ``[P, 2, Hkv, S, Dh]`` (K then V, heads leading, tokens
+    contiguous inside a page) for the ``l``-th layer that keeps the whole sequence. Pages are handed out by the
+    caller (the scheduler's block manager or a simple free list here).
 
     Pages are reference counted so a cached prompt prefix is shared, not copied: ``alloc`` hands out pages with one
     reference, ``share`` adds one (a prefix cache keeping a prompt's full blocks, a sequence mapping a cached
     prefix), ``free`` drops one and returns a page to the free list when its last reference goes. Shared pages are
     only ever read: a prefix is shared in whole pages (a prefix-cache block is a multiple of ``page_tokens``), and a
-    sequence writes past its prefix into pages of its own, so no page needs copying on write."""
+    sequence writes past its prefix into pages of its own, so no page needs copying on write.
+
+    Sliding-window layers (``windows[l] > 0``, one window for all of them) do not take pages in proportion to the
+    sequence: each sequence owns a ring of ``ring_pages(window, page_tokens)`` pages per sliding layer in
+    ``ring_storage [Ls, ring_seqs * Rp, 2, Hkv, S, Dh]``, and token position ``p`` lives at ring slot ``p mod R``
+    (``R = Rp * S`` tokens: ring page ``(p mod R) // S``, in-page slot ``p % S``). The ring is handed out with a
+    sequence's first page (``alloc`` / ``grow`` of an empty list) and returned with it, and found through it
+    (``ring_of``, and ``ring_table[first page]`` on the device for a graph-captured decode step), so a sequence
+    is still named by its page list alone. A first page is never shared (``share`` refuses on a cache with
+    rings: a prefix cache keeps no ring state). ``ring_seqs`` rings exist; a sequence that finds none is refused
+    like a full cache (``MemoryError``)."""
 
     n_layers: int
     n_pages: int
@@ -189,36 +207,79 @@ class PagedKvCache:
     head_dim: int
     dtype: torch.dtype = torch.float32
     device: str | torch.device = "cpu"
+    windows: tuple[int, ...] = ()
+    ring_seqs: int = 0
     storage: torch.Tensor = field(init=False)
     free_pages: list[int] = field(init=False)
     refs: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.storage = torch.zeros(self.n_layers, self.n_pages, 2, self.kv_heads, self.page_tokens, self.head_dim,
-                                   dtype=self.dtype, device=self.device)
+        win = tuple(int(w) for w in self.windows) if any(self.windows) else ()
+        if win and len(win) != self.n_layers:
+            raise ValueError(f"PagedKvCache.windows has {len(win)} entries for {self.n_layers} layers")
+        if len({w for w in win if w}) > 1:
+            raise ValueError(f"PagedKvCache: one sliding window for every sliding layer, got {sorted(set(win))}")
+        self.windows = win
+        self.window = max(win, default=0)
+        # layer -> index into storage (full layers) or ring_storage (sliding layers)
+        self.full_layers = [li for li in range(self.n_layers) if not (win and win[li])]
+        self.ring_layers = [li for li in range(self.n_layers) if win and win[li]]
+        self.slot_of = {li: i for i, li in enumerate(self.full_layers)} | \
+            {li: i for i, li in enumerate(self.ring_layers)}
+        self.storage = torch.zeros(len(self.full_layers), self.n_pages, 2, self.kv_heads, self.page_tokens,
+                                   self.head_dim, dtype=self.dtype, device=self.device)
         self.free_pages = list(range(self.n_pages - 1, -1, -1))
         self.refs = [0] * self.n_pages
+        S = self.page_tokens
+        self.ring_pages = ring_pages(self.window, S) if self.window else 0
+        self.ring_tokens = self.ring_pages * S
+        n_ring = self.ring_seqs * self.ring_pages if self.window else 0
+        self.ring_storage = torch.zeros(len(self.ring_layers), n_ring, 2, self.kv_heads, S, self.head_dim,
+                                        dtype=self.dtype, device=self.device)
+        self.free_rings = list(range(self.ring_seqs - 1, -1, -1)) if self.window else []
+        self.rings: dict[int, int] = {}        # first page of a sequence -> its ring
+        # [P, Rp] ring pages of the sequence whose first page is p (0 for pages that start no sequence)
+        self.ring_table = torch.zeros(self.n_pages, self.ring_pages, dtype=torch.long, device=self.device)
+
+    # -- pages ---------------------------------------------------------------------------------------------------
+    def is_ring(self, layer: int) -> bool:
+        return bool(self.windows) and self.windows[layer] > 0
 
     def _take(self) -> int:
         p = self.free_pages.pop()
         self.refs[p] = 1
         return p
 
+    def _take_first(self) -> int:
+        """A sequence's first page, with its ring when the cache has sliding layers."""
+        if self.window and not self.free_rings:
+            raise MemoryError(f"KV cache full: all {self.ring_seqs} sliding-window rings in use")
+        p = self._take()
+        if self.window:
+            r = self.free_rings.pop()
+            self.rings[p] = r
+            self.ring_table[p] = torch.arange(r * self.ring_pages, (r + 1) * self.ring_pages,
+                                              device=self.ring_table.device)
+        return p
+
     def alloc(self, n_tokens: int) -> list[int]:
         need = -(-n_tokens // self.page_tokens)
         if need > len(self.free_pages):
             raise MemoryError(f"KV cache full: need {need} pages, {len(self.free_pages)} free")
-        return [self._take() for _ in range(need)]
+        return [self._take_first()] + [self._take() for _ in range(need - 1)] if need else []
 
     def grow(self, pages: list[int], n_tokens: int) -> None:
         """Make ``pages`` long enough for ``n_tokens`` tokens."""
         while len(pages) * self.page_tokens < n_tokens:
             if not self.free_pages:
                 raise MemoryError("KV cache full")
-            pages.append(self._take())
+            pages.append(self._take() if pages else self._take_first())
 
     def share(self, pages: list[int]) -> list[int]:
         """One more reference to each of ``pages`` (in use); returns a new list of them."""
+        if self.window:
+            raise ValueError("pages of a cache with sliding-window rings are not shared (a ring holds one "
+                             "sequence's latest window, not a prefix's)")
         for p in pages:
             if self.refs[p] < 1:
                 raise ValueError(f"page {p} is free: only a page in use can be shared")
@@ -226,33 +287,68 @@ class PagedKvCache:
         return list(pages)
 
     def free(self, pages: list[int]) -> None:
-        """Drop one reference to each of ``pages``; a page whose last reference goes returns to the free list."""
+        """Drop one reference to each of ``pages``; a page whose last reference goes returns to the free list
+        (a sequence's first page with its ring)."""
         for p in reversed(pages):
             if self.refs[p] < 1:
                 raise ValueError(f"page {p} freed more often than it was allocated or shared")
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self.free_pages.append(p)
+                r = self.rings.pop(p, None)
+                if r is not None:
+                    self.free_rings.append(r)
 
+    def ring_of(self, pages: list[int]) -> list[int]:
+        """The ring pages (in ``ring_storage``) of the sequence whose page list is ``pages``; [] without rings."""
+        if not self.window or not pages:
+            return []
+        r = self.rings[pages[0]]
+        return list(range(r * self.ring_pages, (r + 1) * self.ring_pages))
+
+    def pages_held(self) -> tuple[int, int]:
+        """``(full-layer pages, ring pages)`` in use."""
+        return (self.n_pages - len(self.free_pages),
+                (self.ring_seqs - len(self.free_rings)) * self.ring_pages if self.window else 0)
+
+    # -- K/V -------------------------------------------------------------------------------------------------------
     def write(self, layer: int, pages: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K, V ``[Hkv, T, Dh]`` for token positions start..start+T-1 of one sequence."""
+        """Write K, V ``[Hkv, T, Dh]`` for token positions start..start+T-1 of one sequence (a sliding layer keeps
+        only the last ``ring_tokens`` of them, in its ring)."""
         S = self.page_tokens
         T = k.shape[1]
-        pos = torch.arange(start, start + T, device=k.device)
-        page_idx = torch.as_tensor(pages, device=k.device)[pos // S]
+        if self.is_ring(layer):
+            R = self.ring_tokens
+            drop = max(T - R, 0)
+            k, v, start, T = k[:, drop:], v[:, drop:], start + drop, T - drop
+            pos = torch.arange(start, start + T, device=k.device) % R
+            page_idx = torch.as_tensor(self.ring_of(pages), device=k.device)[pos // S]
+            st = self.ring_storage[self.slot_of[layer]]
+        else:
+            pos = torch.arange(start, start + T, device=k.device)
+            page_idx = torch.as_tensor(pages, device=k.device)[pos // S]
+            st = self.storage[self.slot_of[layer]]
         slot = pos % S
-        st = self.storage[layer]
         st[page_idx, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
         st[page_idx, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
 
-    def read(self, layer: int, pages: list[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V ``[Hkv, n_tokens, Dh]`` of token positions 0..n_tokens-1 of one sequence."""
+    def read(self, layer: int, pages: list[int], n_tokens: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[Hkv, n_tokens - first, Dh]`` of token positions first..n_tokens-1 of one sequence (a sliding
+        layer holds only the latest ``ring_tokens`` positions: ``first`` must not be older)."""
         S = self.page_tokens
+        if self.is_ring(layer):
+            R = self.ring_tokens
+            if first < n_tokens - R:
+                raise ValueError(f"ring of {R} tokens holds positions {n_tokens - R}.., asked from {first}")
+            pos = torch.arange(first, n_tokens, device=self.ring_storage.device) % R
+            rp = torch.as_tensor(self.ring_of(pages), device=pos.device)[pos // S]
+            st = self.ring_storage[self.slot_of[layer]]
+            return st[rp, 0, :, pos % S].transpose(0, 1), st[rp, 1, :, pos % S].transpose(0, 1)
         idx = torch.as_tensor(pages[:-(-n_tokens // S)], device=self.storage.device)
-        kv = self.storage[layer][idx]                                      # [P, 2, Hkv, S, Dh]
+        kv = self.storage[self.slot_of[layer]][idx]                        # [P, 2, Hkv, S, Dh]
         P, _, H, _, Dh = kv.shape
-        k = kv[:, 0].transpose(0, 1).reshape(H, P * S, Dh)[:, :n_tokens]
-        v = kv[:, 1].transpose(0, 1).reshape(H, P * S, Dh)[:, :n_tokens]
+        k = kv[:, 0].transpose(0, 1).reshape(H, P * S, Dh)[:, first:n_tokens]
+        v = kv[:, 1].transpose(0, 1).reshape(H, P * S, Dh)[:, first:n_tokens]
         return k, v
 
 
@@ -624,8 +720,9 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
 class DecodeGraphRunner:
     """Replays CUDA graphs of ``forward_decode_static``, one per (batch bucket, page-table-width bucket).
 
-    Batches are padded to the next bucket: padded rows read and write only a scratch page reserved here, and their
-    logits are dropped. Page tables are padded with each row's first page (the mask hides them). If capture fails
+    Batches are padded to the next bucket: padded rows read and write only a scratch page reserved here (and its
+    ring, with sliding layers), and their logits are dropped. Page tables are padded with each row's first page
+    (the mask hides them); column 0 stays the sequence's first page, which names its sliding layers' ring. If capture fails
     (a kernel that is not capturable), the runner falls back to the eager static step and says why (``mode``).
     """
 

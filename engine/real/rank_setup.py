@@ -76,6 +76,32 @@ def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: 
     return with_kv_capacities(dep, prefill_tokens=pcap, rank_tokens=dcap)
 
 
+def ring_seqs(n_pages: int, page_tokens: int, min_tokens: int) -> int:
+    """Sliding-window rings a rank of ``n_pages`` pages needs: one per sequence it can hold at once. Every sequence
+    holds at least ``ceil(min_tokens / page_tokens)`` of the pages (a prefiller's shortest prompt; on a decoder the
+    shortest prompt plus its first token), so no more than ``n_pages`` over that many sequences fit; plus one for
+    the decode graph runner's scratch sequence and one for the warm-up's. With these the rings never run out
+    before the pages do: the pages stay the only capacity the scheduler plans with. The rings cost no more than
+    whole pages of the sliding layers did while the shortest prompt is at least a ring long (``ring_pages`` pages);
+    a run with much shorter prompts sizes more rings than that."""
+    return n_pages // max(1, -(-max(min_tokens, 1) // page_tokens)) + 2
+
+
+def kv_rings(built, cfg, prefill_pages: int, decode_pages: int, requests=None) -> dict:
+    """The sliding-window rings of a real run's ranks: ``window``, ``ring_pages`` per sequence (per sliding layer)
+    and the rings of a prefiller rank (``prefill_rings``) and of a decoder or aggregated rank (``decode_rings``),
+    from the shortest of ``requests``' prompts (:func:`ring_seqs`); all 0 without sliding layers."""
+    from rackbed.engine.real.model import ring_pages
+
+    w = max(cfg.kv_windows, default=0)
+    if not w:
+        return {"window": 0, "ring_pages": 0, "prefill_rings": 0, "decode_rings": 0}
+    S, m = built.decode_plan.page_tokens, min((r.prompt_tokens for r in requests or ()), default=1)
+    dm = m if built.deployment.aggregated else m + 1         # an aggregated rank holds a prompt before its token
+    return {"window": w, "ring_pages": ring_pages(w, S), "prefill_rings": ring_seqs(prefill_pages, S, m),
+            "decode_rings": ring_seqs(decode_pages, S, dm)}
+
+
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
                weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
                backend: str = "gloo", local_device=None, requests=None, prefix_cache=None) -> dict:
@@ -87,6 +113,11 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
 
     prefix_blocks, prefix_block_tokens = real_prefix_cache(
         prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
+    if prefix_blocks and any(cfg.kv_windows):
+        raise UserError("prefix_cache: real mode caches no prefix of a model with sliding-window layers (their KV "
+                        "is a per-sequence ring of the window, not shareable pages); set prefix_cache: null")
+    rings = {k: v for k, v in kv_rings(built, cfg, prefill_pages, decode_pages, requests).items()
+             if k in ("prefill_rings", "decode_rings")}
 
     dep = built.deployment
     groups = deployment_groups(dep)
@@ -121,7 +152,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               prefill_lens=plens if role != "decode" else (0, 0),
                               chunk_tokens=chunk if role == "aggregated" else 0,
                               prefix_blocks=prefix_blocks if role != "decode" else 0,
-                              prefix_block_tokens=prefix_block_tokens if role != "decode" else 0)
+                              prefix_block_tokens=prefix_block_tokens if role != "decode" else 0, **rings)
     return out
 
 

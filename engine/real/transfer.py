@@ -6,6 +6,13 @@ so only payload crosses the wire: each source rank gathers the byte ranges of it
 Chunks are addressed in bytes of the rank's whole cache (``PagedKvCache.storage``, HND ``[L, P, 2, H, S, Dh]``), so
 the gather/scatter works on ``storage`` viewed as rows of ``unit`` bytes, ``unit`` the gcd of every offset and size.
 
+Sliding-window layers on rings (``PagedKvCache.ring_storage``, a second buffer) are a second part of the same
+transfer: the plan of the sliding layers alone (their window's latest tokens) between the two sides' ring buffers,
+with a page table that maps the sequence's page ``i`` to its ring page ``i mod Rp`` (position ``p`` at ring slot
+``p mod R`` on both sides), after the plan of the full layers between the page buffers. A page list that crosses
+(the offer, a source's pages) is the sequence's pages followed by its ``Rp`` ring pages; the payload is the parts'
+bytes in order, under one header.
+
 The destination allocates its pages itself (:meth:`TransferEngine.offer`): it sends the page list to every source
 rank, which waits for it (:meth:`TransferEngine.await_offer`) before shipping — the pull-style handshake of
 production engines, so neither side needs a round trip through the driver.
@@ -32,6 +39,7 @@ same.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import reduce
 
 import numpy as np
@@ -95,17 +103,44 @@ class KvBackend:
 class TransferEngine:
     """Ships one sequence's KV from a TP-sharded prefiller to one DP decoder rank along the core plan.
 
-    ``src_layout`` / ``dst_layout`` describe the two sides' per-rank caches (``n_pages`` = pages per rank).
-    ``src_ranks`` are the global ranks of the prefiller's TP ranks (index = TP rank), ``dst_rank`` the decoder's.
+    ``src_layout`` / ``dst_layout`` describe the two sides' per-rank caches (``n_pages`` = pages per rank), every
+    layer in model order. ``ring_pages`` > 0: the layouts' sliding layers (``windows``) live on rings of that many
+    pages per sequence, in a second buffer of ``src_ring_pool`` / ``dst_ring_pool`` pages per rank (module
+    docstring); the storages passed to ``send`` / ``recv`` are then ``(pages buffer, ring buffer)``.
     """
 
-    def __init__(self, src_layout: KvLayout, dst_layout: KvLayout, backend: KvBackend | None = None) -> None:
+    def __init__(self, src_layout: KvLayout, dst_layout: KvLayout, backend: KvBackend | None = None, *,
+                 ring_pages: int = 0, src_ring_pool: int = 0, dst_ring_pool: int = 0) -> None:
         self.src_layout, self.dst_layout = src_layout, dst_layout
         self.backend = backend or KvBackend()
+        self.ring_pages = ring_pages if src_layout.windows else 0
+        if self.ring_pages:
+            full = [i for i, w in enumerate(src_layout.windows) if not w]
+            ring = [w for w in src_layout.windows if w]
+
+            def part(lay, n, windows, pool=None):
+                return replace(lay, n_layers=n, windows=windows, n_pages=pool or lay.n_pages)
+
+            self.parts = [(part(src_layout, len(ring), tuple(ring), src_ring_pool),
+                           part(dst_layout, len(ring), tuple(ring), dst_ring_pool))]
+            if full:
+                self.parts.insert(0, (part(src_layout, len(full), ()), part(dst_layout, len(full), ())))
+        else:
+            self.parts = [(src_layout, dst_layout)]
 
     def dst_pages_for(self, seq_len: int) -> int:
-        """Pages the destination reserves for a ``seq_len``-token sequence: its KV plus the first decoded token."""
-        return -(-(seq_len + 1) // self.dst_layout.page_tokens)
+        """Entries of the destination's page list for a ``seq_len``-token sequence: pages for its KV plus the
+        first decoded token, then its ring pages."""
+        return -(-(seq_len + 1) // self.dst_layout.page_tokens) + self.ring_pages
+
+    def _tables(self, pages) -> list:
+        """Per part, the page table of a page list (sequence pages, then ``ring_pages`` ring pages)."""
+        pages = list(pages)
+        if not self.ring_pages:
+            return [pages]
+        own, ring = pages[:-self.ring_pages], pages[-self.ring_pages:]
+        rt = [ring[i % self.ring_pages] for i in range(len(own))]
+        return [own, rt] if len(self.parts) == 2 else [rt]
 
     def offer(self, dst_pages: list[int] | None, seq_len: int, src_globals: list[int], device) -> None:
         """Destination side: send the reserved page list to every source rank (all ``-1`` = refused, e.g. the
@@ -127,8 +162,9 @@ class TransferEngine:
         return None if pages and pages[0] < 0 else pages
 
     def plan(self, seq_len: int, src_pages, dst_pages):
-        return reshard_plan(self.src_layout, self.dst_layout, seq_len, np.asarray(src_pages),
-                            np.asarray(dst_pages))
+        """The plan of every part, in order (one part without rings)."""
+        return [reshard_plan(s, d, seq_len, np.asarray(sp), np.asarray(dp))
+                for (s, d), sp, dp in zip(self.parts, self._tables(src_pages), self._tables(dst_pages))]
 
     def decline(self, dst_global: int, device) -> None:
         """Source side, after a (non-refused) offer: tell the destination no payload follows (this source cannot
@@ -139,16 +175,18 @@ class TransferEngine:
              dst_pages) -> int:
         """Called on each source rank after a (non-refused) offer: the header, then the payload; returns bytes
         sent. A failure before the header declines the transfer (the destination's receive fails, not hangs)."""
+        storages = [storage] if isinstance(storage, torch.Tensor) else list(storage)
+        storage = storages[0]
         try:
-            p = self.plan(seq_len, src_pages, dst_pages)
-            sel = np.asarray(p.src_rank) == my_tp_rank
-            offs, sizes = np.asarray(p.src_offset)[sel], np.asarray(p.nbytes)[sel]
-            if sizes.sum() == 0:
-                buf = torch.zeros(0, dtype=torch.uint8, device=storage.device)
-            else:
-                unit = _unit(offs, sizes, storage.numel() * storage.element_size())
-                idx = _row_index(offs, sizes, unit).to(storage.device)
-                buf = _rows(storage, unit)[idx].reshape(-1).contiguous()
+            bufs = []
+            for p, st in zip(self.plan(seq_len, src_pages, dst_pages), storages):
+                sel = np.asarray(p.src_rank) == my_tp_rank
+                offs, sizes = np.asarray(p.src_offset)[sel], np.asarray(p.nbytes)[sel]
+                if sizes.sum():
+                    unit = _unit(offs, sizes, st.numel() * st.element_size())
+                    idx = _row_index(offs, sizes, unit).to(st.device)
+                    bufs.append(_rows(st, unit)[idx].reshape(-1))
+            buf = torch.cat(bufs) if bufs else torch.zeros(0, dtype=torch.uint8, device=storage.device)
         except BaseException:
             self.decline(dst_global, storage.device)
             raise
@@ -161,15 +199,18 @@ class TransferEngine:
         """Called on the destination rank after a (non-refused) offer; returns bytes received. Every source's
         header and announced payload are received before a declined or mis-sized one fails the transfer
         (:class:`KvDeclined` when every problem is a decline)."""
-        p = self.plan(seq_len, src_pages, dst_pages)
+        storages = [storage] if isinstance(storage, torch.Tensor) else list(storage)
+        storage = storages[0]
+        plans = self.plan(seq_len, src_pages, dst_pages)
         total = 0
-        src_rank = np.asarray(p.src_rank)
         problems = []
         head = torch.empty(1, dtype=torch.long, device=storage.device)
         for r, g in enumerate(src_globals):
-            sel = src_rank == r
-            offs, sizes = np.asarray(p.dst_offset)[sel], np.asarray(p.nbytes)[sel]
-            n = int(sizes.sum())
+            chunks = []          # per part: (storage, dst offsets, sizes) of this source's chunks
+            for p, st in zip(plans, storages):
+                sel = np.asarray(p.src_rank) == r
+                chunks.append((st, np.asarray(p.dst_offset)[sel], np.asarray(p.nbytes)[sel]))
+            n = int(sum(sz.sum() for _, _, sz in chunks))
             self.backend.recv(head, g)
             got = int(head.item())
             if got < 0:
@@ -181,11 +222,14 @@ class TransferEngine:
             if got != n:
                 problems.append(f"source rank {g} sent {got} bytes, the plan says {n}")
                 continue
-            if n == 0:
-                continue
-            unit = _unit(offs, sizes, storage.numel() * storage.element_size())
-            idx = _row_index(offs, sizes, unit).to(storage.device)
-            _rows(storage, unit)[idx] = buf.view(-1, unit)
+            at = 0
+            for st, offs, sizes in chunks:
+                m = int(sizes.sum())
+                if m:
+                    unit = _unit(offs, sizes, st.numel() * st.element_size())
+                    idx = _row_index(offs, sizes, unit).to(st.device)
+                    _rows(st, unit)[idx] = buf[at:at + m].view(-1, unit)
+                    at += m
             total += n
         if problems:
             msg = "KV transfer failed: " + "; ".join(problems)

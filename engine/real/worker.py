@@ -89,6 +89,15 @@ class RankSpec:
     # multiple of page_tokens), at most ``prefix_blocks`` of them (their pages come out of ``n_pages``); 0 = off
     prefix_blocks: int = 0
     prefix_block_tokens: int = 0
+    # sliding-window rings (models with sliding layers): how many sequences a prefiller rank / a decoder or
+    # aggregated rank holds at once, each owning one ring (``rank_setup.ring_seqs``); 0 = one per page
+    prefill_rings: int = 0
+    decode_rings: int = 0
+
+    @property
+    def n_rings(self) -> int:
+        """Rings of this rank's cache (0: one per page)."""
+        return self.prefill_rings if self.role == "prefill" else self.decode_rings
 
 
 @dataclass
@@ -127,9 +136,9 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
 def kv_layouts(cfg, elem_bytes: int, page_tokens: int, prefill_tp: int, prefill_pages: int,
                decode_pages: int) -> tuple[KvLayout, KvLayout]:
     """``(prefiller, decoder)`` layouts of the KV transfer: the prefiller's TP group (MLA: the latent replicated
-    on every rank; GQA: KV heads sharded) to one DP decode rank. Sliding layers carry their window
-    (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them; the decoder's
-    earlier pages of those layers are never read (the decode mask stops at the window)."""
+    on every rank; GQA: KV heads sharded) to one DP decode rank, every layer in model order. Sliding layers carry
+    their window (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them, from
+    the prefiller's ring into the decoder's (``TransferEngine``'s ring part)."""
     def layout(tp: int, n_pages: int) -> KvLayout:
         lay = KvLayout.for_attention(cfg.attention, cfg.n_layers, elem_bytes, page_tokens, tp, n_pages)
         return lay if lay.latent else replace(lay, windows=cfg.kv_windows)
@@ -224,14 +233,18 @@ class Rank:
                                              device=dev, dtype=dt)
         else:
             self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
-        self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
+        ring_kw = {"ring_seqs": spec.n_rings or None} if any(spec.cfg.kv_windows) else {}
+        self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens, **ring_kw)
         self.prefix: RankPrefixCache | None = None
         if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
             self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
         src, dst = kv_layouts(cfg, eb, spec.page_tokens, spec.prefill_tp, spec.prefill_pages, spec.decode_pages)
-        self.transfer = TransferEngine(src, dst, KvBackend(kv_group))
+        rp = self.cache.ring_pages if self.cache.window else 0
+        self.transfer = TransferEngine(src, dst, KvBackend(kv_group), ring_pages=rp,
+                                       src_ring_pool=rp * (spec.prefill_rings or spec.prefill_pages),
+                                       dst_ring_pool=rp * (spec.decode_rings or spec.decode_pages))
         self.seqs: dict[int, _Seq] = {}        # prefiller: KV awaiting shipment; decoder: received / running
         self.running: list[int] = []           # decoder: request ids in the batch, in join order
         self.lock = threading.Lock()           # guards seqs, running and the cache's page allocator
@@ -382,7 +395,8 @@ class Rank:
         its blocks — fewer if the cache holds fewer, recomputed — and only the rest is computed; afterwards its
         full blocks are cached and unpinned (the scheduler's cache does the same in the same order, so the two
         evict alike). Reply ``{rid: (first token, pages, reused tokens)}``; the pages hold the whole prompt's KV
-        (the shared prefix pages first), which the KV transfer ships."""
+        (the shared prefix pages first), then come the sequence's ring pages (sliding layers), which the KV transfer
+        ships."""
         seqs, pts, starts, pins = [], [], [], []
         with self.lock:
             for item in items:
@@ -425,7 +439,7 @@ class Rank:
                     self.prefix.insert(pin, ids, pages)
                     self.prefix.release(pin)
                 self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
-                out[rid] = (tok, pages, c)
+                out[rid] = (tok, pages + self.cache.ring_of(pages), c)
         return out
 
     def _let_go(self, s: _Seq) -> None:
@@ -453,7 +467,8 @@ class Rank:
             if s is None:
                 self.transfer.decline(dst_global, self.dev)
                 raise KvDeclined(f"request {rid}: no KV here to ship (already dropped?)")
-            n = self.transfer.send(self.cache.storage, self.me, dst_global, seq_len, s.pages, dst_pages)
+            n = self.transfer.send(self._storages(), self.me, dst_global, seq_len,
+                                   s.pages + self.cache.ring_of(s.pages), dst_pages)
             self._sync()                              # the gather has read the pages before the reply
             return n
         finally:
@@ -495,10 +510,11 @@ class Rank:
         except Exception as exc:  # noqa: BLE001 — the offer still goes out (refused): the sources wait for it
             failure = exc
         try:
-            self.transfer.offer(None if failure is not None else pages, seq_len, list(src_globals), self.dev)
+            offered = None if failure is not None else pages + self.cache.ring_of(pages)
+            self.transfer.offer(offered, seq_len, list(src_globals), self.dev)
             if failure is not None:
                 raise failure
-            n = self.transfer.recv(self.cache.storage, list(src_globals), seq_len, src_pages, pages)
+            n = self.transfer.recv(self._storages(), list(src_globals), seq_len, src_pages, offered)
         except BaseException:
             with self.lock:
                 if s is not None and self.seqs.get(rid) is s:
@@ -507,6 +523,10 @@ class Rank:
         with self.lock:
             s.length, s.last_token, s.tokens = seq_len, last_token, list(tokens)
         return n
+
+    def _storages(self):
+        """What a transfer reads / writes: the page buffer, and the ring buffer with sliding layers."""
+        return (self.cache.storage, self.cache.ring_storage) if self.cache.window else self.cache.storage
 
     def _drop(self, rid):
         """Free a request's pages (the caller holds the lock)."""
