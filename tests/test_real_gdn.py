@@ -159,3 +159,80 @@ def test_config_from_object_json_and_model_spec_agree(tmp_path):
     assert big.kv_bytes_per_token(2) == 2 * 2 * 256 * 2       # one full layer: K and V of 2 heads of 256
     # per linear layer: fp32 [64, 128, 128] state + 3 tokens of (2*16 + 64) * 128 conv channels in bf16
     assert big.state_bytes_per_seq(2) == 3 * (64 * 128 * 128 * 4 + 3 * 96 * 128 * 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# aggregated real run (one CPU rank): mixed steps, state slots freed with the KV, tokens equal transformers'
+
+#: requests arrive faster than they finish, so steps mix prompts into a running batch (and slots are reused)
+LOAD = {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 200}, "prompt": {"kind": "uniform", "lo": 3,
+        "hi": 30}, "output": {"kind": "uniform", "lo": 2, "hi": 6}, "n_requests": 8, "seed": 2}
+AGG = {"workers": 1, "tp": 1, "dp": 1, "ep": 1, "max_batch_per_rank": 3, "max_batch_tokens": 40,
+       "chunk_tokens": None, "page_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny Qwen3.5-MoE checkpoint whose linear key and value heads have one dim (the ModelSpec reader's rule)."""
+    from tiny_qwen3moe import save_checkpoint
+
+    hc, hf = tiny_hf_family("qwen3_5_moe", linear_value_head_dim=16)
+    return hf, save_checkpoint(hc, hf, tmp_path_factory.mktemp("real_gdn") / "ckpt")
+
+
+def _run(d, decode_pages=256, agg=True, **over):
+    import json
+
+    from test_real_driver import _scenario
+
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import run_real
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build
+
+    sc = _scenario(d, **{"workload": LOAD, **({"deployment": "aggregated", "aggregated": AGG} if agg else {}), **over})
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
+                        decode_pages=decode_pages,
+                        tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
+    return sc, b, reqs, res, run
+
+
+def test_aggregated_run_real_tokens_equal_transformers_and_replay_is_identical(ckpt):
+    """``run_real`` with one aggregated worker: every request finishes with transformers' greedy tokens, some step
+    mixes a prompt into a running batch, the scheduler planned with the pages left after the state slots, and
+    replaying the measured durations gives the identical decision log."""
+    from rackbed.engine.core.deployment import kv_capacities
+    from rackbed.engine.real.driver import replay
+    from rackbed.engine.real.rank_setup import state_pages
+    from rackbed.sim.driver import simulate
+
+    hf, d = ckpt
+    sc, b, reqs, res, run = _run(d)
+    assert res.metrics["requests"]["done"] == len(reqs)
+    mixed = res.log.of_kind("mixed")
+    assert any(int(r[6]) > 0 and r[5] > 0 for r in mixed), "no step mixed prefill into a decode batch"
+    for r in reqs:
+        prompt = torch.tensor(run.prompt_ids[r.id])[None]
+        with torch.no_grad():
+            ref = hf.generate(prompt, max_new_tokens=r.output_tokens, do_sample=False)[0, prompt.shape[1]:]
+        assert run.generated[r.id] == ref.tolist(), f"request {r.id}"
+    held = state_pages(run.cfg, "fp32", 4, AGG["max_batch_per_rank"])
+    assert held > 0 and kv_capacities(b.deployment)["rank_tokens"] == (256 - held) * 4
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
+
+
+def test_real_mode_names_what_it_does_not_run_for_gdn(ckpt):
+    """Disaggregation, a prefix cache and a KV budget the state slots fill are one-line UserErrors naming the
+    field, raised before any rank starts."""
+    from rackbed.topology.errors import UserError
+
+    _, d = ckpt
+    with pytest.raises(UserError, match="^deployment: real mode runs Gated DeltaNet"):
+        _run(d, agg=False)
+    with pytest.raises(UserError, match="^prefix_cache: "):
+        _run(d, prefix_cache={"enabled": True, "block_tokens": 4, "hbm_gb_per_gpu": 1e-5, "host_gb_per_gpu": 0})
+    with pytest.raises(UserError, match=r"^real.decode_pages: 2 pages cannot hold"):
+        _run(d, decode_pages=2)

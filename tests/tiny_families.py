@@ -41,9 +41,10 @@ TINY = {
 }
 
 
-def tiny_hf_family(family: str, seed: int = 0):
+def tiny_hf_family(family: str, seed: int = 0, **over):
     """``(config, model)`` of ``family`` with seeded random weights: norms near 1, biases, sinks and the routing
-    correction bias random too (so every term the engine implements moves the logits)."""
+    correction bias random too (so every term the engine implements moves the logits). ``over``: config keys
+    changed from ``TINY``'s."""
     import torch
     import transformers as tf
 
@@ -52,7 +53,7 @@ def tiny_hf_family(family: str, seed: int = 0):
            "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
            "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM)}[family]
     torch.manual_seed(seed)
-    hc = cls[0](**TINY[family])
+    hc = cls[0](**{**TINY[family], **over})
     hc._attn_implementation = "eager"
     hf = cls[1](hc).eval()
     with torch.no_grad():

@@ -84,6 +84,8 @@ class RankSpec:
     # multiple of page_tokens), at most ``prefix_blocks`` of them (their pages come out of ``n_pages``); 0 = off
     prefix_blocks: int = 0
     prefix_block_tokens: int = 0
+    # Gated DeltaNet models: sequences whose recurrent state the rank holds at once (``layers_gdn.GdnStatePool``)
+    state_slots: int = 0
 
 
 @dataclass
@@ -94,6 +96,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     busy: bool = False              # prefiller: the transfer lane is shipping it
     stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
+    slot: int = -1                  # Gated DeltaNet models: its state slot (freed with its pages)
 
 
 def _nccl_all_reduce(x, group):
@@ -219,7 +222,9 @@ class Rank:
                                              device=dev, dtype=dt)
         else:
             self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
-        self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
+        self.linear = spec.cfg.has_linear
+        self.cache: PagedKvCache = (self.model.new_cache(spec.n_pages, spec.page_tokens, state_slots=spec.state_slots)
+                                    if self.linear else self.model.new_cache(spec.n_pages, spec.page_tokens))
         self.prefix: RankPrefixCache | None = None
         if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
             self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
@@ -235,7 +240,8 @@ class Rank:
         self.kv_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs = None
         self.graph_info: dict = {}
-        if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
+        if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1" \
+                and not self.linear:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
@@ -247,14 +253,18 @@ class Rank:
         """One throw-away forward of this rank's role, so JIT compilation (CuTe DSL kernels, cuBLAS handles)
         happens before the run instead of inside the first measured plan. Every rank of the group does it."""
         pages = self.cache.alloc(16)
+        slot = [self.cache.states.alloc()] if self.linear else None
+        kw = {"slots": slot} if self.linear else {}
         if self.spec.role == "prefill":
-            self.model.forward_prefill([torch.zeros(16, dtype=torch.long, device=self.dev)], self.cache, [pages])
+            self.model.forward_prefill([torch.zeros(16, dtype=torch.long, device=self.dev)], self.cache, [pages], **kw)
         else:
             args = (torch.zeros(1, dtype=torch.long, device=self.dev), torch.zeros(1, dtype=torch.long, device=self.dev))
-            self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev))
+            self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev), **kw)
             if self.graphs is not None:
                 self.graphs(*args, torch.tensor([pages[:1]], device=self.dev))
         self.cache.free(pages)
+        if slot:
+            self.cache.states.free(slot[0])
         if self.graphs is not None and self.spec.graph_max_batch > 0 and self.spec.graph_pages[1] > 0:
             # capture the buckets the run will likely meet now, not inside a measured decode step
             self.graph_info = self.graphs.warm(self.spec.graph_max_batch, *self.spec.graph_pages,
@@ -349,7 +359,7 @@ class Rank:
         full blocks are cached and unpinned (the scheduler's cache does the same in the same order, so the two
         evict alike). Reply ``{rid: (first token, pages, reused tokens)}``; the pages hold the whole prompt's KV
         (the shared prefix pages first), which the KV transfer ships."""
-        seqs, pts, starts, pins = [], [], [], []
+        seqs, pts, starts, pins, slots = [], [], [], [], []
         with self.lock:
             for item in items:
                 rid, ids = item[0], item[1]
@@ -362,27 +372,40 @@ class Rank:
                 if self.prefix is not None:
                     pin, c, pages = self.prefix.acquire(ids, item[2] if len(item) > 2 else None)
                 self.cache.grow(pages, len(ids))
+                if self.linear:     # a fresh recurrent state (prefix caching is refused for these models)
+                    try:
+                        slots.append(self.cache.states.alloc())
+                    except MemoryError:
+                        self.cache.free(pages)
+                        for p_, s_ in zip(pts, slots):
+                            self.cache.free(p_)
+                            self.cache.states.free(s_)
+                        raise
                 pts.append(pages)
                 starts.append(c)
                 pins.append(pin)
                 seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
-        logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
+        logits = self.model.forward_prefill(seqs, self.cache, pts, starts, **({"slots": slots} if self.linear else {}))
         first = logits.argmax(-1).tolist()
         out = {}
         with self.lock:
-            for item, pages, c, pin, tok in zip(items, pts, starts, pins, first):
+            for i, (item, pages, c, pin, tok) in enumerate(zip(items, pts, starts, pins, first)):
                 rid, ids = item[0], item[1]
                 if pin is not None:   # cached, then unpinned: as the scheduler's cache does at prefill end
                     self.prefix.insert(pin, ids, pages)
                     self.prefix.release(pin)
-                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
+                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok,
+                                      slot=slots[i] if self.linear else -1)
                 out[rid] = (tok, pages, c)
         return out
 
     def _let_go(self, s: _Seq) -> None:
         """Free a sequence's page references (the caller holds the lock): a page shared with the prefix cache
-        stays until the cache evicts its block."""
+        stays until the cache evicts its block. A Gated DeltaNet model's state slot goes with the pages."""
         self.cache.free(s.pages)
+        if s.slot >= 0:
+            self.cache.states.free(s.slot)
+            s.slot = -1
 
     def _op_kv_send(self, rid, dst_global, seq_len, lose=False):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
@@ -499,6 +522,9 @@ class Rank:
             pos = torch.zeros(0, dtype=torch.long, device=self.dev)
         if self.graphs is not None and batch:
             logits = self.graphs(toks, pos, table)
+        elif self.linear and batch:
+            logits = self.model.forward_decode(toks, pos, self.cache, table,
+                                               slots=torch.tensor([s.slot for s in seqs], device=self.dev))
         else:
             logits = self.model.forward_decode(toks, pos, self.cache, table)
         nxt = logits.argmax(-1).tolist() if batch else []
