@@ -17,6 +17,10 @@ free pages for it, ``declined: no pages: ...``). Commands:
   ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
 
+A model with Gated DeltaNet layers (Qwen3.5) also keeps a recurrent-state slot per sequence
+(``layers_gdn.GdnStatePool``, ``RankSpec.state_slots`` of them): taken at the sequence's prefill, stepped by every
+decode step, freed with its pages. Such models run on aggregated ranks only (``rank_setup.check_gdn``).
+
 Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
 (``prefill``, ``decode``, ``drop``) to the compute loop (the main thread) and KV commands (``kv_send``,
 ``kv_recv``) to a transfer thread. The transfer thread has its own CUDA stream and its own process group (the KV
