@@ -236,3 +236,19 @@ def test_real_mode_names_what_it_does_not_run_for_gdn(ckpt):
         _run(d, prefix_cache={"enabled": True, "block_tokens": 4, "hbm_gb_per_gpu": 1e-5, "host_gb_per_gpu": 0})
     with pytest.raises(UserError, match=r"^real.decode_pages: 2 pages cannot hold"):
         _run(d, decode_pages=2)
+
+
+@given(slots=st.integers(1, 64), page_tokens=st.sampled_from([1, 4, 16, 64]), dtype=st.sampled_from(["bf16", "fp32"]),
+       v_heads=st.sampled_from([2, 4, 8]), dim=st.sampled_from([8, 16, 32]))
+def test_state_pages_are_the_fewest_pages_holding_the_slots(slots, page_tokens, dtype, v_heads, dim):
+    """The pages a rank gives up for its state slots hold those slots' bytes, and one page fewer would not."""
+    from rackbed.engine.real.rank_setup import _ELEM, state_pages
+
+    cfg = TorchModelConfig(hidden=64, n_layers=4, n_q_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
+                           moe_intermediate=16, vocab=32, family="qwen3_5_moe",
+                           layer_kinds=("linear", "linear", "linear", "full"), lin_k_heads=2, lin_v_heads=v_heads,
+                           lin_k_dim=dim, lin_v_dim=dim, lin_conv=4)
+    n = state_pages(cfg, dtype, page_tokens, slots)
+    page = cfg.kv_bytes_per_token(_ELEM[dtype]) * page_tokens
+    need = slots * cfg.state_bytes_per_seq(_ELEM[dtype])
+    assert n * page >= need > (n - 1) * page
