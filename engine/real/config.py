@@ -110,9 +110,10 @@ class TorchModelConfig:
 
     @property
     def kv_windows(self) -> tuple[int, ...]:
-        """Per layer, the tokens of KV a sequence keeps and a KV transfer ships (``engine.core.kv.KvLayout.windows``):
-        the sliding window on "sliding" layers, 0 (the whole sequence) elsewhere."""
-        return tuple(self.sliding_window if self.kind(li) == "sliding" else 0 for li in range(self.n_layers))
+        """Per layer of the paged cache (``kv_layers``), the tokens of KV a sequence keeps and a KV transfer ships
+        (``engine.core.kv.KvLayout.windows``): the sliding window on "sliding" layers, 0 (the whole sequence)
+        elsewhere."""
+        return tuple(self.sliding_window if self.kind(li) == "sliding" else 0 for li in self.kv_layers)
 
     @property
     def has_linear(self) -> bool:

@@ -133,7 +133,7 @@ def kv_layouts(cfg, elem_bytes: int, page_tokens: int, prefill_tp: int, prefill_
     (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them; the decoder's
     earlier pages of those layers are never read (the decode mask stops at the window)."""
     def layout(tp: int, n_pages: int) -> KvLayout:
-        lay = KvLayout.for_attention(cfg.attention, cfg.n_layers, elem_bytes, page_tokens, tp, n_pages)
+        lay = KvLayout.for_attention(cfg.attention, len(cfg.kv_layers), elem_bytes, page_tokens, tp, n_pages)
         return lay if lay.latent else replace(lay, windows=cfg.kv_windows)
 
     return layout(prefill_tp, prefill_pages), layout(1, decode_pages)
