@@ -252,3 +252,33 @@ def test_state_pages_are_the_fewest_pages_holding_the_slots(slots, page_tokens, 
     page = cfg.kv_bytes_per_token(_ELEM[dtype]) * page_tokens
     need = slots * cfg.state_bytes_per_seq(_ELEM[dtype])
     assert n * page >= need > (n - 1) * page
+
+
+def test_published_checkpoint_layout_loads_the_same(tiny):
+    """Qwen3.5's published checkpoints: the text model under ``model.language_model.`` and one tensor per expert
+    (``mlp.experts.{e}.{gate,up,down}_proj``); loaded, the model gives the same logits."""
+    import re
+
+    cfg, hf, m = tiny
+    state = {}
+    for k, v in hf.state_dict().items():
+        k = k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k
+        x = re.match(r"(.*mlp\.experts\.)(gate_up_proj|down_proj)$", k)
+        if x is None:
+            state[k] = v
+            continue
+        for e in range(v.shape[0]):
+            if x[2] == "down_proj":
+                state[f"{x[1]}{e}.down_proj.weight"] = v[e]
+            else:
+                g, u = v[e].chunk(2)
+                state[f"{x[1]}{e}.gate_proj.weight"], state[f"{x[1]}{e}.up_proj.weight"] = g, u
+    assert not any(k.startswith("model.layers.") for k in state)
+    m2 = ShardedMoeLM.from_state_dict(state, cfg, Shard(), Comm())
+    p = [torch.arange(12) % cfg.vocab]
+    outs = []
+    with torch.no_grad():
+        for mm in (m, m2):
+            cache = mm.new_cache(8, 4, state_slots=1)
+            outs.append(mm.forward_prefill(p, cache, [cache.alloc(12)], slots=[cache.states.alloc()]))
+    assert torch.equal(outs[0], outs[1])

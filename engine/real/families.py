@@ -215,8 +215,13 @@ class ShardedMoeLM(ShardedQwen3Moe):
 
     @classmethod
     def from_state_dict(cls, state, cfg, shard, comm, *, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
+        """From a transformers state dict of the family. Qwen3.5's published (multimodal) checkpoints keep the text
+        model under ``model.language_model.``: read as ``model.`` (the vision tower and MTP layers are not read)."""
         from rackbed.engine.real.model import hf_global_weights
 
+        if cfg.family == "qwen3_5_moe":
+            pre = "model.language_model."
+            state = {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in state.items()}
         conv = lambda t: t.to(device=device, dtype=dtype)
         layers = [{k: conv(v) for k, v in shard_layer(hf_layer(state, cfg, i), cfg, shard, i).items()}
                   for i in range(cfg.n_layers)]
