@@ -1,5 +1,6 @@
-"""Tiny random DeepSeek-V3 (MLA), gpt-oss (sliding window + sinks) and GLM-4.5 (partial rotary, q/k/v bias) models
-from transformers (no download), for the real-engine family tests."""
+"""Tiny random DeepSeek-V3 (MLA), gpt-oss (sliding window + sinks), GLM-4.5 (partial rotary, q/k/v bias) and
+Qwen3.5-MoE (Gated DeltaNet layers between gated full-attention layers) models from transformers (no download), for
+the real-engine family tests."""
 
 from __future__ import annotations
 
@@ -29,20 +30,30 @@ TINY = {
                      attention_bias=True, partial_rotary_factor=0.5, max_position_embeddings=512,
                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                  "partial_rotary_factor": 0.5}),
+    "qwen3_5_moe": dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, max_position_embeddings=512, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                         "partial_rotary_factor": 0.25}),
 }
 
 
-def tiny_hf_family(family: str, seed: int = 0):
+def tiny_hf_family(family: str, seed: int = 0, **over):
     """``(config, model)`` of ``family`` with seeded random weights: norms near 1, biases, sinks and the routing
-    correction bias random too (so every term the engine implements moves the logits)."""
+    correction bias random too (so every term the engine implements moves the logits). ``over``: config keys
+    changed from ``TINY``'s."""
     import torch
     import transformers as tf
 
     cls = {"deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
            "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
-           "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM)}[family]
+           "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+           "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM)}[family]
     torch.manual_seed(seed)
-    hc = cls[0](**TINY[family])
+    hc = cls[0](**{**TINY[family], **over})
     hc._attn_implementation = "eager"
     hf = cls[1](hc).eval()
     with torch.no_grad():

@@ -1,12 +1,14 @@
 """What the torch engine needs to know about a model: ``TorchModelConfig``, built from a ModelSpec (random weights)
 or a Hugging Face config (a checkpoint's config.json, or a transformers config object).
 
-Four families run: ``qwen3_moe`` (GQA with qk-norm in every layer, softmax top-k routing), ``deepseek_v3``
+Five families run: ``qwen3_moe`` (GQA with qk-norm in every layer, softmax top-k routing), ``deepseek_v3``
 (Kimi-K2 too: MLA, dense first layers, sigmoid group-limited routing with a correction bias and a scaling factor, an
 ungated shared expert), ``gpt_oss`` (alternating sliding-window / full GQA with learned sinks and q/k/v/o biases,
-top-k-then-softmax routing with a router bias, experts with biases and a clamped SwiGLU) and ``glm4_moe`` (GQA with
-partial rotary, q/k/v bias and optional qk-norm, DeepSeek's routing, dense first layers, a shared expert). The
-Qwen3-MoE fields keep their defaults, so a Qwen config built the old way is unchanged.
+top-k-then-softmax routing with a router bias, experts with biases and a clamped SwiGLU), ``glm4_moe`` (GQA with
+partial rotary, q/k/v bias and optional qk-norm, DeepSeek's routing, dense first layers, a shared expert) and
+``qwen3_5_moe`` (Qwen3.5: Gated DeltaNet "linear" layers interleaved with gated full-attention layers, partial
+rotary, softmax routing, a sigmoid-gated shared expert; ``layers_gdn``). The Qwen3-MoE fields keep their defaults,
+so a Qwen config built the old way is unchanged.
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ from functools import cached_property
 from rackbed.engine.core.layers import GqaAttention, MoeFfn
 from rackbed.engine.core.layers.mla import MlaAttention
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5_moe")
 
 #: routing of each family: "softmax" (softmax over all experts, top-k, optional renormalisation), "sigmoid_group"
 #: (sigmoid scores; selection on score + correction bias inside the top ``topk_group`` of ``n_group`` groups;
 #: weights = scores, renormalised, times ``routed_scaling``), "topk_softmax" (top-k of the biased logits, softmax
 #: over those k)
 ROUTING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid_group", "glm4_moe": "sigmoid_group",
-           "gpt_oss": "topk_softmax"}
+           "gpt_oss": "topk_softmax", "qwen3_5_moe": "softmax"}
 
 
 @dataclass(frozen=True)
 class TorchModelConfig:
     """What the torch model needs; built from an ``engine.core.model.ModelSpec`` or a Hugging Face config.
 
-    ``layer_kinds[i]`` is layer i's token mixer ("full", "sliding" or "mla"; empty = every layer "full");
+    ``layer_kinds[i]`` is layer i's token mixer ("full", "sliding", "mla" or "linear" = Gated DeltaNet; empty =
+    every layer "full"); ``gated_attn``: full attention with a per-head sigmoid output gate (Qwen3.5);
+    ``shared_gate``: the shared expert's output times ``sigmoid(h @ w)`` (Qwen3.5); ``lin_*``: the Gated DeltaNet
+    layers' key / value heads, head dims and causal-conv width;
     ``dense_layers`` the layers whose FFN is a dense SwiGLU of width ``dense_intermediate``. For MLA models
     ``n_kv_heads = n_q_heads`` and ``head_dim = qk_nope + qk_rope`` (as the HF config states them).
     ``rope_scaling``: the HF ``rope_parameters`` beyond the theta, as sorted (key, value) pairs (hashable).
@@ -76,6 +81,13 @@ class TorchModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    gated_attn: bool = False
+    shared_gate: bool = False
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    lin_conv: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -83,6 +95,10 @@ class TorchModelConfig:
         if self.layer_kinds and len(self.layer_kinds) != self.n_layers:
             raise ValueError(f"TorchModelConfig.layer_kinds has {len(self.layer_kinds)} entries for "
                              f"{self.n_layers} layers")
+        if self.has_linear and not (self.lin_k_heads and self.lin_v_heads and self.lin_k_dim and self.lin_v_dim
+                                    and self.lin_conv > 1 and self.lin_v_heads % self.lin_k_heads == 0):
+            raise ValueError("TorchModelConfig: linear layers need lin_k_heads, lin_v_heads (a multiple), lin_k_dim, "
+                             "lin_v_dim > 0 and lin_conv > 1")
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -94,9 +110,38 @@ class TorchModelConfig:
 
     @property
     def kv_windows(self) -> tuple[int, ...]:
-        """Per layer, the tokens of KV a sequence keeps and a KV transfer ships (``engine.core.kv.KvLayout.windows``):
-        the sliding window on "sliding" layers, 0 (the whole sequence) elsewhere."""
-        return tuple(self.sliding_window if self.kind(li) == "sliding" else 0 for li in range(self.n_layers))
+        """Per layer of the paged cache (``kv_layers``), the tokens of KV a sequence keeps and a KV transfer ships
+        (``engine.core.kv.KvLayout.windows``): the sliding window on "sliding" layers, 0 (the whole sequence)
+        elsewhere."""
+        return tuple(self.sliding_window if self.kind(li) == "sliding" else 0 for li in self.kv_layers)
+
+    @property
+    def has_linear(self) -> bool:
+        """Gated DeltaNet layers present (a per-sequence recurrent state besides the paged KV)."""
+        return "linear" in self.layer_kinds
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a paged KV cache, in order (every layer but the linear ones); the paged cache's layer
+        ``j`` is layer ``kv_layers[j]``."""
+        return tuple(li for li in range(self.n_layers) if self.kind(li) != "linear")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers, in order; the state pool's layer ``j`` is layer ``linear_layers[j]``."""
+        return tuple(li for li in range(self.n_layers) if self.kind(li) == "linear")
+
+    @property
+    def lin_conv_channels(self) -> int:
+        """Channels of the causal conv: q, k (``lin_k_heads * lin_k_dim`` each) and v."""
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+    def state_bytes_per_seq(self, elem_bytes: int = 2) -> int:
+        """One sequence's Gated DeltaNet state over all linear layers: the fp32 delta-rule matrix ``[Hv, Dk, Dv]``
+        and ``lin_conv - 1`` tokens of conv input (``elem_bytes`` each) per layer; 0 without linear layers."""
+        per = self.lin_v_heads * self.lin_k_dim * self.lin_v_dim * 4 + \
+            (self.lin_conv - 1) * self.lin_conv_channels * elem_bytes
+        return len(self.linear_layers) * per if self.has_linear else 0
 
     @property
     def is_mla(self) -> bool:
@@ -134,17 +179,18 @@ class TorchModelConfig:
                                 kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
                                 qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
         return GqaAttention(hidden=self.hidden, n_q_heads=self.n_q_heads, n_kv_heads=self.n_kv_heads,
-                            head_dim=self.head_dim, qk_norm=self.qk_norm, gated=False)
+                            head_dim=self.head_dim, qk_norm=self.qk_norm, gated=self.gated_attn)
 
     @cached_property
     def moe(self) -> MoeFfn:
         """The FFN kind every MoE layer runs."""
         return MoeFfn(hidden=self.hidden, n_experts=self.n_experts, top_k=self.top_k, intermediate=self.moe_intermediate,
                       n_shared=1 if self.shared_intermediate else 0, shared_intermediate=self.shared_intermediate,
-                      shared_gate=False, router_bias=self.family == "gpt_oss", expert_bias=self.family == "gpt_oss")
+                      shared_gate=self.shared_gate, router_bias=self.family == "gpt_oss", expert_bias=self.family == "gpt_oss")
 
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
-        return int(self.n_layers * self.attention.kv_bytes_per_token(elem_bytes))
+        """Paged KV bytes per token: every layer with a paged cache (linear layers keep a state instead)."""
+        return int(len(self.kv_layers) * self.attention.kv_bytes_per_token(elem_bytes))
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -154,13 +200,12 @@ class TorchModelConfig:
         does not state take the published models' values (DeepSeek-V3: 8 groups, top 4, scaling 2.5; GLM-4.5: one
         group, scaling 2.5; gpt-oss: SwiGLU limit 7). ``n_layers`` truncates (keeping the dense first layers)."""
         kinds = [x.attention.kind for x in spec.layers]
-        if "linear" in kinds:
-            raise ValueError(f"model {spec.name}: linear-attention layers are simulated, not run by the torch engine")
         n = n_layers or spec.n_layers
         moe = next((x.ffn for x in spec.layers if x.ffn.kind == "moe"), None)
         if moe is None:
             raise ValueError(f"model {spec.name}: the torch engine runs MoE models")
-        fam = ("deepseek_v3" if "mla" in kinds else "gpt_oss" if ("sliding" in kinds or spec.attn_sinks) else
+        fam = ("qwen3_5_moe" if "linear" in kinds else "deepseek_v3" if "mla" in kinds else
+               "gpt_oss" if ("sliding" in kinds or spec.attn_sinks) else
                "glm4_moe" if moe.n_shared and not moe.shared_gate else "qwen3_moe")
         if fam == "qwen3_moe" and moe.n_shared:
             raise ValueError(f"model {spec.name}: gated shared experts are not supported by the torch engine")
@@ -184,6 +229,11 @@ class TorchModelConfig:
             kw.update(partial_rotary=0.5, routed_scaling=2.5)
         elif fam == "gpt_oss":
             kw.update(swiglu_limit=7.0, rope_theta=150000.0)
+        elif fam == "qwen3_5_moe":     # Qwen3.5's published rotary: a quarter of the head, theta 1e7
+            kw.update(partial_rotary=0.25, rope_theta=10_000_000.0, gated_attn=spec.gated_attn,
+                      shared_gate=bool(moe.n_shared and moe.shared_gate), lin_k_heads=spec.linear_n_k_heads,
+                      lin_v_heads=spec.linear_n_v_heads, lin_k_dim=spec.linear_head_dim,
+                      lin_v_dim=spec.linear_head_dim, lin_conv=spec.linear_conv)
         kw.update(overrides)
         return cls(**kw)
 
@@ -193,14 +243,23 @@ class TorchModelConfig:
         omits take transformers' defaults when transformers is installed)."""
         mtype = hf_config.get("model_type", "qwen3_moe") if isinstance(hf_config, dict) else getattr(
             hf_config, "model_type", "qwen3_moe")
-        mtype = "deepseek_v3" if mtype == "kimi_k2" else mtype
+        mtype = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}.get(mtype, mtype)
+        if mtype == "qwen3_5_moe":     # the multimodal config's text half (or the text config itself)
+            text = hf_config.get("text_config") if isinstance(hf_config, dict) else getattr(
+                hf_config, "text_config", None)
+            if text is not None:
+                hf_config = text
+            mtype_hf = "qwen3_5_moe_text"
+        else:
+            mtype_hf = mtype
         if mtype not in FAMILIES:
             raise ValueError(f"model_type {mtype!r}: the torch engine runs {', '.join(FAMILIES)}")
         if isinstance(hf_config, dict):
             try:
                 from transformers import AutoConfig
 
-                hf_config = AutoConfig.for_model(mtype, **{k: v for k, v in hf_config.items() if k != "model_type"})
+                hf_config = AutoConfig.for_model(mtype_hf, **{k: v for k, v in hf_config.items()
+                                                              if k != "model_type"})
             except (ImportError, ValueError):
                 hf_config = {**hf_config, "num_experts": hf_config.get(
                     "num_experts", hf_config.get("num_local_experts", hf_config.get("n_routed_experts")))}
@@ -227,6 +286,20 @@ def _from_hf_get(cls, fam: str, get) -> TorchModelConfig:
         return cls(**kw)
     kw.update(rope_scaling=tuple(sorted(rope.items())) if rope.get("rope_type", "default") != "default" else (),
               max_position=get("max_position_embeddings", 4096), partial_rotary=partial)
+    if fam == "qwen3_5_moe":
+        types = get("layer_types") or ["linear_attention" if (i + 1) % (get("full_attention_interval") or 4) else
+                                       "full_attention" for i in range(n)]
+        bad = [t for t in types if t not in ("linear_attention", "full_attention")]
+        if bad:
+            raise ValueError(f"qwen3_5_moe layer_types: {bad[0]!r} is neither linear_attention nor full_attention")
+        if get("attention_bias", False):
+            raise ValueError("qwen3_5_moe with attention_bias=true is not supported by the torch engine")
+        kw.update(layer_kinds=tuple("linear" if t == "linear_attention" else "full" for t in types), qk_norm=True,
+                  gated_attn=True, norm_topk_prob=True, shared_intermediate=get("shared_expert_intermediate_size") or 0,
+                  shared_gate=bool(get("shared_expert_intermediate_size")), lin_k_heads=get("linear_num_key_heads"),
+                  lin_v_heads=get("linear_num_value_heads"), lin_k_dim=get("linear_key_head_dim"),
+                  lin_v_dim=get("linear_value_head_dim"), lin_conv=get("linear_conv_kernel_dim"))
+        return cls(**kw)
     if fam in ("deepseek_v3", "glm4_moe"):
         k = get("first_k_dense_replace", 0) or 0
         kw.update(dense_layers=tuple(range(min(k, n))), dense_intermediate=get("intermediate_size") if k else 0,

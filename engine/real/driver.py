@@ -75,6 +75,7 @@ from rackbed.engine.loop.simenv import SimEnv
 from rackbed.engine.real.rank_setup import (  # noqa: F401  (re-exported: callers import them from the driver)
     _cache_kw,
     deployment_groups,
+    gdn_rank_budget,
     graph_pages,
     prefix_cache_pages,
     rank_specs,
@@ -761,11 +762,13 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
                   requests=requests, prefix_cache=spec, follows=follows)
     run.register(requests)
-    # the scheduler plans with the ranks' real caches (less the prefix cache's pages); a replay of the same
-    # ``built`` then does too
+    # the scheduler plans with the ranks' real caches (less the prefix cache's pages and a Gated DeltaNet model's
+    # state slots); a replay of the same ``built`` then does too
+    _, slot_pages = gdn_rank_budget(built, run.cfg, dtype, decode_pages)
     built.deployment = real_capacities(built.deployment, prefill_pages=prefill_pages - cache_pages,
-                                       decode_pages=decode_pages - cache_pages if built.deployment.aggregated
-                                       else decode_pages, page_tokens=built.decode_plan.page_tokens,
+                                       decode_pages=decode_pages - cache_pages - slot_pages
+                                       if built.deployment.aggregated else decode_pages,
+                                       page_tokens=built.decode_plan.page_tokens,
                                        min_prompt=min((r.prompt_tokens for r in requests), default=1))
     run.kill_after_steps = list(kill_after_steps)
     run.lose_kv = set(lose_kv)

@@ -1,8 +1,10 @@
-"""DeepSeek-V3 / Kimi-K2 (MLA), gpt-oss and GLM-4.5 in torch, sharded like Qwen3-MoE (``engine.real.model``).
+"""DeepSeek-V3 / Kimi-K2 (MLA), gpt-oss, GLM-4.5 and Qwen3.5 in torch, sharded like Qwen3-MoE
+(``engine.real.model``).
 
-``ShardedMoeLM`` extends ``ShardedQwen3Moe`` with per-layer kinds: token mixer "mla" (``layers_mla``) or "full" /
-"sliding" GQA with biases, sinks, windows and partial rotary (``layers_gqa``); FFN dense (``dense_layers``) or MoE
-with the family's routing, expert biases / clamped SwiGLU and an ungated shared expert (``layers_moe``).
+``ShardedMoeLM`` extends ``ShardedQwen3Moe`` with per-layer kinds: token mixer "mla" (``layers_mla``), "full" /
+"sliding" GQA with biases, sinks, windows, partial rotary and Qwen3.5's sigmoid output gate (``layers_gqa``), or
+"linear" Gated DeltaNet (``layers_gdn``); FFN dense (``dense_layers``) or MoE with the family's routing, expert
+biases / clamped SwiGLU and a shared expert, ungated or (Qwen3.5) sigmoid-gated (``layers_moe``).
 
 Prefill (TP attention, EP experts, replicated input): each rank runs its heads; the attention output, the dense
 MLP and the shared expert are split over the TP group (heads / F slices) and summed by the TP all-reduce, the
@@ -12,14 +14,19 @@ MLP and the shared expert whole, and the routed experts go through the sparse al
 
 Caches: MLA models use ``layers_mla.LatentKvCache`` (``[L, P, S, kv_lora + rope]``), the others the HND
 ``PagedKvCache``: full layers in pages that grow with the sequence, sliding layers (gpt-oss) on a per-sequence ring
-of the window (``model.ring_pages``), so a long prompt costs its full layers' pages plus one ring.
+of the window (``model.ring_pages``), so a long prompt costs its full layers' pages plus one ring. Qwen3.5 uses
+``layers_gdn.HybridKvCache``: pages for its full-attention layers only, plus a state slot per sequence for the
+linear layers (``slots``: the sequences' slots, passed to ``forward_prefill`` / ``forward_decode``). The paged
+cache is indexed by the layer's place among the layers it holds (``TorchModelConfig.kv_layers``). Qwen3.5's linear
+layers run on one attention rank (no prefill TP); transformers' zero-centred RMSNorm weights (``1 + w``) are stored
+as ``1 + w`` on load.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rackbed.engine.real import layers_gqa, layers_mla, layers_moe
+from rackbed.engine.real import layers_gdn, layers_gqa, layers_mla, layers_moe
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.config import TorchModelConfig
 from rackbed.engine.real.model import (
@@ -48,6 +55,8 @@ def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, .
         out.update(kv_a=((cfg.kv_lora_rank + cfg.qk_rope_head_dim, D), "w"), kv_a_norm=((cfg.kv_lora_rank,), "norm"),
                    kv_b=((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "w"),
                    o_proj=((D, H * cfg.v_head_dim), "w"))
+    elif cfg.kind(li) == "linear":
+        out.update(layers_gdn.shapes(cfg))
     else:
         Dh, Hk = cfg.head_dim, cfg.n_kv_heads
         out.update(q_proj=((H * Dh, D), "w"), k_proj=((Hk * Dh, D), "w"), v_proj=((Hk * Dh, D), "w"),
@@ -60,6 +69,8 @@ def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, .
             out.update(q_norm=((Dh,), "norm"), k_norm=((Dh,), "norm"))
         if cfg.sinks:
             out["sinks"] = ((H,), "small")
+        if cfg.gated_attn:
+            out["gate_proj"] = ((H * Dh, D), "w")
     if cfg.is_dense(li):
         Fd = cfg.dense_intermediate
         return out | {"mlp_gate_up": ((2 * Fd, D), "w"), "mlp_down": ((D, Fd), "w")}
@@ -72,6 +83,8 @@ def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, .
     if cfg.shared_intermediate:
         Fs = cfg.shared_intermediate
         out.update(shared_gate_up=((2 * Fs, D), "w"), shared_down=((D, Fs), "w"))
+        if cfg.shared_gate:
+            out["shared_gate"] = ((1, D), "w")
     return out
 
 
@@ -82,7 +95,7 @@ def random_layer(cfg: TorchModelConfig, li: int, seed: int, device, dtype) -> di
     gen.manual_seed(seed * 1_000_003 + li + 1)
     out = {}
     for name, (shape, init) in layer_shapes(cfg, li).items():
-        std = {"w": cfg.init_std, "norm": 0.1, "small": 0.1}[init]
+        std = {"w": cfg.init_std, "norm": 0.1, "small": 0.1, "conv": 0.3}[init]
         t = _randn(shape, gen, std, dev, dtype)
         out[name] = 1.0 + t if init == "norm" else t
     return out
@@ -98,7 +111,9 @@ def _hf_experts(state, p: str, cfg: TorchModelConfig, li: int) -> dict[str, torc
                 "gate_up_bias": torch.cat((gub[:, 0::2], gub[:, 1::2]), 1).contiguous(),
                 "down": state[p + "mlp.experts.down_proj"].transpose(1, 2).contiguous(),
                 "down_bias": state[p + "mlp.experts.down_proj_bias"]}
-    out = {"router": state[p + "mlp.gate.weight"], "e_bias": state[p + "mlp.gate.e_score_correction_bias"]}
+    out = {"router": state[p + "mlp.gate.weight"]}
+    if cfg.routing == "sigmoid_group":
+        out["e_bias"] = state[p + "mlp.gate.e_score_correction_bias"]
     if g(p + "mlp.experts.gate_up_proj") is not None:
         out.update(gate_up=state[p + "mlp.experts.gate_up_proj"], down=state[p + "mlp.experts.down_proj"])
     else:
@@ -107,10 +122,16 @@ def _hf_experts(state, p: str, cfg: TorchModelConfig, li: int) -> dict[str, torc
                                                  state[f"{p}mlp.experts.{e}.up_proj.weight"]]) for e in r])
         out["down"] = torch.stack([state[f"{p}mlp.experts.{e}.down_proj.weight"] for e in r])
     if cfg.shared_intermediate:
-        s = p + "mlp.shared_experts."
+        s = p + ("mlp.shared_expert." if cfg.shared_gate else "mlp.shared_experts.")
         out.update(shared_gate_up=torch.cat([state[s + "gate_proj.weight"], state[s + "up_proj.weight"]]),
                    shared_down=state[s + "down_proj.weight"])
+        if cfg.shared_gate:
+            out["shared_gate"] = state[p + "mlp.shared_expert_gate.weight"]
     return out
+
+
+#: weights transformers stores zero-centred (the norm multiplies by ``1 + w``): Qwen3.5's RMSNorms
+_CENTRED = ("input_norm", "post_norm", "q_norm", "k_norm")
 
 
 def hf_layer(state: dict[str, torch.Tensor], cfg: TorchModelConfig, li: int) -> dict[str, torch.Tensor]:
@@ -118,14 +139,24 @@ def hf_layer(state: dict[str, torch.Tensor], cfg: TorchModelConfig, li: int) -> 
     p = f"model.layers.{li}."
     a = p + "self_attn."
     out = {"input_norm": state[p + "input_layernorm.weight"], "post_norm": state[p + "post_attention_layernorm.weight"]}
-    if cfg.kind(li) == "mla":
+    if cfg.kind(li) == "linear":
+        out |= layers_gdn.hf_weights(state, p + "linear_attn.")
+    elif cfg.kind(li) == "mla":
         names = {"q_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight", "q_b": "q_b_proj.weight",
                  "q_proj": "q_proj.weight", "kv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
                  "kv_b": "kv_b_proj.weight", "o_proj": "o_proj.weight"}
     else:
         names = {f"{x}_proj": f"{x}_proj.weight" for x in "qkvo"} | {f"{x}_bias": f"{x}_proj.bias" for x in "qkvo"}
         names |= {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks"}
-    out |= {k: state[a + v] for k, v in names.items() if a + v in state}
+    if cfg.kind(li) != "linear":
+        out |= {k: state[a + v] for k, v in names.items() if a + v in state}
+    if cfg.gated_attn and cfg.kind(li) == "full":     # per head: Dh query rows, then Dh output-gate rows
+        Dh = cfg.head_dim
+        qg = out["q_proj"].view(cfg.n_q_heads, 2 * Dh, -1)
+        out["q_proj"], out["gate_proj"] = (qg[:, :Dh].reshape(-1, qg.shape[-1]),
+                                           qg[:, Dh:].reshape(-1, qg.shape[-1]))
+    if cfg.family == "qwen3_5_moe":
+        out |= {k: 1.0 + out[k].float() for k in _CENTRED if k in out}
     if cfg.is_dense(li):
         out.update(mlp_gate_up=torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
                    mlp_down=state[p + "mlp.down_proj.weight"])
@@ -137,20 +168,27 @@ def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Sha
     """Slice layer ``li``'s full weights to what ``shard`` holds: heads of its TP place, the dense MLP and shared
     expert's F slice (prefill TP), its experts."""
     q = shard.q_heads(cfg)
-    if cfg.kind(li) == "mla":
+    if cfg.kind(li) == "linear":
+        if shard.attn_tp != 1:
+            raise ValueError(f"Gated DeltaNet layers run on one attention rank (attn_tp={shard.attn_tp})")
+        out = {k: full[k] for k in layers_gdn.shapes(cfg)}
+    elif cfg.kind(li) == "mla":
         out = layers_mla.shard(full, cfg, q)
     else:
         Dh, kv = cfg.head_dim, shard.kv_heads(cfg)
         qs, ks = slice(q.start * Dh, q.stop * Dh), slice(kv.start * Dh, kv.stop * Dh)
         out = {"q_proj": full["q_proj"][qs].clone(), "k_proj": full["k_proj"][ks].clone(),
                "v_proj": full["v_proj"][ks].clone(), "o_proj": full["o_proj"][:, qs].clone()}
+        if "gate_proj" in full:
+            out["gate_proj"] = full["gate_proj"][qs].clone()
         for k, s in (("q_bias", qs), ("k_bias", ks), ("v_bias", ks)):
             if k in full:
                 out[k] = full[k][s].clone()
         if "sinks" in full:
             out["sinks"] = full["sinks"][q.start:q.stop].clone()
         out |= {k: full[k] for k in ("o_bias", "q_norm", "k_norm") if k in full}
-    out |= {k: full[k] for k in ("input_norm", "post_norm", "router", "router_bias", "e_bias") if k in full}
+    out |= {k: full[k] for k in ("input_norm", "post_norm", "router", "router_bias", "e_bias", "shared_gate")
+            if k in full}
     tp, r = shard.attn_tp, shard.attn_rank
     for pre in ("mlp", "shared"):
         if pre + "_gate_up" in full:
@@ -170,6 +208,8 @@ class ShardedMoeLM(ShardedQwen3Moe):
     def __init__(self, cfg: TorchModelConfig, shard: Shard, comm: Comm, layers, glob) -> None:
         super().__init__(cfg, shard, comm, layers, glob)
         self.rope = rope_of(cfg)
+        self._kvi = {li: j for j, li in enumerate(cfg.kv_layers)}        # layer -> its layer in the paged cache
+        self._lini = {li: j for j, li in enumerate(cfg.linear_layers)}   # linear layer -> its layer in the pool
 
     @classmethod
     def random(cls, cfg, shard, comm, *, seed: int = 0, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
@@ -178,23 +218,40 @@ class ShardedMoeLM(ShardedQwen3Moe):
 
     @classmethod
     def from_state_dict(cls, state, cfg, shard, comm, *, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
+        """From a transformers state dict of the family. Qwen3.5's published (multimodal) checkpoints keep the text
+        model under ``model.language_model.``: read as ``model.`` (the vision tower and MTP layers are not read)."""
         from rackbed.engine.real.model import hf_global_weights
 
+        if cfg.family == "qwen3_5_moe":
+            pre = "model.language_model."
+            state = {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in state.items()}
         conv = lambda t: t.to(device=device, dtype=dtype)
         layers = [{k: conv(v) for k, v in shard_layer(hf_layer(state, cfg, i), cfg, shard, i).items()}
                   for i in range(cfg.n_layers)]
-        return cls(cfg, shard, comm, layers, {k: conv(v) for k, v in hf_global_weights(state, cfg).items()})
+        glob = hf_global_weights(state, cfg)
+        if cfg.family == "qwen3_5_moe":
+            glob["final_norm"] = 1.0 + glob["final_norm"].float()
+        return cls(cfg, shard, comm, layers, {k: conv(v) for k, v in glob.items()})
 
     def new_cache(self, n_pages: int, page_tokens: int, *, device=None, dtype=None,
-                  ring_seqs: int | None = None) -> PagedKvCache:
+                  ring_seqs: int | None = None, state_slots: int = 0) -> PagedKvCache:
         """The rank's cache: ``n_pages`` pages of the full layers and, with sliding layers, ``ring_seqs`` rings
-        (None: ``n_pages``, one per page, so rings never run out before pages: every sequence holds a page)."""
+        (None: ``n_pages``, one per page, so rings never run out before pages: every sequence holds a page); with
+        linear layers (``layers_gdn.HybridKvCache``) pages for the full-attention layers only and ``state_slots``
+        sequences' Gated DeltaNet state."""
         ref = self.glob["embed"]
+        if self.cfg.has_linear:
+            cfg = self.cfg
+            cache = layers_gdn.HybridKvCache(len(cfg.kv_layers), n_pages, len(self.kv_heads), page_tokens,
+                                             cfg.head_dim, dtype=dtype or ref.dtype, device=device or ref.device)
+            cache.states = layers_gdn.GdnStatePool(cfg, state_slots, dtype=dtype or ref.dtype,
+                                                   device=device or ref.device)
+            return cache
         if self.cfg.is_mla:
             return layers_mla.LatentKvCache(self.cfg.n_layers, n_pages, 1, page_tokens,
                                             self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
                                             dtype=dtype or ref.dtype, device=device or ref.device)
-        return PagedKvCache(self.cfg.n_layers, n_pages, len(self.kv_heads), page_tokens, self.cfg.head_dim,
+        return PagedKvCache(len(self.cfg.kv_layers), n_pages, len(self.kv_heads), page_tokens, self.cfg.head_dim,
                             dtype=dtype or ref.dtype, device=device or ref.device, windows=self.cfg.kv_windows,
                             ring_seqs=n_pages if ring_seqs is None else ring_seqs)
 
@@ -208,16 +265,23 @@ class ShardedMoeLM(ShardedQwen3Moe):
         return layers_moe.route(w, h, self.cfg)
 
     # -- prefill --------------------------------------------------------------------------------------------------
-    def _attn_prefill(self, li: int, w, h, pos, lens, starts, cache, page_tables) -> torch.Tensor:
+    def _attn_prefill(self, li: int, w, h, pos, lens, starts, cache, page_tables, slots=None) -> torch.Tensor:
         """The rank's partial attention output ``[T, D]`` (o_proj of its heads; no o bias), KV written. A sequence
-        with ``starts[i]`` > 0 follows a cached prefix whose KV (latent rows) is read from its pages."""
+        with ``starts[i]`` > 0 follows a cached prefix whose KV (latent rows) is read from its pages. A linear layer
+        runs each sequence's recurrence from its state slot ``slots[i]`` (updated)."""
         cfg, outs, off = self.cfg, [], 0
+        if cfg.kind(li) == "linear":
+            for si, n in enumerate(lens):
+                outs.append(layers_gdn.prefill(w, h[off:off + n], cfg, cache.states, self._lini[li], slots[si]))
+                off += n
+            return torch.cat(outs)
+        kl = self._kvi[li]
         if cfg.kind(li) == "mla":
             q_nope, q_rot, rows = layers_mla.project(w, h, pos, cfg, self.rope)
             for si, n in enumerate(lens):
                 c = starts[si]
-                prefix = cache.read_rows(li, page_tables[si], c) if c else None
-                cache.write_rows(li, page_tables[si], c, rows[off:off + n])
+                prefix = cache.read_rows(kl, page_tables[si], c) if c else None
+                cache.write_rows(kl, page_tables[si], c, rows[off:off + n])
                 outs.append(layers_mla.prefill(w, q_nope[off:off + n], q_rot[off:off + n], rows[off:off + n], cfg,
                                                prefix))
                 off += n
@@ -229,12 +293,15 @@ class ShardedMoeLM(ShardedQwen3Moe):
                 ks, vs = k[:, off:off + n], v[:, off:off + n]
                 k0 = max(0, c - win + 1) if win else 0     # a sliding layer's ring holds the window's prefix
                 if c:                                      # read before the write: it may overwrite ring slots
-                    kc, vc = cache.read(li, page_tables[si], c, first=k0)
+                    kc, vc = cache.read(kl, page_tables[si], c, first=k0)
                     ks, vs = torch.cat([kc.to(ks.dtype), ks], 1), torch.cat([vc.to(vs.dtype), vs], 1)
-                cache.write(li, page_tables[si], c, k[:, off:off + n], v[:, off:off + n])
+                cache.write(kl, page_tables[si], c, k[:, off:off + n], v[:, off:off + n])
                 outs.append(layers_gqa.prefill(w, q[:, off:off + n], ks, vs, win, cfg, c, k0 if c else 0))
                 off += n
-        return torch.cat(outs) @ w["o_proj"].T
+        o = torch.cat(outs)
+        if "gate_proj" in w:                                  # Qwen3.5: per-head sigmoid output gate
+            o = o * torch.sigmoid(h @ w["gate_proj"].T)
+        return o @ w["o_proj"].T
 
     def _ffn_prefill(self, w, h: torch.Tensor) -> torch.Tensor:
         """Dense MLP (TP slice, all-reduced), or routed experts (EP all-reduce) + shared expert (TP slice)."""
@@ -244,23 +311,41 @@ class ShardedMoeLM(ShardedQwen3Moe):
         y = self._local_experts(w, h, topi, topw)
         if "shared_gate_up" not in w:
             return self.comm.ep_all_reduce(y)
-        s = layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"])
+        s = self._shared(w, h)
         if self.comm.tp_group is not None and self.comm.tp_group is self.comm.ep_group:
             return self.comm.ep_all_reduce(y + s)                        # one all-reduce for both partial sums
         return self.comm.ep_all_reduce(y) + self.comm.tp_all_reduce(s)
 
-    def forward_prefill(self, seqs, cache, page_tables, starts=None):
+    def _shared(self, w, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert of ``h`` (times ``sigmoid(h @ shared_gate)`` when gated)."""
+        s = layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"])
+        return s * torch.sigmoid(h @ w["shared_gate"].T) if "shared_gate" in w else s
+
+    def _slots(self, slots, n: int):
+        if not self.cfg.has_linear:
+            return None
+        if slots is None or len(slots) != n:
+            raise ValueError(f"a model with Gated DeltaNet layers needs one state slot per sequence ({n}), got "
+                             f"{None if slots is None else len(slots)}")
+        return slots
+
+    def forward_prefill(self, seqs, cache, page_tables, starts=None, slots=None):
         """As ``ShardedQwen3Moe.forward_prefill``: prompts, or prompt suffixes after a cached prefix of
-        ``starts[i]`` tokens whose KV is already in ``page_tables[i]`` (read, never recomputed)."""
+        ``starts[i]`` tokens whose KV is already in ``page_tables[i]`` (read, never recomputed). With linear
+        layers, ``slots[i]`` is sequence i's state slot in ``cache.states`` (zeroed: a prompt starts from no
+        state, so ``starts`` must be 0)."""
         cfg = self.cfg
         lens = [int(s.numel()) for s in seqs]
         starts = list(starts) if starts is not None else [0] * len(seqs)
+        slots = self._slots(slots, len(seqs))
+        if slots is not None and any(starts):
+            raise ValueError("Gated DeltaNet layers cannot resume a cached prefix (no state snapshot is kept)")
         ids = torch.cat(seqs)
         pos = torch.cat([torch.arange(c, c + n, device=ids.device) for c, n in zip(starts, lens)])
         x = self.glob["embed"][ids]
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
-            a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, starts, cache, page_tables))
+            a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, starts, cache, page_tables, slots))
             x = x + (a + w["o_bias"] if "o_bias" in w else a)
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             x = x + self._ffn_prefill(w, h)
@@ -268,21 +353,25 @@ class ShardedMoeLM(ShardedQwen3Moe):
         return self._logits(x[last])
 
     # -- decode ---------------------------------------------------------------------------------------------------
-    def _attn_decode(self, li: int, w, h, positions, cache, page_table) -> torch.Tensor:
+    def _attn_decode(self, li: int, w, h, positions, cache, page_table, slots=None) -> torch.Tensor:
         """All heads of this DP rank's batch: writes the new token's KV, attends over the pages (a sliding layer:
-        over the sequence's ring, found through its first page), o_proj (+ bias). No host synchronisation."""
+        over the sequence's ring, found through its first page), o_proj (+ bias). No host synchronisation. A linear
+        layer steps each sequence's state (``slots [B]``) by one token."""
         cfg, S = self.cfg, cache.page_tokens
-        if cache.is_ring(li):
+        if cfg.kind(li) == "linear":
+            return layers_gdn.decode(w, h, cfg, cache.states, self._lini[li], slots)
+        kl = self._kvi[li]
+        if cache.is_ring(kl):
             q, k, v = layers_gqa.qkv(w, h, positions, cfg, self.rope)
             rings = cache.ring_table[page_table[:, 0]]                             # [B, Rp]
             R = cache.ring_tokens
-            st = cache.ring_storage[cache.slot_of[li]]
+            st = cache.ring_storage[cache.slot_of[kl]]
             page = rings.gather(1, ((positions % R) // S)[:, None])[:, 0]
             st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
             st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
             o = layers_gqa.decode_ring(w, q, st[rings], positions, self._window(li), cfg) @ w["o_proj"].T
             return o + w["o_bias"] if "o_bias" in w else o
-        st = cache.storage[li] if cfg.kind(li) == "mla" else cache.storage[cache.slot_of[li]]
+        st = cache.storage[kl] if cfg.kind(li) == "mla" else cache.storage[cache.slot_of[kl]]
         page = page_table.gather(1, (positions // S)[:, None])[:, 0]
         slot = positions % S
         if cfg.kind(li) == "mla":
@@ -295,17 +384,23 @@ class ShardedMoeLM(ShardedQwen3Moe):
             st[page, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
             st[page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
             o = layers_gqa.decode(w, q, st[page_table], positions, self._window(li), cfg)
+            if "gate_proj" in w:
+                o = o * torch.sigmoid(h @ w["gate_proj"].T)
         o = o @ w["o_proj"].T
         return o + w["o_bias"] if "o_bias" in w else o
 
-    def forward_decode(self, tokens, positions, cache, page_table):
+    def forward_decode(self, tokens, positions, cache, page_table, slots=None):
+        """As ``ShardedQwen3Moe.forward_decode``; with linear layers ``slots [B]`` (a tensor on the tokens' device)
+        are the sequences' state slots."""
         cfg = self.cfg
         B = tokens.shape[0]
+        if cfg.has_linear and B:
+            slots = torch.as_tensor(self._slots(slots, B), device=tokens.device)
         x = self.glob["embed"][tokens]
         for li, w in enumerate(self.layers):
             if B:
                 x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache,
-                                          page_table)
+                                          page_table, slots)
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             if "mlp_gate_up" in w:
                 x = x + layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
@@ -314,7 +409,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
                 torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device),
                 torch.zeros(0, cfg.top_k, dtype=x.dtype, device=x.device))
             y = self._moe_dp_ep(w, h, topi, topw)
-            x = x + (y + layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"]) if "shared_gate_up" in w else y)
+            x = x + (y + self._shared(w, h) if "shared_gate_up" in w else y)
         return self._logits(x)
 
     def forward_decode_static(self, tokens, positions, cache, page_table):
@@ -324,6 +419,8 @@ class ShardedMoeLM(ShardedQwen3Moe):
 
         if self.shard.ep != 1:
             raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
+        if self.cfg.has_linear:
+            raise ValueError("forward_decode_static: Gated DeltaNet layers step through forward_decode")
         cfg = self.cfg
         x = self.glob["embed"][tokens]
         for li, w in enumerate(self.layers):
@@ -335,7 +432,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
             topi, topw = self._route(w, h)
             order, tok, counts, xs = permute(h, topi, cfg.n_experts)
             y = unpermute(self._experts(w, xs, counts), tok, order, topw, h)
-            x = x + (y + layers_moe.mlp(h, w["shared_gate_up"], w["shared_down"]) if "shared_gate_up" in w else y)
+            x = x + (y + self._shared(w, h) if "shared_gate_up" in w else y)
         return self._logits(x)
 
 

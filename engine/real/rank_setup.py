@@ -1,6 +1,13 @@
 """What a real run is made of, derived from a built scenario: its process groups, each rank's ``RankSpec``, the
 torch model's config, the KV capacities the scheduler plans with, and the prefilling ranks' prefix caches. Pure
-functions of the scenario (every torchrun process computes the same tables); ``engine.real.driver`` runs them."""
+functions of the scenario (every torchrun process computes the same tables); ``engine.real.driver`` runs them.
+
+Gated DeltaNet models (Qwen3.5): an aggregated rank keeps one recurrent-state slot per request it may hold
+(``max_batch_per_rank``, the scheduler's cap on a rank's requests), and those slots' bytes come out of the rank's
+KV budget: ``real.decode_pages`` pages of the full-attention layers' KV, of which :func:`state_pages` go to the
+state pool; the cache and the scheduler's KV capacity get the rest (:func:`gdn_rank_budget`). Disaggregated
+deployments and prefix caching are refused for these models (:func:`check_gdn`): the state does not travel with
+the KV transfer, and a cached prefix would need the state at the prefix's end."""
 
 from __future__ import annotations
 
@@ -62,6 +69,50 @@ def prefix_cache_pages(built, *, prefix_blocks: int, prefix_block_tokens: int, p
     return n
 
 
+_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def check_gdn(built, cfg, prefix_cache=None) -> None:
+    """What the real engine does not run for a model with Gated DeltaNet layers, as one-line UserErrors:
+    prefill/decode disaggregation (the recurrent state does not travel with the KV) and a prefix cache (no state
+    snapshot at a prefix's end is kept)."""
+    if not cfg.has_linear:
+        return
+    dep = built.deployment
+    if dep.prefillers or dep.decoders:
+        raise UserError("deployment: real mode runs Gated DeltaNet (linear-attention) models on aggregated workers "
+                        "only (the recurrent state does not travel with the KV transfer; disaggregated runs are "
+                        "simulated only)")
+    spec = prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None)
+    if spec is not None:
+        raise UserError("prefix_cache: real mode cannot reuse a cached prefix of a Gated DeltaNet (linear-attention) "
+                        "model (no recurrent-state snapshot at the prefix's end is kept); remove prefix_cache")
+
+
+def state_pages(cfg, dtype: str, page_tokens: int, slots: int) -> int:
+    """KV pages (of the full-attention layers, ``page_tokens`` tokens each) whose bytes ``slots`` sequences'
+    Gated DeltaNet state takes (``TorchModelConfig.state_bytes_per_seq``), rounded up; 0 without linear layers."""
+    if not cfg.has_linear or slots <= 0:
+        return 0
+    eb = _ELEM[dtype]
+    page = max(1, cfg.kv_bytes_per_token(eb) * page_tokens)
+    return -(-slots * cfg.state_bytes_per_seq(eb) // page)
+
+
+def gdn_rank_budget(built, cfg, dtype: str, decode_pages: int) -> tuple[int, int]:
+    """``(state slots, pages they take)`` of each aggregated rank of a Gated DeltaNet model (``(0, 0)`` otherwise):
+    one slot per request the rank may hold. A budget the slots fill is a ``UserError`` naming the field."""
+    dep = built.deployment
+    if not cfg.has_linear or not dep.aggregated:
+        return 0, 0
+    slots = dep.aggregated[0].template.max_batch_per_rank
+    n = state_pages(cfg, dtype, built.decode_plan.page_tokens, slots)
+    if n >= decode_pages:
+        raise UserError(f"real.decode_pages: {decode_pages} pages cannot hold the Gated DeltaNet state of "
+                        f"{slots} sequences (aggregated.max_batch_per_rank), which takes {n} pages' bytes")
+    return slots, n
+
+
 def real_capacities(dep, *, prefill_pages: int, decode_pages: int, page_tokens: int, min_prompt: int = 1):
     """``dep`` with the KV capacities the scheduler plans with set to what the real ranks hold (their caches'
     pages), not the simulated memory budget's: ``decode_pages`` pages per decoder or aggregated rank, and for a
@@ -111,6 +162,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     sizes the prefilling ranks' prefix caches."""
     from rackbed.engine.real.worker import RankSpec
 
+    check_gdn(built, cfg, prefix_cache)
     prefix_blocks, prefix_block_tokens = real_prefix_cache(
         prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
     if prefix_blocks and any(cfg.kv_windows):
@@ -118,6 +170,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                         "is a per-sequence ring of the window, not shareable pages); set prefix_cache: null")
     rings = {k: v for k, v in kv_rings(built, cfg, prefill_pages, decode_pages, requests).items()
              if k in ("prefill_rings", "decode_rings")}
+    slots, slot_pages = gdn_rank_budget(built, cfg, dtype, decode_pages)
 
     dep = built.deployment
     groups = deployment_groups(dep)
@@ -143,7 +196,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
             out[r] = RankSpec(rank=r, world=world, role=role, group_id=gid, group_ranks=group_ranks[gid],
                               all_groups=all_groups, device=dev, dtype=dtype, cfg=cfg,
                               tp=tpl.tp if role == "prefill" else 1, ep=tpl.ep,
-                              n_pages=prefill_pages if role == "prefill" else decode_pages,
+                              n_pages=prefill_pages if role == "prefill" else decode_pages - slot_pages,
                               page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
                               prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
                               init_file=init_file, backend=backend, kv_peers=peers,
@@ -152,7 +205,8 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               prefill_lens=plens if role != "decode" else (0, 0),
                               chunk_tokens=chunk if role == "aggregated" else 0,
                               prefix_blocks=prefix_blocks if role != "decode" else 0,
-                              prefix_block_tokens=prefix_block_tokens if role != "decode" else 0, **rings)
+                              prefix_block_tokens=prefix_block_tokens if role != "decode" else 0,
+                              state_slots=slots if role == "aggregated" else 0, **rings)
     return out
 
 

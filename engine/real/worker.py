@@ -17,6 +17,10 @@ free pages for it, ``declined: no pages: ...``). Commands:
   ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
 
+A model with Gated DeltaNet layers (Qwen3.5) also keeps a recurrent-state slot per sequence
+(``layers_gdn.GdnStatePool``, ``RankSpec.state_slots`` of them): taken at the sequence's prefill, stepped by every
+decode step, freed with its pages. Such models run on aggregated ranks only (``rank_setup.check_gdn``).
+
 Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
 (``prefill``, ``decode``, ``drop``) to the compute loop (the main thread) and KV commands (``kv_send``,
 ``kv_recv``) to a transfer thread. The transfer thread has its own CUDA stream and its own process group (the KV
@@ -98,6 +102,8 @@ class RankSpec:
     def n_rings(self) -> int:
         """Rings of this rank's cache (0: one per page)."""
         return self.prefill_rings if self.role == "prefill" else self.decode_rings
+    # Gated DeltaNet models: sequences whose recurrent state the rank holds at once (``layers_gdn.GdnStatePool``)
+    state_slots: int = 0
 
 
 @dataclass
@@ -108,6 +114,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     busy: bool = False              # prefiller: the transfer lane is shipping it
     stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
+    slot: int = -1                  # Gated DeltaNet models: its state slot (freed with its pages)
 
 
 def _nccl_all_reduce(x, group):
@@ -140,7 +147,7 @@ def kv_layouts(cfg, elem_bytes: int, page_tokens: int, prefill_tp: int, prefill_
     their window (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them, from
     the prefiller's ring into the decoder's (``TransferEngine``'s ring part)."""
     def layout(tp: int, n_pages: int) -> KvLayout:
-        lay = KvLayout.for_attention(cfg.attention, cfg.n_layers, elem_bytes, page_tokens, tp, n_pages)
+        lay = KvLayout.for_attention(cfg.attention, len(cfg.kv_layers), elem_bytes, page_tokens, tp, n_pages)
         return lay if lay.latent else replace(lay, windows=cfg.kv_windows)
 
     return layout(prefill_tp, prefill_pages), layout(1, decode_pages)
@@ -233,8 +240,11 @@ class Rank:
                                              device=dev, dtype=dt)
         else:
             self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
-        ring_kw = {"ring_seqs": spec.n_rings or None} if any(spec.cfg.kv_windows) else {}
-        self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens, **ring_kw)
+        self.linear = spec.cfg.has_linear
+        cache_kw = {"ring_seqs": spec.n_rings or None} if any(spec.cfg.kv_windows) else {}
+        if self.linear:
+            cache_kw["state_slots"] = spec.state_slots
+        self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens, **cache_kw)
         self.prefix: RankPrefixCache | None = None
         if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
             self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
@@ -255,7 +265,7 @@ class Rank:
         self.prefill_graphs = None
         self.graph_info: dict = {}
         graphs_on = dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1"
-        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1:
+        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1 and not self.linear:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
@@ -273,14 +283,18 @@ class Rank:
         """One throw-away forward of this rank's role, so JIT compilation (CuTe DSL kernels, cuBLAS handles)
         happens before the run instead of inside the first measured plan. Every rank of the group does it."""
         pages = self.cache.alloc(16)
+        slot = [self.cache.states.alloc()] if self.linear else None
+        kw = {"slots": slot} if self.linear else {}
         if self.spec.role == "prefill":
-            self.model.forward_prefill([torch.zeros(16, dtype=torch.long, device=self.dev)], self.cache, [pages])
+            self.model.forward_prefill([torch.zeros(16, dtype=torch.long, device=self.dev)], self.cache, [pages], **kw)
         else:
             args = (torch.zeros(1, dtype=torch.long, device=self.dev), torch.zeros(1, dtype=torch.long, device=self.dev))
-            self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev))
+            self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev), **kw)
             if self.graphs is not None:
                 self.graphs(*args, torch.tensor([pages[:1]], device=self.dev))
         self.cache.free(pages)
+        if slot:
+            self.cache.states.free(slot[0])
         if self.graphs is not None and self.spec.graph_max_batch > 0 and self.spec.graph_pages[1] > 0:
             # capture the buckets the run will likely meet now, not inside a measured decode step
             self.graph_info = self.graphs.warm(self.spec.graph_max_batch, *self.spec.graph_pages,
@@ -397,7 +411,7 @@ class Rank:
         evict alike). Reply ``{rid: (first token, pages, reused tokens)}``; the pages hold the whole prompt's KV
         (the shared prefix pages first), then come the sequence's ring pages (sliding layers), which the KV transfer
         ships."""
-        seqs, pts, starts, pins = [], [], [], []
+        seqs, pts, starts, pins, slots = [], [], [], [], []
         with self.lock:
             for item in items:
                 rid, ids = item[0], item[1]
@@ -411,6 +425,8 @@ class Rank:
                     pts.append(s.pages)
                     starts.append(c)
                     pins.append(None)
+                    if self.linear:     # the recurrence continues from the state the earlier chunks left
+                        slots.append(s.slot)
                     seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
                     continue
                 old = self.seqs.pop(rid, None)
@@ -422,6 +438,15 @@ class Rank:
                 if self.prefix is not None:
                     pin, c, pages = self.prefix.acquire(ids, item[2] if len(item) > 2 else None)
                 self.cache.grow(pages, len(ids))
+                if self.linear:     # a fresh recurrent state (prefix caching is refused for these models)
+                    try:
+                        slots.append(self.cache.states.alloc())
+                    except MemoryError:
+                        self.cache.free(pages)
+                        for p_, s_ in zip(pts, slots):
+                            self.cache.free(p_)
+                            self.cache.states.free(s_)
+                        raise
                 pts.append(pages)
                 starts.append(c)
                 pins.append(pin)
@@ -429,23 +454,28 @@ class Rank:
         if self.prefill_graphs is not None:
             logits = torch.cat([self.prefill_graphs(q, c, pg) for q, c, pg in zip(seqs, starts, pts)])
         else:
-            logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
+            logits = self.model.forward_prefill(seqs, self.cache, pts, starts,
+                                                **({"slots": slots} if self.linear else {}))
         first = logits.argmax(-1).tolist()
         out = {}
         with self.lock:
-            for item, pages, c, pin, tok in zip(items, pts, starts, pins, first):
+            for i, (item, pages, c, pin, tok) in enumerate(zip(items, pts, starts, pins, first)):
                 rid, ids = item[0], item[1]
                 if pin is not None:   # cached, then unpinned: as the scheduler's cache does at prefill end
                     self.prefix.insert(pin, ids, pages)
                     self.prefix.release(pin)
-                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok)
+                self.seqs[rid] = _Seq(pages=pages, length=len(ids), last_token=tok,
+                                      slot=slots[i] if self.linear else -1)
                 out[rid] = (tok, pages + self.cache.ring_of(pages), c)
         return out
 
     def _let_go(self, s: _Seq) -> None:
         """Free a sequence's page references (the caller holds the lock): a page shared with the prefix cache
-        stays until the cache evicts its block."""
+        stays until the cache evicts its block. A Gated DeltaNet model's state slot goes with the pages."""
         self.cache.free(s.pages)
+        if s.slot >= 0:
+            self.cache.states.free(s.slot)
+            s.slot = -1
 
     def _op_kv_send(self, rid, dst_global, seq_len, lose=False):
         """Transfer lane: wait for the decoder's pages, ship. The KV stays here until the driver's ``drop``, sent
@@ -568,6 +598,9 @@ class Rank:
             pos = torch.zeros(0, dtype=torch.long, device=self.dev)
         if self.graphs is not None and batch:
             logits = self.graphs(toks, pos, table)
+        elif self.linear and batch:
+            logits = self.model.forward_decode(toks, pos, self.cache, table,
+                                               slots=torch.tensor([s.slot for s in seqs], device=self.dev))
         else:
             logits = self.model.forward_decode(toks, pos, self.cache, table)
         nxt = logits.argmax(-1).tolist() if batch else []

@@ -1,0 +1,214 @@
+"""Gated DeltaNet (the "linear" layers of Qwen3.5) in torch, as transformers' ``qwen3_5_moe`` computes them, and the
+per-sequence state pool those layers keep instead of a KV cache.
+
+One layer, for tokens ``h [T, D]`` of one sequence (Hk key heads of Dk, Hv value heads of Dv, C = 2*Hk*Dk + Hv*Dv
+conv channels, K the conv width):
+
+1. ``lin_in [C + Hv*Dv + 2*Hv, D]`` (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` stacked) gives the
+   q/k/v channels, the output gate z, b and a;
+2. a causal depthwise conv of width K over the q/k/v channels (``conv [C, K]``, no bias), then SiLU; the conv reads
+   the sequence's last K-1 inputs (its *conv state*; zeros before the first token);
+3. q, k are L2-normalised per head (eps 1e-6) and q scaled by ``Dk^-0.5``; a key head serves ``Hv/Hk`` consecutive
+   value heads; ``beta = sigmoid(b)``, the log decay ``g = -exp(A_log) * softplus(a + dt_bias)``;
+4. the gated delta rule on the fp32 state ``S [Hv, Dk, Dv]`` per token: ``S <- exp(g) S``,
+   ``S <- S + k (beta (v - S^T k))^T``, output ``o = S^T q``. Prefill runs transformers' chunked form (chunks of
+   64 tokens: the in-chunk updates solved as one triangular system, then a scan over chunks); decode one step,
+   batched over the running sequences;
+5. the gated RMSNorm over Dv (``lin_norm``, weight as stored: not zero-centred) times ``silu(z)``, then
+   ``out_proj [D, Hv*Dv]``.
+
+State: :class:`GdnStatePool` holds, per linear layer, ``slots`` conv states ``[C, K-1]`` (model dtype) and
+delta-rule states ``[Hv, Dk, Dv]`` (fp32). A sequence takes a slot when its prefill starts and gives it back with
+its KV pages; the full-attention layers keep the paged KV cache (:class:`HybridKvCache` is both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F_
+
+from rackbed.engine.real.model import PagedKvCache
+
+#: tokens per chunk of the chunked delta rule (transformers' default)
+CHUNK = 64
+
+
+class GdnStatePool:
+    """Per-sequence Gated DeltaNet state of one rank: ``conv [L, slots, C, K-1]`` (``dtype``) and ``rec [L, slots,
+    Hv, Dk, Dv]`` (fp32), L = linear layers. ``alloc`` hands out a zeroed slot, ``free`` takes it back."""
+
+    def __init__(self, cfg, slots: int, *, dtype, device) -> None:
+        L = len(cfg.linear_layers)
+        self.slots = slots
+        self.conv = torch.zeros(L, slots, cfg.lin_conv_channels, cfg.lin_conv - 1, dtype=dtype, device=device)
+        self.rec = torch.zeros(L, slots, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, dtype=torch.float32,
+                               device=device)
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.used: set[int] = set()
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.rec.numel() * self.rec.element_size()
+
+    def alloc(self) -> int:
+        if not self.free_slots:
+            raise MemoryError(f"Gated DeltaNet state pool full: all {self.slots} slots in use")
+        s = self.free_slots.pop()
+        self.conv[:, s].zero_()
+        self.rec[:, s].zero_()
+        self.used.add(s)
+        return s
+
+    def free(self, slot: int) -> None:
+        if slot not in self.used:
+            raise ValueError(f"state slot {slot} is not in use")
+        self.used.remove(slot)
+        self.free_slots.append(slot)
+
+
+@dataclass
+class HybridKvCache(PagedKvCache):
+    """The paged KV cache of a model's full-attention layers (``n_layers`` = those layers; the model maps its layer
+    index through ``TorchModelConfig.kv_layers``) plus the linear layers' :class:`GdnStatePool` (``states``)."""
+
+    states: GdnStatePool | None = field(default=None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pieces
+
+
+def split_in(w, h: torch.Tensor, cfg):
+    """``h [T, D]`` -> ``(qkv [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv])``."""
+    C, Hv, Dv = cfg.lin_conv_channels, cfg.lin_v_heads, cfg.lin_v_dim
+    y = h @ w["lin_in"].T
+    qkv, z, b, a = torch.split(y, [C, Hv * Dv, Hv, Hv], dim=-1)
+    return qkv, z.reshape(-1, Hv, Dv), b, a
+
+
+def gates(w, b: torch.Tensor, a: torch.Tensor):
+    """``(beta, g)`` of ``b, a [..., Hv]``: ``sigmoid(b)`` and the log decay ``-exp(A_log) softplus(a + dt_bias)``
+    (fp32)."""
+    return b.sigmoid(), -w["A_log"].float().exp() * F_.softplus(a.float() + w["dt_bias"])
+
+
+def heads(qkv: torch.Tensor, cfg):
+    """Conv output ``[..., C]`` -> q, k ``[..., Hv, Dk]`` (key heads repeated over their value heads, L2-normalised,
+    q scaled by Dk^-0.5; fp32) and v ``[..., Hv, Dv]`` (fp32)."""
+    Hk, Dk, Hv, Dv = cfg.lin_k_heads, cfg.lin_k_dim, cfg.lin_v_heads, cfg.lin_v_dim
+    q, k, v = torch.split(qkv, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    lead = qkv.shape[:-1]
+    q, k, v = q.reshape(*lead, Hk, Dk).float(), k.reshape(*lead, Hk, Dk).float(), v.reshape(*lead, Hv, Dv).float()
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=-2), k.repeat_interleave(Hv // Hk, dim=-2)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q * Dk ** -0.5, k, v
+
+
+def gated_norm(w, o: torch.Tensor, z: torch.Tensor, cfg) -> torch.Tensor:
+    """RMSNorm of ``o [..., Hv, Dv]`` over Dv (weight ``lin_norm``) times ``silu(z)``, flattened to ``[..., Hv*Dv]``."""
+    dt = z.dtype
+    of = o.to(dt).float()
+    n = w["lin_norm"] * (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)).to(dt)
+    return (n * F_.silu(z.float())).to(dt).flatten(-2)
+
+
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
+    """The gated delta rule over one sequence in chunks: q, k ``[T, H, Dk]``, v ``[T, H, Dv]``, g, beta ``[T, H]``
+    (fp32, q already scaled), ``state [H, Dk, Dv]`` before the first token -> ``(o [T, H, Dv], state after the
+    last)``. The sequence is padded to whole chunks with beta = g = 0 (no update, no decay), so the final state is
+    exact."""
+    T = q.shape[0]
+    pad = (chunk - T % chunk) % chunk
+    q, k, v = (F_.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))      # [H, T', D]
+    beta, g = (F_.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (beta, g))            # [H, T']
+    H, Tp, Dk = k.shape
+    n = Tp // chunk
+    q, k, v = q.reshape(H, n, chunk, Dk), k.reshape(H, n, chunk, Dk), v.reshape(H, n, chunk, -1)
+    beta, g = beta.reshape(H, n, chunk), g.reshape(H, n, chunk)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (kb @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_v = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    step = cum[..., -1].exp()[..., None, None]
+    S = state.float()
+    out = torch.empty_like(new_v)
+    for i in range(n):
+        vn = new_v[:, i] - k_cum[:, i] @ S
+        out[:, i] = q[:, i] @ S + intra[:, i] @ vn
+        S = S * step[:, i] + k[:, i].transpose(-1, -2) @ vn
+    return out.reshape(H, Tp, -1)[:, :T].transpose(0, 1), S
+
+
+def delta_rule_step(q, k, v, g, beta, S: torch.Tensor):
+    """One token per sequence: q, k ``[B, H, Dk]``, v ``[B, H, Dv]``, g, beta ``[B, H]``, ``S [B, H, Dk, Dv]``
+    (fp32) -> ``(o [B, H, Dv], new S)``."""
+    S = S * g.exp()[..., None, None]
+    mem = (S * k[..., None]).sum(-2)
+    S = S + k[..., None] * ((v - mem) * beta[..., None])[..., None, :]
+    return (S * q[..., None]).sum(-2), S
+
+
+def delta_rule_loop(q, k, v, g, beta, state: torch.Tensor):
+    """:func:`delta_rule_chunked` token by token (the reference the chunked form is tested against)."""
+    S, outs = state.float()[None], []
+    for t in range(q.shape[0]):
+        o, S = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], S)
+        outs.append(o)
+    return torch.cat(outs), S[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the layer
+
+
+def prefill(w, h: torch.Tensor, cfg, pool: GdnStatePool, j: int, slot: int) -> torch.Tensor:
+    """One sequence's tokens ``h [T, D]`` through linear layer ``j`` of the pool (state slot ``slot``, read and
+    updated) -> ``[T, D]``."""
+    qkv, z, b, a = split_in(w, h, cfg)
+    K1 = cfg.lin_conv - 1
+    x = torch.cat((pool.conv[j, slot].to(qkv.dtype), qkv.T), -1)                 # [C, K-1+T]
+    pool.conv[j, slot] = x[:, -K1:]
+    y = F_.silu(F_.conv1d(x[None], w["conv"][:, None, :], groups=x.shape[0])[0]).T   # [T, C]
+    q, k, v = heads(y, cfg)
+    beta, g = gates(w, b, a)
+    o, S = delta_rule_chunked(q, k, v, g, beta.float(), pool.rec[j, slot])
+    pool.rec[j, slot] = S
+    return gated_norm(w, o, z, cfg) @ w["out_proj"].T
+
+
+def decode(w, h: torch.Tensor, cfg, pool: GdnStatePool, j: int, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each sequence ``h [B, D]`` (state slots ``slots [B]``) through linear layer ``j`` -> ``[B, D]``."""
+    qkv, z, b, a = split_in(w, h, cfg)
+    x = torch.cat((pool.conv[j, slots].to(qkv.dtype), qkv[:, :, None]), -1)    # [B, C, K]
+    pool.conv[j, slots] = x[:, :, 1:].to(pool.conv.dtype)
+    y = F_.silu((x * w["conv"]).sum(-1))                                          # [B, C]
+    q, k, v = heads(y, cfg)
+    beta, g = gates(w, b, a)
+    o, S = delta_rule_step(q, k, v, g, beta.float(), pool.rec[j, slots])
+    pool.rec[j, slots] = S
+    return gated_norm(w, o, z, cfg) @ w["out_proj"].T
+
+
+def hf_weights(state, a: str) -> dict[str, torch.Tensor]:
+    """A linear layer's weights from transformers' ``...linear_attn.`` tensors (prefix ``a``)."""
+    return {"lin_in": torch.cat([state[a + f"in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")]),
+            "conv": state[a + "conv1d.weight"][:, 0], "dt_bias": state[a + "dt_bias"], "A_log": state[a + "A_log"],
+            "lin_norm": state[a + "norm.weight"], "out_proj": state[a + "out_proj.weight"]}
+
+
+def shapes(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, init) of a linear layer's weights (``families.layer_shapes``)."""
+    D, C, Hv, Dv = cfg.hidden, cfg.lin_conv_channels, cfg.lin_v_heads, cfg.lin_v_dim
+    return {"lin_in": ((C + Hv * Dv + 2 * Hv, D), "w"), "conv": ((C, cfg.lin_conv), "conv"),
+            "dt_bias": ((Hv,), "norm"), "A_log": ((Hv,), "small"), "lin_norm": ((Dv,), "norm"),
+            "out_proj": ((D, Hv * Dv), "w")}
