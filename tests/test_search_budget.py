@@ -88,7 +88,7 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
     dec = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "decode"]
     assert len(pre) == ov["prefill.replicas"] * reps and len(dec) == ov["decode.replicas"] * reps
     for a in pre:
-        assert int(a[a.index("--tp") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
+        assert int(a[a.index("--tp-size") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
         assert int(a[a.index("--chunked-prefill-size") + 1]) == ov["prefill.max_batch_tokens"]
     for a in dec:
         assert int(a[a.index("--ep-size") + 1]) == ov["decode.ep"]
