@@ -197,28 +197,34 @@ def check_emittable(sc, source: str | Path | None = None) -> None:
 
 
 def unmapped(sc, engine: str, pl: Plan) -> list[str]:
-    """Settings of the scenario the engine's files cannot express (one comment line each)."""
+    """Settings of the scenario the engine's files cannot express (one comment line each, saying what the
+    difference costs in rackbed's own model where it has a price)."""
     notes = []
+    e = sc.mtp.expected_tokens_per_step() if pl.draft_k else 1.0
     if pl.draft_k and pl.draft_kind == "model":
         notes.append(f"draft model {pl.draft_model} (mtp.draft), draft_k={pl.draft_k}: its checkpoint is "
                      "${DRAFT_MODEL_PATH}")
-    elif pl.draft_k and not pl.model_has_mtp:
-        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; the scenario drafts with a trained "
-                     "MTP head (mtp.draft: {kind: mtp}), loaded as a draft model (${DRAFT_MODEL_PATH})")
-    if engine == "trtllm" and pl.draft_k and pl.draft_kind == "mtp" and not pl.model_has_mtp:
-        e = sc.mtp.expected_tokens_per_step()
+    elif engine == "trtllm" and pl.draft_k and not pl.model_has_mtp:
         notes.append(f"MTP draft_k={pl.draft_k} (a trained MTP head): TensorRT-LLM's MTP needs the checkpoint's own "
                      f"MTP layers, which {pl.model_id} lacks; decode runs without drafting: rackbed priced "
                      f"{e:.2f} tokens per sequence per step, so TPOT rises up to {e:.2f}x")
+    elif pl.draft_k and not pl.model_has_mtp:
+        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; the trained MTP head the scenario "
+                     "drafts with runs as an EAGLE draft from ${DRAFT_MODEL_PATH} (without one: no drafting, TPOT "
+                     f"up to {e:.2f}x rackbed's)")
     if pl.draft_k:
         curve = f"curve {list(sc.mtp.acceptance[:pl.draft_k])}" if sc.mtp.acceptance else f"{sc.mtp.accept_p}"
-        notes.append(f"MTP acceptance {curve} is a simulation input: the engine measures its own")
+        notes.append(f"MTP acceptance {curve} is a simulation input (rackbed priced {e:.2f} tokens per step): the "
+                     "engine's measured acceptance sets the real TPOT")
     q, rep = ((sc.aggregated.max_queue_requests, sc.aggregated.kv_replication) if pl.is_aggregated else
               (sc.prefill.max_queue_requests, sc.prefill.kv_replication))
     role = "aggregated" if pl.is_aggregated else "prefill"
     if not pl.is_aggregated:
-        notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
-                     "backend's")
+        notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; the transfer backend sets its own "
+                     "concurrency (rackbed's KV-transfer time, part of TTFT, assumes this many streams per prefiller)")
+        if engine == "sglang" and sc.sim.policies.prefiller == "least_queued_tokens":
+            notes.append(f"prefiller pick least_queued_tokens: the router has no queued-token policy; {ROUTER_POLICY} "
+                         "balances by load, so prefill queueing (TTFT) can exceed rackbed's")
     if q is not None:
         notes.append(f"{role} max_queue_requests={q}: no flag; the router queues")
     if rep:
@@ -226,7 +232,8 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
     if sc.sim.policies.model_dump() != type(sc.sim.policies)().model_dump():
         notes.append(f"scheduler policies {sc.sim.policies.model_dump()}: no equivalent; the engine's own apply")
     if engine in ("sglang", "dynamo") and sc.weight_format not in SGLANG_QUANT:
-        notes.append(f"weight_format {sc.weight_format}: no --quantization value; use a checkpoint quantised so")
+        notes.append(f"weight_format {sc.weight_format}: no --quantization value; a checkpoint not quantised so runs "
+                     "other GEMMs and memory than rackbed priced")
     if engine == "trtllm" and pl.is_aggregated and pl.chunk_tokens is not None:
         notes.append(f"aggregated chunk_tokens={pl.chunk_tokens}: TensorRT-LLM chunks a prompt by max_num_tokens "
                      f"({pl.prefill_tokens})")
@@ -237,7 +244,8 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
         notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
                      "servers' max_batch_size is set to that budget")
     if engine == "trtllm" and sc.weight_format != "bf16":
-        notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the (pre-quantised) checkpoint")
+        notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the checkpoint; one not quantised "
+                     "so runs other GEMMs and memory than rackbed priced")
     if sc.autoscaler is not None and sc.autoscaler.enabled:
         notes.append("autoscaler: not emitted; the files launch the starting group counts")
     return notes
