@@ -54,7 +54,7 @@ import yaml
 from rackbed.topology.errors import UserError
 from rackbed.topology.outputs import write_text
 
-ENGINES = ("sglang", "trtllm", "dynamo")
+ENGINES = ("sglang", "trtllm", "dynamo", "k8s")
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
 
 SGLANG_VERSION, SGLANG_ROUTER_VERSION, DYNAMO_VERSION, TRTLLM_VERSION = "0.5.23", "0.3.2", "1.6.1", "1.2.1"
@@ -231,7 +231,7 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
         notes.append(f"{role} kv_replication={rep}: the engine replicates KV heads itself")
     if sc.sim.policies.model_dump() != type(sc.sim.policies)().model_dump():
         notes.append(f"scheduler policies {sc.sim.policies.model_dump()}: no equivalent; the engine's own apply")
-    if engine in ("sglang", "dynamo") and sc.weight_format not in SGLANG_QUANT:
+    if engine in ("sglang", "dynamo", "k8s") and sc.weight_format not in SGLANG_QUANT:
         notes.append(f"weight_format {sc.weight_format}: no --quantization value; a checkpoint not quantised so runs "
                      "other GEMMs and memory than rackbed priced")
     if engine == "trtllm" and pl.is_aggregated and pl.chunk_tokens is not None:
@@ -561,6 +561,88 @@ def dns_label(name: str) -> str:
     return label.strip("-")[:63].rstrip("-") or "rackbed"
 
 
+# ------------------------------------------------------------------------------------------------ Kubernetes
+
+#: the label every object of the plain Kubernetes form carries (and the prefix of its names)
+K8S_APP = "rackbed"
+POD_INDEX = "$(POD_INDEX)"  # Kubernetes expands $(VAR) in a container's args from its env
+
+
+def _k8s_server(pl: Plan, g: Group, port: int, extra: list[str], dist_port: int) -> list[dict]:
+    """A headless Service and a StatefulSet of one group: one pod per host it spans (``replicas``), each asking
+    the device plugin for the group's GPUs on that host (``nvidia.com/gpu``: two pods on one node never share a
+    GPU), on the host network (the RDMA NICs of the KV transfer; every server has its own ports)."""
+    name = f"{K8S_APP}-{dns_label(g.id)}"
+    n = len(g.hosts)
+    args = [*sglang_args(pl, g), "--host", "0.0.0.0", "--port", str(port), *extra]
+    env = []
+    if n > 1:
+        args += ["--nnodes", str(n), "--node-rank", POD_INDEX, "--dist-init-addr", f"{name}-0.{name}:{dist_port}"]
+        env = [{"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}]
+    labels = {"app.kubernetes.io/part-of": K8S_APP, "app.kubernetes.io/name": name}
+    container = {"name": "sglang", "image": "${SGLANG_IMAGE}", "command": ["python3", "-m", "sglang.launch_server"],
+                 "args": args, **({"env": env} if env else {}),
+                 "ports": [{"containerPort": port, "name": "http"}],
+                 "resources": {"limits": {"nvidia.com/gpu": str(g.gpus_per_host)}},
+                 "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                 "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}
+    pod = {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet", "containers": [container],
+           "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+               "spec": {"clusterIP": "None", "selector": labels,
+                        "ports": [{"name": "http", "port": port, "targetPort": port}]}}
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": labels},
+           "spec": {"serviceName": name, "replicas": n, "podManagementPolicy": "Parallel",
+                    "selector": {"matchLabels": labels},
+                    "template": {"metadata": {"labels": labels}, "spec": pod}}}
+    return [service, sts]
+
+
+def k8s_items(pl: Plan) -> list[dict]:
+    """The plain Kubernetes form of the deployment: per group a headless Service and a StatefulSet running the
+    ``sglang`` arguments, and the router as a Deployment behind a Service (the endpoint)."""
+    items, router = [], ["python3", "-m", "sglang_router.launch_router"]
+    url = "http://{0}-0.{0}:{1}".format
+    if pl.is_aggregated:
+        urls = []
+        for i, g in enumerate(pl.aggregated):
+            items += _k8s_server(pl, g, DECODE_PORT + i, [], DIST_PORT + i)
+            urls.append(url(f"{K8S_APP}-{dns_label(g.id)}", DECODE_PORT + i))
+        router += ["--worker-urls", *urls, "--policy", ROUTER_POLICY]
+    else:
+        router.append("--pd-disaggregation")
+        for i, g in enumerate(pl.prefill):
+            items += _k8s_server(pl, g, PREFILL_PORT + i, ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT + i)],
+                                 DIST_PORT + i)
+            router += ["--prefill", url(f"{K8S_APP}-{dns_label(g.id)}", PREFILL_PORT + i), str(BOOTSTRAP_PORT + i)]
+        for i, g in enumerate(pl.decode):
+            items += _k8s_server(pl, g, DECODE_PORT + i, [], DIST_PORT + 100 + i)
+            router += ["--decode", url(f"{K8S_APP}-{dns_label(g.id)}", DECODE_PORT + i)]
+        router += ["--prefill-policy", ROUTER_POLICY, "--decode-policy", ROUTER_POLICY]
+    router += ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    name = f"{K8S_APP}-router"
+    labels = {"app.kubernetes.io/part-of": K8S_APP, "app.kubernetes.io/name": name}
+    items.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+                  "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+                      "metadata": {"labels": labels}, "spec": {"containers": [{
+                          "name": "router", "image": "${SGLANG_IMAGE}", "command": router[:3], "args": router[3:],
+                          "ports": [{"containerPort": ROUTER_PORT, "name": "http"}]}]}}}})
+    items.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+                  "spec": {"selector": labels, "ports": [{"name": "http", "port": ROUTER_PORT,
+                                                          "targetPort": ROUTER_PORT}]}})
+    return items
+
+
+def _k8s_file(pl: Plan, notes: list[str]) -> str:
+    kind = "aggregated" if pl.is_aggregated else "disaggregated"
+    doc = {"apiVersion": "v1", "kind": "List", "items": k8s_items(pl)}
+    return (_comment(f"{pl.name} as plain Kubernetes objects, {kind} SGLang servers (emitted by `rackbed emit`): "
+                     "StatefulSets per group, the router a Deployment; set ${SGLANG_IMAGE} and ${MODEL_PATH} "
+                     f"(e.g. {pl.model_id}), then kubectl apply -f k8s.yaml") + "\n" + _comments(notes)
+            + yaml.safe_dump(doc, sort_keys=False))
+
+
 # ------------------------------------------------------------------------------------------------ entry points
 
 
@@ -582,6 +664,8 @@ def render(sc, pl: Plan, engine: str) -> dict[str, str]:
         return {"launch.sh": _script(pl, notes, _sglang_agg_lines(pl) if pl.is_aggregated else _sglang_lines(pl))}
     if engine == "trtllm":
         return _trtllm_agg_files(pl, notes) if pl.is_aggregated else _trtllm_files(pl, notes)
+    if engine == "k8s":
+        return {"k8s.yaml": _k8s_file(pl, notes)}
     return {"graph.yaml": _dynamo_graph(pl, notes)}
 
 
