@@ -1,31 +1,44 @@
 """A deployable answer: a serving scenario's deployment as the launch settings of real engines.
 
-:func:`emit_files` turns a scenario (prefiller / decoder counts, TP / EP / attention DP per group, batch caps, the
-prefill token budget, MTP draft tokens, model, KV dtype, weight format, where each group's GPUs are) into files a
-user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`):
+:func:`emit_files` turns a scenario (prefiller / decoder counts, TP / EP / attention DP per group, batch caps,
+the prefill token budget, MTP draft tokens, model, KV dtype, weight format, where each group's GPUs are) into
+files a user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`), each at a pinned version
+(:data:`SGLANG_VERSION` ...):
 
-* ``sglang``: ``launch.sh`` — one ``python -m sglang.launch_server`` line per group and node
-  (``--disaggregation-mode prefill|decode``, ``--tp``, ``--dp`` + ``--enable-dp-attention``, ``--ep-size``,
+* ``sglang``: ``launch.sh`` — one ``python -m sglang.launch_server`` line per group and host, pinned to the
+  group's GPUs on that host (``CUDA_VISIBLE_DEVICES``, as the deployment placed them), with its own port
+  (``--disaggregation-mode prefill|decode``, ``--disaggregation-transfer-backend``, ``--tp-size``,
+  ``--attn-dp-size``, ``--ep-size`` + ``--moe-a2a-backend`` (the priced exchange: :func:`sglang_moe_a2a`),
   ``--max-running-requests``, ``--chunked-prefill-size``, ``--page-size``, ``--kv-cache-dtype``, speculative
-  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` for a group across nodes) and the PD router.
-* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; redundant
-  experts as ``moe_config.load_balancer.num_slots``), ``disagg.yaml``
-  (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh``.
+  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` /
+  ``--node-rank`` / ``--dist-init-addr`` for a group across hosts) and the PD router.
+* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; the cache
+  transceiver backend; DP-EP decode on the wide-EP MoE backend, redundant experts as
+  ``moe_config.load_balancer.num_slots``; MTP only for a checkpoint with MTP layers), ``disagg.yaml``
+  (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh`` (one-host
+  servers pinned as above; a group across hosts is one MPI job whose launcher places its ranks).
 * ``dynamo``: ``graph.yaml`` — a ``DynamoGraphDeployment`` (frontend, prefill and decode worker services on the
   SGLang backend, the same engine arguments as ``sglang``).
+* ``k8s``: ``k8s.yaml`` — plain Kubernetes objects (a ``v1`` ``List``): per group a headless Service and a
+  StatefulSet of one pod per host it spans, each asking the device plugin for the group's GPUs there, and the
+  router as a Deployment behind a Service (:func:`k8s_items`).
 
 An **aggregated** scenario (``deployment: aggregated``: workers that prefill and decode on the same GPUs) is
-emitted as plain servers, no disaggregation: SGLang ``launch_server`` per worker (``--tp`` = the worker's GPUs,
-``--dp`` + ``--enable-dp-attention`` for DP-attention ranks, ``--ep-size``, ``--chunked-prefill-size`` = the
-chunk, ``--max-prefill-tokens`` = the per-rank token budget, ``--max-running-requests``) and the router over the
-workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg.yaml`` (``tensor_parallel_size``,
-``moe_expert_parallel_size``, ``enable_attention_dp``, ``max_batch_size``, ``max_num_tokens``,
-``enable_chunked_prefill``); Dynamo a graph of a frontend and one worker service (no ``subComponentType``).
+emitted as plain servers, no disaggregation: SGLang ``launch_server`` per worker (``--tp-size`` = the worker's
+GPUs, ``--attn-dp-size`` for DP-attention ranks, ``--ep-size``, ``--chunked-prefill-size`` = the chunk,
+``--max-prefill-tokens`` = the per-rank token budget, ``--max-running-requests``) and the router over the
+workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg.yaml``
+(``tensor_parallel_size``, ``moe_expert_parallel_size``, ``enable_attention_dp``, ``max_batch_size``,
+``max_num_tokens``, ``enable_chunked_prefill``); Dynamo a graph of a frontend and one worker service (no
+``subComponentType``); Kubernetes one StatefulSet per worker.
 
-Flag names follow the engines' public documentation; a setting rackbed models that an engine has no flag for is
-named in a comment at the top of the file (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the
-topology's host numbers) and the checkpoint is ``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set,
-else sets it to the model (a preset's Hugging Face id, or the ``model`` path as the scenario writes it).
+Flag names are the pinned engines' own: ``tests/test_emit_flags.py`` parses every emitted SGLang, router and
+Dynamo worker command line with their parsers (``sim/data/engine_flags.json``, written by
+``tools/engine_flags.py``). A setting rackbed prices that an engine has no flag for is named in a ``# no
+equivalent:`` comment at the top of the file, with what the difference costs in rackbed's model
+(:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the topology's host numbers) and the checkpoint is
+``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set, else sets it to the model (a preset's Hugging
+Face id, or the checkpoint folder: the scenario's ``model`` path, or the folder of its ``config.json``).
 
 Scenario text reaches the files in three fields: ``name`` (comments; the Dynamo object name), ``model`` and a draft
 model's ``mtp.draft.model`` (comments; ``model`` also the ``MODEL_PATH`` default). :func:`emit_files` refuses, in

@@ -59,7 +59,18 @@ def _best_h200() -> dict:
     return d
 
 
-CASES = {**{n: None for n in _shipped_serving()}, "best-gb200-qwen3": _best_gb200, "best-h200-qwen3": _best_h200}
+def _search_gb200() -> dict:
+    """The best of ``rackbed search --model qwen3-235b-a22b --gpus 72 --topology gb200-nvl72 --isl 6000 --osl 500
+    --ttft 2 --tpot 0.03`` (docs/DEPLOY.md's worked example): 20 x TP2/EP2 prefill + 1 x DP-EP32 decode across
+    eight trays, batch <= 64, no MTP."""
+    d = _best_gb200()
+    d.update(name="search-gb200-qwen3", prefill={"tp": 2, "ep": 2, "replicas": 20},
+             decode={"ep": 32, "replicas": 1, "max_batch_per_rank": 64}, mtp={"draft_k": 0})
+    return d
+
+
+CASES = {**{n: None for n in _shipped_serving()}, "best-gb200-qwen3": _best_gb200, "best-h200-qwen3": _best_h200,
+         "search-gb200-qwen3": _search_gb200}
 
 
 @cache
