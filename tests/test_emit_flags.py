@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from rackbed import scenarios
 from rackbed.sim import emit
@@ -291,3 +293,42 @@ def test_model_path_is_the_checkpoint_folder(tmp_path):
     for given in (str(cfg), str(cfg.parent)):
         text = emit_files(sc.model_copy(update={"model": given}), "sglang")["launch.sh"]
         assert text.splitlines()[2] == f'[ -n "${{MODEL_PATH:-}}" ] || MODEL_PATH={cfg.parent}'
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(topo=st.sampled_from(["gb200-nvl72", "hgx-h200*4"]),
+       model_tp=st.sampled_from([("qwen3-235b-a22b", 2), ("qwen3-235b-a22b", 4), ("deepseek-v3", 8)]),
+       pep=st.sampled_from([1, 2, 4]), prep=st.integers(1, 6), dep=st.sampled_from([4, 8, 16]),
+       drep=st.integers(1, 2), k=st.integers(0, 2))
+def test_any_placement_is_pinned_and_parses(topo, model_tp, pep, prep, dep, drep, k):
+    """For any disaggregated shape the topology places: every SGLang server parses with the pinned parser, is
+    pinned to exactly its group's GPUs on its host, and no two servers on a host share a GPU or a port."""
+    from rackbed.topology.errors import UserError
+
+    model, ptp = model_tp
+    d = load_yaml(scenarios.resolve("nvl72-default"))
+    d.update(name="prop", topology=topo, model=model, weight_format="fp8",
+             prefill={"tp": ptp, "ep": min(pep, ptp), "replicas": prep}, decode={"ep": dep, "replicas": drep},
+             mtp={"draft_k": k, "accept_p": 0.8, "draft": {"kind": "mtp", "layers": 1}} if k else {"draft_k": 0})
+    try:
+        sc = parse_scenario(d, "prop")
+        placed = _local_placement(sc)
+        text = emit_files(sc, "sglang")["launch.sh"]
+    except UserError:
+        assume(False)
+        return
+    pinned: dict[int, list[tuple[int, ...]]] = {}
+    ports: dict[int, list[int]] = {}
+    for comment, env, argv in _servers(text):
+        if "sglang.launch_server" not in argv:
+            parse("sglang_router.launch_router", argv[3:])
+            continue
+        parse("sglang.launch_server", argv[3:])
+        (h,) = [int(x) for x in re.findall(r"\$\{HOST_(\d+)\}", comment.rsplit(":", 1)[-1])]
+        pinned.setdefault(h, []).append(tuple(int(x) for x in env["CUDA_VISIBLE_DEVICES"].split(",")))
+        ports.setdefault(h, []).append(int(argv[argv.index("--port") + 1]))
+    for h, sets in pinned.items():
+        flat = [x for s in sets for x in s]
+        assert len(flat) == len(set(flat)) and len(ports[h]) == len(set(ports[h]))
+    assert {h: sorted(s) for h, s in pinned.items()} == {h: sorted(s) for h, s in placed.items()}
