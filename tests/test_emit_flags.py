@@ -290,8 +290,8 @@ def test_model_path_is_the_checkpoint_folder(tmp_path):
     cfg = tmp_path / "ckpt" / "config.json"
     cfg.parent.mkdir()
     cfg.write_text(json.dumps(QWEN3_235B))
-    for given in (str(cfg), str(cfg.parent)):
-        text = emit_files(sc.model_copy(update={"model": given}), "sglang")["launch.sh"]
+    for model in (str(cfg), str(cfg.parent)):
+        text = emit_files(sc.model_copy(update={"model": model}), "sglang")["launch.sh"]
         assert text.splitlines()[2] == f'[ -n "${{MODEL_PATH:-}}" ] || MODEL_PATH={cfg.parent}'
 
 
