@@ -1,31 +1,44 @@
 """A deployable answer: a serving scenario's deployment as the launch settings of real engines.
 
-:func:`emit_files` turns a scenario (prefiller / decoder counts, TP / EP / attention DP per group, batch caps, the
-prefill token budget, MTP draft tokens, model, KV dtype, weight format, where each group's GPUs are) into files a
-user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`):
+:func:`emit_files` turns a scenario (prefiller / decoder counts, TP / EP / attention DP per group, batch caps,
+the prefill token budget, MTP draft tokens, model, KV dtype, weight format, where each group's GPUs are) into
+files a user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINES`), each at a pinned version
+(:data:`SGLANG_VERSION` ...):
 
-* ``sglang``: ``launch.sh`` — one ``python -m sglang.launch_server`` line per group and node
-  (``--disaggregation-mode prefill|decode``, ``--tp``, ``--dp`` + ``--enable-dp-attention``, ``--ep-size``,
+* ``sglang``: ``launch.sh`` — one ``python -m sglang.launch_server`` line per group and host, pinned to the
+  group's GPUs on that host (``CUDA_VISIBLE_DEVICES``, as the deployment placed them), with its own port
+  (``--disaggregation-mode prefill|decode``, ``--disaggregation-transfer-backend``, ``--tp-size``,
+  ``--attn-dp-size``, ``--ep-size`` + ``--moe-a2a-backend`` (the priced exchange: :func:`sglang_moe_a2a`),
   ``--max-running-requests``, ``--chunked-prefill-size``, ``--page-size``, ``--kv-cache-dtype``, speculative
-  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr`` for a group across nodes) and the PD router.
-* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; redundant
-  experts as ``moe_config.load_balancer.num_slots``), ``disagg.yaml``
-  (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh``.
+  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` /
+  ``--node-rank`` / ``--dist-init-addr`` for a group across hosts) and the PD router.
+* ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; the cache
+  transceiver backend; DP-EP decode on the wide-EP MoE backend, redundant experts as
+  ``moe_config.load_balancer.num_slots``; MTP only for a checkpoint with MTP layers), ``disagg.yaml``
+  (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh`` (one-host
+  servers pinned as above; a group across hosts is one MPI job whose launcher places its ranks).
 * ``dynamo``: ``graph.yaml`` — a ``DynamoGraphDeployment`` (frontend, prefill and decode worker services on the
   SGLang backend, the same engine arguments as ``sglang``).
+* ``k8s``: ``k8s.yaml`` — plain Kubernetes objects (a ``v1`` ``List``): per group a headless Service and a
+  StatefulSet of one pod per host it spans, each asking the device plugin for the group's GPUs there, and the
+  router as a Deployment behind a Service (:func:`k8s_items`).
 
 An **aggregated** scenario (``deployment: aggregated``: workers that prefill and decode on the same GPUs) is
-emitted as plain servers, no disaggregation: SGLang ``launch_server`` per worker (``--tp`` = the worker's GPUs,
-``--dp`` + ``--enable-dp-attention`` for DP-attention ranks, ``--ep-size``, ``--chunked-prefill-size`` = the
-chunk, ``--max-prefill-tokens`` = the per-rank token budget, ``--max-running-requests``) and the router over the
-workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg.yaml`` (``tensor_parallel_size``,
-``moe_expert_parallel_size``, ``enable_attention_dp``, ``max_batch_size``, ``max_num_tokens``,
-``enable_chunked_prefill``); Dynamo a graph of a frontend and one worker service (no ``subComponentType``).
+emitted as plain servers, no disaggregation: SGLang ``launch_server`` per worker (``--tp-size`` = the worker's
+GPUs, ``--attn-dp-size`` for DP-attention ranks, ``--ep-size``, ``--chunked-prefill-size`` = the chunk,
+``--max-prefill-tokens`` = the per-rank token budget, ``--max-running-requests``) and the router over the
+workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg.yaml``
+(``tensor_parallel_size``, ``moe_expert_parallel_size``, ``enable_attention_dp``, ``max_batch_size``,
+``max_num_tokens``, ``enable_chunked_prefill``); Dynamo a graph of a frontend and one worker service (no
+``subComponentType``); Kubernetes one StatefulSet per worker.
 
-Flag names follow the engines' public documentation; a setting rackbed models that an engine has no flag for is
-named in a comment at the top of the file (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the
-topology's host numbers) and the checkpoint is ``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set,
-else sets it to the model (a preset's Hugging Face id, or the ``model`` path as the scenario writes it).
+Flag names are the pinned engines' own: ``tests/test_emit_flags.py`` parses every emitted SGLang, router and
+Dynamo worker command line with their parsers (``sim/data/engine_flags.json``, written by
+``tools/engine_flags.py``). A setting rackbed prices that an engine has no flag for is named in a ``# no
+equivalent:`` comment at the top of the file, with what the difference costs in rackbed's model
+(:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the topology's host numbers) and the checkpoint is
+``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set, else sets it to the model (a preset's Hugging
+Face id, or the checkpoint folder: the scenario's ``model`` path, or the folder of its ``config.json``).
 
 Scenario text reaches the files in three fields: ``name`` (comments; the Dynamo object name), ``model`` and a draft
 model's ``mtp.draft.model`` (comments; ``model`` also the ``MODEL_PATH`` default). :func:`emit_files` refuses, in
@@ -42,6 +55,7 @@ one line naming the field, any of them that holds a control, format or line-brea
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import unicodedata
@@ -53,11 +67,21 @@ import yaml
 from rackbed.topology.errors import UserError
 from rackbed.topology.outputs import write_text
 
-ENGINES = ("sglang", "trtllm", "dynamo")
+ENGINES = ("sglang", "trtllm", "dynamo", "k8s")
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
 
+SGLANG_VERSION, SGLANG_ROUTER_VERSION, DYNAMO_VERSION, TRTLLM_VERSION = "0.5.23", "0.3.2", "1.6.1", "1.2.1"
+#: the SGLang router's choice of a server: the least loaded of two sampled (rackbed's prefiller and worker picks
+#: are least-loaded ones; the router has no queued-token measure, see :func:`unmapped`)
+ROUTER_POLICY = "power_of_two"
+#: the KV-cache transfer backend of disaggregated SGLang servers (RDMA over the hosts' NICs, as priced)
+TRANSFER_BACKEND = "mooncake"
+#: TensorRT-LLM's cache transceiver backend (``cache_transceiver_config.backend``)
+TRTLLM_TRANSFER_BACKEND = "UCX"
+
 #: rackbed weight formats -> SGLang's --quantization (None: the checkpoint's own; absent: no flag known)
-SGLANG_QUANT = {"bf16": None, "fp8": "fp8", "fp8_block": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+SGLANG_QUANT = {"bf16": None, "fp8": "fp8", "fp8_block": "fp8", "mxfp8": "mxfp8", "nvfp4": "modelopt_fp4",
+                "mxfp4": "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +95,9 @@ class Group:
     tp: int                         # attention tensor parallelism (decode: 1, one DP rank per GPU)
     ep: int
     dp: int                         # attention data-parallel ranks: GPUs / tp (1 = none)
+    #: the group's GPUs on each of its hosts (host order), as that host numbers them (0 .. GPUs per host - 1):
+    #: what ``CUDA_VISIBLE_DEVICES`` pins a server to
+    local_gpus: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n_gpus(self) -> int:
@@ -114,10 +141,16 @@ def plan_of(sc) -> Plan:
     b = build(sc, engine_calibration=False)
     dep, p, d = b.deployment, sc.prefill, sc.decode
 
+    local = {}  # global GPU id -> its index among its host's GPUs
+    for h in set(dep.gpu_host.values()):
+        for i, x in enumerate(sorted(x for x, hx in dep.gpu_host.items() if hx == h)):
+            local[x] = i
+
     def group(g, role, tp, ep) -> Group:
         hosts = tuple(sorted({dep.gpu_host[x] for x in g.gpus}))
         n = len(g.gpus)
-        return Group(g.id, role, hosts, n // len(hosts), tp, ep, max(1, n // tp))
+        per_host = tuple(tuple(sorted(local[x] for x in g.gpus if dep.gpu_host[x] == h)) for h in hosts)
+        return Group(g.id, role, hosts, n // len(hosts), tp, ep, max(1, n // tp), per_host)
 
     src = model_path_of(sc, b.model)
     dr = sc.mtp.draft
@@ -137,12 +170,16 @@ def plan_of(sc) -> Plan:
 
 def model_path_of(sc, model) -> str:
     """The default checkpoint (``${MODEL_PATH}``): a preset's Hugging Face id (the first word of its ``source``),
-    else the model exactly as the scenario gives it (a config.json or its folder: a path may hold spaces)."""
+    else the checkpoint folder as the scenario gives it: the ``model`` path itself when it names a folder, the
+    folder that holds it when it names a ``.json`` file (a config.json; the engines load a folder or a hub id,
+    never the config file). The text is kept as written (a path may hold spaces)."""
     from rackbed.engine.core.model import PRESET_NAMES
 
     source = model.source or ""
     if sc.model in PRESET_NAMES:
         return source.split()[0] if "/" in source else sc.model
+    if sc.model.lower().endswith(".json"):
+        return os.path.dirname(sc.model) or "."
     return sc.model
 
 
@@ -173,31 +210,43 @@ def check_emittable(sc, source: str | Path | None = None) -> None:
 
 
 def unmapped(sc, engine: str, pl: Plan) -> list[str]:
-    """Settings of the scenario the engine's files cannot express (one comment line each)."""
+    """Settings of the scenario the engine's files cannot express (one comment line each, saying what the
+    difference costs in rackbed's own model where it has a price)."""
     notes = []
+    e = sc.mtp.expected_tokens_per_step() if pl.draft_k else 1.0
     if pl.draft_k and pl.draft_kind == "model":
         notes.append(f"draft model {pl.draft_model} (mtp.draft), draft_k={pl.draft_k}: its checkpoint is "
                      "${DRAFT_MODEL_PATH}")
+    elif engine == "trtllm" and pl.draft_k and not pl.model_has_mtp:
+        notes.append(f"MTP draft_k={pl.draft_k} (a trained MTP head): TensorRT-LLM's MTP needs the checkpoint's own "
+                     f"MTP layers, which {pl.model_id} lacks; decode runs without drafting: rackbed priced "
+                     f"{e:.2f} tokens per sequence per step, so TPOT rises up to {e:.2f}x")
     elif pl.draft_k and not pl.model_has_mtp:
-        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; the scenario drafts with a trained "
-                     "MTP head (mtp.draft: {kind: mtp}), loaded as a draft model (${DRAFT_MODEL_PATH})")
+        notes.append(f"MTP draft_k={pl.draft_k}: {pl.model_id} has no MTP layers; the trained MTP head the scenario "
+                     "drafts with runs as an EAGLE draft from ${DRAFT_MODEL_PATH} (without one: no drafting, TPOT "
+                     f"up to {e:.2f}x rackbed's)")
     if pl.draft_k:
         curve = f"curve {list(sc.mtp.acceptance[:pl.draft_k])}" if sc.mtp.acceptance else f"{sc.mtp.accept_p}"
-        notes.append(f"MTP acceptance {curve} is a simulation input: the engine measures its own")
+        notes.append(f"MTP acceptance {curve} is a simulation input (rackbed priced {e:.2f} tokens per step): the "
+                     "engine's measured acceptance sets the real TPOT")
     q, rep = ((sc.aggregated.max_queue_requests, sc.aggregated.kv_replication) if pl.is_aggregated else
               (sc.prefill.max_queue_requests, sc.prefill.kv_replication))
     role = "aggregated" if pl.is_aggregated else "prefill"
     if not pl.is_aggregated:
-        notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; KV transfer concurrency is the transfer "
-                     "backend's")
+        notes.append(f"prefill kv_streams={sc.prefill.kv_streams}: no flag; the transfer backend sets its own "
+                     "concurrency (rackbed's KV-transfer time, part of TTFT, assumes this many streams per prefiller)")
+        if engine == "sglang" and sc.sim.policies.prefiller == "least_queued_tokens":
+            notes.append(f"prefiller pick least_queued_tokens: the router has no queued-token policy; {ROUTER_POLICY} "
+                         "balances by load, so prefill queueing (TTFT) can exceed rackbed's")
     if q is not None:
         notes.append(f"{role} max_queue_requests={q}: no flag; the router queues")
     if rep:
         notes.append(f"{role} kv_replication={rep}: the engine replicates KV heads itself")
     if sc.sim.policies.model_dump() != type(sc.sim.policies)().model_dump():
         notes.append(f"scheduler policies {sc.sim.policies.model_dump()}: no equivalent; the engine's own apply")
-    if engine in ("sglang", "dynamo") and sc.weight_format not in SGLANG_QUANT:
-        notes.append(f"weight_format {sc.weight_format}: no --quantization value; use a checkpoint quantised so")
+    if engine in ("sglang", "dynamo", "k8s") and sc.weight_format not in SGLANG_QUANT:
+        notes.append(f"weight_format {sc.weight_format}: no --quantization value; a checkpoint not quantised so runs "
+                     "other GEMMs and memory than rackbed priced")
     if engine == "trtllm" and pl.is_aggregated and pl.chunk_tokens is not None:
         notes.append(f"aggregated chunk_tokens={pl.chunk_tokens}: TensorRT-LLM chunks a prompt by max_num_tokens "
                      f"({pl.prefill_tokens})")
@@ -208,7 +257,8 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
         notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
                      "servers' max_batch_size is set to that budget")
     if engine == "trtllm" and sc.weight_format != "bf16":
-        notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the (pre-quantised) checkpoint")
+        notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the checkpoint; one not quantised "
+                     "so runs other GEMMs and memory than rackbed priced")
     if sc.autoscaler is not None and sc.autoscaler.enabled:
         notes.append("autoscaler: not emitted; the files launch the starting group counts")
     return notes
@@ -218,13 +268,17 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
 
 
 def sglang_args(pl: Plan, g: Group) -> list[str]:
-    """``sglang.launch_server`` arguments of a group (no host, port or node placement)."""
-    a = ["--model-path", "${MODEL_PATH}", *(("--disaggregation-mode", g.role) if g.role != "aggregated" else ()),
-         "--tp", str(g.n_gpus)]
-    if g.dp > 1:
-        a += ["--dp", str(g.dp), "--enable-dp-attention"]
+    """``sglang.launch_server`` arguments of a group (no host, port, GPU pinning or node placement), in the flag
+    names of the pinned SGLang (:data:`SGLANG_VERSION`; ``tests/test_emit_flags.py`` parses them with its
+    parser)."""
+    a = ["--model-path", "${MODEL_PATH}"]
+    if g.role != "aggregated":
+        a += ["--disaggregation-mode", g.role, "--disaggregation-transfer-backend", TRANSFER_BACKEND]
+    a += ["--tp-size", str(g.n_gpus)]
+    if g.dp > 1:  # attention data parallelism: g.dp ranks of attention TP g.tp
+        a += ["--attn-dp-size", str(g.dp)]
     if g.ep > 1:
-        a += ["--ep-size", str(g.ep)]
+        a += ["--ep-size", str(g.ep), *sglang_moe_a2a(g)]
     if g.role == "decode" and pl.decode_redundant_experts:
         # wide EP: the redundant expert slots (EPLB places and rebalances them)
         a += ["--ep-num-redundant-experts", str(pl.decode_redundant_experts), "--enable-eplb"]
@@ -240,7 +294,7 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
               "--max-prefill-tokens", str(pl.prefill_tokens)]
     if g.role != "prefill":
         a += ["--max-running-requests", str(pl.decode_batch_per_rank * g.dp),
-              "--cuda-graph-max-bs", str(pl.decode_batch_per_rank)]
+              "--cuda-graph-max-bs-decode", str(pl.decode_batch_per_rank)]
         if pl.draft_k:
             a += ["--speculative-algorithm", sglang_speculative_algorithm(pl),
                   "--speculative-num-steps", str(pl.draft_k),
@@ -248,6 +302,17 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
             if pl.draft_kind == "model" or not pl.model_has_mtp:
                 a += ["--speculative-draft-model-path", "${DRAFT_MODEL_PATH}"]
     return a
+
+
+def sglang_moe_a2a(g: Group) -> list[str]:
+    """The MoE token exchange rackbed priced for an EP group, as SGLang's flags: DP-attention ranks (decoders,
+    aggregated DP ranks) exchange tokens by a sparse all-to-all (``sim.costs.moe_comm``: DP-EP dispatch /
+    combine, DeepEP-style; ``low_latency`` kernels for decode, ``auto`` for mixed prefill + decode steps); a TP
+    group (prefillers, an aggregated TP worker) holds every token on every rank, selects its experts' tokens
+    locally and all-reduces the outputs: no all-to-all (``none``)."""
+    if g.dp > 1:
+        return ["--moe-a2a-backend", "deepep", "--deepep-mode", "low_latency" if g.role == "decode" else "auto"]
+    return ["--moe-a2a-backend", "none"]
 
 
 def sglang_speculative_algorithm(pl: Plan) -> str:
@@ -267,8 +332,8 @@ def _sglang_lines(pl: Plan) -> list[str]:
             for rank, h in enumerate(g.hosts):
                 lines.append(_comment(f"{g.id}: {role}, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), "
                                       f"node {rank} of {len(g.hosts)}: run on {_host(h)}"))
-                a = ["python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
-                     "--port", str(port)]
+                a = [pin(g, rank), "python", "-m", "sglang.launch_server", *sglang_args(pl, g),
+                     "--host", "0.0.0.0", "--port", str(port)]
                 if role == "prefill":
                     a += ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT + i)]
                 if len(g.hosts) > 1:
@@ -280,7 +345,8 @@ def _sglang_lines(pl: Plan) -> list[str]:
         router += ["--prefill", f"http://{_host(g.hosts[0])}:{PREFILL_PORT + i}", str(BOOTSTRAP_PORT + i)]
     for i, g in enumerate(pl.decode):
         router += ["--decode", f"http://{_host(g.hosts[0])}:{DECODE_PORT + i}"]
-    router += ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    router += ["--prefill-policy", ROUTER_POLICY, "--decode-policy", ROUTER_POLICY, "--host", "0.0.0.0",
+               "--port", str(ROUTER_PORT)]
     return [*lines, _comment("the PD router (the OpenAI-compatible endpoint)"), _shell(router)]
 
 
@@ -292,20 +358,33 @@ def _sglang_agg_lines(pl: Plan) -> list[str]:
         for rank, h in enumerate(g.hosts):
             lines.append(_comment(f"{g.id}: aggregated, {g.n_gpus} GPUs (attention TP={g.tp} x DP={g.dp}, EP={g.ep}), "
                                   f"node {rank} of {len(g.hosts)}: run on {_host(h)}"))
-            a = ["python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
+            a = [pin(g, rank), "python", "-m", "sglang.launch_server", *sglang_args(pl, g), "--host", "0.0.0.0",
                  "--port", str(DECODE_PORT + i)]
             if len(g.hosts) > 1:
                 a += ["--nnodes", str(len(g.hosts)), "--node-rank", str(rank),
                       "--dist-init-addr", f"{head}:{DIST_PORT + i}"]
             lines.append(_shell(a))
-    router = ["python", "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "0.0.0.0",
-              "--port", str(ROUTER_PORT)]
+    router = ["python", "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy", ROUTER_POLICY,
+              "--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
     return [*lines, _comment("the router over the workers (the OpenAI-compatible endpoint)"), _shell(router)]
 
 
 #: the variables an emitted argument may leave to the shell (``${HOST_<n>}``, the checkpoints); nothing else expands
 PLACEHOLDER = re.compile(r"\$\{(?:HOST_\d+|MODEL_PATH|DRAFT_MODEL_PATH)\}")
 _PLAIN = re.compile(r"[\w@%+=:,./-]*", re.ASCII)  # what shlex.quote leaves bare (nothing special in "...")
+
+
+def pin(g: Group, rank: int) -> str:
+    """The shell assignment that pins the server of ``g`` on its ``rank``-th host to that host's GPUs of the
+    group (``CUDA_VISIBLE_DEVICES``: the server numbers them from 0, so two servers on one host never share
+    one)."""
+    return "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, g.local_gpus[rank]))
+
+
+def _pins(g: Group) -> list[str]:
+    """The pinning of a one-host server (:func:`pin`); none for an MPI job across hosts (its launcher places the
+    ranks: the comment above the line says so)."""
+    return [pin(g, 0)] if len(g.hosts) == 1 else []
 
 
 def _host(h: int) -> str:
@@ -370,22 +449,39 @@ def trtllm_options(pl: Plan, role: str) -> dict:
     g = (pl.prefill if role == "prefill" else pl.decode)[0]
     kv = {"dtype": "fp8" if pl.kv_dtype == "fp8" else "auto", "tokens_per_block": pl.page_tokens}
     o = {"tensor_parallel_size": g.n_gpus, "moe_expert_parallel_size": g.ep, "enable_attention_dp": g.dp > 1,
-         "kv_cache_config": kv, "cache_transceiver_config": {"backend": "DEFAULT"}}
+         "kv_cache_config": kv, "cache_transceiver_config": {"backend": TRTLLM_TRANSFER_BACKEND}}
     if role == "prefill":
         # rackbed caps a prefill batch by tokens only; one token per request is the equivalent request cap
         o.update(max_num_tokens=pl.prefill_tokens, max_batch_size=pl.prefill_tokens, disable_overlap_scheduler=True)
     else:
         o.update(max_batch_size=pl.decode_batch_per_rank,
                  max_num_tokens=pl.decode_batch_per_rank * (pl.draft_k + 1))
+        moe = {}
+        if g.dp > 1 and g.ep > 1:  # DP-EP decode: the sparse all-to-all rackbed priced (wide-EP MoE backend)
+            moe["backend"] = "WIDEEP"
         if pl.decode_redundant_experts:   # wide EP: expert slots = experts + redundant copies, load-balanced
-            o["moe_config"] = {"load_balancer": {"num_slots": pl.n_experts + pl.decode_redundant_experts,
-                                                 "layer_updates_per_iter": 1}}
-        if pl.draft_k and pl.draft_kind == "model":
-            o["speculative_config"] = {"decoding_type": "Draft_Target", "max_draft_len": pl.draft_k,
-                                       "speculative_model_dir": "${DRAFT_MODEL_PATH}"}
-        elif pl.draft_k:
-            o["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+            moe["load_balancer"] = {"num_slots": pl.n_experts + pl.decode_redundant_experts,
+                                    "layer_updates_per_iter": 1}
+        if moe:
+            o["moe_config"] = moe
+        spec = trtllm_speculative(pl)
+        if spec:
+            o["speculative_config"] = spec
     return o
+
+
+def trtllm_speculative(pl: Plan) -> dict | None:
+    """TensorRT-LLM's ``speculative_config``: ``MTP`` only for a model with MTP layers (its MTP serves
+    DeepSeek-style checkpoints), ``Draft_Target`` for a draft model; nothing for a trained MTP head the
+    checkpoint lacks (:func:`unmapped` says what that costs)."""
+    if not pl.draft_k:
+        return None
+    if pl.draft_kind == "model":
+        return {"decoding_type": "Draft_Target", "max_draft_len": pl.draft_k,
+                "speculative_model_dir": "${DRAFT_MODEL_PATH}"}
+    if pl.model_has_mtp:
+        return {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+    return None
 
 
 def trtllm_agg_options(pl: Plan) -> dict:
@@ -396,8 +492,9 @@ def trtllm_agg_options(pl: Plan) -> dict:
          "max_batch_size": pl.decode_batch_per_rank, "max_num_tokens": pl.prefill_tokens,
          "enable_chunked_prefill": pl.chunk_tokens is not None,
          "kv_cache_config": {"dtype": "fp8" if pl.kv_dtype == "fp8" else "auto", "tokens_per_block": pl.page_tokens}}
-    if pl.draft_k:
-        o["speculative_config"] = {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+    spec = trtllm_speculative(pl)
+    if spec:
+        o["speculative_config"] = spec
     return o
 
 
@@ -407,7 +504,8 @@ def _trtllm_agg_files(pl: Plan, notes: list[str]) -> dict[str, str]:
         lines.append(_comment(f"{g.id}: aggregated, {g.n_gpus} GPUs on hosts {', '.join(map(_host, g.hosts))}"
                               + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
                                  if len(g.hosts) > 1 else "")))
-        lines.append(_shell(["trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0", "--port", str(DECODE_PORT + i),
+        lines.append(_shell([*_pins(g), "trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0",
+                             "--port", str(DECODE_PORT + i),
                              "--backend", "pytorch", "--tp_size", str(g.n_gpus), "--ep_size", str(g.ep),
                              "--extra_llm_api_options", "agg.yaml"]))
     return {"agg.yaml": _comments(notes) + yaml.safe_dump(trtllm_agg_options(pl), sort_keys=False),
@@ -429,7 +527,8 @@ def _trtllm_files(pl: Plan, notes: list[str]) -> dict[str, str]:
             lines.append(_comment(f"{g.id}: {role}, {g.n_gpus} GPUs on hosts {', '.join(map(_host, g.hosts))}"
                                   + (" (one MPI job across the nodes, e.g. srun/mpirun with trtllm-llmapi-launch)"
                                      if len(g.hosts) > 1 else "")))
-            lines.append(_shell(["trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0", "--port", str(port + i),
+            lines.append(_shell([*_pins(g), "trtllm-serve", "${MODEL_PATH}", "--host", "0.0.0.0",
+                                 "--port", str(port + i),
                                  "--backend", "pytorch", "--tp_size", str(g.n_gpus), "--ep_size", str(g.ep),
                                  "--extra_llm_api_options", f]))
     lines += [_comment("the disaggregated front end"), _shell(["trtllm-serve", "disaggregated", "-c", "disagg.yaml"])]
@@ -475,6 +574,88 @@ def dns_label(name: str) -> str:
     return label.strip("-")[:63].rstrip("-") or "rackbed"
 
 
+# ------------------------------------------------------------------------------------------------ Kubernetes
+
+#: the label every object of the plain Kubernetes form carries (and the prefix of its names)
+K8S_APP = "rackbed"
+POD_INDEX = "$(POD_INDEX)"  # Kubernetes expands $(VAR) in a container's args from its env
+
+
+def _k8s_server(pl: Plan, g: Group, port: int, extra: list[str], dist_port: int) -> list[dict]:
+    """A headless Service and a StatefulSet of one group: one pod per host it spans (``replicas``), each asking
+    the device plugin for the group's GPUs on that host (``nvidia.com/gpu``: two pods on one node never share a
+    GPU), on the host network (the RDMA NICs of the KV transfer; every server has its own ports)."""
+    name = f"{K8S_APP}-{dns_label(g.id)}"
+    n = len(g.hosts)
+    args = [*sglang_args(pl, g), "--host", "0.0.0.0", "--port", str(port), *extra]
+    env = []
+    if n > 1:
+        args += ["--nnodes", str(n), "--node-rank", POD_INDEX, "--dist-init-addr", f"{name}-0.{name}:{dist_port}"]
+        env = [{"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}]
+    labels = {"app.kubernetes.io/part-of": K8S_APP, "app.kubernetes.io/name": name}
+    container = {"name": "sglang", "image": "${SGLANG_IMAGE}", "command": ["python3", "-m", "sglang.launch_server"],
+                 "args": args, **({"env": env} if env else {}),
+                 "ports": [{"containerPort": port, "name": "http"}],
+                 "resources": {"limits": {"nvidia.com/gpu": str(g.gpus_per_host)}},
+                 "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                 "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}
+    pod = {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet", "containers": [container],
+           "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+               "spec": {"clusterIP": "None", "selector": labels,
+                        "ports": [{"name": "http", "port": port, "targetPort": port}]}}
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "labels": labels},
+           "spec": {"serviceName": name, "replicas": n, "podManagementPolicy": "Parallel",
+                    "selector": {"matchLabels": labels},
+                    "template": {"metadata": {"labels": labels}, "spec": pod}}}
+    return [service, sts]
+
+
+def k8s_items(pl: Plan) -> list[dict]:
+    """The plain Kubernetes form of the deployment: per group a headless Service and a StatefulSet running the
+    ``sglang`` arguments, and the router as a Deployment behind a Service (the endpoint)."""
+    items, router = [], ["python3", "-m", "sglang_router.launch_router"]
+    url = "http://{0}-0.{0}:{1}".format
+    if pl.is_aggregated:
+        urls = []
+        for i, g in enumerate(pl.aggregated):
+            items += _k8s_server(pl, g, DECODE_PORT + i, [], DIST_PORT + i)
+            urls.append(url(f"{K8S_APP}-{dns_label(g.id)}", DECODE_PORT + i))
+        router += ["--worker-urls", *urls, "--policy", ROUTER_POLICY]
+    else:
+        router.append("--pd-disaggregation")
+        for i, g in enumerate(pl.prefill):
+            items += _k8s_server(pl, g, PREFILL_PORT + i, ["--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT + i)],
+                                 DIST_PORT + i)
+            router += ["--prefill", url(f"{K8S_APP}-{dns_label(g.id)}", PREFILL_PORT + i), str(BOOTSTRAP_PORT + i)]
+        for i, g in enumerate(pl.decode):
+            items += _k8s_server(pl, g, DECODE_PORT + i, [], DIST_PORT + 100 + i)
+            router += ["--decode", url(f"{K8S_APP}-{dns_label(g.id)}", DECODE_PORT + i)]
+        router += ["--prefill-policy", ROUTER_POLICY, "--decode-policy", ROUTER_POLICY]
+    router += ["--host", "0.0.0.0", "--port", str(ROUTER_PORT)]
+    name = f"{K8S_APP}-router"
+    labels = {"app.kubernetes.io/part-of": K8S_APP, "app.kubernetes.io/name": name}
+    items.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+                  "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+                      "metadata": {"labels": labels}, "spec": {"containers": [{
+                          "name": "router", "image": "${SGLANG_IMAGE}", "command": router[:3], "args": router[3:],
+                          "ports": [{"containerPort": ROUTER_PORT, "name": "http"}]}]}}}})
+    items.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+                  "spec": {"selector": labels, "ports": [{"name": "http", "port": ROUTER_PORT,
+                                                          "targetPort": ROUTER_PORT}]}})
+    return items
+
+
+def _k8s_file(pl: Plan, notes: list[str]) -> str:
+    kind = "aggregated" if pl.is_aggregated else "disaggregated"
+    doc = {"apiVersion": "v1", "kind": "List", "items": k8s_items(pl)}
+    return (_comment(f"{pl.name} as plain Kubernetes objects, {kind} SGLang servers (emitted by `rackbed emit`): "
+                     "StatefulSets per group, the router a Deployment; set ${SGLANG_IMAGE} and ${MODEL_PATH} "
+                     f"(e.g. {pl.model_id}), then kubectl apply -f k8s.yaml") + "\n" + _comments(notes)
+            + yaml.safe_dump(doc, sort_keys=False))
+
+
 # ------------------------------------------------------------------------------------------------ entry points
 
 
@@ -496,6 +677,8 @@ def render(sc, pl: Plan, engine: str) -> dict[str, str]:
         return {"launch.sh": _script(pl, notes, _sglang_agg_lines(pl) if pl.is_aggregated else _sglang_lines(pl))}
     if engine == "trtllm":
         return _trtllm_agg_files(pl, notes) if pl.is_aggregated else _trtllm_files(pl, notes)
+    if engine == "k8s":
+        return {"k8s.yaml": _k8s_file(pl, notes)}
     return {"graph.yaml": _dynamo_graph(pl, notes)}
 
 

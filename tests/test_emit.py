@@ -9,7 +9,7 @@ import yaml
 
 from rackbed import scenarios
 from rackbed.engine.cli.main import main
-from rackbed.sim.emit import ENGINES, emit_files
+from rackbed.sim.emit import ENGINES, emit_files, plan_of
 from rackbed.sim.scenario import load_scenario
 
 SCENARIOS = ("nvl72-default", "i_h200_mooncake")
@@ -37,6 +37,7 @@ def _flags(argv: list[str]) -> dict[str, list[str]]:
 def _commands(script: str) -> list[list[str]]:
     """The engine command lines (not the comments, nor the line that defaults MODEL_PATH)."""
     cmds = [shlex.split(ln) for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    cmds = [c[next(i for i, a in enumerate(c) if "=" not in a):] for c in cmds]  # the pinning assignment
     return [c for c in cmds if c[0] in ("python", "trtllm-serve")]
 
 
@@ -53,14 +54,14 @@ def test_sglang_commands_match_the_deployment(case):
     assert len({f["--port"][0] for f in pre}) == sc.prefill.replicas
     assert len({f["--port"][0] for f in dec}) == sc.decode.replicas
     for f in pre:
-        assert f["--tp"] == [str(gp)]
+        assert f["--tp-size"] == [str(gp)]
         assert f.get("--ep-size", ["1"]) == [str(sc.prefill.ep)]
         assert f["--chunked-prefill-size"] == [str(sc.prefill.max_batch_tokens)]
-        assert ("--dp" in f) == (gp // sc.prefill.tp > 1)
+        assert ("--attn-dp-size" in f) == (gp // sc.prefill.tp > 1)
     for f in dec:
-        assert f["--tp"] == [str(gd)] and f["--dp"] == [str(gd)] and "--enable-dp-attention" in f
+        assert f["--tp-size"] == [str(gd)] and f["--attn-dp-size"] == [str(gd)]
         assert f["--max-running-requests"] == [str(sc.decode.max_batch_per_rank * gd)]
-        assert f["--cuda-graph-max-bs"] == [str(sc.decode.max_batch_per_rank)]
+        assert f["--cuda-graph-max-bs-decode"] == [str(sc.decode.max_batch_per_rank)]
         assert f["--page-size"] == [str(sc.decode.page_tokens)]
         if sc.mtp.draft_k:
             assert f["--speculative-num-steps"] == [str(sc.mtp.draft_k)]
@@ -85,7 +86,9 @@ def test_trtllm_configs_match_the_deployment(case):
     assert (gen["tensor_parallel_size"], gen["moe_expert_parallel_size"], gen["enable_attention_dp"]) == (gd, gd, True)
     assert gen["max_batch_size"] == sc.decode.max_batch_per_rank
     assert gen["kv_cache_config"]["tokens_per_block"] == sc.decode.page_tokens
-    assert gen.get("speculative_config", {}).get("num_nextn_predict_layers", 0) == sc.mtp.draft_k
+    # MTP only where the checkpoint has MTP layers (TensorRT-LLM's MTP reads them): Qwen3-235B has none
+    has_mtp = bool(plan_of(sc).model_has_mtp)
+    assert gen.get("speculative_config", {}).get("num_nextn_predict_layers", 0) == (sc.mtp.draft_k if has_mtp else 0)
     assert dis["context_servers"]["num_instances"] == sc.prefill.replicas == len(dis["context_servers"]["urls"])
     assert dis["generation_servers"]["num_instances"] == sc.decode.replicas
     serve = [_flags(c) for c in _commands(t["launch.sh"]) if c[:2] != ["trtllm-serve", "disaggregated"]]
@@ -105,7 +108,7 @@ def test_dynamo_graph_matches_the_deployment(case):
     nodes = dec.get("multinode", {}).get("nodeCount", 1)
     assert int(dec["resources"]["limits"]["gpu"]) * nodes == gd
     args = _flags(dec["extraPodSpec"]["mainContainer"]["args"])
-    assert args["--tp"] == [str(gd)] and args["--max-running-requests"] == [str(sc.decode.max_batch_per_rank * gd)]
+    assert args["--tp-size"] == [str(gd)] and args["--max-running-requests"] == [str(sc.decode.max_batch_per_rank * gd)]
 
 
 def test_unmapped_settings_are_said(case):

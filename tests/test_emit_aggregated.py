@@ -11,7 +11,7 @@ import yaml
 
 from rackbed import scenarios
 from rackbed.engine.cli.main import main
-from rackbed.sim.emit import ENGINES, emit_files
+from rackbed.sim.emit import ENGINES, emit_files, plan_of
 from rackbed.sim.scenario import parse_scenario
 from rackbed.topology.yamlio import load_yaml
 
@@ -47,6 +47,7 @@ def _flags(argv):
 def _commands(script):
     """The engine command lines (not the comments, nor the line that defaults MODEL_PATH)."""
     cmds = [shlex.split(ln) for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    cmds = [c[next(i for i, a in enumerate(c) if "=" not in a):] for c in cmds]  # the pinning assignment
     return [c for c in cmds if c[0] in ("python", "trtllm-serve")]
 
 
@@ -58,10 +59,10 @@ def test_sglang_workers_and_router(case):
     assert len({f["--port"][0] for f in workers}) == a.workers
     for f in workers:
         assert "--disaggregation-mode" not in f
-        assert f["--tp"] == [str(a.tp * a.dp)]
-        assert ("--dp" in f, "--enable-dp-attention" in f) == (a.dp > 1, a.dp > 1)
+        assert f["--tp-size"] == [str(a.tp * a.dp)]
+        assert ("--attn-dp-size" in f) == (a.dp > 1)
         if a.dp > 1:
-            assert f["--dp"] == [str(a.dp)]
+            assert f["--attn-dp-size"] == [str(a.dp)]
         assert f.get("--ep-size", ["1"]) == [str(a.ep)]
         assert f["--chunked-prefill-size"] == [str(a.chunk_tokens or a.max_batch_tokens)]
         assert f["--max-prefill-tokens"] == [str(a.max_batch_tokens)]
@@ -85,7 +86,11 @@ def test_trtllm_agg_yaml(case):
     assert o["enable_attention_dp"] == (a.dp > 1)
     assert o["max_batch_size"] == a.max_batch_per_rank and o["max_num_tokens"] == a.max_batch_tokens
     assert o["enable_chunked_prefill"] == (a.chunk_tokens is not None)
-    assert o.get("speculative_config", {}).get("num_nextn_predict_layers", 0) == sc.mtp.draft_k
+    # MTP only where the checkpoint has MTP layers (Qwen3-30B-A3B has none: no speculative_config, a note)
+    has_mtp = bool(plan_of(sc).model_has_mtp)
+    assert o.get("speculative_config", {}).get("num_nextn_predict_layers", 0) == (sc.mtp.draft_k if has_mtp else 0)
+    assert ("TensorRT-LLM's MTP needs the checkpoint's own MTP layers" in files["trtllm"]["agg.yaml"]) == (
+        bool(sc.mtp.draft_k) and not has_mtp)
     serve = [c for c in _commands(t["launch.sh"]) if c[0] == "trtllm-serve"]
     assert len(serve) == a.workers and all("disaggregated" not in c for c in serve)
     assert all(_flags(c)["--extra_llm_api_options"] == ["agg.yaml"] for c in serve)
@@ -100,7 +105,7 @@ def test_dynamo_aggregated_graph(case):
     assert w["replicas"] == a.workers and "subComponentType" not in w
     assert int(w["resources"]["limits"]["gpu"]) * w.get("multinode", {}).get("nodeCount", 1) == a.tp * a.dp
     args = _flags(w["extraPodSpec"]["mainContainer"]["args"])
-    assert "--disaggregation-mode" not in args and args["--tp"] == [str(a.tp * a.dp)]
+    assert "--disaggregation-mode" not in args and args["--tp-size"] == [str(a.tp * a.dp)]
 
 
 def test_scripts_are_valid_bash(case):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -255,7 +256,8 @@ def test_cli_refuses_or_quotes_scenario_text(stubs, capsys, engine, name, model_
             return
         assert rc == 0, err
         for script in out.glob("*.sh"):
-            assert _model_args(_run_script(script, stubs)) == [paths[0]] * 3  # two prefillers, one decoder
+            # the checkpoint folder (the engines load a folder, not its config.json): two prefillers, one decoder
+            assert _model_args(_run_script(script, stubs)) == [os.path.dirname(paths[0])] * 3
         for f in out.glob("*.yaml"):
             assert len(list(yaml.safe_load_all(f.read_text(encoding="utf-8")))) == 1
 
@@ -293,7 +295,7 @@ def test_a_model_path_with_command_substitution_is_inert(tmp_path, capsys, stubs
     for engine in ("sglang", "trtllm"):
         out = tmp_path / engine
         assert main(["emit", str(_scenario_file(tmp_path, model=cfg)), "--engine", engine, "--out", str(out)]) == 0
-        assert _model_args(_run_script(out / "launch.sh", stubs)) == [cfg] * 3
+        assert _model_args(_run_script(out / "launch.sh", stubs)) == [str(folder)] * 3
         # MODEL_PATH set by the user still wins
         assert _model_args(_run_script(out / "launch.sh", stubs, env={"MODEL_PATH": "/ckpt dir/m"})) == (
             ["/ckpt dir/m"] * 3)

@@ -78,8 +78,8 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
         p["use"]["tokens_per_s_per_budget_gpu"] for p in conf)
     # the emitted files are the best configuration, whatever its kind, with its copies on the budget
     ov, reps = b["overrides"], b["use"]["replicas"]
-    lines = [shlex.split(x) for x in (tmp_path / "emit" / "launch.sh").read_text().splitlines()
-             if x.startswith("python -m sglang.launch_server")]
+    lines = [shlex.split(x)[1:] for x in (tmp_path / "emit" / "launch.sh").read_text().splitlines()
+             if x.startswith("CUDA_VISIBLE_DEVICES=") and " python -m sglang.launch_server " in x]  # pinned
     if b["kind"] == "aggregated":
         assert len(lines) == ov["aggregated.workers"] * reps
         assert all("--disaggregation-mode" not in a for a in lines)
@@ -88,7 +88,7 @@ def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
     dec = [a for a in lines if a[a.index("--disaggregation-mode") + 1] == "decode"]
     assert len(pre) == ov["prefill.replicas"] * reps and len(dec) == ov["decode.replicas"] * reps
     for a in pre:
-        assert int(a[a.index("--tp") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
+        assert int(a[a.index("--tp-size") + 1]) == max(ov["prefill.tp"], ov["prefill.ep"])
         assert int(a[a.index("--chunked-prefill-size") + 1]) == ov["prefill.max_batch_tokens"]
     for a in dec:
         assert int(a[a.index("--ep-size") + 1]) == ov["decode.ep"]

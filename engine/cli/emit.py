@@ -1,5 +1,5 @@
-"""``rackbed emit SCENARIO --engine sglang|trtllm|dynamo --out DIR``: a scenario's deployment as real engines' launch
-settings (``sim.emit``)."""
+"""``rackbed emit SCENARIO --engine sglang|trtllm|dynamo|k8s --out DIR``: a scenario's deployment as real
+engines' launch settings (``sim.emit``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     from rackbed.topology.outputs import add_force
 
     p = sub.add_parser(
-        "emit", help="write a scenario's deployment as SGLang / TensorRT-LLM / Dynamo launch settings",
-        description="Write launch commands and configs of a real serving engine for a serving scenario's "
-                    "deployment (prefill/decode groups, TP/EP/DP, batch caps, chunk size, MTP). See docs/DEPLOY.md.")
+        "emit", help="write a scenario's deployment as SGLang / TensorRT-LLM / Dynamo / Kubernetes launch files",
+        description="Write launch commands and configs of a real serving engine (or Kubernetes objects) for a "
+                    "serving scenario's deployment (prefill/decode groups, TP/EP/DP, batch caps, chunk size, MTP). "
+                    "See docs/DEPLOY.md.")
     p.add_argument("scenario", nargs="?", default="nvl72-default",
                    help="shipped scenario name (see `rackbed run --list`) or YAML file; a name without a path "
                         "separator or suffix is always the shipped one (./NAME for a file here; default: "

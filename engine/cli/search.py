@@ -45,6 +45,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from rackbed.sim.emit import ENGINES
+
     p = sub.add_parser(
         "search",
         help="find the Pareto-best deployments (tokens/s per GPU vs per user) for a GPU budget or a load and SLOs",
@@ -119,7 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "the scenario's rate, then bisection; --duration per simulation); default: not this mode")
     p.add_argument("--top", type=int, default=None,
                    help="best points to print and explain (--rate or a spec); default 5")
-    p.add_argument("--emit", choices=("sglang", "trtllm", "dynamo"), default=None,
+    p.add_argument("--emit", choices=ENGINES, default=None,
                    help="write the best configuration's launch settings for this engine (rackbed emit); default: none")
     p.add_argument("--emit-out", type=Path, default=None,
                    help="folder for --emit (an existing, non-empty one needs --force); default OUT/emit-ENGINE")
