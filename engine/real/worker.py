@@ -32,6 +32,7 @@ after its transfer has replied; both lanes synchronise their own stream before r
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -191,7 +192,7 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
                 pass
 
 
-COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop"})
+COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop", "profile"})
 TRANSFER_OPS = frozenset({"kv_send", "kv_recv"})
 
 
@@ -235,6 +236,9 @@ class Rank:
         self.kv_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs = None
         self.graph_info: dict = {}
+        # a sampled plan's model calls (its inputs: re-run under the profiler after the run, ``_op_profile``)
+        self.capture: list | None = None
+        self.captured: dict[tuple, list] = {}
         if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
             from rackbed.engine.real.model import DecodeGraphRunner
 
@@ -285,6 +289,9 @@ class Rank:
             torch.cuda.current_stream(self.dev).synchronize()
 
     def _run(self, op: str, token, args: dict, res_q) -> None:
+        key = args.pop("profile_key", None)   # a plan sampled for profiling: record its model calls
+        if key is not None:
+            self.capture = self.captured.setdefault(tuple(key), [])
         try:
             t0 = time.perf_counter()
             out = getattr(self, f"_op_{op}")(**args)
@@ -294,6 +301,9 @@ class Rank:
             res_q.put((token, self.spec.rank, "declined", f"declined: {exc.why}: {exc}"))
         except Exception as exc:
             res_q.put((token, self.spec.rank, "error", f"{type(exc).__name__}: {exc}"))
+        finally:
+            if key is not None:   # (the transfer lane runs _run too: it leaves the compute lane's capture)
+                self.capture = None
 
     def _transfer_loop(self, xfer_q: queue.Queue, res_q) -> None:
         if self.kv_stream is not None:
@@ -366,6 +376,9 @@ class Rank:
                 starts.append(c)
                 pins.append(pin)
                 seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
+        if self.capture is not None:   # the inputs as they are now (the page lists grow later)
+            self.capture.append(functools.partial(self.model.forward_prefill, seqs, self.cache,
+                                                  [list(p) for p in pts], list(starts)))
         logits = self.model.forward_prefill(seqs, self.cache, pts, starts)
         first = logits.argmax(-1).tolist()
         out = {}
@@ -497,6 +510,8 @@ class Rank:
             table = torch.zeros(0, 1, dtype=torch.long, device=self.dev)
             toks = torch.zeros(0, dtype=torch.long, device=self.dev)
             pos = torch.zeros(0, dtype=torch.long, device=self.dev)
+        if self.capture is not None:   # re-run eagerly (no CUDA graph) under the profiler
+            self.capture.append(functools.partial(self.model.forward_decode, toks, pos, self.cache, table))
         if self.graphs is not None and batch:
             logits = self.graphs(toks, pos, table)
         else:
@@ -509,6 +524,18 @@ class Rank:
             s.last_token = tok
             out[rid] = tok
         return out
+
+    @torch.inference_mode()
+    def _op_profile(self, keys):
+        """After the run: re-run the recorded model calls of the sampled plans ``keys`` (``[kind, key]``, the
+        same list in the same order on every rank of the group: collectives pair up) eagerly under the profiler
+        (``engine.real.profiling``); one ``{"terms", "unscoped_s", "kernels_s"}`` per key. The KV they write
+        lands in pages of finished requests (the run is over)."""
+        from rackbed.engine.real.profiling import profile_calls
+
+        plans = [self.captured[tuple(k)] for k in keys]
+        self.captured.clear()
+        return profile_calls(plans, self.dev)
 
     def _op_mixed(self, joined, left, items):
         """An aggregated worker's step: the running batch decodes, then the prompts of ``items`` are prefilled into
