@@ -19,18 +19,18 @@ scope              what runs inside it
 ``other_s``        the router (``_route``), final norm and lm_head (``_logits``)
 =================  ==========================================================================================
 
-The innermost scope owns an op (the expert GEMMs inside the dispatch's scope are ``moe_gemm_s``); ops outside
-every scope — the layers' RMS norms, residual adds, the embedding — are ``unscoped_s``, which the cost model
-counts under ``other_s`` (norms / residuals, embeddings).
+The innermost scope owns an op (the expert GEMMs inside the dispatch's scope are ``moe_gemm_s``); ops
+outside every scope — the layers' RMS norms, residual adds, the embedding — are ``unscoped_s``, which the cost
+model counts under ``other_s`` (norms / residuals, embeddings).
 
 Scopes cost nothing while no profile is being taken: ``torch.profiler.record_function`` is entered only when
 :func:`profile_calls` has switched them on (an unguarded ``record_function`` costs a few microseconds per call
 even with no profiler running, as much as a small op; a guarded scope is a flag test).
 
-:func:`profile_calls` re-runs a list of plans' recorded model calls eagerly under ``torch.profiler``: on CUDA it
-counts each op's own kernel time on the device (``self_device_time_total``), on CPU each op's own CPU time
-(``self_cpu_time_total``) — the same code path, ``ProfilerActivity.CPU`` standing in for the device. It returns,
-per plan, the time inside each scope, the time outside any, and their sum (``kernels_s``). The driver
+:func:`profile_calls` re-runs a list of plans' recorded model calls eagerly under ``torch.profiler``: on CUDA
+it counts each op's own kernel time on the device (``self_device_time_total``), on CPU each op's own CPU time
+(``self_cpu_time_total``) — the same code path, ``ProfilerActivity.CPU`` standing in for the device. It
+returns, per plan, the time inside each scope, the time outside any, and their sum (``kernels_s``). The driver
 (``engine.real.driver``) asks each rank for this after the measured run, so the measured times are untouched.
 """
 
@@ -41,7 +41,8 @@ import functools
 
 import torch
 
-#: the cost model's StepTime categories (``sim.costs.breakdown.CATEGORIES``; ``engine/real`` does not import ``sim``)
+#: the cost model's StepTime categories (``sim.costs.breakdown.CATEGORIES``; ``engine/real`` does not import
+#: ``sim``)
 CATEGORIES: tuple[str, ...] = ("attn_s", "moe_gemm_s", "a2a_s", "allreduce_s", "other_s")
 #: profiler scope name prefixes: a category's scope, and the scope around one profiled plan
 PREFIX, PLAN = "rackbed.", "rackbed.plan."
@@ -82,39 +83,48 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_calls(plans: list[list], device: torch.device, *, warm_up: bool = True) -> list[dict]:
-    """Run each plan's calls (a list of zero-argument callables) under ``torch.profiler``, scopes on; return per
-    plan ``{"terms": {category: s}, "unscoped_s", "kernels_s"}`` (module docstring). ``warm_up``: run every plan
-    once before profiling (first calls of a shape: allocator growth, kernel selection)."""
+def profile_calls(plans: list[list], device: torch.device, *, repeats: int = 3) -> list[dict]:
+    """Run each plan's calls (a list of zero-argument callables) under ``torch.profiler``, scopes on; return
+    per plan ``{"terms": {category: s}, "unscoped_s", "kernels_s"}`` (module docstring): of the ``repeats``
+    runs of the plan, the one with the least kernel time (a run that shared the cores or the device with
+    something else only ever adds time). Every plan runs once before profiling (first calls of a shape:
+    allocator growth, kernel selection) and the first plan once more inside the profiler, unattributed (its
+    first ops pay the profiler's start-up)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    if warm_up:
-        for calls in plans:
-            for c in calls:
-                c()
-        _sync(device)
+    for calls in plans:
+        for c in calls:
+            c()
+    _sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _State.on = True
     try:
         with profile(activities=acts) as prof:
-            for i, calls in enumerate(plans):
-                with record_function(f"{PLAN}{i}"):
-                    for c in calls:
-                        c()
-                _sync(device)
+            for c in plans[0] if plans else ():
+                c()
+            _sync(device)
+            for rep in range(repeats):
+                for i, calls in enumerate(plans):
+                    with record_function(f"{PLAN}{rep * len(plans) + i}"):
+                        for c in calls:
+                            c()
+                    _sync(device)
     finally:
         _State.on = False
-    return split_events(prof.events(), len(plans), cuda=cuda)
+    runs = split_events(prof.events(), repeats * len(plans), cuda=cuda)
+    return [min(runs[i::len(plans)], key=lambda r: r["kernels_s"]) for i in range(len(plans))]
 
 
 def split_events(events, n_plans: int, *, cuda: bool) -> list[dict]:
-    """Each op's own time (device time on CUDA, CPU time otherwise) to the innermost category scope and the plan
-    scope above it (``PLAN<i>``); ops under no plan scope (other threads) are ignored, the scopes' own time (the
-    Python between ops) is not kernel time."""
-    out = [{"terms": dict.fromkeys(CATEGORIES, 0.0), "unscoped_s": 0.0, "kernels_s": 0.0} for _ in range(n_plans)]
+    """Each op's own time (device time on CUDA, CPU time otherwise) to the innermost category scope and the
+    plan scope above it (``PLAN<i>``); ops under no plan scope (other threads) are ignored, the scopes' own
+    time (the Python between ops) is not kernel time."""
+    out = [{"terms": dict.fromkeys(CATEGORIES, 0.0), "unscoped_s": 0.0, "kernels_s": 0.0}
+           for _ in range(n_plans)]
+    cpu = torch.autograd.DeviceType.CPU
     for ev in events:
-        if ev.name.startswith(PREFIX) or getattr(ev, "device_type", None) not in (None, torch.autograd.DeviceType.CPU):
+        if ev.name.startswith(PREFIX) or getattr(ev, "device_type", cpu) != cpu:
             continue
         t_us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
         if not t_us:
@@ -139,9 +149,10 @@ def split_events(events, n_plans: int, *, cuda: bool) -> list[dict]:
 
 
 class PlanSampler:
-    """Which plans of a run to profile: up to ``n`` per (worker, kind), spread over the run. Every ``stride``-th
-    plan of a (worker, kind) is taken (its ranks record its model calls); when ``2 n`` are taken, every other one
-    is dropped and the stride doubles, so the kept ones stay evenly spread however long the run is."""
+    """Which plans of a run to profile: up to ``n`` per (worker, kind), spread over the run. Every
+    ``stride``-th plan of a (worker, kind) is taken (its ranks record its model calls); when ``2 n`` are
+    taken, every other one is dropped and the stride doubles, so the kept ones stay evenly spread however long
+    the run is."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -163,9 +174,12 @@ class PlanSampler:
         return True
 
     def chosen(self) -> dict[str, list[dict]]:
-        """``{worker: [sample, ...]}``: at most ``n`` per (worker, kind), evenly spread over those kept."""
+        """``{worker: [sample, ...]}``: ``n`` per (worker, kind) (all of them where fewer were taken), evenly
+        spread over those kept, the first and the last kept among them."""
         out: dict[str, list[dict]] = {}
         for (worker, _), kept in sorted(self.kept.items()):
-            step = max(1, -(-len(kept) // self.n))
-            out.setdefault(worker, []).extend(kept[::step][: self.n])
+            k, n = len(kept), self.n
+            pick = kept if k <= n else [kept[k // 2]] if n == 1 else \
+                [kept[round(i * (k - 1) / (n - 1))] for i in range(n)]
+            out.setdefault(worker, []).extend(pick)
         return out
