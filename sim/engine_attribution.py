@@ -186,6 +186,54 @@ def attribute_run(run_dir: str | Path, *, threshold: float = THRESHOLD, built=No
             "threshold": threshold}
 
 
+#: what each kind's engine-overhead line runs over (``fit_terms``)
+LINE_X = {"decode": "batch", "prefill": "tokens", "mixed": "batch+tokens"}
+
+
+def _x(r: dict) -> float:
+    return float(sum(r.get(k) or 0 for k in LINE_X[r["kind"]].split("+")))
+
+
+def fit_terms(rows: list[dict], holdout_every: int = 3) -> dict[str, dict]:
+    """Per-term refit from profiled plans (rows as :func:`attribute_run`'s ``plans``): per kind, a scale per
+    kernel term (measured / priced, summed over the fitted plans; none for a term the model prices at 0) and
+    the rest of the measured time — engine overhead and unscaled terms — as a robust line over the kind's size
+    (``LINE_X``: ``(a, b)``). Every ``holdout_every``-th plan of each kind is held out and predicted as
+    ``sum(scale * priced) + a + b * size``: ``held_out`` ``{"n", "median_abs", "max_abs"}`` of the relative
+    errors (null values without held-out plans). A kind with fewer than two fitted plans is left out."""
+    import statistics
+
+    from rackbed.sim.engine_calibration import _line
+
+    out = {}
+    for kind in KINDS:
+        rs = [r for r in rows if r["kind"] == kind]
+        held = [i % holdout_every == holdout_every - 1 if holdout_every else False for i in range(len(rs))]
+        fit = [r for r, h in zip(rs, held) if not h]
+        hold = [r for r, h in zip(rs, held) if h]
+        if len(fit) < 2:
+            continue
+        scales = {}
+        for t in TERMS[:-1]:
+            p = sum(r["priced"][t] for r in fit)
+            if p > 0:
+                scales[t] = sum(r["measured"][t] for r in fit) / p
+
+        def scaled(r):
+            return sum(s * r["priced"][t] for t, s in scales.items())
+
+        a, b = _line([_x(r) for r in fit], [sum(r["measured"].values()) - scaled(r) for r in fit])
+        errs = []
+        for r in hold:
+            m = sum(r["measured"].values())
+            if m > 0:
+                errs.append(abs(scaled(r) + max(a + b * _x(r), 0.0) - m) / m)
+        out[kind] = {"x": LINE_X[kind], "scales": scales, "overhead_s": [a, b], "n_fit": len(fit),
+                     "held_out": {"n": len(errs), "median_abs": statistics.median(errs) if errs else None,
+                                  "max_abs": max(errs) if errs else None}}
+    return out
+
+
 def print_attribution(res: dict, echo=print) -> None:
     echo("per-term attribution (kernel-level cost model vs profiled plans; residual = measured - priced, ms)")
     for kind, a in res["kinds"].items():

@@ -63,6 +63,8 @@ class EngineCalibration(BaseModel):
     prefill_attn_s: float = 0.0                                             # + c * causal attention pairs
     kv_transfer_s: tuple[float, float]                                      # (a, b): a + b * tokens
     n_plans: dict[str, int] = Field(default_factory=dict)
+    #: optional per-term refit from profiled plans (``sim.engine_attribution.fit_terms``): read, not priced
+    term_fit: dict | None = None
 
     @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s")
     @classmethod

@@ -45,6 +45,30 @@ def test_attribution_names_the_one_inflated_term(kind, term, factor, priced, noi
     assert line.startswith(f"{kind}: the miss is ") and " and " not in line
 
 
+@settings(max_examples=100, deadline=None)
+@given(scales=st.lists(st.floats(0.1, 50.0), min_size=len(TERMS) - 1, max_size=len(TERMS) - 1),
+       a=st.floats(0.0, 0.02), b=st.floats(0.0, 1e-3), n=st.integers(4, 12), seed=st.integers(0, 2**16))
+def test_per_term_refit_recovers_term_scales_and_the_overhead_line(scales, a, b, n, seed):
+    """Decode steps whose measured kernel terms are the priced ones times a scale per term and whose engine
+    time is ``a + b * batch``: the refit finds the scales and the line, and predicts the held-out steps."""
+    import random
+
+    from rackbed.sim.engine_attribution import fit_terms
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        batch = rng.randint(1, 64)
+        p = {t: rng.uniform(1e-5, 1e-3) * batch for t in TERMS[:-1]} | {"engine_s": 2e-4}
+        m = {t: s * p[t] for t, s in zip(TERMS[:-1], scales)} | {"engine_s": a + b * batch}
+        rows.append({"kind": "decode", "batch": batch, "priced": p, "measured": m})
+    f = fit_terms(rows, holdout_every=3)["decode"]
+    assert list(f["scales"].values()) == pytest.approx(scales, rel=1e-6)
+    if len({r["batch"] for i, r in enumerate(rows) if i % 3 != 2}) > 1:   # the fitted steps' sizes differ
+        assert f["overhead_s"] == pytest.approx([a, b], rel=1e-4, abs=1e-9)
+        assert f["held_out"]["n"] == n // 3 and f["held_out"]["max_abs"] < 1e-4
+
+
 def test_attribution_names_nothing_within_the_threshold():
     p = dict.fromkeys(TERMS, 1e-3)
     a = attribute([{"kind": "decode", "priced": p, "measured": {**p, "attn_s": 1.05e-3}}])["decode"]
@@ -213,6 +237,11 @@ def test_calibrate_engine_round_trip(runs, tmp_path, capsys):
     two = load_engine_calibration(out)
     assert two.n_plans == {"fit": 2 * (cal.n_plans["fit"] + cal.n_plans["held_out"]), "held_out": 0}
     assert two.source == f"{run}, {run}"
+    # the run profiled sampled plans: the optional per-term refit, with its held-out check
+    tf = load_engine_calibration(out).term_fit
+    assert set(tf) == {"decode", "prefill"} and "per-term refit decode" in capsys.readouterr().out
+    for f in tf.values():
+        assert f["n_fit"] >= 2 and f["scales"]["attn_s"] > 0 and len(f["overhead_s"]) == 2
 
 
 @pytest.mark.slow   # the runs fixture: two real CPU runs, ~45 s together

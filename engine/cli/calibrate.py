@@ -31,7 +31,10 @@ calibration.
 ``--engine RUN [RUN ...]`` writes an *engine* calibration (``sim.engine_calibration``: the real engine's step
 curves, used automatically by the simulator for that model and GPU) from one or more ``rackbed real`` output
 folders of one model on one GPU model, fitted together (``fit_engine``); every ``--holdout-every``-th plan of
-each kind is held out and its error printed.
+each kind is held out and its error printed. Runs that profiled sampled plans (``rackbed real --profile-plans
+N``) add the optional per-term refit ``term_fit`` (``sim.engine_attribution.fit_terms``: a scale per cost-model
+term and the engine overhead as a line, per plan kind, with held-out errors); the simulator reads the
+whole-step curves, not this section.
 """
 
 from __future__ import annotations
@@ -154,9 +157,15 @@ def _run_engine(args: argparse.Namespace) -> int:
                            more_runs=tuple(d for d, *_ in runs[1:]))
     if len(runs) > 1:
         cal = cal.model_copy(update={"source": ", ".join(str(d) for d, *_ in runs)})
+    from rackbed.sim.engine_attribution import attribute_run, fit_terms
+
+    rows = [r for d, b, *_ in runs for r in (attribute_run(d, built=b) or {}).get("plans", ())]
+    tf = fit_terms(rows, args.holdout_every) if rows else {}
+    if tf:   # the runs profiled sampled plans (rackbed real --profile-plans N): the optional per-term refit
+        cal = cal.model_copy(update={"term_fit": tf})
     write_text(out, yaml.safe_dump(json.loads(cal.model_dump_json()), sort_keys=False))
     print(f"engine calibration: {model} on {gpu} from {len(runs)} run(s): {cal.n_plans.get('fit', 0)} plans "
-          f"fitted, {len(hold)} held out (every {args.holdout_every}th of each kind)")
+          f"fitted, {len(hold)} held out (one in {args.holdout_every} of each kind)")
     predict = {"decode": lambda p: cal.decode(p["x"]), "prefill": lambda p: cal.prefill(p["x"], p["pairs"]),
                "kv": lambda p: cal.kv(p["x"])}
     errs: dict[str, list[float]] = {}
@@ -168,6 +177,13 @@ def _run_engine(args: argparse.Namespace) -> int:
         a = [abs(x) for x in e]
         print(f"  held-out {kind:8s} n={len(a):4d}  median |error| {statistics.median(a) * 100:6.1f}%  "
               f"max {max(a) * 100:7.1f}%")
+    for kind, f in tf.items():
+        h = f["held_out"]
+        err = "no held-out plans" if not h["n"] else \
+            f"held out n={h['n']}: median |error| {h['median_abs'] * 100:.1f}%, max {h['max_abs'] * 100:.1f}%"
+        scales = ", ".join(f"{t} x{s:.3g}" for t, s in f["scales"].items())
+        print(f"  per-term refit {kind:8s} ({f['n_fit']} profiled plans): {scales}; engine overhead "
+              f"{f['overhead_s'][0] * 1e3:.3g} ms + {f['overhead_s'][1] * 1e3:.3g} ms per {f['x']}; {err}")
     print(f"wrote {out}")
     return 0
 
