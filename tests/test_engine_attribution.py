@@ -119,6 +119,20 @@ def test_scopes_are_free_unless_profiling_and_split_the_op_time():
     assert not profiling._State.on
 
 
+def test_profile_plans_must_not_be_negative(tmp_path, capsys):
+    from rackbed.engine.cli.main import main
+    from rackbed.sim.scenario import parse_scenario
+
+    assert main(["real", "nowhere.yaml", "--profile-plans", "-1", "--out", str(tmp_path / "o")]) == 2
+    assert "--profile-plans -1: must be >= 0" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    import yaml
+
+    data = yaml.safe_load(SCENARIO.format(name="neg", ck="x", deploy=DISAGG).replace("profile_plans: 2",
+                                                                                      "profile_plans: -1"))
+    with pytest.raises(ValueError, match="profile_plans"):
+        parse_scenario({**data, "model": "qwen3-235b-a22b"})
+
+
 # -- a real CPU run with profiling on ------------------------------------------------------------------------
 SCENARIO = """kind: serving
 name: {name}

@@ -46,6 +46,10 @@ def _versions() -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.profile_plans is not None and args.profile_plans < 0:
+        from rackbed.topology.errors import UserError
+
+        raise UserError(f"--profile-plans {args.profile_plans}: must be >= 0 (plans of each kind per worker)")
     try:
         import torch  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -74,10 +78,6 @@ def _main(args: argparse.Namespace) -> int:
     if args.max_requests:
         reqs = reqs[: args.max_requests]
     rs = sc.real
-    if args.profile_plans is not None and args.profile_plans < 0:
-        from rackbed.topology.errors import UserError
-
-        raise UserError(f"--profile-plans {args.profile_plans}: must be >= 0")
     n_profile = rs.profile_plans if args.profile_plans is None else args.profile_plans
     tiny = None
     res, run = run_real(b, reqs, simulate=simulate, device=args.device or rs.device, dtype=rs.dtype,
