@@ -187,9 +187,14 @@ def test_real_run_records_term_profiles_of_every_plan_kind(runs):
     for p in profs:
         t = p["terms"]
         assert p["kernels_s"] == pytest.approx(sum(t.values()) + p["unscoped_s"])
-        assert 0 < p["kernels_s"] <= p["measured_s"] and p["overhead_s"] >= 0
+        assert 0 < p["kernels_s"] <= p["profiled_wall_s"]
+        assert p["overhead_s"] == pytest.approx(p["measured_s"] - p["kernels_s"])
         assert t["attn_s"] > 0 and t["moe_gemm_s"] > 0 and t["other_s"] > 0
         assert (t["allreduce_s"] > 0) == (p["kind"] == "prefill"), p   # only the TP2/EP2 prefiller reduces
+    for kind in KINDS:   # the kernels fit in the measured time (per plan, a re-run on a shared CPU can be the
+        # slower run of the two: the mean over the kind's plans is what is checked)
+        ps = [p for p in profs if p["kind"] == kind]
+        assert sum(p["kernels_s"] for p in ps) <= sum(p["measured_s"] for p in ps), kind
     per_kind = {}
     for p in profs:
         per_kind[(p["worker"], p["kind"])] = per_kind.get((p["worker"], p["kind"]), 0) + 1

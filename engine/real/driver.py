@@ -801,8 +801,10 @@ def profile_plans_of(run: RealRun, timeout_s: float = 600.0) -> list[dict]:
     ranks (``Rank._op_profile``), one worker at a time. Per plan: its worker, kind, key and size, the
     measured time from the run (``measured_s``), and the busiest rank's (largest ``kernels_s``) time per
     cost-model term (``terms``), outside every term (``unscoped_s``) and in all (``kernels_s``);
-    ``overhead_s`` = measured - kernels, the engine's host and launch time. A worker with a dead rank, and
-    plans that never completed, are left out."""
+    ``overhead_s`` = measured - kernels, the engine's host and launch time; ``profiled_wall_s``: the wall time
+    of that profiled re-run (profiler overhead included; the kernels always fit in it, while the measured time
+    comes from another run of the plan — on a CPU shared with other work a re-run can be the slower one). A
+    worker with a dead rank, and plans that never completed, are left out."""
     measured: dict[tuple, float] = {}
     for w, k, key, m, _ in run.records:
         if m == m and m != float("inf"):
@@ -833,7 +835,7 @@ def profile_plans_of(run: RealRun, timeout_s: float = 600.0) -> list[dict]:
             m = measured[(worker, s["kind"], s["key"])]
             out.append({**s, "measured_s": m, "terms": busiest["terms"], "unscoped_s": busiest["unscoped_s"],
                         "kernels_s": busiest["kernels_s"], "overhead_s": m - busiest["kernels_s"],
-                        "ranks": len(ranks)})
+                        "profiled_wall_s": busiest["wall_s"], "ranks": len(ranks)})
     return out
 
 

@@ -85,7 +85,8 @@ def _sync(device: torch.device) -> None:
 
 def profile_calls(plans: list[list], device: torch.device, *, repeats: int = 3) -> list[dict]:
     """Run each plan's calls (a list of zero-argument callables) under ``torch.profiler``, scopes on; return
-    per plan ``{"terms": {category: s}, "unscoped_s", "kernels_s"}`` (module docstring): of the ``repeats``
+    per plan ``{"terms": {category: s}, "unscoped_s", "kernels_s", "wall_s"}`` (module docstring; ``wall_s``:
+    the profiled run's wall time, device synchronised, profiler overhead included): of the ``repeats``
     runs of the plan, the one with the least kernel time (a run that shared the cores or the device with
     something else only ever adds time). Every plan runs once before profiling (first calls of a shape:
     allocator growth, kernel selection) and the first plan once more inside the profiler, unattributed (its
@@ -109,7 +110,7 @@ def profile_calls(plans: list[list], device: torch.device, *, repeats: int = 3) 
                     with record_function(f"{PLAN}{rep * len(plans) + i}"):
                         for c in calls:
                             c()
-                    _sync(device)
+                        _sync(device)
     finally:
         _State.on = False
     runs = split_events(prof.events(), repeats * len(plans), cuda=cuda)
@@ -120,11 +121,15 @@ def split_events(events, n_plans: int, *, cuda: bool) -> list[dict]:
     """Each op's own time (device time on CUDA, CPU time otherwise) to the innermost category scope and the
     plan scope above it (``PLAN<i>``); ops under no plan scope (other threads) are ignored, the scopes' own
     time (the Python between ops) is not kernel time."""
-    out = [{"terms": dict.fromkeys(CATEGORIES, 0.0), "unscoped_s": 0.0, "kernels_s": 0.0}
+    out = [{"terms": dict.fromkeys(CATEGORIES, 0.0), "unscoped_s": 0.0, "kernels_s": 0.0, "wall_s": 0.0}
            for _ in range(n_plans)]
     cpu = torch.autograd.DeviceType.CPU
     for ev in events:
-        if ev.name.startswith(PREFIX) or getattr(ev, "device_type", cpu) != cpu:
+        if getattr(ev, "device_type", cpu) != cpu:
+            continue
+        if ev.name.startswith(PLAN) and int(ev.name[len(PLAN):]) < n_plans:
+            out[int(ev.name[len(PLAN):])]["wall_s"] += ev.cpu_time_total * 1e-6
+        if ev.name.startswith(PREFIX):
             continue
         t_us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
         if not t_us:
