@@ -16,6 +16,9 @@ free pages for it, ``declined: no pages: ...``). Commands:
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
   ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
+- ``profile``  after the run, re-run the model calls of the sampled plans ``keys`` under the profiler -> one
+  ``{"terms", "unscoped_s", "kernels_s", "wall_s"}`` per key (``engine.real.profiling``); a ``prefill`` /
+  ``decode`` / ``mixed`` command with ``profile_key`` ``[kind, key]`` records its model calls for it
 
 Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
 (``prefill``, ``decode``, ``drop``) to the compute loop (the main thread) and KV commands (``kv_send``,
