@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="override real.device")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--profile-plans", type=int, default=None, metavar="N",
-                   help="after the run, re-run up to N sampled plans of each kind per worker under torch.profiler "
-                        "and record their time per cost-model term in real.json (overrides real.profile_plans)")
+                   help="after the run, re-run up to N sampled plans of each kind per worker under "
+                        "torch.profiler and record their time per cost-model term in real.json (overrides "
+                        "real.profile_plans)")
     p.set_defaults(func=_main)
 
 
@@ -102,7 +103,7 @@ def _main(args: argparse.Namespace) -> int:
         "generated_tokens": {str(k): len(v) for k, v in sorted(run.generated.items())},
         "metrics": res.metrics,
     }
-    if n_profile:   # engine.real.profiling: the sampled plans' time per cost-model term (re-run after the run)
+    if n_profile:   # engine.real.profiling: the sampled plans' time per cost-model term (re-run after it)
         doc["term_profile"] = run.term_profile
         if run.term_profile_error:
             doc["term_profile_error"] = run.term_profile_error

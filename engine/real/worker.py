@@ -531,9 +531,9 @@ class Rank:
     @torch.inference_mode()
     def _op_profile(self, keys):
         """After the run: re-run the recorded model calls of the sampled plans ``keys`` (``[kind, key]``, the
-        same list in the same order on every rank of the group: collectives pair up) eagerly under the profiler
-        (``engine.real.profiling``); one ``{"terms", "unscoped_s", "kernels_s", "wall_s"}`` per key. The KV they
-        write lands in pages of finished requests (the run is over)."""
+        same list in the same order on every rank of the group: collectives pair up) eagerly under the
+        profiler (``engine.real.profiling``); one ``{"terms", "unscoped_s", "kernels_s", "wall_s"}`` per key.
+        The KV they write lands in pages of finished requests (the run is over)."""
         from rackbed.engine.real.profiling import profile_calls
 
         plans = [self.captured[tuple(k)] for k in keys]
