@@ -68,6 +68,8 @@ class EngineCalibration(BaseModel):
     # aggregated: seconds per unit of each term of a mixed step (:data:`MIXED_TERMS`), summed
     mixed_s: dict[str, float] = Field(default_factory=dict)
     n_plans: dict[str, int] = Field(default_factory=dict)
+    #: optional per-term refit from profiled plans (``sim.engine_attribution.fit_terms``): read, not priced
+    term_fit: dict | None = None
 
     @field_validator("mode")
     @classmethod
@@ -430,11 +432,14 @@ def _lstsq_nonneg(cols, ys) -> tuple[float, ...]:
 
 
 def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int = 3,
-               kv_bytes_per_token: int | None = None, built=None) -> tuple[EngineCalibration, list[dict]]:
+               kv_bytes_per_token: int | None = None, built=None,
+               more_runs: tuple = ()) -> tuple[EngineCalibration, list[dict]]:
     """Fit the engine curves from a real run folder (real.json + decisions.csv); return them and the held-out
     plans. Every time is the driver's dispatch-to-completion time (``measured_s``: what the simulated clock
     advances by). ``built``: the run's scenario, built without engine calibration (default: built from
-    ``real.json``), to replay the run for each prefill batch's sequences."""
+    ``real.json``), to replay the run for each prefill batch's sequences. ``more_runs``: further run folders
+    (of the same model and GPU: the caller checks) whose plans are fitted together with ``run_dir``'s, each
+    replayed through its own scenario."""
     run_dir = Path(run_dir)
     real = json.loads((run_dir / "real.json").read_text())
     if built is None:
@@ -442,6 +447,12 @@ def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int 
 
         built = build(load_scenario(real["scenario"]), engine_calibration=False)
     plans = _plans(run_dir, built, kv_bytes_per_token)
+    for more in more_runs:
+        from rackbed.sim.scenario import build, load_scenario
+
+        more = Path(more)
+        sc_more = load_scenario(json.loads((more / "real.json").read_text())["scenario"])
+        plans += _plans(more, build(sc_more, engine_calibration=False), kv_bytes_per_token)
     if not plans:
         raise UserError(f"{run_dir}: no measured plans to fit (need real.json and decisions.csv)")
     fit, hold = _split(plans, holdout_every)

@@ -210,6 +210,9 @@ class RealSection(_Strict):
     prefill_pages: int = Field(4096, ge=1)
     decode_pages: int = Field(4096, ge=1)
     kill: tuple[KillSection, ...] = ()
+    #: after the run, each rank re-runs up to this many sampled plans of each kind under the profiler
+    #: (``engine.real.profiling``; ``real.json``'s ``term_profile``); 0: none
+    profile_plans: int = Field(0, ge=0)
 
 
 class ServingScenario(_Strict):

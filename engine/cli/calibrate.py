@@ -3,6 +3,7 @@
     rackbed calibrate [--out FILE.yaml] [--force] [--quick] [--measurements-out results/h200x2/measure.json]
                       [--from-measurements FILE ...] [--from-bench FILE ...] [--only gemm flash ...] [--dry-run]
     rackbed calibrate --from-aiconfigurator SYSTEM [--backend trtllm|sglang|vllm] [--out FILE.json]
+    rackbed calibrate --engine RUN [RUN ...] --out FILE.yaml [--holdout-every 3]
 
 Runs ``kernels/bench/measure.py`` on the local GPUs (or reads earlier measurements with ``--from-measurements``: the
 ``rackbed.measure/1`` format or ``/2``, graph-replayed rounds with their spread; several files of one GPU model are
@@ -26,6 +27,14 @@ output rule (``topology.outputs``): an existing file is replaced only with ``--f
 through a link; a file inside the shipped data (``calibration/``) is written only when named explicitly
 (``--out``, ``--measurements-out``) together with ``--force``: that is how a maintainer regenerates a shipped
 calibration.
+
+``--engine RUN [RUN ...]`` writes an *engine* calibration (``sim.engine_calibration``: the real engine's step
+curves, used automatically by the simulator for that model and GPU) from one or more ``rackbed real`` output
+folders of one model on one GPU model, fitted together (``fit_engine``); every ``--holdout-every``-th plan of
+each kind is held out and its error printed. Runs that profiled sampled plans (``rackbed real --profile-plans
+N``) add the optional per-term refit ``term_fit`` (``sim.engine_attribution.fit_terms``: a scale per cost-model
+term and the engine overhead as a line, per plan kind, with held-out errors); the simulator reads the
+whole-step curves, not this section.
 """
 
 from __future__ import annotations
@@ -93,7 +102,95 @@ def _run_tables(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_runs(args: argparse.Namespace) -> list[tuple[Path, object, str, str]]:
+    """``(folder, built scenario, GPU model, model name)`` of each ``--engine`` run, checked: a ``rackbed
+    real`` folder, one model on one GPU model across them."""
+    from rackbed.engine.cli.validate import ENGINE_RUN_FILES
+    from rackbed.sim.scenario import build, load_scenario
+    from rackbed.topology.yamlio import parse_json, read_text
+
+    out = []
+    for d in args.engine:
+        d = Path(d)
+        missing = [f for f in ENGINE_RUN_FILES if not (d / f).is_file()]
+        if missing:
+            raise UserError(f"{d}: --engine needs `rackbed real` output folders; {', '.join(missing)} "
+                            f"missing")
+        real = parse_json(read_text(d / "real.json", "real run file"), d / "real.json")
+        if not isinstance(real, dict) or not isinstance(real.get("plans"), list) or "scenario" not in real:
+            raise UserError(f"{d / 'real.json'}: not a `rackbed real` result (no 'plans' list or 'scenario')")
+        b = build(load_scenario(real["scenario"]), engine_calibration=False)
+        gpu = b.topology.gpu_spec((b.deployment.decoders or b.deployment.aggregated)[0].gpus[0]).name
+        out.append((d, b, gpu, b.model.name))
+    first = out[0]
+    for d, _, gpu, model in out[1:]:
+        if (gpu, model) != first[2:]:
+            raise UserError(f"{d}: {model} on {gpu}, but {first[0]} is {first[3]} on {first[2]}: an engine "
+                            f"calibration is for one model on one GPU model")
+    return out
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    """``--engine RUN [RUN ...]``: fit (``sim.engine_calibration.fit_engine``), print the held-out plans'
+    errors per kind, write the file."""
+    import statistics
+
+    import yaml
+
+    from rackbed.sim.engine_calibration import fit_engine
+
+    for flag, v in (("--from-measurements", args.from_measurements), ("--from-bench", args.from_bench),
+                    ("--from-aiconfigurator", args.from_aiconfigurator), ("--dry-run", args.dry_run),
+                    ("--measurements-out", args.measurements_out), ("--only", args.only)):
+        if v:
+            raise UserError(f"--engine fits real runs; {flag} is for kernel calibrations")
+    if not args.out:
+        raise UserError("--engine: name the file to write with --out (e.g. engine-<gpu>-<model>.yaml)")
+    if args.holdout_every < 0 or args.holdout_every == 1:
+        raise UserError(f"--holdout-every {args.holdout_every}: 0 (none) or >= 2 (1 would hold out every "
+                        f"plan)")
+    out = prepare_file(args.out, force=args.force)
+    runs = _engine_runs(args)
+    d0, b0, gpu, model = runs[0]
+    cal, hold = fit_engine(d0, gpu=gpu, model=model, holdout_every=args.holdout_every,
+                           kv_bytes_per_token=b0.deployment.kv_bytes_per_token, built=b0,
+                           more_runs=tuple(d for d, *_ in runs[1:]))
+    if len(runs) > 1:
+        cal = cal.model_copy(update={"source": ", ".join(str(d) for d, *_ in runs)})
+    from rackbed.sim.engine_attribution import attribute_run, fit_terms
+
+    rows = [r for d, b, *_ in runs for r in (attribute_run(d, built=b) or {}).get("plans", ())]
+    tf = fit_terms(rows, args.holdout_every) if rows else {}
+    if tf:   # the runs profiled sampled plans (rackbed real --profile-plans N): the optional per-term refit
+        cal = cal.model_copy(update={"term_fit": tf})
+    write_text(out, yaml.safe_dump(json.loads(cal.model_dump_json()), sort_keys=False))
+    print(f"engine calibration: {model} on {gpu} from {len(runs)} run(s): {cal.n_plans.get('fit', 0)} plans "
+          f"fitted, {len(hold)} held out (one in {args.holdout_every} of each kind)")
+    predict = {"decode": lambda p: cal.decode(p["x"]), "prefill": lambda p: cal.prefill(p["x"], p["pairs"]),
+               "kv": lambda p: cal.kv(p["x"])}
+    errs: dict[str, list[float]] = {}
+    for p in hold:
+        f = predict.get(p["kind"])
+        if f is not None and p["measured_s"] > 0:
+            errs.setdefault(p["kind"], []).append((f(p) - p["measured_s"]) / p["measured_s"])
+    for kind, e in sorted(errs.items()):
+        a = [abs(x) for x in e]
+        print(f"  held-out {kind:8s} n={len(a):4d}  median |error| {statistics.median(a) * 100:6.1f}%  "
+              f"max {max(a) * 100:7.1f}%")
+    for kind, f in tf.items():
+        h = f["held_out"]
+        err = "no held-out plans" if not h["n"] else \
+            f"held out n={h['n']}: median |error| {h['median_abs'] * 100:.1f}%, max {h['max_abs'] * 100:.1f}%"
+        scales = ", ".join(f"{t} x{s:.3g}" for t, s in f["scales"].items())
+        print(f"  per-term refit {kind:8s} ({f['n_fit']} profiled plans): {scales}; engine overhead "
+              f"{f['overhead_s'][0] * 1e3:.3g} ms + {f['overhead_s'][1] * 1e3:.3g} ms per {f['x']}; {err}")
+    print(f"wrote {out}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", None):
+        return _run_engine(args)
     if args.from_aiconfigurator:
         return _run_tables(args)
     # never the shipped calibration/h200.yaml by default (run from a checkout, that path is the shipped file)
@@ -181,9 +278,12 @@ def register(subparsers) -> None:
                         "model: fitted together)")
     p.add_argument("--from-bench", action="append", help="add rows from 'rackbed bench kernels --out' JSON")
     p.add_argument("--gpu", help="GPU model name for the entries (default: from the device name)")
-    p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth point of each curve (0: none)")
+    p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth point of each curve "
+                   "(0: none); with --engine, every Nth plan of each kind")
     p.add_argument("--holdout-shape", nargs="*", help="GEMM shapes NxK held out entirely, predicted by the per-format fallback (default: none; "
                         "`--holdout-shape 4096x8192` measures the fallback on the O projection)")
+    p.add_argument("--engine", nargs="+", metavar="RUN", help="write an engine calibration fitted from these "
+                   "`rackbed real` output folders (one model, one GPU model) to --out")
     p.set_defaults(func=_run)
 
 

@@ -21,6 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_force(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="override real.device")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--profile-plans", type=int, default=None, metavar="N",
+                   help="after the run, re-run up to N sampled plans of each kind per worker under "
+                        "torch.profiler and record their time per cost-model term in real.json (overrides "
+                        "real.profile_plans)")
     p.set_defaults(func=_main)
 
 
@@ -51,6 +55,10 @@ def _versions() -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.profile_plans is not None and args.profile_plans < 0:
+        from rackbed.topology.errors import UserError
+
+        raise UserError(f"--profile-plans {args.profile_plans}: must be >= 0 (plans of each kind per worker)")
     try:
         import torch  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -80,10 +88,12 @@ def _main(args: argparse.Namespace) -> int:
     if args.max_requests:
         reqs = reqs[: args.max_requests]
     rs = sc.real
+    n_profile = rs.profile_plans if args.profile_plans is None else args.profile_plans
     tiny = None
     res, run = run_real(b, reqs, simulate=simulate, device=args.device or rs.device, dtype=rs.dtype,
                         weights=rs.weights, seed=rs.weights_seed, prefill_pages=rs.prefill_pages,
-                        decode_pages=rs.decode_pages, kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny)
+                        decode_pages=rs.decode_pages, kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny,
+                        profile_plans=n_profile)
     write_all(res, out)
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     same = res.log.decisions() == rep.log.decisions()
@@ -105,6 +115,12 @@ def _main(args: argparse.Namespace) -> int:
         "generated_tokens": {str(k): len(v) for k, v in sorted(run.generated.items())},
         "metrics": res.metrics,
     }
+    if n_profile:   # engine.real.profiling: the sampled plans' time per cost-model term (re-run after it)
+        doc["term_profile"] = run.term_profile
+        if run.term_profile_error:
+            doc["term_profile_error"] = run.term_profile_error
+            print(f"rackbed: warning: real run: profiling the sampled plans failed: {run.term_profile_error}",
+                  file=sys.stderr)
     write_text(out / "real.json", json.dumps(doc, indent=1, default=str))
     console.print(f"[dim]real run on {doc['versions'].get('device', 'cpu')}; deaths: {len(run.deaths)}; "
                   f"simulator replay of the measured durations gives identical decisions: {same}[/dim]")

@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         try:
             res, run = run_real(b, reqs, simulate=simulate, device=device, dtype=rs.dtype, weights=rs.weights,
                                 seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
-                                pool=pool)
+                                pool=pool, profile_plans=rs.profile_plans)
         finally:
             pool.stop()
         t.join(timeout=60)
@@ -175,7 +175,9 @@ def main(argv=None) -> int:
             "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},
             "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
                       for w, k, key, m, ws in run.records], "metrics": res.metrics,
-            "store_refusals": pool.refusals()}, indent=1, default=str))
+            "store_refusals": pool.refusals(),
+            **({"term_profile": run.term_profile, "term_profile_error": run.term_profile_error}
+               if rs.profile_plans else {})}, indent=1, default=str))
         m = res.metrics["requests"]
         print(f"real run over {world} ranks: {m['done']}/{m['total']} done, {m['rejected']} rejected; "
               f"replay identical: {same}; wrote {out}")

@@ -23,7 +23,9 @@ which points its one hold-out hit.
 
 **Engine level** (:func:`validate_engine`, ``--engine DIR``): a ``rackbed real`` run's measured plan times fitted on
 the plans not held out (``sim.engine_calibration``), errors on the held-out plans, and the run's TTFT/TPOT/ITL
-p50/p90 against a re-simulation with the fitted engine calibration.
+p50/p90 against a re-simulation with the fitted engine calibration; for a run that profiled sampled plans
+(``rackbed real --profile-plans N``), the per-term attribution of the kernel-level cost model's miss
+(``sim.engine_attribution``, docs/FIDELITY.md).
 """
 
 from __future__ import annotations
@@ -206,7 +208,9 @@ def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
     ``rackbed real``): fit the engine's step curves on the plans not held out (every ``--holdout-every``-th plan of
     each kind is held out), report per-plan errors on the held-out ones and the re-simulated TTFT/TPOT/ITL p50/p90
     against the real run (``sim.engine_calibration``). ``--write-engine-calibration FILE`` writes the fitted file
-    the simulator then uses automatically for that model and GPU."""
+    the simulator then uses automatically for that model and GPU. A run with a term profile (``rackbed real
+    --profile-plans N``) adds the per-term attribution of the kernel-level cost model's miss
+    (``sim.engine_attribution``: a table per plan kind and one line naming the terms that miss)."""
     if not getattr(args, "engine", None):
         return None
     from rackbed.sim.engine_calibration import validate_engine_run
@@ -235,6 +239,14 @@ def validate_engine(calib, topo, args: argparse.Namespace) -> dict | None:
               f"{ms(r['uncalibrated_sim_s']):>17s}")
     if wc:
         print(f"  wrote {wc}")
+    from rackbed.sim.engine_attribution import THRESHOLD, attribute_run, print_attribution
+
+    th = getattr(args, "attribution_threshold", None) or THRESHOLD
+    res["attribution"] = att = attribute_run(args.engine, threshold=th)
+    if att:
+        print_attribution(att)
+    else:
+        print("  per-term attribution: the run recorded no term profile (rackbed real --profile-plans N)")
     return res
 
 
@@ -289,6 +301,9 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     wec = getattr(args, "write_engine_calibration", None)
+    th = getattr(args, "attribution_threshold", None)
+    if th is not None and not 0 < th < 1:
+        raise UserError(f"--attribution-threshold {th}: must be between 0 and 1 (a share of the plan time)")
     for flag, f in (("--out", args.out), ("--write-engine-calibration", wec)):
         if f:  # before the work, not after it
             prepare_file(f, force=args.force, flag=flag)
@@ -351,4 +366,7 @@ def register(subparsers) -> None:
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
     p.add_argument("--write-engine-calibration", metavar="FILE", help="engine level: write the fitted curves here")
+    p.add_argument("--attribution-threshold", type=float, default=None, metavar="FRACTION",
+                   help="engine level: name a term whose residual exceeds this share of the measured plan "
+                        "time (default 0.10)")
     p.set_defaults(func=_run)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rackbed.engine.real.profiling import scoped
+
 
 @dataclass
 class Comm:
@@ -31,6 +33,7 @@ class Comm:
     def ep_size(self) -> int:
         return self._size(self.ep_group)
 
+    @scoped("allreduce_s")
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return x
@@ -39,6 +42,7 @@ class Comm:
         dist.all_reduce(x, group=self.tp_group)
         return x
 
+    @scoped("allreduce_s")
     def ep_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill MoE combine: sum of every rank's local-expert contributions."""
         if self.ep_size == 1:
@@ -48,12 +52,14 @@ class Comm:
         dist.all_reduce(x, group=self.ep_group)
         return x
 
+    @scoped("a2a_s")
     def ep_exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """Rows this rank will receive from each peer, given the rows it sends to each (``[ep]`` int64)."""
         recv = torch.empty_like(send_counts)
         dist.all_to_all_single(recv, send_counts.contiguous(), group=self.ep_group)
         return recv
 
+    @scoped("a2a_s")
     def ep_all_to_all(self, x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """Rows of ``x`` (grouped by destination rank) to their ranks; returns the rows received, by source."""
         out = torch.empty((int(recv_counts.sum()), *x.shape[1:]), dtype=x.dtype, device=x.device)

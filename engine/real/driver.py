@@ -295,6 +295,13 @@ class RealExecutor:
             pass  # the death handler fails this plan's worker
         return ev
 
+    def _sample(self, plan, kind: str, key: int, args: dict, **size) -> dict:
+        """``args``, marked for profiling (its ranks record the plan's model calls) when the run profiles
+        plans and the sampler takes this one (``engine.real.profiling.PlanSampler``)."""
+        if self.run.sampler is not None and self.run.sampler.take(plan.worker, kind, key, **size):
+            args["profile_key"] = [kind, key]
+        return args
+
     def _prefill_items(self, items) -> list[tuple]:
         """The rank commands' items for ``(rid, start, n)`` prefill items: ``(rid, token ids)`` for a whole prompt;
         with a prefix cache ``(rid, token ids, start)``, ``start > 0`` being the prefix the scheduler found cached on
@@ -340,12 +347,15 @@ class RealExecutor:
             for r in ranks:      # a compute command: the rank runs it before the prefill
                 if gone and r not in self.pool.dead:
                     self.pool.send(r, "drop", self.pool.token(), rids=gone)
-            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", {"items": items}) for r in ranks],
-                                  now_s)
+            args = self._sample(plan, "prefill", plan.batch, {"items": items}, tokens=plan.n_tokens,
+                                n_seqs=len(plan.items))
+            return self._dispatch(plan, "prefill", plan.batch, [(r, "prefill", args) for r in ranks], now_s)
         if tp is MixedStep:
             g = self.group_of(plan.worker)
             args = {"joined": list(plan.joined), "left": list(plan.left),
                     "items": self._prefill_items([(rid, start, n) for rid, _, start, n in plan.prefill])}
+            self._sample(plan, "mixed", plan.step, args, batch=sum(plan.rank_batch),
+                         tokens=sum(n for _, _, _, n in plan.prefill), n_seqs=len(plan.prefill))
             return self._dispatch(plan, "mixed", plan.step, [(run.gpu_rank[gpu], "mixed", args) for gpu in g.gpus],
                                   now_s)
         if tp is KvTransfer:
@@ -376,6 +386,9 @@ class RealExecutor:
             g = self.group_of(plan.worker)
             ranks = [run.gpu_rank[gpu] for gpu in g.gpus]
             args = {"joined": list(plan.joined), "left": list(plan.left)}
+            self._sample(plan, "decode", plan.step, args, batch=sum(plan.rank_batch),
+                         rank_batch=max(plan.rank_batch, default=0),
+                         context_tokens=max(plan.rank_context_tokens, default=0))
             ev = self._dispatch(plan, "decode", plan.step, [(r, "decode", args) for r in ranks], now_s)
             for n, gpu in run.kill_after_steps:          # failure drill: kill mid-step, deterministically
                 if gpu in g.gpus and plan.step + 1 == n and sum(plan.rank_batch) > 0:
@@ -460,7 +473,7 @@ class RealRun:
 
     def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
                  prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None,
-                 requests=None, prefix_cache=None, follows=None) -> None:
+                 requests=None, prefix_cache=None, follows=None, profile_plans: int = 0) -> None:
         import torch
         import torch.multiprocessing as mp
 
@@ -524,6 +537,11 @@ class RealRun:
         self.kv_rank: dict[int, int] = {}   # request -> the decoder rank its last KV went to
         self.kv_bytes: dict[int, list[int]] = {}  # request -> bytes each of its landed KV transfers moved
         self.pf_held: dict[str, set[int]] = {}    # prefiller -> requests whose KV its ranks still hold
+        from rackbed.engine.real.profiling import PlanSampler
+
+        self.sampler = PlanSampler(profile_plans) if profile_plans > 0 else None
+        self.term_profile: list[dict] = []      # the sampled plans' per-term times (profile_plans_of)
+        self.term_profile_error: str | None = None
         self._wait_ready(len(gpus))
         self.env._progress_w = time.perf_counter()  # the stall clock starts once every rank is ready
 
@@ -741,7 +759,8 @@ class RealRun:
 
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
              prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), lose_kv=(), progress=False,
-             tiny_cfg=None, pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None):
+             tiny_cfg=None, pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None,
+             profile_plans: int = 0):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests`` through ``simulate`` (``sim.driver.simulate``,
     module docstring). Failure drills: ``kill`` ``[(at_s, gpu)]`` kills that GPU's rank process at clock time
     ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
@@ -751,7 +770,11 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
     ``built.prefix_cache``): the scheduler's cache per prefiller / aggregated worker, and each of its ranks keeps the
     KV of those blocks (``engine.real.prefix``: ``hbm_blocks`` blocks, their pages out of ``prefill_pages``, or
     ``decode_pages`` on an aggregated rank) and reuses the prefix each prefill item starts at. ``follows`` ``{request id: previous turn's id}``: a later turn's prompt is the previous turn's
-    prompt and output followed by new tokens (a conversation). Returns ``(result of simulate, RealRun)``."""
+    prompt and output followed by new tokens (a conversation). ``profile_plans`` N > 0: after the run, each
+    rank re-runs up to N sampled plans of each kind of its worker under the profiler
+    (:func:`profile_plans_of`, ``run.term_profile``; a failure there is kept in ``run.term_profile_error``,
+    the run's results stand).
+    Returns ``(result of simulate, RealRun)``."""
     from rackbed.engine.core.metrics import Slo
 
     spec = prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None)
@@ -760,7 +783,7 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                                      prefill_pages=prefill_pages, decode_pages=decode_pages)
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
-                  requests=requests, prefix_cache=spec, follows=follows)
+                  requests=requests, prefix_cache=spec, follows=follows, profile_plans=profile_plans)
     run.register(requests)
     # the scheduler plans with the ranks' real caches (less the prefix cache's pages and a Gated DeltaNet model's
     # state slots); a replay of the same ``built`` then does too
@@ -792,12 +815,60 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                        kv_chunks=built.cost_model.kv_chunks, env=env, policies=sc.sim.policies.build(),
                        closed_loop=sc.workload.closed_loop(), **_cache_kw(spec),
                        executor_factory=lambda cm, net, group_of: RealExecutor(run, group_of))
+        if run.sampler is not None:
+            try:
+                run.term_profile = profile_plans_of(run)
+            except RuntimeError as exc:   # the measured run stands; the profile says why it is missing
+                run.term_profile_error = str(exc)
     finally:
         if prev_term is not None:
             signal.signal(signal.SIGTERM, prev_term)
         run.pool.stop()
         run.tmp.cleanup()
     return res, run
+
+
+def profile_plans_of(run: RealRun, timeout_s: float = 600.0) -> list[dict]:
+    """After the measured run: each worker's sampled plans (``run.sampler``) re-run under the profiler on its
+    ranks (``Rank._op_profile``), one worker at a time. Per plan: its worker, kind, key and size, the
+    measured time from the run (``measured_s``), and the busiest rank's (largest ``kernels_s``) time per
+    cost-model term (``terms``), outside every term (``unscoped_s``) and in all (``kernels_s``);
+    ``overhead_s`` = measured - kernels, the engine's host and launch time; ``profiled_wall_s``: the wall time
+    of that profiled re-run (profiler overhead included; the kernels always fit in it, while the measured time
+    comes from another run of the plan — on a CPU shared with other work a re-run can be the slower one). A
+    worker with a dead rank, and plans that never completed, are left out."""
+    measured: dict[tuple, float] = {}
+    for w, k, key, m, _ in run.records:
+        if m == m and m != float("inf"):
+            measured.setdefault((w, k, key), m)
+    out = []
+    for worker, samples in run.sampler.chosen().items():
+        ranks = run.group_ranks.get(worker)
+        samples = [s for s in samples if (worker, s["kind"], s["key"]) in measured]
+        if not ranks or not samples or set(ranks) & run.pool.dead:
+            continue
+        tok = run.pool.token()
+        keys = [[s["kind"], s["key"]] for s in samples]
+        for r in ranks:
+            run.pool.send(r, "profile", tok, keys=keys)
+        replies: dict[int, list] = {}
+        t0 = time.perf_counter()
+        while len(replies) < len(ranks):
+            for token, rank, status, payload, *_ in run.pool.poll(1.0):
+                if token != tok:
+                    continue
+                if status != "ok":
+                    raise RuntimeError(f"rank {rank}: profiling {worker}'s plans failed: {payload}")
+                replies[rank] = payload[0]
+            if run.pool.newly_dead() or time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"profiling {worker}'s plans: a rank died or did not answer")
+        for i, s in enumerate(samples):
+            busiest = max((replies[r][i] for r in ranks), key=lambda p: p["kernels_s"])
+            m = measured[(worker, s["kind"], s["key"])]
+            out.append({**s, "measured_s": m, "terms": busiest["terms"], "unscoped_s": busiest["unscoped_s"],
+                        "kernels_s": busiest["kernels_s"], "overhead_s": m - busiest["kernels_s"],
+                        "profiled_wall_s": busiest["wall_s"], "ranks": len(ranks)})
+    return out
 
 
 def _kill_ranks_on_sigterm(pool):

@@ -37,6 +37,7 @@ from rackbed.engine.real.model import (
     random_global_weights,
     rms_norm,
 )
+from rackbed.engine.real.profiling import scoped
 from rackbed.engine.real.rope import rope_of
 
 
@@ -258,13 +259,16 @@ class ShardedMoeLM(ShardedQwen3Moe):
     def _window(self, li: int) -> int:
         return self.cfg.sliding_window if self.cfg.kind(li) == "sliding" else 0
 
+    @scoped("moe_gemm_s")
     def _experts(self, w, xs, counts):
         return layers_moe.experts(w, xs, counts, self.cfg)
 
+    @scoped("other_s")
     def _route(self, w, h):
         return layers_moe.route(w, h, self.cfg)
 
     # -- prefill --------------------------------------------------------------------------------------------------
+    @scoped("attn_s")
     def _attn_prefill(self, li: int, w, h, pos, lens, starts, cache, page_tables, slots=None) -> torch.Tensor:
         """The rank's partial attention output ``[T, D]`` (o_proj of its heads; no o bias), KV written. A sequence
         with ``starts[i]`` > 0 follows a cached prefix whose KV (latent rows) is read from its pages. A linear layer
@@ -353,6 +357,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
         return self._logits(x[last])
 
     # -- decode ---------------------------------------------------------------------------------------------------
+    @scoped("attn_s")
     def _attn_decode(self, li: int, w, h, positions, cache, page_table, slots=None) -> torch.Tensor:
         """All heads of this DP rank's batch: writes the new token's KV, attends over the pages (a sliding layer:
         over the sequence's ring, found through its first page), o_proj (+ bias). No host synchronisation. A linear

@@ -24,9 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F_
 
+from rackbed.engine.real.profiling import scoped
 from rackbed.kernels.moe_block import route as softmax_route
 
 
+@scoped("other_s")
 def route(w, h: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topi [T, k] int64, topw [T, k])`` in ``h``'s dtype."""
     if cfg.routing == "softmax":
@@ -61,6 +63,7 @@ def glu(gu: torch.Tensor, F: int, cfg) -> torch.Tensor:
     return (u + 1) * (g * torch.sigmoid(g * cfg.swiglu_alpha))
 
 
+@scoped("moe_gemm_s")
 def experts(w, xs: torch.Tensor, counts: torch.Tensor, cfg) -> torch.Tensor:
     """Local experts on rows ``xs [R, D]`` grouped by local expert (``counts``) -> ``[R, D]``. Plain SwiGLU
     without biases on CUDA goes through ``engine.real.model.grouped_swiglu`` (the grouped-GEMM kernels)."""
@@ -83,6 +86,7 @@ def experts(w, xs: torch.Tensor, counts: torch.Tensor, cfg) -> torch.Tensor:
     return out
 
 
+@scoped("moe_gemm_s")
 def mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU (a dense layer's MLP or the ungated shared expert)."""
     F = down.shape[-1]

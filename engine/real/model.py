@@ -29,6 +29,7 @@ import torch.nn.functional as F_
 from rackbed.engine.core.graph_shapes import DECODE_BATCH_BUCKETS, PAGE_ROUND, PREFILL_TOKEN_BUCKETS, prefill_key
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.config import TorchModelConfig
+from rackbed.engine.real.profiling import scope, scoped
 from rackbed.kernels.moe_block import moe_block, route
 
 
@@ -411,6 +412,7 @@ class ShardedQwen3Moe:
                             dtype=dtype or ref.dtype, device=device or ref.device)
 
     # -- pieces --------------------------------------------------------------------------------------------------
+    @scoped("attn_s")
     def _qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
         """h [T, D] -> q [Hq, T, Dh], k, v [Hkv, T, Dh] with qk-norm and RoPE applied."""
         cfg, Dh = self.cfg, self.cfg.head_dim
@@ -428,10 +430,12 @@ class ShardedQwen3Moe:
         group = att.n_q_heads // att.n_kv_heads
         return torch.tensor([h // group - self.kv_heads.start for h in self.q_heads])
 
+    @scoped("other_s")
     def _route(self, w, h: torch.Tensor):
         """Top-k routing (softmax over all experts, top-k, optional renormalisation), as Qwen3-MoE does."""
         return route(h @ w["router"].T, self.cfg.top_k, self.cfg.norm_topk_prob, h.dtype)
 
+    @scoped("a2a_s")  # select / pack / accumulate; the expert GEMMs inside are moe_gemm_s
     def _local_experts(self, w, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
         """sum_j wts[t, j] * expert_{ids[t, j]}(x[t]) over the (t, j) whose expert is local; ids are global."""
         e0 = self.experts.start
@@ -449,6 +453,7 @@ class ShardedQwen3Moe:
         out.index_add_(0, t_idx, y * wts[t_idx, j_idx, None])
         return out
 
+    @scoped("moe_gemm_s")
     def _experts(self, w, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts on rows ``xs [R, D]`` grouped by local expert (``counts [E_local]``)."""
         return grouped_swiglu(xs, w["gate_up"], w["down"], counts)
@@ -469,24 +474,27 @@ class ShardedQwen3Moe:
         gmap = self._gqa_map().to(ids.device)
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
-            q, k, v = self._qkv(w, h, pos)
-            outs, off = [], 0
-            for si, n in enumerate(lens):
-                qs, ks, vs = q[:, off:off + n], k[:, off:off + n], v[:, off:off + n]
-                c = starts[si]
-                cache.write(li, page_tables[si], c, ks, vs)
-                if c:   # attend over the cached prefix and the new tokens: query j sees keys 0 .. c + j
-                    kc, vc = cache.read(li, page_tables[si], c)
-                    ks, vs = torch.cat([kc.to(ks.dtype), ks], 1), torch.cat([vc.to(vs.dtype), vs], 1)
-                    mask = torch.arange(c + n, device=ids.device)[None, :] <= \
-                        (c + torch.arange(n, device=ids.device))[:, None]
-                    o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], attn_mask=mask, scale=self.scale)
-                else:
-                    o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], is_causal=True, scale=self.scale)
-                outs.append(o)
-                off += n
-            attn = torch.cat(outs, 1).transpose(0, 1).reshape(len(ids), -1)  # [T, Hq*Dh]
-            x = x + self.comm.tp_all_reduce(attn @ w["o_proj"].T)
+            with scope("attn_s"):
+                q, k, v = self._qkv(w, h, pos)
+                outs, off = [], 0
+                for si, n in enumerate(lens):
+                    qs, ks, vs = q[:, off:off + n], k[:, off:off + n], v[:, off:off + n]
+                    c = starts[si]
+                    cache.write(li, page_tables[si], c, ks, vs)
+                    if c:   # attend over the cached prefix and the new tokens: query j sees keys 0 .. c + j
+                        kc, vc = cache.read(li, page_tables[si], c)
+                        ks, vs = torch.cat([kc.to(ks.dtype), ks], 1), torch.cat([vc.to(vs.dtype), vs], 1)
+                        mask = torch.arange(c + n, device=ids.device)[None, :] <= \
+                            (c + torch.arange(n, device=ids.device))[:, None]
+                        o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], attn_mask=mask,
+                                                            scale=self.scale)
+                    else:
+                        o = F_.scaled_dot_product_attention(qs, ks[gmap], vs[gmap], is_causal=True,
+                                                            scale=self.scale)
+                    outs.append(o)
+                    off += n
+                attn = torch.cat(outs, 1).transpose(0, 1).reshape(len(ids), -1) @ w["o_proj"].T  # [T, D]
+            x = x + self.comm.tp_all_reduce(attn)
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             topi, topw = self._route(w, h)
             x = x + self.comm.ep_all_reduce(self._local_experts(w, h, topi, topw))
@@ -506,14 +514,15 @@ class ShardedQwen3Moe:
         for li, w in enumerate(self.layers):
             h = rms_norm(x, w["input_norm"], cfg.rms_eps)
             if B:
-                q, k, v = self._qkv(w, h, positions)                     # q [Hq, B, Dh], k/v [Hkv, B, Dh]
-                st = cache.storage[li]
-                page = page_table.gather(1, (positions // S)[:, None])[:, 0]
-                st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
-                st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
-                ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)
-                o = self._paged_attention(q, st[page_table], ctx[None, :] <= positions[:, None])
-                x = x + o @ w["o_proj"].T
+                with scope("attn_s"):
+                    q, k, v = self._qkv(w, h, positions)                     # q [Hq, B, Dh], k/v [Hkv, B, Dh]
+                    st = cache.storage[li]
+                    page = page_table.gather(1, (positions // S)[:, None])[:, 0]
+                    st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
+                    st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
+                    ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)
+                    o = self._paged_attention(q, st[page_table], ctx[None, :] <= positions[:, None])
+                    x = x + o @ w["o_proj"].T
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             topi, topw = self._route(w, h) if B else (
                 torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device), torch.zeros(0, cfg.top_k, dtype=x.dtype,
@@ -521,6 +530,7 @@ class ShardedQwen3Moe:
             x = x + self._moe_dp_ep(w, h, topi, topw)
         return self._logits(x)
 
+    @scoped("attn_s")
     def _paged_attention(self, q: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Decode attention read straight from gathered pages, without expanding KV heads for GQA.
 
@@ -601,6 +611,7 @@ class ShardedQwen3Moe:
                               norm_topk_prob=cfg.norm_topk_prob)
         return self._logits(x.index_select(0, last))
 
+    @scoped("a2a_s")
     def _moe_dp_ep(self, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
         """Sparse all-to-all MoE: dispatch each token once per destination rank, apply local experts, combine."""
         ep = self.shard.ep
@@ -684,6 +695,7 @@ class ShardedQwen3Moe:
             a2a.combine(y.contiguous(), out[lo:hi], hi - lo)
         return out
 
+    @scoped("other_s")
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.glob["final_norm"], self.cfg.rms_eps) @ self.glob["lm_head"].T
 

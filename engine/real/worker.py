@@ -16,6 +16,9 @@ free pages for it, ``declined: no pages: ...``). Commands:
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
   ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
+- ``profile``  after the run, re-run the model calls of the sampled plans ``keys`` under the profiler -> one
+  ``{"terms", "unscoped_s", "kernels_s", "wall_s"}`` per key (``engine.real.profiling``); a ``prefill`` /
+  ``decode`` / ``mixed`` command with ``profile_key`` ``[kind, key]`` records its model calls for it
 
 A model with Gated DeltaNet layers (Qwen3.5) also keeps a recurrent-state slot per sequence
 (``layers_gdn.GdnStatePool``, ``RankSpec.state_slots`` of them): taken at the sequence's prefill, stepped by every
@@ -36,6 +39,7 @@ after its transfer has replied; both lanes synchronise their own stream before r
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -212,7 +216,7 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
                 pass
 
 
-COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop"})
+COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop", "profile"})
 TRANSFER_OPS = frozenset({"kv_send", "kv_recv"})
 
 
@@ -264,6 +268,9 @@ class Rank:
         self.graphs = None
         self.prefill_graphs = None
         self.graph_info: dict = {}
+        # a sampled plan's model calls (its inputs: re-run under the profiler after the run, ``_op_profile``)
+        self.capture: list | None = None
+        self.captured: dict[tuple, list] = {}
         graphs_on = dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1"
         if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1 and not self.linear:
             from rackbed.engine.real.model import DecodeGraphRunner
@@ -336,6 +343,9 @@ class Rank:
             torch.cuda.current_stream(self.dev).synchronize()
 
     def _run(self, op: str, token, args: dict, res_q) -> None:
+        key = args.pop("profile_key", None)   # a plan sampled for profiling: record its model calls
+        if key is not None:
+            self.capture = self.captured.setdefault(tuple(key), [])
         try:
             t0 = time.perf_counter()
             out = getattr(self, f"_op_{op}")(**args)
@@ -345,6 +355,9 @@ class Rank:
             res_q.put((token, self.spec.rank, "declined", f"declined: {exc.why}: {exc}"))
         except Exception as exc:
             res_q.put((token, self.spec.rank, "error", f"{type(exc).__name__}: {exc}"))
+        finally:
+            if key is not None:   # (the transfer lane runs _run too: it leaves the compute lane's capture)
+                self.capture = None
 
     def _transfer_loop(self, xfer_q: queue.Queue, res_q) -> None:
         if self.kv_stream is not None:
@@ -451,11 +464,14 @@ class Rank:
                 starts.append(c)
                 pins.append(pin)
                 seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
+        kw = {"slots": list(slots)} if self.linear else {}
+        if self.capture is not None:   # the inputs as they are now (the page lists grow later)
+            self.capture.append(functools.partial(self.model.forward_prefill, seqs, self.cache,
+                                                  [list(p) for p in pts], list(starts), **kw))
         if self.prefill_graphs is not None:
             logits = torch.cat([self.prefill_graphs(q, c, pg) for q, c, pg in zip(seqs, starts, pts)])
         else:
-            logits = self.model.forward_prefill(seqs, self.cache, pts, starts,
-                                                **({"slots": slots} if self.linear else {}))
+            logits = self.model.forward_prefill(seqs, self.cache, pts, starts, **kw)
         first = logits.argmax(-1).tolist()
         out = {}
         with self.lock:
@@ -596,11 +612,13 @@ class Rank:
             table = torch.zeros(0, 1, dtype=torch.long, device=self.dev)
             toks = torch.zeros(0, dtype=torch.long, device=self.dev)
             pos = torch.zeros(0, dtype=torch.long, device=self.dev)
+        kw = {"slots": torch.tensor([s.slot for s in seqs], device=self.dev)} if self.linear and batch else {}
+        if self.capture is not None:   # re-run eagerly (no CUDA graph) under the profiler
+            self.capture.append(functools.partial(self.model.forward_decode, toks, pos, self.cache, table, **kw))
         if self.graphs is not None and batch:
             logits = self.graphs(toks, pos, table)
-        elif self.linear and batch:
-            logits = self.model.forward_decode(toks, pos, self.cache, table,
-                                               slots=torch.tensor([s.slot for s in seqs], device=self.dev))
+        elif kw:
+            logits = self.model.forward_decode(toks, pos, self.cache, table, **kw)
         else:
             logits = self.model.forward_decode(toks, pos, self.cache, table)
         nxt = logits.argmax(-1).tolist() if batch else []
@@ -611,6 +629,18 @@ class Rank:
             s.last_token = tok
             out[rid] = tok
         return out
+
+    @torch.inference_mode()
+    def _op_profile(self, keys):
+        """After the run: re-run the recorded model calls of the sampled plans ``keys`` (``[kind, key]``, the
+        same list in the same order on every rank of the group: collectives pair up) eagerly under the
+        profiler (``engine.real.profiling``); one ``{"terms", "unscoped_s", "kernels_s", "wall_s"}`` per key.
+        The KV they write lands in pages of finished requests (the run is over)."""
+        from rackbed.engine.real.profiling import profile_calls
+
+        plans = [self.captured[tuple(k)] for k in keys]
+        self.captured.clear()
+        return profile_calls(plans, self.dev)
 
     def _op_mixed(self, joined, left, items):
         """An aggregated worker's step: the running batch decodes, then the prompts of ``items`` are prefilled into
