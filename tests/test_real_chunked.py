@@ -84,7 +84,9 @@ def test_prefill_graph_replay_equals_eager_on_cuda(ckpt):
     chunks after earlier chunks) give the eager prefill's logits and KV."""
     _, _, d = ckpt
     cfg = TorchModelConfig.from_hf(json.loads((d / "config.json").read_text()))
-    model = ShardedQwen3Moe.random(cfg, Shard(), Comm(), seed=3, device="cuda", dtype=torch.float32)
+    # bf16, as timed runs are (the expert GEMMs' CUDA paths are bf16 kernels); the eager and the graph path sum the
+    # experts in different orders, so equality is to bf16 rounding
+    model = ShardedQwen3Moe.random(cfg, Shard(), Comm(), seed=3, device="cuda", dtype=torch.bfloat16)
     S = 4
     for n, cuts in ((37, [16]), (130, [64, 100]), (9, [])):
         ids = torch.randint(0, cfg.vocab, (n,), device="cuda")
@@ -98,6 +100,8 @@ def test_prefill_graph_replay_equals_eager_on_cuda(ckpt):
         for a, b in zip(bounds, bounds[1:]):
             out = runner(ids[a:b], a, sp)
         assert runner.mode == "graph", runner.why
-        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+        assert out.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=5e-2, atol=5e-2)
         for li in range(cfg.n_layers):
-            torch.testing.assert_close(static.storage[li][sp], eager.storage[li][pages], rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(static.storage[li][sp].float(), eager.storage[li][pages].float(),
+                                       rtol=5e-2, atol=5e-2)
