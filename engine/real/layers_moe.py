@@ -73,6 +73,17 @@ def experts(w, xs: torch.Tensor, counts: torch.Tensor, cfg) -> torch.Tensor:
 
         return grouped_swiglu(xs, w["gate_up"], w["down"], counts)
     F = w["down"].shape[-1]
+    if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        # biased / clamped experts (gpt-oss): two grouped GEMMs, each row's biases gathered by its expert; no host
+        # synchronisation, so the step can be captured in a CUDA graph
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        row_e = torch.repeat_interleave(torch.arange(counts.shape[0], device=xs.device), counts,
+                                        output_size=xs.shape[0])
+        gu = torch._grouped_mm(xs, w["gate_up"].transpose(1, 2), offs=offs)
+        if gub is not None:
+            gu = gu + gub[row_e]
+        y = torch._grouped_mm(glu(gu, F, cfg).to(xs.dtype), w["down"].transpose(1, 2), offs=offs)
+        return y if db is None else y + db[row_e]
     out = torch.empty(xs.shape[0], w["down"].shape[1], dtype=xs.dtype, device=xs.device)
     start = 0
     for e, n in enumerate(counts.tolist()):
