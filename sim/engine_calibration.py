@@ -67,6 +67,8 @@ class EngineCalibration(BaseModel):
     mode: str = "disaggregated"
     # aggregated: seconds per unit of each term of a mixed step (:data:`MIXED_TERMS`), summed
     mixed_s: dict[str, float] = Field(default_factory=dict)
+    # aggregated: whether the fitted runs replayed their prefill chunks as CUDA graphs (padded shapes) or eagerly
+    prefill_graphs: bool = True
     n_plans: dict[str, int] = Field(default_factory=dict)
     #: optional per-term refit from profiled plans (``sim.engine_attribution.fit_terms``): read, not priced
     term_fit: dict | None = None
@@ -154,13 +156,22 @@ def touched_experts(batch: float, n_experts: int, top_k: int) -> float:
     return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
 
 
-def mixed_shape(plan, model, page_tokens: int) -> dict[str, float]:
+def prefill_graphs(real: dict) -> bool:
+    """Whether a real run's ranks replayed their prefill steps as CUDA graphs (``real.json``'s ``graphs``, which
+    every rank reports when it stops; a run recorded without it counts as eager)."""
+    reports = list((real.get("graphs") or {}).values())
+    return bool(reports) and all(r.get("prefill", {}).get("mode") == "graph" for r in reports)
+
+
+def mixed_shape(plan, model, page_tokens: int, prefill_graphs: bool = True) -> dict[str, float]:
     """The :data:`MIXED_TERMS` of a ``MixedStep`` of ``model`` (a ``ModelSpec``: its experts and top-k) on a worker
-    with KV pages of ``page_tokens`` tokens."""
+    with KV pages of ``page_tokens`` tokens. ``prefill_graphs``: the engine replays its prefill chunks as CUDA graphs
+    (tokens and keys padded to the graph shapes); else it runs them eagerly (the chunk's own tokens, causal pairs)."""
     from rackbed.engine.core.graph_shapes import prefill_padded
 
     b = float(sum(plan.rank_batch))
-    padded = [prefill_padded(s, n, page_tokens) for _, _, s, n in plan.prefill]
+    padded = [prefill_padded(s, n, page_tokens) if prefill_graphs else (n, n * s + n * (n + 1) // 2)
+              for _, _, s, n in plan.prefill]
     return {"step": 1.0, "touched_experts": touched_experts(b, model.n_experts, model.top_k), "seqs": b,
             "context": float(sum(plan.rank_context_tokens)), "prefill_tokens": float(sum(t for t, _ in padded)),
             "pairs": float(sum(q for _, q in padded)), "chunks": float(len(plan.prefill))}
@@ -223,7 +234,8 @@ class EngineCalibratedCostModel:
         st = self.base.mixed(plan, group)
         if not self.cal.mixed_s:
             return st
-        return self._scaled(st, self.cal.mixed(mixed_shape(plan, self.base.model, self.base.dplan0.page_tokens)))
+        shape = mixed_shape(plan, self.base.model, self.base.dplan0.page_tokens, self.cal.prefill_graphs)
+        return self._scaled(st, self.cal.mixed(shape))
 
     def kv_transfer(self, plan):
         tc = self.base.kv_transfer(plan)
@@ -369,8 +381,8 @@ def _plans(run_dir: Path, built, kv_bytes_per_token: int | None = None) -> list[
         elif p["kind"] == "kv" and k in kv:
             out.append({**p, "x": kv[k] / kv_bpt if kv_bpt else kv[k]})
         elif p["kind"] == "mixed" and replayed.get(k3):
-            shape = mixed_shape(replayed[k3][i], built.model, built.decode_plan.page_tokens)
-            out.append({**p, "x": shape["seqs"], "shape": shape})
+            shape = mixed_shape(replayed[k3][i], built.model, built.decode_plan.page_tokens, prefill_graphs(real))
+            out.append({**p, "x": shape["seqs"], "shape": shape, "prefill_graphs": prefill_graphs(real)})
     return out
 
 
@@ -511,6 +523,9 @@ def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every, spec) -> 
     the decode batch, the decode context, the prefill tokens and the prefill's causal pairs. The decode and
     prefill curves are that fit's pure-decode (no prefill) and pure-prefill (no decode) cuts."""
     pts = [p for p in fit if p["kind"] == "mixed"]
+    graphs = all(p.get("prefill_graphs", True) for p in pts)
+    if any(p.get("prefill_graphs", True) != graphs for p in pts):
+        raise UserError(f"{run_dir}: some runs replayed prefill as CUDA graphs and some did not; fit them apart")
     if len(pts) < 2 * len(MIXED_TERMS):
         raise UserError(f"{run_dir}: {len(pts)} measured mixed steps to fit; an aggregated run needs at least "
                         f"{2 * len(MIXED_TERMS)}")
@@ -520,13 +535,13 @@ def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every, spec) -> 
     dec = [p["shape"] for p in pts if p["shape"]["prefill_tokens"] == 0 and p["shape"]["seqs"] > 0]
     ctx = statistics.mean(s["context"] / s["seqs"] for s in dec) if dec else 0.0
     batches = sorted({int(s["seqs"]) for s in dec}) or [1]
-    cut = EngineCalibration(gpu=gpu, model=model, decode_step_s=((1.0, 0.0),), prefill_s=(0.0, 0.0),
+    cut = EngineCalibration(gpu=gpu, model=model, decode_step_s=((1.0, 0.0),), prefill_s=(0.0, 0.0), prefill_graphs=graphs,
                             kv_transfer_s=(0.0, 0.0), mode="aggregated", mixed_s=coef)
     decode = tuple((float(b), cut.mixed({"step": 1.0, "touched_experts": touched_experts(b, spec.n_experts, spec.top_k),
                                          "seqs": b, "context": ctx * b, "prefill_tokens": 0.0, "pairs": 0.0,
                                          "chunks": 0.0}))
                    for b in batches)
-    cal = EngineCalibration(gpu=gpu, model=model, mode="aggregated", source=str(run_dir),
+    cal = EngineCalibration(gpu=gpu, model=model, mode="aggregated", source=str(run_dir), prefill_graphs=graphs,
                             date=real.get("versions", {}).get("date", ""), holdout_every=holdout_every,
                             decode_step_s=decode, prefill_s=(coef["step"] + coef["chunks"], coef["prefill_tokens"]),
                             prefill_attn_s=coef["pairs"], kv_transfer_s=(0.0, 0.0), mixed_s=coef,
