@@ -76,6 +76,7 @@ class TorchModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    mtp_layers: int = 0                  # multi-token-prediction modules after the decoder layers (DeepSeek-V3: 1)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -90,7 +91,17 @@ class TorchModelConfig:
         return ROUTING[self.family]
 
     def kind(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer; an MTP module's layer (``layer >= n_layers``) has the model's global
+        attention (MLA, else full)."""
+        if layer >= self.n_layers:
+            return "mla" if self.is_mla else "full"
         return self.layer_kinds[layer] if self.layer_kinds else "full"
+
+    @property
+    def runs_mtp(self) -> bool:
+        """The torch engine can run this model's MTP module as the draft of speculative decoding: it has one
+        (``mtp_layers``) and its family is one the engine runs it for (DeepSeek-V3 / Kimi-K2, GLM-4.5)."""
+        return self.mtp_layers > 0 and self.family in ("deepseek_v3", "glm4_moe")
 
     @property
     def kv_windows(self) -> tuple[int, ...]:
@@ -173,7 +184,7 @@ class TorchModelConfig:
                       shared_intermediate=moe.n_shared * moe.shared_intermediate, qk_norm=spec.qk_norm,
                       qkv_bias=spec.attn_qkv_bias, o_bias=spec.attn_o_bias, sinks=spec.attn_sinks,
                       sliding_window=spec.sliding_window, rope_theta=10000.0 if fam != "glm4_moe" else 1e6,
-                      max_position=spec.max_context or 4096)
+                      max_position=spec.max_context or 4096, mtp_layers=spec.n_mtp_layers)
         if fam == "deepseek_v3":
             groups = 8 if moe.n_experts % 8 == 0 and moe.n_experts // 8 >= 2 else 1
             kw.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
@@ -226,7 +237,8 @@ def _from_hf_get(cls, fam: str, get) -> TorchModelConfig:
     if fam == "qwen3_moe":
         return cls(**kw)
     kw.update(rope_scaling=tuple(sorted(rope.items())) if rope.get("rope_type", "default") != "default" else (),
-              max_position=get("max_position_embeddings", 4096), partial_rotary=partial)
+              max_position=get("max_position_embeddings", 4096), partial_rotary=partial,
+              mtp_layers=int(get("num_nextn_predict_layers", 0) or 0))
     if fam in ("deepseek_v3", "glm4_moe"):
         k = get("first_k_dense_replace", 0) or 0
         kw.update(dense_layers=tuple(range(min(k, n))), dense_intermediate=get("intermediate_size") if k else 0,

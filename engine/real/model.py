@@ -287,11 +287,15 @@ class ShardedQwen3Moe:
         self.layers, self.glob = layers, glob
         self.q_heads, self.kv_heads, self.experts = shard.q_heads(cfg), shard.kv_heads(cfg), shard.experts(cfg)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.mtp = None                 # Qwen3-MoE has no MTP module (``families.ShardedMoeLM`` runs one)
+        self.n_kv_layers = cfg.n_layers
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: TorchModelConfig, shard: Shard, comm: Comm, *, seed: int = 0, device="cpu",
-               dtype=torch.float32) -> ShardedQwen3Moe:
+               dtype=torch.float32, mtp: bool = False) -> ShardedQwen3Moe:
+        if mtp:
+            raise ValueError("Qwen3-MoE has no MTP module")
         layers = []
         for i in range(cfg.n_layers):
             full = random_layer_weights(cfg, i, seed, device, dtype)
@@ -301,7 +305,9 @@ class ShardedQwen3Moe:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard, comm: Comm, *,
-                        device="cpu", dtype=torch.float32) -> ShardedQwen3Moe:
+                        device="cpu", dtype=torch.float32, mtp: bool = False) -> ShardedQwen3Moe:
+        if mtp:
+            raise ValueError("Qwen3-MoE has no MTP module")
         conv = lambda t: t.to(device=device, dtype=dtype)
         layers = [{k: conv(v) for k, v in shard_layer(hf_layer_weights(state, cfg, i), cfg, shard).items()}
                   for i in range(cfg.n_layers)]
@@ -398,10 +404,12 @@ class ShardedQwen3Moe:
 
     # -- decode: DP attention + DP-EP MoE via sparse all-to-all ----------------------------------------------------
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
-                       page_table: torch.Tensor) -> torch.Tensor:
+                       page_table: torch.Tensor, *, hidden: bool = False):
         """One decode step for this rank's batch. ``tokens [B]`` at ``positions [B]`` (0-based; the KV of earlier
         positions is in the cache), ``page_table [B, maxP]``. Every rank of the EP group must call this in the same
-        step (B may be 0). Returns logits ``[B, V]``."""
+        step (B may be 0). Returns logits ``[B, V]`` (``hidden``: and the last hidden state ``[B, D]``). Rows of
+        one sequence at consecutive positions (a speculative verify) attend causally: every row's KV is written
+        before any row attends."""
         cfg = self.cfg
         B = tokens.shape[0]
         x = self.glob["embed"][tokens]                                    # [B, D]
@@ -422,7 +430,7 @@ class ShardedQwen3Moe:
                 torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device), torch.zeros(0, cfg.top_k, dtype=x.dtype,
                                                                                           device=x.device))
             x = x + self._moe_dp_ep(w, h, topi, topw)
-        return self._logits(x)
+        return (self._logits(x), x) if hidden else self._logits(x)
 
     def _paged_attention(self, q: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Decode attention read straight from gathered pages, without expanding KV heads for GQA.
@@ -442,7 +450,7 @@ class ShardedQwen3Moe:
         return torch.matmul(probs, V).reshape(B, Hkv * G * Dh)
 
     def forward_decode_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
-                              page_table: torch.Tensor) -> torch.Tensor:
+                              page_table: torch.Tensor, *, hidden: bool = False):
         """``forward_decode`` for a single-rank expert group without any host synchronisation or data-dependent
         shape, so the whole step can be captured in a CUDA graph (:class:`DecodeGraphRunner`). Same math: the
         MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones."""
@@ -467,7 +475,7 @@ class ShardedQwen3Moe:
             # kernels.moe_block: the block kernels/bench/measure.py times (bench moe_block)
             x = x + moe_block(h, h @ w["router"].T, w["gate_up"], w["down"], cfg.top_k, swiglu=grouped_swiglu,
                               norm_topk_prob=cfg.norm_topk_prob)
-        return self._logits(x)
+        return (self._logits(x), x) if hidden else self._logits(x)
 
     def _moe_dp_ep(self, w, h: torch.Tensor, topi: torch.Tensor, topw: torch.Tensor) -> torch.Tensor:
         """Sparse all-to-all MoE: dispatch each token once per destination rank, apply local experts, combine."""
