@@ -673,18 +673,22 @@ class DecodeGraphRunner:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self.model.forward_decode_static(tok, pos, self.cache, table)
+                self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True)
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # thread_local: the rank's KV-transfer thread may be allocating and launching on its own stream meanwhile
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.model.forward_decode_static(tok, pos, self.cache, table)
+            out = self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True)
         return g, tok, pos, table, out
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, *,
+                 hidden: bool = False):
+        """Logits ``[B, V]`` of the step (``hidden``: and the last hidden states ``[B, D]``). Rows of one sequence
+        at consecutive positions (an MTP verify, ``engine.real.mtp``) are rows like any other: a bucket counts
+        rows."""
         B, P = tokens.shape[0], page_table.shape[1]
         Bb = self._bucket(B, self.BATCH_BUCKETS)
         Pb = -(-P // self.PAGE_ROUND) * self.PAGE_ROUND
@@ -709,5 +713,6 @@ class DecodeGraphRunner:
                 pos_b.copy_(ps)
                 tab_b.copy_(tab)
                 g.replay()
-                return out[:B]
-        return self.model.forward_decode_static(tk, ps, self.cache, tab)[:B]
+                return (out[0][:B], out[1][:B]) if hidden else out[0][:B]
+        lo, x = self.model.forward_decode_static(tk, ps, self.cache, tab, hidden=True)
+        return (lo[:B], x[:B]) if hidden else lo[:B]

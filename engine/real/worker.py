@@ -12,7 +12,9 @@ free pages for it, ``declined: no pages: ...``). Commands:
   -> reply bytes (the KV is freed by the ``drop`` the driver sends once the scheduler has seen the transfer
   complete)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
-- ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
+- ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``;
+  with MTP (``RankSpec.draft_k`` > 0) a speculative step (``engine.real.mtp``: drafts, one verify forward) ->
+  ``{rid: [tokens]}``, ``1 + accepted`` tokens each
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
   ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
@@ -47,6 +49,7 @@ from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.families import model_class
 from rackbed.engine.real.model import PagedKvCache, Shard, TorchModelConfig
+from rackbed.engine.real.mtp import draft_room, mtp_step
 from rackbed.engine.real.prefix import RankPrefixCache
 from rackbed.engine.real.transfer import KvBackend, KvDeclined, KvNoRoom, TransferEngine
 
@@ -84,6 +87,9 @@ class RankSpec:
     # multiple of page_tokens), at most ``prefix_blocks`` of them (their pages come out of ``n_pages``); 0 = off
     prefix_blocks: int = 0
     prefix_block_tokens: int = 0
+    # speculative decoding with the model's MTP module (``engine.real.mtp``): drafts per decode step (0 = off); every
+    # rank of the run holds the module (a prefiller writes its KV, which the transfer ships with the other layers)
+    draft_k: int = 0
 
 
 @dataclass
@@ -94,6 +100,8 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     busy: bool = False              # prefiller: the transfer lane is shipping it
     stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
+    mtp_h: torch.Tensor | None = None   # decoder with MTP: the target's hidden states of the positions whose MTP
+    mtp_next: list[int] = field(default_factory=list)   # KV the next draft writes (mtp.py), and their next tokens
 
 
 def _nccl_all_reduce(x, group):
@@ -120,14 +128,15 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
 
 
 def kv_layouts(cfg, elem_bytes: int, page_tokens: int, prefill_tp: int, prefill_pages: int,
-               decode_pages: int) -> tuple[KvLayout, KvLayout]:
+               decode_pages: int, mtp_layers: int = 0) -> tuple[KvLayout, KvLayout]:
     """``(prefiller, decoder)`` layouts of the KV transfer: the prefiller's TP group (MLA: the latent replicated
     on every rank; GQA: KV heads sharded) to one DP decode rank. Sliding layers carry their window
     (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them; the decoder's
-    earlier pages of those layers are never read (the decode mask stops at the window)."""
+    earlier pages of those layers are never read (the decode mask stops at the window). ``mtp_layers``: the MTP
+    module's layers after the decoder layers (their KV ships too, whole)."""
     def layout(tp: int, n_pages: int) -> KvLayout:
-        lay = KvLayout.for_attention(cfg.attention, cfg.n_layers, elem_bytes, page_tokens, tp, n_pages)
-        return lay if lay.latent else replace(lay, windows=cfg.kv_windows)
+        lay = KvLayout.for_attention(cfg.attention, cfg.n_layers + mtp_layers, elem_bytes, page_tokens, tp, n_pages)
+        return lay if lay.latent else replace(lay, windows=cfg.kv_windows + (0,) * mtp_layers)
 
     return layout(prefill_tp, prefill_pages), layout(1, decode_pages)
 
@@ -216,16 +225,18 @@ class Rank:
         cls = model_class(spec.cfg)       # Qwen3-MoE, or the DeepSeek-V3 / gpt-oss / GLM-4.5 families
         if spec.weights:
             self.model = cls.from_state_dict(_load_state(spec.weights), spec.cfg, shard, comm,
-                                             device=dev, dtype=dt)
+                                             device=dev, dtype=dt, mtp=spec.draft_k > 0)
         else:
-            self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
+            self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt,
+                                    mtp=spec.draft_k > 0)
         self.cache: PagedKvCache = self.model.new_cache(spec.n_pages, spec.page_tokens)
         self.prefix: RankPrefixCache | None = None
         if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
             self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
-        src, dst = kv_layouts(cfg, eb, spec.page_tokens, spec.prefill_tp, spec.prefill_pages, spec.decode_pages)
+        src, dst = kv_layouts(cfg, eb, spec.page_tokens, spec.prefill_tp, spec.prefill_pages, spec.decode_pages,
+                              self.model.n_kv_layers - cfg.n_layers)
         self.transfer = TransferEngine(src, dst, KvBackend(kv_group))
         self.seqs: dict[int, _Seq] = {}        # prefiller: KV awaiting shipment; decoder: received / running
         self.running: list[int] = []           # decoder: request ids in the batch, in join order
@@ -235,6 +246,7 @@ class Rank:
         self.kv_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs = None
         self.graph_info: dict = {}
+        self.draft_hook = None                 # tests: replaces the MTP drafts (engine.real.mtp.mtp_step)
         if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
             from rackbed.engine.real.model import DecodeGraphRunner
 
@@ -477,6 +489,8 @@ class Rank:
 
     @torch.inference_mode()
     def _op_decode(self, joined, left):
+        """One decode step of the running batch -> ``{rid: token}``; with MTP (``spec.draft_k`` > 0) a speculative
+        step (``engine.real.mtp``) -> ``{rid: [tokens]}``, ``1 + accepted`` tokens each."""
         with self.lock:
             for rid in left:
                 self._drop(rid)
@@ -485,9 +499,18 @@ class Rank:
                     self.running.append(rid)
             batch = [rid for rid in self.running if rid in self.seqs]
             seqs = [self.seqs[rid] for rid in batch]
+            if self.spec.draft_k > 0:
+                rooms = draft_room(self.cache, seqs, self.spec.draft_k)
             for s in seqs:
                 self.cache.grow(s.pages, s.length + 1)
             rows = [list(s.pages) for s in seqs]
+        if self.spec.draft_k > 0:
+            verify = None
+            if self.graphs is not None and batch:
+                verify = lambda t, p, tab: self.graphs(t, p, tab, hidden=True)  # noqa: E731
+            toks = mtp_step(self.model, self.cache, seqs, rooms, self.spec.draft_k, verify=verify,
+                            draft_hook=self.draft_hook)
+            return dict(zip(batch, toks))
         if batch:
             width = max(len(p) for p in rows)
             table = torch.tensor([p + [p[0]] * (width - len(p)) for p in rows], device=self.dev)

@@ -1,0 +1,228 @@
+"""Speculative decoding with the MTP module in the real engine (``engine.real.mtp``) on a tiny DeepSeek-V3 model with
+random weights: the tokens a request emits with k = 1, 2, 3 drafts equal plain greedy decoding of the target; a
+draft made to agree has every draft accepted (k + 1 tokens a step); the static (CUDA-graph) forward of a verify
+step equals the eager one; and a ``run_real`` run with draft_k = 2 finishes every request with its output's tokens
+(plain greedy's), the scheduler counting exactly the tokens the ranks emitted, and its replay makes identical
+decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_families import TINY
+
+from rackbed.engine.real.comm import Comm
+from rackbed.engine.real.config import TorchModelConfig
+from rackbed.engine.real.families import ShardedMoeLM
+from rackbed.engine.real.model import Shard
+from rackbed.engine.real.mtp import draft_room, mtp_step
+
+SEED = 3
+PAGE = 4
+
+
+@dataclass
+class _Seq:     # what mtp_step reads and updates of the worker's sequence
+    pages: list
+    length: int
+    last_token: int
+    tokens: list = field(default_factory=list)
+    mtp_h: object = None
+    mtp_next: list = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    c = TorchModelConfig.from_hf({"model_type": "deepseek_v3", **TINY["deepseek_v3"], "num_nextn_predict_layers": 1})
+    assert c.mtp_layers == 1 and c.runs_mtp
+    return c
+
+
+@pytest.fixture(scope="module")
+def models(cfg):
+    """The target alone, and the target with its MTP module (same seed: the same target weights)."""
+    return (ShardedMoeLM.random(cfg, Shard(), Comm(), seed=SEED),
+            ShardedMoeLM.random(cfg, Shard(), Comm(), seed=SEED, mtp=True))
+
+
+def _table(pts):
+    width = max(len(p) for p in pts)
+    return torch.tensor([p + [p[0]] * (width - len(p)) for p in pts])
+
+
+@torch.inference_mode()
+def _greedy(model, prompts, n):
+    """Plain greedy decoding: the first token of the prefill, then n - 1 decode steps."""
+    cache = model.new_cache(64, PAGE)
+    pts = [cache.alloc(len(p)) for p in prompts]
+    toks = [[t] for t in model.forward_prefill(prompts, cache, pts).argmax(-1).tolist()]
+    pos = [len(p) for p in prompts]
+    for _ in range(n - 1):
+        for i, pt in enumerate(pts):
+            cache.grow(pt, pos[i] + 1)
+        lo = model.forward_decode(torch.tensor([t[-1] for t in toks]), torch.tensor(pos), cache, _table(pts))
+        for i, t in enumerate(lo.argmax(-1).tolist()):
+            toks[i].append(t)
+            pos[i] += 1
+    return toks
+
+
+@torch.inference_mode()
+def _speculative(model, prompts, n, k, hook=None, n_pages=64):
+    """Decode with k drafts a step until every sequence has n tokens; returns (tokens, tokens per step per seq)."""
+    cache = model.new_cache(n_pages, PAGE)
+    pts = [cache.alloc(len(p)) for p in prompts]
+    first = model.forward_prefill(prompts, cache, pts).argmax(-1).tolist()
+    seqs = [_Seq(pt, len(p), t) for pt, p, t in zip(pts, prompts, first)]
+    out, per_step = [[t] for t in first], []
+    while min(len(o) for o in out) < n:
+        emitted = mtp_step(model, cache, seqs, draft_room(cache, seqs, k), k, draft_hook=hook)
+        per_step.append([len(e) for e in emitted])
+        for o, e, s in zip(out, emitted, seqs):
+            o += e
+            assert s.length == len(s.tokens) + len(prompts[out.index(o)]) and s.last_token == o[-1]
+    return out, per_step
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 10), min_size=1, max_size=2), k=st.integers(1, 3), seed=st.integers(0, 99))
+def test_speculative_tokens_equal_plain_greedy(models, cfg, lens, k, seed):
+    plain, spec = models
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in lens]
+    n = 7
+    ref = _greedy(plain, prompts, n)
+    got, per_step = _speculative(spec, prompts, n, k)
+    assert [o[:n] for o in got] == ref
+    assert all(1 <= x <= k + 1 for step in per_step for x in step)
+    assert all(x == 1 for x in per_step[0])      # a sequence's first step has no target hidden state: no drafts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_draft_that_agrees_is_always_accepted(models, cfg, k):
+    """The draft replaced by the target's own greedy continuation: after the first step (no drafts yet), every
+    step emits k + 1 tokens, and they are still plain greedy's."""
+    plain, spec = models
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (9, 4)]
+    n = 1 + 1 + 3 * (k + 1)
+    ref = _greedy(plain, prompts, n + k + 1)
+    start = {len(p): i for i, p in enumerate(prompts)}
+    prompt_len = [len(p) for p in prompts]
+
+    def agree(s, j, _proposed):
+        i = start[s.length - len(s.tokens)]
+        return ref[i][s.length - prompt_len[i] + j]
+
+    got, per_step = _speculative(spec, prompts, n, k, hook=agree)
+    assert per_step[0] == [1, 1] and all(x == [k + 1, k + 1] for x in per_step[1:])
+    assert [o for o in got] == [r[:len(o)] for r, o in zip(ref, got)]
+
+
+def test_drafts_shrink_to_the_pages_left(models, cfg):
+    """A cache without room for a sequence's k extra positions verifies as many drafts as its pages hold (down to
+    none), and the tokens stay plain greedy's."""
+    plain, spec = models
+    cache = spec.new_cache(3, PAGE)                                    # 12 tokens
+    s = _Seq(cache.alloc(9), 9, 0, mtp_h=torch.zeros(1, cfg.hidden))
+    assert draft_room(cache, [s], 3) == [2] and len(s.pages) == 3      # positions 9, 10, 11
+    s.length = 11
+    assert draft_room(cache, [s], 3) == [0]
+    assert draft_room(cache, [_Seq(s.pages, 5, 0)], 3) == [0]          # no target hidden state yet: no drafts
+    prompts = [torch.arange(7) % cfg.vocab]
+    ref = _greedy(plain, prompts, 5)
+    got, _ = _speculative(spec, prompts, 5, 3, n_pages=3)               # rooms 0, 3, then what is left
+    assert got[0][:5] == ref[0]
+
+
+def test_static_verify_forward_equals_the_eager_one(models, cfg):
+    """The CUDA-graph path's forward (``forward_decode_static``, here eager on CPU) of a verify step — k + 1 rows per
+    sequence at consecutive positions — gives the eager forward's logits and hidden states."""
+    _, spec = models
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=g) for n in (6, 3)]
+    outs = []
+    for fwd in (spec.forward_decode, spec.forward_decode_static):
+        cache = spec.new_cache(32, PAGE)
+        pts = [cache.alloc(len(p) + 3) for p in prompts]
+        with torch.inference_mode():
+            spec.forward_prefill(prompts, cache, pts)
+            rows = [0, 0, 0, 1, 1, 1]
+            toks = torch.randint(0, cfg.vocab, (6,), generator=torch.Generator().manual_seed(4))
+            pos = torch.tensor([6, 7, 8, 3, 4, 5])
+            outs.append(fwd(toks, pos, cache, _table(pts)[rows], hidden=True))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5) and torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
+
+
+def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, cfg, models):
+    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller, two DP decoders) with mtp.draft_k = 2: every request gets its
+    output's tokens, plain greedy's; each decode step's replies counted 1 + accepted tokens per request and the
+    scheduler booked exactly those; the replay, fed the recorded accepted counts, makes identical decisions."""
+    import json
+
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import replay, run_real
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build, parse_scenario
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **TINY["deepseek_v3"],
+                                               "num_nextn_predict_layers": 1, "architectures": ["DeepseekV3ForCausalLM"]}))
+    sc = parse_scenario({
+        "name": "cpu-real-mtp", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
+        "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
+        "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": PAGE},
+        "mtp": {"draft_k": 2},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
+                     "prompt": {"kind": "uniform", "lo": 5, "hi": 20}, "output": {"kind": "uniform", "lo": 2, "hi": 9},
+                     "n_requests": 6, "seed": 1}})
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", prefill_pages=256, decode_pages=256,
+                        tiny_cfg=cfg, seed=SEED)
+    assert run.draft_k == 2
+    assert res.metrics["requests"]["done"] == len(reqs)
+    plain, _ = models
+    for r in reqs:
+        assert len(run.generated[r.id]) == r.output_tokens
+        ref = _greedy(plain, [torch.tensor(run.prompt_ids[r.id])], r.output_tokens)[0]
+        assert run.generated[r.id] == ref, f"request {r.id}"
+    steps = [rec for rec in run.records if rec[1] == "decode"]
+    assert steps and all(len(rec) == 6 for rec in steps)
+    emitted: dict[int, list[int]] = {}
+    for rec in steps:
+        for rid, a in rec[5].items():
+            emitted.setdefault(rid, []).append(1 + a)
+    # the scheduler finished each request at the step whose real tokens completed its output (the first token
+    # comes from the prefill), not at a drawn step: it left the batch right after
+    for r in reqs:
+        e = emitted[r.id]
+        assert sum(e[:-1]) < r.output_tokens - 1 <= sum(e), (r.id, e, r.output_tokens)
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
+
+
+def test_real_mode_refuses_drafts_for_a_model_without_an_mtp_module(tmp_path):
+    """mtp.draft_k > 0 on a model whose family has no MTP module: one line naming the model and the field."""
+    from rackbed.engine.real.rank_setup import real_model_config
+    from rackbed.sim.scenario import build, parse_scenario
+    from rackbed.topology.errors import UserError
+
+    sc = parse_scenario({
+        "name": "cpu-real-no-mtp", "topology": "hgx-h200", "model": "qwen3-30b-a3b", "weight_format": "bf16",
+        "prefill": {"tp": 1, "ep": 1, "replicas": 1}, "decode": {"ep": 1, "replicas": 1},
+        "mtp": {"draft_k": 2, "draft": {"kind": "mtp", "layers": 1}},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 1},
+                     "prompt": {"kind": "uniform", "lo": 5, "hi": 6}, "output": {"kind": "uniform", "lo": 2, "hi": 3},
+                     "n_requests": 1, "seed": 1}})
+    with pytest.raises(UserError, match=r"mtp\.draft_k: 2 .*qwen3-30b-a3b") as e:
+        real_model_config(build(sc), n_layers=1)
+    assert "\n" not in str(e.value)
