@@ -45,9 +45,16 @@ Prefix caching (``built.prefix_cache``): a prefill item's start is the prefix th
 maps those tokens' pages from its own cache (``engine.real.prefix``, keys from token content) and prefills the rest;
 docs/PREFIX_CACHE.md ("In the real engine").
 
-Limits (documented, not hidden): random-weight runs draw MTP acceptance
-from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
-and chunked prefill are simulated only; aggregated workers are one GPU each (``tp = dp = ep = 1``).
+Speculative decoding (``mtp.draft_k`` = k > 0) runs for real with the model's own MTP module (``engine.real.mtp``):
+a decode step (or a mixed step's decode part) is k draft forwards and one verify forward of k + 1 tokens per
+sequence; each rank replies every request's ``1 + accepted`` tokens, the completion event carries the accepted
+counts (``plans.Accepted``) so the scheduler counts the real tokens (``Result.accepted``), and each such step's
+record carries them too, so :class:`ReplayExecutor` answers the replay's step with the same counts.
+
+Limits (documented, not hidden): MTP runs for models with an MTP module the engine implements (DeepSeek-V3 /
+Kimi-K2, GLM-4.5; others are refused, ``real_model_config``), with greedy acceptance only, eager draft forwards and
+no draft for a sequence's first step on a decoder; autoscaling and chunked prefill are simulated only; aggregated
+workers are one GPU each (``tp = dp = ep = 1``).
 """
 
 from __future__ import annotations
