@@ -161,10 +161,14 @@ def test_static_verify_forward_equals_the_eager_one(models, cfg):
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5) and torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
 
 
-def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, cfg, models):
-    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller, two DP decoders) with mtp.draft_k = 2: every request gets its
-    output's tokens, plain greedy's; each decode step's replies counted 1 + accepted tokens per request and the
-    scheduler booked exactly those; the replay, fed the recorded accepted counts, makes identical decisions."""
+@pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["disaggregated", "aggregated"])
+def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, cfg, models, deployment):
+    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller and two DP decoders, or two aggregated one-GPU workers whose
+    mixed steps decode speculatively) with mtp.draft_k = 2: every request gets its output's tokens, plain
+    greedy's; each decode step's replies counted 1 + accepted tokens per request and the scheduler finished each
+    request at the step those completed its output; the replay, fed the recorded accepted counts, makes identical
+    decisions."""
     import json
 
     from rackbed.engine.core.workload import generate
@@ -176,14 +180,19 @@ def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, c
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **TINY["deepseek_v3"],
                                                "num_nextn_predict_layers": 1, "architectures": ["DeepseekV3ForCausalLM"]}))
-    sc = parse_scenario({
+    data = {
         "name": "cpu-real-mtp", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
         "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
         "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": PAGE},
         "mtp": {"draft_k": 2},
         "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
                      "prompt": {"kind": "uniform", "lo": 5, "hi": 20}, "output": {"kind": "uniform", "lo": 2, "hi": 9},
-                     "n_requests": 6, "seed": 1}})
+                     "n_requests": 6, "seed": 1}}
+    if deployment == "aggregated":
+        data |= {"deployment": "aggregated",
+                 "aggregated": {"workers": 2, "tp": 1, "dp": 1, "ep": 1, "max_batch_per_rank": 4,
+                                "max_batch_tokens": 40, "chunk_tokens": None, "page_tokens": PAGE}}
+    sc = parse_scenario(data)
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", prefill_pages=256, decode_pages=256,
@@ -195,8 +204,10 @@ def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, c
         assert len(run.generated[r.id]) == r.output_tokens
         ref = _greedy(plain, [torch.tensor(run.prompt_ids[r.id])], r.output_tokens)[0]
         assert run.generated[r.id] == ref, f"request {r.id}"
-    steps = [rec for rec in run.records if rec[1] == "decode"]
+    steps = [rec for rec in run.records if rec[1] == ("mixed" if deployment == "aggregated" else "decode")]
     assert steps and all(len(rec) == 6 for rec in steps)
+    if deployment == "aggregated":
+        assert not res.log.of_kind("kv_transfer")
     emitted: dict[int, list[int]] = {}
     for rec in steps:
         for rid, a in rec[5].items():
