@@ -85,9 +85,9 @@ def _speculative(model, prompts, n, k, hook=None, n_pages=64):
     while min(len(o) for o in out) < n:
         emitted = mtp_step(model, cache, seqs, draft_room(cache, seqs, k), k, draft_hook=hook)
         per_step.append([len(e) for e in emitted])
-        for o, e, s in zip(out, emitted, seqs):
+        for o, e, s, p in zip(out, emitted, seqs, prompts):
             o += e
-            assert s.length == len(s.tokens) + len(prompts[out.index(o)]) and s.last_token == o[-1]
+            assert s.length == len(s.tokens) + len(p) and s.last_token == o[-1]
     return out, per_step
 
 
@@ -237,3 +237,41 @@ def test_real_mode_refuses_drafts_for_a_model_without_an_mtp_module(tmp_path):
     with pytest.raises(UserError, match=r"mtp\.draft_k: 2 .*qwen3-30b-a3b") as e:
         real_model_config(build(sc), n_layers=1)
     assert "\n" not in str(e.value)
+
+
+def test_mtp_module_is_read_from_a_deepseek_checkpoint(tmp_path, cfg):
+    """A DeepSeek-V3 state dict holds the MTP module as layer ``n_layers`` (a decoder layer plus enorm / hnorm /
+    eh_proj / shared_head.norm): the engine loads it from there, and decoding with it gives plain greedy's tokens."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from rackbed.engine.real.rank_setup import _has_mtp_weights
+
+    torch.manual_seed(0)
+    hf = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**{**TINY["deepseek_v3"], "num_hidden_layers": 4})).eval()
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    n, D = cfg.n_layers, cfg.hidden
+    p = f"model.layers.{n}."
+    state |= {p + "enorm.weight": 1 + 0.1 * torch.randn(D), p + "hnorm.weight": 1 + 0.1 * torch.randn(D),
+              p + "eh_proj.weight": 0.1 * torch.randn(D, 2 * D), p + "shared_head.norm.weight": torch.ones(D)}
+    spec = ShardedMoeLM.from_state_dict(state, cfg, Shard(), Comm(), mtp=True)
+    plain = ShardedMoeLM.from_state_dict(state, cfg, Shard(), Comm())
+    assert torch.equal(spec.mtp["eh_proj"], state[p + "eh_proj.weight"])
+    assert torch.equal(spec.mtp["kv_a"], state[p + "self_attn.kv_a_proj_with_mqa.weight"])
+    assert "head_norm" in spec.mtp and spec.n_kv_layers == n + 1 and spec.new_cache(4, PAGE).storage.shape[0] == n + 1
+    prompts = [torch.tensor([3, 1, 4, 1, 5, 9]), torch.tensor([2, 7])]
+    assert [o[:6] for o in _speculative(spec, prompts, 6, 2)[0]] == _greedy(plain, prompts, 6)
+    save_file({p + "eh_proj.weight": state[p + "eh_proj.weight"]}, str(tmp_path / "a.safetensors"))
+    assert _has_mtp_weights(tmp_path, n) and not _has_mtp_weights(tmp_path, n + 1)
+    with pytest.raises(ValueError, match="no MTP module"):
+        ShardedMoeLM.from_state_dict({k: v for k, v in state.items() if not k.startswith(p)}, cfg, Shard(), Comm(),
+                                     mtp=True)
+
+
+def test_glm_mtp_module_tokens_equal_plain_greedy():
+    """GLM-4.5's MTP module (a full-attention GQA layer) drafts the same way: k = 2 gives plain greedy's tokens."""
+    c = TorchModelConfig.from_hf({"model_type": "glm4_moe", **TINY["glm4_moe"], "num_nextn_predict_layers": 1})
+    plain = ShardedMoeLM.random(c, Shard(), Comm(), seed=SEED)
+    spec = ShardedMoeLM.random(c, Shard(), Comm(), seed=SEED, mtp=True)
+    prompts = [torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([1, 2, 3])]
+    assert [o[:6] for o in _speculative(spec, prompts, 6, 2)[0]] == _greedy(plain, prompts, 6)
