@@ -164,7 +164,9 @@ def test_static_verify_forward_equals_the_eager_one(models, cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("deployment", ["disaggregated", "aggregated"])
 def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, cfg, models, deployment):
-    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller and two DP decoders, or two aggregated one-GPU workers whose
+    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller and a decoder of two DP ranks sharing its experts (EP=2: every
+    draft and verify forward exchanges tokens between them, with or without rows of their own), or two aggregated
+    one-GPU workers whose
     mixed steps decode speculatively) with mtp.draft_k = 2: every request gets its output's tokens, plain
     greedy's; each decode step's replies counted 1 + accepted tokens per request and the scheduler finished each
     request at the step those completed its output; the replay, fed the recorded accepted counts, makes identical
@@ -183,7 +185,7 @@ def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, c
     data = {
         "name": "cpu-real-mtp", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
         "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
-        "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": PAGE},
+        "decode": {"ep": 2, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": PAGE},
         "mtp": {"draft_k": 2},
         "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
                      "prompt": {"kind": "uniform", "lo": 5, "hi": 20}, "output": {"kind": "uniform", "lo": 2, "hi": 9},
