@@ -164,13 +164,12 @@ def test_static_verify_forward_equals_the_eager_one(models, cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("deployment", ["disaggregated", "aggregated"])
 def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, cfg, models, deployment):
-    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller and a decoder of two DP ranks sharing its experts (EP=2: every
-    draft and verify forward exchanges tokens between them, with or without rows of their own), or two aggregated
-    one-GPU workers whose
-    mixed steps decode speculatively) with mtp.draft_k = 2: every request gets its output's tokens, plain
-    greedy's; each decode step's replies counted 1 + accepted tokens per request and the scheduler finished each
-    request at the step those completed its output; the replay, fed the recorded accepted counts, makes identical
-    decisions."""
+    """``run_real`` (CPU ranks, gloo: a TP=2 prefiller and a decoder of two DP ranks sharing its experts — EP=2:
+    every draft and verify forward exchanges tokens between them, with or without rows of their own — or two
+    aggregated one-GPU workers whose mixed steps decode speculatively) with mtp.draft_k = 2: every request gets its
+    output's tokens, plain greedy's; each decode step's replies counted 1 + accepted tokens per request and the
+    scheduler finished each request at the step those completed its output; the replay, fed the recorded accepted
+    counts, makes identical decisions."""
     import json
 
     from rackbed.engine.core.workload import generate
