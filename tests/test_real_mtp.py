@@ -180,7 +180,8 @@ def test_real_run_with_two_drafts_finishes_every_request_and_replays(tmp_path, c
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **TINY["deepseek_v3"],
-                                               "num_nextn_predict_layers": 1, "architectures": ["DeepseekV3ForCausalLM"]}))
+                                               "num_nextn_predict_layers": 1,
+                                               "architectures": ["DeepseekV3ForCausalLM"]}))
     data = {
         "name": "cpu-real-mtp", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
         "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
@@ -276,3 +277,17 @@ def test_glm_mtp_module_tokens_equal_plain_greedy():
     spec = ShardedMoeLM.random(c, Shard(), Comm(), seed=SEED, mtp=True)
     prompts = [torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([1, 2, 3])]
     assert [o[:6] for o in _speculative(spec, prompts, 6, 2)[0]] == _greedy(plain, prompts, 6)
+
+
+def test_engine_calibration_replays_a_speculative_step_with_its_recorded_counts():
+    """real.json keeps a speculative step's accepted counts (JSON keys are strings); the calibration's replay
+    answers that step with them, as the run's completion did."""
+    from rackbed.engine.core.plans import Accepted, DecodeStep
+    from rackbed.sim.engine_calibration import _Replayed
+
+    ex = _Replayed([{"worker": "D0", "kind": "decode", "key": 0, "measured_s": 0.25, "worker_s": 0.2,
+                     "accepted": {"5": 2, "7": 0}},
+                    {"worker": "D0", "kind": "decode", "key": 1, "measured_s": 0.5, "worker_s": 0.4}])
+    step = DecodeStep("D0", 0, (2,), (10,), 2, (), ())
+    assert ex.duration(step, 0.0) == Accepted(0.25, {5: 2, 7: 0})
+    assert ex.duration(step._replace(step=1), 0.25) == 0.5
