@@ -80,8 +80,9 @@ def _main(args: argparse.Namespace) -> int:
     same = res.log.decisions() == rep.log.decisions()
     doc = {
         "scenario": str(path), "versions": _versions(),
-        "mtp": (f"the model's MTP module drafts {run.draft_k} token(s) per decode step, one verify forward of the "
-                "target accepts them (greedy); the scheduler counts the real tokens" if run.draft_k else
+        "mtp": (f"the model's MTP module drafts {b.deployment.mtp.draft_k} token(s) per decode step, one verify "
+                "forward of the target accepts them (greedy); the scheduler counts the real tokens"
+                if b.deployment.mtp.draft_k else
                 "no drafts (mtp.draft_k: 0): one forward per decode step"),
         "model": {"name": b.model.name, "layers": run.cfg.n_layers, "hidden": run.cfg.hidden, "dtype": rs.dtype},
         "kv_bytes_per_token": b.deployment.kv_bytes_per_token,
