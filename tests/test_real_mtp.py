@@ -3,7 +3,7 @@ random weights: the tokens a request emits with k = 1, 2, 3 drafts equal plain g
 draft made to agree has every draft accepted (k + 1 tokens a step); the static (CUDA-graph) forward of a verify
 step equals the eager one; and a ``run_real`` run with draft_k = 2 finishes every request with its output's tokens
 (plain greedy's), the scheduler counting exactly the tokens the ranks emitted, and its replay makes identical
-decisions."""
+decisions — also from a checkpoint whose drafts are always accepted (3 tokens a step)."""
 
 from __future__ import annotations
 
@@ -291,3 +291,61 @@ def test_engine_calibration_replays_a_speculative_step_with_its_recorded_counts(
     step = DecodeStep("D0", 0, (2,), (10,), 2, (), ())
     assert ex.duration(step, 0.0) == Accepted(0.25, {5: 2, 7: 0})
     assert ex.duration(step._replace(step=1), 0.25) == 0.5
+
+
+@pytest.mark.slow
+def test_real_run_where_every_draft_is_accepted(tmp_path, cfg):
+    """A checkpoint (with its MTP module, ``real.weights``) whose lm head is zero: every logit ties, the target's
+    greedy token and the draft's are both token 0, so every draft is accepted. With draft_k = 2 each decode step
+    after a request's first emits 3 tokens; the scheduler finishes each request at the step whose real tokens
+    complete its output (fewer steps than tokens), the request keeps exactly its output's tokens, and the replay
+    makes identical decisions."""
+    import json
+
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import replay, run_real
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build, parse_scenario
+
+    torch.manual_seed(0)
+    hf = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**{**TINY["deepseek_v3"], "num_hidden_layers": 4})).eval()
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    n, D = cfg.n_layers, cfg.hidden
+    p = f"model.layers.{n}."
+    state |= {p + "enorm.weight": torch.ones(D), p + "hnorm.weight": torch.ones(D),
+              p + "eh_proj.weight": 0.1 * torch.randn(D, 2 * D)}
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file(state, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **TINY["deepseek_v3"],
+                                               "num_nextn_predict_layers": 1,
+                                               "architectures": ["DeepseekV3ForCausalLM"]}))
+    sc = parse_scenario({
+        "name": "cpu-real-mtp-agree", "topology": "hgx-h200", "model": str(d / "config.json"), "weight_format": "bf16",
+        "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
+        "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": PAGE},
+        "mtp": {"draft_k": 2},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
+                     "prompt": {"kind": "uniform", "lo": 5, "hi": 20}, "output": {"kind": "uniform", "lo": 4, "hi": 12},
+                     "n_requests": 6, "seed": 2}})
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
+                        decode_pages=256, tiny_cfg=TorchModelConfig.from_hf(json.loads((d / "config.json").read_text())))
+    assert res.metrics["requests"]["done"] == len(reqs)
+    emitted: dict[int, list[int]] = {}
+    for rec in run.records:
+        if rec[1] == "decode":
+            for rid, a in rec[5].items():
+                emitted.setdefault(rid, []).append(1 + a)
+    for r in reqs:
+        assert run.generated[r.id] == [0] * r.output_tokens
+        e = emitted[r.id]
+        assert e == [1] + [3] * (len(e) - 1), e                        # the first step has no drafts
+        assert len(e) == 1 + -(-(r.output_tokens - 2) // 3)           # steps: the output's tokens, 3 at a time
+    rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
+    assert res.log.decisions() == rep.log.decisions()
