@@ -39,13 +39,17 @@ def draft_room(cache, seqs, k: int) -> list[int]:
     S = cache.page_tokens
     out = []
     for s in seqs:
+        if s.mtp_h is None:
+            cache.grow(s.pages, s.length + 1)
+            out.append(0)
+            continue
         try:
             cache.grow(s.pages, s.length + 1 + k)
             room = k
         except MemoryError:
             cache.grow(s.pages, s.length + 1)
             room = min(k, len(s.pages) * S - s.length - 1)
-        out.append(room if s.mtp_h is not None else 0)
+        out.append(room)
     return out
 
 
