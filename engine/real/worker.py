@@ -246,7 +246,6 @@ class Rank:
         self.kv_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs = None
         self.graph_info: dict = {}
-        self.draft_hook = None                 # tests: replaces the MTP drafts (engine.real.mtp.mtp_step)
         if dev.type == "cuda" and spec.role == "decode" and spec.ep == 1 and os.environ.get("RACKBED_NO_GRAPHS") != "1":
             from rackbed.engine.real.model import DecodeGraphRunner
 
@@ -505,12 +504,14 @@ class Rank:
                 self.cache.grow(s.pages, s.length + 1)
             rows = [list(s.pages) for s in seqs]
         if self.spec.draft_k > 0:
-            verify = None
-            if self.graphs is not None and batch:
-                verify = lambda t, p, tab: self.graphs(t, p, tab, hidden=True)  # noqa: E731
-            toks = mtp_step(self.model, self.cache, seqs, rooms, self.spec.draft_k, verify=verify,
-                            draft_hook=self.draft_hook)
-            return dict(zip(batch, toks))
+            graphs = self.graphs if batch else None
+
+            def verify(t, p, tab):      # the target's forward of the step's k + 1 rows per sequence
+                if graphs is not None:
+                    return graphs(t, p, tab, hidden=True)
+                return self.model.forward_decode(t, p, self.cache, tab, hidden=True)
+
+            return dict(zip(batch, mtp_step(self.model, self.cache, seqs, rooms, self.spec.draft_k, verify=verify)))
         if batch:
             width = max(len(p) for p in rows)
             table = torch.tensor([p + [p[0]] * (width - len(p)) for p in rows], device=self.dev)
