@@ -349,3 +349,30 @@ def test_real_run_where_every_draft_is_accepted(tmp_path, cfg):
         assert len(e) == 1 + -(-(r.output_tokens - 2) // 3)           # steps: the output's tokens, 3 at a time
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     assert res.log.decisions() == rep.log.decisions()
+
+
+def test_prefill_writes_the_mtp_modules_kv_after_a_cached_prefix_too(models, cfg):
+    """The prefill writes the MTP module's latent rows (layer ``n_layers``) for every prompt position; after a cached
+    prefix it writes those of the suffix, equal to a full prefill's, and the prefix's rows are the cached ones —
+    equal too except the prefix's last position, whose next token was the caching prompt's."""
+    _, spec = models
+    n = cfg.n_layers
+    g = torch.Generator().manual_seed(9)
+    a = torch.randint(0, cfg.vocab, (12,), generator=g)
+    b = torch.cat([a[:8], (a[8:11] + 1) % cfg.vocab])                    # shares 8 tokens (2 pages) with a
+    with torch.inference_mode():
+        full = spec.new_cache(16, PAGE)
+        pf = full.alloc(len(b))
+        spec.forward_prefill([b], full, [pf])
+        rows_full = full.read_rows(n, pf, len(b))
+        part = spec.new_cache(16, PAGE)
+        pa = part.alloc(len(a))
+        spec.forward_prefill([a], part, [pa])
+        pb = part.share(pa[:2])
+        part.grow(pb, len(b))
+        spec.forward_prefill([b[8:]], part, [pb], starts=[8])
+        rows_part = part.read_rows(n, pb, len(b))
+    assert torch.allclose(rows_part[8:], rows_full[8:], atol=1e-5)
+    assert torch.allclose(rows_part[:7], rows_full[:7], atol=1e-5)
+    assert not torch.allclose(rows_part[7], rows_full[7], atol=1e-5)    # a's token 8 followed it, not b's
+    assert torch.allclose(part.read_rows(n - 1, pb, len(b)), full.read_rows(n - 1, pf, len(b)), atol=1e-5)
