@@ -173,8 +173,9 @@ def main(argv=None) -> int:
             "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
             "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},
             "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},
-            "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
-                      for w, k, key, m, ws in run.records], "metrics": res.metrics,
+            "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws,
+                       **({"accepted": acc[0]} if acc else {})} for w, k, key, m, ws, *acc in run.records],
+            "metrics": res.metrics,
             "store_refusals": pool.refusals()}, indent=1, default=str))
         m = res.metrics["requests"]
         print(f"real run over {world} ranks: {m['done']}/{m['total']} done, {m['rejected']} rejected; "
