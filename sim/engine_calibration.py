@@ -295,7 +295,9 @@ class _Replayed:
         for p in records:           # a key can repeat (a KV shipped again after a failure)
             kind, _, failed = p["kind"].partition(":")
             m = _measured(p)
-            self.table.setdefault((p["worker"], kind, p["key"]), []).append((m, failed))
+            acc = p.get("accepted")     # a speculative step's real MTP outcomes (JSON keys are strings)
+            acc = None if acc is None else {int(r): int(a) for r, a in acc.items()}
+            self.table.setdefault((p["worker"], kind, p["key"]), []).append((m, failed, acc))
         self.plans: dict[tuple, list] = {}
         self.breakdown_s = {"prefill": {}, "decode": {}}
 
@@ -303,7 +305,7 @@ class _Replayed:
         return self.breakdown_s
 
     def duration(self, plan, now_s: float):
-        from rackbed.engine.core.plans import Failed, KvTransfer, MixedStep, PrefillBatch
+        from rackbed.engine.core.plans import Accepted, Failed, KvTransfer, MixedStep, PrefillBatch
 
         tp = type(plan)
         k = (plan.worker, "prefill", plan.batch) if tp is PrefillBatch else \
@@ -312,9 +314,11 @@ class _Replayed:
         if not self.table.get(k):
             raise UserError(f"engine calibration: replaying the real run diverged (no measured time for {k})")
         self.plans.setdefault(k, []).append(plan)
-        d, failed = self.table[k].pop(0)
+        d, failed, acc = self.table[k].pop(0)
         if failed:
             return Failed(d, failed)
+        if acc is not None:
+            return Accepted(d, acc)
         return d if np.isfinite(d) else 1e9
 
 

@@ -3,7 +3,8 @@
 Each process runs :func:`engine.core.worker_loop.worker_loop` (the generator the real driver runs too) and
 resolves what it yields: a work plan becomes ``env.timeout(executor.duration(plan, now))`` — or, with a real
 executor, the completion event it returns, whose value is the measured duration — interrupted by a fault; a
-:class:`~engine.core.plans.Failed` answer (or event value) fails the plan after its duration; an
+:class:`~engine.core.plans.Failed` answer (or event value) fails the plan after its duration, an
+:class:`~engine.core.plans.Accepted` one completes it with the real MTP outcomes (``Result.accepted``); an
 :class:`~engine.core.plans.Idle` becomes a wait on the worker's wake-up event with an optional timer. After every
 resumption the scheduler's wake-ups go to the idle workers named and every new (scaled-up) worker gets a process
 (:meth:`WorkerProcesses.flush`). SimPy orders simultaneous events by (time, priority, insertion), so a run is a
@@ -21,7 +22,16 @@ from collections.abc import Callable, Iterable
 
 import simpy
 
-from rackbed.engine.core.plans import DecodeStep, Failed, Idle, KvTransfer, MixedStep, PrefillBatch, Result
+from rackbed.engine.core.plans import (
+    Accepted,
+    DecodeStep,
+    Failed,
+    Idle,
+    KvTransfer,
+    MixedStep,
+    PrefillBatch,
+    Result,
+)
 from rackbed.engine.core.worker_loop import worker_loop
 from rackbed.sim.faults import Fault
 
@@ -133,13 +143,15 @@ class WorkerProcesses:
         lane = None
         try:
             if type(dur) is not float:  # a real executor's completion event: its value is the measured duration
-                if type(dur) is Failed:     # a replayed failure: it takes its time, then fails
+                if type(dur) is Failed or type(dur) is Accepted:   # replayed: it takes its time, then ends so
                     yield env.timeout(dur.duration_s)
                     done_value = dur
                 else:
                     done_value = yield dur
                 if type(done_value) is Failed:
                     result = Result(done_value.duration_s, failed=done_value.reason)
+                elif type(done_value) is Accepted:
+                    result = Result(done_value.duration_s, accepted=done_value.accepted)
                 else:
                     dur, accepted = done_value if type(done_value) is tuple else (done_value, None)
                     result = Result(dur, accepted=accepted)

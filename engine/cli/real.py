@@ -99,8 +99,10 @@ def _main(args: argparse.Namespace) -> int:
     same = res.log.decisions() == rep.log.decisions()
     doc = {
         "scenario": str(path), "versions": _versions(),
-        "mtp": ("random weights: MTP acceptance drawn from the scenario's model (seeded), one forward per decode "
-                "step" if not rs.weights else "checkpoint weights: no MTP head is run; acceptance drawn (seeded)"),
+        "mtp": (f"the model's MTP module drafts {b.deployment.mtp.draft_k} token(s) per decode step, one verify "
+                "forward of the target accepts them (greedy); the scheduler counts the real tokens"
+                if b.deployment.mtp.draft_k else
+                "no drafts (mtp.draft_k: 0): one forward per decode step"),
         "model": {"name": b.model.name, "layers": run.cfg.n_layers, "hidden": run.cfg.hidden, "dtype": rs.dtype},
         "kv_bytes_per_token": b.deployment.kv_bytes_per_token,
         "kv_capacity": kv_capacities(b.deployment),   # what the scheduler planned with: the ranks' caches
@@ -110,8 +112,8 @@ def _main(args: argparse.Namespace) -> int:
         "rank_errors": run.pool.errors,
         "graphs": {str(r): g for r, g in sorted(run.pool.graph_reports.items())},
         "replay_identical_decisions": same,
-        "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
-                  for w, k, key, m, ws in run.records],
+        "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws,
+                   **({"accepted": acc[0]} if acc else {})} for w, k, key, m, ws, *acc in run.records],
         "generated_tokens": {str(k): len(v) for k, v in sorted(run.generated.items())},
         "metrics": res.metrics,
     }

@@ -173,8 +173,9 @@ def main(argv=None) -> int:
             "deaths": [{"t_s": t, "rank": r, "gpu": g} for t, r, g in run.deaths],
             "generated_tokens": {str(k): v for k, v in sorted(run.generated.items())},
             "prompt_ids": {str(k): v for k, v in sorted(run.prompt_ids.items())},
-            "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws}
-                      for w, k, key, m, ws in run.records], "metrics": res.metrics,
+            "plans": [{"worker": w, "kind": k, "key": key, "measured_s": m, "worker_s": ws,
+                       **({"accepted": acc[0]} if acc else {})} for w, k, key, m, ws, *acc in run.records],
+            "metrics": res.metrics,
             "store_refusals": pool.refusals(),
             **({"term_profile": run.term_profile, "term_profile_error": run.term_profile_error}
                if rs.profile_plans else {})}, indent=1, default=str))

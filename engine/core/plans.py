@@ -195,6 +195,15 @@ KV_NO_ROOM = "kv_no_room"
 KV_LOST = "kv_lost"
 
 
+class Accepted(NamedTuple):
+    """An executor's answer for a :class:`DecodeStep` or :class:`MixedStep` that ran ``duration_s`` and whose MTP
+    drafts were verified for real: ``accepted`` (``Result.accepted``) says how many drafts of each request were
+    accepted. A real run's completion event fires with it, and its replay returns it."""
+
+    duration_s: float
+    accepted: Mapping[int, int]
+
+
 class Failed(NamedTuple):
     """An executor's answer for a plan that ran ``duration_s`` and failed for ``reason`` (``Result.failed``) with
     no fault to interrupt it: a real run's declined KV transfer, and its replay. ``executor.duration`` returns it

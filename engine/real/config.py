@@ -88,6 +88,7 @@ class TorchModelConfig:
     lin_k_dim: int = 0
     lin_v_dim: int = 0
     lin_conv: int = 0
+    mtp_layers: int = 0                  # multi-token-prediction modules after the decoder layers (DeepSeek-V3: 1)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -106,13 +107,23 @@ class TorchModelConfig:
         return ROUTING[self.family]
 
     def kind(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer; an MTP module's layer (``layer >= n_layers``) has the model's global
+        attention (MLA, else full)."""
+        if layer >= self.n_layers:
+            return "mla" if self.is_mla else "full"
         return self.layer_kinds[layer] if self.layer_kinds else "full"
+
+    @property
+    def runs_mtp(self) -> bool:
+        """The torch engine can run this model's MTP module as the draft of speculative decoding: it has one
+        (``mtp_layers``) and its family is one the engine runs it for (DeepSeek-V3 / Kimi-K2, GLM-4.5)."""
+        return self.mtp_layers > 0 and self.family in ("deepseek_v3", "glm4_moe")
 
     @property
     def kv_windows(self) -> tuple[int, ...]:
         """Per layer of the paged cache (``kv_layers``), the tokens of KV a sequence keeps and a KV transfer ships
         (``engine.core.kv.KvLayout.windows``): the sliding window on "sliding" layers, 0 (the whole sequence)
-        elsewhere."""
+        elsewhere (and on an MTP module's layer, which runs global attention)."""
         return tuple(self.sliding_window if self.kind(li) == "sliding" else 0 for li in self.kv_layers)
 
     @property
@@ -122,8 +133,9 @@ class TorchModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers with a paged KV cache, in order (every layer but the linear ones); the paged cache's layer
-        ``j`` is layer ``kv_layers[j]``."""
+        """The decoder layers with a paged KV cache, in order (every layer but the linear ones); the paged cache's
+        layer ``j`` is layer ``kv_layers[j]``. A model that runs its MTP module keeps that module's KV after them
+        (layer ``n_layers``: ``ShardedMoeLM.kv_layers``)."""
         return tuple(li for li in range(self.n_layers) if self.kind(li) != "linear")
 
     @property
@@ -218,7 +230,7 @@ class TorchModelConfig:
                       shared_intermediate=moe.n_shared * moe.shared_intermediate, qk_norm=spec.qk_norm,
                       qkv_bias=spec.attn_qkv_bias, o_bias=spec.attn_o_bias, sinks=spec.attn_sinks,
                       sliding_window=spec.sliding_window, rope_theta=10000.0 if fam != "glm4_moe" else 1e6,
-                      max_position=spec.max_context or 4096)
+                      max_position=spec.max_context or 4096, mtp_layers=spec.n_mtp_layers)
         if fam == "deepseek_v3":
             groups = 8 if moe.n_experts % 8 == 0 and moe.n_experts // 8 >= 2 else 1
             kw.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
@@ -285,7 +297,8 @@ def _from_hf_get(cls, fam: str, get) -> TorchModelConfig:
     if fam == "qwen3_moe":
         return cls(**kw)
     kw.update(rope_scaling=tuple(sorted(rope.items())) if rope.get("rope_type", "default") != "default" else (),
-              max_position=get("max_position_embeddings", 4096), partial_rotary=partial)
+              max_position=get("max_position_embeddings", 4096), partial_rotary=partial,
+              mtp_layers=int(get("num_nextn_predict_layers", 0) or 0))
     if fam == "qwen3_5_moe":
         types = get("layer_types") or ["linear_attention" if (i + 1) % (get("full_attention_interval") or 4) else
                                        "full_attention" for i in range(n)]

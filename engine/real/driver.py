@@ -45,9 +45,16 @@ Prefix caching (``built.prefix_cache``): a prefill item's start is the prefix th
 maps those tokens' pages from its own cache (``engine.real.prefix``, keys from token content) and prefills the rest;
 docs/PREFIX_CACHE.md ("In the real engine").
 
-Limits (documented, not hidden): random-weight runs draw MTP acceptance
-from the scheduler's seeded model and execute one forward per decode step (no draft/verify kernels); autoscaling
-and chunked prefill are simulated only; aggregated workers are one GPU each (``tp = dp = ep = 1``).
+Speculative decoding (``mtp.draft_k`` = k > 0) runs for real with the model's own MTP module (``engine.real.mtp``):
+a decode step (or a mixed step's decode part) is k draft forwards and one verify forward of k + 1 tokens per
+sequence; each rank replies every request's ``1 + accepted`` tokens, the completion event carries the accepted
+counts (``plans.Accepted``) so the scheduler counts the real tokens (``Result.accepted``), and each such step's
+record carries them too, so :class:`ReplayExecutor` answers the replay's step with the same counts.
+
+Limits (documented, not hidden): MTP runs for models with an MTP module the engine implements (DeepSeek-V3 /
+Kimi-K2, GLM-4.5; others are refused, ``real_model_config``), with greedy acceptance only, eager draft forwards and
+no draft for a sequence's first step on a decoder; autoscaling and chunked prefill are simulated only; aggregated
+workers are one GPU each (``tp = dp = ep = 1``).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ import simpy
 from rackbed.engine.core.plans import (
     KV_LOST,
     KV_NO_ROOM,
+    Accepted,
     DecodeStep,
     Failed,
     KvTransfer,
@@ -483,6 +491,7 @@ class RealRun:
         dep = built.deployment
         cfg = real_model_config(built, n_layers, tiny_cfg, weights)
         self.cfg = cfg
+        self.draft_k = dep.mtp.draft_k if cfg.runs_mtp else 0     # drafts per decode step, run (engine.real.mtp)
         groups = deployment_groups(dep)
         gpus = [gpu for _, gs, _ in groups for gpu in gs]
         self.tmp = tempfile.TemporaryDirectory()
@@ -527,7 +536,8 @@ class RealRun:
         self.prefill_n: dict[int, int] = {}
         self.chunk_open: dict[int, int] = {}      # request -> tokens its chunks so far prefilled (not all)
         self.chunk_end: dict[int, int] = {}       # request -> where its last prefill chunk ended
-        self.records: list[tuple] = []      # (worker, kind, key, measured_s, worker_s)
+        # (worker, kind, key, measured_s, worker_s), and for a speculative decode step ``{rid: accepted drafts}``
+        self.records: list[tuple] = []
         self.kill_after_steps: list[tuple[int, int]] = []
         self.lose_kv: set[int] = set()      # failure drill: requests whose first KV transfer finds the KV gone
         self.kv_declined: list[int] = []    # requests whose KV transfer a source declined (prefilled again)
@@ -652,9 +662,14 @@ class RealRun:
             else:
                 self._fail_plan(fl)
             return
-        self._absorb(fl)
-        self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
-        self.env.trigger(fl.ev, measured, max(fl.start_v + measured - self.env.now, 0.0))
+        accepted = self._absorb(fl)
+        if accepted is None:
+            self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s))
+            value = measured
+        else:   # a speculative step: the scheduler counts the real tokens, and the replay is fed the same counts
+            self.records.append((fl.worker, fl.kind, fl.key, measured, fl.worker_s, accepted))
+            value = Accepted(measured, accepted)
+        self.env.trigger(fl.ev, value, max(fl.start_v + measured - self.env.now, 0.0))
 
     def _decline_plan(self, fl: _Inflight, measured: float, reason: str) -> None:
         """A KV transfer failed only because of declines (every failing rank replied ``declined``; the decoder
@@ -704,7 +719,9 @@ class RealRun:
         self.pool.dead.add(blame)
         self.env.on_death(blame)
 
-    def _absorb(self, fl: _Inflight) -> None:
+    def _absorb(self, fl: _Inflight) -> dict[int, int] | None:
+        """Take a completed plan's replies in; a decode (or mixed) step with MTP returns ``{rid: accepted
+        drafts}`` (else None)."""
         if fl.kind == "kv":   # landed: the prefiller's copy goes once the scheduler sees it land
             if fl.dst in fl.replies:
                 self.kv_bytes.setdefault(fl.key, []).append(int(fl.replies[fl.dst]))
@@ -714,11 +731,13 @@ class RealRun:
             self._absorb_prefill(reply)
             self.pf_held.setdefault(fl.worker, set()).update(reply)
         elif fl.kind == "decode":
-            self._absorb_decode(fl.replies.values())
+            return self._absorb_decode(fl.replies.values())
         elif fl.kind == "mixed":  # one rank: its decode tokens, then its prompts' first tokens
             (v,) = fl.replies.values()
-            self._absorb_decode([v["decode"]])
+            accepted = self._absorb_decode([v["decode"]])
             self._absorb_prefill(v["prefill"])
+            return accepted
+        return None
 
     def _release_shipped(self, fl: _Inflight) -> None:
         """A KV transfer's completion reaches the scheduler (its event is processed at its measured clock time):
@@ -750,11 +769,25 @@ class RealRun:
             del gen[self.prefill_n[rid] - self.prompt_len[rid]:]
             gen.append(tok)
 
-    def _absorb_decode(self, replies) -> None:
+    def _absorb_decode(self, replies) -> dict[int, int] | None:
+        """A decode step's tokens: one per request (``{rid: token}``), or with MTP ``1 + accepted`` of them
+        (``{rid: [tokens]}``; returns ``{rid: accepted}``). A request keeps no more than its output's tokens (a
+        speculative step can run past its end)."""
+        accepted = None
         for v in replies:
             if v:
                 for rid, tok in v.items():
-                    self.generated.setdefault(rid, []).append(tok)
+                    gen = self.generated.setdefault(rid, [])
+                    if type(tok) is list:
+                        accepted = {} if accepted is None else accepted
+                        accepted[rid] = len(tok) - 1
+                        gen += tok
+                        del gen[self.output_len.get(rid, len(gen)):]
+                    else:
+                        gen.append(tok)
+        if accepted is None and self.draft_k > 0:
+            accepted = {}           # a speculative step with no request in it
+        return accepted
 
 
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
@@ -908,9 +941,11 @@ class ReplayExecutor:
 
     def __init__(self, records) -> None:
         self.table: dict[tuple, list] = {}
-        for w, k, key, m, _ in records:           # a key can repeat (a KV shipped again after a failure)
+        for w, k, key, m, _, *acc in records:     # a key can repeat (a KV shipped again after a failure)
             k, _, failed = k.partition(":")       # "kv:kv_lost": failed without a fault (RealRun._decline_plan)
-            self.table.setdefault((w, k, key), []).append(Failed(m, failed) if failed else m)
+            # a speculative step answers with its real MTP outcomes, as the real run's completion did
+            self.table.setdefault((w, k, key), []).append(Failed(m, failed) if failed else
+                                                          Accepted(m, acc[0]) if acc else m)
         self.breakdown_s = {"prefill": {}, "decode": {}}
         self.load_s = None          # a real run has no lower-tier copies (its measured prefill durations are it)
         self.load_total_s = 0.0
@@ -931,7 +966,7 @@ class ReplayExecutor:
         if not self.table.get(k):
             raise KeyError(f"replay: the real run has no duration for {k} (decisions diverged)")
         v = self.table[k].pop(0)
-        return v if type(v) is Failed else float(v)
+        return v if type(v) is Failed or type(v) is Accepted else float(v)
 
 
 def replay(built, requests, records, *, simulate, seed: int, deaths=(), prefix_cache=None):

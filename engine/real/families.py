@@ -17,9 +17,10 @@ Caches: MLA models use ``layers_mla.LatentKvCache`` (``[L, P, S, kv_lora + rope]
 of the window (``model.ring_pages``), so a long prompt costs its full layers' pages plus one ring. Qwen3.5 uses
 ``layers_gdn.HybridKvCache``: pages for its full-attention layers only, plus a state slot per sequence for the
 linear layers (``slots``: the sequences' slots, passed to ``forward_prefill`` / ``forward_decode``). The paged
-cache is indexed by the layer's place among the layers it holds (``TorchModelConfig.kv_layers``). Qwen3.5's linear
-layers run on one attention rank (no prefill TP); transformers' zero-centred RMSNorm weights (``1 + w``) are stored
-as ``1 + w`` on load.
+cache is indexed by the layer's place among the layers it holds (``TorchModelConfig.kv_layers``, then the MTP
+module's layer ``n_layers`` when a DeepSeek-V3 / GLM-4.5 model runs it as the draft: ``ShardedMoeLM.kv_layers``,
+``engine.real.mtp``). Qwen3.5's linear layers run on one attention rank (no prefill TP); transformers' zero-centred
+RMSNorm weights (``1 + w``) are stored as ``1 + w`` on load.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ from rackbed.engine.real.rope import rope_of
 
 def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (full shape, init) of layer ``li``'s weights; init "w" (std ``init_std``), "norm" (1 + N(0, 0.1)),
-    "small" (N(0, 0.1): biases, sinks, routing correction). The drawing order is this dict's."""
+    "small" (N(0, 0.1): biases, sinks, routing correction). The drawing order is this dict's. ``li = n_layers``
+    is the MTP module: an MoE decoder layer of the model's global attention, then ``enorm`` / ``hnorm`` (RMSNorms
+    of the next token's embedding and of the target's hidden state) and ``eh_proj [D, 2D]`` (their concatenation,
+    embedding first, to the layer's input)."""
     D, H = cfg.hidden, cfg.n_q_heads
     out: dict[str, tuple[tuple[int, ...], str]] = {"input_norm": ((D,), "norm"), "post_norm": ((D,), "norm")}
     if cfg.kind(li) == "mla":
@@ -75,6 +79,13 @@ def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, .
     if cfg.is_dense(li):
         Fd = cfg.dense_intermediate
         return out | {"mlp_gate_up": ((2 * Fd, D), "w"), "mlp_down": ((D, Fd), "w")}
+    if li >= cfg.n_layers:      # an MTP module: its decoder layer (above and below), then what feeds it
+        return _moe_shapes(cfg, out) | {"enorm": ((D,), "norm"), "hnorm": ((D,), "norm"), "eh_proj": ((D, 2 * D), "w")}
+    return _moe_shapes(cfg, out)
+
+
+def _moe_shapes(cfg: TorchModelConfig, out: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    D = cfg.hidden
     E, F = cfg.n_experts, cfg.moe_intermediate
     out.update(router=((E, D), "w"), gate_up=((E, 2 * F, D), "w"), down=((E, D, F), "w"))
     if cfg.routing == "sigmoid_group":
@@ -158,6 +169,11 @@ def hf_layer(state: dict[str, torch.Tensor], cfg: TorchModelConfig, li: int) -> 
                                            qg[:, Dh:].reshape(-1, qg.shape[-1]))
     if cfg.family == "qwen3_5_moe":
         out |= {k: 1.0 + out[k].float() for k in _CENTRED if k in out}
+    if li >= cfg.n_layers:      # the MTP module's own pieces (its head norm when the checkpoint has one)
+        out |= {"enorm": state[p + "enorm.weight"], "hnorm": state[p + "hnorm.weight"],
+                "eh_proj": state[p + "eh_proj.weight"]}
+        if p + "shared_head.norm.weight" in state:
+            out["head_norm"] = state[p + "shared_head.norm.weight"]
     if cfg.is_dense(li):
         out.update(mlp_gate_up=torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
                    mlp_down=state[p + "mlp.down_proj.weight"])
@@ -188,8 +204,8 @@ def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Sha
         if "sinks" in full:
             out["sinks"] = full["sinks"][q.start:q.stop].clone()
         out |= {k: full[k] for k in ("o_bias", "q_norm", "k_norm") if k in full}
-    out |= {k: full[k] for k in ("input_norm", "post_norm", "router", "router_bias", "e_bias", "shared_gate")
-            if k in full}
+    out |= {k: full[k] for k in ("input_norm", "post_norm", "router", "router_bias", "e_bias", "shared_gate", "enorm",
+                                 "hnorm", "eh_proj", "head_norm") if k in full}
     tp, r = shard.attn_tp, shard.attn_rank
     for pre in ("mlp", "shared"):
         if pre + "_gate_up" in full:
@@ -206,54 +222,81 @@ def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Sha
 class ShardedMoeLM(ShardedQwen3Moe):
     """One rank's slice of a DeepSeek-V3 / gpt-oss / GLM-4.5 model (module docstring)."""
 
-    def __init__(self, cfg: TorchModelConfig, shard: Shard, comm: Comm, layers, glob) -> None:
+    def __init__(self, cfg: TorchModelConfig, shard: Shard, comm: Comm, layers, glob, mtp=None) -> None:
         super().__init__(cfg, shard, comm, layers, glob)
         self.rope = rope_of(cfg)
-        self._kvi = {li: j for j, li in enumerate(cfg.kv_layers)}        # layer -> its layer in the paged cache
+        #: the MTP module's weights (layer ``n_layers``: ``layer_shapes``), or None when it is not run
+        self.mtp = mtp
+        #: the layers of the paged cache, in order: the decoder's (``cfg.kv_layers``), then the MTP module's when it
+        #: runs (it has global attention, so its KV is paged whole: window 0)
+        self.kv_layers = cfg.kv_layers + ((cfg.n_layers,) if mtp is not None else ())
+        self.kv_windows = cfg.kv_windows + (0,) * (len(self.kv_layers) - len(cfg.kv_layers))
+        self.n_kv_layers = len(self.kv_layers)
+        self._kvi = {li: j for j, li in enumerate(self.kv_layers)}       # layer -> its layer in the paged cache
         self._lini = {li: j for j, li in enumerate(cfg.linear_layers)}   # linear layer -> its layer in the pool
 
-    @classmethod
-    def random(cls, cfg, shard, comm, *, seed: int = 0, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
-        layers = [shard_layer(random_layer(cfg, i, seed, device, dtype), cfg, shard, i) for i in range(cfg.n_layers)]
-        return cls(cfg, shard, comm, layers, random_global_weights(cfg, seed, device, dtype))
+    @staticmethod
+    def _check_mtp(cfg: TorchModelConfig, mtp: bool) -> None:
+        if mtp and not cfg.runs_mtp:
+            raise ValueError(f"{cfg.family} model with {cfg.mtp_layers} MTP layers: the torch engine runs the MTP "
+                             "module of DeepSeek-V3 / GLM-4.5 models that have one")
 
     @classmethod
-    def from_state_dict(cls, state, cfg, shard, comm, *, device="cpu", dtype=torch.float32) -> ShardedMoeLM:
-        """From a transformers state dict of the family. Qwen3.5's published (multimodal) checkpoints keep the text
-        model under ``model.language_model.``: read as ``model.`` (the vision tower and MTP layers are not read)."""
+    def random(cls, cfg, shard, comm, *, seed: int = 0, device="cpu", dtype=torch.float32,
+               mtp: bool = False) -> ShardedMoeLM:
+        """Seeded random weights; ``mtp``: the MTP module too (drawn like layer ``n_layers``)."""
+        cls._check_mtp(cfg, mtp)
+        n = cfg.n_layers + (1 if mtp else 0)
+        layers = [shard_layer(random_layer(cfg, i, seed, device, dtype), cfg, shard, i) for i in range(n)]
+        return cls(cfg, shard, comm, layers[:cfg.n_layers], random_global_weights(cfg, seed, device, dtype),
+                   mtp=layers[cfg.n_layers] if mtp else None)
+
+    @classmethod
+    def from_state_dict(cls, state, cfg, shard, comm, *, device="cpu", dtype=torch.float32,
+                        mtp: bool = False) -> ShardedMoeLM:
+        """From a transformers state dict of the family; ``mtp``: the MTP module too (keys
+        ``model.layers.{n_layers}.*``, as DeepSeek-V3 checkpoints hold it). Qwen3.5's published (multimodal)
+        checkpoints keep the text model under ``model.language_model.``: read as ``model.`` (the vision tower and
+        MTP layers are not read: the engine runs no Qwen3.5 MTP module)."""
         from rackbed.engine.real.model import hf_global_weights
 
+        cls._check_mtp(cfg, mtp)
         if cfg.family == "qwen3_5_moe":
             pre = "model.language_model."
             state = {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in state.items()}
         conv = lambda t: t.to(device=device, dtype=dtype)
+        n = cfg.n_layers + (1 if mtp else 0)
+        if mtp and f"model.layers.{cfg.n_layers}.eh_proj.weight" not in state:
+            raise ValueError(f"checkpoint has no MTP module (model.layers.{cfg.n_layers}.eh_proj.weight)")
         layers = [{k: conv(v) for k, v in shard_layer(hf_layer(state, cfg, i), cfg, shard, i).items()}
-                  for i in range(cfg.n_layers)]
+                  for i in range(n)]
         glob = hf_global_weights(state, cfg)
         if cfg.family == "qwen3_5_moe":
             glob["final_norm"] = 1.0 + glob["final_norm"].float()
-        return cls(cfg, shard, comm, layers, {k: conv(v) for k, v in glob.items()})
+        return cls(cfg, shard, comm, layers[:cfg.n_layers], {k: conv(v) for k, v in glob.items()},
+                   mtp=layers[cfg.n_layers] if mtp else None)
 
     def new_cache(self, n_pages: int, page_tokens: int, *, device=None, dtype=None,
                   ring_seqs: int | None = None, state_slots: int = 0) -> PagedKvCache:
-        """The rank's cache: ``n_pages`` pages of the full layers and, with sliding layers, ``ring_seqs`` rings
-        (None: ``n_pages``, one per page, so rings never run out before pages: every sequence holds a page); with
-        linear layers (``layers_gdn.HybridKvCache``) pages for the full-attention layers only and ``state_slots``
+        """The rank's cache of every layer in ``kv_layers`` (the MTP module's, layer ``n_layers``, included when it
+        runs): ``n_pages`` pages of the full layers and, with sliding layers, ``ring_seqs`` rings (None:
+        ``n_pages``, one per page, so rings never run out before pages: every sequence holds a page); with linear
+        layers (``layers_gdn.HybridKvCache``) pages for the full-attention layers only and ``state_slots``
         sequences' Gated DeltaNet state."""
         ref = self.glob["embed"]
         if self.cfg.has_linear:
             cfg = self.cfg
-            cache = layers_gdn.HybridKvCache(len(cfg.kv_layers), n_pages, len(self.kv_heads), page_tokens,
+            cache = layers_gdn.HybridKvCache(self.n_kv_layers, n_pages, len(self.kv_heads), page_tokens,
                                              cfg.head_dim, dtype=dtype or ref.dtype, device=device or ref.device)
             cache.states = layers_gdn.GdnStatePool(cfg, state_slots, dtype=dtype or ref.dtype,
                                                    device=device or ref.device)
             return cache
         if self.cfg.is_mla:
-            return layers_mla.LatentKvCache(self.cfg.n_layers, n_pages, 1, page_tokens,
+            return layers_mla.LatentKvCache(self.n_kv_layers, n_pages, 1, page_tokens,
                                             self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
                                             dtype=dtype or ref.dtype, device=device or ref.device)
-        return PagedKvCache(len(self.cfg.kv_layers), n_pages, len(self.kv_heads), page_tokens, self.cfg.head_dim,
-                            dtype=dtype or ref.dtype, device=device or ref.device, windows=self.cfg.kv_windows,
+        return PagedKvCache(self.n_kv_layers, n_pages, len(self.kv_heads), page_tokens, self.cfg.head_dim,
+                            dtype=dtype or ref.dtype, device=device or ref.device, windows=self.kv_windows,
                             ring_seqs=n_pages if ring_seqs is None else ring_seqs)
 
     def _window(self, li: int) -> int:
@@ -333,12 +376,25 @@ class ShardedMoeLM(ShardedQwen3Moe):
                              f"{None if slots is None else len(slots)}")
         return slots
 
+    def _prefill_layer(self, li, w, x, pos, lens, starts, cache, page_tables, slots=None):
+        cfg = self.cfg
+        h = rms_norm(x, w["input_norm"], cfg.rms_eps)
+        a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, starts, cache, page_tables, slots))
+        x = x + (a + w["o_bias"] if "o_bias" in w else a)
+        return x + self._ffn_prefill(w, rms_norm(x, w["post_norm"], cfg.rms_eps))
+
     def forward_prefill(self, seqs, cache, page_tables, starts=None, slots=None):
         """As ``ShardedQwen3Moe.forward_prefill``: prompts, or prompt suffixes after a cached prefix of
-        ``starts[i]`` tokens whose KV is already in ``page_tables[i]`` (read, never recomputed). With linear
-        layers, ``slots[i]`` is sequence i's state slot in ``cache.states`` (zeroed: a prompt starts from no
-        state, so ``starts`` must be 0)."""
-        cfg = self.cfg
+        ``starts[i]`` tokens whose KV is already in ``page_tables[i]`` (read, never recomputed), or a later chunk
+        of a prompt after the chunks before it. With linear layers, ``slots[i]`` is sequence i's state slot in
+        ``cache.states`` (zeroed: a prompt starts from no state, so ``starts`` must be 0).
+
+        With the MTP module (``self.mtp``) its KV is written too, as the draft reads it in decode steps: position
+        j's row is the module's input at j, the target's last hidden state there and the embedding of the token
+        at j + 1 (the prompt's next token, or the greedy first token after the last position). After a cached
+        prefix, the module's row of the prefix's last position is the cached one, computed with the next token of
+        the prompt that cached it; a chunk's last row is computed with the greedy token after the chunk, not the
+        next chunk's first (both only steer drafts, never the tokens emitted)."""
         lens = [int(s.numel()) for s in seqs]
         starts = list(starts) if starts is not None else [0] * len(seqs)
         slots = self._slots(slots, len(seqs))
@@ -348,13 +404,36 @@ class ShardedMoeLM(ShardedQwen3Moe):
         pos = torch.cat([torch.arange(c, c + n, device=ids.device) for c, n in zip(starts, lens)])
         x = self.glob["embed"][ids]
         for li, w in enumerate(self.layers):
-            h = rms_norm(x, w["input_norm"], cfg.rms_eps)
-            a = self.comm.tp_all_reduce(self._attn_prefill(li, w, h, pos, lens, starts, cache, page_tables, slots))
-            x = x + (a + w["o_bias"] if "o_bias" in w else a)
-            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
-            x = x + self._ffn_prefill(w, h)
+            x = self._prefill_layer(li, w, x, pos, lens, starts, cache, page_tables, slots)
         last = torch.tensor(lens, device=ids.device).cumsum(0) - 1
-        return self._logits(x[last])
+        logits = self._logits(x[last])
+        if self.mtp is not None:
+            nxt = torch.roll(ids, -1)
+            nxt[last] = logits.argmax(-1)
+            self._prefill_layer(self.cfg.n_layers, self.mtp, self._mtp_input(nxt, x), pos, lens, starts, cache,
+                                page_tables)
+        return logits
+
+    # -- the MTP module (draft) --------------------------------------------------------------------------------------
+    def _mtp_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP module's layer input: ``eh_proj([enorm(embed(next token)), hnorm(hidden)])``."""
+        w, eps = self.mtp, self.cfg.rms_eps
+        e = rms_norm(self.glob["embed"][tokens], w["enorm"], eps)
+        return torch.cat((e, rms_norm(hidden, w["hnorm"], eps)), -1) @ w["eh_proj"].T
+
+    def forward_mtp(self, tokens, hidden, positions, cache, page_table):
+        """One draft forward of the MTP module for rows ``(tokens [R], hidden [R, D], positions [R])``: row r is
+        the module at position ``positions[r]``, fed the hidden state there (the target's, or the module's own
+        output for a recurrent draft) and ``tokens[r]``, the token at the next position. Its KV is written to
+        layer ``n_layers`` of the rows' pages (``page_table [R, P]``; several rows of one sequence attend causally,
+        as in ``forward_decode``). Every rank of the EP group calls it in the same step (R may be 0). Returns
+        ``(logits [R, V], hidden [R, D])``: the draft's next-token logits (the shared final norm, or the module's
+        own head norm when its checkpoint has one, then the shared lm head) and its output hidden state."""
+        x = self._mtp_input(tokens, hidden)
+        x = self._decode_layer(self.cfg.n_layers, self.mtp, x, positions, cache, page_table)
+        w = self.mtp
+        norm = w["head_norm"] if "head_norm" in w else self.glob["final_norm"]
+        return rms_norm(x, norm, self.cfg.rms_eps) @ self.glob["lm_head"].T, x
 
     # -- decode ---------------------------------------------------------------------------------------------------
     @scoped("attn_s")
@@ -394,30 +473,38 @@ class ShardedMoeLM(ShardedQwen3Moe):
         o = o @ w["o_proj"].T
         return o + w["o_bias"] if "o_bias" in w else o
 
-    def forward_decode(self, tokens, positions, cache, page_table, slots=None):
-        """As ``ShardedQwen3Moe.forward_decode``; with linear layers ``slots [B]`` (a tensor on the tokens' device)
-        are the sequences' state slots."""
+    def _decode_layer(self, li, w, x, positions, cache, page_table, slots=None):
+        """Layer ``li`` (weights ``w``) of a decode step on ``x [B, D]`` (B may be 0: the EP exchange still runs);
+        ``slots``: the sequences' state slots (a linear layer)."""
         cfg = self.cfg
+        B = x.shape[0]
+        if B:
+            x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache, page_table,
+                                      slots)
+        h = rms_norm(x, w["post_norm"], cfg.rms_eps)
+        if "mlp_gate_up" in w:
+            return x + layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
+        topi, topw = self._route(w, h) if B else (
+            torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device),
+            torch.zeros(0, cfg.top_k, dtype=x.dtype, device=x.device))
+        y = self._moe_dp_ep(w, h, topi, topw)
+        return x + (y + self._shared(w, h) if "shared_gate_up" in w else y)
+
+    def forward_decode(self, tokens, positions, cache, page_table, slots=None, *, hidden: bool = False):
+        """As ``ShardedQwen3Moe.forward_decode``; with linear layers ``slots [B]`` (a tensor on the tokens' device)
+        are the sequences' state slots. Several rows of one sequence (consecutive positions, the same page-table
+        row) form a verify step (MTP; not with linear layers, whose state steps once per row): each row's KV is
+        written before any row attends, and row r attends to positions <= ``positions[r]``. ``hidden``: return
+        ``(logits, last hidden state [B, D])``."""
         B = tokens.shape[0]
-        if cfg.has_linear and B:
+        if self.cfg.has_linear and B:
             slots = torch.as_tensor(self._slots(slots, B), device=tokens.device)
         x = self.glob["embed"][tokens]
         for li, w in enumerate(self.layers):
-            if B:
-                x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache,
-                                          page_table, slots)
-            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
-            if "mlp_gate_up" in w:
-                x = x + layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
-                continue
-            topi, topw = self._route(w, h) if B else (
-                torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device),
-                torch.zeros(0, cfg.top_k, dtype=x.dtype, device=x.device))
-            y = self._moe_dp_ep(w, h, topi, topw)
-            x = x + (y + self._shared(w, h) if "shared_gate_up" in w else y)
-        return self._logits(x)
+            x = self._decode_layer(li, w, x, positions, cache, page_table, slots)
+        return (self._logits(x), x) if hidden else self._logits(x)
 
-    def forward_decode_static(self, tokens, positions, cache, page_table):
+    def forward_decode_static(self, tokens, positions, cache, page_table, *, hidden: bool = False):
         """``forward_decode`` without host synchronisation (one expert group; CUDA-graph capturable): the MoE sorts
         the B*k (token, expert) pairs by expert (``kernels.moe_block``) instead of selecting local ones."""
         from rackbed.kernels.moe_block import permute, unpermute
@@ -438,7 +525,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
             order, tok, counts, xs = permute(h, topi, cfg.n_experts)
             y = unpermute(self._experts(w, xs, counts), tok, order, topw, h)
             x = x + (y + self._shared(w, h) if "shared_gate_up" in w else y)
-        return self._logits(x)
+        return (self._logits(x), x) if hidden else self._logits(x)
 
 
 def model_class(cfg: TorchModelConfig) -> type[ShardedQwen3Moe]:

@@ -385,11 +385,15 @@ class ShardedQwen3Moe:
         self.layers, self.glob = layers, glob
         self.q_heads, self.kv_heads, self.experts = shard.q_heads(cfg), shard.kv_heads(cfg), shard.experts(cfg)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.mtp = None                 # Qwen3-MoE has no MTP module (``families.ShardedMoeLM`` runs one)
+        self.n_kv_layers = cfg.n_layers
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
     def random(cls, cfg: TorchModelConfig, shard: Shard, comm: Comm, *, seed: int = 0, device="cpu",
-               dtype=torch.float32) -> ShardedQwen3Moe:
+               dtype=torch.float32, mtp: bool = False) -> ShardedQwen3Moe:
+        if mtp:
+            raise ValueError("Qwen3-MoE has no MTP module")
         layers = []
         for i in range(cfg.n_layers):
             full = random_layer_weights(cfg, i, seed, device, dtype)
@@ -399,7 +403,9 @@ class ShardedQwen3Moe:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard, comm: Comm, *,
-                        device="cpu", dtype=torch.float32) -> ShardedQwen3Moe:
+                        device="cpu", dtype=torch.float32, mtp: bool = False) -> ShardedQwen3Moe:
+        if mtp:
+            raise ValueError("Qwen3-MoE has no MTP module")
         conv = lambda t: t.to(device=device, dtype=dtype)
         layers = [{k: conv(v) for k, v in shard_layer(hf_layer_weights(state, cfg, i), cfg, shard).items()}
                   for i in range(cfg.n_layers)]
@@ -503,10 +509,12 @@ class ShardedQwen3Moe:
 
     # -- decode: DP attention + DP-EP MoE via sparse all-to-all ----------------------------------------------------
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
-                       page_table: torch.Tensor) -> torch.Tensor:
+                       page_table: torch.Tensor, *, hidden: bool = False):
         """One decode step for this rank's batch. ``tokens [B]`` at ``positions [B]`` (0-based; the KV of earlier
         positions is in the cache), ``page_table [B, maxP]``. Every rank of the EP group must call this in the same
-        step (B may be 0). Returns logits ``[B, V]``."""
+        step (B may be 0). Returns logits ``[B, V]`` (``hidden``: and the last hidden state ``[B, D]``). Rows of
+        one sequence at consecutive positions (a speculative verify) attend causally: every row's KV is written
+        before any row attends."""
         cfg = self.cfg
         B = tokens.shape[0]
         x = self.glob["embed"][tokens]                                    # [B, D]
@@ -528,7 +536,7 @@ class ShardedQwen3Moe:
                 torch.zeros(0, cfg.top_k, dtype=torch.long, device=x.device), torch.zeros(0, cfg.top_k, dtype=x.dtype,
                                                                                           device=x.device))
             x = x + self._moe_dp_ep(w, h, topi, topw)
-        return self._logits(x)
+        return (self._logits(x), x) if hidden else self._logits(x)
 
     @scoped("attn_s")
     def _paged_attention(self, q: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -549,7 +557,7 @@ class ShardedQwen3Moe:
         return torch.matmul(probs, V).reshape(B, Hkv * G * Dh)
 
     def forward_decode_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
-                              page_table: torch.Tensor) -> torch.Tensor:
+                              page_table: torch.Tensor, *, hidden: bool = False):
         """``forward_decode`` for a single-rank expert group without any host synchronisation or data-dependent
         shape, so the whole step can be captured in a CUDA graph (:class:`DecodeGraphRunner`). Same math: the
         MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones."""
@@ -574,7 +582,7 @@ class ShardedQwen3Moe:
             # kernels.moe_block: the block kernels/bench/measure.py times (bench moe_block)
             x = x + moe_block(h, h @ w["router"].T, w["gate_up"], w["down"], cfg.top_k, swiglu=grouped_swiglu,
                               norm_topk_prob=cfg.norm_topk_prob)
-        return self._logits(x)
+        return (self._logits(x), x) if hidden else self._logits(x)
 
     def forward_chunk_static(self, tokens: torch.Tensor, positions: torch.Tensor, write_page: torch.Tensor,
                              page_row: torch.Tensor, last: torch.Tensor, cache: PagedKvCache) -> torch.Tensor:
@@ -810,18 +818,22 @@ class DecodeGraphRunner:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self.model.forward_decode_static(tok, pos, self.cache, table)
+                self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True)
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # thread_local: the rank's KV-transfer thread may be allocating and launching on its own stream meanwhile
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.model.forward_decode_static(tok, pos, self.cache, table)
+            out = self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True)
         return g, tok, pos, table, out
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, *,
+                 hidden: bool = False):
+        """Logits ``[B, V]`` of the step (``hidden``: and the last hidden states ``[B, D]``). Rows of one sequence
+        at consecutive positions (an MTP verify, ``engine.real.mtp``) are rows like any other: a bucket counts
+        rows."""
         B, P = tokens.shape[0], page_table.shape[1]
         Bb = self._bucket(B, self.BATCH_BUCKETS)
         Pb = -(-P // self.PAGE_ROUND) * self.PAGE_ROUND
@@ -846,8 +858,9 @@ class DecodeGraphRunner:
                 pos_b.copy_(ps)
                 tab_b.copy_(tab)
                 g.replay()
-                return out[:B]
-        return self.model.forward_decode_static(tk, ps, self.cache, tab)[:B]
+                return (out[0][:B], out[1][:B]) if hidden else out[0][:B]
+        lo, x = self.model.forward_decode_static(tk, ps, self.cache, tab, hidden=True)
+        return (lo[:B], x[:B]) if hidden else lo[:B]
 
 
 class PrefillGraphRunner:

@@ -187,6 +187,7 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
     gpages = graph_pages(requests, built.decode_plan.page_tokens, dep.mtp.draft_k) if gmax else (0, 0)
     plens = (min(r.prompt_tokens for r in requests), max(r.prompt_tokens for r in requests)) if requests else (0, 0)
     chunk = (dep.aggregated[0].template.chunk_tokens or 0) if dep.aggregated else 0
+    draft_k = dep.mtp.draft_k if cfg.runs_mtp else 0   # real_model_config refused drafts without an MTP module
     out = {}
     for gid, gs, role in groups:
         tpl = {"prefill": dep.prefillers, "decode": dep.decoders, "aggregated": dep.aggregated}[role][0].template
@@ -200,13 +201,13 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               page_tokens=built.decode_plan.page_tokens, prefill_tp=ptp,
                               prefill_pages=prefill_pages, decode_pages=decode_pages, seed=seed, weights=weights,
                               init_file=init_file, backend=backend, kv_peers=peers,
-                              graph_max_batch=gmax if role != "prefill" else 0,
+                              graph_max_batch=gmax * (1 + draft_k) if role != "prefill" else 0,
                               graph_pages=gpages if role != "prefill" else (0, 0),
                               prefill_lens=plens if role != "decode" else (0, 0),
                               chunk_tokens=chunk if role == "aggregated" else 0,
                               prefix_blocks=prefix_blocks if role != "decode" else 0,
                               prefix_block_tokens=prefix_block_tokens if role != "decode" else 0,
-                              state_slots=slots if role == "aggregated" else 0, **rings)
+                              state_slots=slots if role == "aggregated" else 0, draft_k=draft_k, **rings)
     return out
 
 
@@ -232,4 +233,25 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
         if not cfg_path.exists():
             raise FileNotFoundError(f"{cfg_path}: real.weights needs a Hugging Face checkpoint directory")
         tiny_cfg = TorchModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    return tiny_cfg or TorchModelConfig.from_spec(built.model, n_layers=n_layers)
+    cfg = tiny_cfg or TorchModelConfig.from_spec(built.model, n_layers=n_layers)
+    k = dep.mtp.draft_k
+    if k > 0 and not cfg.runs_mtp:
+        raise UserError(f"mtp.draft_k: {k} drafts, but real mode drafts with the model's own MTP module and "
+                        f"{built.model.name} ({cfg.family}) has none it runs; set mtp.draft_k: 0")
+    if k > 0 and weights and not _has_mtp_weights(Path(weights), cfg.n_layers):
+        raise UserError(f"mtp.draft_k: {k} drafts, but the checkpoint {weights} holds no MTP module "
+                        f"(model.layers.{cfg.n_layers}.eh_proj.weight); set mtp.draft_k: 0")
+    return cfg
+
+
+def _has_mtp_weights(path: Path, n_layers: int) -> bool:
+    """Whether a safetensors checkpoint directory holds the MTP module (layer ``n_layers``, as DeepSeek-V3
+    checkpoints do; transformers' own saves leave it out)."""
+    from safetensors import safe_open
+
+    key = f"model.layers.{n_layers}.eh_proj.weight"
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            if key in h.keys():
+                return True
+    return False

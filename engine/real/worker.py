@@ -12,7 +12,9 @@ free pages for it, ``declined: no pages: ...``). Commands:
   -> reply bytes (the KV is freed by the ``drop`` the driver sends once the scheduler has seen the transfer
   complete)
 - ``kv_recv``  (decoder rank) reserve pages, offer them to the sources, receive the KV into them -> reply bytes
-- ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``
+- ``decode``   (every decoder rank) apply ``joined`` / ``left`` then one synchronous DP-EP step -> ``{rid: token}``;
+  with MTP (``RankSpec.draft_k`` > 0) a speculative step (``engine.real.mtp``: drafts, one verify forward) ->
+  ``{rid: [tokens]}``, ``1 + accepted`` tokens each
 - ``mixed``    (an aggregated worker's rank) ``decode`` then ``prefill`` of ``items`` into the same cache ->
   ``{"decode": ..., "prefill": ...}``; a prefilled request joins a later step's batch from where it is
 - ``drop``     free a request's KV (after a failure elsewhere); ``stop`` ends the process.
@@ -55,6 +57,7 @@ from rackbed.engine.core.sharding import ParallelPlan
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.families import model_class
 from rackbed.engine.real.model import PagedKvCache, Shard, TorchModelConfig
+from rackbed.engine.real.mtp import draft_room, mtp_step
 from rackbed.engine.real.prefix import RankPrefixCache
 from rackbed.engine.real.transfer import KvBackend, KvDeclined, KvNoRoom, TransferEngine
 
@@ -83,8 +86,9 @@ class RankSpec:
     weights: str | None = None      # HF safetensors directory, or None for seeded random weights
     init_file: str = ""
     backend: str = "gloo"
-    # decoder: CUDA-graph buckets captured at warm-up (batch up to ``graph_max_batch``, page-table widths
-    # ``graph_pages`` = (lo, hi)); (0, 0) = none, capture on first use only
+    # decoder or aggregated rank: decode CUDA-graph buckets captured at warm-up (rows up to ``graph_max_batch``:
+    # the batch times ``1 + draft_k`` with MTP, whose verify replays them; page-table widths ``graph_pages`` =
+    # (lo, hi)); (0, 0) = none, capture on first use only
     graph_max_batch: int = 0
     graph_pages: tuple[int, int] = (0, 0)
     # prefilling ranks of one GPU (a TP1 prefiller, an aggregated worker): prefill CUDA graphs captured at warm-up
@@ -108,6 +112,9 @@ class RankSpec:
         return self.prefill_rings if self.role == "prefill" else self.decode_rings
     # Gated DeltaNet models: sequences whose recurrent state the rank holds at once (``layers_gdn.GdnStatePool``)
     state_slots: int = 0
+    # speculative decoding with the model's MTP module (``engine.real.mtp``): drafts per decode step (0 = off); every
+    # rank of the run holds the module (a prefiller writes its KV, which the transfer ships with the other layers)
+    draft_k: int = 0
 
 
 @dataclass
@@ -119,6 +126,8 @@ class _Seq:
     busy: bool = False              # prefiller: the transfer lane is shipping it
     stale: bool = False             # prefiller: re-prefilled meanwhile; the sender frees these pages
     slot: int = -1                  # Gated DeltaNet models: its state slot (freed with its pages)
+    mtp_h: torch.Tensor | None = None   # decoder with MTP: the target's hidden states of the positions whose MTP
+    mtp_next: list[int] = field(default_factory=list)   # KV the next draft writes (mtp.py), and their next tokens
 
 
 def _nccl_all_reduce(x, group):
@@ -145,14 +154,16 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
 
 
 def kv_layouts(cfg, elem_bytes: int, page_tokens: int, prefill_tp: int, prefill_pages: int,
-               decode_pages: int) -> tuple[KvLayout, KvLayout]:
+               decode_pages: int, mtp_layers: int = 0) -> tuple[KvLayout, KvLayout]:
     """``(prefiller, decoder)`` layouts of the KV transfer: the prefiller's TP group (MLA: the latent replicated
-    on every rank; GQA: KV heads sharded) to one DP decode rank, every layer in model order. Sliding layers carry
-    their window (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens of them, from
-    the prefiller's ring into the decoder's (``TransferEngine``'s ring part)."""
+    on every rank; GQA: KV heads sharded) to one DP decode rank, every layer of the paged cache in model order
+    (``TorchModelConfig.kv_layers``), then ``mtp_layers`` MTP module layers (their KV ships too, whole). Sliding
+    layers carry their window (``TorchModelConfig.kv_windows``), so the plan ships only the window's latest tokens
+    of them, from the prefiller's ring into the decoder's (``TransferEngine``'s ring part)."""
     def layout(tp: int, n_pages: int) -> KvLayout:
-        lay = KvLayout.for_attention(cfg.attention, len(cfg.kv_layers), elem_bytes, page_tokens, tp, n_pages)
-        return lay if lay.latent else replace(lay, windows=cfg.kv_windows)
+        lay = KvLayout.for_attention(cfg.attention, len(cfg.kv_layers) + mtp_layers, elem_bytes, page_tokens, tp,
+                                     n_pages)
+        return lay if lay.latent else replace(lay, windows=cfg.kv_windows + (0,) * mtp_layers)
 
     return layout(prefill_tp, prefill_pages), layout(1, decode_pages)
 
@@ -241,9 +252,10 @@ class Rank:
         cls = model_class(spec.cfg)       # Qwen3-MoE, or the DeepSeek-V3 / gpt-oss / GLM-4.5 families
         if spec.weights:
             self.model = cls.from_state_dict(_load_state(spec.weights), spec.cfg, shard, comm,
-                                             device=dev, dtype=dt)
+                                             device=dev, dtype=dt, mtp=spec.draft_k > 0)
         else:
-            self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt)
+            self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt,
+                                    mtp=spec.draft_k > 0)
         self.linear = spec.cfg.has_linear
         cache_kw = {"ring_seqs": spec.n_rings or None} if any(spec.cfg.kv_windows) else {}
         if self.linear:
@@ -254,7 +266,8 @@ class Rank:
             self.prefix = RankPrefixCache(self.cache, spec.prefix_blocks, spec.prefix_block_tokens)
         cfg = spec.cfg
         eb = torch.tensor([], dtype=dt).element_size()
-        src, dst = kv_layouts(cfg, eb, spec.page_tokens, spec.prefill_tp, spec.prefill_pages, spec.decode_pages)
+        src, dst = kv_layouts(cfg, eb, spec.page_tokens, spec.prefill_tp, spec.prefill_pages, spec.decode_pages,
+                              self.model.n_kv_layers - len(cfg.kv_layers))
         rp = self.cache.ring_pages if self.cache.window else 0
         self.transfer = TransferEngine(src, dst, KvBackend(kv_group), ring_pages=rp,
                                        src_ring_pool=rp * (spec.prefill_rings or spec.prefill_pages),
@@ -592,6 +605,8 @@ class Rank:
 
     @torch.inference_mode()
     def _op_decode(self, joined, left):
+        """One decode step of the running batch -> ``{rid: token}``; with MTP (``spec.draft_k`` > 0) a speculative
+        step (``engine.real.mtp``) -> ``{rid: [tokens]}``, ``1 + accepted`` tokens each."""
         with self.lock:
             for rid in left:
                 self._drop(rid)
@@ -600,9 +615,20 @@ class Rank:
                     self.running.append(rid)
             batch = [rid for rid in self.running if rid in self.seqs]
             seqs = [self.seqs[rid] for rid in batch]
+            if self.spec.draft_k > 0:
+                rooms = draft_room(self.cache, seqs, self.spec.draft_k)
             for s in seqs:
                 self.cache.grow(s.pages, s.length + 1)
             rows = [list(s.pages) for s in seqs]
+        if self.spec.draft_k > 0:
+            graphs = self.graphs if batch else None
+
+            def verify(t, p, tab):      # the target's forward of the step's k + 1 rows per sequence
+                if graphs is not None:
+                    return graphs(t, p, tab, hidden=True)
+                return self.model.forward_decode(t, p, self.cache, tab, hidden=True)
+
+            return dict(zip(batch, mtp_step(self.model, self.cache, seqs, rooms, self.spec.draft_k, verify=verify)))
         if batch:
             width = max(len(p) for p in rows)
             table = torch.tensor([p + [p[0]] * (width - len(p)) for p in rows], device=self.dev)
