@@ -53,8 +53,13 @@ def check_run(run_dir: str | Path, *, calibration=None) -> dict:
     n = len(real.get("generated_tokens", {})) or len(reqs)
     reqs = reqs[:n] if n < len(reqs) else reqs
     dep = run_deployment(b, real)
+    # as the real run's scheduler ran (engine.real.driver.run_real): the scenario's policies, closed loop and prefix
+    # caches
     kw = dict(seed=sc.seed, progress=False, slo=Slo(sc.slo.ttft_s, sc.slo.tpot_s), kv_chunks=b.cost_model.kv_chunks,
-              decision_log=False, faults=run_faults(real))
+              decision_log=False, faults=run_faults(real), policies=sc.sim.policies.build(),
+              closed_loop=sc.workload.closed_loop())
+    if b.prefix_cache is not None:
+        kw["prefix_cache"] = b.prefix_cache
     sim = simulate(dep, reqs, cm, **kw).metrics["latency_s"]
     raw = simulate(dep, reqs, base, **kw).metrics["latency_s"] if base is not None else None
     rm = real["metrics"]["latency_s"]
