@@ -342,8 +342,9 @@ real: {{device: cpu, dtype: fp32, weights: {ckpt}}}
                             "requeued": 0}}
     log = types.SimpleNamespace(decisions=lambda: [("same",)])
     res = types.SimpleNamespace(metrics=metrics, log=log)
-    run = types.SimpleNamespace(records=[], deaths=[], generated={}, pool=types.SimpleNamespace(errors=[]),
-                                cfg=types.SimpleNamespace(n_layers=1, hidden=8))
+    run = types.SimpleNamespace(records=[], deaths=[], generated={},
+                                pool=types.SimpleNamespace(errors=[], graph_reports={}),
+                                cfg=types.SimpleNamespace(n_layers=1, hidden=8, kv_windows=()))
     monkeypatch.setattr(drv, "run_real", lambda *a, **k: (res, run))
     monkeypatch.setattr(drv, "replay", lambda *a, **k: res)
     monkeypatch.setattr(outputs, "write_all", lambda *a, **k: None)
