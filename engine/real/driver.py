@@ -53,8 +53,10 @@ record carries them too, so :class:`ReplayExecutor` answers the replay's step wi
 
 Limits (documented, not hidden): MTP runs for models with an MTP module the engine implements (DeepSeek-V3 /
 Kimi-K2, GLM-4.5; others are refused, ``real_model_config``), with greedy acceptance only, eager draft forwards and
-no draft for a sequence's first step on a decoder; autoscaling and chunked prefill are simulated only; aggregated
-workers are one GPU each (``tp = dp = ep = 1``).
+no draft for a sequence's first step on a decoder; autoscaling is simulated only; chunked prefill runs on
+aggregated workers (a later chunk continues the sequence its rank holds; a re-prefill chunked past its prompt is
+refused) and is simulated only for prefillers (``sim.chunked_prefill``); aggregated workers are one GPU each
+(``tp = dp = ep = 1``).
 """
 
 from __future__ import annotations
