@@ -737,6 +737,37 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, c
     return out
 
 
+def warm_graphs(runner, keys, reserve_bytes: int, budget_s: float) -> dict:
+    """Capture ``runner``'s graphs for ``keys`` in order (``runner._capture(*key)``), while more than
+    ``reserve_bytes`` of device memory stay free and within ``budget_s`` seconds; the first failed capture turns the
+    runner eager and says why. Returns what was done."""
+    import time
+
+    t0, done, why = time.perf_counter(), 0, "all"
+    dev = runner.cache.storage.device
+    for key in keys:
+        if runner.mode != "graph":
+            why = "capture failed: " + runner.why
+            break
+        if time.perf_counter() - t0 > budget_s:
+            why = f"time budget {budget_s:.0f} s"
+            break
+        free, _ = torch.cuda.mem_get_info(dev)
+        if free < reserve_bytes:
+            why = f"memory reserve ({free / 2**30:.1f} GiB free)"
+            break
+        if key not in runner.graphs:
+            try:
+                runner.graphs[key] = runner._capture(*key)
+            except Exception as exc:  # fall back, once, and say why
+                runner.mode, runner.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
+                continue
+        done += 1
+    torch.cuda.synchronize()
+    return {"captured": done, "wanted": len(keys), "stopped_by": why, "seconds": round(time.perf_counter() - t0, 2),
+            "free_gib": round(torch.cuda.mem_get_info(dev)[0] / 2**30, 1)}
+
+
 class DecodeGraphRunner:
     """Replays CUDA graphs of ``forward_decode_static``, one per (batch bucket, page-table-width bucket).
 
@@ -774,33 +805,7 @@ class DecodeGraphRunner:
              budget_s: float = 90.0) -> dict:
         """Capture the likely buckets now (largest first, so the shared pool is sized once), while more than
         ``reserve_bytes`` of device memory stay free and within ``budget_s`` seconds. Returns what was done."""
-        import time
-
-        t0 = time.perf_counter()
-        keys = self.buckets(max_batch, min_pages, max_pages)
-        done, why = 0, "all"
-        for key in keys:
-            if self.mode != "graph":
-                why = "capture failed: " + self.why
-                break
-            if time.perf_counter() - t0 > budget_s:
-                why = f"time budget {budget_s:.0f} s"
-                break
-            free, _ = torch.cuda.mem_get_info(self.cache.storage.device)
-            if free < reserve_bytes:
-                why = f"memory reserve ({free / 2**30:.1f} GiB free)"
-                break
-            if key not in self.graphs:
-                try:
-                    self.graphs[key] = self._capture(*key)
-                except Exception as exc:  # fall back, once, and say why
-                    self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
-                    continue
-            done += 1
-        torch.cuda.synchronize()
-        return {"captured": done, "wanted": len(keys), "stopped_by": why,
-                "seconds": round(time.perf_counter() - t0, 2),
-                "free_gib": round(torch.cuda.mem_get_info(self.cache.storage.device)[0] / 2**30, 1)}
+        return warm_graphs(self, self.buckets(max_batch, min_pages, max_pages), reserve_bytes, budget_s)
 
     @staticmethod
     def _bucket(n: int, buckets) -> int:
@@ -916,30 +921,8 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def warm(self, keys, *, reserve_bytes: int = 8 << 30, budget_s: float = 90.0) -> dict:
-        import time
-
-        t0, done, why = time.perf_counter(), 0, "all"
-        for key in keys:
-            if self.mode != "graph":
-                why = "capture failed: " + self.why
-                break
-            if time.perf_counter() - t0 > budget_s:
-                why = f"time budget {budget_s:.0f} s"
-                break
-            free, _ = torch.cuda.mem_get_info(self.cache.storage.device)
-            if free < reserve_bytes:
-                why = f"memory reserve ({free / 2**30:.1f} GiB free)"
-                break
-            if key not in self.graphs:
-                try:
-                    self.graphs[key] = self._capture(*key)
-                except Exception as exc:  # fall back, once, and say why
-                    self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
-                    continue
-            done += 1
-        torch.cuda.synchronize()
-        return {"captured": done, "wanted": len(keys), "stopped_by": why,
-                "seconds": round(time.perf_counter() - t0, 2)}
+        """Capture ``keys`` now (as :meth:`DecodeGraphRunner.warm`)."""
+        return warm_graphs(self, keys, reserve_bytes, budget_s)
 
     def _capture(self, T: int, P: int):
         dev = self.cache.storage.device
