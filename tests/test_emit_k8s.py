@@ -6,6 +6,13 @@ at a pinned version. Every emitted object is checked against it (no unknown fiel
 types), its server and router arguments parse with the pinned SGLang / router parsers (tests/test_emit_flags.py),
 and the StatefulSets ask for exactly the deployment's GPUs: per group one pod per host it spans with the group's
 GPUs there.
+
+``sim/data/dynamo_crd.json`` holds the ``openAPIV3Schema`` of the Dynamo operator's ``DynamoGraphDeployment``
+custom resource definition, read by ``tools/dynamo_crd.py`` from the Dynamo repository at one commit (its
+provenance names which). Every emitted ``DynamoGraphDeployment`` is checked against it as the API server reads a
+structural schema under strict field validation (``kubectl apply``'s default): no field the schema does not
+declare (unless it keeps unknown fields), every required one, the types and the enums; its metadata against
+``ObjectMeta``.
 """
 
 from __future__ import annotations
@@ -23,11 +30,17 @@ from rackbed.sim import emit
 from rackbed.sim.emit import plan_of
 
 SCHEMA = Path(emit.__file__).resolve().parent / "data" / "k8s_schema.json"
+DYNAMO_CRD = SCHEMA.with_name("dynamo_crd.json")
 
 
 @cache
 def _schema() -> dict:
     return json.loads(SCHEMA.read_text())
+
+
+@cache
+def _crd() -> dict:
+    return json.loads(DYNAMO_CRD.read_text())
 
 
 def check(obj, typ: str, path: str = "") -> None:
@@ -128,3 +141,102 @@ def test_k8s_objects_are_valid_parse_and_hold_the_placement(key):
         assert len(ns.worker_urls) == len(pl.aggregated)
     else:
         assert len(ns.prefill) == len(pl.prefill) and len(ns.decode) == len(pl.decode)
+
+
+# ------------------------------------------------------------------------------------------------ Dynamo graph
+
+
+def check_crd(obj, s: dict, path: str) -> None:
+    """``obj`` is valid under the structural schema ``s`` of a custom resource, read as the API server does with
+    strict field validation: a field neither in ``properties`` nor covered by ``additionalProperties`` is an error
+    unless the schema keeps unknown fields (``x-kubernetes-preserve-unknown-fields``); required fields, the
+    types (``int-or-string`` too), enums and ``maxProperties``. CEL rules (``x-kubernetes-validations``) are not
+    evaluated."""
+    if obj is None and s.get("nullable"):
+        return
+    if s.get("x-kubernetes-int-or-string"):
+        assert isinstance(obj, (int, str)) and not isinstance(obj, bool), f"{path}: {obj!r} is not an int or string"
+        return
+    t = s.get("type")
+    if t == "object":
+        assert isinstance(obj, dict) and all(isinstance(k, str) for k in obj), f"{path}: {obj!r} is not an object"
+        props, extra = s.get("properties", {}), s.get("additionalProperties")
+        for k, v in obj.items():
+            if k in props:
+                check_crd(v, props[k], f"{path}.{k}")
+            elif isinstance(extra, dict):
+                check_crd(v, extra, f"{path}.{k}")
+            else:
+                assert s.get("x-kubernetes-preserve-unknown-fields") or extra is True, f"{path}: no field {k!r}"
+        for k in s.get("required", []):
+            assert k in obj, f"{path}: requires {k!r}"
+        assert len(obj) <= s.get("maxProperties", len(obj)), f"{path}: more than {s['maxProperties']} fields"
+    elif t == "array":
+        assert isinstance(obj, list), f"{path}: {obj!r} is not a list"
+        for i, x in enumerate(obj):
+            check_crd(x, s.get("items", {}), f"{path}[{i}]")
+    elif t == "string":
+        assert isinstance(obj, str), f"{path}: {obj!r} is not a string"
+    elif t == "integer":
+        assert isinstance(obj, int) and not isinstance(obj, bool), f"{path}: {obj!r} is not an integer"
+    elif t == "number":
+        assert isinstance(obj, (int, float)) and not isinstance(obj, bool), f"{path}: {obj!r} is not a number"
+    elif t == "boolean":
+        assert isinstance(obj, bool), f"{path}: {obj!r} is not a boolean"
+    else:
+        assert t is None and s.get("x-kubernetes-preserve-unknown-fields"), f"{path}: schema type {t!r}"
+    if "enum" in s:
+        assert obj in s["enum"], f"{path}: {obj!r} is not one of {s['enum']}"
+
+
+def check_graph(doc: dict) -> None:
+    """One emitted ``DynamoGraphDeployment`` against the pinned CRD (its metadata against ``ObjectMeta``)."""
+    crd = _crd()
+    group, version = doc["apiVersion"].split("/")
+    assert (group, doc["kind"]) == (crd["group"], crd["kind"]) and version in crd["versions"]
+    check(doc["metadata"], "V1ObjectMeta", "metadata")
+    body = {k: v for k, v in doc.items() if k != "metadata"}
+    check_crd(body, crd["versions"][version], doc["kind"])
+
+
+def _graph(key: str) -> dict:
+    return yaml.safe_load(_case(key)[1]["dynamo"]["graph.yaml"])
+
+
+def test_dynamo_crd_provenance_and_a_bad_graph_fails():
+    prov = _crd()["provenance"]
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["commit"]) and re.fullmatch(r"[0-9a-f]{40}", prov["file_commit"])
+    assert prov["path"].endswith("nvidia.com_dynamographdeployments.yaml") and prov["dynamo_version"]
+    doc = next(g for g in map(_graph, sorted(CASES)) if any("multinode" in s for s in g["spec"]["services"].values()))
+    check_graph(doc)
+    worker = next(n for n, s in doc["spec"]["services"].items() if "multinode" in s)
+
+    def bad(edit) -> dict:
+        d = json.loads(json.dumps(doc))
+        edit(d["spec"]["services"][worker], d)
+        return d
+
+    for edit, msg in [
+        (lambda w, d: w.__setitem__("componentTyp", w.pop("componentType")), "no field 'componentTyp'"),
+        (lambda w, d: w["multinode"].__setitem__("nodeCuont", w["multinode"].pop("nodeCount")), "no field 'nodeCuont'"),
+        (lambda w, d: w["extraPodSpec"]["mainContainer"].__setitem__("arg", []), "no field 'arg'"),
+        (lambda w, d: w["resources"]["limits"].__setitem__("gpus", "4"), "no field 'gpus'"),
+        (lambda w, d: d["spec"].__setitem__("service", d["spec"].pop("services")), "no field 'service'"),
+        (lambda w, d: w.__setitem__("replicas", str(w["replicas"])), "not an integer"),
+        (lambda w, d: w["resources"]["limits"].__setitem__("gpu", 4), "not a string"),
+        (lambda w, d: d["spec"].__setitem__("backendFramework", "sgl"), "is not one of"),
+        (lambda w, d: d["metadata"].__setitem__("nmae", "x"), "no field 'nmae'"),
+    ]:
+        with pytest.raises(AssertionError, match=msg):
+            check_graph(bad(edit))
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_dynamo_graph_is_valid_under_the_crd(key):
+    doc = _graph(key)
+    check_graph(doc)
+    pl = plan_of(_case(key)[0])
+    services = doc["spec"]["services"]
+    groups = [gs for gs in (pl.prefill, pl.decode, pl.aggregated) if gs]
+    workers = [s for s in services.values() if s["componentType"] == "worker"]
+    assert sorted(s["replicas"] for s in workers) == sorted(len(gs) for gs in groups)
