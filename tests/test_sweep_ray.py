@@ -124,7 +124,10 @@ def _driver(spec: Path, out: Path, address: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "rackbed.engine.cli.main", "sweep", str(spec), "--out", str(out), "--ray-address",
          address, "--no-progress", "--no-report"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # a suite started in the background (``cmd &`` in a script) runs with SIGINT ignored, which a child inherits
+        # and Python then keeps: Ctrl-C must reach the driver as it does from a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _records_once(path: Path) -> dict[str, dict]:
