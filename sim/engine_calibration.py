@@ -502,6 +502,8 @@ def fit_engine_runs(run_dirs, *, holdout_every: int = 3) -> tuple[EngineCalibrat
 
     fit, hold, keys, reals, spec = [], [], set(), [], None
     for d in map(Path, run_dirs):
+        if not (d / "real.json").is_file() or not (d / "decisions.csv").is_file():
+            raise UserError(f"{d}: not a `rackbed real` output folder (needs real.json and decisions.csv)")
         real = json.loads((d / "real.json").read_text())
         b = build(load_scenario(real["scenario"]), engine_calibration=False)
         gpu = b.topology.gpu_spec((b.deployment.decoders or b.deployment.aggregated)[0].gpus[0]).name

@@ -62,3 +62,4 @@ def test_fit_aggregated_runs_then_check_a_held_out_run(tmp_path, capsys):
     assert abs(tpot["sim_s"] - tpot["real_s"]) < abs(tpot["kernel_only_sim_s"] - tpot["real_s"])
     assert "heldout" in capsys.readouterr().out
     assert fidelity.main(["check", str(tmp_path / "nope")]) == 2
+    assert fidelity.main(["fit", str(tmp_path / "nope"), "--out", str(tmp_path / "c2.yaml")]) == 2
