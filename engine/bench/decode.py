@@ -4,8 +4,10 @@ For each batch size the step's bytes are counted from the model: attention proje
 the router, the weights of every expert the step's routing actually touched (counted from the routing of the timed
 steps), the LM head, and the KV cache read (batch x context x KV bytes per token). The roofline is those bytes over
 the HBM bandwidth measured in the same run (device-to-device copy, read + write). The step runs once with each
-grouped-GEMM implementation (torch._grouped_mm, and the CuTe DSL decode kernel through ``auto``) — the kernels'
-before/after on the engine's own decode step.
+grouped-GEMM implementation (torch._grouped_mm, and the CuTe DSL decode kernel through ``auto``) and each decode
+attention (``triton``: ``kernels.paged_attention`` reading the pages in place; ``torch``: the gather path) — the
+kernels' before/after on the engine's own decode step, in one run. ``attention_check`` compares one step's logits
+of the two attention paths (bf16).
 """
 
 from __future__ import annotations
@@ -68,6 +70,38 @@ def profile_step(model, cache, cfg, dev, b: int, context: int, pages_per: int) -
     except Exception as exc:
         print(f"profile b={b} failed: {type(exc).__name__}: {exc}", flush=True)
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def set_attention(attn: str) -> None:
+    """Decode attention for the following steps: ``triton`` (``kernels.paged_attention``) or ``torch`` (gather)."""
+    import os
+
+    if attn not in ("triton", "torch"):
+        raise SystemExit(f"attention {attn!r}: must be triton or torch")
+    os.environ["RACKBED_PAGED_ATTENTION"] = attn
+
+
+def parse_mode(mode: str, default_impl: str = "auto") -> tuple[str, str, str]:
+    """``execution[:grouped-impl[:attention]]`` -> (execution, impl, attention); attention defaults to triton."""
+    parts = mode.split(":")
+    if parts[0] not in ("eager", "graph") or len(parts) > 3:
+        raise SystemExit(f"mode {mode!r}: expected eager|graph[:impl[:triton|torch]]")
+    return parts[0], parts[1] if len(parts) > 1 else default_impl, parts[2] if len(parts) > 2 else "triton"
+
+
+def attention_check(model, cache, tok, pos, table) -> dict:
+    """One eager decode step's logits with the Triton attention against the torch gather path, same inputs (the
+    step rewrites the same KV at ``pos``): largest difference relative to the logits' scale, and the share of rows
+    whose greedy token agrees."""
+    out = {}
+    for attn in ("torch", "triton"):
+        set_attention(attn)
+        with torch.inference_mode():
+            out[attn] = model.forward_decode(tok, pos, cache, table).float()
+    diff = (out["triton"] - out["torch"]).abs().max().item()
+    scale = out["torch"].abs().max().item() or 1.0
+    same = (out["triton"].argmax(-1) == out["torch"].argmax(-1)).float().mean().item()
+    return {"max_abs_diff": diff, "max_rel_to_logit_scale": diff / scale, "argmax_agree": same}
 
 
 def graph_step_overhead(runner, tok, pos, table, reps: int = 20) -> dict:
@@ -137,8 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--modes", nargs="+", default=["eager:torch", "graph:torch", "graph:auto"],
-                    help="execution:grouped-GEMM impl, execution in eager|graph (CUDA graph of the static step)")
+    ap.add_argument("--modes", nargs="+", default=["graph:auto:torch", "graph:auto:triton"],
+                    help="execution:grouped-GEMM impl[:attention], execution in eager|graph (CUDA graph of the static "
+                         "step), attention triton (default) | torch")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
                     help="eager steps to profile with torch.profiler: CUDA time by kernel, the term-by-term gap")
     ap.add_argument("--overhead", action="store_true",
@@ -158,6 +193,7 @@ def main(argv=None) -> int:
     max_b = max(a.batches)
     pages_per = -(-(a.context + 1) // S)
     cache = model.new_cache(max_b * pages_per + 8, S)   # pages 0..7: graph runners' scratch pages
+    cache.storage.normal_(0, 1)                         # KV values that make the attention check meaningful
     touched: list[int] = []
     orig_route = model._route
 
@@ -174,9 +210,11 @@ def main(argv=None) -> int:
     head_b = cfg.vocab * D * 2 + D * 2
     rows = []
     runner = None
+    checks = {}
     for mode in a.modes:
-        execution, impl = mode.split(":")
+        execution, impl, attn = parse_mode(mode)
         M.GROUPED_IMPL = impl
+        set_attention(attn)
         if execution == "graph":
             runner = M.DecodeGraphRunner(model, cache)   # fresh graphs for this impl
             step = runner  # the graph runner takes (tokens, positions, page_table)
@@ -204,6 +242,9 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 ts.append(e0.elapsed_time(e1) / 1e3)
             step_s = statistics.median(ts)
+            if str(b) not in checks:
+                checks[str(b)] = attention_check(model, cache, tok, pos, table)
+                set_attention(attn)
             experts = statistics.mean(touched) if touched else float("nan")  # distinct experts per layer
             kv_b = b * (a.context + 1) * cfg.kv_bytes_per_token(2)
             w_b = cfg.n_layers * (attn_b + router_b + experts * expert_b) + head_b
@@ -222,7 +263,7 @@ def main(argv=None) -> int:
                   f"x{step_s / roof:4.2f}  experts/layer {experts:5.1f}", flush=True)
     M.GROUPED_IMPL = "auto"
     profiles = {str(b): profile_step(model, cache, cfg, dev, b, a.context, pages_per) for b in a.profile_batches}
-    doc = {"profiles": profiles, "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+    doc = {"attention_check": checks, "profiles": profiles, "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "date": time.strftime("%Y-%m-%d"), "model": spec.name, "hbm_copy_GBps_rw": bw, "rows": rows,
            "bytes_model": "weights of every layer's attention/router + touched experts + LM head + KV read "
                           "(batch x (context+1) x KV bytes/token); roofline = bytes / measured copy bandwidth"}

@@ -96,7 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--modes", nargs="+", default=None, help="eager and/or graph (default: both on CUDA)")
+    ap.add_argument("--modes", nargs="+", default=None,
+                    help="execution[:grouped-GEMM impl[:attention]]: eager|graph, impl auto|torch|cute_mma|..., "
+                         "attention triton|torch (default: eager and graph on CUDA, auto, triton)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke test)")
     ap.add_argument("--out", default=None)
@@ -124,9 +126,15 @@ def main(argv=None) -> int:
         touched.append(int(torch.unique(ids).numel()))
         return ids, wts
 
-    rows = []
+    import rackbed.engine.real.model as M
+    from rackbed.engine.bench.decode import attention_check, parse_mode, set_attention
+
+    rows, checks = [], {}
     for mode in modes:
-        runner = DecodeGraphRunner(model, cache) if mode == "graph" else None
+        execution, impl, attn = parse_mode(mode)
+        M.GROUPED_IMPL = impl
+        set_attention(attn)
+        runner = DecodeGraphRunner(model, cache) if execution == "graph" else None
         for b in a.batches:
             table = torch.arange(8, 8 + b * pages_per, device=dev).view(b, pages_per)
             tok = torch.randint(0, cfg.vocab, (b,), device=dev)
@@ -141,6 +149,9 @@ def main(argv=None) -> int:
                 model.forward_decode(tok, pos, cache, table)
                 model._route = orig_route
                 step_s = _time(step, dev, a.reps)
+            if str(b) not in checks and dev.type == "cuda":
+                checks[str(b)] = attention_check(model, cache, tok, pos, table)
+                set_attention(attn)
             experts = statistics.mean(touched)
             w_b, kv_b = _bytes(cfg, experts, b, a.context, torch.tensor([], dtype=dtype).element_size())
             spec_s, meas_s = (w_b + kv_b) / (H200_HBM_SPEC_GBPS * 1e9), (w_b + kv_b) / (bw * 1e9)
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
                          "step_ms": step_s * 1e3, "experts_touched_per_layer": experts, "weight_bytes": w_b,
                          "kv_bytes": kv_b, "roofline_spec_ms": spec_s * 1e3, "roofline_measured_ms": meas_s * 1e3,
                          "ratio_to_spec_roofline": step_s / spec_s, "ratio_to_measured_roofline": step_s / meas_s})
-            print(f"{mode:6s} b={b:4d} step {step_s * 1e3:8.3f} ms  roofline {spec_s * 1e3:7.3f} ms (spec) "
+            print(f"{mode:18s} b={b:4d} step {step_s * 1e3:8.3f} ms  roofline {spec_s * 1e3:7.3f} ms (spec) "
                   f"{meas_s * 1e3:7.3f} ms (copy)  x{step_s / spec_s:5.2f}  experts/layer {experts:5.1f}", flush=True)
     profile = None
     if a.profile and dev.type == "cuda":
@@ -157,7 +168,8 @@ def main(argv=None) -> int:
 
         with torch.inference_mode():
             profile = profile_step(model, cache, cfg, dev, a.batches[0], a.context, pages_per)
-    doc = {"bench": "mla_decode", "profile": profile,
+    M.GROUPED_IMPL = "auto"
+    doc = {"bench": "mla_decode", "profile": profile, "attention_check": checks,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join([sys.executable, "-m", "rackbed.engine.bench.mla_decode", *(argv or sys.argv[1:])]),

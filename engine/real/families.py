@@ -453,7 +453,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
             page = rings.gather(1, ((positions % R) // S)[:, None])[:, 0]
             st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
             st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
-            o = layers_gqa.decode_ring(w, q, st[rings], positions, self._window(li), cfg) @ w["o_proj"].T
+            o = layers_gqa.decode_paged(w, q, st, rings, positions, self._window(li), cfg, ring=True) @ w["o_proj"].T
             return o + w["o_bias"] if "o_bias" in w else o
         st = cache.storage[kl] if cfg.kind(li) == "mla" else cache.storage[cache.slot_of[kl]]
         page = page_table.gather(1, (positions // S)[:, None])[:, 0]
@@ -461,13 +461,12 @@ class ShardedMoeLM(ShardedQwen3Moe):
         if cfg.kind(li) == "mla":
             q_nope, q_rot, rows = layers_mla.project(w, h, positions, cfg, self.rope)
             st[page, slot] = rows.to(st.dtype)
-            ctx = torch.arange(page_table.shape[1] * S, device=h.device)
-            o = layers_mla.decode(w, q_nope, q_rot, st[page_table], ctx[None, :] <= positions[:, None], cfg)
+            o = layers_mla.decode_paged(w, q_nope, q_rot, st, page_table, positions, cfg)
         else:
             q, k, v = layers_gqa.qkv(w, h, positions, cfg, self.rope)
             st[page, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
             st[page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
-            o = layers_gqa.decode(w, q, st[page_table], positions, self._window(li), cfg)
+            o = layers_gqa.decode_paged(w, q, st, page_table, positions, self._window(li), cfg)
             if "gate_proj" in w:
                 o = o * torch.sigmoid(h @ w["gate_proj"].T)
         o = o @ w["o_proj"].T

@@ -113,3 +113,21 @@ def decode_ring(w, q: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor,
     sinks = w.get("sinks")
     o = attend(qg, K, V, ok, cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
     return o.reshape(B, Hq * Dh)
+
+
+def decode_paged(w, q: torch.Tensor, st: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, window: int,
+                 cfg, *, ring: bool = False) -> torch.Tensor:
+    """Decode attention over one layer's pages ``st [N, 2, Hkv, S, Dh]`` (``table``: the sequences' pages, or
+    their rings when ``ring``); q ``[Hq, B, Dh]`` -> ``[B, Hq*Dh]``. The Triton kernel that reads the pages in
+    place (``kernels.paged_attention``) where it runs, else :func:`decode` / :func:`decode_ring` over the gathered
+    pages. Static shapes, no host synchronisation."""
+    from rackbed.engine.real.model import paged_kernel_on
+
+    if paged_kernel_on(q.device, st.shape[3], st.shape[4]):
+        from rackbed.kernels.paged_attention import gqa_decode
+
+        return gqa_decode(q.transpose(0, 1), st, table, positions, cfg.head_dim ** -0.5, window=window, ring=ring,
+                          sinks=w.get("sinks"))
+    if ring:
+        return decode_ring(w, q, st[table], positions, window, cfg)
+    return decode(w, q, st[table], positions, window, cfg)

@@ -123,3 +123,21 @@ def decode(w, q_nope: torch.Tensor, q_rot: torch.Tensor, pages: torch.Tensor, ma
     s = s.masked_fill(~mask[:, None, :], float("-inf"))
     o_lat = torch.matmul(torch.softmax(s, -1).to(ctx.dtype), ctx[..., :L])          # [B, H, kv_lora]
     return torch.einsum("bhc,hvc->bhv", o_lat, w_uv).reshape(B, -1)
+
+
+def decode_paged(w, q_nope: torch.Tensor, q_rot: torch.Tensor, st: torch.Tensor, table: torch.Tensor,
+                 positions: torch.Tensor, cfg) -> torch.Tensor:
+    """Absorbed decode attention over one layer's latent pages ``st [N, S, W]`` up to each row's position ->
+    ``[B, H*v]``: the Triton kernel that reads the pages in place (``kernels.paged_attention.mla_decode``) where
+    it runs, else :func:`decode` over the gathered pages. Static shapes, no host synchronisation."""
+    from rackbed.engine.real.model import paged_kernel_on
+
+    if paged_kernel_on(q_nope.device, st.shape[1], cfg.kv_lora_rank, st.shape[2] - cfg.kv_lora_rank):
+        from rackbed.kernels.paged_attention import mla_decode
+
+        w_uk, w_uv = absorbed(w, cfg)
+        q = torch.cat((torch.einsum("bhn,hnc->bhc", q_nope, w_uk), q_rot), -1)
+        o_lat = mla_decode(q, st, table, positions, cfg.softmax_scale, cfg.kv_lora_rank)
+        return torch.einsum("bhc,hvc->bhv", o_lat, w_uv).reshape(q.shape[0], -1)
+    ctx = torch.arange(table.shape[1] * st.shape[1], device=q_nope.device)
+    return decode(w, q_nope, q_rot, st[table], ctx[None, :] <= positions[:, None], cfg)

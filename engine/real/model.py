@@ -528,8 +528,7 @@ class ShardedQwen3Moe:
                     page = page_table.gather(1, (positions // S)[:, None])[:, 0]
                     st[page, 0, :, positions % S] = k.transpose(0, 1).to(st.dtype)
                     st[page, 1, :, positions % S] = v.transpose(0, 1).to(st.dtype)
-                    ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)
-                    o = self._paged_attention(q, st[page_table], ctx[None, :] <= positions[:, None])
+                    o = self._decode_attention(q, st, page_table, positions)
                     x = x + o @ w["o_proj"].T
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             topi, topw = self._route(w, h) if B else (
@@ -537,6 +536,20 @@ class ShardedQwen3Moe:
                                                                                           device=x.device))
             x = x + self._moe_dp_ep(w, h, topi, topw)
         return (self._logits(x), x) if hidden else self._logits(x)
+
+    @scoped("attn_s")
+    def _decode_attention(self, q: torch.Tensor, st: torch.Tensor, page_table: torch.Tensor,
+                          positions: torch.Tensor) -> torch.Tensor:
+        """Decode attention of q ``[Hq, B, Dh]`` over one layer's pages ``st`` up to each row's position: the
+        Triton kernel that reads the pages in place (``kernels.paged_attention``) where it runs, else the torch
+        gather (:meth:`_paged_attention`). Static shapes either way (CUDA-graph safe)."""
+        if paged_kernel_on(q.device, st.shape[3], st.shape[4]) and len(self.q_heads) == len(self.kv_heads) * (
+                self.cfg.attention.n_q_heads // self.cfg.attention.n_kv_heads):
+            from rackbed.kernels.paged_attention import gqa_decode
+
+            return gqa_decode(q.transpose(0, 1), st, page_table, positions, self.scale)
+        ctx = torch.arange(page_table.shape[1] * st.shape[3], device=q.device)
+        return self._paged_attention(q, st[page_table], ctx[None, :] <= positions[:, None])
 
     @scoped("attn_s")
     def _paged_attention(self, q: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -566,8 +579,6 @@ class ShardedQwen3Moe:
         cfg = self.cfg
         x = self.glob["embed"][tokens]
         S = cache.page_tokens
-        ctx = torch.arange(page_table.shape[1] * S, device=tokens.device)
-        mask = ctx[None, :] <= positions[:, None]
         page = page_table.gather(1, (positions // S)[:, None])[:, 0]
         slot = positions % S
         for li, w in enumerate(self.layers):
@@ -576,7 +587,7 @@ class ShardedQwen3Moe:
             st = cache.storage[li]
             st[page, 0, :, slot] = kk.transpose(0, 1).to(st.dtype)
             st[page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
-            o = self._paged_attention(q, st[page_table], mask)
+            o = self._decode_attention(q, st, page_table, positions)
             x = x + o @ w["o_proj"].T
             h = rms_norm(x, w["post_norm"], cfg.rms_eps)
             # kernels.moe_block: the block kernels/bench/measure.py times (bench moe_block)
@@ -706,6 +717,15 @@ class ShardedQwen3Moe:
     @scoped("other_s")
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.glob["final_norm"], self.cfg.rms_eps) @ self.glob["lm_head"].T
+
+
+def paged_kernel_on(device, page_tokens: int, *widths: int) -> bool:
+    """Whether decode attention on ``device`` over pages of ``page_tokens`` slots and rows of these widths runs
+    ``kernels.paged_attention`` (Triton, pages read in place); ``RACKBED_PAGED_ATTENTION=torch`` keeps the torch
+    gather (the reference)."""
+    from rackbed.kernels.paged_attention import engine_uses, shape_unsupported
+
+    return engine_uses(device) and shape_unsupported(page_tokens, *widths) is None
 
 
 #: which grouped-GEMM implementation the experts use on CUDA: "auto" (the CuTe DSL decode kernel where it measured
