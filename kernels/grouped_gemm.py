@@ -33,7 +33,11 @@ DECODE_MAX_MEAN_ROWS = 2  # mean rows per expert up to which the weight-streamin
 # the measured one; "cute_mma" enters once it is measured (bench_moe's moe_gemm suite prints suggested rules).
 # Measured 2026-11-29 on one H200 (results/h200x2/moe/decode_gemm_v3_sweep.json, CUDA-graph replay, same run as
 # torch._grouped_mm): the tuned tensor-core kernel is 1.32-1.74x torch at every case up to 8 rows per expert.
-DECODE_DISPATCH: tuple[tuple[float, int, str], ...] = ((8.0, 1, "cute_mma"),)
+# Measured 2026-12-04 on one H200 at DeepSeek-V3 width (D 7168, F 2048, 256 experts; the engine's whole decode step,
+# results/h200/kernels/mla_decode_h200_v2.json): the kernel's tilings (tuned at Qwen3 width) win at 2 rows per expert
+# (9.2 vs 10.2 ms step) and lose at 4-8 (13.6 vs 12.9, 19.6 vs 17.8 ms), so E >= 256 takes torch above 2 rows.
+DECODE_DISPATCH: tuple[tuple[float, int, str], ...] = (
+    (2.0, 256, "cute_mma"), (float("inf"), 256, "torch"), (8.0, 1, "cute_mma"))
 IMPLS = ("auto", "cute_gemv", "cute_mma", "wgmma", "torch")
 # impl="auto" at prefill shapes: the wgmma/TMA grouped GEMM (kernels/grouped_gemm_wgmma.py) is taken when the mean
 # rows per expert R/E is >= this bound. None = off until the GPU benchmark shows it faster than torch._grouped_mm

@@ -89,10 +89,54 @@ def parse_mode(mode: str, default_impl: str = "auto") -> tuple[str, str, str]:
     return parts[0], parts[1] if len(parts) > 1 else default_impl, parts[2] if len(parts) > 2 else "triton"
 
 
+def layer0_attention_errors(model, cache, tok, pos, table) -> dict:
+    """The first layer's decode attention on the step's own queries and cache: each path (Triton kernel, torch
+    gather) against an fp32 computation of the same attention, as the largest error relative to the output's
+    scale. (Whole-step logits of a random-weight model amplify any rounding difference: this is the check.)"""
+    from rackbed.engine.real import layers_mla
+    from rackbed.engine.real.model import rms_norm
+    from rackbed.kernels.paged_attention import gqa_decode, mla_decode
+
+    cfg, w = model.cfg, model.layers[0]
+    with torch.inference_mode():
+        h = rms_norm(model.glob["embed"][tok], w["input_norm"], cfg.rms_eps)
+        st = cache.storage[0]
+        L = table.shape[1] * cache.page_tokens
+        allowed = torch.arange(L, device=tok.device)[None, :] <= pos[:, None]          # [B, L]
+        if hasattr(cfg, "kind") and cfg.kind(0) == "mla":
+            q_nope, q_rot, _ = layers_mla.project(w, h, pos, cfg, model.rope)
+            w_uk, _ = layers_mla.absorbed(w, cfg)
+            q = torch.cat((torch.einsum("bhn,hnc->bhc", q_nope, w_uk), q_rot), -1)        # [B, H, W]
+            ctx = st[table].reshape(q.shape[0], L, -1)
+            C = cfg.kv_lora_rank
+            s = torch.matmul(q.float(), ctx.float().transpose(1, 2)) * cfg.softmax_scale
+            ref = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), -1) @ ctx.float()[..., :C]
+            s_t = torch.matmul(q, ctx.transpose(1, 2)).float() * cfg.softmax_scale
+            torch_out = torch.softmax(s_t.masked_fill(~allowed[:, None], float("-inf")), -1).to(q.dtype) \
+                @ ctx[..., :C]
+            kern = mla_decode(q, st, table, pos, cfg.softmax_scale, C)
+        else:
+            q, _, _ = model._qkv(w, h, pos)                                              # [Hq, B, Dh]
+            B, Hq, Dh = q.shape[1], q.shape[0], q.shape[2]
+            Hkv = st.shape[2]
+            K = st[table][:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, Hkv, L, Dh).float()
+            V = st[table][:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, Hkv, L, Dh).float()
+            qg = q.transpose(0, 1).reshape(B, Hkv, Hq // Hkv, Dh).float()
+            s = torch.matmul(qg, K.transpose(-1, -2)) * model.scale
+            ref = (torch.softmax(s.masked_fill(~allowed[:, None, None], float("-inf")), -1) @ V).reshape(B, -1)
+            torch_out = model._paged_attention(q, st[table], allowed)
+            kern = gqa_decode(q.transpose(0, 1), st, table, pos, model.scale)
+        ref = ref.reshape(ref.shape[0], -1)
+        scale = ref.abs().max().item() or 1.0
+        return {"triton_vs_fp32": (kern.reshape(ref.shape).float() - ref).abs().max().item() / scale,
+                "torch_vs_fp32": (torch_out.reshape(ref.shape).float() - ref).abs().max().item() / scale}
+
+
 def attention_check(model, cache, tok, pos, table) -> dict:
     """One eager decode step's logits with the Triton attention against the torch gather path, same inputs (the
     step rewrites the same KV at ``pos``): largest difference relative to the logits' scale, and the share of rows
-    whose greedy token agrees."""
+    whose greedy token agrees; plus the first layer's attention of each path against fp32
+    (:func:`layer0_attention_errors`)."""
     out = {}
     for attn in ("torch", "triton"):
         set_attention(attn)
@@ -101,7 +145,8 @@ def attention_check(model, cache, tok, pos, table) -> dict:
     diff = (out["triton"] - out["torch"]).abs().max().item()
     scale = out["torch"].abs().max().item() or 1.0
     same = (out["triton"].argmax(-1) == out["torch"].argmax(-1)).float().mean().item()
-    return {"max_abs_diff": diff, "max_rel_to_logit_scale": diff / scale, "argmax_agree": same}
+    return {"max_abs_diff": diff, "max_rel_to_logit_scale": diff / scale, "argmax_agree": same,
+            "layer0": layer0_attention_errors(model, cache, tok, pos, table)}
 
 
 def graph_step_overhead(runner, tok, pos, table, reps: int = 20) -> dict:
@@ -219,7 +264,7 @@ def main(argv=None) -> int:
             runner = M.DecodeGraphRunner(model, cache)   # fresh graphs for this impl
             step = runner  # the graph runner takes (tokens, positions, page_table)
         else:
-            step = lambda tok, pos, table: model.forward_decode(tok, pos, cache, table)  # noqa: E731
+            step = lambda tok, pos, table: model.forward_decode(tok, pos, cache, table)
         for b in a.batches:
             table = torch.arange(8, 8 + b * pages_per, device=dev).view(b, pages_per)
             tok = torch.randint(0, cfg.vocab, (b,), device=dev)

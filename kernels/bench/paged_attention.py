@@ -19,6 +19,8 @@ import torch
 
 from rackbed.topology.outputs import add_force, entry_file, write_text
 
+MLA_VARIANTS = ((16, 32, 4), (32, 32, 8), (64, 32, 8), (64, 16, 8), (32, 64, 8), (64, 64, 8))
+
 
 def _graph_time(fn, reps: int) -> float:
     """Median seconds of one replay of a CUDA graph of ``fn`` (warmed eagerly first)."""
@@ -83,10 +85,12 @@ def _cases(b: int, context: int, dev, dt, S: int) -> dict:
         s = torch.matmul(mq, ctx.transpose(1, 2)).float() * 0.1
         s = s.masked_fill(~mask[:, None, :], float("-inf"))
         return torch.matmul(torch.softmax(s, -1).to(dt), ctx[..., :512])
-    for bh in (16, 32):     # heads per program: the latent is read H / bh times (from L2 when they run together)
-        cases[f"dsv3_mla_bh{bh}"] = (mla_torch, lambda bh=bh: pa.mla_decode(mq, lst, table, pos, 0.1, 512,
-                                                                               block_heads=bh),
-                                     b * (context + 1) * 576 * 2)
+    # heads per program (the latent is read H / bh times, from L2 when they run together), tokens per block, warps
+    for bh, bn, nw in MLA_VARIANTS:
+        cases[f"dsv3_mla_h{bh}_t{bn}_w{nw}"] = (
+            mla_torch, lambda bh=bh, bn=bn, nw=nw: pa.mla_decode(mq, lst, table, pos, 0.1, 512, block_heads=bh,
+                                                                 block_tokens=bn, num_warps=nw),
+            b * (context + 1) * 576 * 2)
     return cases
 
 
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--only", default=None, help="run only the cases whose name starts with this")
     ap.add_argument("--out", default=None)
     add_force(ap, "replace an existing --out file")
     a = ap.parse_args(argv)
@@ -105,6 +110,8 @@ def main(argv=None) -> int:
     for b in a.batches:
         cases = _cases(b, a.context, dev, dt, S)
         for name, (ref_fn, ker_fn, kv_bytes) in cases.items():
+            if a.only and not name.startswith(a.only):
+                continue
             with torch.inference_mode():
                 ref, got = ref_fn().float(), ker_fn().float()
                 err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
