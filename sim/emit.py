@@ -256,6 +256,10 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
     if engine == "trtllm" and not pl.is_aggregated:
         notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
                      "servers' max_batch_size is set to that budget")
+    if engine == "trtllm" and any(g.dp > 1 and g.ep > 1 for g in (*pl.decode, *pl.aggregated)):
+        notes.append("DP-EP MoE exchange: no backend option for it at the pinned TensorRT-LLM (moe_config.backend "
+                     "has no wide-EP value); the engine picks the MoE backend and its token exchange, which may "
+                     "cost other than the sparse all-to-all rackbed priced")
     if engine == "trtllm" and sc.weight_format != "bf16":
         notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the checkpoint; one not quantised "
                      "so runs other GEMMs and memory than rackbed priced")
@@ -456,14 +460,11 @@ def trtllm_options(pl: Plan, role: str) -> dict:
     else:
         o.update(max_batch_size=pl.decode_batch_per_rank,
                  max_num_tokens=pl.decode_batch_per_rank * (pl.draft_k + 1))
-        moe = {}
-        if g.dp > 1 and g.ep > 1:  # DP-EP decode: the sparse all-to-all rackbed priced (wide-EP MoE backend)
-            moe["backend"] = "WIDEEP"
+        # DP-EP decode is attention DP with EP; the pinned MoeConfig has no wide-EP backend value, so the
+        # engine picks the MoE backend and its token exchange (:func:`unmapped` names the difference)
         if pl.decode_redundant_experts:   # wide EP: expert slots = experts + redundant copies, load-balanced
-            moe["load_balancer"] = {"num_slots": pl.n_experts + pl.decode_redundant_experts,
-                                    "layer_updates_per_iter": 1}
-        if moe:
-            o["moe_config"] = moe
+            o["moe_config"] = {"load_balancer": {"num_slots": pl.n_experts + pl.decode_redundant_experts,
+                                                 "layer_updates_per_iter": 1}}
         spec = trtllm_speculative(pl)
         if spec:
             o["speculative_config"] = spec
@@ -472,15 +473,17 @@ def trtllm_options(pl: Plan, role: str) -> dict:
 
 def trtllm_speculative(pl: Plan) -> dict | None:
     """TensorRT-LLM's ``speculative_config``: ``MTP`` only for a model with MTP layers (its MTP serves
-    DeepSeek-style checkpoints), ``Draft_Target`` for a draft model; nothing for a trained MTP head the
-    checkpoint lacks (:func:`unmapped` says what that costs)."""
+    DeepSeek-style checkpoints), ``Draft_Target`` for a draft model (``speculative_model``); nothing for a
+    trained MTP head the checkpoint lacks (:func:`unmapped` says what that costs). The draft length is
+    ``max_draft_len`` for both: the pinned ``MTPDecodingConfig`` reads the older ``num_nextn_predict_layers``
+    only as a deprecated alias of it."""
     if not pl.draft_k:
         return None
     if pl.draft_kind == "model":
         return {"decoding_type": "Draft_Target", "max_draft_len": pl.draft_k,
-                "speculative_model_dir": "${DRAFT_MODEL_PATH}"}
+                "speculative_model": "${DRAFT_MODEL_PATH}"}
     if pl.model_has_mtp:
-        return {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+        return {"decoding_type": "MTP", "max_draft_len": pl.draft_k}
     return None
 
 

@@ -211,8 +211,9 @@ def trtllm_model_fields(text: str) -> dict:
     ``types`` a value may take (``int`` / ``float`` / ``bool`` / ``str`` / ``list`` / ``dict`` / ``null`` /
     ``any`` / ``model``),
     a ``Literal``'s ``choices``, the ``models`` (classes of this text) a mapping is validated as, a
-    discriminated union's ``discriminator`` (``{"key", "models": {value: class}}``) and the ``unchecked`` type
-    names this text does not define. Names starting with ``_`` and ``ClassVar`` declarations are skipped; a
+    discriminated union's ``discriminator`` (``{"key", "models": {value: class}}``), the ``unchecked`` type
+    names this text does not define and ``deprecated`` where the declaration says so (``Field(deprecated=
+    ...)``). Names starting with ``_`` and ``ClassVar`` declarations are skipped; a
     ``Field(json_schema_extra={"type": ...})`` on an ``object`` annotation is read as that type."""
     import ast
 
@@ -224,7 +225,7 @@ def trtllm_model_fields(text: str) -> dict:
             aliases[n.target.id] = n.value
         elif isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
             aliases[n.targets[0].id] = n.value
-    raw = {}
+    raw, deprecated = {}, set()
     for name, c in classes.items():
         fields = {}
         for st in c.body:
@@ -234,6 +235,8 @@ def trtllm_model_fields(text: str) -> dict:
             if fname.startswith("_") or "ClassVar" in ast.unparse(st.annotation):
                 continue
             ann = st.annotation
+            if _kwarg(st.value, "deprecated") not in (None, False):
+                deprecated.add((name, fname))
             extra = _json_schema_type(st.value)
             if extra is not None and "object" in ast.unparse(ann):
                 ann = ast.parse(extra, mode="eval").body
@@ -304,7 +307,8 @@ def trtllm_model_fields(text: str) -> dict:
         for b in bases:
             if b in raw and b not in seen:
                 merged.update(flat(b, (*seen, name)))
-        merged.update({k: spec(v) for k, v in fields.items()})
+        merged.update({k: {**spec(v), **({"deprecated": True} if (name, k) in deprecated else {})}
+                       for k, v in fields.items()})
         return merged
 
     result = {n: {"bases": raw[n][0], "fields": flat(n)} for n in raw}
