@@ -257,9 +257,9 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
         notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
                      "servers' max_batch_size is set to that budget")
     if engine == "trtllm" and any(g.dp > 1 and g.ep > 1 for g in (*pl.decode, *pl.aggregated)):
-        notes.append("DP-EP MoE exchange: no backend option for it at the pinned TensorRT-LLM (moe_config.backend "
-                     "has no wide-EP value); the engine picks the MoE backend and its token exchange, which may "
-                     "cost other than the sparse all-to-all rackbed priced")
+        notes.append("DP-EP MoE exchange: no backend option for it at the pinned TensorRT-LLM "
+                     "(moe_config.backend has no wide-EP value); the engine picks the MoE backend and its "
+                     "token exchange, which may cost other than the sparse all-to-all rackbed priced")
     if engine == "trtllm" and sc.weight_format != "bf16":
         notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the checkpoint; one not quantised "
                      "so runs other GEMMs and memory than rackbed priced")

@@ -318,7 +318,9 @@ def test_model_path_is_the_checkpoint_folder(tmp_path):
        drep=st.integers(1, 2), k=st.integers(0, 2))
 def test_any_placement_is_pinned_and_parses(topo, model_tp, pep, prep, dep, drep, k):
     """For any disaggregated shape the topology places: every SGLang server parses with the pinned parser, is
-    pinned to exactly its group's GPUs on its host, and no two servers on a host share a GPU or a port."""
+    pinned to exactly its group's GPUs on its host, and no two servers on a host share a GPU or a port; every
+    ``trtllm-serve`` line parses with the pinned TensorRT-LLM options and every option set it writes is valid
+    under the pinned LLM API classes (MTP only for a model with MTP layers)."""
     from rackbed.topology.errors import UserError
 
     model, ptp = model_tp
@@ -347,6 +349,13 @@ def test_any_placement_is_pinned_and_parses(topo, model_tp, pep, prep, dep, drep
         flat = [x for s in sets for x in s]
         assert len(flat) == len(set(flat)) and len(ports[h]) == len(set(ports[h]))
     assert {h: sorted(s) for h, s in pinned.items()} == {h: sorted(s) for h, s in placed.items()}
+    trt = emit_files(sc, "trtllm")
+    for _, _, argv in _servers(trt["launch.sh"]):
+        trt_parse(argv[1:])
+    for name, doc in _trt_yaml_options(trt).items():
+        assert llm_options_errors(doc) == [], name
+        spec = doc.get("speculative_config") or {}
+        assert spec.get("decoding_type") != "MTP" or plan_of(sc).model_has_mtp
 
 
 # --------------------------------------------------------------------------------------------- TensorRT-LLM
