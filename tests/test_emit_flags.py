@@ -470,6 +470,7 @@ def test_trtllm_manifest_has_its_provenance():
     assert prov["repository"] == "NVIDIA/TensorRT-LLM"
     assert all(re.fullmatch(r"[0-9a-f]{40}", s["commit"]) for s in prov["sources"].values())
     assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in prov["sha256"].values())
+    assert {s["path"]: s["commit"] for s in prov["sources"].values()} == emit.TRTLLM_SOURCES
     assert {"serve", "disaggregated"} <= set(t["commands"]) and t["root"] in t["classes"]
     assert len(t["classes"]["TorchLlmArgs"]["fields"]) > 100
     assert "MTP" in t["classes"]["TorchLlmArgs"]["fields"]["speculative_config"]["discriminator"]["models"]

@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "parsers": parsers,
         "values": values,
     }
+    if args.out.exists() and "trtllm" in (old := json.loads(args.out.read_text())):
+        manifest["trtllm"] = old["trtllm"]  # read from source text, not from a wheel: kept as it is
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     print(args.out)
