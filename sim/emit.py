@@ -35,8 +35,8 @@ workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg
 Flag names are the pinned engines' own: ``tests/test_emit_flags.py`` parses every emitted SGLang, router,
 Dynamo worker and ``trtllm-serve`` command line with their parsers and checks every TensorRT-LLM option set
 against the LLM API argument classes (``sim/data/engine_flags.json``, written by ``tools/engine_flags.py``;
-TensorRT-LLM at :data:`TRTLLM_SOURCES`). A setting rackbed prices that an engine has no flag for is named in a ``# no
-equivalent:`` comment at the top of the file, with what the difference costs in rackbed's model
+TensorRT-LLM at :data:`TRTLLM_SOURCES`). A setting rackbed prices that an engine has no flag for is named in
+a ``# no equivalent:`` comment at the top of the file, with what the difference costs in rackbed's model
 (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the topology's host numbers) and the checkpoint is
 ``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set, else sets it to the model (a preset's Hugging
 Face id, or the checkpoint folder: the scenario's ``model`` path, or the folder of its ``config.json``).
@@ -72,8 +72,8 @@ ENGINES = ("sglang", "trtllm", "dynamo", "k8s")
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
 
 SGLANG_VERSION, SGLANG_ROUTER_VERSION, DYNAMO_VERSION = "0.5.23", "0.3.2", "1.6.1"
-#: the TensorRT-LLM sources the ``trtllm`` files are checked against (main-branch commits of NVIDIA/TensorRT-LLM;
-#: no release is stated at them: ``sim/data/engine_flags.json``'s ``trtllm`` provenance)
+#: the TensorRT-LLM sources the ``trtllm`` files are checked against (main-branch commits of
+#: NVIDIA/TensorRT-LLM; no release is stated at them: ``sim/data/engine_flags.json``'s ``trtllm`` provenance)
 TRTLLM_SOURCES = {"tensorrt_llm/commands/serve.py": "00209af149e7774406881a37283dce303571eb11",
                   "tensorrt_llm/llmapi/llm_args.py": "0004396720054fd8e205cbf616f21f0b57c6b412"}
 #: the SGLang router's choice of a server: the least loaded of two sampled (rackbed's prefiller and worker picks

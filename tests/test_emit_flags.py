@@ -7,12 +7,13 @@ that data (exact option names, no abbreviations, the engines' value types and ch
 at the pinned version fails here. The cases are the shipped serving scenarios and the search's best answers
 (GB200 Qwen3-235B, H200 Qwen3-235B; the shipped H200 DeepSeek-V3 and aggregated H200 scenarios among the shipped).
 
-TensorRT-LLM: ``trtllm-serve``'s click options (``serve`` and ``disaggregated``) and the LLM API argument classes
-are in the manifest's ``trtllm`` entry (read by ``tools/engine_flags.py`` from TensorRT-LLM's source text at the
-commits its provenance names). Every emitted ``trtllm-serve`` line parses with a strict parser rebuilt from the
-options, and every emitted option set (``ctx.yaml``, ``gen.yaml``, ``agg.yaml``, the server lists of
-``disagg.yaml``) is checked against the class tree: an unknown or deprecated key at any level, a wrong scalar type,
-a value outside a ``Literal`` fails; a renamed key anywhere in an emitted file is caught (mutation check).
+TensorRT-LLM: ``trtllm-serve``'s click options (``serve`` and ``disaggregated``) and the LLM API argument
+classes are in the manifest's ``trtllm`` entry (read by ``tools/engine_flags.py`` from TensorRT-LLM's source
+text at the commits its provenance names). Every emitted ``trtllm-serve`` line parses with a strict parser
+rebuilt from the options, and every emitted option set (``ctx.yaml``, ``gen.yaml``, ``agg.yaml``, the server
+lists of ``disagg.yaml``) is checked against the class tree: an unknown or deprecated key at any level, a wrong
+scalar type, a value outside a ``Literal`` fails; a renamed key anywhere in an emitted file is caught (mutation
+check).
 
 The pinning: on every host, no two servers share a GPU or a port, and each server's ``CUDA_VISIBLE_DEVICES`` is
 exactly its group's GPUs on that host as the deployment placed them. MTP: SGLang's ``NEXTN`` and TensorRT-LLM's
