@@ -13,7 +13,7 @@ files a user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINE
   flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` /
   ``--node-rank`` / ``--dist-init-addr`` for a group across hosts) and the PD router.
 * ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; the cache
-  transceiver backend; DP-EP decode on the wide-EP MoE backend, redundant experts as
+  transceiver backend; DP-EP decode as attention DP with EP, redundant experts as
   ``moe_config.load_balancer.num_slots``; MTP only for a checkpoint with MTP layers), ``disagg.yaml``
   (``trtllm-serve disaggregated``: ``context_servers`` / ``generation_servers``) and ``launch.sh`` (one-host
   servers pinned as above; a group across hosts is one MPI job whose launcher places its ranks).
@@ -32,10 +32,11 @@ workers (``--worker-urls``); TensorRT-LLM ``trtllm-serve`` per worker with ``agg
 ``max_num_tokens``, ``enable_chunked_prefill``); Dynamo a graph of a frontend and one worker service (no
 ``subComponentType``); Kubernetes one StatefulSet per worker.
 
-Flag names are the pinned engines' own: ``tests/test_emit_flags.py`` parses every emitted SGLang, router and
-Dynamo worker command line with their parsers (``sim/data/engine_flags.json``, written by
-``tools/engine_flags.py``). A setting rackbed prices that an engine has no flag for is named in a ``# no
-equivalent:`` comment at the top of the file, with what the difference costs in rackbed's model
+Flag names are the pinned engines' own: ``tests/test_emit_flags.py`` parses every emitted SGLang, router,
+Dynamo worker and ``trtllm-serve`` command line with their parsers and checks every TensorRT-LLM option set
+against the LLM API argument classes (``sim/data/engine_flags.json``, written by ``tools/engine_flags.py``;
+TensorRT-LLM at :data:`TRTLLM_SOURCES`). A setting rackbed prices that an engine has no flag for is named in
+a ``# no equivalent:`` comment at the top of the file, with what the difference costs in rackbed's model
 (:func:`unmapped`). Hosts are placeholders (``${HOST_<n>}``, the topology's host numbers) and the checkpoint is
 ``${MODEL_PATH}``: a script keeps ``MODEL_PATH`` when it is set, else sets it to the model (a preset's Hugging
 Face id, or the checkpoint folder: the scenario's ``model`` path, or the folder of its ``config.json``).
@@ -70,7 +71,11 @@ from rackbed.topology.outputs import write_text
 ENGINES = ("sglang", "trtllm", "dynamo", "k8s")
 PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT, DIST_PORT, ROUTER_PORT = 30000, 31000, 8998, 20000, 8000
 
-SGLANG_VERSION, SGLANG_ROUTER_VERSION, DYNAMO_VERSION, TRTLLM_VERSION = "0.5.23", "0.3.2", "1.6.1", "1.2.1"
+SGLANG_VERSION, SGLANG_ROUTER_VERSION, DYNAMO_VERSION = "0.5.23", "0.3.2", "1.6.1"
+#: the TensorRT-LLM sources the ``trtllm`` files are checked against (main-branch commits of
+#: NVIDIA/TensorRT-LLM; no release is stated at them: ``sim/data/engine_flags.json``'s ``trtllm`` provenance)
+TRTLLM_SOURCES = {"tensorrt_llm/commands/serve.py": "00209af149e7774406881a37283dce303571eb11",
+                  "tensorrt_llm/llmapi/llm_args.py": "0004396720054fd8e205cbf616f21f0b57c6b412"}
 #: the SGLang router's choice of a server: the least loaded of two sampled (rackbed's prefiller and worker picks
 #: are least-loaded ones; the router has no queued-token measure, see :func:`unmapped`)
 ROUTER_POLICY = "power_of_two"
@@ -256,6 +261,10 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
     if engine == "trtllm" and not pl.is_aggregated:
         notes.append(f"a prefill batch is capped by tokens only ({sc.prefill.max_batch_tokens}): the context "
                      "servers' max_batch_size is set to that budget")
+    if engine == "trtllm" and any(g.dp > 1 and g.ep > 1 for g in (*pl.decode, *pl.aggregated)):
+        notes.append("DP-EP MoE exchange: no backend option for it at the pinned TensorRT-LLM "
+                     "(moe_config.backend has no wide-EP value); the engine picks the MoE backend and its "
+                     "token exchange, which may cost other than the sparse all-to-all rackbed priced")
     if engine == "trtllm" and sc.weight_format != "bf16":
         notes.append(f"weight_format {sc.weight_format}: TensorRT-LLM reads it from the checkpoint; one not quantised "
                      "so runs other GEMMs and memory than rackbed priced")
@@ -456,14 +465,11 @@ def trtllm_options(pl: Plan, role: str) -> dict:
     else:
         o.update(max_batch_size=pl.decode_batch_per_rank,
                  max_num_tokens=pl.decode_batch_per_rank * (pl.draft_k + 1))
-        moe = {}
-        if g.dp > 1 and g.ep > 1:  # DP-EP decode: the sparse all-to-all rackbed priced (wide-EP MoE backend)
-            moe["backend"] = "WIDEEP"
+        # DP-EP decode is attention DP with EP; the pinned MoeConfig has no wide-EP backend value, so the
+        # engine picks the MoE backend and its token exchange (:func:`unmapped` names the difference)
         if pl.decode_redundant_experts:   # wide EP: expert slots = experts + redundant copies, load-balanced
-            moe["load_balancer"] = {"num_slots": pl.n_experts + pl.decode_redundant_experts,
-                                    "layer_updates_per_iter": 1}
-        if moe:
-            o["moe_config"] = moe
+            o["moe_config"] = {"load_balancer": {"num_slots": pl.n_experts + pl.decode_redundant_experts,
+                                                 "layer_updates_per_iter": 1}}
         spec = trtllm_speculative(pl)
         if spec:
             o["speculative_config"] = spec
@@ -472,15 +478,17 @@ def trtllm_options(pl: Plan, role: str) -> dict:
 
 def trtllm_speculative(pl: Plan) -> dict | None:
     """TensorRT-LLM's ``speculative_config``: ``MTP`` only for a model with MTP layers (its MTP serves
-    DeepSeek-style checkpoints), ``Draft_Target`` for a draft model; nothing for a trained MTP head the
-    checkpoint lacks (:func:`unmapped` says what that costs)."""
+    DeepSeek-style checkpoints), ``Draft_Target`` for a draft model (``speculative_model``); nothing for a
+    trained MTP head the checkpoint lacks (:func:`unmapped` says what that costs). The draft length is
+    ``max_draft_len`` for both: the pinned ``MTPDecodingConfig`` reads the older ``num_nextn_predict_layers``
+    only as a deprecated alias of it."""
     if not pl.draft_k:
         return None
     if pl.draft_kind == "model":
         return {"decoding_type": "Draft_Target", "max_draft_len": pl.draft_k,
-                "speculative_model_dir": "${DRAFT_MODEL_PATH}"}
+                "speculative_model": "${DRAFT_MODEL_PATH}"}
     if pl.model_has_mtp:
-        return {"decoding_type": "MTP", "num_nextn_predict_layers": pl.draft_k}
+        return {"decoding_type": "MTP", "max_draft_len": pl.draft_k}
     return None
 
 

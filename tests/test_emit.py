@@ -88,7 +88,7 @@ def test_trtllm_configs_match_the_deployment(case):
     assert gen["kv_cache_config"]["tokens_per_block"] == sc.decode.page_tokens
     # MTP only where the checkpoint has MTP layers (TensorRT-LLM's MTP reads them): Qwen3-235B has none
     has_mtp = bool(plan_of(sc).model_has_mtp)
-    assert gen.get("speculative_config", {}).get("num_nextn_predict_layers", 0) == (sc.mtp.draft_k if has_mtp else 0)
+    assert gen.get("speculative_config", {}).get("max_draft_len", 0) == (sc.mtp.draft_k if has_mtp else 0)
     assert dis["context_servers"]["num_instances"] == sc.prefill.replicas == len(dis["context_servers"]["urls"])
     assert dis["generation_servers"]["num_instances"] == sc.decode.replicas
     serve = [_flags(c) for c in _commands(t["launch.sh"]) if c[:2] != ["trtllm-serve", "disaggregated"]]

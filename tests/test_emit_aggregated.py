@@ -88,7 +88,7 @@ def test_trtllm_agg_yaml(case):
     assert o["enable_chunked_prefill"] == (a.chunk_tokens is not None)
     # MTP only where the checkpoint has MTP layers (Qwen3-30B-A3B has none: no speculative_config, a note)
     has_mtp = bool(plan_of(sc).model_has_mtp)
-    assert o.get("speculative_config", {}).get("num_nextn_predict_layers", 0) == (sc.mtp.draft_k if has_mtp else 0)
+    assert o.get("speculative_config", {}).get("max_draft_len", 0) == (sc.mtp.draft_k if has_mtp else 0)
     assert ("TensorRT-LLM's MTP needs the checkpoint's own MTP layers" in files["trtllm"]["agg.yaml"]) == (
         bool(sc.mtp.draft_k) and not has_mtp)
     serve = [c for c in _commands(t["launch.sh"]) if c[0] == "trtllm-serve"]

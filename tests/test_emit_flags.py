@@ -7,6 +7,14 @@ that data (exact option names, no abbreviations, the engines' value types and ch
 at the pinned version fails here. The cases are the shipped serving scenarios and the search's best answers
 (GB200 Qwen3-235B, H200 Qwen3-235B; the shipped H200 DeepSeek-V3 and aggregated H200 scenarios among the shipped).
 
+TensorRT-LLM: ``trtllm-serve``'s click options (``serve`` and ``disaggregated``) and the LLM API argument
+classes are in the manifest's ``trtllm`` entry (read by ``tools/engine_flags.py`` from TensorRT-LLM's source
+text at the commits its provenance names). Every emitted ``trtllm-serve`` line parses with a strict parser
+rebuilt from the options, and every emitted option set (``ctx.yaml``, ``gen.yaml``, ``agg.yaml``, the server
+lists of ``disagg.yaml``) is checked against the class tree: an unknown or deprecated key at any level, a wrong
+scalar type, a value outside a ``Literal`` fails; a renamed key anywhere in an emitted file is caught (mutation
+check).
+
 The pinning: on every host, no two servers share a GPU or a port, and each server's ``CUDA_VISIBLE_DEVICES`` is
 exactly its group's GPUs on that host as the deployment placed them. MTP: SGLang's ``NEXTN`` and TensorRT-LLM's
 ``decoding_type: MTP`` appear only for a model with MTP layers.
@@ -71,8 +79,16 @@ def _search_gb200() -> dict:
     return d
 
 
+def _draft_model_h200() -> dict:
+    """The H200 answer drafting with a separate small model (``mtp.draft.kind: model``, k=2)."""
+    d = _best_h200()
+    d.update(name="draft-model-h200-qwen3", mtp={"draft_k": 2, "accept_p": 0.7,
+                                                 "draft": {"kind": "model", "model": "qwen3-30b-a3b"}})
+    return d
+
+
 CASES = {**{n: None for n in _shipped_serving()}, "best-gb200-qwen3": _best_gb200, "best-h200-qwen3": _best_h200,
-         "search-gb200-qwen3": _search_gb200}
+         "search-gb200-qwen3": _search_gb200, "draft-model-h200-qwen3": _draft_model_h200}
 
 
 @cache
@@ -303,7 +319,9 @@ def test_model_path_is_the_checkpoint_folder(tmp_path):
        drep=st.integers(1, 2), k=st.integers(0, 2))
 def test_any_placement_is_pinned_and_parses(topo, model_tp, pep, prep, dep, drep, k):
     """For any disaggregated shape the topology places: every SGLang server parses with the pinned parser, is
-    pinned to exactly its group's GPUs on its host, and no two servers on a host share a GPU or a port."""
+    pinned to exactly its group's GPUs on its host, and no two servers on a host share a GPU or a port; every
+    ``trtllm-serve`` line parses with the pinned TensorRT-LLM options and every option set it writes is valid
+    under the pinned LLM API classes (MTP only for a model with MTP layers)."""
     from rackbed.topology.errors import UserError
 
     model, ptp = model_tp
@@ -332,3 +350,265 @@ def test_any_placement_is_pinned_and_parses(topo, model_tp, pep, prep, dep, drep
         flat = [x for s in sets for x in s]
         assert len(flat) == len(set(flat)) and len(ports[h]) == len(set(ports[h]))
     assert {h: sorted(s) for h, s in pinned.items()} == {h: sorted(s) for h, s in placed.items()}
+    trt = emit_files(sc, "trtllm")
+    for _, _, argv in _servers(trt["launch.sh"]):
+        trt_parse(argv[1:])
+    for name, doc in _trt_yaml_options(trt).items():
+        assert llm_options_errors(doc) == [], name
+        spec = doc.get("speculative_config") or {}
+        assert spec.get("decoding_type") != "MTP" or plan_of(sc).model_has_mtp
+
+
+# --------------------------------------------------------------------------------------------- TensorRT-LLM
+
+
+@cache
+def _trt() -> dict:
+    """The ``trtllm`` entry: ``trtllm-serve``'s click commands and the LLM API argument classes (read by
+    ``tools/engine_flags.py`` from TensorRT-LLM's source text)."""
+    return _manifest()["trtllm"]
+
+
+@cache
+def _trt_parser(command: str) -> _Parser:
+    """``trtllm-serve COMMAND``'s options as an argparse parser: exact option names (no abbreviations),
+    click's value types and literal choices (a ``ChoiceWithAlias``'s aliases accepted too), flags take no
+    value."""
+    spec = _trt()["commands"][command]
+    p = _Parser(prog=f"trtllm-serve {command}", allow_abbrev=False, add_help=False)
+    for name in spec["arguments"]:
+        p.add_argument(name)
+    for o in spec["options"]:
+        if o["kind"] == "flag":
+            p.add_argument(*o["flags"], dest=o["dest"], action="store_true")
+            continue
+        kw = {"dest": o["dest"], "action": "append" if o["kind"] == "multiple" else "store"}
+        if o["type"] in ("int", "float"):
+            kw["type"] = {"int": int, "float": float}[o["type"]]
+        if o["choices"] is not None:
+            kw["choices"] = [*o["choices"], *(o["aliases"] or {})]
+        p.add_argument(*o["flags"], **kw)
+    return p
+
+
+def trt_parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """A ``trtllm-serve`` command line (after the program name) parsed by the pinned command it names
+    (``serve`` when the first word is not a command, as ``trtllm-serve``'s default group resolves it)."""
+    command = argv[0] if argv and argv[0] in _trt()["commands"] else "serve"
+    rest = argv[1:] if command != "serve" or argv[:1] == ["serve"] else argv
+    ns, extra = _trt_parser(command).parse_known_args(rest)
+    if extra:
+        raise _Refused(f"unrecognized arguments: {' '.join(extra)}")
+    return command, ns
+
+
+_JSON_KIND = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict",
+              type(None): "null"}
+
+
+def llm_options_errors(doc, cls: str = "TorchLlmArgs", where: str = "") -> list[str]:
+    """Where ``doc`` (a YAML mapping) breaks the pinned LLM API class ``cls``: a key the class does not
+    declare (its models forbid extra keys) or declares deprecated, a value of a type the field does not take
+    (an int where a float is taken is fine, as pydantic reads it; a bool is not an int), a value outside a
+    ``Literal``'s choices, a discriminated union without its key or with an unknown one; nested mappings are
+    checked against their class."""
+    classes = _trt()["classes"]
+    if not isinstance(doc, dict):
+        return [f"{where or cls}: not a mapping"]
+    fields, errors = classes[cls]["fields"], []
+    for key, value in doc.items():
+        at = f"{where}.{key}" if where else key
+        if key not in fields:
+            errors.append(f"{at}: not a field of {cls}")
+            continue
+        f = fields[key]
+        if f.get("deprecated"):
+            errors.append(f"{at}: deprecated at the pinned version")
+        kind = _JSON_KIND.get(type(value), "other")
+        ok = kind in f["types"] or "any" in f["types"] or (kind == "int" and "float" in f["types"])
+        if kind == "dict" and "model" in f["types"]:
+            ok = True
+            disc = f.get("discriminator")
+            if disc is not None:
+                model = disc["models"].get(value.get(disc["key"]))
+                if model is None:
+                    errors.append(f"{at}.{disc['key']}: {value.get(disc['key'])!r} is none of "
+                                  f"{sorted(disc['models'])}")
+                    continue
+            else:
+                (model,) = f["models"]
+            errors += llm_options_errors(value, model, at)
+            continue
+        if not ok and f.get("unchecked"):
+            continue  # a type this manifest does not describe
+        if not ok:
+            errors.append(f"{at}: {value!r} is {kind}, the field takes {f['types']}")
+        elif "choices" in f and kind == "str" and value not in f["choices"]:
+            errors.append(f"{at}: {value!r} is none of {f['choices']}")
+    return errors
+
+
+def _trt_yaml_options(files: dict) -> dict[str, dict]:
+    """Every LLM API option set of the emitted TensorRT-LLM files: ``ctx.yaml`` / ``gen.yaml`` / ``agg.yaml``
+    whole, and each server list of ``disagg.yaml`` without the keys the disaggregated front end itself reads
+    (``num_instances``, ``urls``)."""
+    out = {}
+    for name, text in files.items():
+        if not name.endswith(".yaml"):
+            continue
+        doc = yaml.safe_load(text)
+        if name == "disagg.yaml":
+            for k in ("context_servers", "generation_servers"):
+                out[f"{name}:{k}"] = {x: v for x, v in doc[k].items() if x not in ("num_instances", "urls")}
+        else:
+            out[name] = doc
+    return out
+
+
+def test_trtllm_manifest_has_its_provenance():
+    t = _trt()
+    prov = t["provenance"]
+    assert prov["repository"] == "NVIDIA/TensorRT-LLM"
+    assert all(re.fullmatch(r"[0-9a-f]{40}", s["commit"]) for s in prov["sources"].values())
+    assert all(re.fullmatch(r"[0-9a-f]{64}", h) for h in prov["sha256"].values())
+    assert {s["path"]: s["commit"] for s in prov["sources"].values()} == emit.TRTLLM_SOURCES
+    assert {"serve", "disaggregated"} <= set(t["commands"]) and t["root"] in t["classes"]
+    assert len(t["classes"]["TorchLlmArgs"]["fields"]) > 100
+    assert "MTP" in t["classes"]["TorchLlmArgs"]["fields"]["speculative_config"]["discriminator"]["models"]
+
+
+def test_the_trtllm_checks_refuse_what_they_should():
+    """The rebuilt ``trtllm-serve`` parser and the option check are strict: an unknown option, an
+    abbreviation, a bad choice, a non-integer, a misspelt key at any level, a wrong scalar type, an unknown
+    choice or decoding type, a deprecated key all fail."""
+    trt_parse(["m", "--backend", "pytorch", "--tp_size", "4", "--ep_size", "4",
+               "--extra_llm_api_options", "x"])
+    trt_parse(["disaggregated", "-c", "disagg.yaml"])
+    for bad in (["m", "--tp", "4"], ["m", "--backend", "trtllm"], ["m", "--tp_size", "four"], ["m", "--nope"],
+                ["m", "--tensor-parallel-size", "2"], ["disaggregated", "--config", "d.yaml"]):
+        with pytest.raises(_Refused):
+            trt_parse(bad)
+    good = {"tensor_parallel_size": 4, "enable_attention_dp": True, "kv_cache_config": {"dtype": "fp8"},
+            "moe_config": {"load_balancer": {"num_slots": 288}},
+            "speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}
+    assert llm_options_errors(good) == []
+    for bad in ({"tensor_parallel_sizes": 4}, {"kv_cache_config": {"tokens_per_blok": 64}},
+                {"max_batch_size": "64"}, {"enable_attention_dp": 1}, {"moe_config": {"backend": "WIDEEP"}},
+                {"moe_config": {"load_balancer": {"num_slot": 288}}},
+                {"speculative_config": {"decoding_type": "Medusa"}},
+                {"speculative_config": {"max_draft_len": 2}},
+                {"speculative_config": {"decoding_type": "MTP", "num_draft": 2}},
+                {"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2}},
+                {"cache_transceiver_config": {"backend": "RDMA"}}):
+        assert llm_options_errors(bad), bad
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_every_trtllm_command_parses_with_the_pinned_trtllm_serve(key):
+    sc, files = _case(key)
+    pl = plan_of(sc)
+    n_serve = 0
+    for _, _, argv in _servers(files["trtllm"]["launch.sh"]):
+        assert argv[0] == "trtllm-serve"
+        command, ns = trt_parse(argv[1:])
+        if command == "disaggregated":
+            assert ns.config_file == "disagg.yaml"
+            continue
+        n_serve += 1
+        assert ns.model == "${MODEL_PATH}" and ns.backend == "pytorch"
+        assert ns.extra_llm_api_options in files["trtllm"]
+    assert n_serve == len(pl.aggregated or (*pl.prefill, *pl.decode))
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_every_trtllm_yaml_is_valid_under_the_pinned_llm_args(key):
+    sc, files = _case(key)
+    options = _trt_yaml_options(files["trtllm"])
+    assert options
+    for name, doc in options.items():
+        assert llm_options_errors(doc) == [], name
+
+
+def _key_paths(doc, prefix=()):
+    for k, v in doc.items():
+        yield (*prefix, k)
+        if isinstance(v, dict):
+            yield from _key_paths(v, (*prefix, k))
+
+
+def _renamed(doc, path):
+    out = dict(doc)
+    if len(path) == 1:
+        out[path[0] + "_x"] = out.pop(path[0])
+    else:
+        out[path[0]] = _renamed(out[path[0]], path[1:])
+    return out
+
+
+@pytest.mark.parametrize("key", ["best-gb200-qwen3", "i_h200_mooncake"])
+def test_a_renamed_key_anywhere_in_an_emitted_yaml_is_caught(key):
+    """Mutation check: every key of every emitted option set, renamed, is refused where it stands."""
+    _, files = _case(key)
+    n = 0
+    for name, doc in _trt_yaml_options(files["trtllm"]).items():
+        for path in _key_paths(doc):
+            errors = llm_options_errors(_renamed(doc, path))
+            renamed = ".".join((*path[:-1], path[-1] + "_x"))
+            # a renamed union key (decoding_type) leaves its union without one: refused where the key was
+            assert any(e.startswith((f"{renamed}:", f"{'.'.join(path)}: None is none of")) for e in errors), (
+                name, path, errors)
+            n += 1
+    assert n > 10
+
+
+def test_the_trtllm_extractor_reads_declarations():
+    """``tools/engine_flags.py``'s readers on a small source text: click flags, types, literal choices and
+    aliases; pydantic fields with Optional / Literal / union / inheritance / discriminated unions, private and
+    ClassVar names skipped, a ``json_schema_extra`` type read for an ``object`` annotation."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "tools" / "engine_flags.py"
+    spec = importlib.util.spec_from_file_location("engine_flags", path)
+    ef = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ef)
+    cli = ef.trtllm_click_commands('''
+@click.command("serve")
+@click.argument("model", type=str)
+@click.option("--a", "--aa", type=int, default=1)
+@click.option("--b", type=ChoiceWithAlias(["x", "y"], {"z": "x"}))
+@click.option("--c", is_flag=True)
+@click.option("--d", type=click.Choice(REG.keys()))
+@click.option("--config", "--e", "e_dest", type=str)
+def serve(): ...
+''')["serve"]
+    assert cli["arguments"] == ["model"]
+    a, b, c, d, e = cli["options"]
+    assert (a["flags"], a["type"], a["dest"]) == (["--a", "--aa"], "int", "aa")
+    assert (b["choices"], b["aliases"]) == (["x", "y"], {"z": "x"})
+    assert c["kind"] == "flag" and d["choices"] is None and e["dest"] == "e_dest"
+    cls = ef.trtllm_model_fields('''
+class A(StrictBaseModel):
+    x: Optional[int]
+    y: Literal["p", "q"] = Field(default="p")
+    _priv: int = PrivateAttr(1)
+    k: ClassVar[str] = "k"
+    old: int = Field(deprecated=True)
+    lb: Optional[Union[object, str]] = Field(json_schema_extra={"type": "Union[B, dict]"})
+class B(A):
+    y: bool | Literal["auto"]
+    kind: Literal["b"]
+class C(StrictBaseModel):
+    kind: Literal["c"]
+U: TypeAlias = Annotated[Union[B, C], Field(discriminator="kind")]
+class D(StrictBaseModel):
+    u: Optional[U]
+    w: Foo
+''')
+    assert set(cls["A"]["fields"]) == {"x", "y", "old", "lb"} and cls["A"]["fields"]["old"]["deprecated"]
+    assert cls["A"]["fields"]["x"] == {"types": ["int", "null"]}
+    assert cls["A"]["fields"]["y"]["choices"] == ["p", "q"]
+    assert cls["A"]["fields"]["lb"] == {"types": ["dict", "model", "null"], "models": ["B"]}
+    assert cls["B"]["fields"]["y"] == {"types": ["bool", "str"], "choices": ["auto"]}
+    assert "x" in cls["B"]["fields"]
+    assert cls["D"]["fields"]["u"]["discriminator"] == {"key": "kind", "models": {"b": "B", "c": "C"}}
+    assert cls["D"]["fields"]["w"] == {"types": [], "unchecked": ["Foo"]}
