@@ -82,6 +82,9 @@ def test_busiest_rank_is_never_below_the_mean(spec, ep, extra, tokens, top_k, ep
     assert b.mean_copies == pytest.approx(tokens * top_k / ep)
     assert b.copies >= b.mean_copies * (1 - 1e-9)
     assert b.scale >= 1 - 1e-9
+    # deduplicated messages: at least the mean rank's, at most every token
+    m = b.message_scale(top_k, ep)
+    assert 1 - 1e-9 <= m <= (1 / (1 - (1 - 1 / ep) ** top_k) if ep > 1 else 1) + 1e-9
     assert len(b.slot_tokens) == (16 + extra * ep) // ep
 
 
@@ -157,8 +160,9 @@ def test_redundant_slots_with_eplb_buy_back_the_busiest_rank(nvl72):
 def test_hand_computed_ep4_case(nvl72):
     """EP4, 8 experts, top-2, weights 8:4:2:2:1:1:1:1 (of 20), 10 tokens per rank (40 in all, 80 copies), closed
     form. Static placement: rank 0 holds experts 0 and 1, i.e. 12/20 of the copies = 48 tokens (32 + 16) against
-    a mean of 20: scale 2.4. Its grouped GEMM is over [32, 16] tokens; its dispatch receives 2.4 x the uniform
-    per-peer copies from each of its 3 peers. EPLB with 4 redundant slots: expert 0 gets 3 more copies, expert 1
+    a mean of 20: scale 2.4. Its grouped GEMM is over [32, 16] tokens; a token reaches it with probability
+    1 - 0.4^2 = 0.84 against 1 - 0.75^2 = 0.4375 for the mean rank, so its dispatch receives 0.84 / 0.4375 = 1.92 x
+    the uniform per-peer tokens from each of its 3 peers (and unpacks 2.4 x the copies). EPLB with 4 redundant slots: expert 0 gets 3 more copies, expert 1
     one (copies of 8 tokens: 0 x4, 1 x2, 2, 3; and four of 4), every rank 8 + 8 + 4 = 20 = the mean."""
     spec = ExpertLoadSpec("histogram", weights=(HIST,), samples=0)
     b = busiest_rank(spec, 8, 2, 1, 4, 8, 40)
@@ -170,13 +174,15 @@ def test_hand_computed_ep4_case(nvl72):
     # per layer the layer-0 permutation is not used by a histogram: every layer is the same
     gemm = expert_mlp_time(gpu, TINY.hidden, TINY.moe_intermediate, [32, 16], plan.weight_format).total_s
     assert bd.terms["moe_gemm"][1] == pytest.approx(n_moe * gemm, rel=1e-12)
-    disp = dpep_decode_dispatch(nvl72, plan.gpus, 10, TINY, plan.weight_format, recv_scale=2.4)
+    assert b.message_scale(2, 4) == pytest.approx(1.92)
+    disp = dpep_decode_dispatch(nvl72, plan.gpus, 10, TINY, plan.weight_format, recv_scale=b.message_scale(2, 4),
+                                copy_scale=2.4)
     assert bd.terms["moe_dispatch"][1] == pytest.approx(n_moe * disp.total_s, rel=1e-12)
     # the transfer by hand: d = 4 (1 - C(6,2)/C(8,2)) = 13/7 ranks per token; per peer 10 d / 4 copies; the busiest
-    # rank receives 3 peers x that x 2.4, each copy hidden x act bytes + top_k x 8 + 4 B
+    # rank receives 3 peers x that x 1.92, each copy hidden x act bytes + top_k x 8 + 4 B
     assert expected_dest_ranks(8, 2, 4) == pytest.approx(13 / 7)
     copy = TINY.hidden * _act_bpe(gpu, plan.weight_format) + 2 * 8 + 4
-    recv = 3 * (10 * 13 / 7 / 4) * 2.4
+    recv = 3 * (10 * 13 / 7 / 4) * 1.92
     assert disp.transfer_s == pytest.approx(recv * copy / (group_links(nvl72, plan.gpus).nvlink_bw_GBps * 1e9))
     # EPLB with 4 redundant slots
     e = busiest_rank(spec, 8, 2, 1, 4, 12, 40, EplbSpec(True))
@@ -258,3 +264,19 @@ def test_read_histogram_forms(tmp_path):
     p.write_text("one two")
     with pytest.raises(UserError, match="neither JSON nor rows of numbers"):
         read_histogram(p)
+
+
+def test_shipped_eplb_figure(tmp_path):
+    """``rackbed run fig_dsv3_decode_eplb`` (the table of docs/MODELS.md): the power law slows the step, static
+    copies barely help, EPLB's placement brings it within 2 % of uniform routing over the same slots."""
+    from rackbed import scenarios
+    from rackbed.sim.figures import decode_step_rows, load_figure
+
+    rows = {(r["config"], r["batch_per_rank"]): r for r in
+            decode_step_rows(load_figure(scenarios.resolve("fig_dsv3_decode_eplb")))}
+    for b in (16, 64):
+        uni, uni32 = rows["EP32 uniform", b]["step_ms"], rows["EP32 +32 uniform", b]["step_ms"]
+        skew, static = rows["EP32 power law", b]["step_ms"], rows["EP32 +32 static, power law", b]["step_ms"]
+        eplb = rows["EP32 +32 EPLB, power law", b]["step_ms"]
+        assert skew > 1.1 * uni and static > 1.1 * uni32
+        assert uni32 <= eplb < 1.02 * uni32

@@ -309,6 +309,16 @@ class BusiestRank:
         """Busiest over mean rank load (>= 1)."""
         return self.copies / self.mean_copies if self.mean_copies > 0 else 1.0
 
+    def message_scale(self, top_k: int, ep: int) -> float:
+        """Busiest over mean rank's *deduplicated* incoming tokens: a token goes once to a rank however many of
+        its ``top_k`` experts the rank holds, so a rank holding a share ``f`` of the copies receives a token with
+        probability ``1 - (1 - f) ** top_k`` (``f = 1 / ep`` for the mean rank). At most ``1 / (1 - (1 - 1/ep) **
+        top_k)``: the busiest rank cannot receive more than every token; exactly 1 when the busiest is the mean."""
+        if self.copies == self.mean_copies or ep <= 1:
+            return 1.0
+        f = min(1.0, self.copies / (self.mean_copies * ep))
+        return (1.0 - (1.0 - f) ** top_k) / (1.0 - (1.0 - 1.0 / ep) ** top_k)
+
 
 def busiest_rank(spec: ExpertLoadSpec, n_experts: int, top_k: int, n_layers: int, ep: int, n_slots: int,
                  tokens: int, eplb: EplbSpec | None = None) -> BusiestRank | None:

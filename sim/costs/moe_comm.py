@@ -265,19 +265,22 @@ def _a2a(topo, gpus, tokens_per_rank, model, copy_bytes_out: float, copy_bytes_b
 
 def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, model, fmt: str = "bf16", *,
                          send_matrix: Sequence[Sequence[float]] | None = None,
-                         calib: CalibrationTable | None = None, recv_scale: float = 1.0) -> CommCost:
+                         calib: CalibrationTable | None = None, recv_scale: float = 1.0,
+                         copy_scale: float | None = None) -> CommCost:
     """DP-EP decode dispatch on the busiest rank (module docstring): ``tokens_per_rank`` tokens per rank, each
     sent once to every rank holding one of its experts; activations in ``fmt``'s activation format.
-    ``recv_scale``: the busiest rank's incoming token copies over the mean rank's under skewed routing
-    (``engine.core.expert_load.BusiestRank.scale``; 1: uniform routing): its received bytes and unpacking
-    scale by it, a measured kernel is read at ``tokens_per_rank * recv_scale``."""
+    Skewed routing (``engine.core.expert_load.BusiestRank``; 1: uniform): ``recv_scale``, the busiest rank's
+    incoming (deduplicated) tokens over the mean rank's, scales its received bytes, and a measured kernel is read
+    at ``tokens_per_rank * recv_scale``; ``copy_scale`` (None: ``recv_scale``), its expert copies over the mean
+    rank's, scales the unpacking into its experts' inputs."""
     g = group_links(topo, gpus)
     if g.n_ranks < 2 or tokens_per_rank <= 0:
         return CommCost()
-    if recv_scale != 1.0 and send_matrix is None:
+    cs = recv_scale if copy_scale is None else copy_scale
+    if (recv_scale != 1.0 or cs != 1.0) and send_matrix is None:
         return _skewed(dpep_decode_dispatch, topo, gpus, tokens_per_rank, model, recv_scale, calib,
-                       lambda: _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, None, calib, recv_scale),
-                       fmt=fmt)
+                       lambda: _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, None, calib, recv_scale,
+                                               cs), fmt=fmt)
     measured = lookup(calib, "dispatch_us", g.gpu.name, tokens_per_rank, n_ranks=g.n_ranks, hidden=model.hidden,
                       phase="decode")
     if measured is not None:
@@ -285,14 +288,15 @@ def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, mode
     table = _a2a_measured(calib, g, "dispatch", tokens_per_rank, model.hidden, _act_bpe(g.gpu, fmt))
     if table is not None:
         return CommCost(calibrated_s=table)
-    return _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, 1.0)
+    return _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, 1.0, 1.0)
 
 
-def _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, recv_scale) -> CommCost:
+def _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, recv_scale,
+                    copy_scale) -> CommCost:
     copy = model.hidden * _act_bpe(g.gpu, fmt) + model.top_k * 8 + META_BYTES_PER_COPY
     v_recv = tokens_per_rank * model.top_k  # expert assignments landing on a rank (expected)
-    if recv_scale != 1.0:
-        v_recv *= recv_scale
+    if copy_scale != 1.0:
+        v_recv *= copy_scale
     local = tokens_per_rank * model.hidden * 2 + v_recv * model.hidden * _act_bpe(g.gpu, fmt) * 2
     return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 2, local, send_matrix, calib, recv_scale)
 
@@ -309,16 +313,19 @@ def _skewed(fn, topo, gpus, tokens_per_rank, model, recv_scale, calib, modelled,
 
 def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model, *,
                         send_matrix: Sequence[Sequence[float]] | None = None,
-                        calib: CalibrationTable | None = None, recv_scale: float = 1.0) -> CommCost:
+                        calib: CalibrationTable | None = None, recv_scale: float = 1.0,
+                        copy_scale: float | None = None) -> CommCost:
     """DP-EP decode combine on the busiest rank: bf16 expert outputs (summed over the destination's local experts)
-    return to the token's rank, which accumulates them with the routing weights. ``recv_scale``: as in
-    :func:`dpep_decode_dispatch` (the busiest expert rank sends back, and accumulates, that much more)."""
+    return to the token's rank, which accumulates them with the routing weights. ``recv_scale`` / ``copy_scale``:
+    as in :func:`dpep_decode_dispatch` (the busiest expert rank sends back that many more summed outputs, and
+    accumulates that many more expert outputs)."""
     g = group_links(topo, gpus)
     if g.n_ranks < 2 or tokens_per_rank <= 0:
         return CommCost()
-    if recv_scale != 1.0 and send_matrix is None:
+    cs = recv_scale if copy_scale is None else copy_scale
+    if (recv_scale != 1.0 or cs != 1.0) and send_matrix is None:
         return _skewed(dpep_decode_combine, topo, gpus, tokens_per_rank, model, recv_scale, calib,
-                       lambda: _combine_model(g, topo, gpus, tokens_per_rank, model, None, calib, recv_scale))
+                       lambda: _combine_model(g, topo, gpus, tokens_per_rank, model, None, calib, recv_scale, cs))
     measured = lookup(calib, "combine_us", g.gpu.name, tokens_per_rank, n_ranks=g.n_ranks, hidden=model.hidden,
                       phase="decode")
     if measured is not None:
@@ -326,14 +333,14 @@ def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model
     table = _a2a_measured(calib, g, "combine", tokens_per_rank, model.hidden, 2.0)
     if table is not None:
         return CommCost(calibrated_s=table)
-    return _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, 1.0)
+    return _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, 1.0, 1.0)
 
 
-def _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, recv_scale) -> CommCost:
+def _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, recv_scale, copy_scale) -> CommCost:
     copy = model.hidden * 2
     d = expected_dest_ranks(model.n_experts, model.top_k, g.n_ranks)
     acc = tokens_per_rank * model.top_k * model.hidden * 2  # local accumulation over local experts
-    if recv_scale != 1.0:
-        acc *= recv_scale
+    if copy_scale != 1.0:
+        acc *= copy_scale
     local = acc + tokens_per_rank * d * model.hidden * 2 + tokens_per_rank * model.hidden * 2  # weighted sum
     return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 1, local, send_matrix, calib, recv_scale)

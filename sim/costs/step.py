@@ -222,8 +222,9 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     tokens of each DP rank; with attention TP (``plan.tp > 1``) each of a rank's GPUs routes and dispatches its
     ``1 / tp`` slice of them, and the shared expert (split ``tp`` ways) runs on them all. ``load``: an
     :class:`ExpertLoad` for skewed routing (None: uniform expectations): the layer is priced at the busiest expert
-    rank — its grouped GEMM over its slots' token counts, its incoming dispatch / outgoing combine volume
-    (``BusiestRank.scale`` times the mean rank's)."""
+    rank — its grouped GEMM over its slots' token counts, its incoming dispatch / outgoing combine messages
+    (``BusiestRank.message_scale`` times the mean rank's: deduplicated per token) and its local (un)packing of
+    expert copies (``BusiestRank.scale`` times)."""
     tp = plan.tp
     t_max = max(tokens_per_rank)
     t_all = sum(tokens_per_rank)
@@ -246,8 +247,11 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
             inter = model.moe_intermediate // plan.expert_tp
             block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
     else:
-        disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, calib=calib, recv_scale=busy.scale)
-        comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, calib=calib, recv_scale=busy.scale)
+        msgs = busy.message_scale(model.top_k, plan.ep)
+        disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, calib=calib, recv_scale=msgs,
+                                    copy_scale=busy.scale)
+        comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, calib=calib, recv_scale=msgs,
+                                   copy_scale=busy.scale)
         b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
         block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all * busy.scale)
         if block is None:
