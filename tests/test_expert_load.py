@@ -167,6 +167,7 @@ def test_hand_computed_ep4_case(nvl72):
     spec = ExpertLoadSpec("histogram", weights=(HIST,), samples=0)
     b = busiest_rank(spec, 8, 2, 1, 4, 8, 40)
     assert (b.copies, b.mean_copies, b.slot_tokens, b.scale) == (48.0, 20.0, (32, 16), 2.4)
+    assert b.slot_hist == ((16, 1.0), (32, 1.0))
     plan = _plan(4)
     bd = decode_step_breakdown(TINY, plan, nvl72, [10] * 4, [10 * 1000.0] * 4, expert_load=ExpertLoad(spec))
     n_moe = TINY.n_moe_layers
@@ -187,6 +188,7 @@ def test_hand_computed_ep4_case(nvl72):
     # EPLB with 4 redundant slots
     e = busiest_rank(spec, 8, 2, 1, 4, 12, 40, EplbSpec(True))
     assert (e.copies, e.slot_tokens, e.scale, e.moved_per_rebalance) == (20.0, (8, 8, 4), 1.0, 0.0)
+    assert e.slot_hist == ((4, 1.0), (8, 2.0))
     placed = eplb_placement(np.array(HIST) * 4, 12, 4)
     assert sorted(sorted(r) for r in placed.ranks) == [[0, 1, 4], [0, 1, 5], [0, 2, 6], [0, 3, 7]]
 
@@ -280,3 +282,23 @@ def test_shipped_eplb_figure(tmp_path):
         eplb = rows["EP32 +32 EPLB, power law", b]["step_ms"]
         assert skew > 1.1 * uni and static > 1.1 * uni32
         assert uni32 <= eplb < 1.02 * uni32
+
+
+def test_simulation_prices_the_busiest_rank():
+    """A whole (small) simulated run: the fields reach the simulated decode steps — a power-law run decodes slower
+    than the uniform one, EPLB changes the run with the same 32 redundant slots — and a uniform ``expert_load``
+    is the run without the fields, exactly. (At this light load, a few sequences per GPU, a step streams the
+    activated experts' weights and replicas activate more slots on the busiest rank: EPLB pays at large batches,
+    ``test_redundant_slots_with_eplb_buy_back_the_busiest_rank``.)"""
+    from rackbed.sim.scenario import simulate_scenario
+
+    def tpot(**decode):
+        _, res = simulate_scenario(parse_scenario(_scenario(**decode)))
+        assert res.metrics["requests"]["done"] == 4
+        return res.metrics["latency_s"]["tpot"]["p50"]
+
+    uni = tpot()
+    assert tpot(expert_load={"dist": "uniform"}) == uni
+    pl = {"dist": "power_law", "samples": 4}
+    assert tpot(expert_load=pl) > uni
+    assert tpot(redundant_experts=32, expert_load=pl, eplb={}) != tpot(redundant_experts=32, expert_load=pl)

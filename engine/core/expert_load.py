@@ -296,12 +296,16 @@ class BusiestRank:
     """The busiest rank of a DP-EP step (module docstring), averaged over MoE layers (and draws).
 
     ``copies``: token copies routed to it; ``mean_copies``: the mean rank's (``tokens * top_k / ep``);
-    ``slot_tokens``: its per-slot token counts, heaviest first, rounded; ``moved_per_rebalance``: the most expert
-    weights (experts, summed over the MoE layers) any rank receives in one rebalance (0 without EPLB)."""
+    ``slot_tokens``: its per-slot token counts, heaviest first, averaged and rounded (a summary); ``slot_hist``:
+    what its grouped GEMM sees, ``((tokens, slots), ...)`` — how many of its slots hold each (rounded, nonzero)
+    token count, averaged over the layers and draws (the form of ``sim.costs.gemm.binomial_histogram``: the
+    expected number of activated slots is kept); ``moved_per_rebalance``: the most expert weights (experts, summed
+    over the MoE layers) any rank receives in one rebalance (0 without EPLB)."""
 
     copies: float
     mean_copies: float
     slot_tokens: tuple[int, ...]
+    slot_hist: tuple[tuple[int, float], ...] = ()
     moved_per_rebalance: float = 0.0
 
     @property
@@ -338,6 +342,7 @@ def _busiest_cached(spec, n_experts, top_k, n_layers, ep, n_slots, tokens, eplb)
     static = static_placement(n_experts, n_slots, ep)
     rng = np.random.default_rng([spec.seed, tokens, n_layers, ep, n_slots])
     busiest, slots_sum = 0.0, np.zeros(per)
+    hist: dict[int, float] = {}
     moved = np.zeros(ep)
     n_obs = 0
     for layer in range(n_layers):
@@ -363,10 +368,15 @@ def _busiest_cached(spec, n_experts, top_k, n_layers, ep, n_slots, tokens, eplb)
         rows = sl[np.arange(len(top)), top]            # (draws, per)
         busiest += float(rl.max(axis=-1).sum())
         slots_sum += np.sort(rows, axis=-1)[:, ::-1].sum(axis=0)
+        ms, ns = np.unique(np.rint(rows).astype(np.int64), return_counts=True)
+        for m, c in zip(ms.tolist(), ns.tolist()):
+            if m:
+                hist[m] = hist.get(m, 0.0) + c
         n_obs += len(top)
     slot_mean = slots_sum / n_obs
     return BusiestRank(copies=busiest / n_obs, mean_copies=copies_total / ep,
                        slot_tokens=tuple(int(round(x)) for x in slot_mean),
+                       slot_hist=tuple(sorted((m, c / n_obs) for m, c in hist.items())),
                        moved_per_rebalance=float(moved.max()) if eplb is not None else 0.0)
 
 

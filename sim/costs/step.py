@@ -222,7 +222,7 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     tokens of each DP rank; with attention TP (``plan.tp > 1``) each of a rank's GPUs routes and dispatches its
     ``1 / tp`` slice of them, and the shared expert (split ``tp`` ways) runs on them all. ``load``: an
     :class:`ExpertLoad` for skewed routing (None: uniform expectations): the layer is priced at the busiest expert
-    rank — its grouped GEMM over its slots' token counts, its incoming dispatch / outgoing combine messages
+    rank — its grouped GEMM over its slots' token counts (``BusiestRank.slot_hist``), its incoming dispatch / outgoing combine messages
     (``BusiestRank.message_scale`` times the mean rank's: deduplicated per token) and its local (un)packing of
     expert copies (``BusiestRank.scale`` times)."""
     tp = plan.tp
@@ -256,7 +256,7 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
         block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all * busy.scale)
         if block is None:
             inter = model.moe_intermediate // plan.expert_tp
-            block = expert_mlp_time(gpu, model.hidden, inter, busy.slot_tokens, fmt, calib=calib).total_s
+            block = expert_mlp_time(gpu, model.hidden, inter, busy.slot_hist, fmt, calib=calib).total_s
         if busy.moved_per_rebalance and prefix == "":
             b.add("eplb_rebalance", "other_s", load.rebalance_s(model, plan, topo, busy))
     b.add(f"{prefix}moe_gemm", "moe_gemm_s", n_layers * block)
