@@ -16,7 +16,7 @@ over the EP ranks, and the busiest rank a DP-EP step waits for (pure math; numpy
 
 A token picks ``top_k`` *distinct* experts, so no expert can take more than ``1 / top_k`` of a layer's copies;
 shares above that are capped and the excess spread over the others in proportion (:func:`layer_shares`). At the
-default exponents the few hottest experts reach the cap: every token of the step visits them.
+default exponents the hottest expert of a layer reaches the cap: every token of the step visits it.
 
 **Placement** (:class:`Placement`): ``n_slots = n_experts + redundant`` slots, ``n_slots / ep`` per rank. The
 static placement puts slot ``s`` (expert ``s mod n_experts``: the redundant slots copy experts 0, 1, ...) on rank
