@@ -162,8 +162,9 @@ def test_hand_computed_ep4_case(nvl72):
     form. Static placement: rank 0 holds experts 0 and 1, i.e. 12/20 of the copies = 48 tokens (32 + 16) against
     a mean of 20: scale 2.4. Its grouped GEMM is over [32, 16] tokens; a token reaches it with probability
     1 - 0.4^2 = 0.84 against 1 - 0.75^2 = 0.4375 for the mean rank, so its dispatch receives 0.84 / 0.4375 = 1.92 x
-    the uniform per-peer tokens from each of its 3 peers (and unpacks 2.4 x the copies). EPLB with 4 redundant slots: expert 0 gets 3 more copies, expert 1
-    one (copies of 8 tokens: 0 x4, 1 x2, 2, 3; and four of 4), every rank 8 + 8 + 4 = 20 = the mean."""
+    the uniform per-peer tokens from each of its 3 peers (and unpacks 2.4 x the copies). EPLB with 4 redundant
+    slots: expert 0 gets 3 more copies, expert 1 one (copies of 8 tokens: 0 x4, 1 x2, 2, 3; and four of 4), every
+    rank 8 + 8 + 4 = 20 = the mean."""
     spec = ExpertLoadSpec("histogram", weights=(HIST,), samples=0)
     b = busiest_rank(spec, 8, 2, 1, 4, 8, 40)
     assert (b.copies, b.mean_copies, b.slot_tokens, b.scale) == (48.0, 20.0, (32, 16), 2.4)
@@ -302,3 +303,30 @@ def test_simulation_prices_the_busiest_rank():
     pl = {"dist": "power_law", "samples": 4}
     assert tpot(expert_load=pl) > uni
     assert tpot(redundant_experts=32, expert_load=pl, eplb={}) != tpot(redundant_experts=32, expert_load=pl)
+
+
+def test_search_knob_adds_redundant_slots_priced_at_the_busiest_rank():
+    """``space.decode_extra_slots_per_rank: [0, 1]`` searches EP32 with 0 and 32 more slots; with the spec's
+    power-law load and EPLB the extra slots lower the TPOT at the batch cap, and the option's step is the cost
+    model's own (the breakdown carries ``eplb_rebalance``). (At EP8 they would not: 16 experts per GPU all stream
+    their weights at this batch whatever the skew, and a 17th slot adds one more.)"""
+    from rackbed import topology
+    from rackbed.sim import search as se
+
+    spec = se.parse_search({
+        "name": "t", "model": "qwen3-235b-a22b",
+        "workload": {"kind": "synthetic", "arrival": {"kind": "constant", "rate_per_s": 10},
+                     "prompt": {"kind": "fixed", "tokens": 2000}, "output": {"kind": "fixed", "tokens": 100},
+                     "duration_s": 10},
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.5},
+        "space": {"topology": ["gb200-nvl72"], "weight_format": ["mxfp8"], "prefill_tp": [4], "decode_ep": [32],
+                  "max_batch_per_rank": [64], "draft_k": [0], "decode_extra_slots_per_rank": [0, 1]},
+        "scenario": {"calibration": "none",
+                     "decode": {"expert_load": {"dist": "power_law", "samples": 4}, "eplb": {}}}}, "t.yaml")
+    opts = {o.redundant_experts: o for o in se.decode_options(spec, se.workload_load(spec.workload), Q235,
+                                                              {"gb200-nvl72": topology.load("gb200-nvl72")})}
+    assert sorted(opts) == [0, 32] and all(o.pruned is None for o in opts.values())
+    assert opts[32].tpot_at_cap_s < 0.9 * opts[0].tpot_at_cap_s
+    assert "eplb_rebalance" in opts[32].breakdown_at_cap.terms
+    with pytest.raises(UserError, match="decode_extra_slots_per_rank"):
+        se.parse_search({**spec.model_dump(mode="json"), "space": {"decode_extra_slots_per_rank": [-1]}}, "t.yaml")
