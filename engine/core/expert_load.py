@@ -268,14 +268,28 @@ def eplb_placement(loads: Sequence[float], n_slots: int, ep: int, current: Place
     per = n_slots // ep
     copies = _replicas(loads, n_slots)
     items = sorted(((-(loads[e] / copies[e]), e) for e in range(n) for _ in range(copies[e])))
-    rank_load = np.zeros(ep)
+    # least-loaded rank with a free slot that does not hold the expert yet (else the least-loaded with a free slot):
+    # a heap of (load, rank) over the ranks with free slots
     ranks: list[list[int]] = [[] for _ in range(ep)]
+    heap = [(0.0, r) for r in range(ep)]
     for neg, e in items:
-        free = [r for r in range(ep) if len(ranks[r]) < per]
-        fresh = [r for r in free if e not in ranks[r]] or free
-        r = min(fresh, key=lambda x: (rank_load[x], x))
+        skipped, chosen = [], None
+        while heap:
+            top = heapq.heappop(heap)
+            if e in ranks[top[1]]:
+                skipped.append(top)
+            else:
+                chosen = top
+                break
+        if chosen is None:
+            chosen = min(skipped)
+            skipped.remove(chosen)
+        for x in skipped:
+            heapq.heappush(heap, x)
+        load, r = chosen
         ranks[r].append(e)
-        rank_load[r] -= neg
+        if len(ranks[r]) < per:
+            heapq.heappush(heap, (load - neg, r))
     new = Placement(tuple(tuple(sorted(r)) for r in _align(ranks, cur, n)))
     if rank_loads(loads, new).max() < rank_loads(loads, cur).max() * (1 - 1e-12):
         return new
