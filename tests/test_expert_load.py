@@ -330,3 +330,17 @@ def test_search_knob_adds_redundant_slots_priced_at_the_busiest_rank():
     assert "eplb_rebalance" in opts[32].breakdown_at_cap.terms
     with pytest.raises(UserError, match="decode_extra_slots_per_rank"):
         se.parse_search({**spec.model_dump(mode="json"), "space": {"decode_extra_slots_per_rank": [-1]}}, "t.yaml")
+
+
+def test_per_layer_histogram_prices_the_mtp_pass_too(nvl72):
+    """A recorded histogram with one row per MoE layer: the main layers use their rows, the MTP module's MoE the
+    first row; a hotter recording costs more."""
+    n_moe = DSV3.n_moe_layers
+    flat = ExpertLoadSpec("histogram", weights=tuple((1.0,) * 256 for _ in range(n_moe)), samples=0)
+    hot = ExpertLoadSpec("histogram", weights=tuple(((20.0,) + (1.0,) * 255) for _ in range(n_moe)), samples=0)
+    args = (DSV3, _plan(32), nvl72, [32] * 32, [32 * 2000.0] * 32)
+    a = decode_step_breakdown(*args, draft_k=1, expert_load=ExpertLoad(flat))
+    b = decode_step_breakdown(*args, draft_k=1, expert_load=ExpertLoad(hot))
+    assert b.terms["moe_dispatch"][1] > a.terms["moe_dispatch"][1]
+    assert b.terms["mtp_moe_dispatch"][1] > a.terms["mtp_moe_dispatch"][1]
+    assert b.total_s > a.total_s

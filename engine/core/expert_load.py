@@ -163,11 +163,12 @@ def layer_shares(spec: ExpertLoadSpec, n_experts: int, top_k: int, n_layers: int
         if any(len(r) != n_experts for r in rows):
             bad = next(len(r) for r in rows if len(r) != n_experts)
             raise UserError(f"expert_load.weights: {bad} weights for a model of {n_experts} experts")
-        if len(rows) not in (1, n_layers):
+        if len(rows) != 1 and len(rows) < n_layers:
             raise UserError(f"expert_load.weights: {len(rows)} rows; give one (every layer) or one per MoE layer "
                             f"({n_layers})")
         base = np.array(rows, dtype=float)
-        base = np.repeat(base, n_layers, axis=0) if len(rows) == 1 else base
+        # one row: every layer; one per layer: the first n_layers (a pass over fewer layers, e.g. the MTP module's)
+        base = np.repeat(base, n_layers, axis=0) if len(rows) == 1 else base[:n_layers]
     else:
         alpha = spec.alpha if spec.alpha is not None else DEFAULT_ALPHA
         ranked = np.arange(1, n_experts + 1, dtype=float) ** -alpha

@@ -222,9 +222,10 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     tokens of each DP rank; with attention TP (``plan.tp > 1``) each of a rank's GPUs routes and dispatches its
     ``1 / tp`` slice of them, and the shared expert (split ``tp`` ways) runs on them all. ``load``: an
     :class:`ExpertLoad` for skewed routing (None: uniform expectations): the layer is priced at the busiest expert
-    rank — its grouped GEMM over its slots' token counts (``BusiestRank.slot_hist``), its incoming dispatch / outgoing combine messages
-    (``BusiestRank.message_scale`` times the mean rank's: deduplicated per token) and its local (un)packing of
-    expert copies (``BusiestRank.scale`` times)."""
+    rank — its grouped GEMM over its slots' token counts (``BusiestRank.slot_hist``), its incoming dispatch /
+    outgoing combine messages (``BusiestRank.message_scale`` times the mean rank's: deduplicated per token) and its
+    local (un)packing of expert copies (``BusiestRank.scale`` times). The MTP module's MoE (``prefix`` ``mtp_``)
+    draws its routing like the model's first MoE layer."""
     tp = plan.tp
     t_max = max(tokens_per_rank)
     t_all = sum(tokens_per_rank)
