@@ -36,6 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from rackbed.sim.scenario import EplbSection, ExpertLoadSection
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import replacing, safe_name, write_text
 
@@ -129,21 +130,26 @@ class DecodeEpTradeFigure(_Base):
 
 
 class DecodeConfig(_F):
-    """One decoder shape of a ``decode_step`` figure: ``ep`` GPUs, attention TP ``tp`` inside a DP rank, and
-    ``redundant_experts`` (None: the fewest that make ``ep`` divide the expert slots)."""
+    """One decoder shape of a ``decode_step`` figure: ``ep`` GPUs, attention TP ``tp`` inside a DP rank,
+    ``redundant_experts`` (None: the fewest that make ``ep`` divide the expert slots) and the scenario's
+    ``decode.expert_load`` / ``decode.eplb`` sections (None: the scenario's own)."""
 
     ep: int = Field(ge=1)
     tp: int = Field(1, ge=1)
     redundant_experts: int | None = Field(None, ge=0)
+    expert_load: ExpertLoadSection | None = None
+    eplb: EplbSection | None = None
     label: str | None = None
 
 
 class DecodeStepFigure(_Base):
     """``scenario``: a serving scenario (a path relative to this file, a path, or a shipped name) whose model,
-    topology, formats, stack, calibration and MTP price the steps; ``model`` is not used."""
+    topology, formats, stack, calibration (unless ``calibration`` replaces it) and MTP price the steps; ``model``
+    is not used."""
 
     figure: Literal["decode_step"]
     scenario: str
+    calibration: str | None = None
     configs: tuple[DecodeConfig, ...] = Field(min_length=1)
     batch_per_rank: tuple[Annotated[int, Field(ge=1)], ...] = Field((64,), min_length=1)
     context_tokens: int = Field(4000, ge=1)
@@ -613,6 +619,8 @@ def decode_step_rows(sc: DecodeStepFigure) -> list[dict]:
     from rackbed.sim.scenario import cost_model_for, decode_plan_for, load_scenario, scenario_model
 
     base = load_scenario(sc.scenario)
+    if sc.calibration is not None:
+        base = base.model_copy(update={"calibration": sc.calibration})
     model = scenario_model(base)
     topo = _topo(base.topology)
     k = base.mtp.draft_k if sc.draft_k is None else sc.draft_k
@@ -623,8 +631,9 @@ def decode_step_rows(sc: DecodeStepFigure) -> list[dict]:
         label = c.label or f"EP{c.ep}" + (f" TP{c.tp}" if c.tp > 1 else "") + (f" +{red} redundant" if red else "")
         gpus = _domain_gpus(topo, c.ep, f"configs: {label}")
         for b in sc.batch_per_rank:
-            d = base.decode.model_copy(update={"ep": c.ep, "tp": c.tp, "redundant_experts": red,
-                                               "max_batch_per_rank": b})
+            upd = {"ep": c.ep, "tp": c.tp, "redundant_experts": red, "max_batch_per_rank": b}
+            upd.update({k: getattr(c, k) for k in ("expert_load", "eplb") if getattr(c, k) is not None})
+            d = base.decode.model_copy(update=upd)
             one = base.model_copy(update={"decode": d, "mtp": base.mtp.model_copy(update={"draft_k": k})})
             try:
                 check_parallel(one, model)

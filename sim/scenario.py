@@ -42,8 +42,32 @@ class PrefillSection(_Strict):
     kv_replication: int | None = Field(None, ge=1)
 
 
+class ExpertLoadSection(_Strict):
+    """How a decode step's routed tokens fall on the experts (``engine.core.expert_load``): ``uniform`` (the
+    default when the section is absent), ``power_law`` (``alpha`` None: the model family's default) or
+    ``histogram`` (per-expert ``weights``, or a ``file`` of them: one row for every MoE layer or one row per
+    layer; a relative path is read from the scenario file's folder). ``samples``: seeded Monte Carlo draws of each
+    layer's routing per priced batch (0: the closed form at the expected counts)."""
+
+    dist: Literal["uniform", "power_law", "histogram"]
+    alpha: float | None = Field(None, ge=0)
+    weights: tuple[Annotated[float, Field(ge=0)], ...] | None = Field(None, min_length=1)
+    file: str | None = None
+    seed: int = 0
+    samples: int = Field(16, ge=0, le=4096)
+
+
+class EplbSection(_Strict):
+    """Expert-parallel load balancing: redundant slots placed by observed load, rebalanced every
+    ``rebalance_steps`` decode steps (``sim.costs.eplb``: the weight movement is a stall amortised over them)."""
+
+    enabled: bool = True
+    rebalance_steps: int = Field(1000, ge=1)
+
+
 class DecodeSection(_Strict):
-    """Decoder groups: ``ep`` GPUs of one NVLink domain, ``ep / tp`` DP attention ranks of ``tp`` GPUs each."""
+    """Decoder groups: ``ep`` GPUs of one NVLink domain, ``ep / tp`` DP attention ranks of ``tp`` GPUs each.
+    ``expert_load`` / ``eplb``: skewed routing and its balancing (None: uniform routing, static placement)."""
 
     ep: int = Field(16, ge=1)
     tp: int = Field(1, ge=1)
@@ -51,6 +75,8 @@ class DecodeSection(_Strict):
     max_batch_per_rank: int = Field(64, ge=1)
     page_tokens: int = Field(64, ge=1)
     redundant_experts: int = Field(0, ge=0)
+    expert_load: ExpertLoadSection | None = None
+    eplb: EplbSection | None = None
 
 
 class MtpDraft(_Strict):
@@ -265,7 +291,69 @@ def parse_scenario(data: dict, source: str | Path | None = None) -> ServingScena
         raise from_validation(exc, source) from None
     sc = resolve_mtp(sc, source)
     check_aggregated(sc, source)
-    return sc
+    return _resolve_load_file(sc, source)
+
+
+def _resolve_load_file(sc: ServingScenario, source: str | Path | None) -> ServingScenario:
+    """``decode.expert_load.file`` relative to the scenario file's folder (when read from a file)."""
+    el = sc.decode.expert_load
+    if el is None or el.file is None or source is None or Path(el.file).is_absolute():
+        return sc
+    path = str(Path(source).parent / el.file)
+    return sc.model_copy(update={"decode": sc.decode.model_copy(update={
+        "expert_load": el.model_copy(update={"file": path})})})
+
+
+def expert_load_kw(sc: ServingScenario, model) -> dict:
+    """Keywords of ``sim.costs.step.decode_step_breakdown`` for the scenario's ``decode.expert_load`` /
+    ``decode.eplb``: ``{"expert_load": ExpertLoad}``, or nothing when routing is uniform and EPLB off (the uniform
+    expectations, exactly). The rules that need the model: one-line ``UserError`` naming the field."""
+    el, ep = sc.decode.expert_load, sc.decode.eplb
+    if el is None and ep is None:
+        return {}
+    from rackbed.engine.core.expert_load import EplbSpec, ExpertLoadSpec, default_alpha, read_histogram
+    from rackbed.sim.costs.eplb import ExpertLoad
+
+    field = "decode.expert_load" if el is not None else "decode.eplb"
+    if not model.n_experts:
+        raise UserError(f"{field}: {model.name} has no routed experts")
+    if sc.deployment == "aggregated":
+        raise UserError(f"{field}: prices the disaggregated DP-EP decode step; an aggregated deployment has none")
+    if ep is not None and ep.enabled and (el is None or el.dist == "uniform"):
+        raise UserError("decode.eplb: with uniform routing every placement is balanced; give decode.expert_load "
+                        "(power_law or histogram) or leave eplb out")
+    if el is None or el.dist == "uniform":
+        if el is not None and (el.alpha is not None or el.weights is not None or el.file is not None):
+            raise UserError("decode.expert_load: alpha / weights / file need dist power_law or histogram")
+        return {}
+    if el.dist == "power_law" and (el.weights is not None or el.file is not None):
+        raise UserError("decode.expert_load.weights: only with dist: histogram (power_law takes alpha)")
+    weights = None
+    if el.dist == "histogram":
+        if el.alpha is not None:
+            raise UserError("decode.expert_load.alpha: only with dist: power_law")
+        if (el.weights is None) == (el.file is None):
+            raise UserError("decode.expert_load: dist histogram needs exactly one of weights (a list) or file")
+        try:
+            weights = (tuple(el.weights),) if el.weights is not None else read_histogram(el.file)
+        except UserError as exc:
+            raise UserError(f"decode.{exc}") from None
+        n_moe = model.n_moe_layers
+        for row in weights:
+            if len(row) != model.n_experts:
+                raise UserError(f"decode.expert_load.weights: {len(row)} weights for the {model.n_experts} experts "
+                                f"of {model.name}")
+            if not sum(row) > 0:
+                raise UserError("decode.expert_load.weights: all zero; give each expert's share of the tokens")
+        if len(weights) not in (1, n_moe):
+            raise UserError(f"decode.expert_load.file: {len(weights)} rows; give one (every MoE layer) or one per "
+                            f"MoE layer ({n_moe} in {model.name})")
+    alpha = None
+    if el.dist == "power_law":
+        alpha = el.alpha if el.alpha is not None else default_alpha(model.name)
+    spec = ExpertLoadSpec(dist=el.dist, alpha=alpha, weights=weights, seed=el.seed, samples=el.samples)
+    eplb = EplbSpec(enabled=ep.enabled, rebalance_steps=ep.rebalance_steps) if ep is not None else EplbSpec()
+    return {"expert_load": ExpertLoad(spec, eplb)}
 
 
 def _model_or_none(name: str):
@@ -578,7 +666,7 @@ def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, 
     gpu_name = topo.gpu_spec((prefill_plan or decode_plan).gpus[0]).name
     calib, note = _load_calibration(sc, gpu_name)
     cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=prefill_plan, decode_plan=decode_plan, calib=calib,
-                           draft=draft_cost_kw(sc))
+                           draft={**draft_cost_kw(sc), **expert_load_kw(sc, model)})
     # the engine calibration describes this repository's engine: only for a run priced as the rackbed stack
     stack = (getattr(calib, "meta", None) or {}).get("stack") or "rackbed"
     if engine_calibration and sc.calibration != "none" and stack == "rackbed":

@@ -37,7 +37,8 @@ class ScenarioCostModel:
 
     def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None, draft: dict | None = None) -> None:
         self.model, self.topo, self.calib = model, topo, calib
-        #: what drafts the tokens (:func:`draft_cost_kw`): passed to every decode step pricing
+        #: what drafts the tokens (:func:`draft_cost_kw`) and how routing loads the experts
+        #: (:func:`expert_load_kw`): keywords passed to every decode step pricing
         self.draft = dict(draft or {})
         self.pplan0, self.dplan0 = prefill_plan, decode_plan
         self._plans: dict[str, object] = {}

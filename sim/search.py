@@ -85,6 +85,9 @@ class SearchSpace(_Strict):
     max_batch_per_rank: tuple[int, ...] = (8, 16, 32, 64, 128)
     draft_k: tuple[int, ...] = (0, 1, 2)
     decode_replicas: tuple[int, ...] | None = None  # None: derived by Little's law
+    # redundant expert slots per decode rank beyond the fewest that make ep divide the slots (wide EP: with
+    # skewed routing, ``scenario: {decode: {expert_load: .., eplb: ..}}``, they buy back the busiest rank's load)
+    decode_extra_slots_per_rank: tuple[int, ...] = (0,)
 
     @field_validator("weight_format")
     @classmethod
@@ -98,7 +101,7 @@ class SearchSpace(_Strict):
         return v
 
     @field_validator("prefill_tp", "prefill_ep", "prefill_max_batch_tokens", "prefill_replicas", "decode_ep",
-                     "decode_tp", "max_batch_per_rank", "draft_k", "decode_replicas")
+                     "decode_tp", "max_batch_per_rank", "draft_k", "decode_replicas", "decode_extra_slots_per_rank")
     @classmethod
     def _ints(cls, v):
         if v is not None and (not v or any(x < 0 for x in v)):
@@ -435,10 +438,10 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
     for tname in sp.topology:
         topo = topos[tname]
         for fmt in sp.weight_format:
-            for ep, dtp in itertools.product(sp.decode_ep, sp.decode_tp):
+            for ep, dtp, extra in itertools.product(sp.decode_ep, sp.decode_tp, sp.decode_extra_slots_per_rank):
                 for cap in sp.max_batch_per_rank:
                     for k in sp.draft_k:
-                        red = min_redundant_experts(model.n_experts, ep)
+                        red = min_redundant_experts(model.n_experts, ep) + (extra * ep if model.n_experts else 0)
                         o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp, redundant_experts=red)
                         out.append(o)
                         try:

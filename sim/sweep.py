@@ -77,7 +77,8 @@ _ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "poli
           ("sim", "policies", "kv_aware_weight"): 1.0, ("sim", "policies", "random_seed"): 0,
           ("prefix_cache",): {"enabled": False, "block_tokens": 512, "hbm_gb_per_gpu": 8.0, "host_gb_per_gpu": None,
                               "host_GBps_per_gpu": None, "storage_gb": 0.0, "storage_GBps_per_gpu": 5.0,
-                              "eviction": "lru"}}
+                              "eviction": "lru"},
+          ("decode", "expert_load"): None, ("decode", "eplb"): None}
 DONE_STATUSES = ("ok", "invalid")
 #: default wall-clock limit of one point (seconds): generous, it only ends points that would never end
 POINT_LIMIT_S = 3600.0
@@ -329,7 +330,8 @@ def _cost_model_key(b) -> tuple | None:
         return None
     groups = tuple((g.id, tuple(g.gpus)) for g in (*b.deployment.prefillers, *b.deployment.decoders))
     return (sc.topology, sc.model, sc.calibration, b.prefill_plan.model_dump_json(),
-            b.decode_plan.model_dump_json(), groups, sc.mtp.draft)  # the draft is priced in the decode memo
+            b.decode_plan.model_dump_json(), groups, sc.mtp.draft,  # the draft is priced in the decode memo
+            sc.decode.expert_load, sc.decode.eplb)  # and so is the expert load
 
 
 def _reuse_cost_model(b) -> None:

@@ -36,6 +36,7 @@ priced at equal bytes when the table was measured at another hidden size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -237,9 +238,11 @@ def _worst_peer_split(topo, ranks: tuple[int, ...]) -> tuple[int, int]:
 
 
 def _a2a(topo, gpus, tokens_per_rank, model, copy_bytes_out: float, copy_bytes_back: float, rounds: int,
-         local_bytes: float, send_matrix, calib) -> CommCost:
+         local_bytes: float, send_matrix, calib, recv_scale: float = 1.0) -> CommCost:
     g = group_links(topo, gpus)
     v = a2a_volume(topo, gpus, tokens_per_rank, model, send_matrix=send_matrix)
+    if recv_scale != 1.0 and send_matrix is None:  # skewed routing: the busiest rank's incoming copies
+        v = dataclasses.replace(v, recv_nvlink=v.recv_nvlink * recv_scale, recv_net=v.recv_net * recv_scale)
     sig = C.SIGNAL_US[g.arch]
     sync_us = 0.0
     if v.peers_nvlink:
@@ -262,12 +265,22 @@ def _a2a(topo, gpus, tokens_per_rank, model, copy_bytes_out: float, copy_bytes_b
 
 def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, model, fmt: str = "bf16", *,
                          send_matrix: Sequence[Sequence[float]] | None = None,
-                         calib: CalibrationTable | None = None) -> CommCost:
+                         calib: CalibrationTable | None = None, recv_scale: float = 1.0,
+                         copy_scale: float | None = None) -> CommCost:
     """DP-EP decode dispatch on the busiest rank (module docstring): ``tokens_per_rank`` tokens per rank, each
-    sent once to every rank holding one of its experts; activations in ``fmt``'s activation format."""
+    sent once to every rank holding one of its experts; activations in ``fmt``'s activation format.
+    Skewed routing (``engine.core.expert_load.BusiestRank``; 1: uniform): ``recv_scale``, the busiest rank's
+    incoming (deduplicated) tokens over the mean rank's, scales its received bytes, and a measured kernel is read
+    at ``tokens_per_rank * recv_scale``; ``copy_scale`` (None: ``recv_scale``), its expert copies over the mean
+    rank's, scales the unpacking into its experts' inputs."""
     g = group_links(topo, gpus)
     if g.n_ranks < 2 or tokens_per_rank <= 0:
         return CommCost()
+    cs = recv_scale if copy_scale is None else copy_scale
+    if (recv_scale != 1.0 or cs != 1.0) and send_matrix is None:
+        return _skewed(dpep_decode_dispatch, topo, gpus, tokens_per_rank, model, recv_scale, calib,
+                       lambda: _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, None, calib, recv_scale,
+                                               cs), fmt=fmt)
     measured = lookup(calib, "dispatch_us", g.gpu.name, tokens_per_rank, n_ranks=g.n_ranks, hidden=model.hidden,
                       phase="decode")
     if measured is not None:
@@ -275,20 +288,44 @@ def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, mode
     table = _a2a_measured(calib, g, "dispatch", tokens_per_rank, model.hidden, _act_bpe(g.gpu, fmt))
     if table is not None:
         return CommCost(calibrated_s=table)
+    return _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, 1.0, 1.0)
+
+
+def _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, recv_scale,
+                    copy_scale) -> CommCost:
     copy = model.hidden * _act_bpe(g.gpu, fmt) + model.top_k * 8 + META_BYTES_PER_COPY
     v_recv = tokens_per_rank * model.top_k  # expert assignments landing on a rank (expected)
+    if copy_scale != 1.0:
+        v_recv *= copy_scale
     local = tokens_per_rank * model.hidden * 2 + v_recv * model.hidden * _act_bpe(g.gpu, fmt) * 2
-    return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 2, local, send_matrix, calib)
+    return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 2, local, send_matrix, calib, recv_scale)
+
+
+def _skewed(fn, topo, gpus, tokens_per_rank, model, recv_scale, calib, modelled, **kw) -> CommCost:
+    """A DP-EP kernel on the busiest rank under skewed routing: a measured kernel (calibration) at
+    ``tokens_per_rank * recv_scale`` tokens per rank, else the model with the scaled incoming volume."""
+    if calib is not None:
+        measured = fn(topo, gpus, tokens_per_rank * recv_scale, model, calib=calib, **kw)
+        if measured.calibrated_s is not None:
+            return measured
+    return modelled()
 
 
 def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model, *,
                         send_matrix: Sequence[Sequence[float]] | None = None,
-                        calib: CalibrationTable | None = None) -> CommCost:
+                        calib: CalibrationTable | None = None, recv_scale: float = 1.0,
+                        copy_scale: float | None = None) -> CommCost:
     """DP-EP decode combine on the busiest rank: bf16 expert outputs (summed over the destination's local experts)
-    return to the token's rank, which accumulates them with the routing weights."""
+    return to the token's rank, which accumulates them with the routing weights. ``recv_scale`` / ``copy_scale``:
+    as in :func:`dpep_decode_dispatch` (the busiest expert rank sends back that many more summed outputs, and
+    accumulates that many more expert outputs)."""
     g = group_links(topo, gpus)
     if g.n_ranks < 2 or tokens_per_rank <= 0:
         return CommCost()
+    cs = recv_scale if copy_scale is None else copy_scale
+    if (recv_scale != 1.0 or cs != 1.0) and send_matrix is None:
+        return _skewed(dpep_decode_combine, topo, gpus, tokens_per_rank, model, recv_scale, calib,
+                       lambda: _combine_model(g, topo, gpus, tokens_per_rank, model, None, calib, recv_scale, cs))
     measured = lookup(calib, "combine_us", g.gpu.name, tokens_per_rank, n_ranks=g.n_ranks, hidden=model.hidden,
                       phase="decode")
     if measured is not None:
@@ -296,8 +333,14 @@ def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model
     table = _a2a_measured(calib, g, "combine", tokens_per_rank, model.hidden, 2.0)
     if table is not None:
         return CommCost(calibrated_s=table)
+    return _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, 1.0, 1.0)
+
+
+def _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, recv_scale, copy_scale) -> CommCost:
     copy = model.hidden * 2
     d = expected_dest_ranks(model.n_experts, model.top_k, g.n_ranks)
-    local = (tokens_per_rank * model.top_k * model.hidden * 2  # local accumulation over local experts
-             + tokens_per_rank * d * model.hidden * 2 + tokens_per_rank * model.hidden * 2)  # weighted sum
-    return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 1, local, send_matrix, calib)
+    acc = tokens_per_rank * model.top_k * model.hidden * 2  # local accumulation over local experts
+    if copy_scale != 1.0:
+        acc *= copy_scale
+    local = acc + tokens_per_rank * d * model.hidden * 2 + tokens_per_rank * model.hidden * 2  # weighted sum
+    return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 1, local, send_matrix, calib, recv_scale)

@@ -51,6 +51,7 @@ from rackbed.sim.costs.attention import mixer_counts, mtp_costs
 from rackbed.sim.costs.breakdown import BreakdownBuilder, StepBreakdown, StepTime
 from rackbed.sim.costs.calibration import CalibrationTable, host_step_s, kernel_fixed_us
 from rackbed.sim.costs.collective import allreduce_time, group_links
+from rackbed.sim.costs.eplb import ExpertLoad
 from rackbed.sim.costs.gemm import (
     ExpertHistogram,
     binomial_histogram,
@@ -215,10 +216,16 @@ def prefill_step_time(model, plan, topo, seqs: Sequence[tuple[int, int]], **kw) 
 
 
 def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, model, plan, topo,
-                      tokens_per_rank: Sequence[int], tokens_per_expert, send_matrix, fmt: str, calib) -> None:
+                      tokens_per_rank: Sequence[int], tokens_per_expert, send_matrix, fmt: str, calib,
+                      load=None) -> None:
     """One MoE layer of a decode pass on the slowest rank, times ``n_layers``, into ``b``. ``tokens_per_rank``:
     tokens of each DP rank; with attention TP (``plan.tp > 1``) each of a rank's GPUs routes and dispatches its
-    ``1 / tp`` slice of them, and the shared expert (split ``tp`` ways) runs on them all."""
+    ``1 / tp`` slice of them, and the shared expert (split ``tp`` ways) runs on them all. ``load``: an
+    :class:`ExpertLoad` for skewed routing (None: uniform expectations): the layer is priced at the busiest expert
+    rank — its grouped GEMM over its slots' token counts (``BusiestRank.slot_hist``), its incoming dispatch /
+    outgoing combine messages (``BusiestRank.message_scale`` times the mean rank's: deduplicated per token) and its
+    local (un)packing of expert copies (``BusiestRank.scale`` times). The MTP module's MoE (``prefix`` ``mtp_``)
+    draws its routing like the model's first MoE layer."""
     tp = plan.tp
     t_max = max(tokens_per_rank)
     t_all = sum(tokens_per_rank)
@@ -227,16 +234,32 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     t_gpu = -(-t_max // tp)  # a GPU's slice of its DP rank's tokens (all of them when tp = 1)
     b.add(f"{prefix}router", "other_s",
           n_layers * gemm_time(gpu, t_gpu, model.n_experts, model.hidden, "bf16", calib=calib).total_s)
-    disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix, calib=calib)
-    comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
-    b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
     slots = model.n_experts + getattr(plan, "redundant_experts", 0)
-    block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all)
-    if block is None:
-        hist = tokens_per_expert if tokens_per_expert is not None else \
-            binomial_histogram(t_all, model.top_k / slots, slots // plan.ep)
-        inter = model.moe_intermediate // plan.expert_tp
-        block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
+    busy = None if load is None or tokens_per_expert is not None or send_matrix is not None else \
+        load.busiest(model, plan, t_all, n_layers if prefix == "" else 1)
+    if busy is None:
+        disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix, calib=calib)
+        comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
+        b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
+        block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all)
+        if block is None:
+            hist = tokens_per_expert if tokens_per_expert is not None else \
+                binomial_histogram(t_all, model.top_k / slots, slots // plan.ep)
+            inter = model.moe_intermediate // plan.expert_tp
+            block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
+    else:
+        msgs = busy.message_scale(model.top_k, plan.ep)
+        disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, calib=calib, recv_scale=msgs,
+                                    copy_scale=busy.scale)
+        comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, calib=calib, recv_scale=msgs,
+                                   copy_scale=busy.scale)
+        b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
+        block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all * busy.scale)
+        if block is None:
+            inter = model.moe_intermediate // plan.expert_tp
+            block = expert_mlp_time(gpu, model.hidden, inter, busy.slot_hist, fmt, calib=calib).total_s
+        if busy.moved_per_rebalance and prefix == "":
+            b.add("eplb_rebalance", "other_s", load.rebalance_s(model, plan, topo, busy))
     b.add(f"{prefix}moe_gemm", "moe_gemm_s", n_layers * block)
     b.add(f"{prefix}shared_expert", "moe_gemm_s",
           n_layers * _shared_expert_s(gpu, model, t_max, tp, fmt, calib))
@@ -273,13 +296,16 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
                           draft_k: int = 0, n_mtp_layers: int | None = None, draft_model=None,
                           tokens_per_expert: Sequence[int] | ExpertHistogram | None = None,
                           send_matrix: Sequence[Sequence[float]] | None = None,
+                          expert_load: ExpertLoad | None = None,
                           calib: CalibrationTable | None = None) -> StepBreakdown:
     """Term-by-term decode step = MTP draft (``draft_k`` passes) + verify (module docstring).
 
     ``rank_batch[r]`` / ``rank_context_tokens[r]``: sequences and KV tokens of DP rank ``r`` (``plan.tp_group(r)``,
     one GPU when ``plan.tp == 1``). ``tokens_per_expert``: the busiest GPU's per-local-expert token counts of the
     verify pass (e.g. from a ``DpEpDecodePlan``); ``send_matrix``: its ``tokens`` matrix (one row and column per
-    GPU of the EP group); None = uniform-routing expectations."""
+    GPU of the EP group); None = uniform-routing expectations. ``expert_load``: skewed routing and EPLB
+    (:class:`ExpertLoad`): every MoE layer priced at its expected busiest expert rank; None or uniform routing:
+    the uniform expectations, exactly."""
     r = plan.dp
     if plan.world != plan.tp * plan.dp:
         raise UserError(f"decode plan: {plan.world} GPUs for tp*dp = {plan.tp}*{plan.dp}")
@@ -306,7 +332,8 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
         _add_attention(b, costs.prefix, n, worst)
     tokens = [n * q for n in rank_batch]
     _tp_allreduce(b, "attn_allreduce", model.n_layers, model, plan, topo, max(tokens), calib)
-    _moe_decode_layer(b, "", n_moe, gpu, model, plan, topo, tokens, tokens_per_expert, send_matrix, fmt, calib)
+    _moe_decode_layer(b, "", n_moe, gpu, model, plan, topo, tokens, tokens_per_expert, send_matrix, fmt, calib,
+                      expert_load)
     if n_dense:
         b.add("dense_mlp", "moe_gemm_s", n_dense * _dense_mlp_s(gpu, model, max(tokens), plan.tp, fmt, calib))
         _tp_allreduce(b, "dense_allreduce", n_dense, model, plan, topo, max(tokens), calib)
@@ -321,13 +348,14 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
                 b.add(f"draft_{name}", cat, draft_k * sec)
     elif draft_k:
         n_mtp = n_mtp_layers if n_mtp_layers is not None else (model.n_mtp_layers or 1)
-        _mtp_draft(b, draft_k, n_mtp, gpu, model, plan, topo, rank_batch, front, {**kw, "q_per_seq": 1})
+        _mtp_draft(b, draft_k, n_mtp, gpu, model, plan, topo, rank_batch, front, {**kw, "q_per_seq": 1},
+                   expert_load)
     b.add("host", "other_s", host_step_s(calib, gpu, "decode", max(rank_batch)))
     return b.build()
 
 
 def _mtp_draft(b: BreakdownBuilder, draft_k: int, n_mtp: int, gpu, model, plan, topo, rank_batch, front,
-               kw: dict) -> None:
+               kw: dict, load=None) -> None:
     """MTP draft: ``draft_k`` sequential passes of the ``n_mtp`` MTP module(s), one token per sequence: fc
     (2*hidden -> hidden, replicated), one decoder layer of the model's global attention kind (full attention; MLA
     in an MLA model: ``ModelSpec.mtp_layer``) sharded like the others (its own KV cache, as long as the
@@ -341,7 +369,8 @@ def _mtp_draft(b: BreakdownBuilder, draft_k: int, n_mtp: int, gpu, model, plan, 
     b.add("mtp_attn", "attn_s", passes * worst.total_s)
     _tp_allreduce(b, "mtp_attn_allreduce", passes, model, plan, topo, t1, calib)
     if model.n_experts:
-        _moe_decode_layer(b, "mtp_", passes, gpu, model, plan, topo, list(rank_batch), None, None, fmt, calib)
+        _moe_decode_layer(b, "mtp_", passes, gpu, model, plan, topo, list(rank_batch), None, None, fmt, calib,
+                          load)
     else:
         b.add("mtp_dense_mlp", "moe_gemm_s", passes * _dense_mlp_s(gpu, model, t1, plan.tp, fmt, calib))
         _tp_allreduce(b, "mtp_dense_allreduce", passes, model, plan, topo, t1, calib)
