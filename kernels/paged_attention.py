@@ -264,7 +264,7 @@ def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, bloc
     """Absorbed MLA decode of ``q [B, H, kv_lora + rope]`` over the latent pages ``storage [N, S, kv_lora +
     rope]`` -> ``[B, H, kv_lora]`` in ``q``'s dtype (module docstring). Tiling default: 64 heads x 64 tokens per
     step, 8 warps -- the fastest of six tilings measured on an H200 at DeepSeek-V3 width (128 heads, context 4096,
-    batch 32-256: 1.9-2.7x the torch path; ``kernels.bench.paged_attention``); the block is compute-bound there
+    batch 32-256: 1.9-2.7x the torch path; ``engine.bench.paged_attention``); the block is compute-bound there
     (~225 TFLOP/s at batch 256), which a 64-row tensor-core tile serves best."""
     import torch
 

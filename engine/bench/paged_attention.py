@@ -1,5 +1,5 @@
 """Decode attention alone: the Triton paged kernels (``kernels.paged_attention``) against the engine's torch gather
-path, same inputs, same run (``python -m rackbed.kernels.bench.paged_attention --out FILE``).
+path, same inputs, same run (``python -m rackbed.engine.bench.paged_attention --out FILE``).
 
 Shapes of the served models at full width (one layer, bf16, pages of 64): Qwen3-235B GQA (64 q / 4 kv heads, head
 dim 128), gpt-oss sliding layer on its ring (64 / 8 heads, dim 64, window 128, sinks), DeepSeek-V3 MLA absorbed
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     doc = {"bench": "paged_attention", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "command": " ".join([sys.executable, "-m", "rackbed.kernels.bench.paged_attention", *(argv or sys.argv[1:])]),
+           "command": " ".join([sys.executable, "-m", "rackbed.engine.bench.paged_attention", *(argv or sys.argv[1:])]),
            "rows": rows}
     if a.out:
         write_text(a.out, json.dumps(doc, indent=1))
