@@ -289,12 +289,15 @@ class Rank:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
+        # prefill graphs for every family but Gated DeltaNet (Qwen3.5), whose recurrence prefills eagerly
+        # (``ShardedMoeLM.forward_chunk_static``); the decode runner's scratch page (and ring) serves both runners
         if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1 \
-                and hasattr(self.model, "forward_chunk_static") and spec.cfg.family == "qwen3_moe":
+                and not self.linear:
             from rackbed.engine.real.model import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(self.model, self.cache,
-                                                     pool=self.graphs.pool if self.graphs else None)
+                                                     pool=self.graphs.pool if self.graphs else None,
+                                                     scratch=self.graphs.scratch if self.graphs else None)
         self._warm_up()
         self._connect_kv_peers()
 
@@ -325,13 +328,21 @@ class Rank:
         if self.prefill_graphs is not None and self.spec.prefill_lens[1] > 0:
             from rackbed.engine.real.model import PrefillGraphRunner
 
-            keys = PrefillGraphRunner.warm_keys(*self.spec.prefill_lens, self.spec.chunk_tokens,
-                                                self.spec.page_tokens)
+            sp = self.spec
+            # with a prefix cache, a hit prefills the suffix after a block-aligned cached prefix: warm those keys too
+            prefix = {"block_tokens": sp.prefix_block_tokens,
+                      "max_cached": sp.prefix_blocks * sp.prefix_block_tokens} if self.prefix is not None else {}
+            keys, reachable = PrefillGraphRunner.warm_plan(*sp.prefill_lens, sp.chunk_tokens, sp.page_tokens,
+                                                           **prefix)
             if self.graphs is not None and self.graphs.pool is not None:
                 self.prefill_graphs.pool = self.graphs.pool
             self.graph_info["prefill"] = self.prefill_graphs.warm(
                 keys, reserve_bytes=int(float(os.environ.get("RACKBED_GRAPH_RESERVE_GB", "8")) * (1 << 30)),
                 budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
+            self.graph_info["prefill"]["reachable"] = reachable
+            if reachable > len(keys):
+                print(f"rank {sp.rank}: {reachable} prefill graph keys reachable, warming {len(keys)} "
+                      f"(RACKBED_PREFILL_GRAPH_KEYS; the rest are captured on first use)", flush=True)
             print(f"rank {self.spec.rank}: prefill graphs at warm-up: {self.graph_info['prefill']}", flush=True)
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
@@ -419,8 +430,8 @@ class Rank:
         out = {}
         for kind, r in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
             if r is None:
-                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, family, "
-                                                       "or RACKBED_NO_GRAPHS=1)"}
+                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, Gated "
+                                                       "DeltaNet layers, or RACKBED_NO_GRAPHS=1)"}
             else:
                 out[kind] = {"mode": r.mode, "why": r.why, "captured": len(r.graphs),
                              "captured_late": r.n_captured_late, "eager_chunks": getattr(r, "n_eager", 0)}
