@@ -578,7 +578,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
         """What every layer of a static chunk shares: the page row's mask ``[T, P*S]`` (key slot j is position j)
         and, with sliding layers, the ring's (module docstring of ``layers_gqa``): its pages, the keys' positions
         and mask (the ring before the chunk, then the chunk), and which chunk row each slot takes afterwards."""
-        dev, S = positions.device, cache.page_tokens
+        dev, S = positions.device, cache.page_tokens      # (index with 1-d tensors only: a 0-d one syncs the host)
         geo = {"mask": torch.arange(page_row.shape[0] * S, device=dev)[None, :] <= positions[:, None]}
         if cache.window:
             T, R = positions.shape[0], cache.ring_tokens
@@ -588,7 +588,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
             new = end - 1 - torch.remainder(end - 1 - j, R)           # ... and after it
             k_pos = torch.cat((old, positions))
             k_ok = torch.cat((old >= 0, torch.arange(T, device=dev) <= last))
-            geo.update(ring=cache.ring_table[page_row[0]], take=new >= start,
+            geo.update(ring=cache.ring_table[page_row[:1]][0], take=new >= start,
                        src=(new - start).clamp(0, T - 1), ring_ok=k_ok[None, :] & layers_gqa.window_mask(
                            positions, k_pos, cache.window))
         return geo
