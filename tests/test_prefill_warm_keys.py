@@ -128,3 +128,32 @@ def test_rank_prefix_cache_hits_start_past_token_zero():
 
 def test_warm_order_is_empty_for_no_keys():
     assert prefill_warm_order({}, set()) == []
+
+
+def test_the_prefix_scenario_rank_warms_its_cache_hits():
+    """The shipped prefix-cache scenario's aggregated rank (``rank_specs`` as a real run builds it): its warm-up plan
+    holds the key of every (prompt, block-aligned cached prefix) its requests can produce, within the bound; without
+    the cache only whole prompts' keys."""
+    from dataclasses import replace
+
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import rank_specs, real_model_config
+    from rackbed.engine.real.worker import prefill_warm_plan
+    from rackbed.sim.scenario import build, load_scenario
+
+    sc = load_scenario("scenarios/real/h200-agg-prefix.yaml")
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    specs = rank_specs(b, real_model_config(b), {0: 0}, 1, use_cuda=False, dtype="bf16", seed=0, weights=None,
+                       prefill_pages=64, decode_pages=4096, requests=reqs)
+    (spec,) = specs.values()
+    assert spec.role == "aggregated" and spec.prefix_blocks > 0
+    B, S, cap = spec.prefix_block_tokens, spec.page_tokens, spec.prefix_blocks * spec.prefix_block_tokens
+    keys, reachable = prefill_warm_plan(spec)
+    assert reachable == len(keys)                    # this scenario's keys all fit the bound
+    issued = {prefill_key(c, r.prompt_tokens - c, S) for r in reqs
+              for c in range(0, min(r.prompt_tokens - 1, cap) + 1, B)}
+    assert issued <= set(keys)
+    bare, _ = prefill_warm_plan(replace(spec, prefix_blocks=0, prefix_block_tokens=0))
+    assert set(bare) == {prefill_key(0, n, S) for n in range(spec.prefill_lens[0], spec.prefill_lens[1] + 1)}
+    assert issued - set(bare), "cache hits reach keys that whole prompts do not"

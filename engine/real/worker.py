@@ -227,6 +227,19 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
                 pass
 
 
+def prefill_warm_plan(spec: RankSpec) -> tuple[list[tuple[int, int]], int]:
+    """``(keys, reachable)`` of the prefill graphs a prefilling rank captures at warm-up
+    (``PrefillGraphRunner.warm_plan``): its prompts' length range, chunks when it chunks, and, when it keeps a prefix
+    cache, the suffix after every block-aligned prefix the cache can hold (a hit starts there)."""
+    from rackbed.engine.real.model import PrefillGraphRunner
+
+    prefix = {}
+    if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
+        prefix = {"block_tokens": spec.prefix_block_tokens,
+                  "max_cached": spec.prefix_blocks * spec.prefix_block_tokens}
+    return PrefillGraphRunner.warm_plan(*spec.prefill_lens, spec.chunk_tokens, spec.page_tokens, **prefix)
+
+
 COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop", "profile"})
 TRANSFER_OPS = frozenset({"kv_send", "kv_recv"})
 
@@ -326,14 +339,8 @@ class Rank:
                                                budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
             print(f"rank {self.spec.rank}: decode graphs at warm-up: {self.graph_info}", flush=True)
         if self.prefill_graphs is not None and self.spec.prefill_lens[1] > 0:
-            from rackbed.engine.real.model import PrefillGraphRunner
-
             sp = self.spec
-            # with a prefix cache, a hit prefills the suffix after a block-aligned cached prefix: warm those keys too
-            prefix = {"block_tokens": sp.prefix_block_tokens,
-                      "max_cached": sp.prefix_blocks * sp.prefix_block_tokens} if self.prefix is not None else {}
-            keys, reachable = PrefillGraphRunner.warm_plan(*sp.prefill_lens, sp.chunk_tokens, sp.page_tokens,
-                                                           **prefix)
+            keys, reachable = prefill_warm_plan(sp)
             if self.graphs is not None and self.graphs.pool is not None:
                 self.prefill_graphs.pool = self.graphs.pool
             self.graph_info["prefill"] = self.prefill_graphs.warm(
