@@ -92,8 +92,9 @@ class RankSpec:
     graph_max_batch: int = 0
     graph_pages: tuple[int, int] = (0, 0)
     # prefilling ranks of one GPU (a TP1 prefiller, an aggregated worker): prefill CUDA graphs captured at warm-up
-    # for prompts of ``prefill_lens`` = (lo, hi) tokens, in chunks of at most ``chunk_tokens`` (0: whole prompts);
-    # (0, 0) = capture on first use only
+    # for prompts of ``prefill_lens`` = (lo, hi) tokens, in chunks of at most ``chunk_tokens`` (0: whole prompts),
+    # and with a prefix cache the suffixes after its cached prefixes (``prefill_warm_plan``); (0, 0) = capture on
+    # first use only
     prefill_lens: tuple[int, int] = (0, 0)
     chunk_tokens: int = 0
     kv_peers: tuple[tuple[int, int], ...] = ()   # (prefill rank, decode rank) pairs connected at start-up
