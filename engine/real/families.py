@@ -506,8 +506,6 @@ class ShardedMoeLM(ShardedQwen3Moe):
     def forward_decode_static(self, tokens, positions, cache, page_table, *, hidden: bool = False):
         """``forward_decode`` without host synchronisation (one expert group; CUDA-graph capturable): the MoE sorts
         the B*k (token, expert) pairs by expert (``kernels.moe_block``) instead of selecting local ones."""
-        from rackbed.kernels.moe_block import permute, unpermute
-
         if self.shard.ep != 1:
             raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
         if self.cfg.has_linear:
@@ -516,15 +514,123 @@ class ShardedMoeLM(ShardedQwen3Moe):
         x = self.glob["embed"][tokens]
         for li, w in enumerate(self.layers):
             x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache, page_table)
-            h = rms_norm(x, w["post_norm"], cfg.rms_eps)
-            if "mlp_gate_up" in w:
-                x = x + layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
-                continue
-            topi, topw = self._route(w, h)
-            order, tok, counts, xs = permute(h, topi, cfg.n_experts)
-            y = unpermute(self._experts(w, xs, counts), tok, order, topw, h)
-            x = x + (y + self._shared(w, h) if "shared_gate_up" in w else y)
+            x = x + self._ffn_static(w, rms_norm(x, w["post_norm"], cfg.rms_eps))
         return (self._logits(x), x) if hidden else self._logits(x)
+
+    def _ffn_static(self, w, h: torch.Tensor) -> torch.Tensor:
+        """The FFN of one expert group holding every expert, without host synchronisation: the dense MLP, or the
+        routed experts with the (token, expert) pairs sorted by expert (``kernels.moe_block``) plus the shared
+        expert."""
+        from rackbed.kernels.moe_block import permute, unpermute
+
+        if "mlp_gate_up" in w:
+            return layers_moe.mlp(h, w["mlp_gate_up"], w["mlp_down"])
+        topi, topw = self._route(w, h)
+        order, tok, counts, xs = permute(h, topi, self.cfg.n_experts)
+        y = unpermute(self._experts(w, xs, counts), tok, order, topw, h)
+        return y + self._shared(w, h) if "shared_gate_up" in w else y
+
+    # -- prefill of one sequence with static shapes (CUDA-graph capturable) ---------------------------------------
+    def forward_chunk_static(self, tokens, positions, write_page, page_row, last, cache):
+        """``ShardedQwen3Moe.forward_chunk_static`` for these families: a prefill chunk of ONE sequence (a whole
+        prompt, a later chunk, or the suffix after a cached prefix) padded to ``tokens [T]``, with no host
+        synchronisation and no data-dependent shape, so :class:`~rackbed.engine.real.model.PrefillGraphRunner` can
+        capture it. Rows ``0..last`` are the chunk's tokens at ``positions``; padding rows repeat the last position
+        and write to the scratch page ``write_page`` names for them.
+
+        * MLA layers write their latent rows at ``(write_page[t], positions[t] % S)`` and attend (expanded, as
+          :meth:`forward_prefill`) over the latent rows of ``page_row [P]`` up to each query's position.
+        * Full GQA layers do the same with K/V pages (biases, qk-norm, partial rotary, sinks as the eager path).
+        * Sliding layers (gpt-oss) attend over the sequence's ring as it was before the chunk (each slot masked by
+          the position it holds) and the chunk's own K/V, inside the window; then every ring slot whose latest
+          position falls in the chunk is rewritten (the whole ring, gathered and written back: a chunk longer than
+          the ring writes each slot once, never two rows to one slot). The ring is the one ``page_row[0]`` (the
+          sequence's first page) names in ``cache.ring_table``.
+        * The FFN is :meth:`_ffn_static` (as :meth:`forward_decode_static`).
+        * With the MTP module, its layer's KV is written as :meth:`forward_prefill` writes it (row t's input is
+          the hidden state at t and the next token: the chunk's own, or the greedy token after ``last``); the
+          module's attention and FFN, whose output prefill discards, are not run.
+
+        One rank only (tp = ep = 1). Gated DeltaNet layers (Qwen3.5) are refused: their recurrence over a state
+        slot prefills through :meth:`forward_prefill` only. Returns the logits of row ``last`` ``[1, V]``."""
+        if self.shard.ep != 1 or self.shard.attn_tp != 1:
+            raise ValueError("forward_chunk_static needs one rank (tp = ep = 1)")
+        if self.cfg.has_linear:
+            raise ValueError("forward_chunk_static: Gated DeltaNet layers (Qwen3.5) prefill through forward_prefill "
+                             "only (their state recurrence is not a paged, position-masked read)")
+        cfg = self.cfg
+        geo = self._chunk_geometry(positions, page_row, last, cache)
+        x = self.glob["embed"][tokens]
+        for li, w in enumerate(self.layers):
+            a = self._attn_chunk(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, write_page, page_row,
+                                 cache, geo)
+            x = x + (a + w["o_bias"] if "o_bias" in w else a)
+            x = x + self._ffn_static(w, rms_norm(x, w["post_norm"], cfg.rms_eps))
+        logits = self._logits(x.index_select(0, last))
+        if self.mtp is not None:
+            nxt = torch.roll(tokens, -1).index_copy(0, last, logits.argmax(-1))
+            h = rms_norm(self._mtp_input(nxt, x), self.mtp["input_norm"], cfg.rms_eps)
+            self._attn_chunk(cfg.n_layers, self.mtp, h, positions, write_page, page_row, cache, geo, kv_only=True)
+        return logits
+
+    def _chunk_geometry(self, positions, page_row, last, cache) -> dict:
+        """What every layer of a static chunk shares: the page row's mask ``[T, P*S]`` (key slot j is position j)
+        and, with sliding layers, the ring's (module docstring of ``layers_gqa``): its pages, the keys' positions
+        and mask (the ring before the chunk, then the chunk), and which chunk row each slot takes afterwards."""
+        dev, S = positions.device, cache.page_tokens      # (index with 1-d tensors only: a 0-d one syncs the host)
+        geo = {"mask": torch.arange(page_row.shape[0] * S, device=dev)[None, :] <= positions[:, None]}
+        if cache.window:
+            T, R = positions.shape[0], cache.ring_tokens
+            j = torch.arange(R, device=dev)
+            start, end = positions[:1], positions.index_select(0, last) + 1          # [1] each
+            old = start - 1 - torch.remainder(start - 1 - j, R)       # position slot j holds before the chunk
+            new = end - 1 - torch.remainder(end - 1 - j, R)           # ... and after it
+            k_pos = torch.cat((old, positions))
+            k_ok = torch.cat((old >= 0, torch.arange(T, device=dev) <= last))
+            geo.update(ring=cache.ring_table[page_row[:1]][0], take=new >= start,
+                       src=(new - start).clamp(0, T - 1), ring_ok=k_ok[None, :] & layers_gqa.window_mask(
+                           positions, k_pos, cache.window))
+        return geo
+
+    @scoped("attn_s")
+    def _attn_chunk(self, li, w, h, positions, write_page, page_row, cache, geo, kv_only: bool = False):
+        """Layer ``li``'s attention of a static chunk (:meth:`forward_chunk_static`) -> ``[T, D]`` (o_proj, no o
+        bias); ``kv_only``: write the KV and stop (None)."""
+        cfg, S = self.cfg, cache.page_tokens
+        kl, slot = self._kvi[li], positions % S
+        if cfg.kind(li) == "mla":
+            q_nope, q_rot, rows = layers_mla.project(w, h, positions, cfg, self.rope)
+            st = cache.storage[kl]
+            st[write_page, slot] = rows.to(st.dtype)
+            if kv_only:
+                return None
+            ctx = st[page_row].reshape(-1, st.shape[-1]).to(rows.dtype)                  # [P*S, W]
+            o = layers_mla.attend_rows(w, q_nope, q_rot, ctx, geo["mask"], cfg)
+            return o @ w["o_proj"].T
+        q, k, v = layers_gqa.qkv(w, h, positions, cfg, self.rope)                         # k, v [Hkv, T, Dh]
+        Hkv, Dh = k.shape[0], k.shape[2]
+        if cache.is_ring(kl):
+            R, ring = cache.ring_tokens, geo["ring"]
+            st = cache.ring_storage[cache.slot_of[kl]]
+            was = st[ring].permute(1, 2, 0, 3, 4).reshape(2, Hkv, R, Dh)                   # K|V by ring slot
+            now = torch.where(geo["take"][None, None, :, None],
+                              torch.stack((k, v)).index_select(2, geo["src"]).to(st.dtype), was)
+            st[ring] = now.reshape(2, Hkv, -1, S, Dh).permute(2, 0, 1, 3, 4)
+            if kv_only:
+                return None
+            ks, vs = torch.cat((was[0].to(k.dtype), k), 1), torch.cat((was[1].to(v.dtype), v), 1)
+            o = layers_gqa.attend_keys(w, q, ks, vs, geo["ring_ok"], cfg)
+        else:
+            st = cache.storage[cache.slot_of[kl]]
+            st[write_page, 0, :, slot] = k.transpose(0, 1).to(st.dtype)
+            st[write_page, 1, :, slot] = v.transpose(0, 1).to(st.dtype)
+            if kv_only:
+                return None
+            kv = st[page_row]                                                             # [P, 2, Hkv, S, Dh]
+            K = kv[:, 0].permute(1, 0, 2, 3).reshape(Hkv, -1, Dh).to(q.dtype)
+            V = kv[:, 1].permute(1, 0, 2, 3).reshape(Hkv, -1, Dh).to(q.dtype)
+            o = layers_gqa.attend_keys(w, q, K, V, geo["mask"], cfg)
+        return o @ w["o_proj"].T
 
 
 def model_class(cfg: TorchModelConfig) -> type[ShardedQwen3Moe]:

@@ -67,14 +67,22 @@ def prefill(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, c
     """One sequence's prefill attention: q ``[Hq, T, Dh]`` at positions start..start+T-1, k/v ``[Hkv, start+T-
     k_start, Dh]`` of positions k_start..start+T-1 (a cached prefix's keys first when ``start`` > 0; a sliding
     layer's ring gives its prefix from ``k_start`` = the window's start) -> ``[T, Hq*Dh]``."""
+    T = q.shape[1]
+    q_pos = torch.arange(start, start + T, device=q.device)
+    k_pos = torch.arange(k_start, start + T, device=q.device)
+    return attend_keys(w, q, k, v, window_mask(q_pos, k_pos, window), cfg)
+
+
+def attend_keys(w, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, cfg) -> torch.Tensor:
+    """q ``[Hq, T, Dh]`` over keys k/v ``[Hkv, n, Dh]`` with ``allowed [T, n]`` (True = attend; the sinks join the
+    softmax) -> ``[T, Hq*Dh]``. Static shapes: the graph-capturable chunk (``ShardedMoeLM.forward_chunk_static``)
+    passes a page row or a ring plus the chunk, masked by position."""
     Hq, T, Dh = q.shape
     Hkv = k.shape[0]
     qg = q.view(Hkv, Hq // Hkv, T, Dh)
-    q_pos = torch.arange(start, start + T, device=q.device)
-    k_pos = torch.arange(k_start, start + T, device=q.device)
     sinks = w.get("sinks")
-    o = attend(qg, k[:, None], v[:, None], window_mask(q_pos, k_pos, window),
-               cfg.head_dim ** -0.5, None if sinks is None else sinks.view(Hkv, -1))
+    o = attend(qg, k[:, None], v[:, None], allowed, cfg.head_dim ** -0.5,
+               None if sinks is None else sinks.view(Hkv, -1))
     return o.reshape(Hq, T, Dh).transpose(0, 1).reshape(T, Hq * Dh)
 
 

@@ -87,18 +87,30 @@ def prefill(w, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, cf
     """Expanded attention of one sequence's new tokens over its latent rows ``[T, W]`` -> ``[T, H*v]`` (before
     o_proj). ``prefix``: the latent rows ``[c, W]`` of a cached prefix (positions 0..c-1) the new tokens follow:
     kv_b expands them too and query j attends to keys 0..c+j."""
-    T, H, nope = q_nope.shape
-    L = cfg.kv_lora_rank
+    T = q_nope.shape[0]
     c = 0 if prefix is None else prefix.shape[0]
     if c:
         rows = torch.cat((prefix.to(rows.dtype), rows))
+        n = rows.shape[0]
+        mask = torch.arange(n, device=rows.device)[None, :] <= (c + torch.arange(T, device=rows.device))[:, None]
+        return attend_rows(w, q_nope, q_rot, rows, mask, cfg)
+    return attend_rows(w, q_nope, q_rot, rows, None, cfg)
+
+
+def attend_rows(w, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
+                cfg) -> torch.Tensor:
+    """Expanded attention of ``T`` queries over latent rows ``[n, W]`` -> ``[T, H*v]`` (before o_proj): kv_b expands
+    every row to per-head ``k_nope`` and ``v``; ``mask [T, n]`` (True = attend), or None for causal with query j at
+    row j. Static shapes (the graph-capturable chunk, ``ShardedMoeLM.forward_chunk_static``, passes the sequence's
+    whole padded page row, masked by position)."""
+    T, H, nope = q_nope.shape
+    L = cfg.kv_lora_rank
     n = rows.shape[0]
     kv = (rows[:, :L] @ w["kv_b"].T).view(n, H, nope + cfg.v_head_dim)
     k = torch.cat((kv[..., :nope], rows[:, None, L:].expand(n, H, cfg.qk_rope_head_dim)), -1).transpose(0, 1)
     q = torch.cat((q_nope, q_rot), -1).transpose(0, 1)
     v = kv[..., nope:].transpose(0, 1)
-    if c:
-        mask = torch.arange(n, device=q.device)[None, :] <= (c + torch.arange(T, device=q.device))[:, None]
+    if mask is not None:
         o = F_.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.softmax_scale)
     else:
         o = F_.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)   # [H, T, v]

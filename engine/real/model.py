@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F_
 
-from rackbed.engine.core.graph_shapes import DECODE_BATCH_BUCKETS, PAGE_ROUND, PREFILL_TOKEN_BUCKETS, prefill_key
+from rackbed.engine.core.graph_shapes import (
+    DECODE_BATCH_BUCKETS,
+    PAGE_ROUND,
+    PREFILL_TOKEN_BUCKETS,
+    prefill_key,
+    prefill_reach,
+    prefill_warm_order,
+)
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.config import TorchModelConfig
 from rackbed.engine.real.profiling import scope, scoped
@@ -896,14 +903,18 @@ class PrefillGraphRunner:
     their outputs are dropped, so only the bucket's extra compute is paid. Page rows are padded with the sequence's
     first page (masked by position). A batch of several prompts replays one graph per prompt. Capture failures
     fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does.
+
+    Every family's model has ``forward_chunk_static`` (Qwen3-MoE here; DeepSeek-V3 / Kimi-K2 / GLM-4.5 / gpt-oss in
+    ``families``), except Gated DeltaNet models (Qwen3.5), which refuse it: the worker gives them no runner.
+    ``scratch``: a scratch page to share (the decode runner's: the two never run at once), else one of its own.
     """
 
     TOKEN_BUCKETS = PREFILL_TOKEN_BUCKETS
     PAGE_ROUND = PAGE_ROUND
 
-    def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache, pool=None) -> None:
+    def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache, pool=None, scratch: int | None = None) -> None:
         self.model, self.cache = model, cache
-        self.scratch = cache.alloc(1)[0]
+        self.scratch = cache.alloc(1)[0] if scratch is None else scratch
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.mode = "graph"
         self.why = ""
@@ -916,28 +927,28 @@ class PrefillGraphRunner:
         """The (token bucket, page bucket) of a chunk of ``n`` tokens after ``start``; None past the buckets."""
         return prefill_key(start, n, page_tokens)
 
+    #: keys captured at warm-up at most (``RACKBED_PREFILL_GRAPH_KEYS``); the warm-up's time budget and memory
+    #: reserve may stop it sooner
+    MAX_WARM_KEYS = int(os.environ.get("RACKBED_PREFILL_GRAPH_KEYS", "1024"))
+
     @classmethod
-    def warm_keys(cls, lo: int, hi: int, chunk: int, page_tokens: int) -> list[tuple[int, int]]:
-        """Keys a run whose prompts are ``lo..hi`` tokens long can meet: whole prompts (``chunk`` 0), or chunks of
-        at most ``chunk`` tokens at any start below ``hi``; largest first (the shared pool is sized once)."""
-        keys = set()
-        if chunk:
-            top = min(chunk, hi)
-            for n in sorted({min(b, top) for b in cls.TOKEN_BUCKETS if b <= top} | {top}):
-                for start in range(0, hi, page_tokens * cls.PAGE_ROUND):
-                    if start + n <= hi + page_tokens * cls.PAGE_ROUND:
-                        k = cls.key(start, n, page_tokens)
-                        if k:
-                            keys.add(k)
-        else:
-            for n in range(max(lo, 1), hi + 1, 16):
-                k = cls.key(0, n, page_tokens)
-                if k:
-                    keys.add(k)
-            k = cls.key(0, hi, page_tokens)
-            if k:
-                keys.add(k)
-        return sorted(keys, key=lambda k: (k[0] * k[1], k), reverse=True)
+    def warm_plan(cls, lo: int, hi: int, chunk: int, page_tokens: int, *, block_tokens: int = 0,
+                  max_cached: int | None = None, limit: int | None = None) -> tuple[list[tuple[int, int]], int]:
+        """``(keys to capture, keys reachable)`` of a run whose prompts are ``lo..hi`` tokens long: whole prompts
+        (``chunk`` 0), or chunks of at most ``chunk`` tokens at any start; with a prefix cache of
+        ``block_tokens``-token blocks (at most ``max_cached`` tokens), also the suffix after every block-aligned
+        cached prefix (``engine.core.graph_shapes.prefill_reach``). At most ``limit`` keys (None:
+        :attr:`MAX_WARM_KEYS`), in capture order (``prefill_warm_order``: the largest first, then those of chunks
+        starting at token 0, then by how many chunks reach them); a caller compares the two counts to say how many
+        keys were left to capture on first use."""
+        reach, zero = prefill_reach(lo, hi, page_tokens, chunk=chunk, block_tokens=block_tokens,
+                                    max_cached=max_cached)
+        return prefill_warm_order(reach, zero, cls.MAX_WARM_KEYS if limit is None else limit), len(reach)
+
+    @classmethod
+    def warm_keys(cls, lo: int, hi: int, chunk: int, page_tokens: int, **kw) -> list[tuple[int, int]]:
+        """The keys of :meth:`warm_plan`."""
+        return cls.warm_plan(lo, hi, chunk, page_tokens, **kw)[0]
 
     @torch.inference_mode()
     def warm(self, keys, *, reserve_bytes: int = 8 << 30, budget_s: float = 90.0) -> dict:

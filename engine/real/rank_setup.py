@@ -131,7 +131,7 @@ def ring_seqs(n_pages: int, page_tokens: int, min_tokens: int) -> int:
     """Sliding-window rings a rank of ``n_pages`` pages needs: one per sequence it can hold at once. Every sequence
     holds at least ``ceil(min_tokens / page_tokens)`` of the pages (a prefiller's shortest prompt; on a decoder the
     shortest prompt plus its first token), so no more than ``n_pages`` over that many sequences fit; plus one for
-    the decode graph runner's scratch sequence and one for the warm-up's. With these the rings never run out
+    the graph runners' scratch sequence (a rank's decode and prefill runners share one) and one for the warm-up's. With these the rings never run out
     before the pages do: the pages stay the only capacity the scheduler plans with. The rings cost no more than
     whole pages of the sliding layers did while the shortest prompt is at least a ring long (``ring_pages`` pages);
     a run with much shorter prompts sizes more rings than that."""

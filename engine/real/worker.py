@@ -92,8 +92,9 @@ class RankSpec:
     graph_max_batch: int = 0
     graph_pages: tuple[int, int] = (0, 0)
     # prefilling ranks of one GPU (a TP1 prefiller, an aggregated worker): prefill CUDA graphs captured at warm-up
-    # for prompts of ``prefill_lens`` = (lo, hi) tokens, in chunks of at most ``chunk_tokens`` (0: whole prompts);
-    # (0, 0) = capture on first use only
+    # for prompts of ``prefill_lens`` = (lo, hi) tokens, in chunks of at most ``chunk_tokens`` (0: whole prompts),
+    # and with a prefix cache the suffixes after its cached prefixes (``prefill_warm_plan``); (0, 0) = capture on
+    # first use only
     prefill_lens: tuple[int, int] = (0, 0)
     chunk_tokens: int = 0
     kv_peers: tuple[tuple[int, int], ...] = ()   # (prefill rank, decode rank) pairs connected at start-up
@@ -227,6 +228,19 @@ def rank_main(spec: RankSpec, cmd_q, res_q) -> None:
                 pass
 
 
+def prefill_warm_plan(spec: RankSpec) -> tuple[list[tuple[int, int]], int]:
+    """``(keys, reachable)`` of the prefill graphs a prefilling rank captures at warm-up
+    (``PrefillGraphRunner.warm_plan``): its prompts' length range, chunks when it chunks, and, when it keeps a prefix
+    cache, the suffix after every block-aligned prefix the cache can hold (a hit starts there)."""
+    from rackbed.engine.real.model import PrefillGraphRunner
+
+    prefix = {}
+    if spec.prefix_blocks > 0 and spec.role in ("prefill", "aggregated"):
+        prefix = {"block_tokens": spec.prefix_block_tokens,
+                  "max_cached": spec.prefix_blocks * spec.prefix_block_tokens}
+    return PrefillGraphRunner.warm_plan(*spec.prefill_lens, spec.chunk_tokens, spec.page_tokens, **prefix)
+
+
 COMPUTE_OPS = frozenset({"prefill", "decode", "mixed", "drop", "profile"})
 TRANSFER_OPS = frozenset({"kv_send", "kv_recv"})
 
@@ -289,12 +303,15 @@ class Rank:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
+        # prefill graphs for every family but Gated DeltaNet (Qwen3.5), whose recurrence prefills eagerly
+        # (``ShardedMoeLM.forward_chunk_static``); the decode runner's scratch page (and ring) serves both runners
         if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1 \
-                and hasattr(self.model, "forward_chunk_static") and spec.cfg.family == "qwen3_moe":
+                and not self.linear:
             from rackbed.engine.real.model import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(self.model, self.cache,
-                                                     pool=self.graphs.pool if self.graphs else None)
+                                                     pool=self.graphs.pool if self.graphs else None,
+                                                     scratch=self.graphs.scratch if self.graphs else None)
         self._warm_up()
         self._connect_kv_peers()
 
@@ -323,15 +340,17 @@ class Rank:
                                                budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
             print(f"rank {self.spec.rank}: decode graphs at warm-up: {self.graph_info}", flush=True)
         if self.prefill_graphs is not None and self.spec.prefill_lens[1] > 0:
-            from rackbed.engine.real.model import PrefillGraphRunner
-
-            keys = PrefillGraphRunner.warm_keys(*self.spec.prefill_lens, self.spec.chunk_tokens,
-                                                self.spec.page_tokens)
+            sp = self.spec
+            keys, reachable = prefill_warm_plan(sp)
             if self.graphs is not None and self.graphs.pool is not None:
                 self.prefill_graphs.pool = self.graphs.pool
             self.graph_info["prefill"] = self.prefill_graphs.warm(
                 keys, reserve_bytes=int(float(os.environ.get("RACKBED_GRAPH_RESERVE_GB", "8")) * (1 << 30)),
                 budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
+            self.graph_info["prefill"]["reachable"] = reachable
+            if reachable > len(keys):
+                print(f"rank {sp.rank}: {reachable} prefill graph keys reachable, warming {len(keys)} "
+                      f"(RACKBED_PREFILL_GRAPH_KEYS; the rest are captured on first use)", flush=True)
             print(f"rank {self.spec.rank}: prefill graphs at warm-up: {self.graph_info['prefill']}", flush=True)
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
@@ -419,8 +438,8 @@ class Rank:
         out = {}
         for kind, r in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
             if r is None:
-                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, family, "
-                                                       "or RACKBED_NO_GRAPHS=1)"}
+                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, Gated "
+                                                       "DeltaNet layers, or RACKBED_NO_GRAPHS=1)"}
             else:
                 out[kind] = {"mode": r.mode, "why": r.why, "captured": len(r.graphs),
                              "captured_late": r.n_captured_late, "eager_chunks": getattr(r, "n_eager", 0)}
