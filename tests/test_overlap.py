@@ -259,3 +259,65 @@ def test_sweep_key_unchanged_by_default():
                "decode": {k: v for k, v in d["decode"].items() if k != "overlap"}}
     assert point_key(d) == point_key(without)
     assert point_key(scenario_dict(_scenario(decode={"overlap": "two_batch"}))) != point_key(d)
+
+
+# ------------------------------------------------------------------------------------------------ search
+
+
+def test_search_tries_decode_overlap():
+    """``space.decode_overlap`` is a knob: one decode option per mode, each priced by the overlapped step, and a
+    candidate's scenario overrides carry ``decode.overlap`` only when it is not ``none``."""
+    from rackbed import topology
+    from rackbed.sim import search as se
+
+    spec = se.parse_search({
+        "name": "t", "model": "deepseek-v3",
+        "workload": {"kind": "synthetic", "arrival": {"kind": "constant", "rate_per_s": 10},
+                     "prompt": {"kind": "fixed", "tokens": 2000}, "output": {"kind": "fixed", "tokens": 100},
+                     "duration_s": 10},
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+        "space": {"topology": ["gb200-nvl72"], "weight_format": ["fp8_block"], "prefill_tp": [8],
+                  "decode_ep": [32], "max_batch_per_rank": [64], "draft_k": [0],
+                  "decode_overlap": ["none", "shared_expert", "two_batch"]}}, "t.yaml")
+    topos = {"gb200-nvl72": topology.load("gb200-nvl72")}
+    load = se.workload_load(spec.workload)
+    opts = {o.overlap: o for o in se.decode_options(spec, load, DSV3, topos)}
+    assert set(opts) == {"none", "shared_expert", "two_batch"} and all(o.pruned is None for o in opts.values())
+    assert opts["shared_expert"].tpot_at_cap_s < opts["none"].tpot_at_cap_s
+    assert opts["two_batch"].breakdown_at_cap.hidden.get("moe_dispatch", 0.0) > 0
+    assert se._decode_tp_override(1, 0, "none") == {}
+    assert se._decode_tp_override(1, 0, "two_batch") == {"decode.overlap": "two_batch"}
+    with pytest.raises(UserError, match=r"space\.decode_overlap"):
+        se.parse_search({**spec.model_dump(mode="json"), "space": {"decode_overlap": ["tbo"]}}, "t.yaml")
+
+
+def test_search_cli_overlap_flag(capsys):
+    from rackbed.engine.cli.main import main
+
+    assert main(["search", "--rate", "4", "--decode-overlap", "tbo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--decode-overlap tbo: one of none, shared_expert, two_batch") and "\n" not in err
+
+
+# ------------------------------------------------------------------------------------------------ emit
+
+
+@pytest.mark.parametrize("mode,flag", [("two_batch", "--enable-two-batch-overlap"),
+                                       ("shared_expert", "--enable-single-batch-overlap")])
+def test_emit_sets_the_overlap_switch(mode, flag):
+    """The decoders (DeepEP groups) get SGLang's switch for the priced overlap; TensorRT-LLM's files and a TP=EP
+    prefiller priced with two-batch overlap get a ``# no equivalent:`` line instead; ``none`` adds nothing."""
+    from rackbed.sim.emit import emit_files
+
+    sc = _scenario(prefill={"overlap": "two_batch"}, decode={"overlap": mode})
+    files = emit_files(sc, "sglang")["launch.sh"]
+    servers = [ln for ln in files.splitlines() if "sglang.launch_server" in ln]
+    decode = [ln for ln in servers if "--disaggregation-mode decode" in ln]
+    prefill = [ln for ln in servers if "--disaggregation-mode prefill" in ln]
+    assert decode and all(flag in ln for ln in decode)
+    assert prefill and not any("batch-overlap" in ln for ln in prefill)
+    assert "# no equivalent: prefill.overlap two_batch: SGLang overlaps only an all-to-all" in files
+    trt = emit_files(sc, "trtllm")["gen.yaml"]
+    assert f"decode.overlap {mode}: the LLM API options here set no" in trt
+    plain = emit_files(_scenario(), "sglang")["launch.sh"]
+    assert "batch-overlap" not in plain and ".overlap" not in plain
