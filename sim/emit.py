@@ -283,8 +283,8 @@ def _overlap_notes(engine: str, pl: Plan) -> list[str]:
                        "rackbed's overlapped one")
         elif not sglang_overlap(pl, groups[0]):
             out.append(f"{role}.overlap {mode}: SGLang overlaps only an all-to-all MoE exchange and these "
-                       f"groups have none (--moe-a2a-backend none); they run without it, so the {role} step can "
-                       "be longer than rackbed's overlapped one")
+                       f"groups have none (--moe-a2a-backend none); they run without it, so the {role} step "
+                       "can be longer than rackbed's overlapped one")
     return out
 
 

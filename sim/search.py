@@ -2,8 +2,8 @@
 
 For a model, candidate hardware, a workload and SLOs, the search
 
-1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget, overlap)
-   x decode (DP-EP degree, per-rank batch cap, MTP draft length, overlap: ``space.prefill_overlap`` /
+1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget,
+   overlap) x decode (DP-EP degree, per-rank batch cap, MTP draft length, overlap: ``space.prefill_overlap`` /
    ``space.decode_overlap``, ``sim.costs.overlap``), with replica counts derived from the load (or given);
 2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model,
    recording why. Steps are priced by the very cost model the simulation of that candidate uses
@@ -246,8 +246,8 @@ class DecodeOption:
 
 
 def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "none") -> dict:
-    """``decode.tp``, ``decode.redundant_experts`` and ``decode.overlap`` for a scenario override, each left out
-    at its default (1, 0, none) so that such scenarios stay as they were."""
+    """``decode.tp``, ``decode.redundant_experts`` and ``decode.overlap`` for a scenario override, each left
+    out at its default (1, 0, none) so that such scenarios stay as they were."""
     return ({"decode.tp": tp} if tp != 1 else {}) | (
         {"decode.redundant_experts": redundant_experts} if redundant_experts else {}) | (
         {"decode.overlap": overlap} if overlap != "none" else {})
@@ -280,8 +280,8 @@ class Candidate:
         p, d = self.prefill, self.decode
         return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep}{_OVERLAP_LABEL[p.overlap]} "
                 f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep}"
-                f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} k={d.draft_k}"
-                f"{_OVERLAP_LABEL[d.overlap]}")
+                f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} "
+                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}")
 
 
 def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
@@ -457,8 +457,8 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
                 for cap in sp.max_batch_per_rank:
                     for k, dov in itertools.product(sp.draft_k, sp.decode_overlap):
                         red = min_redundant_experts(model.n_experts, ep)
-                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp, redundant_experts=red,
-                                         overlap=dov)
+                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp,
+                                         redundant_experts=red, overlap=dov)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,

@@ -265,8 +265,8 @@ def test_sweep_key_unchanged_by_default():
 
 
 def test_search_tries_decode_overlap():
-    """``space.decode_overlap`` is a knob: one decode option per mode, each priced by the overlapped step, and a
-    candidate's scenario overrides carry ``decode.overlap`` only when it is not ``none``."""
+    """``space.decode_overlap`` is a knob: one decode option per mode, each priced by the overlapped step, and
+    a candidate's scenario overrides carry ``decode.overlap`` only when it is not ``none``."""
     from rackbed import topology
     from rackbed.sim import search as se
 
@@ -282,7 +282,8 @@ def test_search_tries_decode_overlap():
     topos = {"gb200-nvl72": topology.load("gb200-nvl72")}
     load = se.workload_load(spec.workload)
     opts = {o.overlap: o for o in se.decode_options(spec, load, DSV3, topos)}
-    assert set(opts) == {"none", "shared_expert", "two_batch"} and all(o.pruned is None for o in opts.values())
+    assert set(opts) == {"none", "shared_expert", "two_batch"}
+    assert all(o.pruned is None for o in opts.values())
     assert opts["shared_expert"].tpot_at_cap_s < opts["none"].tpot_at_cap_s
     assert opts["two_batch"].breakdown_at_cap.hidden.get("moe_dispatch", 0.0) > 0
     assert se._decode_tp_override(1, 0, "none") == {}
@@ -305,8 +306,9 @@ def test_search_cli_overlap_flag(capsys):
 @pytest.mark.parametrize("mode,flag", [("two_batch", "--enable-two-batch-overlap"),
                                        ("shared_expert", "--enable-single-batch-overlap")])
 def test_emit_sets_the_overlap_switch(mode, flag):
-    """The decoders (DeepEP groups) get SGLang's switch for the priced overlap; TensorRT-LLM's files and a TP=EP
-    prefiller priced with two-batch overlap get a ``# no equivalent:`` line instead; ``none`` adds nothing."""
+    """The decoders (DeepEP groups) get SGLang's switch for the priced overlap; TensorRT-LLM's files and a
+    TP=EP prefiller priced with two-batch overlap get a ``# no equivalent:`` line instead; ``none`` adds
+    nothing."""
     from rackbed.sim.emit import emit_files
 
     sc = _scenario(prefill={"overlap": "two_batch"}, decode={"overlap": mode})

@@ -152,7 +152,8 @@ DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_for
 # The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
 _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
              "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
-             "mtp_layers", "decode_overlap", "max_simulations", "emit", "emit_out", "out", "force", "jobs", "no_report"}
+             "mtp_layers", "decode_overlap", "max_simulations", "emit", "emit_out", "out", "force", "jobs",
+             "no_report"}
 USED = {
     "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
     "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address"},
@@ -335,7 +336,7 @@ def identity(spec, mode: str, **budget) -> dict:
     import json
 
     body = spec.model_dump(mode="json", exclude=set(ASIDE))
-    for knob in ("prefill_overlap", "decode_overlap"):  # added knobs: a search that leaves them keeps its identity
+    for knob in ("prefill_overlap", "decode_overlap"):  # left at none, a search keeps its identity
         if body["space"].get(knob) == ["none"]:
             del body["space"][knob]
     return json.loads(json.dumps({"mode": mode, "spec": body, **budget}))
