@@ -323,3 +323,14 @@ def test_emit_sets_the_overlap_switch(mode, flag):
     assert f"decode.overlap {mode}: the LLM API options here set no" in trt
     plain = emit_files(_scenario(), "sglang")["launch.sh"]
     assert "batch-overlap" not in plain and ".overlap" not in plain
+
+
+def test_where_time_goes_names_the_hidden_seconds(nvl72):
+    from rackbed.sim.search_results import _bd_dict, where_time_goes
+
+    batch, ctx = [64] * 32, [64 * 2000.0] * 32
+    tb = _bd_dict(decode_step_breakdown(DSV3, _dplan(32, "two_batch"), nvl72, batch, ctx), "x")
+    none = _bd_dict(decode_step_breakdown(DSV3, _dplan(32, "none"), nvl72, batch, ctx), "x")
+    assert "hidden" not in none and "hidden by overlap" not in where_time_goes(none)
+    hid = sum(tb["hidden"].values())
+    assert where_time_goes(tb).endswith(f"; {hid * 1e3:.2f} ms hidden by overlap")
