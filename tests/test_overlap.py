@@ -334,3 +334,12 @@ def test_where_time_goes_names_the_hidden_seconds(nvl72):
     assert "hidden" not in none and "hidden by overlap" not in where_time_goes(none)
     hid = sum(tb["hidden"].values())
     assert where_time_goes(tb).endswith(f"; {hid * 1e3:.2f} ms hidden by overlap")
+
+
+def test_real_mode_refuses_overlap():
+    from rackbed.engine.real.rank_setup import real_model_config
+    from rackbed.sim.scenario import build
+
+    with pytest.raises(UserError, match=r"^decode\.overlap: real mode runs its steps without .* \(set "
+                                        r"decode\.overlap: none\)$"):
+        real_model_config(build(_scenario(decode={"overlap": "two_batch"})))
