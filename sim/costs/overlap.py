@@ -275,9 +275,10 @@ def _layer_order(model) -> list[tuple[str, str]]:
     _, _, n_moe, n_dense = layer_counts(model)
     mixers = [c.prefix for c, n in mixer_counts(model) for _ in range(n)]
     ffn = ["dense"] * n_dense + ["moe"] * n_moe
-    n = min(len(mixers), len(ffn)) if ffn else len(mixers)
-    ffn = ffn or ["none"] * n
-    return list(zip(mixers[:n], ffn[:n]))
+    if len(mixers) != len(ffn):
+        raise AssertionError(f"{model.name}: {len(mixers)} token-mixer layers but {len(ffn)} MoE + dense "
+                             "layers")
+    return list(zip(mixers, ffn))
 
 
 def _chain(kind: tuple[str, str], names: Mapping[str, tuple[str, int]], mode: str) -> list[str]:
