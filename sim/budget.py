@@ -332,7 +332,7 @@ def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.Decod
 
     sc = se._scenario(base, {"topology": d.topology, "weight_format": d.weight_format, "decode.ep": d.ep,
                              "decode.max_batch_per_rank": d.max_batch_per_rank, "mtp.draft_k": d.draft_k,
-                             **se._decode_tp_override(1, d.redundant_experts)})
+                             **se._decode_tp_override(1, d.redundant_experts, d.overlap)})
     plan = decode_plan_for(sc, model, se._plan_gpus(topo, d.ep, "decode"))
     cm = cost_model_for(sc, model, topo, None, plan)[0]
     e = expected_tokens_per_step(d.draft_k, sc.mtp.accept_p)
@@ -400,7 +400,8 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                       "prefill.tp": p.tp, "prefill.ep": p.ep, "prefill.max_batch_tokens": p.max_batch_tokens,
                       "prefill.replicas": n_p, "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank,
                       "decode.replicas": n_d, "mtp.draft_k": d.draft_k,
-                      **se._decode_tp_override(1, d.redundant_experts)}
+                      **se._decode_tp_override(1, d.redundant_experts, d.overlap),
+                      **se._prefill_overlap_override(p.overlap)}
                 c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill + {n_d} x DP-EP{d.ep} "
                                     f"decode, batch <= {d.max_batch_per_rank}, MTP k={d.draft_k}", ov, n,
                                     rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,

@@ -10,7 +10,9 @@ files a user starts from; :func:`write_emit` writes them. Engines (:data:`ENGINE
   (``--disaggregation-mode prefill|decode``, ``--disaggregation-transfer-backend``, ``--tp-size``,
   ``--attn-dp-size``, ``--ep-size`` + ``--moe-a2a-backend`` (the priced exchange: :func:`sglang_moe_a2a`),
   ``--max-running-requests``, ``--chunked-prefill-size``, ``--page-size``, ``--kv-cache-dtype``, speculative
-  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts; ``--nnodes`` /
+  flags, ``--ep-num-redundant-experts`` + ``--enable-eplb`` for a decoder with redundant experts,
+  ``--enable-two-batch-overlap`` / ``--enable-single-batch-overlap`` for a role priced with that overlap
+  (``decode.overlap`` / ``prefill.overlap``; DeepEP groups only, :func:`sglang_overlap`); ``--nnodes`` /
   ``--node-rank`` / ``--dist-init-addr`` for a group across hosts) and the PD router.
 * ``trtllm``: ``ctx.yaml`` / ``gen.yaml`` (LLM API options of the context and generation servers; the cache
   transceiver backend; DP-EP decode as attention DP with EP, redundant experts as
@@ -131,6 +133,8 @@ class Plan:
     chunk_tokens: int | None = None     # aggregated: the most prompt tokens of one request in a step
     n_experts: int = 0                  # routed experts of the model
     decode_redundant_experts: int = 0   # decode.redundant_experts: extra expert slots (wide EP)
+    prefill_overlap: str = "none"       # prefill.overlap / decode.overlap (sim.costs.overlap)
+    decode_overlap: str = "none"
 
     @property
     def is_aggregated(self) -> bool:
@@ -170,7 +174,8 @@ def plan_of(sc) -> Plan:
                 tuple(group(g, "prefill", p.tp, p.ep) for g in dep.prefillers),
                 tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
                 p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers),
-                kind, dmodel, n_experts=b.model.n_experts, decode_redundant_experts=d.redundant_experts)
+                kind, dmodel, n_experts=b.model.n_experts, decode_redundant_experts=d.redundant_experts,
+                prefill_overlap=p.overlap, decode_overlap=d.overlap)
 
 
 def model_path_of(sc, model) -> str:
@@ -270,7 +275,26 @@ def unmapped(sc, engine: str, pl: Plan) -> list[str]:
                      "so runs other GEMMs and memory than rackbed priced")
     if sc.autoscaler is not None and sc.autoscaler.enabled:
         notes.append("autoscaler: not emitted; the files launch the starting group counts")
+    notes += _overlap_notes(engine, pl)
     return notes
+
+
+def _overlap_notes(engine: str, pl: Plan) -> list[str]:
+    """What of the priced compute / communication overlap an engine's files cannot switch on."""
+    out = []
+    for role, groups in (("prefill", pl.prefill), ("decode", pl.decode)):
+        mode = pl.prefill_overlap if role == "prefill" else pl.decode_overlap
+        if mode == "none" or not groups:
+            continue
+        if engine == "trtllm":
+            out.append(f"{role}.overlap {mode}: the LLM API options here set no {mode.replace('_', '-')} "
+                       f"overlap; the servers run their own schedule, so the {role} step can be longer than "
+                       "rackbed's overlapped one")
+        elif not sglang_overlap(pl, groups[0]):
+            out.append(f"{role}.overlap {mode}: SGLang overlaps only an all-to-all MoE exchange and these "
+                       f"groups have none (--moe-a2a-backend none); they run without it, so the {role} step "
+                       "can be longer than rackbed's overlapped one")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ SGLang
@@ -291,6 +315,7 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
     if g.role == "decode" and pl.decode_redundant_experts:
         # wide EP: the redundant expert slots (EPLB places and rebalances them)
         a += ["--ep-num-redundant-experts", str(pl.decode_redundant_experts), "--enable-eplb"]
+    a += sglang_overlap(pl, g)
     a += ["--page-size", str(pl.page_tokens),
           "--kv-cache-dtype", "fp8_e4m3" if pl.kv_dtype == "fp8" else "auto"]
     quant = SGLANG_QUANT.get(pl.weight_format)
@@ -322,6 +347,24 @@ def sglang_moe_a2a(g: Group) -> list[str]:
     if g.dp > 1:
         return ["--moe-a2a-backend", "deepep", "--deepep-mode", "low_latency" if g.role == "decode" else "auto"]
     return ["--moe-a2a-backend", "none"]
+
+
+#: SGLang's switch for each overlap mode rackbed prices (``sim.costs.overlap``)
+SGLANG_OVERLAP = {"two_batch": "--enable-two-batch-overlap", "shared_expert": "--enable-single-batch-overlap"}
+
+
+def _overlap_of(pl: Plan, g: Group) -> str:
+    return {"prefill": pl.prefill_overlap, "decode": pl.decode_overlap}.get(g.role, "none")
+
+
+def sglang_overlap(pl: Plan, g: Group) -> list[str]:
+    """The overlap a group's role was priced with, as SGLang's switch: two-batch or single-batch overlap. Both
+    overlap the all-to-all, so SGLang takes them only with an all-to-all MoE backend (DeepEP: DP-attention
+    groups); a group without one (a TP=EP prefiller) gets nothing and :func:`unmapped` says so."""
+    mode = _overlap_of(pl, g)
+    if mode == "none" or g.dp <= 1 or g.ep <= 1:
+        return []
+    return [SGLANG_OVERLAP[mode]]
 
 
 def sglang_speculative_algorithm(pl: Plan) -> str:

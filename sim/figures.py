@@ -19,7 +19,8 @@ Figure types (the ``figure`` field):
 ``decode_ep_trade`` EP_a -> EP_b decode: dispatch/combine added vs grouped GEMM removed per MoE layer, and the
                     whole decode step (draft + verify) per configuration.
 ``decode_step``     where a decode step's time goes for a serving scenario's decoders at several DP-EP degrees
-                    (redundant experts where the EP needs them): attention, MoE GEMM, dispatch/combine,
+                    (redundant experts where the EP needs them; compute / communication overlap where a config
+                    sets one, with the seconds it hid): attention, MoE GEMM, dispatch/combine,
                     all-reduce, other, and tokens/s per GPU and per user — priced by the scenario's own cost model
                     (its stack's calibration, as ``rackbed run`` prices it), at a fixed batch per rank and context.
 ==================  ===============================================================================================
@@ -34,7 +35,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from rackbed.sim.scenario import EplbSection, ExpertLoadSection
 from rackbed.topology.errors import UserError, from_validation
@@ -131,8 +140,9 @@ class DecodeEpTradeFigure(_Base):
 
 class DecodeConfig(_F):
     """One decoder shape of a ``decode_step`` figure: ``ep`` GPUs, attention TP ``tp`` inside a DP rank,
-    ``redundant_experts`` (None: the fewest that make ``ep`` divide the expert slots) and the scenario's
-    ``decode.expert_load`` / ``decode.eplb`` sections (None: the scenario's own)."""
+    ``redundant_experts`` (None: the fewest that make ``ep`` divide the expert slots), ``overlap`` (None: the
+    scenario's ``decode.overlap``; :mod:`sim.costs.overlap`) and the scenario's ``decode.expert_load`` /
+    ``decode.eplb`` sections (None: the scenario's own)."""
 
     ep: int = Field(ge=1)
     tp: int = Field(1, ge=1)
@@ -140,6 +150,14 @@ class DecodeConfig(_F):
     expert_load: ExpertLoadSection | None = None
     eplb: EplbSection | None = None
     label: str | None = None
+    overlap: Literal["none", "shared_expert", "two_batch"] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        if self.overlap is None:  # figures that do not set it dump as they did before it existed
+            out.pop("overlap", None)
+        return out
 
 
 class DecodeStepFigure(_Base):
@@ -628,10 +646,12 @@ def decode_step_rows(sc: DecodeStepFigure) -> list[dict]:
     rows = []
     for c in sc.configs:
         red = min_redundant_experts(model.n_experts, c.ep) if c.redundant_experts is None else c.redundant_experts
-        label = c.label or f"EP{c.ep}" + (f" TP{c.tp}" if c.tp > 1 else "") + (f" +{red} redundant" if red else "")
+        label = c.label or (f"EP{c.ep}" + (f" TP{c.tp}" if c.tp > 1 else "")
+                            + (f" +{red} redundant" if red else "") + (f" {c.overlap}" if c.overlap else ""))
         gpus = _domain_gpus(topo, c.ep, f"configs: {label}")
         for b in sc.batch_per_rank:
-            upd = {"ep": c.ep, "tp": c.tp, "redundant_experts": red, "max_batch_per_rank": b}
+            upd = {"ep": c.ep, "tp": c.tp, "redundant_experts": red, "max_batch_per_rank": b,
+                   **({"overlap": c.overlap} if c.overlap else {})}
             upd.update({k: getattr(c, k) for k in ("expert_load", "eplb") if getattr(c, k) is not None})
             d = base.decode.model_copy(update=upd)
             one = base.model_copy(update={"decode": d, "mtp": base.mtp.model_copy(update={"draft_k": k})})
@@ -652,6 +672,9 @@ def decode_step_rows(sc: DecodeStepFigure) -> list[dict]:
             row["tokens_per_s_per_user"] = round(e_tok / step, 1)
             row["kv_tokens_per_rank"] = bud.kv_capacity_tokens
             row["fits_batch"] = bud.kv_capacity_tokens >= b * sc.context_tokens
+            if c.overlap:  # the seconds the overlap hid (sim.costs.overlap), for configs that set one
+                row["overlap"] = c.overlap
+                row["hidden_ms"] = round(sum(bd.hidden.values()) * 1e3, 4)
             rows.append(row)
     return rows
 
@@ -674,6 +697,10 @@ def _fig_decode_step(sc: DecodeStepFigure) -> Result:
     rows = decode_step_rows(sc)
     cols = ["config", "batch_per_rank", "step_ms", *(c for _, c in _CATS), "tokens_per_s_per_gpu",
             "tokens_per_s_per_user", "kv_tokens_per_rank"]
+    if any("hidden_ms" in r for r in rows):
+        cols.insert(cols.index("tokens_per_s_per_gpu"), "hidden_ms")
+        for r in rows:
+            r.setdefault("hidden_ms", 0.0)
     sim = "; ".join(f"{r['config']} at {r['batch_per_rank']}/rank: {r['step_ms']:.2f} ms, "
                     f"{r['tokens_per_s_per_gpu']:.0f} tok/s/GPU" for r in rows)
     summary = {f"{r['config']}@{r['batch_per_rank']}": {"step_ms": r["step_ms"],

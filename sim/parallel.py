@@ -77,7 +77,8 @@ def prefill_plan_for(sc, model, gpus):
     kv_rep = p.kv_replication or _kv_replication(model, p.tp)
     return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, max(p.tp, p.ep) // p.tp), kv_replication=kv_rep,
                         gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
-                        page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens)
+                        page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens,
+                        overlap=p.overlap)
 
 
 def decode_plan_for(sc, model, gpus):
@@ -90,4 +91,4 @@ def decode_plan_for(sc, model, gpus):
     return ParallelPlan(role="decode", tp=d.tp, ep=d.ep, dp=d.ep // d.tp, kv_replication=_kv_replication(model, d.tp),
                         gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
                         page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank,
-                        redundant_experts=d.redundant_experts)
+                        redundant_experts=d.redundant_experts, overlap=d.overlap)

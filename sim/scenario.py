@@ -29,9 +29,13 @@ class _Strict(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Overlap = Literal["none", "shared_expert", "two_batch"]
+
+
 class PrefillSection(_Strict):
     """Prefiller groups: ``max(tp, ep)`` GPUs in one node (TP attention + EP experts on the same GPUs;
-    :mod:`sim.parallel`)."""
+    :mod:`sim.parallel`). ``overlap``: ``none`` or ``two_batch`` (two micro-batches, one's all-reduces under
+    the other's compute: :mod:`sim.costs.overlap`)."""
 
     tp: int = Field(4, ge=1)
     ep: int = Field(4, ge=1)
@@ -40,6 +44,16 @@ class PrefillSection(_Strict):
     kv_streams: int = Field(2, ge=1)
     max_queue_requests: int | None = Field(None, ge=1)
     kv_replication: int | None = Field(None, ge=1)
+    overlap: Overlap = "none"
+
+    @field_validator("overlap")
+    @classmethod
+    def _prefill_overlap(cls, v: str) -> str:
+        if v == "shared_expert":
+            raise ValueError("shared_expert overlap has nothing to run under in a TP=EP prefiller (the "
+                             "shared expert's partial sums ride in the combine all-reduce): use two_batch or "
+                             "none")
+        return v
 
 
 class ExpertLoadSection(_Strict):
@@ -67,7 +81,10 @@ class EplbSection(_Strict):
 
 class DecodeSection(_Strict):
     """Decoder groups: ``ep`` GPUs of one NVLink domain, ``ep / tp`` DP attention ranks of ``tp`` GPUs each.
-    ``expert_load`` / ``eplb``: skewed routing and its balancing (None: uniform routing, static placement)."""
+    ``expert_load`` / ``eplb``: skewed routing and its balancing (None: uniform routing, static placement).
+
+    ``overlap``: ``none``, ``shared_expert`` (the shared expert alongside the dispatch) or ``two_batch`` (two
+    micro-batches, one's all-to-all under the other's compute): :mod:`sim.costs.overlap`."""
 
     ep: int = Field(16, ge=1)
     tp: int = Field(1, ge=1)
@@ -77,6 +94,7 @@ class DecodeSection(_Strict):
     redundant_experts: int = Field(0, ge=0)
     expert_load: ExpertLoadSection | None = None
     eplb: EplbSection | None = None
+    overlap: Overlap = "none"
 
 
 class MtpDraft(_Strict):

@@ -157,7 +157,9 @@ class ScenarioCostModel:
     # then costs two attention evaluations instead of a whole step breakdown. The split is exact — the StepTime is
     # summed term by term in ``StepBreakdown.by_category`` order — and checked against the direct
     # ``decode_step_time`` at a second context for every (group, batch, draft_k); should ``sim.costs.step`` ever
-    # change shape, the check fails and the model falls back to direct evaluation (same numbers, slower).
+    # change shape, the check fails and the model falls back to direct evaluation (same numbers, slower). A
+    # plan with overlap (``sim.costs.overlap``) is evaluated directly: what hides under the attention moves
+    # with it.
 
     def _decode_at(self, group, b: int, ctx_q: int, k: int):
         from rackbed.sim.costs.step import decode_step_time
@@ -165,7 +167,8 @@ class ScenarioCostModel:
         pl = self._plan_for(group)
         n = pl.dp
         dr = self.draft
-        if not self._split_ok or b == 0 or (k and "draft_model" in dr):  # a draft model: direct evaluation
+        # a draft model, or overlap (the step is a critical path, not a sum of terms): direct evaluation
+        if not self._split_ok or b == 0 or (k and "draft_model" in dr) or pl.overlap != "none":
             return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib,
                                     **dr)
         base = self._decode_base.get((group.id, b, k))

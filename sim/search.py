@@ -2,8 +2,9 @@
 
 For a model, candidate hardware, a workload and SLOs, the search
 
-1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget) x decode
-   (DP-EP degree, per-rank batch cap, MTP draft length), with replica counts derived from the load (or given);
+1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget,
+   overlap) x decode (DP-EP degree, per-rank batch cap, MTP draft length, overlap: ``space.prefill_overlap`` /
+   ``space.decode_overlap``, ``sim.costs.overlap``), with replica counts derived from the load (or given);
 2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model,
    recording why. Steps are priced by the very cost model the simulation of that candidate uses
    (``sim.scenario.cost_model_for`` on the candidate's scenario: the same calibration selection, plans and
@@ -88,6 +89,10 @@ class SearchSpace(_Strict):
     # redundant expert slots per decode rank beyond the fewest that make ep divide the slots (wide EP: with
     # skewed routing, ``scenario: {decode: {expert_load: .., eplb: ..}}``, they buy back the busiest rank's load)
     decode_extra_slots_per_rank: tuple[int, ...] = (0,)
+    #: compute / communication overlap tried per role (``sim.costs.overlap``; a TP=EP prefiller has no
+    #: single-batch overlap)
+    prefill_overlap: tuple[Literal["none", "two_batch"], ...] = Field(("none",), min_length=1)
+    decode_overlap: tuple[Literal["none", "shared_expert", "two_batch"], ...] = Field(("none",), min_length=1)
 
     @field_validator("weight_format")
     @classmethod
@@ -214,6 +219,7 @@ class PrefillOption:
     hit_rate: float = 0.0            # assumed prefix-cache hit rate (of prompt tokens); 0 without a cache
     cache_blocks: int = 0            # prefix-cache capacity of one replica, 512-token blocks (all private tiers)
     capacity_at: Callable[[float], float] | None = field(default=None, repr=False)  # capacity at a hit rate
+    overlap: str = "none"            # prefill.overlap (sim.costs.overlap)
 
 
 @dataclass
@@ -235,17 +241,27 @@ class DecodeOption:
     pruned: str | None = None
     tp: int = 1                       # attention TP of a DP rank (ranks = ep / tp)
     redundant_experts: int = 0        # extra expert slots: the fewest that make ep divide them (wide EP)
+    overlap: str = "none"             # decode.overlap (sim.costs.overlap)
 
     @property
     def ranks(self) -> int:
         return max(1, self.ep // self.tp)
 
 
-def _decode_tp_override(tp: int, redundant_experts: int = 0) -> dict:
-    """``decode.tp`` and ``decode.redundant_experts`` for a scenario override, each left out at its default (1, 0)
-    so that such scenarios stay as they were."""
+def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "none") -> dict:
+    """``decode.tp``, ``decode.redundant_experts`` and ``decode.overlap`` for a scenario override, each left
+    out at its default (1, 0, none) so that such scenarios stay as they were."""
     return ({"decode.tp": tp} if tp != 1 else {}) | (
-        {"decode.redundant_experts": redundant_experts} if redundant_experts else {})
+        {"decode.redundant_experts": redundant_experts} if redundant_experts else {}) | (
+        {"decode.overlap": overlap} if overlap != "none" else {})
+
+
+def _prefill_overlap_override(overlap: str) -> dict:
+    """``prefill.overlap`` for a scenario override, left out at its default (none)."""
+    return {"prefill.overlap": overlap} if overlap != "none" else {}
+
+
+_OVERLAP_LABEL = {"none": "", "shared_expert": " sbo", "two_batch": " tbo"}
 
 
 @dataclass
@@ -265,9 +281,10 @@ class Candidate:
     @property
     def label(self) -> str:
         p, d = self.prefill, self.decode
-        return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep} "
+        return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep}{_OVERLAP_LABEL[p.overlap]} "
                 f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep}"
-                f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} k={d.draft_k}")
+                f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} "
+                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}")
 
 
 def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
@@ -325,12 +342,13 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
         for fmt in sp.weight_format:
             for tp in sp.prefill_tp:
                 for ep in (sp.prefill_ep or (tp,)):
-                    for mbt in sp.prefill_max_batch_tokens:
-                        o = PrefillOption(tname, fmt, tp, ep, mbt)
+                    for mbt, pov in itertools.product(sp.prefill_max_batch_tokens, sp.prefill_overlap):
+                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "prefill.tp": tp,
-                                                  "prefill.ep": ep, "prefill.max_batch_tokens": mbt})
+                                                  "prefill.ep": ep, "prefill.max_batch_tokens": mbt,
+                                                  **_prefill_overlap_override(pov)})
                             plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill"))
                             plan.validate(model, topo)
                             cm = cost_model_for(sc, model, topo, plan, None)[0]
@@ -440,14 +458,15 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
         for fmt in sp.weight_format:
             for ep, dtp, extra in itertools.product(sp.decode_ep, sp.decode_tp, sp.decode_extra_slots_per_rank):
                 for cap in sp.max_batch_per_rank:
-                    for k in sp.draft_k:
+                    for k, dov in itertools.product(sp.draft_k, sp.decode_overlap):
                         red = min_redundant_experts(model.n_experts, ep) + (extra * ep if model.n_experts else 0)
-                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp, redundant_experts=red)
+                        o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp,
+                                         redundant_experts=red, overlap=dov)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
                                                   "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
-                                                  **_decode_tp_override(dtp, red)})
+                                                  **_decode_tp_override(dtp, red, dov)})
                             plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
@@ -627,7 +646,8 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     return {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
             "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
             "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
-            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts)}
+            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+            **_prefill_overlap_override(p.overlap)}
 
 
 def base_scenario(spec: SearchSpec) -> dict:
@@ -801,16 +821,17 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     decode_ep: Sequence[int] | None = None, max_batch_per_rank: Sequence[int] | None = None,
                     draft_k: Sequence[int] | None = None, max_simulations: int = 60, top: int = 5,
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
-                    prefix_cache: Mapping | None = None, max_gpus: int | None = None) -> SearchSpec:
+                    prefix_cache: Mapping | None = None, max_gpus: int | None = None,
+                    decode_overlap: Sequence[str] | None = None) -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
     does not run out of requests (each pass on fresh block ids); its lengths replace the fixed ones.
     ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
-    GPUs."""
+    GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only)."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
-                 ("draft_k", draft_k)):
+                 ("draft_k", draft_k), ("decode_overlap", decode_overlap)):
         if v is not None:
             space[k] = tuple(v)
     data = {"name": name, "model": model,

@@ -46,7 +46,7 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
     """Where time goes for a point: its prefill step (a full batch of the mean prompt) and decode step (at the
     simulated mean batch per rank when ``rec`` has metrics, else at the batch cap) as StepBreakdowns in a JSON-able
     dict ``{"prefill": {...}, "decode": {...}}`` with ``at`` (the step evaluated), ``total_s``, ``by_category``
-    (StepTime fields) and ``terms`` (seconds per named term)."""
+    (StepTime fields), ``terms`` (seconds per named term) and, for a step with overlap, ``hidden``."""
     from rackbed.sim.scenario import build, parse_scenario
 
     sc = parse_scenario(dict(scenario))
@@ -85,7 +85,12 @@ def explain(scenario: Mapping, rec: Mapping | None = None) -> dict:
 
 
 def _bd_dict(bd, at: str) -> dict:
-    return {"at": at, "total_s": bd.total_s, "by_category": bd.by_category(), "terms": bd.seconds()}
+    """A breakdown as JSON-able data; ``hidden`` (seconds of each term run under another stream,
+    ``sim.costs.overlap``) only for a step with overlap."""
+    out = {"at": at, "total_s": bd.total_s, "by_category": bd.by_category(), "terms": bd.seconds()}
+    if bd.hidden:
+        out["hidden"] = dict(bd.hidden)
+    return out
 
 
 def where_time_goes(bd: Mapping, n_terms: int = 3) -> str:
@@ -95,7 +100,9 @@ def where_time_goes(bd: Mapping, n_terms: int = 3) -> str:
     terms = sorted(bd["terms"].items(), key=lambda kv: -kv[1])[:n_terms]
     c = ", ".join(f"{k[:-2]} {v / tot:.0%}" for k, v in cats if v > 0)
     t = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in terms)
-    return f"{bd['total_s'] * 1e3:.2f} ms: {c} (top: {t})"
+    hid = sum((bd.get("hidden") or {}).values())
+    more = f"; {hid * 1e3:.2f} ms hidden by overlap" if hid else ""
+    return f"{bd['total_s'] * 1e3:.2f} ms: {c} (top: {t}){more}"
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ _ADDED = {("deployment",): "disaggregated", ("aggregated",): None, ("sim", "poli
           ("prefix_cache",): {"enabled": False, "block_tokens": 512, "hbm_gb_per_gpu": 8.0, "host_gb_per_gpu": None,
                               "host_GBps_per_gpu": None, "storage_gb": 0.0, "storage_GBps_per_gpu": 5.0,
                               "eviction": "lru"},
-          ("decode", "expert_load"): None, ("decode", "eplb"): None}
+          ("decode", "expert_load"): None, ("decode", "eplb"): None,
+          ("prefill", "overlap"): "none", ("decode", "overlap"): "none"}
 DONE_STATUSES = ("ok", "invalid")
 #: default wall-clock limit of one point (seconds): generous, it only ends points that would never end
 POINT_LIMIT_S = 3600.0

@@ -87,8 +87,18 @@ def _draft_model_h200() -> dict:
     return d
 
 
+def _dsv3_overlap() -> dict:
+    """The shipped DeepSeek-V3 EP32 scenario priced with two-batch overlap in both roles (the decoders get
+    SGLang's switch; the TP=EP prefillers cannot, and the files say so)."""
+    d = load_yaml(scenarios.resolve("dsv3_nvl72_ep32"))
+    d.update(name="dsv3-nvl72-ep32-tbo", prefill={**d["prefill"], "overlap": "two_batch"},
+             decode={**d["decode"], "overlap": "two_batch"})
+    return d
+
+
 CASES = {**{n: None for n in _shipped_serving()}, "best-gb200-qwen3": _best_gb200, "best-h200-qwen3": _best_h200,
-         "search-gb200-qwen3": _search_gb200, "draft-model-h200-qwen3": _draft_model_h200}
+         "search-gb200-qwen3": _search_gb200, "draft-model-h200-qwen3": _draft_model_h200,
+         "dsv3-nvl72-ep32-tbo": _dsv3_overlap}
 
 
 @cache

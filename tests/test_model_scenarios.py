@@ -15,7 +15,7 @@ from rackbed.sim.figures import compute_figure, load_figure
 from rackbed.sim.scenario import load_scenario, simulate_scenario
 
 SERVING = ("dsv3_nvl72_ep32", "dsv3_nvl72_ep64", "dsv3_nvl72_ep72", "dsv3_h200_ib", "gptoss_h200_node")
-FIGURES = ("fig_dsv3_decode_ep", "fig_gptoss_decode")
+FIGURES = ("fig_dsv3_decode_ep", "fig_gptoss_decode", "fig_dsv3_decode_overlap")
 BUDGET_S = 30.0  # wall seconds per run on a loaded 2-core machine (each takes a few seconds alone)
 
 
@@ -68,6 +68,17 @@ def test_decode_step_figure(name):
         assert by[72, 64]["moe_gemm_ms"] == pytest.approx(by[64, 64]["moe_gemm_ms"], rel=1e-6)
         assert by[72, 64]["attention_ms"] == pytest.approx(by[8, 64]["attention_ms"], rel=1e-6)
         assert by[72, 64]["redundant_experts"] == 32
+    if name == "fig_dsv3_decode_overlap":
+        by = {(r["overlap"], r["batch_per_rank"]): r for r in res.rows}
+        for b in sc.batch_per_rank:
+            none, sbo, tbo = by["none", b], by["shared_expert", b], by["two_batch", b]
+            # the shared expert hides under the dispatch: the same terms, a shorter step
+            assert sbo["step_ms"] < none["step_ms"] and sbo["hidden_ms"] > 0 and none["hidden_ms"] == 0
+            # two micro-batches hide nearly all of the all-to-all, but stream every weight twice
+            assert tbo["dispatch_combine_ms"] < 0.1 * none["dispatch_combine_ms"]
+            assert tbo["moe_gemm_ms"] > none["moe_gemm_ms"]
+        assert by["two_batch", 16]["step_ms"] > by["none", 16]["step_ms"]
+        assert by["two_batch", 512]["step_ms"] < by["none", 512]["step_ms"]
 
 
 def test_search_enumerates_wide_ep_with_redundant_experts(tmp_path):

@@ -105,6 +105,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max batch per rank (decode / aggregated); default 8,16,32,64,128")
     p.add_argument("--draft-k", type=_ints, default=None,
                    help="MTP draft lengths; default 0,1,2 for a model with MTP layers, else 0")
+    p.add_argument("--decode-overlap", type=_strs, default=None,
+                   help="decode compute / communication overlap modes to try: none, shared_expert, two_batch "
+                        "(sim/costs/overlap.py); default none")
     p.add_argument("--mtp-layers", type=int, default=None,
                    help="draft with N MTP layers of the model's width (mtp.draft: {kind: mtp, layers: N}); needed "
                         "for draft_k > 0 with a model without MTP layers (a trained MTP head, e.g. Qwen3-235B); "
@@ -149,7 +152,8 @@ DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_for
 # The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
 _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
              "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
-             "mtp_layers", "max_simulations", "emit", "emit_out", "out", "force", "jobs", "no_report"}
+             "mtp_layers", "decode_overlap", "max_simulations", "emit", "emit_out", "out", "force", "jobs",
+             "no_report"}
 USED = {
     "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
     "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address"},
@@ -249,6 +253,11 @@ def check_flags(args: argparse.Namespace) -> str:
             bad(flag, ",".join(map(str, v)), "expected comma-separated integers >= 1")
     if args.draft_k is not None and (not args.draft_k or any(x < 0 for x in args.draft_k)):
         bad("--draft-k", ",".join(map(str, args.draft_k)), "expected comma-separated integers >= 0")
+    for m in args.decode_overlap or ():
+        if m not in ("none", "shared_expert", "two_batch"):
+            bad("--decode-overlap", m, "one of none, shared_expert, two_batch")
+    if args.decode_overlap is not None and not args.decode_overlap:
+        bad("--decode-overlap", "''", "give a mode")
     if mode == "budget" and len(args.topology) != 1:
         bad("--topology", ",".join(args.topology), "with --gpus give one topology")
     if mode == "budget" and len(args.weight_format) != 1:
@@ -307,6 +316,7 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               duration_s=args.duration, ttft_s=args.ttft, tpot_s=args.tpot,
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
+                              decode_overlap=args.decode_overlap,
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
                               trace=args.trace, prefix_cache=_prefix_cache(args),
                               max_gpus=args.gpus if args.rate is not None else None)
@@ -325,8 +335,11 @@ def identity(spec, mode: str, **budget) -> dict:
     the budget search's ``gpus``, ``kinds`` and ``fill_tolerance``; JSON-normal (lists, no tuples)."""
     import json
 
-    return json.loads(json.dumps({"mode": mode, "spec": spec.model_dump(mode="json", exclude=set(ASIDE)),
-                                  **budget}))
+    body = spec.model_dump(mode="json", exclude=set(ASIDE))
+    for knob in ("prefill_overlap", "decode_overlap"):  # left at none, a search keeps its identity
+        if body["space"].get(knob) == ["none"]:
+            del body["space"][knob]
+    return json.loads(json.dumps({"mode": mode, "spec": body, **budget}))
 
 
 def _differs(a, b, at: str = "") -> list[str]:

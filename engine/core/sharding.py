@@ -236,6 +236,10 @@ class ParallelPlan(NoBoolNumbers):
     min_kv_tokens:            KV tokens a rank must be able to hold to "fit"; None -> max_batch_tokens.
     redundant_experts:        extra expert slots (copies of hot experts) over the EP group; ``ep`` divides
                               ``n_experts + redundant_experts`` (module docstring).
+    overlap:                  compute / communication overlap of the role's steps: ``none``, ``shared_expert``
+                              (single-batch: the shared expert alongside the dispatch) or ``two_batch`` (two
+                              micro-batches, one's communication under the other's compute); priced by
+                              ``sim.costs.overlap``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -254,6 +258,7 @@ class ParallelPlan(NoBoolNumbers):
     activation_reserve_bytes: int | None = Field(None, ge=0)
     min_kv_tokens: int | None = Field(None, ge=0)
     redundant_experts: int = Field(0, ge=0)
+    overlap: Literal["none", "shared_expert", "two_batch"] = "none"
 
     @field_validator("gpus", mode="before")
     @classmethod

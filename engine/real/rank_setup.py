@@ -228,6 +228,10 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
     if dep.decoder_template.tp > 1 or any(g.template.tp > 1 for g in dep.decoders):
         raise UserError("decode.tp: real mode runs DP-attention decoders only (decode.tp: 1); attention TP in "
                         "decoders is simulated only")
+    for role, plan in (("prefill", built.prefill_plan), ("decode", built.decode_plan)):
+        if getattr(plan, "overlap", "none") != "none":
+            raise UserError(f"{role}.overlap: real mode runs its steps without compute / communication "
+                            f"overlap; {plan.overlap} is simulated only (set {role}.overlap: none)")
     if tiny_cfg is None and weights:
         cfg_path = Path(weights) / "config.json"
         if not cfg_path.exists():

@@ -14,6 +14,11 @@ StepTime field     terms
 ``other_s``        router, norms / residuals, embeddings, lm_head, MTP fc, host overheads
 =================  ==========================================================================================
 
+A step with compute / communication overlap (``sim.costs.overlap``) keeps only the *exposed* seconds in
+``terms`` (they still sum to the step, its critical path), adds the compute slowdown under communication as
+the term ``overlap_sm_contention`` (``other_s``), and lists the seconds of each term that ran hidden under
+another stream in ``hidden`` (empty without overlap).
+
 ``StepTime`` itself belongs to the scheduler (``sim/costs/steptime.py``); :meth:`StepBreakdown.to_steptime` fills
 its category fields (and ``total_s`` too, should it ever become a field rather than a property).
 """
@@ -30,9 +35,11 @@ from rackbed.sim.costs.steptime import StepTime  # the scheduler's frozen datacl
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """Named terms of one step: ``terms[name] = (category, seconds)``, in insertion order."""
+    """Named terms of one step: ``terms[name] = (category, seconds)``, in insertion order; ``hidden[name]``:
+    seconds of that term that ran under another stream, not in ``terms`` (module docstring)."""
 
     terms: dict[str, tuple[str, float]] = field(default_factory=dict)
+    hidden: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:

@@ -173,6 +173,14 @@ CPU_PROXY_US: float = 4.0
 #: warps): the per-message post overhead is paid once per this many peers. assumption.
 NIC_PARALLEL_POSTS: int = 8
 
+#: SMs the communication kernels (all-to-all dispatch / combine, all-reduces) occupy while they run alongside
+#: compute in an overlapped step (``sim.costs.overlap``): compute that runs under communication gets the other
+#: ``sm_count - OVERLAP_COMM_SMS`` SMs and is stretched by ``sm_count / (sm_count - OVERLAP_COMM_SMS)``.
+#: assumption: 20 SMs, the order of the SM budget DeepEP-style exchange kernels are configured with (a share
+#: of 20/132 = 0.15 on H100/H200, 20/152 = 0.13 on GB200); a kernel that waits without holding SMs would cost
+#: less.
+OVERLAP_COMM_SMS: int = 20
+
 # ------------------------------------------------------------------------------------------------ KV transfer
 
 #: Fraction of a NIC's line rate a bulk RDMA write stream reaches. derived: TransferEngine reaches 400 Gb/s

@@ -154,6 +154,12 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
     None = expected counts under uniform routing. ``allreduce_algo``: see ``collective.allreduce_time``."""
     if plan.dp != 1:
         raise UserError(f"prefill cost model needs dp=1 (TP=EP prefillers with a replicated batch), got dp={plan.dp}")
+    if getattr(plan, "overlap", "none") != "none":  # the same terms, scheduled with overlap
+        from rackbed.sim.costs.overlap import overlapped_prefill
+
+        return overlapped_prefill(prefill_step_breakdown, model, plan, topo, seqs,
+                                  tokens_per_expert=tokens_per_expert, allreduce_algo=allreduce_algo,
+                                  calib=calib)
     gpu = _plan_gpu(plan, topo)
     fmt, tp = plan.weight_format, plan.tp
     n_tokens = sum(q for q, _ in seqs)
@@ -314,6 +320,12 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
                         f"{len(rank_batch)} and {len(rank_context_tokens)}")
     if draft_k < 0:
         raise UserError(f"draft_k must be >= 0, got {draft_k}")
+    if getattr(plan, "overlap", "none") != "none":  # the same terms, scheduled with overlap
+        from rackbed.sim.costs.overlap import overlapped_decode
+
+        return overlapped_decode(decode_step_breakdown, model, plan, topo, rank_batch, rank_context_tokens,
+                                 draft_k=draft_k, n_mtp_layers=n_mtp_layers, draft_model=draft_model,
+                                 tokens_per_expert=tokens_per_expert, send_matrix=send_matrix, calib=calib)
     gpu = _plan_gpu(plan, topo)
     fmt = plan.weight_format
     q = draft_k + 1
