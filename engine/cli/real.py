@@ -51,6 +51,11 @@ def _versions() -> dict:
         v["grouped_impl"] = GROUPED_IMPL
         v["cute_dsl"] = cute_unavailable() or "available"
         v["graphs"] = "off (RACKBED_NO_GRAPHS=1)" if os.environ.get("RACKBED_NO_GRAPHS") == "1" else "on"
+        from rackbed.kernels.paged_attention import unavailable
+
+        # decode attention: the Triton kernel reading pages in place, or the torch gather (and why)
+        why = unavailable(torch.device("cuda"))
+        v["paged_attention"] = "triton" if why is None else f"torch ({why})"
     return v
 
 
