@@ -33,11 +33,14 @@ DECODE_MAX_MEAN_ROWS = 2  # mean rows per expert up to which the weight-streamin
 # the measured one; "cute_mma" enters once it is measured (bench_moe's moe_gemm suite prints suggested rules).
 # Measured 2026-11-29 on one H200 (results/h200x2/moe/decode_gemm_v3_sweep.json, CUDA-graph replay, same run as
 # torch._grouped_mm): the tuned tensor-core kernel is 1.32-1.74x torch at every case up to 8 rows per expert.
-# Measured 2026-12-04 on one H200 at DeepSeek-V3 width (D 7168, F 2048, 256 experts; the engine's whole decode step,
-# results/h200/kernels/mla_decode_h200_v2.json): the kernel's tilings (tuned at Qwen3 width) win at 2 rows per expert
-# (9.2 vs 10.2 ms step) and lose at 4-8 (13.6 vs 12.9, 19.6 vs 17.8 ms), so E >= 256 takes torch above 2 rows.
+# At DeepSeek-V3 width (D 7168, F 2048, 256 experts) the Qwen3-width tilings lost to torch above 2 rows per expert
+# (results/h200/kernels/mla_decode_h200_v2.json); with the tilings swept at that width (MMA_TUNED_BY_WIDTH) the
+# kernel streams ~4.0 TB/s at 1-8 mean rows per expert vs torch's 3.0-3.2 (results/h200/kernels/
+# dsv3_decode_gemm_moe_gemm.json). In the engine's whole step (results/h200/kernels/mla_decode_h200_v4.json) that
+# holds up to 4 mean rows (batch 128: 9.45 ms vs 10.42 with torch in mla_decode_h200_v3.json); at 8 (batch 256, 136
+# experts with ~15 rows each) the step took 14.20 ms vs 13.03 with torch, so 256+ experts take torch above 4 rows.
 DECODE_DISPATCH: tuple[tuple[float, int, str], ...] = (
-    (2.0, 256, "cute_mma"), (float("inf"), 256, "torch"), (8.0, 1, "cute_mma"))
+    (4.0, 256, "cute_mma"), (float("inf"), 256, "torch"), (8.0, 1, "cute_mma"))
 IMPLS = ("auto", "cute_gemv", "cute_mma", "wgmma", "torch")
 # impl="auto" at prefill shapes: the wgmma/TMA grouped GEMM (kernels/grouped_gemm_wgmma.py) is taken when the mean
 # rows per expert R/E is >= this bound. None = off until the GPU benchmark shows it faster than torch._grouped_mm
@@ -236,11 +239,28 @@ MMA_TUNED: tuple[tuple[float, int, dict, dict], ...] = (
 )
 
 
-def mma_config(fuse: bool, n_rows: int | None = None, n_experts: int | None = None) -> dict:
-    """The tensor-core kernel's configuration for the gate_up (``fuse``) or down GEMM at R rows over E experts."""
+# Tilings swept at other model widths (hidden size D -> rules as MMA_TUNED), measured 2026-12-04 on one H200 with
+# ``RACKBED_MOE_SHAPE=7168,2048,256 python -m rackbed.kernels.bench.moe --suite moe_gemm``
+# (results/h200/kernels/dsv3_decode_gemm_moe_gemm.json: DeepSeek-V3 / Kimi-K2 width, 16 tokens per tile above 3.9
+# rows per expert).
+_W4D8 = {"rb": 1, "warps": 4, "ctas": 2, "depth": 8, "hint": 1, "tn": 1}
+_DOWN_V2 = {"rb": 2, "warps": 8, "ctas": 2, "depth": 0, "hint": 0, "tn": 1}
+MMA_TUNED_BY_WIDTH: dict[int, tuple[tuple[float, int, dict, dict], ...]] = {
+    7168: (
+        (2.1875, 1, _W4D8, _DOWN_V2),                                                          # w4d8h1c2 + v2
+        (3.875, 1, {"rb": 1, "warps": 8, "ctas": 1, "depth": 8, "hint": 1, "tn": 1}, _DOWN_V2),   # d8h1c1 + v2
+        (4.0, 1, {**_W4D8, "tn": 2}, _DOWN_V2),                                                 # w4d8h1c2tn2 + v2
+        (8.0, 1, {**_W4D8, "tn": 2}, {"rb": 1, "warps": 4, "ctas": 4, "depth": 6, "hint": 1, "tn": 1}),
+    ),
+}
+
+
+def mma_config(fuse: bool, n_rows: int | None = None, n_experts: int | None = None, width: int | None = None) -> dict:
+    """The tensor-core kernel's configuration for the gate_up (``fuse``) or down GEMM at R rows over E experts, for a
+    model of hidden size ``width`` (its own sweep in MMA_TUNED_BY_WIDTH when there is one, else MMA_TUNED)."""
     if n_rows is not None and n_experts:
         mean = n_rows / n_experts
-        for max_mean, min_e, gu, dn in MMA_TUNED:
+        for max_mean, min_e, gu, dn in MMA_TUNED_BY_WIDTH.get(width, MMA_TUNED):
             if mean <= max_mean and n_experts >= min_e:
                 return dict(gu if fuse else dn)
     return dict(MMA_V2["gate_up" if fuse else "down"])
@@ -280,7 +300,7 @@ def mma_unsupported(x, gate_up, down, n_rows: int | None = None) -> str | None:
     E, N, D = gate_up.shape
     R = x.shape[0] if n_rows is None else n_rows
     for n, k, fuse in ((N, D, True), (D, N // 2, False)):
-        c = mma_config(fuse, R, E)
+        c = mma_config(fuse, R, E, D)
         why = mma_tiling_unsupported(E, n, k, fuse, c["rb"], c["warps"], c.get("tn", 1))
         if why:
             return why
@@ -303,7 +323,7 @@ def mma_launch(x, w, offs, out, fuse: bool, n_rows: int, cfg: dict | None = None
     from rackbed.kernels import grouped_gemm_mma as gm
 
     E, N, K = w.shape
-    c = cfg or mma_config(fuse, n_rows, E)
+    c = cfg or mma_config(fuse, n_rows, E, K if fuse else N)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if dev not in _sm_count:
         _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -30,6 +30,15 @@ from rackbed.kernels.bench.suites import register_suite
 D_MODEL, F_EXPERT, N_EXPERTS, TOP_K = 4096, 1536, 128, 8
 
 
+def _shape() -> tuple[int, int, int]:
+    """(D, F, E) of the sweep: Qwen3-235B's, or ``RACKBED_MOE_SHAPE=D,F,E`` (e.g. ``7168,2048,256``: DeepSeek-V3)."""
+    env = os.environ.get("RACKBED_MOE_SHAPE")
+    if not env:
+        return D_MODEL, F_EXPERT, N_EXPERTS
+    D, F, E = (int(v) for v in env.split(","))
+    return D, F, E
+
+
 def _meta() -> dict:
     from rackbed.kernels.bench.allreduce import _meta as ar_meta
 
@@ -74,10 +83,23 @@ def _relerr(out, ref) -> float:
 
 
 def _gemm_cases():
-    """(name, counts list) for 128 experts: m tokens on E_act experts (spread), and routed decode batches."""
+    """(name, counts list) for 128 experts: m tokens on E_act experts (spread), and routed decode batches. Another
+    shape (:func:`_shape`): the experts a decode batch of 32-256 sequences touches with 3-16 rows each, and routed
+    batches of that width."""
     from rackbed.kernels.moe_reference import route
 
     cases = []
+    _, _, E = _shape()
+    if E != N_EXPERTS:
+        for e_act, m in ((96, 3), (112, 5), (124, 8), (136, 15)):
+            c = [0] * E
+            for i in range(e_act):
+                c[(i * E) // e_act] = m
+            cases.append((f"{e_act}x{m}", c))
+        rng = np.random.default_rng(1)
+        for T in (32, 64, 128, 256):
+            cases.append((f"route{T}", route(T, E, TOP_K, rng=rng).tokens_per_expert.tolist()))
+        return cases
     for e_act in (8, 32, 128):
         for m in (1, 2, 4, 8):
             c = [0] * N_EXPERTS
@@ -102,11 +124,13 @@ def _mma_variants() -> dict:
     gu = {"v2": c(1, 8, 2, 0, 0), "h1": c(1, 8, 2, 0, 1), "d4h1": c(1, 8, 2, 4, 1), "d4h2": c(1, 8, 2, 4, 2),
           "d8h1c1": c(1, 8, 1, 8, 1), "d2h1c4": c(1, 8, 4, 2, 1), "d4h1c3": c(1, 8, 3, 4, 1),
           "w4d4h1c4": c(1, 4, 4, 4, 1), "w16d4h1c1": c(1, 16, 1, 4, 1), "rb2d2h1": c(2, 8, 2, 2, 1),
-          "d4h1tn2": c(1, 8, 2, 4, 1, 2), "w4d8h1c2": c(1, 4, 2, 8, 1)}
+          "d4h1tn2": c(1, 8, 2, 4, 1, 2), "w4d8h1c2": c(1, 4, 2, 8, 1),
+          "w4d8h1c2tn2": c(1, 4, 2, 8, 1, 2), "d8h1c1tn2": c(1, 8, 1, 8, 1, 2), "w16d4h1c1tn2": c(1, 16, 1, 4, 1, 2)}
     dn = {"v2": c(2, 8, 2, 0, 0), "h1": c(2, 8, 2, 0, 1), "d3h1": c(2, 8, 2, 3, 1), "d6h1": c(2, 8, 2, 6, 1),
           "d3h2": c(2, 8, 2, 3, 2), "rb1d3h1c4": c(1, 8, 4, 3, 1), "w4d4h1c4": c(2, 4, 4, 4, 1),
           "rb4d2h1": c(4, 8, 2, 2, 1), "d3h1c3": c(2, 8, 3, 3, 1), "rb1w4d6h1c4": c(1, 4, 4, 6, 1),
-          "d3h1tn2": c(2, 8, 2, 3, 1, 2)}
+          "d3h1tn2": c(2, 8, 2, 3, 1, 2), "rb1d3h1c4tn2": c(1, 8, 4, 3, 1, 2), "d6h1tn2": c(2, 8, 2, 6, 1, 2),
+          "rb1w4d6h1c4tn2": c(1, 4, 4, 6, 1, 2)}
     only = os.environ.get("RACKBED_MMA_VARIANTS")  # optional comma list of names to keep (v2 always kept)
     if only:
         keep = set(only.split(",")) | {"v2"}
@@ -221,7 +245,8 @@ def run_gemm(cfg=None) -> dict:
     torch.cuda.set_device(dev)
     res = {"meta": _meta(), "rows": [], "errors": [], "cute_unavailable": gg.cute_unavailable()}
     g = torch.Generator(device=dev).manual_seed(0)
-    D, F, E = D_MODEL, F_EXPERT, N_EXPERTS
+    D, F, E = _shape()
+    res["shape"] = {"D": D, "F": F, "E": E}
     gate_up = (torch.randn(E, 2 * F, D, device=dev, generator=g) * D ** -0.5).to(torch.bfloat16)
     down = (torch.randn(E, D, F, device=dev, generator=g) * F ** -0.5).to(torch.bfloat16)
     # the copy ceiling, measured here (bytes read + written)
@@ -373,8 +398,9 @@ def run_gemm(cfg=None) -> dict:
                                               for m, e, gcfg, dcfg, gn, dn_ in res["suggested_mma_tuned"]) + ")",
           flush=True)
     res["graph_fallbacks"] = list(_GRAPH_FALLBACKS)
-    res["prefill"] = _prefill_baselines(gate_up, dev, g)
-    res["mx"] = _mx_check(dev)
+    if (D, F, E) == (D_MODEL, F_EXPERT, N_EXPERTS):
+        res["prefill"] = _prefill_baselines(gate_up, dev, g)
+        res["mx"] = _mx_check(dev)
     return res
 
 
