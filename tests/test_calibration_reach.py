@@ -36,7 +36,7 @@ def _tables() -> list[Path]:
     return out
 
 
-@lru_cache(maxsize=None)   # every file once: the tables are parsed at collection (parametrize) and again by tests
+@lru_cache(maxsize=None)   # each file once: parsed at collection (parametrize) and again by tests
 def _raw(f: Path) -> dict:
     text = f.read_text()
     return json.loads(text) if f.suffix == ".json" else yaml.load(text, Loader=YAML_LOADER)
