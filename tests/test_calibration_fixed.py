@@ -100,6 +100,7 @@ def _shipped_split() -> tuple[list[str], set[str], set[str]]:
     return [row_id(r) for r in MEAS["rows"]], *split_rows(MEAS["rows"], Holdout())
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0.1, 10.0), min_size=80, max_size=80))
 def test_held_out_rows_never_change_the_fixed_cost(factors):
@@ -161,6 +162,7 @@ def test_every_fit_row_of_a_fixed_cost_kind_is_reproduced():
 
 # ------------------------------------------------------------------------------------------------ old files
 
+@pytest.mark.slow
 def test_a_version_1_file_without_the_field_keeps_the_default(tmp_path):
     old = yaml.load((REPO / "calibration" / "h200.yaml").read_text(), Loader=YAML_LOADER)  # 1.4 MB: libyaml
     old.pop("kernel_fixed_us")
@@ -216,6 +218,7 @@ def _fixed_cost_sites(calib) -> dict[str, tuple[float, int]]:
     }
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(st.floats(0.0, 5.0), st.floats(0.0, 5.0))
 def test_fixed_cost_moves_predictions_by_exactly_the_difference(f_hi, f_lo):

@@ -171,11 +171,13 @@ DRIVERS = {
 }
 
 
+@pytest.mark.slow
 def test_tables_found():
     names = {f.name for f in _tables()}
     assert {"h200.yaml", "h200-trtllm.json", "gb200-trtllm.json", "b200-trtllm.json"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("f", _tables(), ids=lambda f: f.name)
 def test_every_shipped_curve_is_read(f):
     calib = _load(f)

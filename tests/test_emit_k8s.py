@@ -109,6 +109,7 @@ def test_schema_provenance_and_a_bad_object_fails():
         check_item(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_k8s_objects_are_valid_parse_and_hold_the_placement(key):
     sc, _ = _case(key)

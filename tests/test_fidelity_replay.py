@@ -17,6 +17,7 @@ CHECKS = json.loads(RECORD.read_text())["checks"] if RECORD.exists() else []
 SLACK = 0.005
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rec", CHECKS, ids=[Path(c["run"]).name for c in CHECKS])
 def test_recorded_run_error_does_not_grow(rec):
     from rackbed.sim.fidelity import check_run

@@ -19,6 +19,7 @@ FIGURES = ("fig_dsv3_decode_ep", "fig_gptoss_decode")
 BUDGET_S = 30.0  # wall seconds per run on a loaded 2-core machine (each takes a few seconds alone)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SERVING)
 def test_scenario_serves_every_request(name):
     sc = load_scenario(scenarios.resolve(name))

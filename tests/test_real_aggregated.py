@@ -40,6 +40,7 @@ def _run(d, sc):
     return b, reqs, res, run
 
 
+@pytest.mark.slow
 def test_aggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckpt):
     _, hf, d = ckpt
     sc = _scenario(d, deployment="aggregated", aggregated=AGG, workload=LOAD)

@@ -31,6 +31,7 @@ def ckpt(tmp_path_factory):
     return _tiny_checkpoint(tmp_path_factory.mktemp("real_chunk"))
 
 
+@pytest.mark.slow
 def test_chunked_aggregated_tokens_equal_transformers_and_replay_is_identical(ckpt):
     _, hf, d = ckpt
     sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "chunk_tokens": 7}, workload=LOAD)
@@ -56,6 +57,7 @@ def tiny_model(ckpt):
     return cfg, model
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 40), cuts=st.lists(st.integers(1, 39), max_size=3, unique=True))
 def test_static_chunks_equal_eager_prefill(tiny_model, n, cuts):

@@ -42,6 +42,7 @@ def ckpt(tmp_path_factory):
     return _tiny_checkpoint(tmp_path_factory.mktemp("real"))
 
 
+@pytest.mark.slow
 def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckpt):
     _, hf, d = ckpt
     sc = _scenario(d)
@@ -61,6 +62,7 @@ def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(
     assert len(res.log.decisions()) > 50
 
 
+@pytest.mark.slow
 def test_killed_decoder_rank_is_detected_and_no_request_is_lost(ckpt):
     _, _, d = ckpt
     sc = _scenario(d, workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
@@ -125,6 +127,7 @@ def _reply_once(q, rank):
     q.join_thread()
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_replying_does_not_silence_the_others():
     """Each rank replies on a queue of its own: a multiprocessing.Queue's writers share a lock, and a rank killed
     while holding it (the failure drill above stalled for 300 s about one run in ten) must not stop another rank's

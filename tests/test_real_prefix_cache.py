@@ -51,6 +51,7 @@ def _run(d, cache=None, reqs=REQS, follows=FOLLOWS, **kw):
     return sc, b, res, run
 
 
+@pytest.mark.slow
 def test_second_turn_reuses_the_first_turns_kv_and_generates_the_same_tokens(ckpt):
     _, hf, d = ckpt
     sc, b, res, run = _run(d, CACHE)
@@ -136,6 +137,7 @@ def test_rank_prefix_cache_reuses_only_equal_tokens_and_frees_pages_when_unrefer
     assert len(kv.free_pages) == 40 - rc.n_pages()
 
 
+@pytest.mark.slow
 def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
     """One aggregated worker (prefill and decode in one cache): turn 2's prefill maps turn 1's cached pages, its
     decode steps then grow the sequence past them into pages of its own."""
@@ -159,6 +161,7 @@ def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
     assert res.log.decisions() == rep.log.decisions()
 
 
+@pytest.mark.slow
 def test_trace_block_ids_give_the_prompts_their_shared_tokens(ckpt):
     """Trace requests (no conversation links) whose block ids agree get equal tokens there, so the ranks'
     content-keyed caches reuse exactly what the scheduler's id-keyed cache counts: request 1 shares request 0's
