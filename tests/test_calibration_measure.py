@@ -166,6 +166,7 @@ def test_validate_reports_noise_for_new_format_only(tmp_path):
         assert max(dec) < 0.05
 
 
+@pytest.mark.slow
 def test_decode_calibration_changes_the_simulator_prediction():
     doc = _rows_v2()
     table = CalibrationTable.model_validate({"entries": calibrate(doc)["entries"]})

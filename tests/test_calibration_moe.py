@@ -129,6 +129,7 @@ def test_predictions_of_the_moe_rows():
 
 # ------------------------------------------------------------------------------------------------ several files
 
+@pytest.mark.slow
 def test_merged_files_keep_their_provenance_and_fit_as_one():
     gemm = [{"bench": "gemm", "op": "grouped", "fmt": "bf16", "m": m, "n": 3072, "k": 4096, "n_experts": 4,
              "median_us": 30.0 + m} for m in (1, 2, 4, 8, 16, 32, 64)]

@@ -93,6 +93,7 @@ def test_committed_result_is_what_the_shipped_files_give(doc):
     assert xs.render_markdown(doc) == SHIPPED_MD.read_text()
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     bad = tmp_path / "m.json"
     bad.write_text("{")

@@ -17,8 +17,9 @@ CHECKS = json.loads(RECORD.read_text())["checks"] if RECORD.exists() else []
 SLACK = 0.005
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("rec", CHECKS, ids=[Path(c["run"]).name for c in CHECKS])
+#: the fast lane replays the first run; the full suite every run
+@pytest.mark.parametrize("rec", [pytest.param(c, marks=[pytest.mark.slow] if i else [], id=Path(c["run"]).name)
+                                 for i, c in enumerate(CHECKS)])
 def test_recorded_run_error_does_not_grow(rec):
     from rackbed.sim.fidelity import check_run
 

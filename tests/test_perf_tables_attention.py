@@ -396,6 +396,7 @@ def test_fp8_queries_never_take_bf16_curves(h200_table):
 # ------------------------------------------------------------------------------------------------ caveats
 
 
+@pytest.mark.slow
 def test_caveats_only_where_the_calibration_lacks_the_curves():
     """GB200 runs with an fp8 KV cache print no attention caveat (the shipped file has fp8-KV and batched prefill
     curves); a calibration without fp8-KV curves, or with the per-sequence prefill note, says so."""

@@ -353,6 +353,7 @@ def test_cli_check_ok_and_show(capsys):
     assert "tp=8 exceeds 4 KV heads" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_show_kv_transfer(tmp_path, capsys):
     f = write(tmp_path, {"topology": "gb200-nvl72", "model": "qwen3-30b-a3b",
                          "prefill": {"tp": 4, "ep": 4, "gpus": "0-3"},
