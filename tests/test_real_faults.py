@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+from tiny_qwen3moe import tiny_hf_model
 
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import bad_endings, replay, run_real
@@ -44,9 +44,8 @@ def _scenario(ckpt: Path, decoders: int, n_requests: int = 12, rate: float = 40.
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    hc, hf = tiny_hf_model()
-    return save_checkpoint(hc, hf, tmp_path_factory.mktemp("faults") / "ckpt")
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt[2]
 
 
 def _kills(seed: int, decoder_gpus: list[int], last_arrival_s: float) -> list[tuple[float, int]]:

@@ -186,14 +186,14 @@ def ckpt(tmp_path_factory):
 def _run(d, decode_pages=256, agg=True, **over):
     import json
 
-    from test_real_driver import _scenario
+    from tiny_qwen3moe import real_scenario
 
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import run_real
     from rackbed.sim.driver import simulate
     from rackbed.sim.scenario import build
 
-    sc = _scenario(d, **{"workload": LOAD, **({"deployment": "aggregated", "aggregated": AGG} if agg else {}), **over})
+    sc = real_scenario(d, **{"workload": LOAD, **({"deployment": "aggregated", "aggregated": AGG} if agg else {}), **over})
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,

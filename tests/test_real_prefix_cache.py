@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from hypothesis import given, settings
 from hypothesis import strategies as st_
-from test_real_driver import _scenario, _tiny_checkpoint
+from tiny_qwen3moe import real_scenario
 
 from rackbed.engine.core.prefix_cache import PrefixCacheSpec
 from rackbed.engine.core.request import Request
@@ -37,12 +37,12 @@ CACHE = {"enabled": True, "block_tokens": BLOCK, "hbm_gb_per_gpu": 3.6e-6, "host
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("real_prefix"))
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt
 
 
 def _run(d, cache=None, reqs=REQS, follows=FOLLOWS, **kw):
-    sc = _scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK},
+    sc = real_scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK},
                    **({"prefix_cache": cache} if cache else {}))
     b = build(sc)
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
@@ -144,7 +144,7 @@ def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
     from test_real_aggregated import AGG
 
     _, hf, d = ckpt
-    sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "workers": 1},
+    sc = real_scenario(d, deployment="aggregated", aggregated={**AGG, "workers": 1},
                    prefix_cache={**CACHE, "hbm_gb_per_gpu": 7.2e-6})
     b = build(sc)
     res, run = run_real(b, REQS, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
