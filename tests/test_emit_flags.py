@@ -25,6 +25,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from lane import first_in_lane
 
 from rackbed import scenarios
 from rackbed.sim import emit
@@ -171,8 +172,7 @@ def test_the_pinned_parsers_refuse_what_they_should():
             parse("sglang.launch_server", bad)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("key", sorted(CASES))
+@pytest.mark.parametrize("key", first_in_lane(sorted(CASES)))
 def test_every_sglang_command_parses_with_the_pinned_sglang(key):
     sc, files = _case(key)
     pl = plan_of(sc)
