@@ -169,3 +169,4 @@ class AggregatedMachine(RuleBasedStateMachine):
 TestAggregatedMachine = AggregatedMachine.TestCase
 TestAggregatedMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
+TestAggregatedMachine.pytestmark = [pytest.mark.slow]

@@ -121,6 +121,7 @@ def test_operating_point_trades_batch_for_prefill_room():
 
 
 # ------------------------------------------------------------------ runs
+@pytest.mark.slow
 def test_shipped_scenario_serves_every_request_with_its_invariants():
     b = build(_scenario())
     sc = b.scenario
@@ -136,6 +137,7 @@ def test_shipped_scenario_serves_every_request_with_its_invariants():
     assert m["queueing_s"]["kv_transfer"]["max"] == 0
 
 
+@pytest.mark.slow
 def test_a_failed_worker_is_rerouted_and_nothing_is_lost():
     b = build(_scenario())
     sc = b.scenario
@@ -147,6 +149,7 @@ def test_a_failed_worker_is_rerouted_and_nothing_is_lost():
     assert [g[5] for g in res.groups] == ["active", "dead"]
 
 
+@pytest.mark.slow
 def test_the_same_trace_disaggregated_and_aggregated_on_the_same_gpus_finishes_every_request():
     agg = _scenario()
     dis = _scenario(deployment="disaggregated", aggregated=None,
@@ -166,6 +169,7 @@ def test_the_same_trace_disaggregated_and_aggregated_on_the_same_gpus_finishes_e
     assert out["disaggregated"]["queueing_s"]["kv_transfer"]["max"] > 0
 
 
+@pytest.mark.slow
 def test_the_summary_counts_aggregated_workers_as_gpus_in_use(tmp_path, capsys):
     """``rackbed run`` of an aggregated scenario: its header's GPUs in use are the workers' GPUs (no prefillers or
     decoders), the figure its metrics' mean GPUs in use gives; a disaggregated deployment counts its groups."""

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from rackbed.engine.bench import mla_decode
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_the_json(tmp_path):
     out = tmp_path / "mla.json"
     assert mla_decode.main(["--tiny", "--device", "cpu", "--context", "20", "--batches", "1", "3", "--reps", "1",

@@ -56,6 +56,7 @@ def _synthetic(floor_us=20.0, tflops=700.0, E=8):
                     "nccl": "2.28", "driver": "580"}, "rows": rows}
 
 
+@pytest.mark.slow
 def test_fit_recovers_a_known_curve_at_held_out_points():
     meas = _synthetic()
     doc = calibrate(meas)
@@ -85,6 +86,7 @@ def _dump(doc, tmp=None):
     return p
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(0.1, 1e4), min_size=2, max_size=12), st.sampled_from(["gemm_tflops", "allreduce_us",
                                                                                  "hbm_GBps", "flash_tflops"]))
@@ -95,6 +97,7 @@ def test_fit_curve_passes_through_every_fit_point(ys, kind):
         assert e.interpolate(x) == pytest.approx(y, rel=1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(st.floats(1.0, 100.0), st.floats(0.0, 50.0), st.floats(1e-4, 1.0), st.integers(5, 10),
        st.sampled_from(["allreduce_us", "hbm_GBps"]))
@@ -117,6 +120,7 @@ def test_fit_curve_is_exact_for_its_physical_form(floor, c, s, n, kind):
             assert got == pytest.approx(t(x), rel=5e-2 if near_knee else 1e-2)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=30, unique=True), st.integers(0, 5),
        st.integers(0, 4))
@@ -136,6 +140,7 @@ def test_holdout_bookkeeping(ms, every, offset):
         assert (rid in held) == expect
 
 
+@pytest.mark.slow
 def test_calibration_file_changes_predictions_as_the_table_says(tmp_path):
     meas = _synthetic()
     path = tmp_path / "h200.yaml"
@@ -156,6 +161,7 @@ def test_calibration_file_changes_predictions_as_the_table_says(tmp_path):
     assert gemm_time(b200, 64, 3072, 4096, calib=table) == gemm_time(b200, 64, 3072, 4096)
 
 
+@pytest.mark.slow
 def test_decode_step_time_changes_with_the_calibration(tmp_path):
     """Slower measured kernels -> slower simulated decode step; faster -> faster; and only with the table."""
     from rackbed.engine.core.sharding import ParallelPlan
@@ -174,6 +180,7 @@ def test_decode_step_time_changes_with_the_calibration(tmp_path):
     assert br.to_steptime().total_s == pytest.approx(t_slow)
 
 
+@pytest.mark.slow
 def test_shipped_h200_file_is_found_and_described():
     table = default_calibration_for("H200-SXM")
     assert table is not None
@@ -195,6 +202,7 @@ def test_shipped_h200_file_is_found_and_described():
         assert meta.get(f), f
 
 
+@pytest.mark.slow
 def test_shipped_measurements_fit_reproduces_the_shipped_file(tmp_path):
     """The shipped file is, byte for byte, what `rackbed calibrate --from-measurements` writes from the shipped raw
     rows (the files ``meta.measurements`` lists, fitted together: the full v10 run and the later fp8_block / MoE

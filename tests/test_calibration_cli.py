@@ -58,6 +58,7 @@ def test_bench_rows_conversion():
         bench_rows({"rows": []}, "b.json")
 
 
+@pytest.mark.slow
 def test_cross_validation_holds_every_inner_point_out_once(tmp_path, capsys):
     from rackbed.engine.cli.validate import cross_validate
 

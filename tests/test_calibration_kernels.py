@@ -86,6 +86,7 @@ def _doc(runs, times):
     return {"schema": "rackbed.measure/2", "env": {"gpu_name": "NVIDIA H200", "sm_count": 132}, "rows": rows}
 
 
+@pytest.mark.slow
 def test_calibrate_with_a_kernel_map_predicts_held_out_rows_of_a_sawtooth():
     ms = [1, 2, 4, *range(8, 1025, 8), 2048, 4096]
     times = {m: _saw(m) for m in ms}
@@ -177,6 +178,7 @@ def _truth(runs, x):
     raise AssertionError(x)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=40), min_size=6, max_size=30, unique=True))
 def test_decode_run_model_is_exact_for_run_linear_times_between_fit_points(steps):
@@ -275,6 +277,7 @@ def _predict_us(doc, m: int) -> float:
     return 2.0 * m * 4096 * 8192 / (e.interpolate(m) * 1e12) * 1e6
 
 
+@pytest.mark.slow
 def test_a_held_out_single_m_kernel_is_priced_from_its_forced_points():
     assert "gemm/dense/bf16/n4096_k8192/m416" in split_rows(_forced_doc(None)["rows"], Holdout())[1]
     without = _predict_us(_forced_doc(None), 416)
@@ -287,6 +290,7 @@ def test_a_held_out_single_m_kernel_is_priced_from_its_forced_points():
         assert abs(_predict_us(doc, m) / (45.0 + 0.01 * m) - 1) < 0.005
 
 
+@pytest.mark.slow
 def test_forced_rows_with_errors_checks_or_other_kernels_change_nothing():
     base = calibrate(_forced_doc(None), gpu="H200-SXM")["entries"]
     junk = [
@@ -309,6 +313,7 @@ def test_a_malformed_forced_row_is_one_line_error():
         calibrate(_forced_doc(None, bad), gpu="H200-SXM")
 
 
+@pytest.mark.slow
 def test_a_kernel_run_at_one_m_with_other_launch_parameters_is_its_own_configuration():
     """v8 (4096 x 4096): ``128x64_64x8_1x2_h`` runs at m = 224 (36 µs) and at 240..256 (31.5 µs), the same M tiles.
     Forced at 200..232 with the heuristic's choice at m = 224, the held-out 224 is priced from those points, and the
@@ -338,6 +343,7 @@ def test_a_kernel_run_at_one_m_with_other_launch_parameters_is_its_own_configura
     assert abs(predict(rows + forced, 248) / 31.5 - 1) < 0.01  # held out too: from 240 and 256, not the forced runs
 
 
+@pytest.mark.slow
 def test_curves_fitted_in_worker_processes_are_the_serial_fit(monkeypatch):
     import rackbed.sim.calibrate as cal
 

@@ -128,6 +128,7 @@ def test_decode_rows_are_a_calibration_kind_per_seq_heads():
     assert y == pytest.approx(r["kv_bytes"] / (r["median_us"] - C.KERNEL_FIXED_US) / 1e3)
 
 
+@pytest.mark.slow
 def test_new_and_old_format_fit_the_same_with_the_same_holdouts(tmp_path):
     new = _rows_v2()
     d2, d1 = calibrate(new), calibrate(_v1(new))
@@ -143,6 +144,7 @@ def test_new_and_old_format_fit_the_same_with_the_same_holdouts(tmp_path):
                                                              for i in range(1, len(ctx) - 1, 3)}
 
 
+@pytest.mark.slow
 def test_validate_reports_noise_for_new_format_only(tmp_path):
     new = _rows_v2(spread=0.05)
     for doc, has in ((new, True), (_v1(new), False)):
@@ -164,6 +166,7 @@ def test_validate_reports_noise_for_new_format_only(tmp_path):
         assert max(dec) < 0.05
 
 
+@pytest.mark.slow
 def test_decode_calibration_changes_the_simulator_prediction():
     doc = _rows_v2()
     table = CalibrationTable.model_validate({"entries": calibrate(doc)["entries"]})
@@ -255,6 +258,7 @@ def _wave_rows(n: int, k: int, fmt: str, t_wave_us: float, floor_us: float) -> l
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from([4608, 9216, 12288]), st.floats(8.0, 30.0), st.floats(0.5, 1.0))
 def test_wave_staircase_is_predicted_at_held_out_points(n, t_wave, floor_frac):
@@ -287,6 +291,7 @@ def test_smooth_power_curve_picks_log_log_and_interpolates():
             assert e.interpolate(x) == pytest.approx(y, rel=0.01)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.floats(0.5, 2.0), min_size=60, max_size=60))
 def test_held_out_values_never_change_the_fit(factors):
@@ -308,6 +313,7 @@ def test_held_out_values_never_change_the_fit(factors):
     assert new["kernel_fixed_us"] == doc["kernel_fixed_us"] and doc["kernel_fixed_us"]["G"] == pytest.approx(2.0, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_allreduce_worker_exit_is_bounded_when_the_barrier_hangs(tmp_path):
     """The all-reduce worker's exit skips NCCL tear-down and never waits on a hung barrier for long: it exits 0
     within EXIT_BARRIER_S even when ``dist.barrier`` never returns (CPU: a stand-in ``dist``)."""

@@ -71,6 +71,7 @@ def test_moe_rows_are_points_of_their_kinds():
     assert len(ids) == 4 and row_id(r) == "moe_block/routed/bf16/h4096_i1536_k8_e128_tp1_ep1/balanced/t4"
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(c=st.floats(5.0, 50.0), s=st.floats(2.0, 30.0), u=st.floats(0.01, 1.0))
 @example(c=5.0, s=5.0, u=0.75)  # 2.4 % at T = 2: the fitted form's worst case found so far
@@ -91,6 +92,7 @@ def test_held_out_block_sizes_follow_the_active_experts(c, s, u):
     assert "active experts of 128 (top-8 of 128) + " in table.entries[0].source
 
 
+@pytest.mark.slow
 def test_held_out_rows_never_change_the_moe_curve():
     rows = _moe_rows()
     fit, held = split_rows(rows, Holdout())
@@ -103,6 +105,7 @@ def test_held_out_rows_never_change_the_moe_curve():
     assert c["entries"] != a["entries"]
 
 
+@pytest.mark.slow
 def test_predictions_of_the_moe_rows():
     """``routed`` from the table's ``moe_us`` entry when it has one, else as the step model prices the block
     without one (the grouped GEMMs of the uniform-routing histogram); ``router_gemm`` as the step model's router
@@ -126,6 +129,7 @@ def test_predictions_of_the_moe_rows():
 
 # ------------------------------------------------------------------------------------------------ several files
 
+@pytest.mark.slow
 def test_merged_files_keep_their_provenance_and_fit_as_one():
     gemm = [{"bench": "gemm", "op": "grouped", "fmt": "bf16", "m": m, "n": 3072, "k": 4096, "n_experts": 4,
              "median_us": 30.0 + m} for m in (1, 2, 4, 8, 16, 32, 64)]

@@ -58,6 +58,7 @@ def test_p2p_uncalibrated_is_line_rate_plus_latency_and_local_copies_are_free():
     assert p2p_copy_time(H200, 1, 1, 2**20).total_s == 0.0 == p2p_copy_time(H200, 0, 1, 0).total_s
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.floats(1.0, 30.0), st.floats(50.0, 900.0), st.floats(1.0, 64.0))
 def test_p2p_beyond_the_measured_range_keeps_the_rate_and_the_floor(lat_us, GBps, factor):

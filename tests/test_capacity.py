@@ -32,6 +32,7 @@ def tiny(**kw) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_tiny_capacity_end_to_end(tmp_path):
     spec = cap.parse_capacity(tiny(prefill_headroom=[1.25, 1.0]), "tiny.yaml")
     assert spec.rates_per_s == (2.0, 4.0) and spec.headrooms == (1.0, 1.25)

@@ -14,6 +14,7 @@ from rackbed.engine.bench import peer_a2a as cpa
 from rackbed.engine.real.launch import spawn_local
 
 
+@pytest.mark.slow
 def test_rank_function_on_cpu_checks_and_times_both_paths():
     opts = {"device": "cpu", "tiny": True, "layers": 2, "max_tokens": 32, "sizes": [1, 8],
             "extra_cases": [[40, 3], [0, 4]], "reps": 2, "inner": 1, "seed": 0}

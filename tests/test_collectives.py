@@ -46,6 +46,7 @@ def _is_broken(sched, arrays) -> bool:
 # --------------------------------------------------------------------------------------------- correctness
 
 
+@pytest.mark.slow
 @FAST
 @given(n=ranks, n_elems=sizes, seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_every_algorithm_returns_the_elementwise_sum_on_every_rank(n, n_elems, seed, data):
@@ -91,6 +92,7 @@ def test_merging_dependent_phases_breaks_the_schedule(algo, n):
 # --------------------------------------------------------------------------------------------- counters
 
 
+@pytest.mark.slow
 @FAST
 @given(algo=st.sampled_from(ALGORITHMS), n=ranks, n_elems=sizes, elem_bytes=st.sampled_from([1, 2, 4]))
 def test_traffic_counters_equal_the_writeup_formulas(algo, n, n_elems, elem_bytes):

@@ -186,6 +186,7 @@ def h200_tables():
     return load_calibration_file(Path(__file__).resolve().parent.parent / "calibration" / "h200-trtllm.json")
 
 
+@pytest.mark.slow
 def test_mla_tables_are_imported_with_provenance(h200_tables):
     meta, table = h200_tables.meta, h200_tables
     files = {t["file"]: t for t in meta["tables"]}

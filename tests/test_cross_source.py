@@ -36,6 +36,7 @@ def doc():
         os.chdir(cwd)
 
 
+@pytest.mark.slow
 def test_structure_and_ratios(doc):
     xs.check(doc)
     assert doc["schema"] == xs.SCHEMA and doc["gpu"] == "H200-SXM" and doc["ratio"] == xs.RATIO
@@ -56,6 +57,7 @@ def test_structure_and_ratios(doc):
         assert k["table"]["collection_meta"].get("framework_version")
 
 
+@pytest.mark.slow
 def test_gemm_points_are_exact_matches_of_raw_rows(doc):
     """Each GEMM point is a measured rackbed row and a measured table row at the same (m, n, k) — nothing fitted."""
     meas = read_json(REPO / xs.DEFAULT_MEASUREMENTS)
@@ -72,6 +74,7 @@ def test_gemm_points_are_exact_matches_of_raw_rows(doc):
     assert "grouped" in doc["not_comparable"]
 
 
+@pytest.mark.slow
 def test_allreduce_bytes_are_twice_the_message_size(doc):
     pts = doc["kinds"]["allreduce"]["points"]
     assert {p["bytes"] for p in pts} == {2**i for i in range(12, 29)}
@@ -79,6 +82,7 @@ def test_allreduce_bytes_are_twice_the_message_size(doc):
     assert doc["table_repeat"]["allreduce"]["summary"]["n"] > 0
 
 
+@pytest.mark.slow
 def test_committed_result_is_what_the_shipped_files_give(doc):
     """results/calibration/cross_source_h200.{json,md} are this code's output on the shipped files (refresh with
     `python -m rackbed.sim.cross_source --out results/calibration/cross_source_h200.json`)."""
@@ -89,6 +93,7 @@ def test_committed_result_is_what_the_shipped_files_give(doc):
     assert xs.render_markdown(doc) == SHIPPED_MD.read_text()
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     bad = tmp_path / "m.json"
     bad.write_text("{")

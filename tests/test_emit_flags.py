@@ -33,6 +33,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from lane import first_in_lane
 
 from rackbed import scenarios
 from rackbed.sim import emit
@@ -197,7 +198,7 @@ def test_the_pinned_parsers_refuse_what_they_should():
             parse("sglang.launch_server", bad)
 
 
-@pytest.mark.parametrize("key", sorted(CASES))
+@pytest.mark.parametrize("key", first_in_lane(sorted(CASES)))
 def test_every_sglang_command_parses_with_the_pinned_sglang(key):
     sc, files = _case(key)
     pl = plan_of(sc)
@@ -252,6 +253,7 @@ def _local_placement(sc) -> dict[int, list[tuple[int, ...]]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["sglang", "trtllm"])
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_no_two_servers_on_a_host_share_a_gpu_or_a_port(key, engine):
@@ -321,6 +323,7 @@ def test_model_path_is_the_checkpoint_folder(tmp_path):
         assert text.splitlines()[2] == f'[ -n "${{MODEL_PATH:-}}" ] || MODEL_PATH={cfg.parent}'
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(topo=st.sampled_from(["gb200-nvl72", "hgx-h200*4"]),

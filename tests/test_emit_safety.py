@@ -190,6 +190,7 @@ def _check_files(files: dict, ref_files: dict, ref_calls: dict, name: str, model
                 assert f"draft model {_escaped(draft)} (mtp.draft)" in text
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(key=st.sampled_from(sorted(BASES)), name=TEXT, model=TEXT, draft=TEXT)
@@ -209,6 +210,7 @@ def _refused(text: str) -> bool:
     return any(unicodedata.category(c) in REFUSED_CATEGORIES for c in text)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(text=st.one_of(TEXT, st.text()))
 def test_control_and_line_break_characters_are_refused_in_one_line(text):
@@ -228,6 +230,7 @@ ANY = st.one_of(ACCEPTED, ACCEPTED, TEXT)
 DIR_TEXT = ANY.map(lambda t: t.replace("/", "|").replace("\0", ""))  # a folder name
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(engine=st.sampled_from(ENGINES), name=ANY, model_dir=DIR_TEXT, draft_dir=DIR_TEXT)

@@ -87,6 +87,7 @@ def test_plan_sampler_keeps_n_plans_spread_over_the_run(n, total):
         assert chosen[0] == 0 and chosen[-1] >= total - s.stride[("D0", "decode")]
 
 
+@pytest.mark.slow
 def test_scopes_are_free_unless_profiling_and_split_the_op_time():
     """Outside :func:`profile_calls` no scope reaches the profiler; inside, each op's time goes to its
     innermost scope (the matmul inside the ``a2a_s`` scope's ``moe_gemm_s`` function is ``moe_gemm_s``), ops

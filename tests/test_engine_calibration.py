@@ -120,6 +120,7 @@ def test_failed_and_interrupted_plans_are_replayed_and_left_out_of_the_fit():
     assert ex.duration(KvTransfer("P0.kv1", 5, "P0", "D0", 0, 20, 100, 1, ()), 0.3) == Failed(0.03, "kv_lost")
 
 
+@pytest.mark.slow
 def test_validate_reads_a_real_run_that_had_a_rank_death(tmp_path, capsys):
     """``rackbed real`` with a decoder killed, then ``rackbed validate --engine`` on its folder: no traceback
     (it used to stop at ``could not convert string to float: 't_s'``, reading the deaths' objects as

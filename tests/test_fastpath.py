@@ -37,6 +37,7 @@ class _ReadOnlyView:
         raise AssertionError(f"the fast path wrote {name} of a decoder view")
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the patch is constant
 @given(seed=st.integers(0, 2**16), shift=st.sampled_from([0, 8, 12]), log=st.booleans(), fault=st.booleans())

@@ -30,6 +30,7 @@ real: {{device: cpu, dtype: fp32, weights: {ck}, prefill_pages: 16, decode_pages
     return str(p)
 
 
+@pytest.mark.slow
 def test_fit_aggregated_runs_then_check_a_held_out_run(tmp_path, capsys):
     from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 

@@ -27,6 +27,7 @@ def results(tmp_path_factory):
     return docs, console.file.getvalue()
 
 
+@pytest.mark.slow
 def test_outputs_written(results):
     docs, text = results
     for name, d in docs.items():
@@ -118,6 +119,7 @@ def test_decode_ep_trade_golden(results):
     assert steps[8]["step_ms"] == pytest.approx(14.09, rel=REL)
 
 
+@pytest.mark.slow
 def test_cli_runs_a_figure(tmp_path, capsys):
     from rackbed.engine.cli.main import main
 

@@ -317,6 +317,7 @@ def _effective_scales(name: str, q, shape) -> np.ndarray:
     return np.repeat(s, f.block, axis=-1)[..., : shape[-1]]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(name=st.sampled_from(SCALED_NAMES), x=finite_tensors, role=st.sampled_from(["weight", "activation"]))
 def test_error_bounded_by_unit_roundoff_times_scale(name, x, role):

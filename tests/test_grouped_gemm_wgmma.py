@@ -19,6 +19,7 @@ from rackbed.kernels import grouped_gemm as gg
 from rackbed.kernels import grouped_gemm_wgmma as gw
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(counts=st.lists(st.integers(0, 400), min_size=1, max_size=12), fp8=st.sampled_from([False, True, *gw.VARIANTS]),
        n_ctas=st.integers(1, 40), n_tiles=st.integers(1, 3))
@@ -231,6 +232,7 @@ def test_gpu_matches_reference(variant, n_ctas):
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [v for v in gw.VARIANTS if gw.VARIANTS[v]["epi"] == "smem"])
 @pytest.mark.parametrize("rows", [128, 129 - 64, 64, 63, 5, 1])
 def test_smem_epilogue_covers_tile(variant, rows):

@@ -156,6 +156,7 @@ def test_fuzz_scenario(raw):
         check_cli(["run", p, "--out", Path(d) / "out", "--no-progress"], p)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(raw=mutated(TRACE_ROWS, "jsonl"))
 def test_fuzz_trace(raw):
@@ -232,6 +233,7 @@ def measurements_file(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.data())
 def test_fuzz_calibration(measurements_file, data):

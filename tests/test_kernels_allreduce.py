@@ -120,6 +120,7 @@ def test_sizes_from_args():
 call_st = st.tuples(st.sampled_from(["one_shot", "two_shot", "two_shot_pull"]), st.integers(1, 40), st.integers(1, 6))
 
 
+@pytest.mark.slow
 @given(calls=st.lists(call_st, min_size=1, max_size=6), n=st.integers(2, 4), seed=st.integers(0, 10**6))
 @settings(max_examples=200, deadline=None)
 def test_emulated_protocol_is_correct_under_any_interleaving(calls, n, seed):

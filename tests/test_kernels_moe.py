@@ -186,6 +186,7 @@ def _gloo_worker(rank, world, port, q):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_torch_backend_over_gloo():
     import torch.multiprocessing as mp
 

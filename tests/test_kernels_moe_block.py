@@ -98,6 +98,7 @@ def test_block_m_align_pads_to_the_smallest_alignment_every_m_runs_at():
     assert measure.block_m_align("cpu", lambda *a: None, torch.Generator())[0] == 1
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_part_of_the_moe_block(tmp_path):
     doc = measure.run(dry_run=True, only=["moe_block", "fp8_block"], partial_out=tmp_path / "m.json",
                       echo=lambda *a: None)

@@ -182,6 +182,7 @@ def check_plan(plan: TransferPlan, src, dst, seq_len, sp, dp, seed) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(transfers())
 def test_hnd_reshard_reproduces_destination(t):
@@ -189,6 +190,7 @@ def test_hnd_reshard_reproduces_destination(t):
     check_plan(reshard_plan(src, dst, seq_len, sp, dp), src, dst, seq_len, sp, dp, seed)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(transfers(orders=("HND", "NHD")))
 def test_any_order_reshard_reproduces_destination(t):
@@ -202,6 +204,7 @@ def n_token_runs(seq_len: int, ps: int, pd: int) -> int:
     return len(set(range(0, seq_len, ps)) | set(range(0, seq_len, pd)))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(transfers(), st.integers(1, 6))
 def test_hnd_needs_no_more_chunks_than_nhd_with_equal_full_pages(t, n_pages):
@@ -218,6 +221,7 @@ def test_hnd_needs_no_more_chunks_than_nhd_with_equal_full_pages(t, n_pages):
     assert hnd <= nhd, (hnd, nhd)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(transfers(), st.sampled_from([1, 2, 4]))
 def test_hnd_far_fewer_chunks_for_head_sharded_sources(t, n_heads):
@@ -391,6 +395,7 @@ def latent_transfers(draw):
     return draw(with_windows(t)) if draw(st.integers(0, 3)) == 0 else t
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(latent_transfers())
 def test_latent_reshard_reproduces_destination_and_spreads_reads(t):
@@ -421,6 +426,7 @@ def test_latent_reshard_reproduces_destination_and_spreads_reads(t):
             assert n_l // R <= min(per) and max(per) <= -(-n_l // R), (d, layer, per)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(windowed_transfers(orders=("HND", "NHD")))
 def test_sliding_layers_send_only_the_window(t):
@@ -435,6 +441,7 @@ def test_sliding_layers_send_only_the_window(t):
     assert plan.total_bytes == copies * kept * 2 * src.head_dim * src.elem_bytes
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(transfers(orders=("HND", "NHD")), latent_transfers(), windowed_transfers()), st.integers(0, 2**16))
 def test_round_trip_restores_the_source(t, seed2):

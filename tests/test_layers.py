@@ -156,6 +156,7 @@ def test_replicated_kv_is_whole_on_every_rank(tp_exp, ctx):
     assert DSV3.kv_bytes_per_seq(ctx) == ctx * 1152
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(q=st.integers(0, 300), c=st.integers(0, 300), window=st.integers(1, 256))
 def test_sliding_window_pairs_match_a_brute_count(q, c, window):

@@ -48,7 +48,8 @@ def _gone(pid: int, within_s: float) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow),
+                                    pytest.param("forkserver", marks=pytest.mark.slow)])
 def test_a_child_lives_while_its_parent_does_and_dies_with_it(tmp_path, method):
     script, pidfile = tmp_path / "parent.py", tmp_path / "child.pid"
     script.write_text(SCRIPT)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +48,7 @@ def _row():
     return st.tuples(*[(_text if f in _TEXT else _ints if f in _INT else _floats) for f in ROW_FIELDS])
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_row(), max_size=40), st.integers(1, 12))
 def test_blocked_conversion_equals_column_conversion(rows, block):

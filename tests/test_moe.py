@@ -124,6 +124,7 @@ def test_route_is_deterministic_in_the_rng_and_rejects_bad_input():
 # --------------------------------------------------------------------------------------------- plans
 
 
+@pytest.mark.slow
 @MANY
 @given(case=routings(), data=st.data())
 def test_plans_against_brute_force(case, data):
@@ -208,6 +209,7 @@ def test_activation_bytes_fallback_matches_formats(monkeypatch):
 # --------------------------------------------------------------------------------------------- references
 
 
+@pytest.mark.slow
 @MANY
 @given(case=routings(max_tokens=10, max_experts=6), data=st.data())
 def test_dispatch_gemm_combine_equals_dense_moe(case, data):

@@ -90,6 +90,7 @@ def _backend_rank(rank, world):
     return res
 
 
+@pytest.mark.slow
 def test_torch_backend_matches_emulation_on_edge_routings():
     for rank_res in spawn_local(_backend_rank, 2, backend="gloo"):
         for payload, kind, T, ok_d, ok_c in rank_res:
@@ -130,6 +131,7 @@ def _engine_rank(rank, world):
     return errs
 
 
+@pytest.mark.slow
 def test_engine_peer_path_matches_all_to_all_path_and_unsharded():
     for rank_errs in spawn_local(_engine_rank, 2, backend="gloo"):
         for peer_err, old_err, chunks in rank_errs:

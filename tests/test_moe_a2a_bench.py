@@ -31,6 +31,7 @@ def _fake_worker(rank, world, port, q, opts):
     q.put(("exit", rank))
 
 
+@pytest.mark.slow
 def test_watchdog_kills_a_hung_case_and_keeps_the_earlier_records(tmp_path):
     from rackbed.kernels.bench import moe_a2a as moe_a2a_bench
 
@@ -54,6 +55,7 @@ def test_watchdog_kills_a_hung_case_and_keeps_the_earlier_records(tmp_path):
     assert len((tmp_path / "cases.jsonl").read_text().splitlines()) == len(s["cases"])
 
 
+@pytest.mark.slow
 def test_ranks_that_fall_out_of_step_stop_instead_of_pairing_wrong_calls(tmp_path):
     from rackbed.kernels.bench import moe_a2a as moe_a2a_bench
 

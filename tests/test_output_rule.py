@@ -193,6 +193,7 @@ def test_a_shipped_file_is_written_only_when_named_with_force(tmp_path, capsys):
     assert shipped_root_of(REPO / "rackbed" / "calibration" / "h200.yaml") == shipped("calibration")
 
 
+@pytest.mark.slow
 def test_calibrate_does_not_write_merged_measurements_beside_shipped_inputs(tmp_path, monkeypatch):
     """--from-measurements (shipped) + --from-bench: the merged file goes beside the calibration, not into
     calibration/measurements/ (the fit itself is stubbed: it is not what is tested, and it takes a minute)."""
@@ -318,6 +319,7 @@ def _race(tmp_path: Path, path: Path, default: bool, n: int = 3) -> list[str]:
     return [p.communicate(timeout=60)[0].strip() for p in procs]
 
 
+@pytest.mark.slow
 def test_processes_racing_for_a_default_folder_get_one_each(tmp_path):
     outs = _race(tmp_path, tmp_path / "rackbed-out" / "t", default=True)
     got = sorted(o.split(" ", 1)[1] for o in outs if o.startswith("got "))
@@ -325,6 +327,7 @@ def test_processes_racing_for_a_default_folder_get_one_each(tmp_path):
     assert set(got) == {str(tmp_path / "rackbed-out" / n) for n in ("t", "t-2", "t-3")}
 
 
+@pytest.mark.slow
 def test_processes_racing_for_one_out_folder_one_wins(tmp_path):
     outs = _race(tmp_path, tmp_path / "o", default=False)
     assert sum(o.startswith("got ") for o in outs) == 1, outs
@@ -374,6 +377,7 @@ def test_threads_racing_for_a_default_folder_get_one_each(tmp_path):
     assert not errors and len(set(got)) == 4, (errors, got)
 
 
+@pytest.mark.slow
 def test_two_rackbed_runs_started_together_write_to_different_folders(tmp_path):
     _scen(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -469,6 +473,7 @@ def _mode(call: ast.Call):
     return "r"
 
 
+@pytest.mark.slow
 def test_nothing_writes_outside_the_output_helpers():
     bad, used = [], set()
     for top in SCANNED:

@@ -90,6 +90,7 @@ def test_atomic_write_leaves_the_old_file_on_error(tmp_path):
     assert p.read_text() == "new\n" and oct(p.stat().st_mode & 0o777) != "0o600"
 
 
+@pytest.mark.slow
 def test_run_refuses_to_clobber(tmp_path, capsys):
     sc = tmp_path / "s.yaml"
     sc.write_text(SCENARIO)

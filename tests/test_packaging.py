@@ -82,6 +82,7 @@ def test_no_checkout_folder_shadows_an_installed_package():
                     f"import {folder.name} gives {where}, not {installed[folder.name]}'s package")
 
 
+@pytest.mark.slow
 def test_installed_packages_win_under_every_launcher():
     """``python -m pytest`` and ``pytest``, from the root and from tests/: the shadowing test above passes under each
     (``python -m`` puts the working directory first on sys.path; pytest adds the root and tests/)."""

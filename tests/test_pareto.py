@@ -22,6 +22,7 @@ pts3 = st.lists(st.tuples(coord, coord, coord), max_size=30)
 senses2 = st.sampled_from([("max", "max"), ("max", "min"), ("min", "min"), ("min", "max")])
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(pts2, senses2)
 def test_front_2d_is_exactly_the_non_dominated_points(values, sense):
@@ -33,6 +34,7 @@ def test_front_2d_is_exactly_the_non_dominated_points(values, sense):
             assert brute_dominated(values, i, sense), (values, sense, i)  # every non-dominated one is returned
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(pts3)
 def test_front_3d_is_exactly_the_non_dominated_points(values):
@@ -41,6 +43,7 @@ def test_front_3d_is_exactly_the_non_dominated_points(values):
         assert (i in front) == (not brute_dominated(values, i)), (values, i)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(pts2)
 def test_layers_partition_and_each_layer_is_the_front_of_the_rest(values):

@@ -36,6 +36,7 @@ def h200_doc():
     return pt.build_calibration("h200", "trtllm")
 
 
+@pytest.mark.slow
 def test_real_h200_tables_import_end_to_end(h200_doc):
     meta = h200_doc["meta"]
     assert meta["gpu"] == "H200-SXM" and meta["stack"] == "trtllm" and meta["system"] == "h200_sxm"
@@ -58,6 +59,7 @@ def test_real_h200_tables_import_end_to_end(h200_doc):
     assert s is not None and 1e-5 < s < 1e-2
 
 
+@pytest.mark.slow
 def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
     out = tmp_path / "gb200-trtllm.json"
     assert main(["calibrate", "--from-aiconfigurator", "gb200", "--out", str(out)]) == 0
@@ -66,6 +68,7 @@ def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
     assert "held-out rows" in text and "| gemm_tflops |" in text
 
 
+@pytest.mark.slow
 def test_shipped_h200_tables_file_is_reproduced(h200_doc):
     """(B200's file is made the same way; `rackbed calibrate --from-aiconfigurator b200` reproduces it too.)"""
     assert pt.dumps(h200_doc).encode() == (REPO / "calibration" / "h200-trtllm.json").read_bytes()
@@ -76,6 +79,7 @@ def test_default_out_never_overwrites_a_shipped_file():
     assert p.parts[0] == "rackbed-out" and p.name == "gb200-trtllm.json"
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_gemm_fit_points_are_reproduced_by_the_cost_function(h200_doc, data):
@@ -99,6 +103,7 @@ def _table(doc) -> CalibrationTable:
     return t
 
 
+@pytest.mark.slow
 def test_gemm_shapes_between_grid_points_interpolate_within_neighbours(h200_doc):
     table = _table(h200_doc)
     g = GPUS["H200-SXM"]
@@ -172,6 +177,7 @@ def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err)
 
 
+@pytest.mark.slow
 def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
     table = default_calibration_for("B200-GB200")
     assert Path(table.path).name == "gb200-trtllm.json"
@@ -203,6 +209,7 @@ def test_gb200_scenario_prints_the_measured_table_line_and_only_real_gaps():
     assert "GEMMs in mxfp8: not measured in this format" in mx and "MoE block" in mx
 
 
+@pytest.mark.slow
 def test_a_missing_table_is_a_caveat_naming_what_is_extrapolated():
     from rackbed.sim.calibrate import CalibrationFile
     from rackbed.sim.coverage import calibration_caveats

@@ -115,6 +115,7 @@ def test_a_batch_runs_as_one_sequence_of_its_heads_across_the_batch():
 # ------------------------------------------------------------------------------------------------ the import
 
 
+@pytest.mark.slow
 def test_h200_holdout_meets_targets(h200_doc):
     v = h200_doc["meta"]["validation"]
     assert set(v) == {"flash_tflops", "decode_attn_GBps"}
@@ -143,6 +144,7 @@ def test_h200_holdout_meets_targets(h200_doc):
                      "h200_sxm/attention/trtllm/1.3.0rc20/generation_attention_perf.parquet"}
 
 
+@pytest.mark.slow
 def test_h200_curves_cover_the_model_presets(h200_doc):
     """Every preset's per-GPU head configuration at TP 1-8 has its own prefill curve; every one of head dim 128
     or 256 its own decode curves (or the generic ones), from batch 1 to the table's largest."""
@@ -161,6 +163,7 @@ def test_h200_curves_cover_the_model_presets(h200_doc):
     assert min(seq_heads) == 1 and max(seq_heads) >= 1024
 
 
+@pytest.mark.slow
 def test_fit_points_reproduce_the_table(h200_parts, h200_table):
     """At every fit point the cost function the simulator calls gives the table's latency (within 0.1 %)."""
     n = 0
@@ -393,6 +396,7 @@ def test_fp8_queries_never_take_bf16_curves(h200_table):
 # ------------------------------------------------------------------------------------------------ caveats
 
 
+@pytest.mark.slow
 def test_caveats_only_where_the_calibration_lacks_the_curves():
     """GB200 runs with an fp8 KV cache print no attention caveat (the shipped file has fp8-KV and batched prefill
     curves); a calibration without fp8-KV curves, or with the per-sequence prefill note, says so."""

@@ -44,6 +44,7 @@ def _check_rank(ds, need):
 _rank = st.tuples(st.integers(0, 4), st.integers(0, 9), st.booleans())
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None)
 @given(st.lists(st.lists(_rank, min_size=0, max_size=6), min_size=0, max_size=4), st.integers(0, 10))
 def test_rank_choice_is_the_constrained_minimum(groups, need):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import MiniDriver, req
@@ -28,6 +29,7 @@ class _R:
         self.id, self.prompt = i, prompt
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 6), max_size=10), st.integers(1, 12))
 def test_takes_the_shortest_prompts_and_keeps_the_rest_in_order(prompts, room):
@@ -66,6 +68,7 @@ def test_a_freed_slot_goes_to_the_shortest_waiting_prompt():
     s.check_invariants()
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n_dec=st.integers(1, 2), ep=st.sampled_from([1, 2, 4]), cap=st.integers(1, 6),
        draft_k=st.integers(0, 2), shift=st.sampled_from([0, 9, 13]), log=st.booleans(),

@@ -148,6 +148,7 @@ def _agree(cache, ref):
     assert (s.hit_blocks, s.promoted, s.demoted, s.dropped) == (ref.hits, ref.promoted, ref.demoted, ref.dropped)
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @example(caps=(1, None, None), trace=[("acquire", ((0,),)), ("request", ((0,),)), ("insert", 0)])
 @given(caps_st, ops)

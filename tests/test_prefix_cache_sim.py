@@ -34,6 +34,7 @@ def _run(sc, **kw):
                           policies=sc.sim.policies.build(), prefix_cache=b.prefix_cache, progress=False, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["kv_aware", "least_queued_tokens"])
 def test_cache_hits_and_prefill_work_drops_by_the_tokens_reused(policy):
     sc = scenario(prefix_cache={"enabled": True, "hbm_gb_per_gpu": 2.0},
@@ -72,6 +73,7 @@ def test_cache_off_is_the_default_and_changes_nothing():
     assert all(rec[6] == "" for rec in a.log.records if rec[1] == "route_prefill")
 
 
+@pytest.mark.slow
 def test_aggregated_workers_cache_too():
     sc = parse_scenario({**{k: v for k, v in BASE.items() if k not in ("prefill", "decode")},
                          "topology": "hgx-h200", "deployment": "aggregated",

@@ -8,6 +8,7 @@ invariant (pins included) and conserves requests: each ends done or rejected wit
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
@@ -133,6 +134,7 @@ class CachedSchedulerMachine(SchedulerMachine):
 TestCachedSchedulerMachine = CachedSchedulerMachine.TestCase
 TestCachedSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
+TestCachedSchedulerMachine.pytestmark = [pytest.mark.slow]
 
 
 class CachedAggregatedMachine(AggregatedMachine):
@@ -162,3 +164,4 @@ class CachedAggregatedMachine(AggregatedMachine):
 TestCachedAggregatedMachine = CachedAggregatedMachine.TestCase
 TestCachedAggregatedMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                                                 suppress_health_check=[HealthCheck.too_slow])
+TestCachedAggregatedMachine.pytestmark = [pytest.mark.slow]

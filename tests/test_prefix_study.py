@@ -33,6 +33,7 @@ def _slice(spec, wanted):
     return spec, pts
 
 
+@pytest.mark.slow
 def test_study_slice_hit_rate_ordering_and_figures(tmp_path):
     pol = "sim.policies.prefiller"
     on8 = {"prefix_cache.enabled": True, "prefix_cache.hbm_gb_per_gpu": 8}
@@ -89,6 +90,7 @@ def _search_spec(cache: bool):
         "scenario": sc, "max_simulations": 1})
 
 
+@pytest.mark.slow
 def test_search_with_prefix_cache_plans_fewer_prefillers(tmp_path):
     off, on = (run_search(_search_spec(c), tmp_path / str(c), progress=False) for c in (False, True))
     (po,), (pn,) = ([o for o in r.prefill if o.pruned is None] for r in (off, on))

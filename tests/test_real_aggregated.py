@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_real_driver import _scenario, _tiny_checkpoint
+from tiny_qwen3moe import real_scenario
 
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import replay, run_real
@@ -28,8 +28,8 @@ AGG = {"workers": 2, "tp": 1, "dp": 1, "ep": 1, "max_batch_per_rank": 4, "max_ba
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("real_agg"))
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt
 
 
 def _run(d, sc):
@@ -40,9 +40,10 @@ def _run(d, sc):
     return b, reqs, res, run
 
 
+@pytest.mark.slow
 def test_aggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckpt):
     _, hf, d = ckpt
-    sc = _scenario(d, deployment="aggregated", aggregated=AGG, workload=LOAD)
+    sc = real_scenario(d, deployment="aggregated", aggregated=AGG, workload=LOAD)
     b, reqs, res, run = _run(d, sc)
     assert res.metrics["requests"]["done"] == len(reqs)
     mixed = res.log.of_kind("mixed")
@@ -57,13 +58,13 @@ def test_aggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckp
     assert res.log.decisions() == rep.log.decisions()
     assert len(res.log.decisions()) > 50
     # the disaggregated run of the same requests generates the same tokens
-    _, reqs2, res2, run2 = _run(d, _scenario(d, workload=LOAD))
+    _, reqs2, res2, run2 = _run(d, real_scenario(d, workload=LOAD))
     assert [r.id for r in reqs2] == [r.id for r in reqs] and res2.metrics["requests"]["done"] == len(reqs)
     assert {r.id: run2.generated[r.id] for r in reqs} == {r.id: run.generated[r.id] for r in reqs}
 
 
 def test_real_mode_names_what_it_cannot_run(ckpt):
     _, _, d = ckpt
-    sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "dp": 2, "ep": 2})
+    sc = real_scenario(d, deployment="aggregated", aggregated={**AGG, "dp": 2, "ep": 2})
     with pytest.raises(UserError, match="aggregated workers of one GPU only"):
         run_real(build(sc), generate(sc.workload, sc.seed), simulate=simulate, device="cpu", dtype="fp32", weights=str(d))

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_real_aggregated import AGG, LOAD, _run
-from test_real_driver import _scenario, _tiny_checkpoint
+from tiny_qwen3moe import real_scenario
 
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.driver import replay
@@ -27,13 +27,14 @@ from rackbed.sim.driver import simulate
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("real_chunk"))
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt
 
 
+@pytest.mark.slow
 def test_chunked_aggregated_tokens_equal_transformers_and_replay_is_identical(ckpt):
     _, hf, d = ckpt
-    sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "chunk_tokens": 7}, workload=LOAD)
+    sc = real_scenario(d, deployment="aggregated", aggregated={**AGG, "chunk_tokens": 7}, workload=LOAD)
     b, reqs, res, run = _run(d, sc)
     assert res.metrics["requests"]["done"] == len(reqs)
     assert not run.chunk_open, "every chunked prompt reached its end"
@@ -56,6 +57,7 @@ def tiny_model(ckpt):
     return cfg, model
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 40), cuts=st.lists(st.integers(1, 39), max_size=3, unique=True))
 def test_static_chunks_equal_eager_prefill(tiny_model, n, cuts):

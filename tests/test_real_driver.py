@@ -11,40 +11,24 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+from tiny_qwen3moe import real_scenario
 
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import replay, run_real
 from rackbed.engine.real.model import TorchModelConfig
 from rackbed.sim.driver import simulate
-from rackbed.sim.scenario import build, parse_scenario
-
-
-def _tiny_checkpoint(tmp_path):
-    hc, hf = tiny_hf_model()
-    return hc, hf, save_checkpoint(hc, hf, tmp_path / "ckpt")
-
-
-def _scenario(ckpt, **over):
-    data = {"name": "cpu-real", "topology": "hgx-h200", "model": str(ckpt / "config.json"), "weight_format": "bf16",
-            "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
-            "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": 4},
-            "mtp": {"draft_k": 0},
-            "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
-                         "prompt": {"kind": "uniform", "lo": 5, "hi": 30},
-                         "output": {"kind": "uniform", "lo": 2, "hi": 8}, "n_requests": 10, "seed": 1}}
-    data.update(over)
-    return parse_scenario(data)
+from rackbed.sim.scenario import build
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("real"))
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt
 
 
+@pytest.mark.slow
 def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(ckpt):
     _, hf, d = ckpt
-    sc = _scenario(d)
+    sc = real_scenario(d)
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
@@ -61,9 +45,10 @@ def test_disaggregated_greedy_tokens_equal_transformers_and_replay_is_identical(
     assert len(res.log.decisions()) > 50
 
 
+@pytest.mark.slow
 def test_killed_decoder_rank_is_detected_and_no_request_is_lost(ckpt):
     _, _, d = ckpt
-    sc = _scenario(d, workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
+    sc = real_scenario(d, workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
                                 "prompt": {"kind": "uniform", "lo": 5, "hi": 30},
                                 "output": {"kind": "uniform", "lo": 20, "hi": 40}, "n_requests": 10, "seed": 1})
     b = build(sc)
@@ -125,6 +110,7 @@ def _reply_once(q, rank):
     q.join_thread()
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_replying_does_not_silence_the_others():
     """Each rank replies on a queue of its own: a multiprocessing.Queue's writers share a lock, and a rank killed
     while holding it (the failure drill above stalled for 300 s about one run in ten) must not stop another rank's

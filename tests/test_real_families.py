@@ -28,6 +28,7 @@ def _table(pts):
     return torch.tensor([pt + [pt[0]] * (width - len(pt)) for pt in pts])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_transformers_logits_and_greedy_tokens(family):
     hc, hf = tiny_hf_family(family)
@@ -108,6 +109,7 @@ def sharded():
     return cfgs, spawn_local(_all_cases_rank, 2, cfgs, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_prefill_equals_unsharded(sharded, family):
     cfgs, results = sharded
@@ -120,6 +122,7 @@ def test_sharded_prefill_equals_unsharded(sharded, family):
             assert torch.equal(res[k].argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dp_ep_decode_equals_unsharded(sharded, family):
     _, results = sharded
@@ -132,6 +135,7 @@ def test_dp_ep_decode_equals_unsharded(sharded, family):
 # disaggregated real run of each family: TP prefill -> KV transfer -> DP-EP decode, and its replay
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp_path, family):
     """Each tiny family through ``run_real``: prefill TP=2/EP=2, the KV shipped along ``engine.core.kv``'s plan to
@@ -189,6 +193,7 @@ def test_disaggregated_tokens_equal_transformers_and_replay_is_identical(tmp_pat
     assert len(res.log.decisions()) > 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_after_a_cached_prefix_equals_a_full_prefill(family):
     """A prompt's suffix prefilled after its cached prefix (latent rows for MLA; partial rotary for GLM) gives the

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tiny_qwen3moe import save_checkpoint, tiny_hf_model
+from tiny_qwen3moe import tiny_hf_model
 
 from rackbed.engine.core.workload import generate
 from rackbed.engine.real.driver import bad_endings, replay, run_real
@@ -44,9 +44,8 @@ def _scenario(ckpt: Path, decoders: int, n_requests: int = 12, rate: float = 40.
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    hc, hf = tiny_hf_model()
-    return save_checkpoint(hc, hf, tmp_path_factory.mktemp("faults") / "ckpt")
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt[2]
 
 
 def _kills(seed: int, decoder_gpus: list[int], last_arrival_s: float) -> list[tuple[float, int]]:
@@ -62,6 +61,7 @@ def _kills(seed: int, decoder_gpus: list[int], last_arrival_s: float) -> list[tu
     return [(rng.uniform(0.05, 1.0) * hi_t, g) for g in gpus]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decoders_killed_at_random_moments_leave_no_request_stalled(ckpt, seed):
     sc = _scenario(ckpt, decoders=4)
@@ -83,6 +83,7 @@ def test_decoders_killed_at_random_moments_leave_no_request_stalled(ckpt, seed):
     assert res.log.decisions() == rep.log.decisions()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [0.3, 0.45, 0.6])
 def test_the_prefiller_survives_when_all_its_decoders_die(ckpt, first):
     """Both decoders of a two-decoder run are killed while the prefiller holds KV waiting for room on them.
@@ -150,6 +151,7 @@ def _kv_in_flight(replies: dict[int, tuple[str, object]]):
     return run, ev, cmd_qs
 
 
+@pytest.mark.slow
 def test_a_decoder_without_free_pages_is_not_declared_dead():
     """A decoder that refuses a transfer for lack of pages replies ``declined: no pages`` (and so do the
     sources that saw the refusal): no rank is declared dead or stopped, the plan fails with ``KV_NO_ROOM``
@@ -180,6 +182,7 @@ def test_a_decoder_without_free_pages_is_not_declared_dead():
     assert run.deaths == [2] and run.pool.procs[2].killed and not ev.triggered
 
 
+@pytest.mark.slow
 def test_a_source_that_lost_the_kv_kills_no_rank_and_the_request_is_prefilled_again(ckpt):
     """Two requests' first KV transfers find their copy gone on the prefiller's second TP rank (the drill frees it
     just before the send): that source declines, the other ships, the decoder frees the pages it reserved and
@@ -245,6 +248,7 @@ def _wait_gone(pids: set[int], within_s: float) -> set[int]:
     return {p for p in pids if _running(p)}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
 def test_a_killed_driver_takes_its_ranks_with_it(ckpt, tmp_path):
     """SIGKILL the driver once its ranks are ready: every rank process is gone within a few seconds."""
@@ -280,6 +284,7 @@ def test_a_killed_driver_takes_its_ranks_with_it(ckpt, tmp_path):
         drv.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
 def test_a_killed_sweep_takes_its_pool_workers_with_it(tmp_path):
     script = tmp_path / "sweep.py"

@@ -37,6 +37,7 @@ def tiny():
     return cfg, hf, ShardedMoeLM.from_state_dict(hf.state_dict(), cfg, Shard(), Comm())
 
 
+@pytest.mark.slow
 def test_matches_transformers_logits_and_greedy_tokens(tiny):
     """Prompts of 11, 3 and 70 tokens (70 > one chunk of 64) prefilled together, then decoded as one batch of three
     (one recurrent step per token on each state slot): every step's logits and the greedy tokens equal
@@ -73,6 +74,7 @@ def test_matches_transformers_logits_and_greedy_tokens(tiny):
     assert toks == ref_tokens
 
 
+@pytest.mark.slow
 def test_a_sequence_decodes_alike_alone_and_in_a_batch(tiny):
     """A sequence's state is its own: decoding it alone or beside another sequence (other slots, other pages)
     gives the same logits; a freed and re-allocated slot starts from zero state."""
@@ -118,6 +120,7 @@ def test_prefix_resume_is_refused(tiny):
         m.forward_prefill([torch.zeros(3, dtype=torch.long)], cache, [cache.alloc(4)])
 
 
+@pytest.mark.slow
 @given(T=st.integers(1, 19), H=st.integers(1, 3), dk=st.sampled_from([2, 4]), dv=st.sampled_from([3, 4]),
        chunk=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**16))
 def test_chunked_delta_rule_equals_the_recurrence(T, H, dk, dv, chunk, seed):
@@ -183,14 +186,14 @@ def ckpt(tmp_path_factory):
 def _run(d, decode_pages=256, agg=True, **over):
     import json
 
-    from test_real_driver import _scenario
+    from tiny_qwen3moe import real_scenario
 
     from rackbed.engine.core.workload import generate
     from rackbed.engine.real.driver import run_real
     from rackbed.sim.driver import simulate
     from rackbed.sim.scenario import build
 
-    sc = _scenario(d, **{"workload": LOAD, **({"deployment": "aggregated", "aggregated": AGG} if agg else {}), **over})
+    sc = real_scenario(d, **{"workload": LOAD, **({"deployment": "aggregated", "aggregated": AGG} if agg else {}), **over})
     b = build(sc)
     reqs = generate(sc.workload, sc.seed)
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=256,
@@ -199,6 +202,7 @@ def _run(d, decode_pages=256, agg=True, **over):
     return sc, b, reqs, res, run
 
 
+@pytest.mark.slow
 def test_aggregated_run_real_tokens_equal_transformers_and_replay_is_identical(ckpt):
     """``run_real`` with one aggregated worker: every request finishes with transformers' greedy tokens, some step
     mixes a prompt into a running batch, the scheduler planned with the pages left after the state slots, and

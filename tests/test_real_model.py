@@ -24,6 +24,7 @@ def _hf_model(seed: int = 0):
     return tiny_hf_model(seed)
 
 
+@pytest.mark.slow
 def test_matches_transformers_logits_and_greedy_tokens():
     hc, hf = _hf_model()
     cfg = TorchModelConfig.from_hf(hc)
@@ -137,6 +138,7 @@ def two_rank_results():
     return spawn_local(_all_cases_rank, 2, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,ep", [(2, 2), (2, 1), (1, 2)])
 def test_sharded_prefill_equals_unsharded(two_rank_results, tp, ep):
     ref = _sharded_prefill_rank(0, 1, 1, 1, 3)
@@ -144,6 +146,7 @@ def test_sharded_prefill_equals_unsharded(two_rank_results, tp, ep):
         assert torch.allclose(res[(tp, ep)], ref, atol=1e-5), (res[(tp, ep)] - ref).abs().max()
 
 
+@pytest.mark.slow
 def test_tp_prefill_after_a_cached_prefix_equals_a_full_prefill(two_rank_results):
     """Each TP rank holds its own KV heads of the shared prefix pages; the suffix prefill reads them."""
     ref = _cached_prefix_prefill(ShardedQwen3Moe.random(CFG, Shard(), Comm(), seed=3), 3)[0]
@@ -153,6 +156,7 @@ def test_tp_prefill_after_a_cached_prefix_equals_a_full_prefill(two_rank_results
         assert untouched
 
 
+@pytest.mark.slow
 def test_dp_ep_decode_equals_unsharded(two_rank_results):
     errs = [res["dp_ep_decode_err"] for res in two_rank_results]
     assert max(errs) < 1e-5, errs

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from hypothesis import given, settings
 from hypothesis import strategies as st_
-from test_real_driver import _scenario, _tiny_checkpoint
+from tiny_qwen3moe import real_scenario
 
 from rackbed.engine.core.prefix_cache import PrefixCacheSpec
 from rackbed.engine.core.request import Request
@@ -37,12 +37,12 @@ CACHE = {"enabled": True, "block_tokens": BLOCK, "hbm_gb_per_gpu": 3.6e-6, "host
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return _tiny_checkpoint(tmp_path_factory.mktemp("real_prefix"))
+def ckpt(tiny_qwen3moe_ckpt):
+    return tiny_qwen3moe_ckpt
 
 
 def _run(d, cache=None, reqs=REQS, follows=FOLLOWS, **kw):
-    sc = _scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK},
+    sc = real_scenario(d, decode={"ep": 1, "replicas": 1, "max_batch_per_rank": 4, "page_tokens": BLOCK},
                    **({"prefix_cache": cache} if cache else {}))
     b = build(sc)
     res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
@@ -51,6 +51,7 @@ def _run(d, cache=None, reqs=REQS, follows=FOLLOWS, **kw):
     return sc, b, res, run
 
 
+@pytest.mark.slow
 def test_second_turn_reuses_the_first_turns_kv_and_generates_the_same_tokens(ckpt):
     _, hf, d = ckpt
     sc, b, res, run = _run(d, CACHE)
@@ -136,13 +137,14 @@ def test_rank_prefix_cache_reuses_only_equal_tokens_and_frees_pages_when_unrefer
     assert len(kv.free_pages) == 40 - rc.n_pages()
 
 
+@pytest.mark.slow
 def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
     """One aggregated worker (prefill and decode in one cache): turn 2's prefill maps turn 1's cached pages, its
     decode steps then grow the sequence past them into pages of its own."""
     from test_real_aggregated import AGG
 
     _, hf, d = ckpt
-    sc = _scenario(d, deployment="aggregated", aggregated={**AGG, "workers": 1},
+    sc = real_scenario(d, deployment="aggregated", aggregated={**AGG, "workers": 1},
                    prefix_cache={**CACHE, "hbm_gb_per_gpu": 7.2e-6})
     b = build(sc)
     res, run = run_real(b, REQS, simulate=simulate, device="cpu", dtype="fp32", weights=str(d), prefill_pages=64,
@@ -159,6 +161,7 @@ def test_aggregated_worker_reuses_the_first_turns_kv(ckpt):
     assert res.log.decisions() == rep.log.decisions()
 
 
+@pytest.mark.slow
 def test_trace_block_ids_give_the_prompts_their_shared_tokens(ckpt):
     """Trace requests (no conversation links) whose block ids agree get equal tokens there, so the ranks'
     content-keyed caches reuse exactly what the scheduler's id-keyed cache counts: request 1 shares request 0's

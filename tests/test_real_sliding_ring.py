@@ -47,6 +47,7 @@ def _table(pts):
     return torch.tensor([pt + [pt[0]] * (width - len(pt)) for pt in pts])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_greedy_tokens_equal_transformers_past_several_ring_wraps(tiny, static):
     """Prompts of 24, 40 and 33 tokens (3-5 windows) prefilled together, then 30 decode steps as one batch

@@ -85,6 +85,7 @@ def _unauthenticated_set(port: int, key: str, value: bytes) -> None:
         s.close()
 
 
+@pytest.mark.slow
 def test_a_client_without_the_token_writes_and_reads_nothing(store):
     """It tries to overwrite a reply waiting in the store: the driver reads the genuine reply at once."""
     res = reply_queue(store, 2, TOKEN, "r1")
@@ -98,6 +99,7 @@ def test_a_client_without_the_token_writes_and_reads_nothing(store):
     assert "messages_refused" not in REFUSALS.report()
 
 
+@pytest.mark.slow
 def test_flooding_connections_delays_no_message_and_a_connecting_rank_gets_in(store, monkeypatch):
     """Every handshake slot held by silent or trickling connections: a started run's queue still moves at
     once, a rank connecting meanwhile gets in at once (the oldest waiting connection is dropped), and a held
@@ -195,6 +197,7 @@ def _start_run(world: int = 2):
     return st, got[0]
 
 
+@pytest.mark.slow
 def test_recorded_messages_replayed_into_another_run_with_the_same_token_act_on_nothing():
     a, run_a = _start_run()
     b, run_b = _start_run()

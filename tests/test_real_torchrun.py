@@ -34,6 +34,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_serve_a_scenario_with_cross_node_kv(tmp_path):
     from tiny_qwen3moe import save_checkpoint, tiny_hf_model
 

@@ -34,6 +34,7 @@ def _collect(pool, need: dict[int, int], timeout_s: float) -> dict[int, dict[int
     return got
 
 
+@pytest.mark.slow
 def test_kv_transfer_completes_while_both_compute_lanes_are_blocked(tmp_path):
     hc, hf = tiny_hf_model()
     d = save_checkpoint(hc, hf, tmp_path / "ckpt")
@@ -124,6 +125,7 @@ def test_warmup_buckets_cover_every_reachable_width():
     assert graph_pages([], 64) == (0, 0)
 
 
+@pytest.mark.slow
 def test_a_source_without_the_kv_fails_its_transfer_and_the_pairs_stay_in_step(tmp_path, monkeypatch):
     """A prefiller rank asked to ship KV it no longer holds (its copy was dropped: a retry after the decoder died)
     fails that transfer — the decoder's receive fails too, it does not hang — and the next transfer on the same

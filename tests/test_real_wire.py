@@ -177,6 +177,7 @@ def test_a_bind_that_cannot_work_is_one_line():
         listen_socket("192.0.2.77", 0)
 
 
+@pytest.mark.slow
 def test_liveness_counts_beats_on_the_readers_clock():
     """A rank is alive while its beat number grows; replaying its last beat, or forging one without the token,
     does not keep it alive; wall-clock values play no part."""

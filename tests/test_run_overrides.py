@@ -27,6 +27,7 @@ SMALL = {
 }
 
 
+@pytest.mark.slow
 def test_default_scenario_every_worker_serves():
     """The default demo loads the rack: every prefiller and every decoder group serves requests, and tokens/s per
     GPU divide by the GPUs the groups hold."""

@@ -472,6 +472,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=250, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine.pytestmark = [pytest.mark.slow]
 
 
 def test_stop_plans_end_the_loops():

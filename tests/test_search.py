@@ -146,6 +146,7 @@ def test_selection_takes_whole_analytic_layers_within_budget():
     assert [c.est_tokens_per_s_per_gpu for c in two] == [3, 2]  # the front, cut by tokens/s per GPU
 
 
+@pytest.mark.slow
 def test_small_search_end_to_end(tmp_path):
     spec = make_spec(workload={"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 6},
                                "prompt": {"kind": "fixed", "tokens": 1500},

@@ -23,6 +23,7 @@ def _gpus(ov: dict) -> int:
     return ov["prefill.replicas"] * max(ov["prefill.tp"], ov["prefill.ep"]) + ov["decode.replicas"] * ov["decode.ep"]
 
 
+@pytest.mark.slow
 def test_budget_cli_fronts_fit_meet_slo_and_emit(tmp_path, capsys):
     from rackbed.engine.cli.main import main
 
@@ -250,6 +251,7 @@ def test_stack_prices_the_candidates(tmp_path, capsys):
     assert rc == 2 and err.startswith("rackbed: error: --stack vllm: no calibration") and "\n" not in err
 
 
+@pytest.mark.slow
 def test_max_rate_brackets_the_highest_rate():
     """:func:`sim.budget.max_rate`: the rate returned met the SLOs in its simulation and is the highest simulated
     that did; a simulated rate at most ``1 + 2**-steps`` times higher missed them (doubling, then ``steps``

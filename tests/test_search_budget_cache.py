@@ -41,6 +41,7 @@ def _analytic(cache: dict | None):
     return cands
 
 
+@pytest.mark.slow
 def test_cache_never_costs_rate_or_prefillers_and_is_deterministic():
     off, on = _analytic(None), _analytic({"enabled": True})
     assert [c.label.split(" x ", 1)[-1] for c in off] == [c.label.split(" x ", 1)[-1] for c in on]
@@ -71,6 +72,7 @@ def test_hit_curve_is_the_leading_requests_reuse():
     assert h(4, 2, 0.7) == lru_reuse(reqs[:7], 4, 2) and h(4, 2, 100.0) == lru_reuse(reqs, 4, 2)
 
 
+@pytest.mark.slow
 def test_budget_cli_states_the_hit_rate_and_plans_no_less(tmp_path, capsys):
     from rackbed.engine.cli.main import main
 

@@ -71,6 +71,7 @@ def _analytic(spec):
     return c, point.scenario
 
 
+@pytest.mark.slow
 @settings(max_examples=30, derandomize=True, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data())

@@ -38,6 +38,7 @@ def _longer(res, rec, factor: float):
     return sc.model_copy(update={"workload": wl})
 
 
+@pytest.mark.slow
 def test_best_points_hold_for_four_windows(searched):
     spec, res = searched
     assert res.best is not None
@@ -53,6 +54,7 @@ def test_best_points_hold_for_four_windows(searched):
         assert per_gpu == pytest.approx(rec["summary"]["tokens_per_s_per_gpu"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_window_rule(searched):
     spec, res = searched
     life = bu.request_life_s(spec, 100)
@@ -68,6 +70,7 @@ def test_window_rule(searched):
     assert bu.arrival_window(long, res.load) == 100.0
 
 
+@pytest.mark.slow
 def test_confirmed_points_are_steady(searched):
     spec, res = searched
     assert res.confirmed
@@ -108,6 +111,7 @@ def test_steady_check():
     assert bu.steady({"status": "ok"}, 1.0, 0.03)["ok"]
 
 
+@pytest.mark.slow
 def test_rate_search_runs_the_window_rule_and_its_best_points_hold():
     """The fixed-rate search (``rackbed search --rate``, spec searches, ``rackbed capacity``) simulates the same
     arrival window as the budget search and reports only points that hold; each, simulated for 4x that window,

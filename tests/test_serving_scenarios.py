@@ -89,6 +89,7 @@ def test_fault_drill_is_h_plus_a_fault():
     assert len(faults) == 1 and faults[0]["target"].startswith("node:")
 
 
+@pytest.mark.slow
 def test_fault_targets_a_decoder_node(runs):
     sc, b, _ = runs["j"]
     host = int(sc.faults[0].target.split(":")[1])
@@ -120,6 +121,7 @@ def test_study_errors_are_one_line(tmp_path, data, match):
 # ------------------------------------------------------------------------------------------------ (h), (i)
 
 
+@pytest.mark.slow
 def test_h_golden(runs):
     sc, _, res = runs["h"]
     m = res.metrics
@@ -135,6 +137,7 @@ def test_h_golden(runs):
     assert all(x.gpus_decode >= 16 for x in s)  # min_decoders=1 EP16 decoder, never failed here
 
 
+@pytest.mark.slow
 def test_i_golden_and_vs_h(runs):
     _, b, res = runs["i"]
     m = res.metrics
@@ -148,6 +151,7 @@ def test_i_golden_and_vs_h(runs):
     assert m["latency_s"]["tpot"]["p50"] > 1.5 * mh["latency_s"]["tpot"]["p50"]
 
 
+@pytest.mark.slow
 def test_cost_compare(runs):
     st = sf.load_study(scenarios.resolve("hi_cost_per_token"))
     res = sf.cost_compare_result(st, [(st.runs[0], runs["h"][1], runs["h"][2]),
@@ -171,6 +175,7 @@ def test_cost_compare(runs):
 # ------------------------------------------------------------------------------------------------ (j)
 
 
+@pytest.mark.slow
 def test_fault_drill_no_request_lost_and_recovers(runs):
     sc, _, res = runs["j"]
     st = sf.load_study(scenarios.resolve("j_fault_drill_report"))
@@ -193,6 +198,7 @@ def test_fault_drill_no_request_lost_and_recovers(runs):
     assert ph["after"]["tpot_p50_ms"] < 1.5 * ph["before"]["tpot_p50_ms"]  # recovered
 
 
+@pytest.mark.slow
 def test_fault_drill_result_and_files(runs, tmp_path):
     from rich.console import Console
 
@@ -205,6 +211,7 @@ def test_fault_drill_result_and_files(runs, tmp_path):
     assert len(doc["timeline"]["t_s"]) == len(res.samples)
 
 
+@pytest.mark.slow
 def test_fault_drill_needs_faults(runs):
     sc, _, res = runs["h"]
     with pytest.raises(ValueError, match="needs a scenario with faults"):
@@ -224,6 +231,7 @@ def frontier():
     return st, rows, sf.frontier_result(st, rows)
 
 
+@pytest.mark.slow
 def test_frontier_points(frontier):
     _, rows, _ = frontier
     assert len(rows) == 6
@@ -306,6 +314,7 @@ def test_decode_window_hand_computed():
     assert w["requests_in_window"] == 1
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(hs.lists(hs.tuples(hs.integers(2, 500), hs.floats(0, 50), hs.floats(0.01, 30)), min_size=1, max_size=30),
        hs.floats(0, 40), hs.floats(0.5, 40), hs.integers(1, 16))
@@ -336,6 +345,7 @@ def test_interp_at_user_speed():
     assert sf.interp_at_user_speed(pts, 40.0) is None and sf.interp_at_user_speed(pts, 201.0) is None
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(hs.lists(hs.tuples(hs.floats(1, 1e3), hs.floats(1, 1e4)), min_size=1, max_size=8, unique=True),
        hs.floats(1.01, 3))
@@ -350,6 +360,7 @@ def test_dominates_properties(pairs, f):
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+@pytest.mark.slow
 def test_cli_runs_a_serving_study(tmp_path):
     """`rackbed run STUDY.yaml` dispatches kind: serving_study (needs the engine/cli/run.py dispatch)."""
     import yaml

@@ -70,6 +70,7 @@ def specs(draw):
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(spec=specs())
 def test_session_streams_hold_their_invariants(spec):
@@ -163,6 +164,7 @@ def test_partial_blocks_get_fresh_ids():
     assert p == [(0,), (1, 2), (1, 3, 4)]
 
 
+@pytest.mark.slow
 def test_rate_turns_and_counters():
     spec = _spec(turns={"kind": "fixed", "tokens": 3}, n_requests=None, duration_s=2000.0,
                  think={"kind": "fixed", "s": 1.0}, assumed_tpot_s=0.0, assumed_ttft_s=0.0)

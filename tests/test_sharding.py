@@ -240,6 +240,7 @@ def valid_plans(draw):
     return model, p
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(valid_plans())
 def test_budget_conserves_model_bytes(mp):
@@ -276,6 +277,7 @@ def test_budget_conserves_model_bytes(mp):
     assert not tight.memory_budget(model, hbm_bytes=need - 1).fits
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(valid_plans(), st.sampled_from([2, 4]))
 def test_sharding_wider_never_needs_more_weight_memory(mp, factor):
@@ -351,6 +353,7 @@ def test_cli_check_ok_and_show(capsys):
     assert "tp=8 exceeds 4 KV heads" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_show_kv_transfer(tmp_path, capsys):
     f = write(tmp_path, {"topology": "gb200-nvl72", "model": "qwen3-30b-a3b",
                          "prefill": {"tp": 4, "ep": 4, "gpus": "0-3"},

@@ -127,6 +127,7 @@ def test_autoscaler_grows_prefillers_under_load():
     assert res.metrics["requests"]["done"] == 300
 
 
+@pytest.mark.slow
 def test_outputs_written(tmp_path):
     res = _run(0, slo=Slo(ttft_s=1.0))
     paths = write_all(res, tmp_path)
@@ -169,6 +170,7 @@ def test_fault_validation():
         Fault(1.0, "nic:0", 3.0), Fault(2.0, "gpu:1"))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 60), rate=st.floats(1.0, 200.0), seed=st.integers(0, 1000),
        faults=st.lists(st.tuples(st.floats(0.0, 3.0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_sim_driver_models import KV_BYTES_PER_TOKEN, AnalyticCost, poisson_requests, small_deployment
@@ -58,6 +59,7 @@ def _assert_same(a, b) -> None:
     assert b.perf["fast_decode_steps"] == 0
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n_dec=st.integers(1, 3), ep=st.sampled_from([1, 2, 4]),
        cap=st.integers(1, 8), draft_k=st.integers(0, 3), accept_p=st.sampled_from([0.0, 0.6, 0.8, 1.0]),
@@ -82,6 +84,7 @@ def test_fast_forward_is_step_by_step(seed, n_dec, ep, cap, draft_k, accept_p, r
     _assert_same(a, b)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), rate=st.floats(5.0, 60.0), shift=st.sampled_from([0, 10]))
 def test_fast_forward_with_autoscaler(seed, rate, shift):

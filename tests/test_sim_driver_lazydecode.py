@@ -4,6 +4,7 @@ step — with autoscaling (draining decoders) and faults — and they are most o
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_sim_driver_fastdecode import GridCost, _assert_same, _both
@@ -13,6 +14,7 @@ from rackbed.engine.core.autoscaler import AutoscalerConfig
 from rackbed.engine.core.scheduler import Scheduler
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), rate=st.floats(5.0, 60.0), shift=st.sampled_from([0, 10]),
        fault=st.booleans())

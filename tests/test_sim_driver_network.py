@@ -3,6 +3,7 @@ starts when its sender's tx and its receiver's rx are both free (and not before 
 ``bytes / min(rates)``; a transfer ends with its last flow. Checked against a plain dict-per-direction version
 of the rule, float for float, over random transfer sequences."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,7 @@ _nic = st.sampled_from(sorted(_RATES))
 _flow = st.tuples(_nic, _nic, st.integers(-5, 10**9))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 5, allow_nan=False), st.lists(_flow, max_size=4)), max_size=12),
        st.floats(0.5, 20, allow_nan=False))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_sim_driver_fastdecode import GridCost, _assert_same, _both
@@ -84,6 +85,7 @@ def test_geometric_by_inversion():
     assert AcceptanceStream(np.random.default_rng(0), 1, 0.5).inv is None
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n_dec=st.integers(1, 3), ep=st.sampled_from([2, 4, 8]),
        cap=st.integers(2, 16), draft_k=st.integers(0, 2), rate=st.floats(10.0, 80.0),

@@ -70,6 +70,7 @@ def test_collector_state_is_restored_after_an_error(monkeypatch):
     assert gc.get_threshold() == th
 
 
+@pytest.mark.slow
 def test_frozen_objects_of_the_caller_stay_frozen():
     gc.freeze()
     try:

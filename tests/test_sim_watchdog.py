@@ -98,6 +98,7 @@ def test_without_events_left_open_requests_end_stalled():
     assert _stalled_status({"requests": {"rejected_by_reason": {"unreachable": 3}}}) == 0
 
 
+@pytest.mark.slow
 def test_watchdog_waits_for_pending_recoveries():
     # nothing progresses while a NIC is down for 200 s; the recovery still to come is not a stall
     dep = small_deployment()

@@ -136,6 +136,7 @@ def _private_simpy_uses(path: Path, imports: bool = False) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_simpy_internals_stay_in_simenv():
     """SimPy's private attributes are used in engine/loop/simenv.py only, and the real engine imports no private
     name of the simulator."""

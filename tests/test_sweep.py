@@ -186,6 +186,7 @@ def test_shipped_sweep_specs_parse():
     assert sw.n_points(sw.load_sweep("bench-1000")) == 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_every_start_method_gives_the_in_process_records(tmp_path, method):
     """Pool workers started by a fork server have the fork server for their operating-system parent; they must not

@@ -146,6 +146,7 @@ def _wait_for_records(p: subprocess.Popen, res: Path, n: int) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_ray_sweep_interrupted_killed_resumed_matches_the_local_run(cluster, spec_path, local, tmp_path):
     """Three drivers on one results file: Ctrl-C after the first record, SIGKILL after the next, then one that
     finishes. Every point is recorded exactly once, each record equal to the local run's but for timings/pids."""

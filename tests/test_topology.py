@@ -284,6 +284,7 @@ def _latency(t: Topology, hops) -> float:
 PROP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @PROP
 @given(clusters(), st.data())
 def test_routing_properties(c, data):

@@ -77,6 +77,7 @@ def graphs(draw) -> Topology:
     return Topology(g, name)
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graphs(), st.sampled_from(["yaml", "json"]))
 def test_round_trip(t, fmt):

@@ -153,6 +153,7 @@ def test_poisson_mean_gap_and_cv(rate, seed):
     assert (gaps >= 0).all()
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(rate=st.floats(1e-2, 1e4), cv=st.floats(0.2, 4.0), seed=st.integers(0, 2**31))
 def test_gamma_rate_and_cv_recovered(rate, cv, seed):
@@ -198,6 +199,7 @@ def test_fixed_and_uniform_lengths():
     assert {r.output_tokens for r in reqs} == {7}
 
 
+@pytest.mark.slow
 def test_lognormal_percentiles_and_mean_recovered():
     reqs = generate(_spec(prompt=LogNormal(p50=2000, p90=8000), n_requests=100000))
     p = np.array([r.prompt_tokens for r in reqs])

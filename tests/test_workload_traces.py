@@ -115,6 +115,7 @@ def test_full_traces_published_numbers():
 # ------------------------------------------------------------------------------------------ replay semantics
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(name=st.sampled_from(sorted(TRACE_FILES)), scale=st.floats(1e-3, 1e3))
 def test_time_scale_scales_arrivals_exactly(name, scale):

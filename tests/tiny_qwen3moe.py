@@ -1,4 +1,5 @@
-"""A tiny random Qwen3-MoE from transformers (no download), and its checkpoint, for the real-engine tests."""
+"""A tiny random Qwen3-MoE from transformers (no download), its checkpoint, and the scenario the real-engine
+tests run on it (a helper module: the tests import it by name under `pytest` and `python -m pytest` alike)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,25 @@ def save_checkpoint(hc, hf, directory: Path) -> Path:
     hc.save_pretrained(directory)
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(directory / "model.safetensors"))
     return directory
+
+
+def tiny_checkpoint(directory: Path):
+    """``(config, model, folder)``: :func:`tiny_hf_model` saved under ``directory/ckpt``."""
+    hc, hf = tiny_hf_model()
+    return hc, hf, save_checkpoint(hc, hf, directory / "ckpt")
+
+
+def real_scenario(ckpt: Path, **over):
+    """The scenario the real-engine tests run on a tiny checkpoint: one TP=2 prefiller and two decoders on an
+    HGX H200's GPU ids (CPU processes here), 10 short requests; ``over`` replaces top-level fields."""
+    from rackbed.sim.scenario import parse_scenario
+
+    data = {"name": "cpu-real", "topology": "hgx-h200", "model": str(ckpt / "config.json"), "weight_format": "bf16",
+            "prefill": {"tp": 2, "ep": 2, "replicas": 1, "max_batch_tokens": 256},
+            "decode": {"ep": 1, "replicas": 2, "max_batch_per_rank": 4, "page_tokens": 4},
+            "mtp": {"draft_k": 0},
+            "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 20},
+                         "prompt": {"kind": "uniform", "lo": 5, "hi": 30},
+                         "output": {"kind": "uniform", "lo": 2, "hi": 8}, "n_requests": 10, "seed": 1}}
+    data.update(over)
+    return parse_scenario(data)
