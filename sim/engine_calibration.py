@@ -411,8 +411,8 @@ def _line(xs, ys) -> tuple[float, float]:
         r = y - (a + b * x)
         mad = float(np.median(np.abs(r - np.median(r)))) or 1e-12
         keep = np.abs(r - np.median(r)) <= 3 * 1.4826 * mad
-        if keep.all() or keep.sum() < 3:
-            break
+        if keep.all() or keep.sum() < 3 or len(set(x[keep].tolist())) < 2:
+            break           # (dropping would leave one x: no slope to fit)
         x, y = x[keep], y[keep]
     b, a = np.polyfit(x, y, 1)
     if b < 0:

@@ -63,7 +63,8 @@ def specs(draw):
         think=think,
         assumed_ttft_s=draw(st.sampled_from([0.0, 0.5])),
         assumed_tpot_s=draw(st.sampled_from([0.0, 0.03])),
-        max_prompt_tokens=draw(st.sampled_from([None, 4000, 20000])),
+        # at least a system prompt (<= 3000) plus a first input (<= 2048): a smaller cap refuses every session
+        max_prompt_tokens=draw(st.sampled_from([None, 6000, 20000])),
         n_requests=draw(st.integers(1, 250)),
         duration_s=draw(st.sampled_from([None, 30.0, 500.0])),
         seed=draw(st.integers(0, 2**32)),
