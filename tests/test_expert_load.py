@@ -268,6 +268,7 @@ def test_read_histogram_forms(tmp_path):
     with pytest.raises(UserError, match="neither JSON nor rows of numbers"):
         read_histogram(p)
 
+@pytest.mark.slow
 
 def test_shipped_eplb_figure(tmp_path):
     """``rackbed run fig_dsv3_decode_eplb`` (the table of docs/MODELS.md): the power law slows the step, static
@@ -284,6 +285,7 @@ def test_shipped_eplb_figure(tmp_path):
         assert skew > 1.1 * uni and static > 1.1 * uni32
         assert uni32 <= eplb < 1.02 * uni32
 
+@pytest.mark.slow
 
 def test_simulation_prices_the_busiest_rank():
     """A whole (small) simulated run: the fields reach the simulated decode steps — a power-law run decodes slower
@@ -304,6 +306,7 @@ def test_simulation_prices_the_busiest_rank():
     assert tpot(expert_load=pl) > uni
     assert tpot(redundant_experts=32, expert_load=pl, eplb={}) != tpot(redundant_experts=32, expert_load=pl)
 
+@pytest.mark.slow
 
 def test_search_knob_adds_redundant_slots_priced_at_the_busiest_rank():
     """``space.decode_extra_slots_per_rank: [0, 1]`` searches EP32 with 0 and 32 more slots; with the spec's

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lane import first_in_lane
 
 from rackbed.engine.real import layers_gqa
 from rackbed.kernels import paged_attention as pa
@@ -36,6 +37,7 @@ def _cache(gen, n_pages, hkv, S, D):
     return torch.randn(n_pages, 2, hkv, S, D, generator=gen)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), group=st.sampled_from([1, 3, 4, 16]), window=st.sampled_from([0, 5, 23]),
        sinks=st.booleans(), splits=st.integers(1, 5), P=st.integers(1, 4))
@@ -53,6 +55,7 @@ def test_gqa_equals_the_torch_path(seed, group, window, sinks, splits, P):
     assert torch.allclose(out, ref, atol=2e-6), (out - ref).abs().max()
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), window=st.sampled_from([1, 6, 16, 30]), sinks=st.booleans(),
        splits=st.integers(1, 3))
@@ -71,6 +74,7 @@ def test_ring_equals_the_torch_path(seed, window, sinks, splits):
     assert torch.allclose(out, ref, atol=2e-6), (out - ref).abs().max()
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), H=st.integers(1, 20), splits=st.integers(1, 3), block=st.sampled_from([16, 32]))
 def test_mla_equals_the_torch_path(seed, H, splits, block):
@@ -134,7 +138,7 @@ def _decode_logits(model, cache, prompts, steps):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("family", first_in_lane(["gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe"]))
 def test_engine_decode_steps_equal_with_and_without_the_kernel(family, monkeypatch):
     """Whole decode steps of each family (MLA; sliding layers on their ring with sinks; GQA with biases), pages of
     16 slots, prompts past gpt-oss's window: logits with the kernel equal the torch path's."""

@@ -66,6 +66,7 @@ def test_every_issued_chunk_is_warmed_or_the_shortfall_is_reported(plan, limit):
         flags = [k in zero for k in keys[1:]]
         assert flags == sorted(flags, reverse=True)
 
+@pytest.mark.slow
 
 def test_large_ranges_are_counted_fast_and_bounded():
     """A 16k-token prompt range with 16-token pages and blocks: thousands of keys, counted in about a second;
