@@ -146,7 +146,8 @@ def test_gpus_resizes_the_preset_and_scales_the_groups():
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from(["gb200-nvl72", "hgx-h200", "hgx-b200", "hgx-h200*4", "gb200-nvl72@8"]),
+@given(name=st.sampled_from(["gb200-nvl72", "hgx-h200", "hgx-b200", "hgx-h200*4", "gb200-nvl72@8", "gb300-nvl72",
+                             "hgx-b300", "hgx-h100", "hgx-h800*2"]),
        n=st.integers(1, 300))
 def test_resized_has_exactly_n_gpus_or_says_why(name, n):
     try:
