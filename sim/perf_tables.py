@@ -57,6 +57,7 @@ from rackbed.sim import perf_tables_attention as pta
 from rackbed.sim import perf_tables_mla as ptm
 from rackbed.sim.perf_tables_base import (
     BACKENDS,
+    DERIVED,
     GEMM_FMT,
     GEMM_MIN_NK,
     HOLDOUT_RULE,
@@ -358,6 +359,8 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
 
 IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall,
                                                  *ptm.IMPORTERS)
+#: the importers of collective tables (measured on the system's own NVLink; a DERIVED system skips them)
+COMM_IMPORTERS = (import_allreduce, import_alltoall)
 
 
 def _attention_importers() -> tuple[Callable[..., Imported], ...]:
@@ -375,14 +378,19 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
     if backend not in BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     root = root or data_root()
-    if not (root / system).is_dir():
-        raise UserError(f"{PACKAGE} has no tables for system {system!r} (looked in {root})")
     gpu, _short = SYSTEMS[system]
+    folder, derived_note = DERIVED.get(system, (system, ""))
+    if not (root / folder).is_dir():
+        raise UserError(f"{PACKAGE} has no tables for system {folder!r} (looked in {root})")
     say = progress or (lambda s: None)
     parts: list[Imported] = []
     for imp in IMPORTERS + _attention_importers():
+        if derived_note and imp in COMM_IMPORTERS:
+            continue
         say(f"reading {imp.__name__.removeprefix('import_')} tables")
-        parts.append(imp(root, system, backend, gpu))
+        parts.append(imp(root, folder, backend, gpu))
+    if derived_note:
+        parts.append(Imported(notes=[derived_note]))
     curves = [c for p in parts for c in p.curves]
     if not curves:
         raise UserError(f"{PACKAGE}: no usable tables for {system} under {backend}")
@@ -424,7 +432,8 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         "stack": backend,
         "source": PACKAGE,
         "package_version": package_version(),
-        "system": system,
+        "system": folder,
+        **({"for_system": system} if derived_note else {}),
         "backend": backend,
         "tables": sorted((t for p in parts for t in p.tables), key=lambda t: t["file"]),
         "notes": [n for p in parts for n in p.notes],

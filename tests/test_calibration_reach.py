@@ -169,7 +169,8 @@ DRIVERS = {
 
 def test_tables_found():
     names = {f.name for f in _tables()}
-    assert {"h200.yaml", "h200-trtllm.json", "gb200-trtllm.json", "b200-trtllm.json"} <= names
+    assert {"h200.yaml", "h200-trtllm.json", "gb200-trtllm.json", "b200-trtllm.json", "gb300-trtllm.json",
+            "b300-trtllm.json", "h100-trtllm.json", "h800-trtllm.json"} <= names
 
 
 @pytest.mark.parametrize("f", _tables(), ids=lambda f: f.name)
@@ -216,7 +217,8 @@ def test_alias_spellings_still_read():
             assert c.calibrated and c.total_s == pytest.approx(9e-6)
 
 
-@pytest.mark.parametrize("gpu_file", ["h200-trtllm.json", "b200-trtllm.json", "gb200-trtllm.json"])
+@pytest.mark.parametrize("gpu_file", ["h200-trtllm.json", "b200-trtllm.json", "gb200-trtllm.json",
+                                      "gb300-trtllm.json", "b300-trtllm.json", "h100-trtllm.json"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_allreduce_priced_from_measured_curves(gpu_file, n):
     """TP2 / TP4 all-reduces under the trtllm stack (algo auto) come from the measured curves (the stack's custom
@@ -230,6 +232,24 @@ def test_tp_allreduce_priced_from_measured_curves(gpu_file, n):
         measured = [calib.lookup("allreduce_us", topo.gpu_spec(0).name, n_bytes, algo=a, n_ranks=n)
                     for a in collective.ALGOS]
         assert c.total_s * 1e6 == pytest.approx(min(m for m in measured if m is not None))
+
+
+def test_h800_collectives_are_priced_from_its_own_nvlink():
+    """H800's file has no collective curves (H100's were measured on 900 GB/s NVLink): its TP all-reduce and EP
+    dispatch are the model's on the 400 GB/s hgx-h800, slower than the same model on hgx-h100, while its GEMMs are
+    H100's measured curves."""
+    from rackbed.sim.costs import gemm
+
+    h800 = _load(Path(CALIBRATION_DIR) / "h800-trtllm.json")
+    h100 = _load(Path(CALIBRATION_DIR) / "h100-trtllm.json")
+    t800, t100 = preset("hgx-h800"), preset("hgx-h100")
+    for n in (2, 4, 8):
+        c = collective.allreduce_time(t800, list(range(n)), 7168 * 2 * 4096, calib=h800)
+        e100 = collective.allreduce_time(t100, list(range(n)), 7168 * 2 * 4096)
+        assert not c.calibrated and c.total_s > 1.5 * e100.total_s
+    g800 = gemm.gemm_time(t800.gpu_spec(0), 256, 4096, 4096, "fp8", calib=h800)
+    g100 = gemm.gemm_time(t100.gpu_spec(0), 256, 4096, 4096, "fp8", calib=h100)
+    assert g800.calibrated and g800.total_s == pytest.approx(g100.total_s, rel=1e-12)
 
 
 def test_unmeasured_group_size_scales_the_nearest_measured():

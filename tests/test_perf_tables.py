@@ -66,6 +66,14 @@ def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
     assert "held-out rows" in text and "| gemm_tflops |" in text
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("system", ["gb300", "b300", "h100", "h800"])
+def test_shipped_blackwell_ultra_and_hopper_files_are_reproduced(system):
+    """The GB300, B300, H100 and H800 files are the importer's output byte for byte (~20 s each)."""
+    doc = pt.build_calibration(system, "trtllm")
+    assert pt.dumps(doc).encode() == (REPO / "calibration" / f"{system}-trtllm.json").read_bytes()
+
+
 def test_shipped_h200_tables_file_is_reproduced(h200_doc):
     """(B200's file is made the same way; `rackbed calibrate --from-aiconfigurator b200` reproduces it too.)"""
     assert pt.dumps(h200_doc).encode() == (REPO / "calibration" / "h200-trtllm.json").read_bytes()
@@ -162,7 +170,7 @@ def test_a_well_formed_minimal_table_imports(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--from-aiconfigurator", "h100"], r"unknown system 'h100'"),
+    (["--from-aiconfigurator", "a100"], r"unknown system 'a100'"),
     (["--from-aiconfigurator", "gb200", "--out", "x.yaml"], r"written as JSON"),
 ])
 def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
@@ -172,10 +180,43 @@ def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err)
 
 
-def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
-    table = default_calibration_for("B200-GB200")
-    assert Path(table.path).name == "gb200-trtllm.json"
-    assert load_calibration_file(table.path).meta["validation"]
+@pytest.mark.parametrize("gpu, name", [("B200-GB200", "gb200"), ("B300-GB300", "gb300"), ("B300-HGX", "b300"),
+                                       ("H100-SXM", "h100"), ("H800-SXM", "h800")])
+def test_shipped_gb200_file_is_what_a_gb200_scenario_uses(gpu, name):
+    table = default_calibration_for(gpu)
+    assert Path(table.path).name == f"{name}-trtllm.json"
+    meta = load_calibration_file(table.path).meta
+    assert meta["validation"] and meta["gpu"] == gpu and {e.gpu for e in table.entries} == {gpu}
+
+
+def test_h800_takes_h100_kernels_and_no_collective_tables():
+    """H800's file is H100's kernel curves under the H800 name; H100's collectives (900 GB/s NVLink) are left to
+    the analytic model of H800's 400 GB/s NVLink."""
+    h800 = load_calibration_file(default_calibration_for("H800-SXM").path)
+    h100 = load_calibration_file(default_calibration_for("H100-SXM").path)
+    assert h800.meta["system"] == "h100_sxm" and h800.meta["for_system"] == "h800"
+    assert not any(t["op"] == "comm" for t in h800.meta["tables"])
+    assert any("not imported" in n for n in h800.meta["notes"])
+    kinds = {e.kind for e in h800.entries}
+    assert "allreduce_us" not in kinds and "a2a_us" not in kinds
+    assert {"allreduce_us", "a2a_us"} <= {e.kind for e in h100.entries}
+    kernel = [(e.kind, e.key, e.points) for e in h100.entries if e.kind not in ("allreduce_us", "a2a_us")]
+    assert kernel == [(e.kind, e.key, e.points) for e in h800.entries]
+
+
+def test_derived_system_reads_the_other_folder_and_skips_its_comm_tables(tmp_path, monkeypatch):
+    """A malformed H100 all-reduce table stops the H100 import but is never read for H800."""
+    _write(tmp_path / "data", GOOD, system="h100_sxm")
+    _write(tmp_path / "data", {"bogus": [1.0]}, name="custom_allreduce_perf.parquet", op="comm",
+           system="h100_sxm")
+    monkeypatch.setattr(pt, "data_root", lambda: tmp_path / "data")
+    with pytest.raises(UserError, match="custom_allreduce_perf.parquet: missing column"):
+        pt.build_calibration("h100")
+    doc = pt.build_calibration("h800")
+    (e,) = doc["entries"]
+    assert e["gpu"] == "H800-SXM" and e["kind"] == "gemm_tflops"
+    assert doc["meta"]["system"] == "h100_sxm" and doc["meta"]["for_system"] == "h800"
+    assert pt.default_out("h800", "trtllm").name == "h800-trtllm.json"
 
 
 # ------------------------------------------------------------------------------------------------ what runs print
