@@ -63,6 +63,7 @@ from rackbed.sim.perf_tables_base import (
     HOLDOUT_RULE,
     PACKAGE,
     PAYLOAD,
+    SCALE_MODEL,
     SCHEMA,
     SYSTEMS,
     Curve,
@@ -359,8 +360,40 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
 
 IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall,
                                                  *ptm.IMPORTERS)
-#: the importers of collective tables (measured on the system's own NVLink; a DERIVED system skips them)
+#: the importers of collective tables (measured on the system's own NVLink; a DERIVED system scales their curves)
 COMM_IMPORTERS = (import_allreduce, import_alltoall)
+
+
+def scale_collectives(part: Imported, measured_on: str, runs_on: str) -> None:
+    """Scale every all-reduce / all-to-all curve of ``part``, measured on preset ``measured_on``, to preset
+    ``runs_on``: each point's time times the simulator's first-principles time of the same collective (same group
+    size and bytes; all-to-all as DP-EP decode dispatch / combine of :data:`SCALE_MODEL` in bf16) on ``runs_on``
+    over that on ``measured_on``. The held-out rows of a scaled curve check its interpolation only."""
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.costs import collective, moe_comm
+    from rackbed.topology import load
+
+    ref, own = load(measured_on), load(runs_on)
+    model = get_model(SCALE_MODEL)
+
+    def model_s(topo, c: Curve, x: float) -> float:
+        n = int(c.key["n_ranks"])
+        if n > min(ref.n_gpus, own.n_gpus):
+            raise UserError(f"{c.label}: measured on {n} GPUs, more than the {runs_on} preset holds")
+        gpus = list(range(n))
+        if c.kind == "allreduce_us":
+            return collective.allreduce_time(topo, gpus, x, algo=c.key["algo"]).total_s
+        tokens = x / (model.hidden * 2)
+        if c.key["op"] == "dispatch":
+            return moe_comm.dpep_decode_dispatch(topo, gpus, tokens, model, "bf16").total_s
+        return moe_comm.dpep_decode_combine(topo, gpus, tokens, model).total_s
+
+    for c in part.curves:
+        for x in sorted(c.points):
+            r = model_s(own, c, x) / model_s(ref, c, x)
+            c.points[x] = _sig(c.points[x] * r)
+            c.measured[x] *= r
+        c.source += f", scaled to {runs_on} by the model's {runs_on} / {measured_on} time"
 
 
 def _attention_importers() -> tuple[Callable[..., Imported], ...]:
@@ -379,18 +412,20 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     root = root or data_root()
     gpu, _short = SYSTEMS[system]
-    folder, derived_note = DERIVED.get(system, (system, ""))
+    derived = DERIVED.get(system)
+    folder = derived[0] if derived else system
     if not (root / folder).is_dir():
         raise UserError(f"{PACKAGE} has no tables for system {folder!r} (looked in {root})")
     say = progress or (lambda s: None)
     parts: list[Imported] = []
     for imp in IMPORTERS + _attention_importers():
-        if derived_note and imp in COMM_IMPORTERS:
-            continue
         say(f"reading {imp.__name__.removeprefix('import_')} tables")
-        parts.append(imp(root, folder, backend, gpu))
-    if derived_note:
-        parts.append(Imported(notes=[derived_note]))
+        part = imp(root, folder, backend, gpu)
+        if derived and imp in COMM_IMPORTERS:
+            scale_collectives(part, derived[1], derived[2])
+        parts.append(part)
+    if derived:
+        parts.append(Imported(notes=[derived[3]]))
     curves = [c for p in parts for c in p.curves]
     if not curves:
         raise UserError(f"{PACKAGE}: no usable tables for {system} under {backend}")
@@ -433,7 +468,7 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         "source": PACKAGE,
         "package_version": package_version(),
         "system": folder,
-        **({"for_system": system} if derived_note else {}),
+        **({"for_system": system} if derived else {}),
         "backend": backend,
         "tables": sorted((t for p in parts for t in p.tables), key=lambda t: t["file"]),
         "notes": [n for p in parts for n in p.notes],

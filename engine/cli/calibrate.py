@@ -18,7 +18,7 @@ NCCL versions, date). ``--dry-run`` measures tiny sizes on the CPU (plumbing onl
 ``--from-aiconfigurator SYSTEM`` (``gb200``, ``h200``, ``b200``, ``gb300``, ``b300``, ``h100``, ``h800``) builds a
 calibration for a serving stack from the measured per-operator tables of the aiconfigurator-core package (the
 ``tables`` extra: ``pip install 'rackbed[tables]'``; ``sim.perf_tables``), held-out errors per kind printed and kept
-in ``meta.validation``; ``h800`` reads H100's kernel tables and none of its collective ones
+in ``meta.validation``; ``h800`` reads H100's tables, its collectives scaled to H800's NVLink by the model
 (``sim.perf_tables_base.DERIVED``). It writes ``rackbed-out/calibration/<gpu>-<backend>.json`` unless ``--out``
 names a file.
 
