@@ -40,6 +40,11 @@ curves that share them) and the errors per kind are in ``meta.validation`` (medi
 / p90 / max of |predicted / measured - 1|); ``meta.validation_groups`` splits a kind whose curves an importer
 groups (attention: one sequence / batched prefills, bf16 / fp8 KV caches).
 
+**Systems without tables** (``DERIVED`` in :mod:`sim.perf_tables_base`; ``h800``): the tables of a related system
+are read under the derived GPU's name, and its all-reduce / all-to-all curves are scaled point by point by the
+simulator's model of the same collective on the derived system's preset over the measured one's
+(:func:`scale_collectives`); ``meta.system`` names the folder read, ``meta.for_system`` the derived system.
+
 The output is deterministic (sorted tables and rows, rounded numbers, no dates): the same package version gives
 the same file byte for byte.
 """
