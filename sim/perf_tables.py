@@ -40,6 +40,11 @@ curves that share them) and the errors per kind are in ``meta.validation`` (medi
 / p90 / max of |predicted / measured - 1|); ``meta.validation_groups`` splits a kind whose curves an importer
 groups (attention: one sequence / batched prefills, bf16 / fp8 KV caches).
 
+**Systems without tables** (``DERIVED`` in :mod:`sim.perf_tables_base`; ``h800``): the tables of a related system
+are read under the derived GPU's name, and its all-reduce / all-to-all curves are scaled point by point by the
+simulator's model of the same collective on the derived system's preset over the measured one's
+(:func:`scale_collectives`); ``meta.system`` names the folder read, ``meta.for_system`` the derived system.
+
 The output is deterministic (sorted tables and rows, rounded numbers, no dates): the same package version gives
 the same file byte for byte.
 """
@@ -57,11 +62,13 @@ from rackbed.sim import perf_tables_attention as pta
 from rackbed.sim import perf_tables_mla as ptm
 from rackbed.sim.perf_tables_base import (
     BACKENDS,
+    DERIVED,
     GEMM_FMT,
     GEMM_MIN_NK,
     HOLDOUT_RULE,
     PACKAGE,
     PAYLOAD,
+    SCALE_MODEL,
     SCHEMA,
     SYSTEMS,
     Curve,
@@ -358,6 +365,40 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
 
 IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall,
                                                  *ptm.IMPORTERS)
+#: the importers of collective tables (measured on the system's own NVLink; a DERIVED system scales their curves)
+COMM_IMPORTERS = (import_allreduce, import_alltoall)
+
+
+def scale_collectives(part: Imported, measured_on: str, runs_on: str) -> None:
+    """Scale every all-reduce / all-to-all curve of ``part``, measured on preset ``measured_on``, to preset
+    ``runs_on``: each point's time times the simulator's first-principles time of the same collective (same group
+    size and bytes; all-to-all as DP-EP decode dispatch / combine of :data:`SCALE_MODEL` in bf16) on ``runs_on``
+    over that on ``measured_on``. The held-out rows of a scaled curve check its interpolation only."""
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.costs import collective, moe_comm
+    from rackbed.topology import load
+
+    ref, own = load(measured_on), load(runs_on)
+    model = get_model(SCALE_MODEL)
+
+    def model_s(topo, c: Curve, x: float) -> float:
+        n = int(c.key["n_ranks"])
+        if n > min(ref.n_gpus, own.n_gpus):
+            raise UserError(f"{c.label}: measured on {n} GPUs, more than the {runs_on} preset holds")
+        gpus = list(range(n))
+        if c.kind == "allreduce_us":
+            return collective.allreduce_time(topo, gpus, x, algo=c.key["algo"]).total_s
+        tokens = x / (model.hidden * 2)
+        if c.key["op"] == "dispatch":
+            return moe_comm.dpep_decode_dispatch(topo, gpus, tokens, model, "bf16").total_s
+        return moe_comm.dpep_decode_combine(topo, gpus, tokens, model).total_s
+
+    for c in part.curves:
+        for x in sorted(c.points):
+            r = model_s(own, c, x) / model_s(ref, c, x)
+            c.points[x] = _sig(c.points[x] * r)
+            c.measured[x] *= r
+        c.source += f", scaled to {runs_on} by the model's {runs_on} / {measured_on} time"
 
 
 def _attention_importers() -> tuple[Callable[..., Imported], ...]:
@@ -375,14 +416,21 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
     if backend not in BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     root = root or data_root()
-    if not (root / system).is_dir():
-        raise UserError(f"{PACKAGE} has no tables for system {system!r} (looked in {root})")
     gpu, _short = SYSTEMS[system]
+    derived = DERIVED.get(system)
+    folder = derived[0] if derived else system
+    if not (root / folder).is_dir():
+        raise UserError(f"{PACKAGE} has no tables for system {folder!r} (looked in {root})")
     say = progress or (lambda s: None)
     parts: list[Imported] = []
     for imp in IMPORTERS + _attention_importers():
         say(f"reading {imp.__name__.removeprefix('import_')} tables")
-        parts.append(imp(root, system, backend, gpu))
+        part = imp(root, folder, backend, gpu)
+        if derived and imp in COMM_IMPORTERS:
+            scale_collectives(part, derived[1], derived[2])
+        parts.append(part)
+    if derived:
+        parts.append(Imported(notes=[derived[3]]))
     curves = [c for p in parts for c in p.curves]
     if not curves:
         raise UserError(f"{PACKAGE}: no usable tables for {system} under {backend}")
@@ -424,7 +472,8 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         "stack": backend,
         "source": PACKAGE,
         "package_version": package_version(),
-        "system": system,
+        "system": folder,
+        **({"for_system": system} if derived else {}),
         "backend": backend,
         "tables": sorted((t for p in parts for t in p.tables), key=lambda t: t["file"]),
         "notes": [n for p in parts for n in p.notes],

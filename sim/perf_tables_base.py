@@ -21,9 +21,30 @@ SYSTEMS: dict[str, tuple[str, str]] = {
     "gb200": ("B200-GB200", "gb200"),
     "h200_sxm": ("H200-SXM", "h200"),
     "b200_sxm": ("B200-HGX", "b200"),
+    "gb300": ("B300-GB300", "gb300"),
+    "b300_sxm": ("B300-HGX", "b300"),
+    "h100_sxm": ("H100-SXM", "h100"),
+    "h800": ("H800-SXM", "h800"),
 }
+#: systems without tables of their own: (the system whose tables are read, its preset, the preset of the system
+#: itself, a note for ``meta.notes``). H800 is H100's die with its NVLink cut to 400 GB/s both ways: its GEMM, MoE
+#: and attention kernels run as on H100; H100's all-reduce and all-to-all tables measured 900 GB/s NVLink, so each
+#: of their points is scaled by the simulator's own model of that collective on the H800 preset over the same on the
+#: H100 preset (:func:`sim.perf_tables.scale_collectives`): the measured fixed costs stay, the bandwidth-bound part
+#: slows down as the NVLink does.
+DERIVED: dict[str, tuple[str, str, str, str]] = {
+    "h800": ("h100_sxm", "hgx-h100", "hgx-h800",
+             "H800 runs H100's kernels; H100's all-reduce and all-to-all (measured on 900 GB/s NVLink) are scaled "
+             "point by point by the model's hgx-h800 / hgx-h100 time (400 vs 900 GB/s NVLink; 1.0-2.25x), "
+             "not measured on H800"),
+}
+#: the model whose DP-EP dispatch / combine the all-to-all scaling prices (its hidden size, 7168, is the widest
+#: the tables measure: a curve's x is payload bytes per rank, read as tokens of this width in bf16)
+SCALE_MODEL = "deepseek-v3"
 #: names a user may type for a system
-ALIASES = {"gb200": "gb200", "h200": "h200_sxm", "h200_sxm": "h200_sxm", "b200": "b200_sxm", "b200_sxm": "b200_sxm"}
+ALIASES = {"gb200": "gb200", "h200": "h200_sxm", "h200_sxm": "h200_sxm", "b200": "b200_sxm", "b200_sxm": "b200_sxm",
+           "gb300": "gb300", "b300": "b300_sxm", "b300_sxm": "b300_sxm", "h100": "h100_sxm", "h100_sxm": "h100_sxm",
+           "h800": "h800"}
 BACKENDS = ("trtllm", "sglang", "vllm")
 
 #: table dtype names -> rackbed format names (dtypes not listed are not imported)
@@ -49,7 +70,8 @@ def _sig(v: float, digits: int = 5) -> float:
 
 
 def resolve_system(name: str) -> str:
-    """The package's system folder for a name a user typed (``gb200``, ``h200``, ``b200``, or the folder name)."""
+    """The package's system folder for a name a user typed (``gb200``, ``h200``, ``b300``, ..., or the folder
+    name); ``h800`` (no folder: :data:`DERIVED`) is returned as is."""
     s = ALIASES.get(name.strip().lower())
     if s is None:
         raise UserError(f"--from-aiconfigurator: unknown system {name!r}; rackbed models "

@@ -174,7 +174,8 @@ DRIVERS = {
 @pytest.mark.slow
 def test_tables_found():
     names = {f.name for f in _tables()}
-    assert {"h200.yaml", "h200-trtllm.json", "gb200-trtllm.json", "b200-trtllm.json"} <= names
+    assert {"h200.yaml", "h200-trtllm.json", "gb200-trtllm.json", "b200-trtllm.json", "gb300-trtllm.json",
+            "b300-trtllm.json", "h100-trtllm.json", "h800-trtllm.json"} <= names
 
 
 @pytest.mark.slow
@@ -222,7 +223,8 @@ def test_alias_spellings_still_read():
             assert c.calibrated and c.total_s == pytest.approx(9e-6)
 
 
-@pytest.mark.parametrize("gpu_file", ["h200-trtllm.json", "b200-trtllm.json", "gb200-trtllm.json"])
+@pytest.mark.parametrize("gpu_file", ["h200-trtllm.json", "b200-trtllm.json", "gb200-trtllm.json",
+                                      "gb300-trtllm.json", "b300-trtllm.json", "h100-trtllm.json"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_allreduce_priced_from_measured_curves(gpu_file, n):
     """TP2 / TP4 all-reduces under the trtllm stack (algo auto) come from the measured curves (the stack's custom
@@ -236,6 +238,26 @@ def test_tp_allreduce_priced_from_measured_curves(gpu_file, n):
         measured = [calib.lookup("allreduce_us", topo.gpu_spec(0).name, n_bytes, algo=a, n_ranks=n)
                     for a in collective.ALGOS]
         assert c.total_s * 1e6 == pytest.approx(min(m for m in measured if m is not None))
+
+
+def test_h800_collectives_are_h100s_scaled_to_its_nvlink():
+    """H800's all-reduces are H100's measured curves times the model's hgx-h800 / hgx-h100 time at the same size
+    (no H800 table exists); its GEMMs are H100's measured curves."""
+    from rackbed.sim.costs import gemm
+
+    h800 = _load(Path(CALIBRATION_DIR) / "h800-trtllm.json")
+    h100 = _load(Path(CALIBRATION_DIR) / "h100-trtllm.json")
+    t800, t100 = preset("hgx-h800"), preset("hgx-h100")
+    for n in (2, 4, 8):
+        for n_bytes in (1 << 14, 1 << 20, 1 << 24):
+            c = collective.allreduce_time(t800, list(range(n)), n_bytes, algo="ring", calib=h800)
+            m100 = h100.lookup("allreduce_us", "H100-SXM", n_bytes, algo="ring", n_ranks=n) * 1e-6
+            r = (collective.allreduce_time(t800, list(range(n)), n_bytes, algo="ring").total_s
+                 / collective.allreduce_time(t100, list(range(n)), n_bytes, algo="ring").total_s)
+            assert c.calibrated and c.total_s == pytest.approx(m100 * r, rel=0.02), (n, n_bytes)
+    g800 = gemm.gemm_time(t800.gpu_spec(0), 256, 4096, 4096, "fp8", calib=h800)
+    g100 = gemm.gemm_time(t100.gpu_spec(0), 256, 4096, 4096, "fp8", calib=h100)
+    assert g800.calibrated and g800.total_s == pytest.approx(g100.total_s, rel=1e-12)
 
 
 def test_unmeasured_group_size_scales_the_nearest_measured():

@@ -69,6 +69,14 @@ def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("system", ["gb300", "b300", "h100", "h800"])
+def test_shipped_blackwell_ultra_and_hopper_files_are_reproduced(system):
+    """The GB300, B300, H100 and H800 files are the importer's output byte for byte (~20 s each)."""
+    doc = pt.build_calibration(system, "trtllm")
+    assert pt.dumps(doc).encode() == (REPO / "calibration" / f"{system}-trtllm.json").read_bytes()
+
+
 def test_shipped_h200_tables_file_is_reproduced(h200_doc):
     """(B200's file is made the same way; `rackbed calibrate --from-aiconfigurator b200` reproduces it too.)"""
     assert pt.dumps(h200_doc).encode() == (REPO / "calibration" / "h200-trtllm.json").read_bytes()
@@ -167,7 +175,7 @@ def test_a_well_formed_minimal_table_imports(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--from-aiconfigurator", "h100"], r"unknown system 'h100'"),
+    (["--from-aiconfigurator", "a100"], r"unknown system 'a100'"),
     (["--from-aiconfigurator", "gb200", "--out", "x.yaml"], r"written as JSON"),
 ])
 def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
@@ -178,10 +186,47 @@ def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_shipped_gb200_file_is_what_a_gb200_scenario_uses():
-    table = default_calibration_for("B200-GB200")
-    assert Path(table.path).name == "gb200-trtllm.json"
-    assert load_calibration_file(table.path).meta["validation"]
+@pytest.mark.parametrize("gpu, name", [("B200-GB200", "gb200"), ("B300-GB300", "gb300"), ("B300-HGX", "b300"),
+                                       ("H100-SXM", "h100"), ("H800-SXM", "h800")])
+def test_shipped_gb200_file_is_what_a_gb200_scenario_uses(gpu, name):
+    table = default_calibration_for(gpu)
+    assert Path(table.path).name == f"{name}-trtllm.json"
+    meta = load_calibration_file(table.path).meta
+    assert meta["validation"] and meta["gpu"] == gpu and {e.gpu for e in table.entries} == {gpu}
+
+
+def test_h800_takes_h100_kernels_and_scales_its_collectives():
+    """H800's file is H100's kernel curves under the H800 name; H100's collectives (900 GB/s NVLink) come scaled
+    by the model's hgx-h800 / hgx-h100 time: never faster, at most the 900 / 400 bandwidth ratio slower."""
+    h800 = load_calibration_file(default_calibration_for("H800-SXM").path)
+    h100 = load_calibration_file(default_calibration_for("H100-SXM").path)
+    assert h800.meta["system"] == "h100_sxm" and h800.meta["for_system"] == "h800"
+    assert any("scaled point by point" in n for n in h800.meta["notes"])
+    comm = ("allreduce_us", "a2a_us")
+    kernel = [(e.kind, e.key, e.points) for e in h100.entries if e.kind not in comm]
+    assert kernel == [(e.kind, e.key, e.points) for e in h800.entries if e.kind not in comm]
+    by_key = {(e.kind, tuple(sorted(e.key.items()))): e for e in h100.entries if e.kind in comm}
+    scaled = [e for e in h800.entries if e.kind in comm]
+    assert {(e.kind, tuple(sorted(e.key.items()))) for e in scaled} == set(by_key)
+    ratios = []
+    for e in scaled:
+        ref = by_key[(e.kind, tuple(sorted(e.key.items())))]
+        assert [x for x, _ in e.points] == [x for x, _ in ref.points]
+        ratios += [y / y0 for (_, y), (_, y0) in zip(e.points, ref.points)]
+    assert min(ratios) >= 1 - 1e-4 and max(ratios) <= 900 / 400 + 1e-3
+    assert max(ratios) > 1.8  # the bandwidth-bound end slows down by about the NVLink ratio
+
+
+def test_derived_system_reads_the_other_folder(tmp_path, monkeypatch):
+    """``h800`` has no folder of its own: it reads ``h100_sxm`` and names the GPU H800-SXM."""
+    _write(tmp_path / "data", GOOD, system="h100_sxm")
+    monkeypatch.setattr(pt, "data_root", lambda: tmp_path / "data")
+    doc = pt.build_calibration("h800")
+    (e,) = doc["entries"]
+    assert e["gpu"] == "H800-SXM" and e["kind"] == "gemm_tflops"
+    assert doc["meta"]["system"] == "h100_sxm" and doc["meta"]["for_system"] == "h800"
+    assert pt.default_out("h800", "trtllm").name == "h800-trtllm.json"
+    assert "for_system" not in pt.build_calibration("h100")["meta"]
 
 
 # ------------------------------------------------------------------------------------------------ what runs print

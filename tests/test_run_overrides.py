@@ -49,6 +49,43 @@ def test_default_scenario_every_worker_serves():
     assert res.metrics["utilisation"]["prefill"] > 0.5 and res.metrics["utilisation"]["decode"] > 0.5
 
 
+_HW = {"gb300-nvl72": "gb300", "hgx-b300": "b300", "hgx-h100": "h100", "hgx-h800": "h800"}
+
+
+@pytest.fixture(scope="module")
+def hw_runs():
+    """The default Qwen3-235B scenario on each newer preset, fp8, 24 requests: the full rack on GB300 NVL72, one
+    TP4/EP4 prefiller + one EP4 decoder on the 8-GPU boards."""
+    base = load_scenario(scenarios.resolve("nvl72-default"))
+    out = {}
+    for topo in _HW:
+        over = {} if topo.endswith("nvl72") else {"prefill": base.prefill.model_copy(update={"replicas": 1}),
+                                                   "decode": base.decode.model_copy(update={"ep": 4, "replicas": 1})}
+        wl = base.workload.model_copy(update={"max_requests": 24, "rate_per_s": 4.0})
+        out[topo] = simulate_scenario(base.model_copy(update={"topology": topo, "weight_format": "fp8",
+                                                              "workload": wl, **over}))
+    return out
+
+
+@pytest.mark.parametrize("topo", list(_HW))
+def test_newer_presets_serve_the_default_scenario(hw_runs, topo):
+    """Each preset runs the scenario end to end, priced by its own imported calibration."""
+    b, res = hw_runs[topo]
+    assert b.calibration_note.startswith(f"calibrated (trtllm stack, measured tables): {b.topology.gpu_spec(0).name} "
+                                         f"from calibration/{_HW[topo]}-trtllm.json")
+    req = res.metrics["requests"]
+    assert req["total"] == 24 and req["done"] + req["rejected"] == 24 and req["done"] >= 22
+    lat = res.metrics["latency_s"]
+    assert 0 < lat["tpot"]["p50"] < 0.2 and 0 < lat["ttft"]["p50"] < 30
+
+
+def test_h800_is_no_faster_than_h100(hw_runs):
+    """Same kernels, same deployment, under half the NVLink bandwidth: H800's decode steps take no less time than
+    H100's."""
+    p50 = {t: hw_runs[t][1].metrics["latency_s"]["tpot"]["p50"] for t in ("hgx-h100", "hgx-h800")}
+    assert p50["hgx-h800"] >= p50["hgx-h100"]
+
+
 # ------------------------------------------------------------------------------------------------ closed loop
 
 
@@ -147,7 +184,8 @@ def test_gpus_resizes_the_preset_and_scales_the_groups():
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from(["gb200-nvl72", "hgx-h200", "hgx-b200", "hgx-h200*4", "gb200-nvl72@8"]),
+@given(name=st.sampled_from(["gb200-nvl72", "hgx-h200", "hgx-b200", "hgx-h200*4", "gb200-nvl72@8", "gb300-nvl72",
+                             "hgx-b300", "hgx-h100", "hgx-h800*2"]),
        n=st.integers(1, 300))
 def test_resized_has_exactly_n_gpus_or_says_why(name, n):
     try:

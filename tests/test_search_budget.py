@@ -252,6 +252,20 @@ def test_stack_prices_the_candidates(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("topo, calib", [("gb300-nvl72", "gb300-trtllm"), ("hgx-b300", "b300-trtllm"),
+                                         ("hgx-h100", "h100-trtllm"), ("hgx-h800", "h800-trtllm")])
+def test_newer_presets_are_searched_with_their_calibration(tmp_path, topo, calib):
+    """``rackbed search --gpus 8 --topology T`` on the GB300 / B300 / H100 / H800 presets: the analytic stage finds
+    candidates priced by the GPU's own imported calibration."""
+    spec = se.spec_from_flags(model="qwen3-30b-a3b", topology=[topo], weight_format=["fp8"], rate_per_s=1.0,
+                              prompt_tokens=1000, output_tokens=40, duration_s=4, ttft_s=2, tpot_s=0.05,
+                              prefill_tp=[2], decode_ep=[4], max_batch_per_rank=[16, 64], name="t")
+    res = bu.run_budget_search(spec, 8, tmp_path / "s", kinds=("disaggregated",), max_simulations=0)
+    assert "calibrated (trtllm stack, measured tables)" in res.calibration and f"{calib}.json" in res.calibration
+    assert res.analytic_front("disaggregated")
+
+
+@pytest.mark.slow
 def test_max_rate_brackets_the_highest_rate():
     """:func:`sim.budget.max_rate`: the rate returned met the SLOs in its simulation and is the highest simulated
     that did; a simulated rate at most ``1 + 2**-steps`` times higher missed them (doubling, then ``steps``

@@ -16,11 +16,16 @@ from rackbed.topology.graph import Topology
 from rackbed.topology.presets import build
 from rackbed.topology.specs import (
     B200_HGX,
+    B300_HGX,
     C2C,
     CX7_IB,
+    CX8_IB,
     EFA_200,
     GB200_GPU,
+    GB300_GPU,
+    H100_SXM,
     H200_SXM,
+    H800_SXM,
     IB_NDR,
     NVLINK4,
     NVLINK5,
@@ -57,6 +62,21 @@ def test_gpu_facts():
     assert (r.bf16, r.fp8, r.nvfp4) == (2250, 4500, 9000) and B200_HGX.sm_count == 148
     assert B200_HGX.hbm_bytes == 180e9
     assert CX7_IB.GBps == 50.0 and CX7_IB.gpu_initiated_rdma
+    assert CX8_IB.GBps == 100.0 and CX8_IB.gpu_initiated_rdma
+    # Blackwell Ultra: FP4 1.5x Blackwell's, BF16 / FP8 unchanged; 288 GB HBM3e
+    r = GB300_GPU.dense_tflops
+    assert (r.bf16, r.fp8, r.mxfp8, r.mxfp4, r.nvfp4) == (2500, 5000, 5000, 15000, 15000)
+    assert GB300_GPU.hbm_bytes == 288e9 and GB300_GPU.hbm_GBps == 8000 and GB300_GPU.sm_version == 103
+    r = B300_HGX.dense_tflops
+    assert (r.bf16, r.fp8, r.nvfp4) == (2250, 4500, 13500) and B300_HGX.hbm_GBps == 7750
+    assert GB300_GPU.nvlink_GBps_per_dir == B300_HGX.nvlink_GBps_per_dir == 900
+    # H100: H200's die and NVLink with 80 GB HBM3; H800: H100 with NVLink cut to 400 GB/s both ways
+    assert H100_SXM.hbm_bytes == 80e9 and H100_SXM.hbm_GBps == 3350 and H100_SXM.dense_tflops == H200_SXM.dense_tflops
+    assert H100_SXM.nvlink_GBps_per_dir == 450
+    same = ("arch", "sm_version", "sm_count", "hbm_bytes", "hbm_GBps", "l2_bytes", "dense_tflops")
+    assert all(getattr(H800_SXM, f) == getattr(H100_SXM, f) for f in same)
+    assert H800_SXM.nvlink_GBps_per_dir == 200 and H800_SXM.nvlink_links == 8
+    assert H800_SXM.nvlink_effective_GBps_per_dir == pytest.approx(8 * 20.6)
     assert not topology.specs.EFA_P5EN.gpu_initiated_rdma
     assert NVSWITCH3.sharp and NVLINK_SWITCH5.sharp and not topology.specs.EFA_FABRIC.sharp
 
@@ -188,6 +208,42 @@ def test_hgx_b200_and_h200x2():
         lab.nic_of_gpu(0)
     with pytest.raises(UserError, match="no path via net"):
         lab.path(0, 1, via="net")
+
+
+def test_gb300_nvl72():
+    """The GB200 NVL72 rack with Blackwell Ultra GPUs and 800 Gb/s ConnectX-8 NICs on a 144-port XDR fabric."""
+    t = load("gb300-nvl72")
+    c = t.counts()
+    assert (c["gpu"], c["nvsw"], c["cpu"], c["nic"], c["ibsw"]) == (72, 18, 36, 72, 1)  # 72 NICs: one switch
+    assert t.gpu_spec(71).name == "B300-GB300" and t.nvlink_domain(0) == frozenset(range(72))
+    assert t.p2p_GBps(0, 71) == pytest.approx(900.0)
+    assert t.nic_spec(t.nic_of_gpu(5)).name == "CX-8"
+    assert t.p2p_GBps(0, 4, via="net") == pytest.approx(100.0)
+    assert t.reducing_switches([0, 1]) == [f"nvsw:{j}" for j in range(18)]
+    two = load("gb300-nvl72*2")
+    assert two.n_gpus == 144 and len(two.nvlink_domains()) == 2 and two.route_kind(0, 72) == "net"
+    assert two.p2p_GBps(0, 72) == pytest.approx(100.0)
+
+
+def test_hgx_b300_h100_h800():
+    b = load("hgx-b300")
+    assert b.counts()["nvsw"] == 2 and b.gpu_spec(0).name == "B300-HGX"
+    assert b.graph["gpu:0"]["nvsw:1"]["link"].n_links == 9 and b.p2p_GBps(0, 7) == pytest.approx(900.0)
+    assert b.nic_spec(b.nic_of_gpu(0)).line_rate_Gbps == 800
+    assert load("hgx-b300*2").p2p_GBps(0, 8) == pytest.approx(100.0)
+    h = load("hgx-h100")
+    assert h.gpu_spec(0).name == "H100-SXM" and h.p2p_GBps(2, 6) == pytest.approx(450.0)
+    assert h.counts() == load("hgx-h200").counts()
+    h8 = load("hgx-h800")
+    assert h8.gpu_spec(3).name == "H800-SXM" and h8.counts()["nvsw"] == 4
+    g = h8.graph
+    for i in range(8):
+        assert [g[f"gpu:{i}"][f"nvsw:{j}"]["link"].n_links for j in range(4)] == [2, 2, 2, 2]
+    assert h8.p2p_GBps(0, 7) == pytest.approx(200.0)  # 400 GB/s both ways
+    assert h8.reducing_switches(range(8)) == ["nvsw:0", "nvsw:1", "nvsw:2", "nvsw:3"]
+    two = load("hgx-h800*2")  # 8 x 400G CX-7 per node
+    assert two.counts()["nic"] == 16 and two.p2p_GBps(0, 8) == pytest.approx(50.0)
+    assert two.nic_spec(two.nic_of_gpu(9)).name == "CX-7"
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,8 @@ def test_show_multi_node(capsys):
 
 def test_list(capsys):
     rc, out, _ = run(capsys, "list")
-    assert rc == 0 and all(n in out for n in ("gb200-nvl72", "hgx-h200", "hgx-h200-efa", "hgx-b200", "h200x2"))
+    assert rc == 0 and all(n in out for n in ("gb200-nvl72", "hgx-h200", "hgx-h200-efa", "hgx-b200", "h200x2",
+                                       "gb300-nvl72", "hgx-b300", "hgx-h100", "hgx-h800"))
 
 
 @pytest.mark.parametrize("name", ["h200x2-lab.yaml", "h200x2-pair-ib.yaml"])

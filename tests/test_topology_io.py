@@ -88,10 +88,11 @@ def test_round_trip(t, fmt):
     assert dumps(back, fmt) == text  # dumping is deterministic and canonical
 
 
-@pytest.mark.parametrize("name", ["hgx-h200", "hgx-h200-efa*2", "hgx-b200", "h200x2", "gb200-nvl72"])
+@pytest.mark.parametrize("name", ["hgx-h200", "hgx-h200-efa*2", "hgx-b200", "h200x2", "gb200-nvl72", "gb300-nvl72",
+                                  "hgx-b300", "hgx-h100", "hgx-h800*2"])
 def test_presets_round_trip_through_files(name, tmp_path):
     t = load(name)
-    for suffix in (".json", ".yaml") if name != "gb200-nvl72" else (".json",):
+    for suffix in (".json", ".yaml") if not name.endswith("-nvl72") else (".json",):
         path = tmp_path / f"t{suffix}"
         topology.dump(t, path)
         assert load(str(path)) == t

@@ -1,7 +1,8 @@
 """What the hardware is: GPU / switch / NIC specs, rack and cluster graphs, presets.
 
-``topology.load(name_or_path)`` returns a :class:`Topology` for a preset (``gb200-nvl72``, ``hgx-h200``,
-``hgx-h200-efa``, ``hgx-b200``, ``h200x2``, ``NAME*N``) or a YAML / JSON topology file.
+``topology.load(name_or_path)`` returns a :class:`Topology` for a preset (``gb200-nvl72``, ``gb300-nvl72``,
+``hgx-h200``, ``hgx-h200-efa``, ``hgx-b200``, ``hgx-b300``, ``hgx-h100``, ``hgx-h800``, ``h200x2``, ``NAME*N``) or
+a YAML / JSON topology file.
 """
 
 from rackbed.topology.errors import UserError

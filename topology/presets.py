@@ -11,6 +11,17 @@ Presets (``topology.load(name)``):
 - ``hgx-h200-efa``: the same node as AWS p5en: 16 EFA devices (2 per GPU, 200 Gb/s each = 3200 Gb/s per node),
   no GPU-initiated RDMA.
 - ``hgx-b200``: 8 B200 + 2 NVLink-5 switch chips (9 links from every GPU to each), CX-7 per GPU (DGX B200).
+- ``gb300-nvl72``: the GB200 NVL72 rack with Blackwell Ultra GPUs (288 GB HBM3e, 15 dense FP4 PFLOP/s per GPU) and
+  one 800 Gb/s ConnectX-8 per GPU on a Quantum-X800 (XDR, 144-port) fabric: 72 NICs fit one switch. The same
+  18 trays × (4 GPUs + 2 Grace), 18 NVLink-5 switch ASICs, 900 GB/s per GPU per direction. Source: NVIDIA GB300
+  NVL72 datasheet.
+- ``hgx-b300``: 8 B300 + 2 NVLink-5 switch chips (9 links each, as HGX B200), one 800 Gb/s ConnectX-8 per GPU
+  on PCIe Gen6 and a Quantum-X800 leaf. Source: NVIDIA HGX B300 datasheet.
+- ``hgx-h100``: ``hgx-h200`` with H100 GPUs (80 GB HBM3, 3.35 TB/s; same NVLink and NICs as DGX H100).
+- ``hgx-h800``: the HGX H100 board with H800 GPUs: H100 compute and memory, 8 NVLink-4 links per GPU (2 to each
+  of the 4 NVSwitches: 200 GB/s per direction, the 400 GB/s both ways of the H800), one 400 Gb/s CX-7 per GPU
+  on a Quantum-2 leaf — the 8 × 400G InfiniBand of the large published H800 deployments (DeepSeek-V3's training
+  and serving cluster); 200 Gb/s cards exist in smaller builds, build that from a topology file.
 - ``h200x2``: the lab box — 2 H200 joined directly by 18 NVLink-4 links (NV18, 450 GB/s per direction line
   rate, 385 GB/s measured), one x86 CPU, no scale-out NIC.
 - ``NAME*N``: N copies of a preset's rack joined by its fabric (e.g. ``hgx-h200*2``, ``gb200-nvl72*2``). GPU
@@ -35,22 +46,30 @@ from rackbed.topology.errors import UserError
 from rackbed.topology.graph import Topology
 from rackbed.topology.specs import (
     B200_HGX,
+    B300_HGX,
     C2C,
     CX7_IB,
+    CX8_IB,
     EFA_200,
     EFA_FABRIC,
     EFA_P5EN,
     GB200_GPU,
+    GB300_GPU,
     GRACE,
+    H100_SXM,
     H200_SXM,
+    H800_SXM,
     IB_NDR,
+    IB_XDR,
     NVLINK4,
     NVLINK4_DIRECT,
     NVLINK5,
     NVLINK_SWITCH5,
     NVSWITCH3,
     PCIE5_X16,
+    PCIE6_X16,
     QUANTUM2,
+    QUANTUM_X800,
     XEON_8480C,
     ClusterSpec,
     FabricSpec,
@@ -60,6 +79,7 @@ from rackbed.topology.specs import (
 
 IB_FABRIC = FabricSpec(switch=QUANTUM2, link=IB_NDR)
 EFA_NET = FabricSpec(switch=EFA_FABRIC, link=EFA_200)
+XDR_FABRIC = FabricSpec(switch=QUANTUM_X800, link=IB_XDR)
 
 GB200_TRAY = NodeSpec(
     name="GB200 compute tray", gpu=GB200_GPU, n_gpus=4, cpu=GRACE, n_cpus=2, cpu_link=C2C,
@@ -76,6 +96,11 @@ HGX_B200 = NodeSpec(
     nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
     nvlink=NVLINK5, nvswitch=NVLINK_SWITCH5, links_per_switch=(9, 9),
 )
+GB300_TRAY = GB200_TRAY.model_copy(update={"name": "GB300 compute tray", "gpu": GB300_GPU, "nic": CX8_IB,
+                                            "nic_link": PCIE6_X16})
+HGX_B300 = HGX_B200.model_copy(update={"name": "HGX B300", "gpu": B300_HGX, "nic": CX8_IB, "nic_link": PCIE6_X16})
+HGX_H100 = HGX_H200.model_copy(update={"name": "HGX H100", "gpu": H100_SXM})
+HGX_H800 = HGX_H200.model_copy(update={"name": "HGX H800", "gpu": H800_SXM, "links_per_switch": (2, 2, 2, 2)})
 H200X2_BOX = NodeSpec(
     name="h200x2 lab box", gpu=H200_SXM, n_gpus=2, cpu=XEON_8480C, n_cpus=1, cpu_link=PCIE5_X16,
     nvlink=NVLINK4_DIRECT, direct_links=18,
@@ -94,6 +119,18 @@ PRESETS: dict[str, ClusterSpec] = {
                                 rack=RackSpec(name="HGX H200 p5en", node=HGX_H200_EFA, n_nodes=1),
                                 fabric=EFA_NET),
     "hgx-b200": ClusterSpec(name="hgx-b200", rack=RackSpec(name="HGX B200", node=HGX_B200, n_nodes=1),
+                            fabric=IB_FABRIC),
+    "gb300-nvl72": ClusterSpec(
+        name="gb300-nvl72",
+        rack=RackSpec(name="GB300 NVL72", node=GB300_TRAY, n_nodes=18, nvswitch=NVLINK_SWITCH5, n_nvswitches=18,
+                      links_per_switch=1, nvlink=NVLINK5),
+        fabric=XDR_FABRIC,
+    ),
+    "hgx-b300": ClusterSpec(name="hgx-b300", rack=RackSpec(name="HGX B300", node=HGX_B300, n_nodes=1),
+                            fabric=XDR_FABRIC),
+    "hgx-h100": ClusterSpec(name="hgx-h100", rack=RackSpec(name="HGX H100", node=HGX_H100, n_nodes=1),
+                            fabric=IB_FABRIC),
+    "hgx-h800": ClusterSpec(name="hgx-h800", rack=RackSpec(name="HGX H800", node=HGX_H800, n_nodes=1),
                             fabric=IB_FABRIC),
     "h200x2": ClusterSpec(name="h200x2", rack=RackSpec(name="h200x2", node=H200X2_BOX, n_nodes=1)),
 }

@@ -209,6 +209,77 @@ B200_HGX = GpuSpec(
     nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1
 )
 
+# H100 SXM5 (HGX H100). Sources: NVIDIA H100 datasheet (80 GB HBM3 at 3.35 TB/s; dense BF16 989 / FP8 1979
+# TFLOP/s, half the datasheet's with-sparsity figures), Hopper whitepaper (132 SMs, 50 MB L2, NVLink-4: 18 links,
+# 900 GB/s both directions together = 450 per direction). The same die and NVLink as H200; only the memory
+# differs. NCCL effective NVLink rate as H200 (18 × 20.6).
+H100_SXM = GpuSpec(
+    name="H100-SXM",
+    arch="hopper",
+    sm_version=90,
+    sm_count=132,
+    hbm_bytes=80 * GB,
+    hbm_GBps=3350.0,
+    l2_bytes=50 * MiB,
+    dense_tflops=FormatRates(bf16=989.0, fp8=1979.0, fp8_block=1979.0),
+    nvlink_links=18,
+    nvlink_GBps_per_dir=450.0,
+    nvlink_effective_GBps_per_dir=370.8,  # 18 × 20.6
+)
+
+# H800 SXM5: the export variant of H100 SXM5. Same die, SM count, clocks, HBM (80 GB, 3.35 TB/s) and tensor-core
+# rates as H100; its NVLink is cut to 400 GB/s both directions together (200 per direction). NVIDIA's H800
+# product material states the 400 GB/s; the link count is not published: 8 NVLink-4 links of 25 GB/s per direction
+# give that rate (assumption, the count used here), which the NVSwitch board spreads 2/2/2/2 over its four
+# switches. NCCL-style effective rate 8 × 20.6 = 164.8 GB/s per direction — DeepSeek's published DeepEP
+# measurements on H800 report ~160 GB/s of NVLink bandwidth, close to it.
+H800_SXM = H100_SXM.model_copy(update={
+    "name": "H800-SXM", "nvlink_links": 8, "nvlink_GBps_per_dir": 200.0, "nvlink_effective_GBps_per_dir": 164.8,
+})
+
+# GB300 (the Blackwell Ultra GPU of a GB300 NVL72 tray). Sources: NVIDIA GB300 NVL72 datasheet (per rack: up to
+# 21 TB HBM3e at up to 576 TB/s, i.e. 288 GB and 8 TB/s per GPU; FP4 1440 PFLOP/s with sparsity and 1080
+# without = 15 dense per GPU; FP8/FP6 720 with sparsity = 5 dense per GPU; BF16 360 with sparsity = 2.5 dense
+# per GPU; NVLink 130 TB/s per rack = 1.8 TB/s per GPU both directions), NVIDIA's Blackwell Ultra technical
+# overview (160 SMs, compute capability 10.3; the dense FP4 rate is 1.5x Blackwell's, BF16 / FP8 unchanged).
+# L2 as B200 (assumption). MXFP8/MXFP6 at the FP8 rate, MXFP4/NVFP4 at the FP4 rate.
+GB300_GPU = GpuSpec(
+    name="B300-GB300",
+    arch="blackwell",
+    sm_version=103,
+    sm_count=160,
+    hbm_bytes=288 * GB,
+    hbm_GBps=8000.0,
+    l2_bytes=126 * MiB,
+    dense_tflops=FormatRates(
+        bf16=2500.0, fp8=5000.0, fp8_block=5000.0, mxfp8=5000.0, mxfp6=5000.0, mxfp4=15000.0, nvfp4=15000.0
+    ),
+    nvlink_links=18,
+    nvlink_GBps_per_dir=900.0,
+    nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1, as Blackwell
+)
+
+# B300 in an HGX B300 board. Sources: NVIDIA HGX B300 datasheet (8 GPUs: up to 2.3 TB HBM3e = 288 GB per GPU,
+# 62 TB/s of HBM bandwidth = 7.75 TB/s per GPU; FP4 144 PFLOP/s with sparsity and 108 without = 13.5 dense per
+# GPU; FP8 72 with sparsity = 4.5 dense per GPU; BF16 36 with sparsity = 2.25 dense per GPU; NVLink 1.8 TB/s per
+# GPU both directions; one 800 Gb/s ConnectX-8 per GPU), Blackwell Ultra overview (160 SMs, compute capability
+# 10.3). The board runs the same chip at a lower power limit than GB300, hence the lower rates.
+B300_HGX = GpuSpec(
+    name="B300-HGX",
+    arch="blackwell",
+    sm_version=103,
+    sm_count=160,
+    hbm_bytes=288 * GB,
+    hbm_GBps=7750.0,
+    l2_bytes=126 * MiB,
+    dense_tflops=FormatRates(
+        bf16=2250.0, fp8=4500.0, fp8_block=4500.0, mxfp8=4500.0, mxfp6=4500.0, mxfp4=13500.0, nvfp4=13500.0
+    ),
+    nvlink_links=18,
+    nvlink_GBps_per_dir=900.0,
+    nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1, as Blackwell
+)
+
 # Grace (one of the 2 per GB200 compute tray). Source: NVIDIA GB200 NVL72 / Grace datasheets: 72 Arm Neoverse V2
 # cores, up to 480 GB LPDDR5X at up to 512 GB/s per Grace.
 GRACE = CpuSpec(name="Grace", isa="arm", cores=72, mem_bytes=480 * GB, mem_GBps=512.0)
@@ -221,6 +292,10 @@ XEON_8480C = CpuSpec(name="Xeon-8480C", isa="x86", cores=56, mem_bytes=1000 * GB
 # latency_us: assumption — a NIC work-request post costs 1–2 µs end to end (sim.costs.constants.NIC_POST_US);
 # half of 1 µs per NIC.
 CX7_IB = NicSpec(name="CX-7", kind="ib", line_rate_Gbps=400.0, gpu_initiated_rdma=True, latency_us=0.5)
+
+# ConnectX-8 SuperNIC, 800 Gb/s XDR InfiniBand (NVIDIA ConnectX-8 datasheet; one per GPU on GB300 NVL72 and
+# HGX B300); GPU-initiated RDMA as CX-7. latency_us: the same assumption as CX-7.
+CX8_IB = NicSpec(name="CX-8", kind="ib", line_rate_Gbps=800.0, gpu_initiated_rdma=True, latency_us=0.5)
 
 # AWS EFA on p5en: 16 EFA devices, 3200 Gb/s per node (AWS p5en documentation) = 200 Gb/s each, 2 per GPU;
 # no GPU-initiated RDMA (a CPU proxy thread posts work; SRD delivers out of order). latency_us: assumption —
@@ -247,6 +322,13 @@ QUANTUM2 = SwitchSpec(
     name="Quantum-2-QM9700", kind="ib", ports=64, sharp=True, reduce_GBps=64 * 50.0, latency_us=0.15
 )
 
+# Quantum-X800 Q3400 XDR switch: 144 ports of 800 Gb/s, SHARPv4 in-network reduction (NVIDIA Quantum-X800
+# datasheet). reduce_GBps: assumption — bounded by the port rate (144 × 100 GB/s). latency_us: as Quantum-2
+# (assumption).
+QUANTUM_X800 = SwitchSpec(
+    name="Quantum-X800-Q3400", kind="ib", ports=144, sharp=True, reduce_GBps=144 * 100.0, latency_us=0.15
+)
+
 # The AWS network behind EFA, modelled as one switch tier; no in-network reduction. latency_us: assumption.
 EFA_FABRIC = SwitchSpec(name="AWS-EFA-fabric", kind="ethernet", ports=64, sharp=False, reduce_GBps=0.0,
                         latency_us=2.0)
@@ -268,13 +350,20 @@ C2C = LinkSpec(kind="c2c", GBps_per_dir=450.0, latency_us=0.5)
 PCIE5_X16 = LinkSpec(kind="pcie", GBps_per_dir=63.0, latency_us=0.5)
 # NDR cable, NIC↔switch or switch↔switch: 400 Gb/s = 50 GB/s; ~5 ns/m × ~10 m of cable.
 IB_NDR = LinkSpec(kind="ib", GBps_per_dir=50.0, latency_us=0.05)
+# XDR cable: 800 Gb/s = 100 GB/s; latency as NDR.
+IB_XDR = LinkSpec(kind="ib", GBps_per_dir=100.0, latency_us=0.05)
+# PCIe Gen6 x16 (ConnectX-8's host and GPU side): 64 GT/s × 16 lanes ≈ 126 GB/s per direction (PCI-SIG);
+# latency as Gen5 (assumption).
+PCIE6_X16 = LinkSpec(kind="pcie", GBps_per_dir=126.0, latency_us=0.5)
 # EFA port, 200 Gb/s = 25 GB/s.
 EFA_200 = LinkSpec(kind="efa", GBps_per_dir=25.0, latency_us=0.05)
 
-GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200_SXM, GB200_GPU, B200_HGX)}
+GPUS: dict[str, GpuSpec] = {s.name: s for s in (H200_SXM, GB200_GPU, B200_HGX, H100_SXM, H800_SXM, GB300_GPU,
+                                                 B300_HGX)}
 CPUS: dict[str, CpuSpec] = {s.name: s for s in (GRACE, XEON_8480C)}
-NICS: dict[str, NicSpec] = {s.name: s for s in (CX7_IB, EFA_P5EN)}
-SWITCHES: dict[str, SwitchSpec] = {s.name: s for s in (NVSWITCH3, NVLINK_SWITCH5, QUANTUM2, EFA_FABRIC)}
+NICS: dict[str, NicSpec] = {s.name: s for s in (CX7_IB, CX8_IB, EFA_P5EN)}
+SWITCHES: dict[str, SwitchSpec] = {s.name: s for s in (NVSWITCH3, NVLINK_SWITCH5, QUANTUM2, QUANTUM_X800,
+                                                       EFA_FABRIC)}
 LINKS: dict[str, LinkSpec] = {
     "nvlink4": NVLINK4,
     "nvlink5": NVLINK5,
@@ -282,6 +371,8 @@ LINKS: dict[str, LinkSpec] = {
     "c2c": C2C,
     "pcie5-x16": PCIE5_X16,
     "ib-ndr": IB_NDR,
+    "ib-xdr": IB_XDR,
+    "pcie6-x16": PCIE6_X16,
     "efa-200": EFA_200,
 }
 

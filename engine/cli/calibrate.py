@@ -15,10 +15,12 @@ dispatch/combine rows), fits (``sim.calibrate``: every third point of each curve
 NCCL versions, date). ``--dry-run`` measures tiny sizes on the CPU (plumbing only; the file is tagged
 ``CPU-DRY-RUN`` and never matches a real GPU).
 
-``--from-aiconfigurator SYSTEM`` (``gb200``, ``h200``, ``b200``) builds a calibration for a serving stack from the
-measured per-operator tables of the aiconfigurator-core package (the ``tables`` extra: ``pip install
-'rackbed[tables]'``; ``sim.perf_tables``), held-out errors per kind printed and kept in ``meta.validation``. It
-writes ``rackbed-out/calibration/<gpu>-<backend>.json`` unless ``--out`` names a file.
+``--from-aiconfigurator SYSTEM`` (``gb200``, ``h200``, ``b200``, ``gb300``, ``b300``, ``h100``, ``h800``) builds a
+calibration for a serving stack from the measured per-operator tables of the aiconfigurator-core package (the
+``tables`` extra: ``pip install 'rackbed[tables]'``; ``sim.perf_tables``), held-out errors per kind printed and kept
+in ``meta.validation``; ``h800`` reads H100's tables, its collectives scaled to H800's NVLink by the model
+(``sim.perf_tables_base.DERIVED``). It writes ``rackbed-out/calibration/<gpu>-<backend>.json`` unless ``--out``
+names a file.
 
 A measured calibration goes to ``rackbed-out/calibration/h200.yaml`` unless ``--out`` names a file, and the
 measurements it writes (measured, or merged with ``--from-bench``) to ``--measurements-out`` or
@@ -265,7 +267,8 @@ def register(subparsers) -> None:
               "explicitly)")
     p.add_argument("--from-aiconfigurator", metavar="SYSTEM",
                    help="build the calibration of a serving stack from aiconfigurator-core's measured tables "
-                        "(gb200, h200, b200; needs the 'tables' extra)")
+                        "(gb200, h200, b200, gb300, b300, h100, h800 = H100's kernels; needs the 'tables' "
+                        "extra)")
     p.add_argument("--backend", default="trtllm", choices=("trtllm", "sglang", "vllm"),
                    help="the serving stack whose tables to read (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="every other size, fewer repeats")
