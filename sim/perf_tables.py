@@ -514,7 +514,7 @@ def dumps(doc: dict) -> str:
 
 def default_out(system: str, backend: str) -> Path:
     """Where ``rackbed calibrate --from-aiconfigurator`` writes by default (never over a shipped file)."""
-    return Path("rackbed-out") / "calibration" / f"{SYSTEMS[resolve_system(system)][1]}-{backend}.json"
+    return Path("rackbed-out") / "calibration" / f"{SYSTEMS[resolve_system(system)][1]}-{backend}.json.gz"
 
 
 def validation_table(meta: dict) -> list[str]:

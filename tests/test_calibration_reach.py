@@ -174,8 +174,8 @@ DRIVERS = {
 @pytest.mark.slow
 def test_tables_found():
     names = {f.name for f in _tables()}
-    assert {"h200.yaml", "h200-trtllm.json", "gb200-trtllm.json", "b200-trtllm.json", "gb300-trtllm.json",
-            "b300-trtllm.json", "h100-trtllm.json", "h800-trtllm.json"} <= names
+    assert {"h200.yaml", "h200-trtllm.json.gz", "gb200-trtllm.json.gz", "b200-trtllm.json.gz", "gb300-trtllm.json.gz",
+            "b300-trtllm.json.gz", "h100-trtllm.json.gz", "h800-trtllm.json.gz"} <= names
 
 
 @pytest.mark.slow
@@ -223,8 +223,8 @@ def test_alias_spellings_still_read():
             assert c.calibrated and c.total_s == pytest.approx(9e-6)
 
 
-@pytest.mark.parametrize("gpu_file", ["h200-trtllm.json", "b200-trtllm.json", "gb200-trtllm.json",
-                                      "gb300-trtllm.json", "b300-trtllm.json", "h100-trtllm.json"])
+@pytest.mark.parametrize("gpu_file", ["h200-trtllm.json.gz", "b200-trtllm.json.gz", "gb200-trtllm.json.gz",
+                                      "gb300-trtllm.json.gz", "b300-trtllm.json.gz", "h100-trtllm.json.gz"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_allreduce_priced_from_measured_curves(gpu_file, n):
     """TP2 / TP4 all-reduces under the trtllm stack (algo auto) come from the measured curves (the stack's custom
@@ -245,8 +245,8 @@ def test_h800_collectives_are_h100s_scaled_to_its_nvlink():
     (no H800 table exists); its GEMMs are H100's measured curves."""
     from rackbed.sim.costs import gemm
 
-    h800 = _load(Path(CALIBRATION_DIR) / "h800-trtllm.json")
-    h100 = _load(Path(CALIBRATION_DIR) / "h100-trtllm.json")
+    h800 = _load(Path(CALIBRATION_DIR) / "h800-trtllm.json.gz")
+    h100 = _load(Path(CALIBRATION_DIR) / "h100-trtllm.json.gz")
     t800, t100 = preset("hgx-h800"), preset("hgx-h100")
     for n in (2, 4, 8):
         for n_bytes in (1 << 14, 1 << 20, 1 << 24):
@@ -263,7 +263,7 @@ def test_h800_collectives_are_h100s_scaled_to_its_nvlink():
 def test_unmeasured_group_size_scales_the_nearest_measured():
     """GB200's tables measure all-reduces at 2 and 4 GPUs: TP8 takes the TP4 curves scaled by the model's TP8 / TP4
     ratio (so a measured TP4 is not compared with a first-principles TP8), and no NVLS estimate competes."""
-    calib = _load(Path(CALIBRATION_DIR) / "gb200-trtllm.json")
+    calib = _load(Path(CALIBRATION_DIR) / "gb200-trtllm.json.gz")
     topo = _topology("B200-GB200")
     g8 = collective.group_links(topo, list(range(8)))
     assert collective.auto_names(g8, "auto", calib) == ["one_shot", "two_shot", "ring"]

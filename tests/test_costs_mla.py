@@ -183,7 +183,7 @@ def test_mxfp4_on_hopper_reads_packed_weights_and_computes_in_fp8():
 def h200_tables():
     from rackbed.sim.calibration.files import load_calibration_file
 
-    return load_calibration_file(Path(__file__).resolve().parent.parent / "calibration" / "h200-trtllm.json")
+    return load_calibration_file(Path(__file__).resolve().parent.parent / "calibration" / "h200-trtllm.json.gz")
 
 
 @pytest.mark.slow

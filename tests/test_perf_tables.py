@@ -7,6 +7,7 @@ with one line and no file written.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -19,13 +20,13 @@ pytest.importorskip("aiconfigurator_core", reason="needs the tables extra: pip i
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from rackbed.engine.cli.main import main  # noqa: E402
-from rackbed.sim import perf_tables as pt  # noqa: E402
-from rackbed.sim.calibrate import default_calibration_for, load_calibration_file  # noqa: E402
-from rackbed.sim.costs.calibration import CalibrationTable  # noqa: E402
-from rackbed.sim.costs.gemm import gemm_time  # noqa: E402
-from rackbed.topology.errors import UserError  # noqa: E402
-from rackbed.topology.specs import GPUS  # noqa: E402
+from rackbed.engine.cli.main import main
+from rackbed.sim import perf_tables as pt
+from rackbed.sim.calibrate import default_calibration_for, load_calibration_file
+from rackbed.sim.costs.calibration import CalibrationTable
+from rackbed.sim.costs.gemm import gemm_time
+from rackbed.topology.errors import UserError
+from rackbed.topology.specs import GPUS
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MEDIAN, TARGET_P90 = 5.0, 15.0
@@ -61,9 +62,9 @@ def test_real_h200_tables_import_end_to_end(h200_doc):
 
 @pytest.mark.slow
 def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
-    out = tmp_path / "gb200-trtllm.json"
+    out = tmp_path / "gb200-trtllm.json.gz"
     assert main(["calibrate", "--from-aiconfigurator", "gb200", "--out", str(out)]) == 0
-    assert out.read_bytes() == (REPO / "calibration" / "gb200-trtllm.json").read_bytes()
+    assert out.read_bytes() == (REPO / "calibration" / "gb200-trtllm.json.gz").read_bytes()
     text = capsys.readouterr().out
     assert "held-out rows" in text and "| gemm_tflops |" in text
 
@@ -74,17 +75,17 @@ def test_shipped_gb200_file_is_reproduced_byte_for_byte(tmp_path, capsys):
 def test_shipped_blackwell_ultra_and_hopper_files_are_reproduced(system):
     """The GB300, B300, H100 and H800 files are the importer's output byte for byte (~20 s each)."""
     doc = pt.build_calibration(system, "trtllm")
-    assert pt.dumps(doc).encode() == (REPO / "calibration" / f"{system}-trtllm.json").read_bytes()
+    assert pt.dumps(doc).encode() == gzip.decompress((REPO / "calibration" / f"{system}-trtllm.json.gz").read_bytes())
 
 
 def test_shipped_h200_tables_file_is_reproduced(h200_doc):
     """(B200's file is made the same way; `rackbed calibrate --from-aiconfigurator b200` reproduces it too.)"""
-    assert pt.dumps(h200_doc).encode() == (REPO / "calibration" / "h200-trtllm.json").read_bytes()
+    assert pt.dumps(h200_doc).encode() == gzip.decompress((REPO / "calibration" / "h200-trtllm.json.gz").read_bytes())
 
 
 def test_default_out_never_overwrites_a_shipped_file():
     p = pt.default_out("gb200", "trtllm")
-    assert p.parts[0] == "rackbed-out" and p.name == "gb200-trtllm.json"
+    assert p.parts[0] == "rackbed-out" and p.name == "gb200-trtllm.json.gz"
 
 
 @pytest.mark.slow
@@ -190,7 +191,7 @@ def test_bad_arguments_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
                                        ("H100-SXM", "h100"), ("H800-SXM", "h800")])
 def test_shipped_gb200_file_is_what_a_gb200_scenario_uses(gpu, name):
     table = default_calibration_for(gpu)
-    assert Path(table.path).name == f"{name}-trtllm.json"
+    assert Path(table.path).name == f"{name}-trtllm.json.gz"
     meta = load_calibration_file(table.path).meta
     assert meta["validation"] and meta["gpu"] == gpu and {e.gpu for e in table.entries} == {gpu}
 
@@ -225,7 +226,7 @@ def test_derived_system_reads_the_other_folder(tmp_path, monkeypatch):
     (e,) = doc["entries"]
     assert e["gpu"] == "H800-SXM" and e["kind"] == "gemm_tflops"
     assert doc["meta"]["system"] == "h100_sxm" and doc["meta"]["for_system"] == "h800"
-    assert pt.default_out("h800", "trtllm").name == "h800-trtllm.json"
+    assert pt.default_out("h800", "trtllm").name == "h800-trtllm.json.gz"
     assert "for_system" not in pt.build_calibration("h100")["meta"]
 
 
@@ -243,7 +244,7 @@ def _built(name="nvl72-default", **over):
 def test_gb200_scenario_prints_the_measured_table_line_and_only_real_gaps():
     b = _built(weight_format="fp8")
     assert b.calibration_note.startswith("calibrated (trtllm stack, measured tables): B200-GB200 from "
-                                         "calibration/gb200-trtllm.json (aiconfigurator-core 0.12.0")
+                                         "calibration/gb200-trtllm.json.gz (aiconfigurator-core 0.12.0")
     text = "\n".join(b.caveats)
     assert "extrapolate" not in text.lower() or "Blackwell figures" not in text  # no blanket datasheet caveat
     assert "MoE block" not in text  # Qwen3-235B's experts in fp8 at EP4 / EP16 are measured

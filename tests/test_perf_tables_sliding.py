@@ -1,7 +1,7 @@
 """gpt-oss on H200 from TensorRT-LLM's measured tables (sim.perf_tables, sim.perf_tables_attention): its 128-token
 sliding-window layers (key ``window``), its full-attention layers (head dim 64) and its MXFP4 expert blocks
 (``moe_us``, fmt ``mxfp4``) price the tables' own rows, read straight from the parquet files, through the cost
-functions the simulator calls with the shipped calibration/h200-trtllm.json."""
+functions the simulator calls with the shipped calibration/h200-trtllm.json.gz."""
 
 from __future__ import annotations
 

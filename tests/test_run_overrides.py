@@ -72,7 +72,7 @@ def test_newer_presets_serve_the_default_scenario(hw_runs, topo):
     """Each preset runs the scenario end to end, priced by its own imported calibration."""
     b, res = hw_runs[topo]
     assert b.calibration_note.startswith(f"calibrated (trtllm stack, measured tables): {b.topology.gpu_spec(0).name} "
-                                         f"from calibration/{_HW[topo]}-trtllm.json")
+                                         f"from calibration/{_HW[topo]}-trtllm.json.gz")
     req = res.metrics["requests"]
     assert req["total"] == 24 and req["done"] + req["rejected"] == 24 and req["done"] >= 22
     lat = res.metrics["latency_s"]

@@ -302,7 +302,12 @@ def replacing(path: str | Path, mode: str = "w") -> Iterator:
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (:func:`replacing`). Returns the path."""
+    """Write ``text`` to ``path`` atomically (:func:`replacing`); a ``.gz`` path gets it gzip-compressed (no
+    timestamp inside, so the same text gives the same bytes). Returns the path."""
+    if Path(path).name.lower().endswith(".gz"):
+        import gzip
+
+        return write_bytes(path, gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
     with replacing(path, "w") as f:
         f.write(text)
     return Path(path)

@@ -42,7 +42,8 @@ class UniqueKeyLoader(_BASE_LOADER):
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
-    """A text file's contents; ``UserError`` naming the file if it is missing, unreadable or not UTF-8."""
+    """A text file's contents (a ``.gz`` file decompressed); ``UserError`` naming the file if it is missing,
+    unreadable, not gzip (``.gz``) or not UTF-8."""
     p = Path(path)
     try:
         raw = p.read_bytes()
@@ -52,6 +53,14 @@ def read_text(path: str | Path, what: str = "file") -> str:
         raise UserError(f"{p}: is a directory, expected a {what}") from None
     except OSError as exc:
         raise UserError(f"{p}: cannot read {what} ({exc.strerror or exc})") from None
+    if p.name.lower().endswith(".gz"):
+        import gzip
+        import zlib
+
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise UserError(f"{p}: not a gzip file ({exc})") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -104,9 +113,14 @@ def parse_json(text: str, path: str | Path):
 
 
 def load_data(path: str | Path, what: str = "file"):
-    """A JSON (``.json`` suffix) or YAML file's parsed contents, any top-level type."""
+    """A JSON (``.json`` or ``.json.gz``) or YAML file's parsed contents, any top-level type."""
     text = read_text(path, what)
-    return parse_json(text, path) if Path(path).suffix.lower() == ".json" else parse_yaml(text, path)
+    return parse_json(text, path) if is_json_name(path) else parse_yaml(text, path)
+
+
+def is_json_name(path: str | Path) -> bool:
+    """Whether ``path`` names a JSON file (``.json``, or gzip-compressed ``.json.gz``)."""
+    return Path(path).name.lower().endswith((".json", ".json.gz"))
 
 
 def load_yaml(path: Path) -> dict:

@@ -86,8 +86,9 @@ def _run_tables(args: argparse.Namespace) -> int:
     from rackbed.sim import perf_tables as pt
 
     out = Path(args.out) if args.out else pt.default_out(args.from_aiconfigurator, args.backend)
-    if out.suffix != ".json":
-        raise UserError(f"--out {out}: a calibration built from tables is written as JSON (.json)")
+    if not out.name.lower().endswith((".json", ".json.gz")):
+        raise UserError(f"--out {out}: a calibration built from tables is written as JSON (.json, or .json.gz "
+                        "compressed)")
     prepare_file(out, force=args.force, default=args.out is None)
     doc = pt.build_calibration(args.from_aiconfigurator, args.backend, progress=lambda s: print(f"  {s}"))
     write_text(out, pt.dumps(doc))

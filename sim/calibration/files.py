@@ -22,6 +22,7 @@ from rackbed import shipped
 from rackbed.sim.costs.calibration import _YAML_LOADER, CalibrationTable
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import write_text
+from rackbed.topology.yamlio import is_json_name, read_text
 
 #: calibration file schema (``meta.schema``) written; /2 adds the table's ``kernel_fixed_us`` (CalibrationTable
 #: version 2). Every schema in ``FILE_SCHEMAS`` is read (/1 files get the default fixed cost).
@@ -43,7 +44,7 @@ def dump_calibration(doc: dict, path: str | Path) -> None:
     """Write a calibration file (YAML, or JSON for ``*.json``); points as flow lists."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if p.suffix == ".json":
+    if is_json_name(p):
         write_text(p, json.dumps(doc, indent=1))
         return
 
@@ -85,8 +86,8 @@ STACKS = ("rackbed", "trtllm", "sglang", "vllm")
 
 def _read_meta(f: Path) -> dict:
     """A calibration file's ``meta`` block, read cheaply (JSON files keep it at the top)."""
-    if f.suffix == ".json":
-        data = json.loads(f.read_text())
+    if is_json_name(f):
+        data = json.loads(read_text(f, "calibration file"))
     else:
         data = yaml.load(f.read_text(), Loader=_YAML_LOADER) or {}
     meta = data.get("meta", {}) if isinstance(data, dict) else {}
@@ -104,10 +105,10 @@ def _shipped(directory: str) -> tuple[tuple[str, str, str], ...]:
     out = []
     d = Path(directory)
     if d.is_dir():
-        for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.json")):
+        for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.json")) + sorted(d.glob("*.json.gz")):
             try:
                 meta = _read_meta(f)
-            except (yaml.YAMLError, json.JSONDecodeError, OSError, AttributeError):
+            except (yaml.YAMLError, json.JSONDecodeError, OSError, AttributeError, UserError):
                 continue
             if meta.get("gpu"):
                 out.append((str(meta["gpu"]), file_stack(meta), str(f)))
