@@ -154,3 +154,21 @@ def test_hardware_too_small_is_a_user_error(tmp_path):
     p.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match="needs 16 GPUs but topology hgx-h200 has 8"):
         run_figure(p, tmp_path, console=Console(file=io.StringIO()))
+
+
+@pytest.mark.parametrize("patch,match", [
+    ({"eps": [16, 16]}, r"bad\.yaml: decode_frontier: .*eps: each value once"),
+    ({"panels": [{"scenario": "no_such_scenario"}]}, r"bad\.yaml: panels\[0\]\.scenario: "),
+    ({"batch_per_rank": [64]}, r"bad\.yaml: decode_frontier\.batch_per_rank"),
+    ({"overlaps": ["tbo"]}, r"bad\.yaml: decode_frontier\.overlaps"),
+])
+def test_frontier_schema_errors_are_one_line(tmp_path, patch, match):
+    import yaml
+
+    data = yaml.safe_load(scenarios.resolve("fig_wide_ep_study").read_text())
+    data.update(patch)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=match) as e:
+        load_figure(p)
+    assert "\n" not in str(e.value)
