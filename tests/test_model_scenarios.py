@@ -186,3 +186,27 @@ def test_wide_ep_study_reproduces(tmp_path):
     _, want = _study_rows()
     assert doc["rows"] == want["rows"] and doc["slo"] == want["slo"]
     assert (tmp_path / "fig_wide_ep_study.png").stat().st_size > 0
+
+
+def test_wide_ep_search_prices_skew():
+    """The study's search specs (scenarios/sweeps/wide-ep-search-dsv3*.yaml), analytic stage only: under
+    uniform routing every decode option meets the TPOT SLO; under the power law the busiest rank slows every
+    step, the more the wider the EP (at the same batch cap), and EP64 fails the SLO from 128 sequences per GPU
+    while EP8 meets it at every cap."""
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.search import decode_options, load_search, workload_load
+    from rackbed.topology import load
+
+    topo, model = {"gb200-nvl72": load("gb200-nvl72")}, get_model("deepseek-v3")
+    opts = {}
+    for name in ("wide-ep-search-dsv3", "wide-ep-search-dsv3-skew"):
+        spec = load_search(name)
+        opts[name] = {(o.ep, o.max_batch_per_rank): o
+                      for o in decode_options(spec, workload_load(spec.workload), model, topo)}
+    uni, skew = opts["wide-ep-search-dsv3"], opts["wide-ep-search-dsv3-skew"]
+    assert all(o.pruned is None for o in uni.values())
+    slow = [skew[ep, 64].tpot_at_cap_s / uni[ep, 64].tpot_at_cap_s for ep in (8, 16, 32, 64)]
+    assert 1 < slow[0] < slow[1] < slow[2] < slow[3], slow
+    assert all(skew[8, cap].pruned is None for cap in (64, 128, 256))
+    assert skew[64, 64].pruned is None
+    assert all("TPOT" in (skew[64, cap].pruned or "") for cap in (128, 256))
