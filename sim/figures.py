@@ -851,24 +851,24 @@ def at_slo(points: list[dict], slo: float) -> dict | None:
     ``batch_per_rank`` of a crossing is interpolated; ``capped``: the largest fitting batch still meets the
     SLO (the curve ends there, at KV memory, not at the SLO)."""
     pts = sorted((r for r in points if r["fits_batch"]), key=lambda r: r["batch_per_rank"])
-    best = None
+    cands = []
     for a, b in zip(pts, pts[1:] + [None]):
-        if a["tokens_per_s_per_user"] >= slo:
-            cand = {"tokens_per_s_per_gpu": a["tokens_per_s_per_gpu"], "batch_per_rank": a["batch_per_rank"],
-                    "tokens_per_s_per_user": a["tokens_per_s_per_user"], "capped": b is None}
-            if b is not None and b["tokens_per_s_per_user"] < slo:
-                ua, ub = a["tokens_per_s_per_user"], b["tokens_per_s_per_user"]
-                f = (ua - slo) / (ua - ub)
+        if a["tokens_per_s_per_user"] < slo:
+            continue
+        cands.append({"tokens_per_s_per_gpu": a["tokens_per_s_per_gpu"], "batch_per_rank": a["batch_per_rank"],
+                      "tokens_per_s_per_user": a["tokens_per_s_per_user"], "capped": b is None})
+        if b is not None and b["tokens_per_s_per_user"] < slo:  # the segment crosses the SLO
+            ua, ub = a["tokens_per_s_per_user"], b["tokens_per_s_per_user"]
+            f = (ua - slo) / (ua - ub)
 
-                def lerp(k):
-                    return round(a[k] + f * (b[k] - a[k]), 1)
+            def lerp(k):
+                return round(a[k] + f * (b[k] - a[k]), 1)
 
-                cand = {"tokens_per_s_per_gpu": lerp("tokens_per_s_per_gpu"),
-                        "batch_per_rank": lerp("batch_per_rank"), "tokens_per_s_per_user": slo,
-                        "capped": False}
-            if best is None or cand["tokens_per_s_per_gpu"] > best["tokens_per_s_per_gpu"]:
-                best = cand
-    return best
+            cands.append({"tokens_per_s_per_gpu": lerp("tokens_per_s_per_gpu"),
+                          "batch_per_rank": lerp("batch_per_rank"), "tokens_per_s_per_user": slo,
+                          "capped": False})
+    # the most tokens/s per GPU; of equals, the first (a point before the crossing it ties)
+    return max(cands, key=lambda c: c["tokens_per_s_per_gpu"], default=None)
 
 
 def frontier_slo_rows(sc: DecodeFrontierFigure, rows: list[dict]) -> list[dict]:
