@@ -855,8 +855,8 @@ def at_slo(points: list[dict], slo: float) -> dict | None:
     for a, b in zip(pts, pts[1:] + [None]):
         if a["tokens_per_s_per_user"] < slo:
             continue
-        cands.append({"tokens_per_s_per_gpu": a["tokens_per_s_per_gpu"], "batch_per_rank": a["batch_per_rank"],
-                      "tokens_per_s_per_user": a["tokens_per_s_per_user"], "capped": b is None})
+        cands.append({k: a[k] for k in ("tokens_per_s_per_gpu", "batch_per_rank", "tokens_per_s_per_user")}
+                     | {"capped": b is None})
         if b is not None and b["tokens_per_s_per_user"] < slo:  # the segment crosses the SLO
             ua, ub = a["tokens_per_s_per_user"], b["tokens_per_s_per_user"]
             f = (ua - slo) / (ua - ub)
