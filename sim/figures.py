@@ -23,6 +23,10 @@ Figure types (the ``figure`` field):
                     sets one, with the seconds it hid): attention, MoE GEMM, dispatch/combine,
                     all-reduce, other, and tokens/s per GPU and per user — priced by the scenario's own cost model
                     (its stack's calibration, as ``rackbed run`` prices it), at a fixed batch per rank and context.
+``decode_frontier`` the same decode steps swept over the batch per rank: tokens/s per GPU vs per user
+                    for each scenario (a panel), expert-load case (uniform, skewed, skewed + EPLB with
+                    redundant slots), EP degree and overlap, the best overlap per point, and at each
+                    tokens/s-per-user SLO the EP that gives the most tokens/s per GPU (``slo`` in the JSON).
 ==================  ===============================================================================================
 """
 
@@ -174,9 +178,53 @@ class DecodeStepFigure(_Base):
     draft_k: int | None = Field(None, ge=0)  # None: the scenario's mtp.draft_k
 
 
+class FrontierCase(_F):
+    """An expert-load case of a ``decode_frontier`` figure: the scenario's ``decode.expert_load`` /
+    ``decode.eplb`` sections (None: uniform routing, static placement) and ``extra_slots_per_rank`` redundant
+    slots per GPU beyond the fewest that make the EP divide the expert slots (the search's
+    ``space.decode_extra_slots_per_rank``)."""
+
+    label: str = Field(min_length=1)
+    expert_load: ExpertLoadSection | None = None
+    eplb: EplbSection | None = None
+    extra_slots_per_rank: int = Field(0, ge=0)
+
+
+class FrontierPanel(_F):
+    """A serving scenario whose decoders a ``decode_frontier`` figure reshapes (a plot panel per scenario)."""
+
+    scenario: str
+    label: str | None = None
+
+
+class DecodeFrontierFigure(_Base):
+    """Decode steps of each panel's scenario (priced as ``decode_step`` prices them) for every case x EP x
+    overlap x batch per rank; ``slo_tokens_per_s_per_user``: the tokens/s-per-user targets the ``slo`` table
+    reads the curves at. ``model`` is not used."""
+
+    figure: Literal["decode_frontier"]
+    panels: tuple[FrontierPanel, ...] = Field(min_length=1)
+    calibration: str | None = None
+    eps: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=1)
+    cases: tuple[FrontierCase, ...] = Field(min_length=1)
+    overlaps: tuple[Literal["none", "shared_expert", "two_batch"], ...] = Field(("none",), min_length=1)
+    batch_per_rank: tuple[Annotated[int, Field(ge=1)], ...] = Field(min_length=2)
+    context_tokens: int = Field(4000, ge=1)
+    draft_k: int | None = Field(None, ge=0)
+    slo_tokens_per_s_per_user: tuple[Annotated[float, Field(gt=0)], ...] = ()
+
+    @model_validator(mode="after")
+    def _distinct(self):
+        for field, vals in (("eps", self.eps), ("cases", [c.label for c in self.cases]),
+                            ("overlaps", self.overlaps), ("batch_per_rank", self.batch_per_rank)):
+            if len(set(vals)) != len(vals):
+                raise ValueError(f"{field}: each value once")
+        return self
+
+
 FigureScenario = Annotated[
     AllreduceFigure | EpPrefillFigure | DecodeA2aFigure | GroupedGemmFigure | PrefillParallelismFigure
-    | DecodeEpTradeFigure | DecodeStepFigure,
+    | DecodeEpTradeFigure | DecodeStepFigure | DecodeFrontierFigure,
     Field(discriminator="figure"),
 ]
 _ADAPTER = TypeAdapter(FigureScenario)
@@ -207,6 +255,17 @@ def load_figure(path: str | Path) -> Any:
         except (ValueError, FileNotFoundError) as exc:
             raise UserError(f"{p}: scenario: {exc}") from None
         sc = sc.model_copy(update={"scenario": str(ref)})
+    if isinstance(sc, DecodeFrontierFigure):
+        from rackbed.sim.serving_figures import resolve_ref
+
+        panels = []
+        for i, pn in enumerate(sc.panels):
+            try:
+                ref = resolve_ref(pn.scenario, p.parent)
+            except (ValueError, FileNotFoundError) as exc:
+                raise UserError(f"{p}: panels[{i}].scenario: {exc}") from None
+            panels.append(pn.model_copy(update={"scenario": str(ref)}))
+        sc = sc.model_copy(update={"panels": tuple(panels)})
     return sc
 
 
@@ -248,9 +307,14 @@ class Result:
     """What a figure builder returns: a table (columns + rows), claims, a plot callback, and a summary dict."""
 
     def __init__(self, columns: list[str], rows: list[dict], claims: list[tuple[str, str]],
-                 plot: Callable, summary: dict, extra: dict | None = None):
+                 plot: Callable, summary: dict, extra: dict | None = None, layout: tuple[int, int] = (1, 1),
+                 compact: bool = False):
         self.columns, self.rows, self.claims, self.plot, self.summary = columns, rows, claims, plot, summary
         self.extra = extra or {}
+        #: (rows, columns) of plot panels: (1, 1) hands ``plot`` one axis, any other a grid of them
+        self.layout = layout
+        #: the JSON writes each row (and each row of a list in ``extra``) on one line
+        self.compact = compact
 
 
 # ------------------------------------------------------------------------------------------------ (a)
@@ -721,10 +785,195 @@ def _fig_decode_step(sc: DecodeStepFigure) -> Result:
     return Result(cols, rows, [(sc.claim, sim)], plot, summary)
 
 
+def frontier_rows(sc: DecodeFrontierFigure) -> list[dict]:
+    """:func:`decode_step_rows` of every panel x case x EP x overlap at each ``batch_per_rank`` and at the
+    largest batch whose sequences fit in a rank's KV memory (where a curve ends), each row also naming its
+    ``panel``, ``case`` and ``overlap``. A case's redundant slots: the fewest that make the EP divide the
+    expert slots plus ``extra_slots_per_rank`` x EP."""
+    from rackbed.engine.core.sharding import min_redundant_experts
+    from rackbed.sim.scenario import load_scenario, scenario_model
+
+    rows = []
+    for pn in sc.panels:
+        model = scenario_model(load_scenario(pn.scenario))
+        panel = pn.label or model.name
+        configs, keys = [], {}
+        for case in sc.cases:
+            for ep in sc.eps:
+                for ov in sc.overlaps:
+                    red = min_redundant_experts(model.n_experts, ep) + case.extra_slots_per_rank * ep
+                    label = f"{panel} | {case.label} | EP{ep} | {ov}"
+                    keys[label] = (case.label, ov)
+                    configs.append(DecodeConfig(ep=ep, redundant_experts=red, expert_load=case.expert_load,
+                                                eplb=case.eplb, label=label, overlap=ov))
+
+        def priced(cfgs, batches):
+            one = DecodeStepFigure(kind="figure", figure="decode_step", name=sc.name, claim=sc.claim,
+                                   scenario=pn.scenario, calibration=sc.calibration, configs=tuple(cfgs),
+                                   batch_per_rank=tuple(batches), context_tokens=sc.context_tokens,
+                                   draft_k=sc.draft_k)
+            return decode_step_rows(one)
+
+        mine = priced(configs, sc.batch_per_rank)
+        by_fill: dict[int, list[DecodeConfig]] = {}  # the largest batch that fits, per config
+        for c in configs:
+            kv = next(r["kv_tokens_per_rank"] for r in mine if r["config"] == c.label)
+            full = kv // sc.context_tokens
+            if full >= min(sc.batch_per_rank) and full not in sc.batch_per_rank:
+                by_fill.setdefault(full, []).append(c)
+        for full, cfgs in by_fill.items():
+            mine += priced(cfgs, [full])
+        order = {c.label: i for i, c in enumerate(configs)}
+        mine.sort(key=lambda r: (order[r["config"]], r["batch_per_rank"]))
+        for r in mine:
+            case, ov = keys[r["config"]]
+            rows.append({"panel": panel, "case": case,
+                         **{k: v for k, v in r.items() if k not in ("config", "tp", "allreduce_ms")},
+                         "overlap": ov, "hidden_ms": r.get("hidden_ms", 0.0)})
+    return rows
+
+
+def best_overlap_rows(rows: list[dict]) -> list[dict]:
+    """Per (panel, case, EP, batch): the row of the shortest step over the overlaps (at a fixed batch per rank
+    the shortest step is also the most tokens/s per GPU and per user)."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        k = (r["panel"], r["case"], r["ep"], r["batch_per_rank"])
+        if k not in best or r["step_ms"] < best[k]["step_ms"]:
+            best[k] = r
+    return list(best.values())
+
+
+def at_slo(points: list[dict], slo: float) -> dict | None:
+    """The most tokens/s per GPU a curve of rows (one per batch per rank; those whose batch fits in KV memory)
+    gives at ``slo`` tokens/s per user or faster: its best row at or above the SLO, or the point where the
+    curve, linear between two batches, crosses it. None when even the smallest batch is slower than the SLO.
+    ``batch_per_rank`` of a crossing is interpolated; ``capped``: the largest fitting batch still meets the
+    SLO (the curve ends there, at KV memory, not at the SLO)."""
+    pts = sorted((r for r in points if r["fits_batch"]), key=lambda r: r["batch_per_rank"])
+    cands = []
+    for a, b in zip(pts, pts[1:] + [None]):
+        if a["tokens_per_s_per_user"] < slo:
+            continue
+        cands.append({k: a[k] for k in ("tokens_per_s_per_gpu", "batch_per_rank", "tokens_per_s_per_user")}
+                     | {"capped": b is None})
+        if b is not None and b["tokens_per_s_per_user"] < slo:  # the segment crosses the SLO
+            ua, ub = a["tokens_per_s_per_user"], b["tokens_per_s_per_user"]
+            f = (ua - slo) / (ua - ub)
+
+            def lerp(k):
+                return round(a[k] + f * (b[k] - a[k]), 1)
+
+            cands.append({"tokens_per_s_per_gpu": lerp("tokens_per_s_per_gpu"),
+                          "batch_per_rank": lerp("batch_per_rank"), "tokens_per_s_per_user": slo,
+                          "capped": False})
+    # the most tokens/s per GPU; of equals, the first (a point before the crossing it ties)
+    return max(cands, key=lambda c: c["tokens_per_s_per_gpu"], default=None)
+
+
+def frontier_slo_rows(sc: DecodeFrontierFigure, rows: list[dict]) -> list[dict]:
+    """For each panel, case, overlap (``none`` and ``best``: the best overlap per point) and SLO, every EP's
+    tokens/s per GPU at the SLO (:func:`at_slo`) and whether it is the winner."""
+    curves: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["overlap"] == "none":
+            curves.setdefault((r["panel"], r["case"], "none", r["ep"]), []).append(r)
+    if set(sc.overlaps) != {"none"}:
+        for r in best_overlap_rows(rows):
+            curves.setdefault((r["panel"], r["case"], "best", r["ep"]), []).append(r)
+    out = []
+    panels = list(dict.fromkeys(r["panel"] for r in rows))
+    for panel, case, mode in itertools.product(panels, [c.label for c in sc.cases], ("none", "best")):
+        for slo in sc.slo_tokens_per_s_per_user:
+            group = []
+            for ep in sc.eps:
+                pts = curves.get((panel, case, mode, ep))
+                if pts is None:
+                    continue
+                hit = at_slo(pts, slo)
+                row = {"panel": panel, "case": case, "overlap": mode, "slo_tokens_per_s_per_user": slo,
+                       "ep": ep, "tokens_per_s_per_gpu": hit and hit["tokens_per_s_per_gpu"],
+                       "batch_per_rank": hit and hit["batch_per_rank"], "capped": bool(hit and hit["capped"])}
+                if mode == "best" and hit is not None:
+                    near = min(pts, key=lambda r: abs(r["batch_per_rank"] - hit["batch_per_rank"]))
+                    row["overlap_used"] = near["overlap"]
+                group.append(row)
+            top = max((g["tokens_per_s_per_gpu"] or 0.0 for g in group), default=0.0)
+            for g in group:
+                g["wins"] = top > 0 and g["tokens_per_s_per_gpu"] == top
+            out.extend(group)
+    return out
+
+
+_STYLES = ("-", "--", ":", "-.")
+
+
+def _fig_decode_frontier(sc: DecodeFrontierFigure) -> Result:
+    rows = frontier_rows(sc)
+    slo_rows = frontier_slo_rows(sc, rows)
+    cats = [c for _, c in _CATS if c != "allreduce_ms"]  # DP attention (tp 1): no all-reduce
+    cols = ["panel", "case", "ep", "overlap", "batch_per_rank", "step_ms", *cats, "hidden_ms",
+            "tokens_per_s_per_gpu", "tokens_per_s_per_user", "fits_batch"]
+    panels = list(dict.fromkeys(r["panel"] for r in rows))
+    lines = []
+    for g in slo_rows:
+        if g["wins"]:
+            lines.append(f"{g['panel']}, {g['case']}, overlap {g['overlap']}, "
+                         f"{g['slo_tokens_per_s_per_user']:g} tok/s/user: EP{g['ep']} "
+                         f"({g['tokens_per_s_per_gpu']:.0f} tok/s/GPU)")
+    summary = {f"{g['panel']} | {g['case']} | {g['overlap']} | {g['slo_tokens_per_s_per_user']:g}":
+               {"ep": g["ep"], "tokens_per_s_per_gpu": g["tokens_per_s_per_gpu"]}
+               for g in slo_rows if g["wins"]}
+    modes = ["none"] + (["best"] if set(sc.overlaps) != {"none"} else [])
+    best = best_overlap_rows(rows)
+
+    def plot(axes):
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+        colours = plt.get_cmap("viridis")(list(i / max(1, len(sc.eps) - 1) for i in range(len(sc.eps))))
+        for i, mode in enumerate(modes):
+            src = [r for r in rows if r["overlap"] == "none"] if mode == "none" else best
+            for j, panel in enumerate(panels):
+                ax = axes[i][j]
+                for ci, case in enumerate(sc.cases):
+                    for ei, ep in enumerate(sc.eps):
+                        pts = sorted((r for r in src if r["panel"] == panel and r["case"] == case.label
+                                      and r["ep"] == ep and r["fits_batch"]),
+                                     key=lambda r: r["batch_per_rank"])
+                        ax.plot([r["tokens_per_s_per_user"] for r in pts],
+                                [r["tokens_per_s_per_gpu"] for r in pts],
+                                ls=_STYLES[ci % len(_STYLES)], color=colours[ei], marker=".", ms=3, lw=1.1,
+                                label=f"EP{ep}" if ci == 0 else None)
+                for slo in sc.slo_tokens_per_s_per_user:
+                    ax.axvline(slo, color="grey", lw=0.7, ls="--")
+                ax.set_xscale("log")
+                ax.xaxis.set_major_locator(FixedLocator([5, 10, 20, 50, 100, 200, 500]))
+                ax.xaxis.set_major_formatter(ScalarFormatter())
+                ax.xaxis.set_minor_formatter(NullFormatter())
+                ax.set_title(f"{panel}: " + ("no overlap" if mode == "none" else "best overlap per point"),
+                             fontsize=8)
+                ax.set_xlabel("tokens/s per user", fontsize=8)
+                ax.set_ylabel("tokens/s per GPU", fontsize=8)
+                ax.tick_params(labelsize=7)
+                ax.grid(True, which="both", lw=0.3, alpha=0.5)
+        from matplotlib.lines import Line2D
+
+        ep_legend = axes[0][0].legend(fontsize=6, loc="upper right", title="colour", title_fontsize=6)
+        axes[0][0].add_artist(ep_legend)
+        axes[0][0].legend(handles=[Line2D([], [], color="k", ls=_STYLES[ci % len(_STYLES)], label=c.label)
+                                   for ci, c in enumerate(sc.cases)], fontsize=6, loc="lower left",
+                          title="line", title_fontsize=6)
+
+    return Result(cols, rows, [(sc.claim, "; ".join(lines))], plot, summary, {"slo": slo_rows},
+                  layout=(len(modes), len(panels)), compact=True)
+
+
 _BUILDERS: dict[type, Callable] = {
     AllreduceFigure: _fig_allreduce, EpPrefillFigure: _fig_ep_prefill, DecodeA2aFigure: _fig_decode_a2a,
     GroupedGemmFigure: _fig_grouped_gemm, PrefillParallelismFigure: _fig_prefill_parallelism,
     DecodeEpTradeFigure: _fig_decode_ep_trade, DecodeStepFigure: _fig_decode_step,
+    DecodeFrontierFigure: _fig_decode_frontier,
 }
 
 
@@ -762,7 +1011,8 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
     for r in res.rows:
         table.add_row(*(_fmt(r.get(c)) for c in res.columns))
     console.print(table)
-    said = "claim" if isinstance(sc, DecodeStepFigure) else "write-up"  # its claim is this repository's own
+    # its claim is this repository's own
+    said = "claim" if isinstance(sc, DecodeStepFigure | DecodeFrontierFigure) else "write-up"
     for claim, sim in res.claims:
         console.print(f"[bold]{said}:[/bold] {claim}")
         console.print(f"[bold]simulated:[/bold] {sim}")
@@ -773,10 +1023,16 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
-    res.plot(ax)
-    ax.set_title(sc.title or sc.name, fontsize=9)
-    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    if res.layout == (1, 1):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+        res.plot(ax)
+        ax.set_title(sc.title or sc.name, fontsize=9)
+        ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    else:
+        nr, nc = res.layout
+        fig, axes = plt.subplots(nr, nc, figsize=(5.5 * nc, 4.0 * nr), dpi=110, squeeze=False)
+        res.plot(axes)
+        fig.suptitle(sc.title or sc.name, fontsize=9)
     fig.tight_layout()
     with replacing(png, "wb") as f:
         fig.savefig(f, format="png")
@@ -786,9 +1042,26 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
            "scenario_config": json.loads(sc.model_dump_json()), "columns": res.columns, "rows": res.rows,
            "claims": [{"write_up": c, "simulated": s} for c, s in res.claims], "summary": res.summary,
            **res.extra}
-    js = write_text(out_dir / f"{safe_name(sc.name)}.json", json.dumps(doc, indent=1, default=_json_default) + "\n")
+    text = _dumps_compact(doc) if res.compact else json.dumps(doc, indent=1, default=_json_default)
+    js = write_text(out_dir / f"{safe_name(sc.name)}.json", text + "\n")
     console.print(f"wrote {js} and {png}")
     return {**doc, "json": str(js), "png": str(png)}
+
+
+def _dumps_compact(doc: dict) -> str:
+    """``doc`` as indented JSON, except that every list of rows (dicts) has one row per line."""
+    slots, plain = {}, {}
+    for k, v in doc.items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            slots[k] = v
+            plain[k] = f"@@{k}@@"
+        else:
+            plain[k] = v
+    text = json.dumps(plain, indent=1, default=_json_default)
+    for k, v in slots.items():
+        lines = ",\n  ".join(json.dumps(x, default=_json_default, separators=(",", ":")) for x in v)
+        text = text.replace(json.dumps(f"@@{k}@@"), "[\n  " + lines + "\n ]")
+    return text
 
 
 def _json_default(o):

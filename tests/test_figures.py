@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
 from rackbed import scenarios
@@ -156,3 +158,46 @@ def test_hardware_too_small_is_a_user_error(tmp_path):
     p.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match="needs 16 GPUs but topology hgx-h200 has 8"):
         run_figure(p, tmp_path, console=Console(file=io.StringIO()))
+
+
+@pytest.mark.parametrize("patch,match", [
+    ({"eps": [16, 16]}, r"bad\.yaml: decode_frontier: .*eps: each value once"),
+    ({"panels": [{"scenario": "no_such_scenario"}]}, r"bad\.yaml: panels\[0\]\.scenario: "),
+    ({"batch_per_rank": [64]}, r"bad\.yaml: decode_frontier\.batch_per_rank"),
+    ({"overlaps": ["tbo"]}, r"bad\.yaml: decode_frontier\.overlaps"),
+])
+def test_frontier_schema_errors_are_one_line(tmp_path, patch, match):
+    import yaml
+
+    data = yaml.safe_load(scenarios.resolve("fig_wide_ep_study").read_text())
+    data.update(patch)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=match) as e:
+        load_figure(p)
+    assert "\n" not in str(e.value)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(pts=st.lists(st.tuples(st.floats(1, 500), st.floats(1, 2e4), st.booleans()), min_size=1, max_size=8),
+       slo=st.floats(1, 500), slo2=st.floats(1, 500))
+def test_at_slo_reads_the_curve(pts, slo, slo2):
+    """``at_slo`` (the decode_frontier figure's SLO table): never more than the curve's best fitting point,
+    at least its best fitting point that meets the SLO, None only when no fitting point meets it, and a
+    stricter SLO never gives more tokens/s per GPU."""
+    from rackbed.sim.figures import at_slo
+
+    rows = [{"batch_per_rank": i + 1, "tokens_per_s_per_user": u, "tokens_per_s_per_gpu": g, "fits_batch": f}
+            for i, (u, g, f) in enumerate(pts)]
+    fit = [r for r in rows if r["fits_batch"]]
+    hit = at_slo(rows, slo)
+    meets = [r["tokens_per_s_per_gpu"] for r in fit if r["tokens_per_s_per_user"] >= slo]
+    assert (hit is None) == (not meets)
+    tol = 0.05  # an interpolated point is rounded to 0.1 tokens/s
+    if hit is not None:
+        top = max(r["tokens_per_s_per_gpu"] for r in fit)
+        assert max(meets) - tol <= hit["tokens_per_s_per_gpu"] <= top + tol
+        lo, hi = sorted((slo, slo2))
+        strict = at_slo(rows, hi)
+        loose = at_slo(rows, lo)["tokens_per_s_per_gpu"]
+        assert strict is None or strict["tokens_per_s_per_gpu"] <= loose + tol

@@ -4,8 +4,10 @@ H200 node) and their decode-step figures: each shipped file runs in full, serves
 
 from __future__ import annotations
 
+import io
 import json
 import time
+from pathlib import Path
 
 import pytest
 from lane import first_in_lane
@@ -109,3 +111,103 @@ def test_run_cli_prints_the_figure(tmp_path, capsys):
     doc = json.loads((tmp_path / "f" / "fig_dsv3_decode_ep.json").read_text())
     assert {r["config"] for r in doc["rows"]} == {"EP8", "EP32", "EP64", "EP72 +32 redundant"}
     assert "claim:" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ the wide-EP study
+
+STUDY_JSON = Path(__file__).resolve().parents[1] / "results" / "models" / "fig_wide_ep_study.json"
+
+
+def _study_rows() -> tuple[dict[tuple, dict], dict]:
+    doc = json.loads(STUDY_JSON.read_text())
+    return {(r["panel"], r["case"], r["ep"], r["overlap"], r["batch_per_rank"]): r for r in doc["rows"]}, doc
+
+
+def test_wide_ep_study_moves_the_expected_ways():
+    """The recorded study (``rackbed run fig_wide_ep_study``, docs/MODELS.md "Wide-EP study"), every panel:
+    the power law lowers tokens/s per GPU below uniform routing at wide EP, more the wider; EPLB with its
+    redundant slots recovers part of it; overlap changes the step (two micro-batches hide dispatch / combine);
+    at each SLO the winning EP under the power law is no wider than under uniform routing, and EPLB's no
+    narrower."""
+    rows, doc = _study_rows()
+    sc = doc["scenario_config"]
+    panels = [p["label"] for p in sc["panels"]]
+    grid = [b for b in sc["batch_per_rank"] if b >= 32]
+    for panel in panels:
+        for b in grid:
+            loss = {}
+            for ep in (32, 64, 72):
+                uni, pl, eplb = (rows[panel, c, ep, "none", b]
+                                 for c in ("uniform", "power law", "power law + EPLB"))
+                assert pl["tokens_per_s_per_gpu"] < uni["tokens_per_s_per_gpu"], (panel, ep, b)
+                assert pl["tokens_per_s_per_gpu"] < eplb["tokens_per_s_per_gpu"], (panel, ep, b)
+                # the busiest rank: its dispatch / combine and GEMM, not attention, carry the loss
+                assert pl["attention_ms"] == uni["attention_ms"]
+                assert pl["dispatch_combine_ms"] > uni["dispatch_combine_ms"]
+                assert pl["moe_gemm_ms"] > uni["moe_gemm_ms"]
+                loss[ep] = 1 - pl["tokens_per_s_per_gpu"] / uni["tokens_per_s_per_gpu"]
+            assert loss[32] < loss[64] < loss[72], (panel, b, loss)
+            for case in ("uniform", "power law"):
+                none, tbo = rows[panel, case, 64, "none", b], rows[panel, case, 64, "two_batch", b]
+                assert tbo["step_ms"] != none["step_ms"] and tbo["hidden_ms"] > 0 == none["hidden_ms"]
+                assert tbo["dispatch_combine_ms"] < 0.2 * none["dispatch_combine_ms"]
+    wins = {(g["panel"], g["case"], g["overlap"], g["slo_tokens_per_s_per_user"]): g["ep"]
+            for g in doc["slo"] if g["wins"]}
+    for (panel, case, mode, slo), ep in wins.items():
+        if case == "power law":
+            assert ep <= wins[panel, "uniform", mode, slo]
+            assert ep <= wins[panel, "power law + EPLB", mode, slo]
+
+
+def test_wide_ep_study_row_reproduces():
+    """One EP of the study priced again (DeepSeek-V3 EP64, every case, no overlap and two micro-batches, two
+    batches per GPU and the batch that fills KV memory) gives exactly the recorded rows, in under 20 s."""
+    from rackbed.sim.figures import frontier_rows
+
+    rows, _ = _study_rows()
+    sc = load_figure(scenarios.resolve("fig_wide_ep_study"))
+    quick = sc.model_copy(update={"panels": sc.panels[:1], "eps": (64,), "overlaps": ("none", "two_batch"),
+                                  "batch_per_rank": (32, 128)})
+    t0 = time.perf_counter()
+    got = frontier_rows(quick)
+    assert time.perf_counter() - t0 < 20.0
+    assert {r["batch_per_rank"] for r in got} > {32, 128}  # and where each curve ends
+    for r in got:
+        assert r == rows[r["panel"], r["case"], r["ep"], r["overlap"], r["batch_per_rank"]]
+
+
+@pytest.mark.slow
+def test_wide_ep_study_reproduces(tmp_path):
+    """The whole study run again (about a minute) gives the recorded rows and SLO table."""
+    from rich.console import Console
+
+    from rackbed.sim.figures import run_figure
+
+    doc = run_figure(scenarios.resolve("fig_wide_ep_study"), tmp_path, console=Console(file=io.StringIO()))
+    _, want = _study_rows()
+    assert doc["rows"] == want["rows"] and doc["slo"] == want["slo"]
+    assert (tmp_path / "fig_wide_ep_study.png").stat().st_size > 0
+
+
+def test_wide_ep_search_prices_skew():
+    """The study's search specs (scenarios/sweeps/wide-ep-search-dsv3*.yaml), analytic stage only: under
+    uniform routing every decode option meets the TPOT SLO; under the power law the busiest rank slows every
+    step, the more the wider the EP (at the same batch cap), and EP64 fails the SLO from 128 sequences per GPU
+    while EP8 meets it at every cap."""
+    from rackbed.engine.core.model import get_model
+    from rackbed.sim.search import decode_options, load_search, workload_load
+    from rackbed.topology import load
+
+    topo, model = {"gb200-nvl72": load("gb200-nvl72")}, get_model("deepseek-v3")
+    opts = {}
+    for name in ("wide-ep-search-dsv3", "wide-ep-search-dsv3-skew"):
+        spec = load_search(name)
+        opts[name] = {(o.ep, o.max_batch_per_rank): o
+                      for o in decode_options(spec, workload_load(spec.workload), model, topo)}
+    uni, skew = opts["wide-ep-search-dsv3"], opts["wide-ep-search-dsv3-skew"]
+    assert all(o.pruned is None for o in uni.values())
+    slow = [skew[ep, 64].tpot_at_cap_s / uni[ep, 64].tpot_at_cap_s for ep in (8, 16, 32, 64)]
+    assert 1 < slow[0] < slow[1] < slow[2] < slow[3], slow
+    assert all(skew[8, cap].pruned is None for cap in (64, 128, 256))
+    assert skew[64, 64].pruned is None
+    assert all("TPOT" in (skew[64, cap].pruned or "") for cap in (128, 256))

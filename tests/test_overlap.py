@@ -171,6 +171,29 @@ def test_two_batch_hides_the_all_to_all(nvl72):
     assert tb.terms["overlap_sm_contention"][1] > 0
 
 
+def test_overlap_prices_the_busiest_rank(nvl72):
+    """Skewed routing reaches the overlapped step: DeepSeek-V3 EP32 under its power law, each mode's per-layer
+    terms (exposed + hidden) are the skewed step's own (``shared_expert``: the whole batch; ``two_batch``: the
+    two skewed half-batches), so the skewed overlapped step is longer than the uniform one."""
+    from rackbed.engine.core.expert_load import ExpertLoadSpec
+    from rackbed.sim.costs.eplb import ExpertLoad
+
+    load = ExpertLoad(ExpertLoadSpec("power_law", alpha=1.0, samples=2))
+    batch, ctx = [64] * 32, [64 * 2000.0] * 32
+    skew = decode_step_breakdown(DSV3, _dplan(32, "none"), nvl72, batch, ctx, expert_load=load)
+    for mode in ("shared_expert", "two_batch"):
+        uni = decode_step_breakdown(DSV3, _dplan(32, mode), nvl72, batch, ctx)
+        ov_skew = decode_step_breakdown(DSV3, _dplan(32, mode), nvl72, batch, ctx, expert_load=load)
+        assert ov_skew.total_s > 1.05 * uni.total_s, mode
+        parts = [skew] if mode == "shared_expert" else [
+            decode_step_breakdown(DSV3, _dplan(32, "none"), nvl72, mb, c, expert_load=load)
+            for mb, c in split_decode(batch, ctx)]
+        for nm in ("moe_dispatch", "moe_gemm", "moe_combine"):
+            want = sum(p.terms[nm][1] for p in parts)
+            got = ov_skew.terms[nm][1] + ov_skew.hidden.get(nm, 0.0)
+            assert got == pytest.approx(want, rel=1e-9), (mode, nm)
+
+
 def test_prefill_two_batch(nvl72):
     plan = ParallelPlan(role="prefill", tp=4, ep=4, dp=1, gpus=(0, 1, 2, 3), weight_format="fp8_block")
     seqs = [(8192, 0), (3001, 500)]

@@ -325,7 +325,8 @@ def decode_step_breakdown(model, plan, topo, rank_batch: Sequence[int], rank_con
 
         return overlapped_decode(decode_step_breakdown, model, plan, topo, rank_batch, rank_context_tokens,
                                  draft_k=draft_k, n_mtp_layers=n_mtp_layers, draft_model=draft_model,
-                                 tokens_per_expert=tokens_per_expert, send_matrix=send_matrix, calib=calib)
+                                 tokens_per_expert=tokens_per_expert, send_matrix=send_matrix,
+                                 expert_load=expert_load, calib=calib)
     gpu = _plan_gpu(plan, topo)
     fmt = plan.weight_format
     q = draft_k + 1
