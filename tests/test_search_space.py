@@ -161,3 +161,9 @@ def test_space_flags_reach_the_spec():
     assert spec.space.kv_dtype == ("bf16", "fp8") and spec.space.decode_tp == (1, 2)
     with pytest.raises(SystemExit):
         p.parse_args(["search", "--batch-cap", "8:x"])
+    # --wide: the KV format, a geometric cap grid and TP2 decoder ranks where those flags are not given
+    args = p.parse_args(["search", "--gpus", "8", "--topology", "hgx-h200", "--wide", "--decode-tp", "1"])
+    cs.check_flags(args)
+    spec = cs._flags_spec(args, 1.0, 1)
+    assert spec.space.kv_dtype == ("bf16", "fp8") and spec.space.decode_tp == (1,)
+    assert spec.space.max_batch_per_rank == se.batch_grid({"lo": 8, "hi": 256, "factor": 1.25})

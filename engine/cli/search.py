@@ -129,6 +129,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "default bf16")
     p.add_argument("--draft-k", type=_ints, default=None,
                    help="MTP draft lengths; default 0,1,2 for a model with MTP layers, else 0")
+    p.add_argument("--wide", action="store_true",
+                   help="a wider space: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in WIDE_FLAGS.items())
+                        + " where those flags are not given")
     p.add_argument("--decode-overlap", type=_strs, default=None,
                    help="decode compute / communication overlap modes to try: none, shared_expert, two_batch "
                         "(sim/costs/overlap.py); default none")
@@ -173,11 +176,15 @@ DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_for
             "kind": ["disaggregated", "aggregated"], "duration": 30.0, "ttft": 2.0, "tpot": 0.05,
             "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05}
 
+# What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid and TP2 attention
+# ranks in the decoders, next to the defaults.
+WIDE_FLAGS = {"kv_dtype": "bf16,fp8", "batch_cap": "8:256:x1.25", "decode_tp": "1,2"}
+
 # The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
 _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
              "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
              "mtp_layers", "decode_overlap", "decode_tp", "kv_dtype", "max_simulations", "emit", "emit_out", "out",
-             "force", "jobs", "no_report"}
+             "force", "jobs", "no_report", "wide"}
 USED = {
     "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
     "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address"},
@@ -246,6 +253,10 @@ def check_flags(args: argparse.Namespace) -> str:
 
     mode = mode_of(args)
     given = argparse.Namespace(**vars(args))
+    if getattr(args, "wide", False) and mode in ("budget", "rate"):
+        for k, v in WIDE_FLAGS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, {"kv_dtype": _strs, "batch_cap": _caps, "decode_tp": _ints}[k](v))
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
