@@ -379,7 +379,7 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
             if key not in tpots:
                 tpots[key] = _decode_tpot_fn(spec, base, model, topo, d)
             tpot = tpots[key]
-            rate_d1 = d.ep * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
+            rate_d1 = d.ranks * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
             rate_p1 = p.capacity_tokens_per_s / (prompt * h)        # one prefiller at 1/headroom utilisation
             for n_d in range(1, (gpus - gp) // d.ep + 1):
                 p_max = (gpus - n_d * d.ep) // gp
@@ -390,8 +390,8 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                     rate = min(p_max * rate_p1, n_d * rate_d1)
                     n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
                 b = float(d.b_max)
-                for _ in range(12):  # b = rate x output x TPOT(b) / (D x EP), from above
-                    nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ep))
+                for _ in range(12):  # b = rate x output x TPOT(b) / (D x DP ranks), from above
+                    nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ranks))
                     done = abs(nb - b) < 0.05
                     b = nb
                     if done:

@@ -13,6 +13,10 @@ from rackbed.sim import budget as bu
 from rackbed.sim import search as se
 from rackbed.topology.errors import UserError
 
+DECODE_BOUND = {"kind": "synthetic", "arrival": {"kind": "constant", "rate_per_s": 10},
+                "prompt": {"kind": "fixed", "tokens": 6000}, "output": {"kind": "fixed", "tokens": 1000},
+                "duration_s": 10}
+
 
 def make_spec(space=None, **kw):
     data = {"name": "t", "model": "qwen3-235b-a22b",
@@ -72,9 +76,7 @@ def test_fp8_kv_wins_the_budget_search_where_the_kv_binds():
     requests/s on the same GPUs."""
     spec = make_spec({"kv_dtype": ["bf16", "fp8"], "max_batch_per_rank": [128], "prefill_tp": [2],
                       "topology": ["hgx-h200*2"]}, slo={"ttft_s": 2.0, "tpot_s": 0.1},
-                     workload={"kind": "synthetic", "arrival": {"kind": "constant", "rate_per_s": 10},
-                               "prompt": {"kind": "fixed", "tokens": 6000},
-                               "output": {"kind": "fixed", "tokens": 1000}, "duration_s": 10})
+                     workload=DECODE_BOUND)
     model, topos, load = parts(spec)
     cands = [c for c in bu.disaggregated_candidates(spec, load, model, topos["hgx-h200*2"], 16)
              if c.pruned is None]
@@ -87,7 +89,7 @@ def test_decode_attention_tp_reaches_the_budget_search_plans():
     """``space.decode_tp`` in the budget search: the candidate's overrides carry ``decode.tp`` and its TPOT is
     priced with that plan (TP2 ranks: half as many DP ranks, each with its attention split two ways)."""
     spec = make_spec({"decode_tp": [1, 2], "prefill_tp": [2], "max_batch_per_rank": [16],
-                      "topology": ["hgx-h200*2"]})
+                      "topology": ["hgx-h200*2"]}, workload=DECODE_BOUND)
     model, topos, load = parts(spec)
     cands = [c for c in bu.disaggregated_candidates(spec, load, model, topos["hgx-h200*2"], 16) if c.overrides]
     by_tp = {}
@@ -95,10 +97,16 @@ def test_decode_attention_tp_reaches_the_budget_search_plans():
         by_tp.setdefault(c.overrides.get("decode.tp", 1), []).append(c)
     assert set(by_tp) == {1, 2}
     assert all("TP2/DP-EP8" in c.label for c in by_tp[2])
-    one = {(c.overrides["decode.replicas"], c.overrides["prefill.replicas"]): c for c in by_tp[1]}
-    two = {(c.overrides["decode.replicas"], c.overrides["prefill.replicas"]): c for c in by_tp[2]}
-    common = set(one) & set(two)
-    assert common and any(one[k].est_tpot_s != pytest.approx(two[k].est_tpot_s) for k in common)
+    d1, d2 = sorted((o for o in se.decode_options(spec, load, model, topos)), key=lambda o: o.tp)
+    base = se.base_scenario(spec)
+    f1, f2 = (bu._decode_tpot_fn(spec, base, model, topos["hgx-h200*2"], o) for o in (d1, d2))
+    assert f2(8) != pytest.approx(f1(8))
+    # the budget search's TPOT(b) is the decode option's own pricing (which has always used decode.tp)
+    assert f2(d2.b_max) == pytest.approx(d2.tpot_at_cap_s) and f1(d1.b_max) == pytest.approx(d1.tpot_at_cap_s)
+    # a decoder of TP2 ranks holds ep / 2 ranks' batches: its rate is sized on those, not on ep
+    assert d2.ranks == 4
+    for c in by_tp[2]:
+        assert c.rate_per_s <= c.overrides["decode.replicas"] * d2.ranks * d2.b_max / (1000 * d2.tpot_at_cap_s) + 1e-9
 
 
 def test_batch_cap_grid_in_a_spec():
