@@ -2,9 +2,11 @@
 
 For a model, candidate hardware, a workload and SLOs, the search
 
-1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget,
-   overlap) x decode (DP-EP degree, per-rank batch cap, MTP draft length, overlap: ``space.prefill_overlap`` /
-   ``space.decode_overlap``, ``sim.costs.overlap``), with replica counts derived from the load (or given);
+1. **enumerates** candidate deployments: topology x weight format x KV cache format (``space.kv_dtype``: both
+   roles of a candidate share it) x prefill (TP, EP, batch-token budget, overlap) x decode (DP-EP degree, attention
+   TP of a DP rank, per-rank batch cap — a list or a grid, :func:`batch_grid` — MTP draft length, overlap:
+   ``space.prefill_overlap`` / ``space.decode_overlap``, ``sim.costs.overlap``), with replica counts derived from
+   the load (or given);
 2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model,
    recording why. Steps are priced by the very cost model the simulation of that candidate uses
    (``sim.scenario.cost_model_for`` on the candidate's scenario: the same calibration selection, plans and
