@@ -175,3 +175,26 @@ def test_space_flags_reach_the_spec():
     spec = cs._flags_spec(args, 1.0, 1)
     assert spec.space.kv_dtype == ("bf16", "fp8") and spec.space.decode_tp == (1,)
     assert spec.space.max_batch_per_rank == se.batch_grid({"lo": 8, "hi": 256, "factor": 1.25})
+
+
+def test_a_rate_search_simulates_both_kv_formats_and_reports_the_axis(tmp_path, capsys):
+    """``--kv-dtype bf16,fp8`` in a ``--rate`` search: the simulated points run the KV format of their candidate
+    (through the sweep's overrides into the scenario) and the report's per-knob table has a ``kv_dtype`` row per
+    format."""
+    import json
+
+    from rackbed.engine.cli.main import main
+
+    out = tmp_path / "s"
+    assert main(["search", "--model", "qwen3-30b-a3b", "--topology", "hgx-h200", "--rate", "4", "--isl", "1000",
+                 "--osl", "30", "--duration", "3", "--decode-ep", "4", "--batch-cap", "16", "--prefill-tp", "2",
+                 "--kv-dtype", "bf16,fp8", "--max-simulations", "2", "--jobs", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    by_kv = {r["overrides"]["kv_dtype"]: r["summary"] for r in recs}
+    assert sorted(by_kv) == ["bf16", "fp8"]
+    # the same deployment with half the KV bytes read per step decodes faster per user
+    assert by_kv["fp8"]["tokens_per_s_per_user"] > by_kv["bf16"]["tokens_per_s_per_user"]
+    report = (out / "report.md").read_text()
+    assert "| kv_dtype | bf16 |" in report and "| kv_dtype | fp8 |" in report
