@@ -11,9 +11,10 @@ input: every candidate deployment that fits the budget is evaluated at the load 
      decoders carry ``rate_d = D x (EP / TP) x b_max / (output x TPOT(b_max))`` requests/s (Little's law at the
      batch cap of each of a decoder's ``EP / TP`` DP ranks, ``TP`` its attention TP) and ``P`` prefillers
      ``rate_p = P x capacity / (prompt x headroom)`` — the prefill headroom keeps the prefillers' utilisation
-     at ``1 / headroom`` so that queueing leaves the TTFT SLO met. The deployment sustains ``rate = min(rate_p, rate_d)`` with the fewest prefillers that carry it (at most the GPUs left);
-     its decode batch per rank is the fixed point of Little's law at that rate and its TPOT the decode step's
-     at that batch plus the KV transfer per token after the first (as :func:`sim.search.candidates`).
+     at ``1 / headroom`` so that queueing leaves the TTFT SLO met. The deployment sustains
+     ``rate = min(rate_p, rate_d)`` with the fewest prefillers that carry it (at most the GPUs left); its decode
+     batch per rank is the fixed point of Little's law at that rate and its TPOT the decode step's at that batch
+     plus the KV transfer per token after the first (as :func:`sim.search.candidates`).
    * *Aggregated*: workers of ``tp x dp`` GPUs (DP-attention ranks with ``ep = dp``, or one TP group with
      ``ep = tp``) tiling the budget, for each batch cap, token budget, chunk size and MTP draft length; a worker's
      steady state is :func:`sim.costs.mixed.aggregated_operating_point` (its requests/s and TPOT at saturation);
