@@ -8,12 +8,13 @@ input: every candidate deployment that fits the budget is evaluated at the load 
 
    * *Disaggregated*: the prefill and decode options of :mod:`sim.search` (same cost model, memory budget and
      TTFT-floor / TPOT-at-cap pruning). For a pair of options and every decoder count ``D`` (``D x EP`` GPUs) the
-     decoders carry ``rate_d = D x EP x b_max / (output x TPOT(b_max))`` requests/s (Little's law at the batch
-     cap) and ``P`` prefillers ``rate_p = P x capacity / (prompt x headroom)`` — the prefill headroom keeps the
-     prefillers' utilisation at ``1 / headroom`` so that queueing leaves the TTFT SLO met. The deployment
-     sustains ``rate = min(rate_p, rate_d)`` with the fewest prefillers that carry it (at most the GPUs left);
-     its decode batch per rank is the fixed point of Little's law at that rate and its TPOT the decode step's
-     at that batch plus the KV transfer per token after the first (as :func:`sim.search.candidates`).
+     decoders carry ``rate_d = D x (EP / TP) x b_max / (output x TPOT(b_max))`` requests/s (Little's law at the
+     batch cap of each of a decoder's ``EP / TP`` DP ranks, ``TP`` its attention TP) and ``P`` prefillers
+     ``rate_p = P x capacity / (prompt x headroom)`` — the prefill headroom keeps the prefillers' utilisation
+     at ``1 / headroom`` so that queueing leaves the TTFT SLO met. The deployment sustains
+     ``rate = min(rate_p, rate_d)`` with the fewest prefillers that carry it (at most the GPUs left); its decode
+     batch per rank is the fixed point of Little's law at that rate and its TPOT the decode step's at that batch
+     plus the KV transfer per token after the first (as :func:`sim.search.candidates`).
    * *Aggregated*: workers of ``tp x dp`` GPUs (DP-attention ranks with ``ep = dp``, or one TP group with
      ``ep = tp``) tiling the budget, for each batch cap, token budget, chunk size and MTP draft length; a worker's
      steady state is :func:`sim.costs.mixed.aggregated_operating_point` (its requests/s and TPOT at saturation);
@@ -73,6 +74,7 @@ window rule and the steady-state check of step 2).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -332,7 +334,8 @@ def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.Decod
 
     sc = se._scenario(base, {"topology": d.topology, "weight_format": d.weight_format, "decode.ep": d.ep,
                              "decode.max_batch_per_rank": d.max_batch_per_rank, "mtp.draft_k": d.draft_k,
-                             **se._decode_tp_override(1, d.redundant_experts, d.overlap)})
+                             **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+                             **se._kv_override(d.kv_dtype)})
     plan = decode_plan_for(sc, model, se._plan_gpus(topo, d.ep, "decode"))
     cm = cost_model_for(sc, model, topo, None, plan)[0]
     e = expected_tokens_per_step(d.draft_k, sc.mtp.accept_p)
@@ -365,7 +368,7 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
     tpots = {}
     for p in (p for p in pre if p.pruned is None):
         gp = max(p.tp, p.ep)
-        for d in (d for d in dec if d.pruned is None):
+        for d in (d for d in dec if d.pruned is None and d.kv_dtype == p.kv_dtype):
             kv = se._pair_kv_s(base, kv_cache, p, d, prompt)
             if kv is None:
                 out.append(BudgetCandidate("disaggregated", "pair", {}, 0,
@@ -377,7 +380,7 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
             if key not in tpots:
                 tpots[key] = _decode_tpot_fn(spec, base, model, topo, d)
             tpot = tpots[key]
-            rate_d1 = d.ep * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
+            rate_d1 = d.ranks * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
             rate_p1 = p.capacity_tokens_per_s / (prompt * h)        # one prefiller at 1/headroom utilisation
             for n_d in range(1, (gpus - gp) // d.ep + 1):
                 p_max = (gpus - n_d * d.ep) // gp
@@ -388,8 +391,8 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                     rate = min(p_max * rate_p1, n_d * rate_d1)
                     n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
                 b = float(d.b_max)
-                for _ in range(12):  # b = rate x output x TPOT(b) / (D x EP), from above
-                    nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ep))
+                for _ in range(12):  # b = rate x output x TPOT(b) / (D x DP ranks), from above
+                    nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ranks))
                     done = abs(nb - b) < 0.05
                     b = nb
                     if done:
@@ -400,10 +403,11 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                       "prefill.tp": p.tp, "prefill.ep": p.ep, "prefill.max_batch_tokens": p.max_batch_tokens,
                       "prefill.replicas": n_p, "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank,
                       "decode.replicas": n_d, "mtp.draft_k": d.draft_k,
-                      **se._decode_tp_override(1, d.redundant_experts, d.overlap),
-                      **se._prefill_overlap_override(p.overlap)}
-                c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill + {n_d} x DP-EP{d.ep} "
-                                    f"decode, batch <= {d.max_batch_per_rank}, MTP k={d.draft_k}", ov, n,
+                      **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+                      **se._prefill_overlap_override(p.overlap), **se._kv_override(d.kv_dtype)}
+                c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill + {n_d} x "
+                                    f"{f'TP{d.tp}/' if d.tp > 1 else ''}DP-EP{d.ep} decode, batch <= "
+                                    f"{d.max_batch_per_rank}, MTP k={d.draft_k}{se._kv_label(d.kv_dtype)}", ov, n,
                                     rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,
                                     est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t,
                                     est_hit_rate=hit)
@@ -465,13 +469,16 @@ def aggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus:
             continue
         for mbt, chunk in AGG_BUDGETS:
             for cap in spec.space.max_batch_per_rank:
-                for k in (spec.space.draft_k if tp == 1 else (0,)):
+                for k, kv in itertools.product(spec.space.draft_k if tp == 1 else (0,),
+                                               spec.space.kv_dtype or (None,)):
                     ov = {"topology": tname, "weight_format": fmt, "deployment": "aggregated",
                           "aggregated.workers": workers, "aggregated.tp": tp, "aggregated.dp": dp,
                           "aggregated.ep": size, "aggregated.max_batch_per_rank": cap,
-                          "aggregated.max_batch_tokens": mbt, "aggregated.chunk_tokens": chunk, "mtp.draft_k": k}
+                          "aggregated.max_batch_tokens": mbt, "aggregated.chunk_tokens": chunk, "mtp.draft_k": k,
+                          **se._kv_override(kv)}
                     c = BudgetCandidate("aggregated", f"{workers} x aggregated TP{tp}/DP{dp}/EP{size}, batch <= "
-                                        f"{cap}, budget {mbt} / chunk {chunk} tokens, MTP k={k}", ov, workers * size)
+                                        f"{cap}, budget {mbt} / chunk {chunk} tokens, MTP k={k}{se._kv_label(kv)}",
+                                        ov, workers * size)
                     out.append(c)
                     try:
                         sc = se._scenario(base, ov)
@@ -829,7 +836,6 @@ def max_rate(sc, ttft_s: float, tpot_s: float, percentile: str = "p90", *, start
     :data:`LIFE_WINDOWS` lives of a request at the SLOs (at the workload's mean output) and a rate meets the SLOs
     only if its steady state holds (:func:`steady`, or a run :data:`HOLD_WINDOWS` times as long that meets them);
     each summary in ``tried`` carries its ``steady``."""
-    import itertools
     import statistics
 
     from rackbed.engine.core.metrics import clean

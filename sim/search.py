@@ -2,9 +2,11 @@
 
 For a model, candidate hardware, a workload and SLOs, the search
 
-1. **enumerates** candidate deployments: topology x weight format x prefill (TP, EP, batch-token budget,
-   overlap) x decode (DP-EP degree, per-rank batch cap, MTP draft length, overlap: ``space.prefill_overlap`` /
-   ``space.decode_overlap``, ``sim.costs.overlap``), with replica counts derived from the load (or given);
+1. **enumerates** candidate deployments: topology x weight format x KV cache format (``space.kv_dtype``: both
+   roles of a candidate share it) x prefill (TP, EP, batch-token budget, overlap) x decode (DP-EP degree, attention
+   TP of a DP rank, per-rank batch cap — a list or a grid, :func:`batch_grid` — MTP draft length, overlap:
+   ``space.prefill_overlap`` / ``space.decode_overlap``, ``sim.costs.overlap``), with replica counts derived from
+   the load (or given);
 2. **prunes** each part with the memory budget (``ParallelPlan.validate``) and the analytic step-time model,
    recording why. Steps are priced by the very cost model the simulation of that candidate uses
    (``sim.scenario.cost_model_for`` on the candidate's scenario: the same calibration selection, plans and
@@ -83,6 +85,7 @@ class SearchSpace(_Strict):
     prefill_replicas: tuple[int, ...] | None = None  # None: derived from the input-token rate
     decode_ep: tuple[int, ...] = (4, 8, 16, 32)
     decode_tp: tuple[int, ...] = (1,)  # attention TP inside a decoder's DP ranks (dp = ep / tp)
+    #: a list, or a grid ``{lo, hi, step}`` / ``{lo, hi, factor}`` (:func:`batch_grid`)
     max_batch_per_rank: tuple[int, ...] = (8, 16, 32, 64, 128)
     draft_k: tuple[int, ...] = (0, 1, 2)
     decode_replicas: tuple[int, ...] | None = None  # None: derived by Little's law
@@ -93,6 +96,16 @@ class SearchSpace(_Strict):
     #: single-batch overlap)
     prefill_overlap: tuple[Literal["none", "two_batch"], ...] = Field(("none",), min_length=1)
     decode_overlap: tuple[Literal["none", "shared_expert", "two_batch"], ...] = Field(("none",), min_length=1)
+    #: KV cache formats tried (the scenario's ``kv_dtype``: KV capacity and attention reads follow it); None: the
+    #: spec's ``kv_dtype`` only, as an untouched base scenario field
+    kv_dtype: tuple[Literal["bf16", "fp8"], ...] | None = Field(None, min_length=1)
+
+    @field_validator("max_batch_per_rank", mode="before")
+    @classmethod
+    def _batch_grid(cls, v):
+        if isinstance(v, Mapping):
+            return batch_grid(v)
+        return v
 
     @field_validator("weight_format")
     @classmethod
@@ -112,6 +125,35 @@ class SearchSpace(_Strict):
         if v is not None and (not v or any(x < 0 for x in v)):
             raise ValueError("expected a non-empty list of non-negative integers")
         return v
+
+
+def batch_grid(g: Mapping) -> tuple[int, ...]:
+    """The batch caps of a grid ``{lo, hi, step}`` (``lo, lo + step, ...`` up to ``hi``) or ``{lo, hi, factor}``
+    (``lo``, then each the previous times ``factor``, rounded and at least one more, up to ``hi``); ``hi`` is
+    always the last cap. A ValueError (one line) for a bad grid."""
+    keys = set(g)
+    if not ({"lo", "hi"} <= keys and keys - {"lo", "hi"} in ({"step"}, {"factor"})):
+        raise ValueError(f"a batch-cap grid is {{lo, hi, step}} or {{lo, hi, factor}}, got keys "
+                         f"{', '.join(sorted(map(str, keys))) or 'none'}")
+    lo, hi = g["lo"], g["hi"]
+    if not (isinstance(lo, int) and isinstance(hi, int)) or isinstance(lo, bool) or isinstance(hi, bool) \
+            or not 1 <= lo <= hi:
+        raise ValueError(f"a batch-cap grid needs integers 1 <= lo <= hi, got lo={lo!r}, hi={hi!r}")
+    if "step" in g:
+        step = g["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"a batch-cap grid's step must be an integer >= 1, got {step!r}")
+        caps = list(range(lo, hi + 1, step))
+    else:
+        f = g["factor"]
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1 < f <= 16:
+            raise ValueError(f"a batch-cap grid's factor must be a number in (1, 16], got {f!r}")
+        caps = [lo]
+        while (nxt := max(caps[-1] + 1, round(caps[-1] * f))) <= hi:
+            caps.append(nxt)
+    if caps[-1] != hi:
+        caps.append(hi)
+    return tuple(caps)
 
 
 class SearchSlo(_Strict):
@@ -220,6 +262,7 @@ class PrefillOption:
     cache_blocks: int = 0            # prefix-cache capacity of one replica, 512-token blocks (all private tiers)
     capacity_at: Callable[[float], float] | None = field(default=None, repr=False)  # capacity at a hit rate
     overlap: str = "none"            # prefill.overlap (sim.costs.overlap)
+    kv_dtype: str | None = None      # the scenario's kv_dtype (None: the base scenario's, not overridden)
 
 
 @dataclass
@@ -242,6 +285,7 @@ class DecodeOption:
     tp: int = 1                       # attention TP of a DP rank (ranks = ep / tp)
     redundant_experts: int = 0        # extra expert slots: the fewest that make ep divide them (wide EP)
     overlap: str = "none"             # decode.overlap (sim.costs.overlap)
+    kv_dtype: str | None = None       # the scenario's kv_dtype (None: the base scenario's, not overridden)
 
     @property
     def ranks(self) -> int:
@@ -254,6 +298,15 @@ def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "non
     return ({"decode.tp": tp} if tp != 1 else {}) | (
         {"decode.redundant_experts": redundant_experts} if redundant_experts else {}) | (
         {"decode.overlap": overlap} if overlap != "none" else {})
+
+
+def _kv_override(kv_dtype: str | None) -> dict:
+    """``kv_dtype`` for a scenario override, left out when the space does not vary it (None)."""
+    return {"kv_dtype": kv_dtype} if kv_dtype is not None else {}
+
+
+def _kv_label(kv_dtype: str | None) -> str:
+    return f" kv {kv_dtype}" if kv_dtype is not None else ""
 
 
 def _prefill_overlap_override(overlap: str) -> dict:
@@ -284,7 +337,7 @@ class Candidate:
         return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep}{_OVERLAP_LABEL[p.overlap]} "
                 f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep}"
                 f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} "
-                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}")
+                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}{_kv_label(d.kv_dtype)}")
 
 
 def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
@@ -342,13 +395,14 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
         for fmt in sp.weight_format:
             for tp in sp.prefill_tp:
                 for ep in (sp.prefill_ep or (tp,)):
-                    for mbt, pov in itertools.product(sp.prefill_max_batch_tokens, sp.prefill_overlap):
-                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov)
+                    for mbt, pov, kv in itertools.product(sp.prefill_max_batch_tokens, sp.prefill_overlap,
+                                                          sp.kv_dtype or (None,)):
+                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov, kv_dtype=kv)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "prefill.tp": tp,
                                                   "prefill.ep": ep, "prefill.max_batch_tokens": mbt,
-                                                  **_prefill_overlap_override(pov)})
+                                                  **_prefill_overlap_override(pov), **_kv_override(kv)})
                             plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill"))
                             plan.validate(model, topo)
                             cm = cost_model_for(sc, model, topo, plan, None)[0]
@@ -458,15 +512,15 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
         for fmt in sp.weight_format:
             for ep, dtp, extra in itertools.product(sp.decode_ep, sp.decode_tp, sp.decode_extra_slots_per_rank):
                 for cap in sp.max_batch_per_rank:
-                    for k, dov in itertools.product(sp.draft_k, sp.decode_overlap):
+                    for k, dov, kv in itertools.product(sp.draft_k, sp.decode_overlap, sp.kv_dtype or (None,)):
                         red = min_redundant_experts(model.n_experts, ep) + (extra * ep if model.n_experts else 0)
                         o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp,
-                                         redundant_experts=red, overlap=dov)
+                                         redundant_experts=red, overlap=dov, kv_dtype=kv)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
                                                   "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
-                                                  **_decode_tp_override(dtp, red, dov)})
+                                                  **_decode_tp_override(dtp, red, dov), **_kv_override(kv)})
                             plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
@@ -532,14 +586,14 @@ def kv_transfer_s(built, tokens: int) -> float:
 def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, tokens: int) -> float | None:
     """:func:`kv_transfer_s` for one prefiller and one decoder of these options (memoised on what the KV path
     depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
-    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts)
+    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts, d.kv_dtype)
     if key not in cache:
         from rackbed.sim.scenario import build
 
         ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
               "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
               "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k,
-              **_decode_tp_override(d.tp, d.redundant_experts)}
+              **_decode_tp_override(d.tp, d.redundant_experts), **_kv_override(d.kv_dtype)}
         try:
             cache[key] = kv_transfer_s(build(_scenario(base, ov)), tokens)
         except (ValueError, FileNotFoundError):
@@ -556,9 +610,10 @@ def _get(d: Mapping, dotted: str, default=None):
 
 def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
                pre: Sequence[PrefillOption], dec: Sequence[DecodeOption]) -> list[Candidate]:
-    """Every (prefill option x decode option) of the same topology and format, with replica variants when the
-    spec lists replica counts; a candidate is pruned when a part is, when it needs more GPUs than there are, or
-    when the KV transfer per token after the first lifts its TPOT at the batch cap above the SLO."""
+    """Every (prefill option x decode option) of the same topology, format and KV cache format, with replica
+    variants when the spec lists replica counts; a candidate is pruned when a part is, when it needs more GPUs
+    than there are, or when the KV transfer per token after the first lifts its TPOT at the batch cap above the
+    SLO."""
     sp = spec.space
     base = base_scenario(spec)
     kv_cache: dict = {}
@@ -567,7 +622,7 @@ def candidates(spec: SearchSpec, load: Load, model, topos: Mapping,
     out = []
     for p in pre:
         for d in dec:
-            if (p.topology, p.weight_format) != (d.topology, d.weight_format):
+            if (p.topology, p.weight_format, p.kv_dtype) != (d.topology, d.weight_format, d.kv_dtype):
                 continue
             n_topo = topos[p.topology].n_gpus
             if spec.max_gpus is not None and spec.max_gpus < n_topo:
@@ -647,7 +702,7 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
             "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
             "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
             "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts, d.overlap),
-            **_prefill_overlap_override(p.overlap)}
+            **_prefill_overlap_override(p.overlap), **_kv_override(d.kv_dtype)}
 
 
 def base_scenario(spec: SearchSpec) -> dict:
@@ -822,16 +877,20 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     draft_k: Sequence[int] | None = None, max_simulations: int = 60, top: int = 5,
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
                     prefix_cache: Mapping | None = None, max_gpus: int | None = None,
-                    decode_overlap: Sequence[str] | None = None) -> SearchSpec:
+                    decode_overlap: Sequence[str] | None = None, decode_tp: Sequence[int] | None = None,
+                    kv_dtype: Sequence[str] | None = None) -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
     does not run out of requests (each pass on fresh block ids); its lengths replace the fixed ones.
     ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
-    GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only)."""
+    GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only).
+    ``decode_tp``: attention TP degrees of a decoder's DP ranks (None: 1); ``kv_dtype``: KV cache formats to try
+    (None: the spec's, bf16)."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
-                 ("draft_k", draft_k), ("decode_overlap", decode_overlap)):
+                 ("draft_k", draft_k), ("decode_overlap", decode_overlap), ("decode_tp", decode_tp),
+                 ("kv_dtype", kv_dtype)):
         if v is not None:
             space[k] = tuple(v)
     data = {"name": name, "model": model,

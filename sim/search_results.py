@@ -117,13 +117,14 @@ def axis_table(res: SearchResult) -> list[dict]:
 
     axes = {"topology": "topology", "weight_format": "weight_format", "prefill TP/EP": None,
             "decode.ep": "decode.ep", "decode.max_batch_per_rank": "decode.max_batch_per_rank",
-            "mtp.draft_k": "mtp.draft_k"}
+            "mtp.draft_k": "mtp.draft_k", "decode.tp": "decode.tp", "kv_dtype": "kv_dtype"}
+    unset = {"decode.tp": 1, "kv_dtype": res.spec.kv_dtype}  # overrides left out at these values
     elig_keys = {r["key"] for r in res.eligible}
     u_med = statistics.median([r["summary"]["tokens_per_s_per_user"] for r in res.eligible]) if res.eligible else None
     rows = []
     for axis, path in axes.items():
         def val(ov, path=path):
-            return f"TP={ov['prefill.tp']}/EP={ov['prefill.ep']}" if path is None else ov[path]
+            return f"TP={ov['prefill.tp']}/EP={ov['prefill.ep']}" if path is None else ov.get(path, unset.get(path))
 
         values = sorted({val(c.overrides) for c in res.candidates}, key=str)
         if len(values) < 2:

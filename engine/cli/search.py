@@ -31,6 +31,24 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _caps(s: str) -> list[int] | dict:
+    """``--batch-cap``: comma-separated caps, or a grid ``LO:HI:STEP`` / ``LO:HI:xFACTOR`` (checked by
+    :func:`check_flags` with ``sim.search.batch_grid``)."""
+    if ":" not in s:
+        return _ints(s)
+    parts = s.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        lo, hi = int(parts[0]), int(parts[1])
+        if parts[2][:1] in ("x", "*"):
+            return {"lo": lo, "hi": hi, "factor": float(parts[2][1:])}
+        return {"lo": lo, "hi": hi, "step": int(parts[2])}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers or a grid LO:HI:STEP or "
+                                         f"LO:HI:xFACTOR, got {s!r}") from None
+
+
 def _strs(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
@@ -101,10 +119,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="price of one GPU-hour, for $/M tokens (with --rate); default 0 (none)")
     p.add_argument("--prefill-tp", type=_ints, default=None, help="prefill TP degrees (EP = TP); default 2,4,8")
     p.add_argument("--decode-ep", type=_ints, default=None, help="decode DP-EP degrees; default 4,8,16,32")
-    p.add_argument("--batch-cap", type=_ints, default=None,
-                   help="max batch per rank (decode / aggregated); default 8,16,32,64,128")
+    p.add_argument("--batch-cap", type=_caps, default=None,
+                   help="max batch per rank (decode / aggregated): a list, or a grid LO:HI:STEP (8:256:4) or "
+                        "LO:HI:xFACTOR (8:256:x1.25, geometric); default 8,16,32,64,128")
+    p.add_argument("--decode-tp", type=_ints, default=None,
+                   help="attention TP degrees inside a decoder's DP ranks (dp = ep / tp); default 1")
+    p.add_argument("--kv-dtype", type=_strs, default=None,
+                   help="KV cache formats to try: bf16, fp8 (KV capacity and attention reads follow it); "
+                        "default bf16")
     p.add_argument("--draft-k", type=_ints, default=None,
                    help="MTP draft lengths; default 0,1,2 for a model with MTP layers, else 0")
+    p.add_argument("--wide", action="store_true",
+                   help="a wider space: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in WIDE_FLAGS.items())
+                        + " where those flags are not given")
     p.add_argument("--decode-overlap", type=_strs, default=None,
                    help="decode compute / communication overlap modes to try: none, shared_expert, two_batch "
                         "(sim/costs/overlap.py); default none")
@@ -149,11 +176,15 @@ DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_for
             "kind": ["disaggregated", "aggregated"], "duration": 30.0, "ttft": 2.0, "tpot": 0.05,
             "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05}
 
+# What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid and TP2 attention
+# ranks in the decoders, next to the defaults.
+WIDE_FLAGS = {"kv_dtype": "bf16,fp8", "batch_cap": "8:256:x1.25", "decode_tp": "1,2"}
+
 # The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
 _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
              "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
-             "mtp_layers", "decode_overlap", "max_simulations", "emit", "emit_out", "out", "force", "jobs",
-             "no_report"}
+             "mtp_layers", "decode_overlap", "decode_tp", "kv_dtype", "max_simulations", "emit", "emit_out", "out",
+             "force", "jobs", "no_report", "wide"}
 USED = {
     "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
     "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address"},
@@ -222,6 +253,10 @@ def check_flags(args: argparse.Namespace) -> str:
 
     mode = mode_of(args)
     given = argparse.Namespace(**vars(args))
+    if getattr(args, "wide", False) and mode in ("budget", "rate"):
+        for k, v in WIDE_FLAGS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, {"kv_dtype": _strs, "batch_cap": _caps, "decode_tp": _ints}[k](v))
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -247,8 +282,21 @@ def check_flags(args: argparse.Namespace) -> str:
     for k in args.kind:
         if k not in ("disaggregated", "aggregated"):
             bad("--kind", k, "one of disaggregated, aggregated")
+    if isinstance(args.batch_cap, dict):
+        from rackbed.sim.search import batch_grid
+
+        g = args.batch_cap
+        try:
+            args.batch_cap = list(batch_grid(g))
+        except ValueError as exc:
+            bad("--batch-cap", ":".join(str(g[k]) if k != "factor" else f"x{g[k]}" for k in g), str(exc))
+    for m in args.kv_dtype or ():
+        if m not in ("bf16", "fp8"):
+            bad("--kv-dtype", m, "one of bf16, fp8")
+    if args.kv_dtype is not None and not args.kv_dtype:
+        bad("--kv-dtype", "''", "give a format")
     for flag, v in (("--prefill-tp", args.prefill_tp), ("--decode-ep", args.decode_ep),
-                    ("--batch-cap", args.batch_cap)):
+                    ("--batch-cap", args.batch_cap), ("--decode-tp", args.decode_tp)):
         if v is not None and (not v or any(x < 1 for x in v)):
             bad(flag, ",".join(map(str, v)), "expected comma-separated integers >= 1")
     if args.draft_k is not None and (not args.draft_k or any(x < 0 for x in args.draft_k)):
@@ -316,7 +364,8 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               duration_s=args.duration, ttft_s=args.ttft, tpot_s=args.tpot,
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
-                              decode_overlap=args.decode_overlap,
+                              decode_overlap=args.decode_overlap, decode_tp=args.decode_tp,
+                              kv_dtype=args.kv_dtype,
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
                               trace=args.trace, prefix_cache=_prefix_cache(args),
                               max_gpus=args.gpus if args.rate is not None else None)
@@ -339,6 +388,8 @@ def identity(spec, mode: str, **budget) -> dict:
     for knob in ("prefill_overlap", "decode_overlap"):  # left at none, a search keeps its identity
         if body["space"].get(knob) == ["none"]:
             del body["space"][knob]
+    if body["space"].get("kv_dtype", 0) is None:  # not varied: likewise
+        del body["space"]["kv_dtype"]
     return json.loads(json.dumps({"mode": mode, "spec": body, **budget}))
 
 
