@@ -22,6 +22,7 @@ from rackbed.sim.calibration.files import CALIBRATION_DIR, load_calibration_file
 from rackbed.sim.costs import attention, collective, gemm, mla, moe_block, moe_comm
 from rackbed.sim.costs.calibration import KEY_ALIASES, KINDS, CalibrationTable, canonical_key, host_step_s
 from rackbed.topology.presets import PRESETS, preset
+from rackbed.topology.yamlio import is_json_name, read_text
 
 #: a key value no shipped entry pins, for the fields a fallback entry leaves out
 UNPINNED = 11111
@@ -30,7 +31,8 @@ DS_MLA = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim
 
 def _tables() -> list[Path]:
     out = []
-    for f in sorted(Path(CALIBRATION_DIR).glob("*.yaml")) + sorted(Path(CALIBRATION_DIR).glob("*.json")):
+    d = Path(CALIBRATION_DIR)
+    for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.json")) + sorted(d.glob("*.json.gz")):
         if "entries" in _raw(f):
             out.append(f)
     return out
@@ -38,8 +40,8 @@ def _tables() -> list[Path]:
 
 @lru_cache(maxsize=None)   # each file once: parsed at collection (parametrize) and again by tests
 def _raw(f: Path) -> dict:
-    text = f.read_text()
-    return json.loads(text) if f.suffix == ".json" else yaml.load(text, Loader=YAML_LOADER)
+    text = read_text(f)   # a .gz file decompressed
+    return json.loads(text) if is_json_name(f) else yaml.load(text, Loader=YAML_LOADER)
 
 
 #: libyaml's loader where PyYAML has it (what the simulator reads calibrations with): h200.yaml is 1.4 MB

@@ -115,8 +115,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         {"bench": "allreduce", "n_ranks": 2, "size_bytes": 4096, "median_us": float("nan")}]}))
     with pytest.raises(UserError, match=r"rows\[0\]\.median_us = nan; must be a finite number > 0"):
         xs.compare(bad, "h200")
-    assert xs.main(["--measurements", str(bad), "--system", "h100", "--out", str(tmp_path / "x.json")]) == 2
-    assert "unknown system 'h100'" in capsys.readouterr().err
+    assert xs.main(["--measurements", str(bad), "--system", "tpu_v5", "--out", str(tmp_path / "x.json")]) == 2
+    assert "unknown system 'tpu_v5'" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ properties
