@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from rackbed.engine.core import autoscaler as autoscale
 from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate, PrefillerGroup
 from rackbed.engine.core.plans import WAIT_TIMER, Plan
+from rackbed.engine.core.scheduler_base import SchedulerBase
 from rackbed.engine.core.state import (
     ACTIVE,
     DRAINING,
@@ -28,7 +29,7 @@ from rackbed.engine.core.state import (
 )
 
 
-class WorkerPool:
+class WorkerPool(SchedulerBase):
     """Worker creation, scaling, draining and retiring (a base class of ``Scheduler``: it uses its state)."""
 
     # ------------------------------------------------------------------ creating workers
