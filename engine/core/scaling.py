@@ -144,10 +144,10 @@ class WorkerPool(SchedulerBase):
             if self._scale_up_decoder(now) is None:
                 break
         if tgt.decoders < len(live_d):
-            act = [d for d in live_d if d.status == ACTIVE]
-            if len(act) > 1:
-                victim = min(act, key=lambda d: (d.nreq, -d.order))
-                self._drain(victim, now, "decode")
+            act_d = [d for d in live_d if d.status == ACTIVE]
+            if len(act_d) > 1:
+                victim_d = min(act_d, key=lambda d: (d.nreq, -d.order))
+                self._drain(victim_d, now, "decode")
 
     def _template_cap(self) -> float:
         t = self.dep.prefiller_template
