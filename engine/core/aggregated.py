@@ -34,6 +34,7 @@ from __future__ import annotations
 from itertools import compress
 
 from rackbed.engine.core.plans import WAIT_KV_SPACE, WAIT_WORK, MixedStep, Plan, Result
+from rackbed.engine.core.scheduler_base import SchedulerBase
 from rackbed.engine.core.state import (
     DEAD,
     DONE,
@@ -46,7 +47,7 @@ from rackbed.engine.core.state import (
 )
 
 
-class AggregatedServing:
+class AggregatedServing(SchedulerBase):
     """Routing, placement, mixed steps and failures of aggregated workers (a base class of ``Scheduler``)."""
 
     def _add_aggregated(self, g, status: int, ready_at: float, now: float) -> AggregatedState:

@@ -23,6 +23,7 @@ from heapq import heappop, heappush
 from itertools import compress
 
 from rackbed.engine.core.plans import WAIT_READY, WAIT_WORK, DecodeStep, Plan, Result
+from rackbed.engine.core.scheduler_base import SchedulerBase
 from rackbed.engine.core.state import (
     ACTIVE,
     DEAD,
@@ -40,7 +41,7 @@ from rackbed.engine.core.state import (
 )
 
 
-class Decoding:
+class Decoding(SchedulerBase):
     """Decoder admission, steps and finishes (a base class of ``Scheduler``: it uses its state)."""
 
     # ------------------------------------------------------------------ decode

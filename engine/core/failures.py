@@ -9,6 +9,7 @@ inherits these methods; they change its state like every other scheduling call.
 
 from __future__ import annotations
 
+from rackbed.engine.core.scheduler_base import SchedulerBase
 from rackbed.engine.core.state import (
     ACTIVE,
     ARRIVED,
@@ -25,7 +26,7 @@ from rackbed.engine.core.state import (
 from rackbed.topology.errors import UserError
 
 
-class FailureHandling:
+class FailureHandling(SchedulerBase):
     """Failure and recovery handling of the scheduler (a base class of ``Scheduler``: it uses its state)."""
 
     def fail(self, target: str, now_s: float, *, permanent: bool = True) -> list[str]:

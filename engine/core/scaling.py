@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from rackbed.engine.core import autoscaler as autoscale
 from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate, PrefillerGroup
 from rackbed.engine.core.plans import WAIT_TIMER, Plan
+from rackbed.engine.core.scheduler_base import SchedulerBase
 from rackbed.engine.core.state import (
     ACTIVE,
     DRAINING,
@@ -28,7 +29,7 @@ from rackbed.engine.core.state import (
 )
 
 
-class WorkerPool:
+class WorkerPool(SchedulerBase):
     """Worker creation, scaling, draining and retiring (a base class of ``Scheduler``: it uses its state)."""
 
     # ------------------------------------------------------------------ creating workers
@@ -143,10 +144,10 @@ class WorkerPool:
             if self._scale_up_decoder(now) is None:
                 break
         if tgt.decoders < len(live_d):
-            act = [d for d in live_d if d.status == ACTIVE]
-            if len(act) > 1:
-                victim = min(act, key=lambda d: (d.nreq, -d.order))
-                self._drain(victim, now, "decode")
+            act_d = [d for d in live_d if d.status == ACTIVE]
+            if len(act_d) > 1:
+                victim_d = min(act_d, key=lambda d: (d.nreq, -d.order))
+                self._drain(victim_d, now, "decode")
 
     def _template_cap(self) -> float:
         t = self.dep.prefiller_template

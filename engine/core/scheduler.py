@@ -9,7 +9,8 @@ takes a plan's result, ``fail`` / ``recover`` take hardware down and back. The c
 :mod:`engine.core.state`, decoder admission and steps in :mod:`engine.core.decoding`, worker creation and
 autoscaling in :mod:`engine.core.scaling`, failure handling in :mod:`engine.core.failures`, aggregated workers
 (prefill and decode on the same GPUs, mixed steps) in :mod:`engine.core.aggregated` (the four are base classes of
-:class:`Scheduler`), the invariants tests check in :mod:`engine.core.invariants`.
+:class:`Scheduler`; the state they share is declared in :mod:`engine.core.scheduler_base`), the invariants tests
+check in :mod:`engine.core.invariants`.
 
 A driver that runs decode steps without a plan object per step (the simulator's fast path, :mod:`sim.fastpath`)
 uses :meth:`Scheduler.advance_decoder` (``done`` + ``next`` of a decoder in one call, the plan of the step started
@@ -94,6 +95,7 @@ from rackbed.engine.core.policies import Policies, overlap_tokens
 from rackbed.engine.core.prefix_cache import CacheStats, PrefixCacheSpec
 from rackbed.engine.core.request import Request
 from rackbed.engine.core.scaling import WorkerPool
+from rackbed.engine.core.scheduler_base import KvChunks
 from rackbed.engine.core.specdec import AcceptanceStream
 from rackbed.engine.core.state import (
     ACTIVE,
@@ -119,7 +121,6 @@ from rackbed.engine.core.state import (
     Sample,
 )
 
-KvChunks = Callable[[PrefillerGroup, DecoderGroup, int], int]
 _ROLES = {"prefill": "prefill", "agg": "aggregated"}  # worker kind -> role in groups() (decoders: "decode")
 
 
@@ -181,30 +182,30 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self._log_on = self.log.enabled
         self.sample_interval_s = sample_interval_s
         self.next_sample_s = 0.0
-        self.samples: list[Sample] = []
+        self.samples = []
 
-        self.workers: dict[str, object] = {}
-        self.prefillers: list[PrefillerState] = []
-        self.decoders: list[DecoderState] = []     # decoders and aggregated workers (decoders that also prefill)
-        self._aggs: list = []                       # the aggregated workers
+        self.workers = {}
+        self.prefillers = []
+        self.decoders = []  # decoders and aggregated workers (decoders that also prefill)
+        self._aggs = []  # the aggregated workers
         self.agg = bool(deployment.aggregated)
-        self._route_p: list[PrefillerState] = []   # routable prefillers (starting/active), creation order
-        self._route_d: list[DecoderState] = []     # routable decoders (active), creation order
+        self._route_p = []  # routable prefillers (starting/active), creation order
+        self._route_d = []  # routable decoders (active), creation order
         self._order = 0
         self._n_pf_created = 0
         self._n_dec_created = 0
-        self.pool: list[int] = sorted(deployment.spare_gpus)
-        self.failed_gpus: set[int] = set()
-        self.nic_down: dict[str, bool] = {}
-        self._permanent_nic_down: set[str] = set()
-        self.wakeups: list[str] = []
-        self._blocked: list[KvStreamState] = []
+        self.pool = sorted(deployment.spare_gpus)
+        self.failed_gpus = set()
+        self.nic_down = {}
+        self._permanent_nic_down = set()
+        self.wakeups = []
+        self._blocked = []
         self._key_base = 1                     # > every decoder rank's KV capacity (see _add_decoder)
         self._real_accept = False
-        self.new_workers: list[str] = []
+        self.new_workers = []
 
-        self.reqs: dict[int, RequestState] = {}
-        self.rows: list[tuple] = []
+        self.reqs = {}
+        self.rows = []
         self.n_arrived = 0
         self.n_open = 0
         self.closed = False
@@ -218,7 +219,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.kv_busy_s = 0.0
         self.decode_steps = 0
         self.decode_tokens = 0
-        self.step_durations: list[float] = []
+        self.step_durations = []
         self.max_rank_kv = 0
         self.max_pf_kv = 0
 
