@@ -482,3 +482,39 @@ def test_stop_plans_end_the_loops():
     assert d.stopped == set(s.worker_ids())
     assert all(r[1] != "stop" or r[6] == "finished" for r in s.log.records)
     assert type(Stop("x", "y")) is Stop
+
+
+def test_kv_waiting_for_a_decoder_that_can_no_longer_come_is_rejected():
+    """A prefiller's KV stream blocked for decoder room while a decoder could still start (the autoscaler had spare
+    GPUs); then every decoder and every spare GPU lost its NIC for good. The stream must be woken and reject what it
+    holds, not wait for ever (found by the state machine below: the drain never settled)."""
+    m = SchedulerMachine()
+    steps = (
+        ("setup", dict(chunked=True, kv=1637, cap=4, k=0, autoscale=True, seed=0)),
+        ("all_decoder_nics_down", dict(spares=False)),
+        ("all_decoder_nics_down", dict(spares=False)),
+        ("arrive", dict(dt=0.01455281139862941, o=38, p=11)),
+        ("timer", 1),
+        ("arrive", dict(dt=0.02242585015298479, o=33, p=144)),
+        ("timer", 2),
+        ("arrive", dict(dt=0.0010013628022457646, o=29, p=185)),
+        ("timer", 1),
+        ("arrive", dict(dt=0.020831250047590462, o=14, p=479)),
+        ("timer", 2),
+        ("complete", dict(dur=0.0, i=0)),
+        ("timer", 9),
+        ("all_decoder_nics_down", dict(spares=True)),
+        ("timer", 13),
+        ("complete", dict(dur=0.0, i=0)),
+        ("timer", 1),
+        ("arrive", dict(dt=0.025225904437367105, o=11, p=30)),
+    )
+    for name, arg in steps:
+        if name == "timer":
+            for _ in range(arg):
+                m.timer()
+        else:
+            getattr(m, name)(**arg)
+        m.consistent()
+    m.teardown()
+    assert any(r[4] == "rejected" and r[5] in ("unreachable", "no_decoder") for r in m.s.rows)

@@ -89,6 +89,10 @@ class WorkerPool(SchedulerBase):
             p.up_nics = [n for n, u in zip(p.nics, p.nic_up) if u]
         self._route_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE) and any(p.nic_up)]
         self._route_d = [d for d in self.decoders if d.status == ACTIVE]
+        if self._blocked and not self._route_d and not self._decoders_possible():
+            # no decoder now and none can come (none starting, no GPUs for the autoscaler): KV streams that wait
+            # for decoder room would wait for good; woken, they reject what they hold (unreachable / no_decoder)
+            self._wake_blocked_streams()
 
     def _refresh_limits(self) -> None:
         """Largest KV a request may need (decoder rank) / hold (prefiller), over live groups and templates."""
