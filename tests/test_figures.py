@@ -131,16 +131,25 @@ def test_cli_runs_a_figure(tmp_path, capsys):
     assert "simulated:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("patch,match", [
-    ({"tpp": 4}, r"bad\.yaml: allreduce_nvls\.tpp: unknown key"),
-    ({"tp": 1}, r"bad\.yaml: allreduce_nvls\.tp: "),
-    ({"figure": "nope"}, r"bad\.yaml: .*figure"),
-    ({"claim": ""}, r"bad\.yaml: allreduce_nvls\.claim"),
+@pytest.mark.parametrize("figure,patch,match", [
+    *[("fig_allreduce_nvls", p, m) for p, m in [
+        ({"tpp": 4}, r"bad\.yaml: allreduce_nvls\.tpp: unknown key"),
+        ({"tp": 1}, r"bad\.yaml: allreduce_nvls\.tp: "),
+        ({"figure": "nope"}, r"bad\.yaml: .*figure"),
+        ({"claim": ""}, r"bad\.yaml: allreduce_nvls\.claim"),
+    ]],
+    # the decode-frontier figure (the wide-EP study)
+    *[("fig_wide_ep_study", p, m) for p, m in [
+        ({"eps": [16, 16]}, r"bad\.yaml: decode_frontier: .*eps: each value once"),
+        ({"panels": [{"scenario": "no_such_scenario"}]}, r"bad\.yaml: panels\[0\]\.scenario: "),
+        ({"batch_per_rank": [64]}, r"bad\.yaml: decode_frontier\.batch_per_rank"),
+        ({"overlaps": ["tbo"]}, r"bad\.yaml: decode_frontier\.overlaps"),
+    ]],
 ])
-def test_schema_errors_are_one_line(tmp_path, patch, match):
+def test_schema_errors_are_one_line(tmp_path, figure, patch, match):
     import yaml
 
-    data = yaml.safe_load(scenarios.resolve("fig_allreduce_nvls").read_text())
+    data = yaml.safe_load(scenarios.resolve(figure).read_text())
     data.update(patch)
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump(data))
@@ -158,24 +167,6 @@ def test_hardware_too_small_is_a_user_error(tmp_path):
     p.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match="needs 16 GPUs but topology hgx-h200 has 8"):
         run_figure(p, tmp_path, console=Console(file=io.StringIO()))
-
-
-@pytest.mark.parametrize("patch,match", [
-    ({"eps": [16, 16]}, r"bad\.yaml: decode_frontier: .*eps: each value once"),
-    ({"panels": [{"scenario": "no_such_scenario"}]}, r"bad\.yaml: panels\[0\]\.scenario: "),
-    ({"batch_per_rank": [64]}, r"bad\.yaml: decode_frontier\.batch_per_rank"),
-    ({"overlaps": ["tbo"]}, r"bad\.yaml: decode_frontier\.overlaps"),
-])
-def test_frontier_schema_errors_are_one_line(tmp_path, patch, match):
-    import yaml
-
-    data = yaml.safe_load(scenarios.resolve("fig_wide_ep_study").read_text())
-    data.update(patch)
-    p = tmp_path / "bad.yaml"
-    p.write_text(yaml.safe_dump(data))
-    with pytest.raises(ValueError, match=match) as e:
-        load_figure(p)
-    assert "\n" not in str(e.value)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
