@@ -8,7 +8,7 @@ experts' row counts (``sim.costs.gemm.grouped_gemm_time``); this benchmark measu
 row counts drawn from a power law over the rank's experts (share of expert i ~ (i+1)^-alpha; alpha 0 = uniform),
 so the busiest-rank term can be checked against measurements (price the same histograms with
 ``grouped_gemm_time`` and the shipped H200 calibration). Qwen3-235B width (D 4096, F 1536). Imports torch and numpy
-only; the row counts (:func:`cases`) are checked on the CPU by ``tests/test_moe_skew.py``.
+(and the output helpers) only; the row counts (:func:`cases`) are checked on the CPU by ``tests/test_moe_skew.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import time
 
 import numpy as np
+
+from rackbed.topology.outputs import add_force, entry_file, write_text
 
 D_MODEL, F_EXPERT = 4096, 1536
 
@@ -47,7 +49,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", required=True)
+    add_force(ap, "replace an existing --out file")
     a = ap.parse_args(argv)
+    entry_file(a.out, force=a.force)   # before the benchmark, not after it
     dev = torch.device("cuda")
     D, F = D_MODEL, F_EXPERT
     g = torch.Generator(device=dev).manual_seed(0)
@@ -90,8 +94,7 @@ def main(argv=None) -> int:
            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "D": D, "F": F,
            "command": " ".join([sys.executable, "-m", "rackbed.kernels.bench.moe_skew", *(argv or sys.argv[1:])]),
            "rows": rows_out}
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_text(a.out, json.dumps(doc, indent=1))
     return 0
 
 
