@@ -7,8 +7,8 @@ experts' row counts (``sim.costs.gemm.grouped_gemm_time``); this benchmark measu
 ``torch._grouped_mm`` gate_up ([R, D] x [E, 2F, D]) and down ([R, F] x [E, D, F]), bf16, CUDA-graph replay -- for
 row counts drawn from a power law over the rank's experts (share of expert i ~ (i+1)^-alpha; alpha 0 = uniform),
 so the busiest-rank term can be checked against measurements (price the same histograms with
-``grouped_gemm_time`` and the shipped H200 calibration). Qwen3-235B width (D 4096, F 1536). Imports torch and numpy
-(and the output helpers) only; the row counts (:func:`cases`) are checked on the CPU by ``tests/test_moe_skew.py``.
+``grouped_gemm_time`` and the shipped H200 calibration). Qwen3-235B width (D 4096, F 1536). Imports torch, numpy
+and the output helpers only; the row counts (:func:`cases`) are checked on the CPU by ``tests/test_moe_skew.py``.
 """
 
 from __future__ import annotations
