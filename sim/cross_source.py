@@ -122,8 +122,6 @@ def load_measurements(path: str | Path) -> dict:
         doc = read_json(p)
     except json.JSONDecodeError as exc:
         raise UserError(f"{p}: not JSON ({exc.msg} at line {exc.lineno})") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{p}: cannot read a JSON measurement file ({type(exc).__name__})") from exc
     if not isinstance(doc, dict) or doc.get("schema") not in MEASURE_SCHEMAS:
         got = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise UserError(f"{p}: schema: expected one of {', '.join(MEASURE_SCHEMAS)}, got {got!r}")

@@ -179,7 +179,7 @@ def test_calibrate_and_validate_commands_take_several_files(tmp_path, capsys):
     assert main(["calibrate", "--from-measurements", str(a), str(tmp_path / "missing.json"), "--out",
                  str(tmp_path / "d.yaml")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "missing.json: cannot read measurements" in err and len(err.splitlines()) == 1
+    assert "missing.json: no such measurement file" in err and len(err.splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------------------------ shipped file

@@ -15,7 +15,6 @@ rows (:func:`step_overhead_measurements`).
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from rackbed.sim.calibration.forms import sig
 from rackbed.sim.costs import constants as C
 from rackbed.sim.costs.calibration import KINDS
 from rackbed.topology.errors import UserError
+from rackbed.topology.yamlio import read_text
 
 #: torch device name -> topology GpuSpec.name
 DEVICE_TO_GPU = {"NVIDIA H200": "H200-SXM", "NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA B200": "B200-HGX"}
@@ -272,9 +272,9 @@ def measurement_paths(meta: dict) -> list[str]:
 
 
 def read_json(p: Path):
-    """A JSON document from ``p``; ``*.gz`` files (the shipped measurements are compressed) are decompressed first."""
-    data = p.read_bytes()
-    return json.loads(gzip.decompress(data) if p.suffix == ".gz" else data)
+    """A JSON document from ``p``; ``*.gz`` files (the shipped measurements are compressed) are decompressed first
+    (``topology.yamlio.read_text``: a missing, unreadable, non-gzip or non-UTF-8 file is one UserError)."""
+    return json.loads(read_text(p, "measurement file"))
 
 
 def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
@@ -289,16 +289,10 @@ def load_measurements(paths: list[str], root: str | Path | None = None) -> dict:
         try:
             doc = read_json(p)
             docs.append((str(path), step_overhead_measurements(doc) if _is_overhead_doc(doc) else doc))
-        except OSError as exc:
-            raise UserError(f"{path}: cannot read measurements: {exc.strerror or exc}") from exc
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from exc
-        except UnicodeDecodeError as exc:
-            raise UserError(f"{path}: not a JSON text file (byte {exc.start} is not UTF-8)") from exc
         except RecursionError:
             raise UserError(f"{path}: nested too deeply to parse") from None
-        except EOFError:  # a truncated .gz
-            raise UserError(f"{path}: truncated gzip file") from None
     return merge_measurements(docs)
 
 
