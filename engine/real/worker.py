@@ -299,14 +299,14 @@ class Rank:
         self.capture: list | None = None
         self.captured: dict[tuple, list] = {}
         graphs_on = dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1"
-        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1 and not self.linear:
+        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
-        # prefill graphs for every family but Gated DeltaNet (Qwen3.5), whose recurrence prefills eagerly
-        # (``ShardedMoeLM.forward_chunk_static``); the decode runner's scratch page (and ring) serves both runners
-        if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1 \
-                and not self.linear:
+        # prefill graphs for every family (Gated DeltaNet layers: ``ShardedMoeLM.forward_chunk_static`` on the
+        # sequence's state slot); the decode runner's scratch page (and ring) serves both runners, and both step
+        # the state pool's scratch slot for their padding and captures
+        if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1:
             from rackbed.engine.real.model import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(self.model, self.cache,
@@ -328,7 +328,8 @@ class Rank:
             args = (torch.zeros(1, dtype=torch.long, device=self.dev), torch.zeros(1, dtype=torch.long, device=self.dev))
             self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev), **kw)
             if self.graphs is not None:
-                self.graphs(*args, torch.tensor([pages[:1]], device=self.dev))
+                self.graphs(*args, torch.tensor([pages[:1]], device=self.dev),
+                            slots=torch.tensor(slot, device=self.dev) if slot else None)
         self.cache.free(pages)
         if slot:
             self.cache.states.free(slot[0])
@@ -438,8 +439,8 @@ class Rank:
         out = {}
         for kind, r in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
             if r is None:
-                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, Gated "
-                                                       "DeltaNet layers, or RACKBED_NO_GRAPHS=1)"}
+                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, or "
+                                                       "RACKBED_NO_GRAPHS=1)"}
             else:
                 out[kind] = {"mode": r.mode, "why": r.why, "captured": len(r.graphs),
                              "captured_late": r.n_captured_late, "eager_chunks": getattr(r, "n_eager", 0)}
@@ -496,12 +497,15 @@ class Rank:
                 starts.append(c)
                 pins.append(pin)
                 seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
-        kw = {"slots": list(slots)} if self.linear else {}
+        # linear layers: a sequence with a start is a later chunk (prefix caching is refused for these models), whose
+        # recurrence resumes from its slot
+        kw = {"slots": list(slots), "resume": True} if self.linear else {}
         if self.capture is not None:   # the inputs as they are now (the page lists grow later)
             self.capture.append(functools.partial(self.model.forward_prefill, seqs, self.cache,
                                                   [list(p) for p in pts], list(starts), **kw))
         if self.prefill_graphs is not None:
-            logits = torch.cat([self.prefill_graphs(q, c, pg) for q, c, pg in zip(seqs, starts, pts)])
+            sl = slots if self.linear else [None] * len(seqs)
+            logits = torch.cat([self.prefill_graphs(q, c, pg, s_) for q, c, pg, s_ in zip(seqs, starts, pts, sl)])
         else:
             logits = self.model.forward_prefill(seqs, self.cache, pts, starts, **kw)
         first = logits.argmax(-1).tolist()
@@ -661,7 +665,7 @@ class Rank:
         if self.capture is not None:   # re-run eagerly (no CUDA graph) under the profiler
             self.capture.append(functools.partial(self.model.forward_decode, toks, pos, self.cache, table, **kw))
         if self.graphs is not None and batch:
-            logits = self.graphs(toks, pos, table)
+            logits = self.graphs(toks, pos, table, **kw)
         elif kw:
             logits = self.model.forward_decode(toks, pos, self.cache, table, **kw)
         else:
