@@ -16,7 +16,8 @@ Caches: MLA models use ``layers_mla.LatentKvCache`` (``[L, P, S, kv_lora + rope]
 ``PagedKvCache``: full layers in pages that grow with the sequence, sliding layers (gpt-oss) on a per-sequence ring
 of the window (``model.ring_pages``), so a long prompt costs its full layers' pages plus one ring. Qwen3.5 uses
 ``layers_gdn.HybridKvCache``: pages for its full-attention layers only, plus a state slot per sequence for the
-linear layers (``slots``: the sequences' slots, passed to ``forward_prefill`` / ``forward_decode``). The paged
+linear layers (``slots``: the sequences' slots, passed to ``forward_prefill`` / ``forward_decode``, and as device
+tensors to the graph-capturable ``forward_chunk_static`` / ``forward_decode_static``). The paged
 cache is indexed by the layer's place among the layers it holds (``TorchModelConfig.kv_layers``, then the MTP
 module's layer ``n_layers`` when a DeepSeek-V3 / GLM-4.5 model runs it as the draft: ``ShardedMoeLM.kv_layers``,
 ``engine.real.mtp``). Qwen3.5's linear layers run on one attention rank (no prefill TP); transformers' zero-centred

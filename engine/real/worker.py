@@ -24,7 +24,8 @@ free pages for it, ``declined: no pages: ...``). Commands:
 
 A model with Gated DeltaNet layers (Qwen3.5) also keeps a recurrent-state slot per sequence
 (``layers_gdn.GdnStatePool``, ``RankSpec.state_slots`` of them): taken at the sequence's prefill, stepped by every
-decode step, freed with its pages. Such models run on aggregated ranks only (``rank_setup.check_gdn``).
+decode step, freed with its pages; the CUDA-graph runners take the slots in static buffers and step their padding
+rows on the pool's scratch slot. Such models run on aggregated ranks only (``rank_setup.check_gdn``).
 
 Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
 (``prefill``, ``decode``, ``drop``) to the compute loop (the main thread) and KV commands (``kv_send``,
