@@ -155,14 +155,21 @@ def test_static_chunks_and_padded_decode_give_transformers_tokens(tiny):
 
 
 @pytest.mark.slow
-def test_chunked_aggregated_run_real_tokens_equal_transformers(ckpt):
+@pytest.mark.parametrize("static", [False, True])
+def test_chunked_aggregated_run_real_tokens_equal_transformers(ckpt, static, monkeypatch):
     """An aggregated worker with ``chunk_tokens`` 7: a prompt's later chunks continue the state its earlier chunks
-    left in its slot (eager ``forward_prefill(resume=True)`` on CPU), and every request gets transformers' greedy
-    tokens."""
+    left in its slot, and every request gets transformers' greedy tokens -- through the eager steps
+    (``forward_prefill(resume=True)``, ``forward_decode``), and (``static``, ``RACKBED_STATIC_STEPS=1``) through the
+    worker's graph runners running their static steps uncaptured: each chunk padded to its token bucket on the
+    sequence's slot, each decode batch padded to its bucket with padding rows on the scratch slot."""
     from test_real_gdn import AGG, _run
 
+    if static:
+        monkeypatch.setenv("RACKBED_STATIC_STEPS", "1")
     hf, d = ckpt
     sc, b, reqs, res, run = _run(d, aggregated={**AGG, "chunk_tokens": 7})
+    modes = {kind: r["mode"] for rep in run.pool.graph_reports.values() for kind, r in rep.items()}
+    assert modes == ({"decode": "static", "prefill": "static"} if static else {"decode": "eager", "prefill": "eager"})
     assert res.metrics["requests"]["done"] == len(reqs)
     assert max(r.prompt_tokens for r in reqs) > 7 and not run.chunk_open
     for r in reqs:

@@ -577,10 +577,13 @@ class ShardedQwen3Moe:
         return torch.matmul(probs, V).reshape(B, Hkv * G * Dh)
 
     def forward_decode_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
-                              page_table: torch.Tensor, *, hidden: bool = False):
+                              page_table: torch.Tensor, slots: torch.Tensor | None = None, *, hidden: bool = False):
         """``forward_decode`` for a single-rank expert group without any host synchronisation or data-dependent
         shape, so the whole step can be captured in a CUDA graph (:class:`DecodeGraphRunner`). Same math: the
-        MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones."""
+        MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones. ``slots``: Gated
+        DeltaNet state slots (``families.ShardedMoeLM``); this family has none."""
+        if slots is not None:
+            raise ValueError("forward_decode_static: Qwen3-MoE has no Gated DeltaNet layers (no state slots)")
         if self.shard.ep != 1:
             raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
         cfg = self.cfg
@@ -603,13 +606,17 @@ class ShardedQwen3Moe:
         return (self._logits(x), x) if hidden else self._logits(x)
 
     def forward_chunk_static(self, tokens: torch.Tensor, positions: torch.Tensor, write_page: torch.Tensor,
-                             page_row: torch.Tensor, last: torch.Tensor, cache: PagedKvCache) -> torch.Tensor:
+                             page_row: torch.Tensor, last: torch.Tensor, cache: PagedKvCache,
+                             slot: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill chunk of ONE sequence without host synchronisation or data-dependent shapes, so it can be
         captured in a CUDA graph (:class:`PrefillGraphRunner`). ``tokens [T]`` at ``positions [T]``; their KV goes
         to page ``write_page[t]`` at slot ``positions[t] % S`` (padding rows name a scratch page); every query
         attends over the sequence's pages ``page_row [P]`` up to its own position (the cached prefix and earlier
         chunks included). Returns the logits of row ``last`` (``[1]``, the chunk's last real token) ``[1, V]``.
-        Same math as :meth:`forward_prefill`; the MoE is ``moe_block`` as in :meth:`forward_decode_static`."""
+        Same math as :meth:`forward_prefill`; the MoE is ``moe_block`` as in :meth:`forward_decode_static`.
+        ``slot``: a Gated DeltaNet state slot (``families.ShardedMoeLM``); this family has none."""
+        if slot is not None:
+            raise ValueError("forward_chunk_static: Qwen3-MoE has no Gated DeltaNet layers (no state slot)")
         if self.shard.ep != 1 or self.shard.attn_tp != 1:
             raise ValueError("forward_chunk_static needs one rank (tp = ep = 1)")
         cfg = self.cfg
@@ -803,7 +810,8 @@ class DecodeGraphRunner:
     dropped. Page tables are padded with each row's first page (the mask hides them); column 0 stays the sequence's
     first page, which names its sliding layers' ring. A model with Gated DeltaNet layers also gets the rows' state
     slots (``slots``), copied into a static buffer per replay. If capture fails (a kernel that is not capturable),
-    the runner falls back to the eager static step and says why (``mode``).
+    the runner falls back to the eager static step and says why (``mode``); mode "static" runs that step from the
+    start (no capture: the graph path's padding and inputs on any device).
     """
 
     BATCH_BUCKETS = DECODE_BATCH_BUCKETS
@@ -922,7 +930,8 @@ class PrefillGraphRunner:
     A chunk of ``n`` tokens is padded to the next token bucket; padding rows write their KV to a scratch page and
     their outputs are dropped, so only the bucket's extra compute is paid. Page rows are padded with the sequence's
     first page (masked by position). A batch of several prompts replays one graph per prompt. Capture failures
-    fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does.
+    fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does; mode
+    "static" runs ``forward_chunk_static`` on the padded inputs without capture (chunks within the buckets).
 
     Every family's model has ``forward_chunk_static`` (Qwen3-MoE here; DeepSeek-V3 / Kimi-K2 / GLM-4.5 / gpt-oss /
     Qwen3.5 in ``families``). A model with Gated DeltaNet layers (Qwen3.5) also takes the sequence's state slot per
@@ -1021,6 +1030,10 @@ class PrefillGraphRunner:
         if (self.states is not None) != (slot is not None):
             raise ValueError("PrefillGraphRunner: a state slot goes with Gated DeltaNet layers, and only with them")
         key = self.key(start, int(ids.numel()), self.cache.page_tokens)
+        if key is not None and self.mode == "static":
+            tok, pos, wp, row, last = self.inputs(ids, start, pages, *key)
+            sl = None if slot is None else torch.tensor([slot], device=ids.device)
+            return self.model.forward_chunk_static(tok, pos, wp, row, last, self.cache, sl)
         if key is None or self.mode != "graph":
             self.n_eager += key is None
             return self._eager(ids, start, pages, slot)

@@ -299,7 +299,10 @@ class Rank:
         # a sampled plan's model calls (its inputs: re-run under the profiler after the run, ``_op_profile``)
         self.capture: list | None = None
         self.captured: dict[tuple, list] = {}
-        graphs_on = dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1"
+        # RACKBED_STATIC_STEPS=1: the graph runners on any device, running their static steps without capture
+        # (mode "static"): the graph path's inputs and padding, checkable on the CPU
+        static_steps = os.environ.get("RACKBED_STATIC_STEPS") == "1"
+        graphs_on = static_steps or (dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1")
         if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1:
             from rackbed.engine.real.model import DecodeGraphRunner
 
@@ -313,6 +316,9 @@ class Rank:
             self.prefill_graphs = PrefillGraphRunner(self.model, self.cache,
                                                      pool=self.graphs.pool if self.graphs else None,
                                                      scratch=self.graphs.scratch if self.graphs else None)
+        for runner in (self.graphs, self.prefill_graphs) if static_steps else ():
+            if runner is not None:
+                runner.mode, runner.why = "static", "RACKBED_STATIC_STEPS=1"
         self._warm_up()
         self._connect_kv_peers()
 
@@ -334,14 +340,15 @@ class Rank:
         self.cache.free(pages)
         if slot:
             self.cache.states.free(slot[0])
-        if self.graphs is not None and self.spec.graph_max_batch > 0 and self.spec.graph_pages[1] > 0:
+        if self.graphs is not None and self.graphs.mode == "graph" and self.spec.graph_max_batch > 0 \
+                and self.spec.graph_pages[1] > 0:
             # capture the buckets the run will likely meet now, not inside a measured decode step
             self.graph_info = self.graphs.warm(self.spec.graph_max_batch, *self.spec.graph_pages,
                                                reserve_bytes=int(float(os.environ.get("RACKBED_GRAPH_RESERVE_GB", "8"))
                                                                  * (1 << 30)),
                                                budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
             print(f"rank {self.spec.rank}: decode graphs at warm-up: {self.graph_info}", flush=True)
-        if self.prefill_graphs is not None and self.spec.prefill_lens[1] > 0:
+        if self.prefill_graphs is not None and self.prefill_graphs.mode == "graph" and self.spec.prefill_lens[1] > 0:
             sp = self.spec
             keys, reachable = prefill_warm_plan(sp)
             if self.graphs is not None and self.graphs.pool is not None:
