@@ -50,7 +50,8 @@ def _versions() -> dict:
         # which expert GEMMs the ranks run: the CuTe DSL decode kernel where it measured faster, or torch
         v["grouped_impl"] = GROUPED_IMPL
         v["cute_dsl"] = cute_unavailable() or "available"
-        v["graphs"] = "off (RACKBED_NO_GRAPHS=1)" if os.environ.get("RACKBED_NO_GRAPHS") == "1" else "on"
+        v["graphs"] = ("static (RACKBED_STATIC_STEPS=1)" if os.environ.get("RACKBED_STATIC_STEPS") == "1" else
+                       "off (RACKBED_NO_GRAPHS=1)" if os.environ.get("RACKBED_NO_GRAPHS") == "1" else "on")
         from rackbed.kernels.paged_attention import unavailable
 
         # decode attention: the Triton kernel reading pages in place, or the torch gather (and why)

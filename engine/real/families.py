@@ -16,7 +16,8 @@ Caches: MLA models use ``layers_mla.LatentKvCache`` (``[L, P, S, kv_lora + rope]
 ``PagedKvCache``: full layers in pages that grow with the sequence, sliding layers (gpt-oss) on a per-sequence ring
 of the window (``model.ring_pages``), so a long prompt costs its full layers' pages plus one ring. Qwen3.5 uses
 ``layers_gdn.HybridKvCache``: pages for its full-attention layers only, plus a state slot per sequence for the
-linear layers (``slots``: the sequences' slots, passed to ``forward_prefill`` / ``forward_decode``). The paged
+linear layers (``slots``: the sequences' slots, passed to ``forward_prefill`` / ``forward_decode``, and as device
+tensors to the graph-capturable ``forward_chunk_static`` / ``forward_decode_static``). The paged
 cache is indexed by the layer's place among the layers it holds (``TorchModelConfig.kv_layers``, then the MTP
 module's layer ``n_layers`` when a DeepSeek-V3 / GLM-4.5 model runs it as the draft: ``ShardedMoeLM.kv_layers``,
 ``engine.real.mtp``). Qwen3.5's linear layers run on one attention rank (no prefill TP); transformers' zero-centred
@@ -383,11 +384,13 @@ class ShardedMoeLM(ShardedQwen3Moe):
         x = x + (a + w["o_bias"] if "o_bias" in w else a)
         return x + self._ffn_prefill(w, rms_norm(x, w["post_norm"], cfg.rms_eps))
 
-    def forward_prefill(self, seqs, cache, page_tables, starts=None, slots=None):
+    def forward_prefill(self, seqs, cache, page_tables, starts=None, slots=None, *, resume: bool = False):
         """As ``ShardedQwen3Moe.forward_prefill``: prompts, or prompt suffixes after a cached prefix of
         ``starts[i]`` tokens whose KV is already in ``page_tables[i]`` (read, never recomputed), or a later chunk
         of a prompt after the chunks before it. With linear layers, ``slots[i]`` is sequence i's state slot in
-        ``cache.states`` (zeroed: a prompt starts from no state, so ``starts`` must be 0).
+        ``cache.states``: zeroed for a prompt's first tokens; a sequence with ``starts[i] > 0`` continues the
+        state its slot holds, which only a later chunk has (``resume``: the caller says the sequences with a start
+        are later chunks; a cached prefix cannot be resumed, no state snapshot is kept).
 
         With the MTP module (``self.mtp``) its KV is written too, as the draft reads it in decode steps: position
         j's row is the module's input at j, the target's last hidden state there and the embedding of the token
@@ -398,7 +401,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
         lens = [int(s.numel()) for s in seqs]
         starts = list(starts) if starts is not None else [0] * len(seqs)
         slots = self._slots(slots, len(seqs))
-        if slots is not None and any(starts):
+        if slots is not None and any(starts) and not resume:
             raise ValueError("Gated DeltaNet layers cannot resume a cached prefix (no state snapshot is kept)")
         ids = torch.cat(seqs)
         pos = torch.cat([torch.arange(c, c + n, device=ids.device) for c, n in zip(starts, lens)])
@@ -503,17 +506,22 @@ class ShardedMoeLM(ShardedQwen3Moe):
             x = self._decode_layer(li, w, x, positions, cache, page_table, slots)
         return (self._logits(x), x) if hidden else self._logits(x)
 
-    def forward_decode_static(self, tokens, positions, cache, page_table, *, hidden: bool = False):
+    def forward_decode_static(self, tokens, positions, cache, page_table, slots=None, *, hidden: bool = False):
         """``forward_decode`` without host synchronisation (one expert group; CUDA-graph capturable): the MoE sorts
-        the B*k (token, expert) pairs by expert (``kernels.moe_block``) instead of selecting local ones."""
+        the B*k (token, expert) pairs by expert (``kernels.moe_block``) instead of selecting local ones. With
+        linear layers ``slots [B]`` is a device tensor of state slots (a graph runner's static buffer; its padding
+        rows name the pool's scratch slot). One row per sequence: an MTP verify (several rows of one sequence) is
+        not run with linear layers, whose state steps once per row."""
         if self.shard.ep != 1:
             raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
-        if self.cfg.has_linear:
-            raise ValueError("forward_decode_static: Gated DeltaNet layers step through forward_decode")
         cfg = self.cfg
+        if cfg.has_linear and not (isinstance(slots, torch.Tensor) and slots.shape == tokens.shape):
+            raise ValueError(f"forward_decode_static: a model with Gated DeltaNet layers needs its state slots as a "
+                             f"device tensor [{tokens.shape[0]}], got {type(slots).__name__}")
         x = self.glob["embed"][tokens]
         for li, w in enumerate(self.layers):
-            x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache, page_table)
+            x = x + self._attn_decode(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, cache, page_table,
+                                      slots)
             x = x + self._ffn_static(w, rms_norm(x, w["post_norm"], cfg.rms_eps))
         return (self._logits(x), x) if hidden else self._logits(x)
 
@@ -531,7 +539,7 @@ class ShardedMoeLM(ShardedQwen3Moe):
         return y + self._shared(w, h) if "shared_gate_up" in w else y
 
     # -- prefill of one sequence with static shapes (CUDA-graph capturable) ---------------------------------------
-    def forward_chunk_static(self, tokens, positions, write_page, page_row, last, cache):
+    def forward_chunk_static(self, tokens, positions, write_page, page_row, last, cache, slot=None):
         """``ShardedQwen3Moe.forward_chunk_static`` for these families: a prefill chunk of ONE sequence (a whole
         prompt, a later chunk, or the suffix after a cached prefix) padded to ``tokens [T]``, with no host
         synchronisation and no data-dependent shape, so :class:`~rackbed.engine.real.model.PrefillGraphRunner` can
@@ -551,15 +559,22 @@ class ShardedMoeLM(ShardedQwen3Moe):
           the hidden state at t and the next token: the chunk's own, or the greedy token after ``last``); the
           module's attention and FFN, whose output prefill discards, are not run.
 
-        One rank only (tp = ep = 1). Gated DeltaNet layers (Qwen3.5) are refused: their recurrence over a state
-        slot prefills through :meth:`forward_prefill` only. Returns the logits of row ``last`` ``[1, V]``."""
+        * Gated DeltaNet layers (Qwen3.5) run the chunk's recurrence on state slot ``slot [1]`` (a device tensor;
+          ``layers_gdn.prefill_static``): a chunk at position 0 starts from a zeroed state, a later one continues
+          the state the earlier chunks left in the slot (a cached prefix cannot be resumed: no state snapshot is
+          kept, and ``rank_setup.check_gdn`` refuses prefix caching for these models). Padding rows change
+          neither the recurrent nor the conv state.
+
+        One rank only (tp = ep = 1). Returns the logits of row ``last`` ``[1, V]``."""
         if self.shard.ep != 1 or self.shard.attn_tp != 1:
             raise ValueError("forward_chunk_static needs one rank (tp = ep = 1)")
-        if self.cfg.has_linear:
-            raise ValueError("forward_chunk_static: Gated DeltaNet layers (Qwen3.5) prefill through forward_prefill "
-                             "only (their state recurrence is not a paged, position-masked read)")
         cfg = self.cfg
+        if cfg.has_linear and not (isinstance(slot, torch.Tensor) and slot.shape == (1,)):
+            raise ValueError(f"forward_chunk_static: a model with Gated DeltaNet layers needs the sequence's state "
+                             f"slot as a device tensor [1], got {type(slot).__name__}")
         geo = self._chunk_geometry(positions, page_row, last, cache)
+        if cfg.has_linear:
+            geo.update(slot=slot, last=last, fresh=positions[:1] == 0)
         x = self.glob["embed"][tokens]
         for li, w in enumerate(self.layers):
             a = self._attn_chunk(li, w, rms_norm(x, w["input_norm"], cfg.rms_eps), positions, write_page, page_row,
@@ -597,6 +612,9 @@ class ShardedMoeLM(ShardedQwen3Moe):
         """Layer ``li``'s attention of a static chunk (:meth:`forward_chunk_static`) -> ``[T, D]`` (o_proj, no o
         bias); ``kv_only``: write the KV and stop (None)."""
         cfg, S = self.cfg, cache.page_tokens
+        if cfg.kind(li) == "linear":
+            return layers_gdn.prefill_static(w, h, cfg, cache.states, self._lini[li], geo["slot"], geo["last"],
+                                             geo["fresh"])
         kl, slot = self._kvi[li], positions % S
         if cfg.kind(li) == "mla":
             q_nope, q_rot, rows = layers_mla.project(w, h, positions, cfg, self.rope)
@@ -630,6 +648,8 @@ class ShardedMoeLM(ShardedQwen3Moe):
             K = kv[:, 0].permute(1, 0, 2, 3).reshape(Hkv, -1, Dh).to(q.dtype)
             V = kv[:, 1].permute(1, 0, 2, 3).reshape(Hkv, -1, Dh).to(q.dtype)
             o = layers_gqa.attend_keys(w, q, K, V, geo["mask"], cfg)
+        if "gate_proj" in w:                                  # Qwen3.5: per-head sigmoid output gate
+            o = o * torch.sigmoid(h @ w["gate_proj"].T)
         return o @ w["o_proj"].T
 
 

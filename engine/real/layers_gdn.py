@@ -18,8 +18,14 @@ conv channels, K the conv width):
    ``out_proj [D, Hv*Dv]``.
 
 State: :class:`GdnStatePool` holds, per linear layer, ``slots`` conv states ``[C, K-1]`` (model dtype) and
-delta-rule states ``[Hv, Dk, Dv]`` (fp32). A sequence takes a slot when its prefill starts and gives it back with
-its KV pages; the full-attention layers keep the paged KV cache (:class:`HybridKvCache` is both).
+delta-rule states ``[Hv, Dk, Dv]`` (fp32), plus one scratch slot. A sequence takes a slot when its prefill starts and
+gives it back with its KV pages; the full-attention layers keep the paged KV cache (:class:`HybridKvCache` is both).
+
+Graph-capturable forms (no host synchronisation, no data-dependent shape; ``ShardedMoeLM.forward_decode_static`` /
+``forward_chunk_static``): :func:`decode` takes its slots as a device tensor, and the rows a CUDA-graph runner pads a
+batch with point at the pool's scratch slot, whose state nothing reads; :func:`prefill_static` runs one sequence's
+chunk padded to a token bucket (padding rows get beta = g = 0 and zero q/k/v, so they leave the recurrent state as it
+was, and the new conv state is gathered from the chunk's real rows by an index computed on the device).
 """
 
 from __future__ import annotations
@@ -36,14 +42,17 @@ CHUNK = 64
 
 
 class GdnStatePool:
-    """Per-sequence Gated DeltaNet state of one rank: ``conv [L, slots, C, K-1]`` (``dtype``) and ``rec [L, slots,
-    Hv, Dk, Dv]`` (fp32), L = linear layers. ``alloc`` hands out a zeroed slot, ``free`` takes it back."""
+    """Per-sequence Gated DeltaNet state of one rank: ``conv [L, slots + 1, C, K-1]`` (``dtype``) and ``rec [L,
+    slots + 1, Hv, Dk, Dv]`` (fp32), L = linear layers. ``alloc`` hands out a zeroed slot, ``free`` takes it back.
+    Slot ``scratch`` (= ``slots``, never handed out) is where the padding rows of a graph-replayed decode step and
+    the warm-up captures step their state: no sequence's state is ever written by them."""
 
     def __init__(self, cfg, slots: int, *, dtype, device) -> None:
         L = len(cfg.linear_layers)
         self.slots = slots
-        self.conv = torch.zeros(L, slots, cfg.lin_conv_channels, cfg.lin_conv - 1, dtype=dtype, device=device)
-        self.rec = torch.zeros(L, slots, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, dtype=torch.float32,
+        self.scratch = slots
+        self.conv = torch.zeros(L, slots + 1, cfg.lin_conv_channels, cfg.lin_conv - 1, dtype=dtype, device=device)
+        self.rec = torch.zeros(L, slots + 1, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, dtype=torch.float32,
                                device=device)
         self.free_slots = list(range(slots - 1, -1, -1))
         self.used: set[int] = set()
@@ -186,8 +195,35 @@ def prefill(w, h: torch.Tensor, cfg, pool: GdnStatePool, j: int, slot: int) -> t
     return gated_norm(w, o, z, cfg) @ w["out_proj"].T
 
 
+def prefill_static(w, h: torch.Tensor, cfg, pool: GdnStatePool, j: int, slot: torch.Tensor, last: torch.Tensor,
+                   fresh: torch.Tensor) -> torch.Tensor:
+    """:func:`prefill` of one sequence's chunk padded to ``h [T, D]``, graph-capturable: rows ``0..last`` (``last
+    [1]``, on the device) are the chunk's, the rest padding; ``slot [1]`` is the state slot (read and updated);
+    ``fresh [1]`` (bool) starts from a zeroed state instead of the slot's (a chunk at position 0). Padding rows get
+    beta = g = 0 and zero q/k/v -- what :func:`delta_rule_chunked` pads with -- so the recurrent state after the chunk
+    is the real rows'; the new conv state is the last K-1 inputs up to row ``last`` (earlier ones from the old conv
+    state when the chunk is shorter). Returns ``[T, D]`` (padding rows: garbage the caller drops)."""
+    qkv, z, b, a = split_in(w, h, cfg)
+    T, K1 = h.shape[0], cfg.lin_conv - 1
+    pad = (torch.arange(T, device=h.device) > last)                                # [T]
+    conv0 = pool.conv[j].index_select(0, slot)[0].masked_fill(fresh, 0)          # [C, K-1]
+    x = torch.cat((conv0.to(qkv.dtype), qkv.T), -1)                               # [C, K-1+T]
+    # real row t is column K-1+t: the K-1 inputs ending at row `last` are columns last+1 .. last+K-1
+    keep = x.index_select(1, last + 1 + torch.arange(K1, device=h.device))
+    pool.conv[j].index_copy_(0, slot, keep[None].to(pool.conv.dtype))
+    y = F_.silu(F_.conv1d(x[None], w["conv"][:, None, :], groups=x.shape[0])[0]).T   # [T, C]
+    q, k, v = (t.masked_fill(pad[:, None, None], 0) for t in heads(y, cfg))
+    beta, g = (t.float().masked_fill(pad[:, None], 0) for t in gates(w, b, a))
+    rec0 = pool.rec[j].index_select(0, slot)[0].masked_fill(fresh, 0)
+    o, S = delta_rule_chunked(q, k, v, g, beta, rec0)
+    pool.rec[j].index_copy_(0, slot, S[None])
+    return gated_norm(w, o, z, cfg) @ w["out_proj"].T
+
+
 def decode(w, h: torch.Tensor, cfg, pool: GdnStatePool, j: int, slots: torch.Tensor) -> torch.Tensor:
-    """One token of each sequence ``h [B, D]`` (state slots ``slots [B]``) through linear layer ``j`` -> ``[B, D]``."""
+    """One token of each sequence ``h [B, D]`` (state slots ``slots [B]``, a device tensor) through linear layer
+    ``j`` -> ``[B, D]``. No host synchronisation (graph-capturable); rows that share a slot (padding rows on the
+    scratch slot) write it in an unspecified order."""
     qkv, z, b, a = split_in(w, h, cfg)
     x = torch.cat((pool.conv[j, slots].to(qkv.dtype), qkv[:, :, None]), -1)    # [B, C, K]
     pool.conv[j, slots] = x[:, :, 1:].to(pool.conv.dtype)

@@ -577,10 +577,13 @@ class ShardedQwen3Moe:
         return torch.matmul(probs, V).reshape(B, Hkv * G * Dh)
 
     def forward_decode_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
-                              page_table: torch.Tensor, *, hidden: bool = False):
+                              page_table: torch.Tensor, slots: torch.Tensor | None = None, *, hidden: bool = False):
         """``forward_decode`` for a single-rank expert group without any host synchronisation or data-dependent
         shape, so the whole step can be captured in a CUDA graph (:class:`DecodeGraphRunner`). Same math: the
-        MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones."""
+        MoE sorts the B*k (token, expert) pairs by expert instead of selecting the local ones. ``slots``: Gated
+        DeltaNet state slots (``families.ShardedMoeLM``); this family has none."""
+        if slots is not None:
+            raise ValueError("forward_decode_static: Qwen3-MoE has no Gated DeltaNet layers (no state slots)")
         if self.shard.ep != 1:
             raise ValueError("forward_decode_static needs ep=1 (the all-to-all needs host-side split sizes)")
         cfg = self.cfg
@@ -603,13 +606,17 @@ class ShardedQwen3Moe:
         return (self._logits(x), x) if hidden else self._logits(x)
 
     def forward_chunk_static(self, tokens: torch.Tensor, positions: torch.Tensor, write_page: torch.Tensor,
-                             page_row: torch.Tensor, last: torch.Tensor, cache: PagedKvCache) -> torch.Tensor:
+                             page_row: torch.Tensor, last: torch.Tensor, cache: PagedKvCache,
+                             slot: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill chunk of ONE sequence without host synchronisation or data-dependent shapes, so it can be
         captured in a CUDA graph (:class:`PrefillGraphRunner`). ``tokens [T]`` at ``positions [T]``; their KV goes
         to page ``write_page[t]`` at slot ``positions[t] % S`` (padding rows name a scratch page); every query
         attends over the sequence's pages ``page_row [P]`` up to its own position (the cached prefix and earlier
         chunks included). Returns the logits of row ``last`` (``[1]``, the chunk's last real token) ``[1, V]``.
-        Same math as :meth:`forward_prefill`; the MoE is ``moe_block`` as in :meth:`forward_decode_static`."""
+        Same math as :meth:`forward_prefill`; the MoE is ``moe_block`` as in :meth:`forward_decode_static`.
+        ``slot``: a Gated DeltaNet state slot (``families.ShardedMoeLM``); this family has none."""
+        if slot is not None:
+            raise ValueError("forward_chunk_static: Qwen3-MoE has no Gated DeltaNet layers (no state slot)")
         if self.shard.ep != 1 or self.shard.attn_tp != 1:
             raise ValueError("forward_chunk_static needs one rank (tp = ep = 1)")
         cfg = self.cfg
@@ -799,9 +806,12 @@ class DecodeGraphRunner:
     """Replays CUDA graphs of ``forward_decode_static``, one per (batch bucket, page-table-width bucket).
 
     Batches are padded to the next bucket: padded rows read and write only a scratch page reserved here (and its
-    ring, with sliding layers), and their logits are dropped. Page tables are padded with each row's first page
-    (the mask hides them); column 0 stays the sequence's first page, which names its sliding layers' ring. If capture fails
-    (a kernel that is not capturable), the runner falls back to the eager static step and says why (``mode``).
+    ring, with sliding layers; and the state pool's scratch slot, with Gated DeltaNet layers), and their logits are
+    dropped. Page tables are padded with each row's first page (the mask hides them); column 0 stays the sequence's
+    first page, which names its sliding layers' ring. A model with Gated DeltaNet layers also gets the rows' state
+    slots (``slots``), copied into a static buffer per replay. If capture fails (a kernel that is not capturable),
+    the runner falls back to the eager static step and says why (``mode``); mode "static" runs that step from the
+    start (no capture: the graph path's padding and inputs on any device).
     """
 
     BATCH_BUCKETS = DECODE_BATCH_BUCKETS
@@ -811,6 +821,7 @@ class DecodeGraphRunner:
     def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache) -> None:
         self.model, self.cache = model, cache
         self.scratch = cache.alloc(1)[0]
+        self.states = getattr(cache, "states", None)   # Gated DeltaNet state pool (``layers_gdn.HybridKvCache``)
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.mode = "graph"
         self.why = ""
@@ -846,27 +857,38 @@ class DecodeGraphRunner:
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         pos = torch.zeros(B, dtype=torch.long, device=dev)
         table = torch.full((B, P), self.scratch, dtype=torch.long, device=dev)
+        slots = self._slots_buffer(B, dev)
+        kw = {} if slots is None else {"slots": slots}
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True)
+                self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True, **kw)
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # thread_local: the rank's KV-transfer thread may be allocating and launching on its own stream meanwhile
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True)
-        return g, tok, pos, table, out
+            out = self.model.forward_decode_static(tok, pos, self.cache, table, hidden=True, **kw)
+        return g, tok, pos, table, slots, out
+
+    def _slots_buffer(self, B: int, dev) -> torch.Tensor | None:
+        """``[B]`` state slots, every row on the scratch slot (None without Gated DeltaNet layers)."""
+        if self.states is None:
+            return None
+        return torch.full((B,), self.states.scratch, dtype=torch.long, device=dev)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, *,
-                 hidden: bool = False):
+                 slots: torch.Tensor | None = None, hidden: bool = False):
         """Logits ``[B, V]`` of the step (``hidden``: and the last hidden states ``[B, D]``). Rows of one sequence
         at consecutive positions (an MTP verify, ``engine.real.mtp``) are rows like any other: a bucket counts
-        rows."""
+        rows (not with Gated DeltaNet layers, whose state steps once per row). ``slots [B]``: the rows' state slots
+        (a tensor on the device), for a model with Gated DeltaNet layers."""
         B, P = tokens.shape[0], page_table.shape[1]
+        if (self.states is not None) != (slots is not None):
+            raise ValueError("DecodeGraphRunner: state slots go with Gated DeltaNet layers, and only with them")
         Bb = self._bucket(B, self.BATCH_BUCKETS)
         Pb = -(-P // self.PAGE_ROUND) * self.PAGE_ROUND
         tab = torch.full((Bb, Pb), self.scratch, dtype=torch.long, device=page_table.device)
@@ -876,6 +898,9 @@ class DecodeGraphRunner:
         tk = torch.zeros(Bb, dtype=torch.long, device=tokens.device)
         ps = torch.zeros(Bb, dtype=torch.long, device=tokens.device)
         tk[:B], ps[:B] = tokens, positions
+        sl = self._slots_buffer(Bb, tokens.device)
+        if sl is not None and slots is not None:
+            sl[:B] = slots
         if self.mode == "graph":
             key = (Bb, Pb)
             if key not in self.graphs:
@@ -885,13 +910,16 @@ class DecodeGraphRunner:
                 except Exception as exc:  # fall back, once, and say why
                     self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
             if self.mode == "graph":
-                g, tok_b, pos_b, tab_b, out = self.graphs[key]
+                g, tok_b, pos_b, tab_b, sl_b, out = self.graphs[key]
                 tok_b.copy_(tk)
                 pos_b.copy_(ps)
                 tab_b.copy_(tab)
+                if sl_b is not None:
+                    sl_b.copy_(sl)
                 g.replay()
                 return (out[0][:B], out[1][:B]) if hidden else out[0][:B]
-        lo, x = self.model.forward_decode_static(tk, ps, self.cache, tab, hidden=True)
+        kw = {} if sl is None else {"slots": sl}
+        lo, x = self.model.forward_decode_static(tk, ps, self.cache, tab, hidden=True, **kw)
         return (lo[:B], x[:B]) if hidden else lo[:B]
 
 
@@ -902,10 +930,13 @@ class PrefillGraphRunner:
     A chunk of ``n`` tokens is padded to the next token bucket; padding rows write their KV to a scratch page and
     their outputs are dropped, so only the bucket's extra compute is paid. Page rows are padded with the sequence's
     first page (masked by position). A batch of several prompts replays one graph per prompt. Capture failures
-    fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does.
+    fall back to the eager ``forward_prefill`` and say why (``mode``), as :class:`DecodeGraphRunner` does; mode
+    "static" runs ``forward_chunk_static`` on the padded inputs without capture (chunks within the buckets).
 
-    Every family's model has ``forward_chunk_static`` (Qwen3-MoE here; DeepSeek-V3 / Kimi-K2 / GLM-4.5 / gpt-oss in
-    ``families``), except Gated DeltaNet models (Qwen3.5), which refuse it: the worker gives them no runner.
+    Every family's model has ``forward_chunk_static`` (Qwen3-MoE here; DeepSeek-V3 / Kimi-K2 / GLM-4.5 / gpt-oss /
+    Qwen3.5 in ``families``). A model with Gated DeltaNet layers (Qwen3.5) also takes the sequence's state slot per
+    chunk (``slot``, copied into a static buffer; captures run on the state pool's scratch slot); a chunk at
+    position 0 starts from a zeroed state, a later chunk continues the slot's.
     ``scratch``: a scratch page to share (the decode runner's: the two never run at once), else one of its own.
     """
 
@@ -915,6 +946,7 @@ class PrefillGraphRunner:
     def __init__(self, model: ShardedQwen3Moe, cache: PagedKvCache, pool=None, scratch: int | None = None) -> None:
         self.model, self.cache = model, cache
         self.scratch = cache.alloc(1)[0] if scratch is None else scratch
+        self.states = getattr(cache, "states", None)   # Gated DeltaNet state pool (``layers_gdn.HybridKvCache``)
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.mode = "graph"
         self.why = ""
@@ -962,18 +994,20 @@ class PrefillGraphRunner:
         wpage = torch.full((T,), self.scratch, dtype=torch.long, device=dev)
         row = torch.full((P,), self.scratch, dtype=torch.long, device=dev)
         last = torch.zeros(1, dtype=torch.long, device=dev)
+        slot = None if self.states is None else torch.full((1,), self.states.scratch, dtype=torch.long, device=dev)
+        kw = {} if slot is None else {"slot": slot}
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self.model.forward_chunk_static(tok, pos, wpage, row, last, self.cache)
+                self.model.forward_chunk_static(tok, pos, wpage, row, last, self.cache, **kw)
         torch.cuda.current_stream().wait_stream(s)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self.model.forward_chunk_static(tok, pos, wpage, row, last, self.cache)
-        return g, tok, pos, wpage, row, last, out
+            out = self.model.forward_chunk_static(tok, pos, wpage, row, last, self.cache, **kw)
+        return g, tok, pos, wpage, row, last, slot, out
 
     def inputs(self, ids: torch.Tensor, start: int, pages: list[int], T: int, P: int):
         """The padded static inputs of a chunk: ``ids [n]`` at positions ``start..start+n-1`` of ``pages``."""
@@ -989,21 +1023,36 @@ class PrefillGraphRunner:
                 torch.tensor([n - 1], dtype=torch.long).to(dev, non_blocking=True))
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, start: int, pages: list[int]) -> torch.Tensor:
-        """Logits ``[1, V]`` of the chunk's last token; its KV is written into ``pages``."""
+    def __call__(self, ids: torch.Tensor, start: int, pages: list[int], slot: int | None = None) -> torch.Tensor:
+        """Logits ``[1, V]`` of the chunk's last token; its KV is written into ``pages``. ``slot``: the sequence's
+        state slot, for a model with Gated DeltaNet layers (zeroed when ``start`` is 0: a freshly allocated one;
+        else holding the state the earlier chunks left)."""
+        if (self.states is not None) != (slot is not None):
+            raise ValueError("PrefillGraphRunner: a state slot goes with Gated DeltaNet layers, and only with them")
         key = self.key(start, int(ids.numel()), self.cache.page_tokens)
+        if key is not None and self.mode == "static":
+            tok, pos, wp, row, last = self.inputs(ids, start, pages, *key)
+            sl = None if slot is None else torch.tensor([slot], device=ids.device)
+            return self.model.forward_chunk_static(tok, pos, wp, row, last, self.cache, sl)
         if key is None or self.mode != "graph":
             self.n_eager += key is None
-            return self.model.forward_prefill([ids], self.cache, [pages], [start])
+            return self._eager(ids, start, pages, slot)
         if key not in self.graphs:
             self.n_captured_late += 1
             try:
                 self.graphs[key] = self._capture(*key)
             except Exception as exc:  # fall back, once, and say why
                 self.mode, self.why = "eager", f"{type(exc).__name__}: {exc}"[:300]
-                return self.model.forward_prefill([ids], self.cache, [pages], [start])
-        g, tok_b, pos_b, wp_b, row_b, last_b, out = self.graphs[key]
+                return self._eager(ids, start, pages, slot)
+        g, tok_b, pos_b, wp_b, row_b, last_b, slot_b, out = self.graphs[key]
         for dst, src in zip((tok_b, pos_b, wp_b, row_b, last_b), self.inputs(ids, start, pages, *key)):
             dst.copy_(src)
+        if slot_b is not None:
+            slot_b.fill_(slot)
         g.replay()
         return out
+
+    def _eager(self, ids: torch.Tensor, start: int, pages: list[int], slot: int | None) -> torch.Tensor:
+        """The chunk through the eager ``forward_prefill`` (a later chunk continues the slot's state)."""
+        kw = {} if slot is None else {"slots": [slot], "resume": True}
+        return self.model.forward_prefill([ids], self.cache, [pages], [start], **kw)

@@ -5,7 +5,8 @@ functions of the scenario (every torchrun process computes the same tables); ``e
 Gated DeltaNet models (Qwen3.5): an aggregated rank keeps one recurrent-state slot per request it may hold
 (``max_batch_per_rank``, the scheduler's cap on a rank's requests), and those slots' bytes come out of the rank's
 KV budget: ``real.decode_pages`` pages of the full-attention layers' KV, of which :func:`state_pages` go to the
-state pool; the cache and the scheduler's KV capacity get the rest (:func:`gdn_rank_budget`). Disaggregated
+state pool; the cache and the scheduler's KV capacity get the rest (:func:`gdn_rank_budget`). (The pool's one
+scratch slot, which the padding rows of graph-replayed steps step, is not counted in it.) Disaggregated
 deployments and prefix caching are refused for these models (:func:`check_gdn`): the state does not travel with
 the KV transfer, and a cached prefix would need the state at the prefix's end."""
 

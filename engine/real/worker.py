@@ -24,7 +24,8 @@ free pages for it, ``declined: no pages: ...``). Commands:
 
 A model with Gated DeltaNet layers (Qwen3.5) also keeps a recurrent-state slot per sequence
 (``layers_gdn.GdnStatePool``, ``RankSpec.state_slots`` of them): taken at the sequence's prefill, stepped by every
-decode step, freed with its pages. Such models run on aggregated ranks only (``rank_setup.check_gdn``).
+decode step, freed with its pages; the CUDA-graph runners take the slots in static buffers and step their padding
+rows on the pool's scratch slot. Such models run on aggregated ranks only (``rank_setup.check_gdn``).
 
 Two lanes per rank, as in production engines: a router thread reads the command queue and hands compute commands
 (``prefill``, ``decode``, ``drop``) to the compute loop (the main thread) and KV commands (``kv_send``,
@@ -298,20 +299,26 @@ class Rank:
         # a sampled plan's model calls (its inputs: re-run under the profiler after the run, ``_op_profile``)
         self.capture: list | None = None
         self.captured: dict[tuple, list] = {}
-        graphs_on = dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1"
-        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1 and not self.linear:
+        # RACKBED_STATIC_STEPS=1: the graph runners on any device, running their static steps without capture
+        # (mode "static"): the graph path's inputs and padding, checkable on the CPU
+        static_steps = os.environ.get("RACKBED_STATIC_STEPS") == "1"
+        graphs_on = static_steps or (dev.type == "cuda" and os.environ.get("RACKBED_NO_GRAPHS") != "1")
+        if graphs_on and spec.role in ("decode", "aggregated") and spec.ep == 1:
             from rackbed.engine.real.model import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.cache)
-        # prefill graphs for every family but Gated DeltaNet (Qwen3.5), whose recurrence prefills eagerly
-        # (``ShardedMoeLM.forward_chunk_static``); the decode runner's scratch page (and ring) serves both runners
-        if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1 \
-                and not self.linear:
+        # prefill graphs for every family (Gated DeltaNet layers: ``ShardedMoeLM.forward_chunk_static`` on the
+        # sequence's state slot); the decode runner's scratch page (and ring) serves both runners, and both step
+        # the state pool's scratch slot for their padding and captures
+        if graphs_on and spec.role in ("prefill", "aggregated") and spec.tp == 1 and spec.ep == 1:
             from rackbed.engine.real.model import PrefillGraphRunner
 
             self.prefill_graphs = PrefillGraphRunner(self.model, self.cache,
                                                      pool=self.graphs.pool if self.graphs else None,
                                                      scratch=self.graphs.scratch if self.graphs else None)
+        for runner in (self.graphs, self.prefill_graphs) if static_steps else ():
+            if runner is not None:
+                runner.mode, runner.why = "static", "RACKBED_STATIC_STEPS=1"
         self._warm_up()
         self._connect_kv_peers()
 
@@ -328,18 +335,20 @@ class Rank:
             args = (torch.zeros(1, dtype=torch.long, device=self.dev), torch.zeros(1, dtype=torch.long, device=self.dev))
             self.model.forward_decode(*args, self.cache, torch.tensor([pages[:1]], device=self.dev), **kw)
             if self.graphs is not None:
-                self.graphs(*args, torch.tensor([pages[:1]], device=self.dev))
+                self.graphs(*args, torch.tensor([pages[:1]], device=self.dev),
+                            slots=torch.tensor(slot, device=self.dev) if slot else None)
         self.cache.free(pages)
         if slot:
             self.cache.states.free(slot[0])
-        if self.graphs is not None and self.spec.graph_max_batch > 0 and self.spec.graph_pages[1] > 0:
+        if self.graphs is not None and self.graphs.mode == "graph" and self.spec.graph_max_batch > 0 \
+                and self.spec.graph_pages[1] > 0:
             # capture the buckets the run will likely meet now, not inside a measured decode step
             self.graph_info = self.graphs.warm(self.spec.graph_max_batch, *self.spec.graph_pages,
                                                reserve_bytes=int(float(os.environ.get("RACKBED_GRAPH_RESERVE_GB", "8"))
                                                                  * (1 << 30)),
                                                budget_s=float(os.environ.get("RACKBED_GRAPH_WARMUP_S", "90")))
             print(f"rank {self.spec.rank}: decode graphs at warm-up: {self.graph_info}", flush=True)
-        if self.prefill_graphs is not None and self.spec.prefill_lens[1] > 0:
+        if self.prefill_graphs is not None and self.prefill_graphs.mode == "graph" and self.spec.prefill_lens[1] > 0:
             sp = self.spec
             keys, reachable = prefill_warm_plan(sp)
             if self.graphs is not None and self.graphs.pool is not None:
@@ -438,8 +447,8 @@ class Rank:
         out = {}
         for kind, r in (("decode", self.graphs), ("prefill", self.prefill_graphs)):
             if r is None:
-                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, Gated "
-                                                       "DeltaNet layers, or RACKBED_NO_GRAPHS=1)"}
+                out[kind] = {"mode": "eager", "why": "no graph runner for this rank (CPU, EP > 1, TP > 1, or "
+                                                       "RACKBED_NO_GRAPHS=1)"}
             else:
                 out[kind] = {"mode": r.mode, "why": r.why, "captured": len(r.graphs),
                              "captured_late": r.n_captured_late, "eager_chunks": getattr(r, "n_eager", 0)}
@@ -496,12 +505,15 @@ class Rank:
                 starts.append(c)
                 pins.append(pin)
                 seqs.append(torch.tensor(ids[c:], dtype=torch.long, device=self.dev))
-        kw = {"slots": list(slots)} if self.linear else {}
+        # linear layers: a sequence with a start is a later chunk (prefix caching is refused for these models), whose
+        # recurrence resumes from its slot
+        kw = {"slots": list(slots), "resume": True} if self.linear else {}
         if self.capture is not None:   # the inputs as they are now (the page lists grow later)
             self.capture.append(functools.partial(self.model.forward_prefill, seqs, self.cache,
                                                   [list(p) for p in pts], list(starts), **kw))
         if self.prefill_graphs is not None:
-            logits = torch.cat([self.prefill_graphs(q, c, pg) for q, c, pg in zip(seqs, starts, pts)])
+            sl = slots if self.linear else [None] * len(seqs)
+            logits = torch.cat([self.prefill_graphs(q, c, pg, s_) for q, c, pg, s_ in zip(seqs, starts, pts, sl)])
         else:
             logits = self.model.forward_prefill(seqs, self.cache, pts, starts, **kw)
         first = logits.argmax(-1).tolist()
@@ -661,7 +673,7 @@ class Rank:
         if self.capture is not None:   # re-run eagerly (no CUDA graph) under the profiler
             self.capture.append(functools.partial(self.model.forward_decode, toks, pos, self.cache, table, **kw))
         if self.graphs is not None and batch:
-            logits = self.graphs(toks, pos, table)
+            logits = self.graphs(toks, pos, table, **kw)
         elif kw:
             logits = self.model.forward_decode(toks, pos, self.cache, table, **kw)
         else:
