@@ -157,3 +157,98 @@ def test_bad_settings_are_refused():
         ShardedMoeLM.random(oss, Shard(), Comm(), mtp_agree=0.5)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         permutations(10, 1.5, 0)
+
+
+def test_the_shipped_mtp_scenarios_ask_for_the_rate_they_tell_the_simulator():
+    """scenarios/real/h200-agg-mtp(-heldout).yaml: DeepSeek-V3 width with its MTP module, draft_k 2, random
+    weights agreeing at the geometric acceptance the simulator assumes; every rank spec carries the
+    agreement."""
+    from rackbed.engine.real.rank_setup import rank_specs, real_model_config
+    from rackbed.sim.scenario import build, load_scenario
+
+    seen = set()
+    for name in ("h200-agg-mtp", "h200-agg-mtp-heldout"):
+        sc = load_scenario(f"scenarios/real/{name}.yaml")
+        assert sc.model == "deepseek-v3" and sc.mtp.draft_k == 2 and sc.real.weights is None
+        assert sc.real.mtp_agree == sc.mtp.accept_p and sc.mtp.acceptance is None
+        seen.add((sc.real.weights_seed, sc.real.mtp_agree, sc.workload.seed))
+        b = build(sc)
+        c = real_model_config(b)
+        assert c.runs_mtp and c.hidden == 7168 and not c.tie_embeddings
+        specs = rank_specs(b, c, {0: 0}, 1, use_cuda=False, dtype="bf16", seed=sc.real.weights_seed,
+                           weights=None, prefill_pages=64, decode_pages=64, mtp_agree=sc.real.mtp_agree)
+        assert [(s.draft_k, s.mtp_agree) for s in specs.values()] == [(2, sc.real.mtp_agree)]
+    assert len(seen) == 2 and len({s[1] for s in seen}) == 2       # held out: other seeds and acceptance
+
+
+def test_rackbed_real_refuses_agreement_it_cannot_build(tmp_path, capsys):
+    """real.mtp_agree on a model without an MTP module the engine runs, with a checkpoint, or out of [0, 1]:
+    exit 2 and one line naming the field (before any rank starts)."""
+    import yaml
+
+    from rackbed.engine.cli.main import main
+    from rackbed.engine.real.rank_setup import check_mtp_agree
+    from rackbed.topology.errors import UserError
+
+    base = {"name": "agree", "topology": "hgx-h200", "model": "qwen3-30b-a3b", "weight_format": "bf16",
+            "prefill": {"tp": 1, "ep": 1, "replicas": 1}, "decode": {"ep": 1, "replicas": 1},
+            "mtp": {"draft_k": 0},
+            "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 1},
+                         "prompt": {"kind": "uniform", "lo": 5, "hi": 6},
+                         "output": {"kind": "uniform", "lo": 2, "hi": 3}, "n_requests": 1, "seed": 1}}
+    for i, real in enumerate(({"device": "cpu", "mtp_agree": 0.5}, {"device": "cpu", "mtp_agree": 1.5})):
+        f = tmp_path / f"s{i}.yaml"
+        f.write_text(yaml.safe_dump({**base, "real": real}))
+        assert main(["real", str(f), "--out", str(tmp_path / f"o{i}")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "mtp_agree" in err and "\n" not in err, err
+    cfg = TorchModelConfig.from_hf({"model_type": "deepseek_v3", **TINY["deepseek_v3"],
+                                    "num_nextn_predict_layers": 1})
+    check_mtp_agree(cfg, 0.5, None)
+    check_mtp_agree(cfg, None, "/ckpt")
+    with pytest.raises(UserError, match="real.mtp_agree: 0.5 .*real.weights"):
+        check_mtp_agree(cfg, 0.5, "/ckpt")
+
+
+@pytest.mark.slow
+def test_a_real_run_with_agreeing_weights_accepts_drafts_and_emits_greedy_tokens(tmp_path, cfg):
+    """``run_real`` (one aggregated CPU worker, draft_k 2, real.mtp_agree 0.9): every request gets the
+    agreeing target's plain greedy tokens, and the steps accept about what p = 0.9 gives (p + p^2 = 1.71
+    drafts a step with drafts; more than 1.3 is asked, against ~0 for plain random weights)."""
+    import json
+
+    from rackbed.engine.core.workload import generate
+    from rackbed.engine.real.driver import run_real
+    from rackbed.sim.driver import simulate
+    from rackbed.sim.scenario import build, parse_scenario
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **TINY["deepseek_v3"], **WIDE,
+                                               "num_nextn_predict_layers": 1,
+                                               "architectures": ["DeepseekV3ForCausalLM"]}))
+    sc = parse_scenario({
+        "name": "cpu-real-mtp-agree", "topology": "hgx-h200", "model": str(d / "config.json"),
+        "weight_format": "bf16", "deployment": "aggregated",
+        "aggregated": {"workers": 1, "tp": 1, "dp": 1, "ep": 1, "max_batch_per_rank": 4,
+                       "max_batch_tokens": 64, "chunk_tokens": None, "page_tokens": PAGE},
+        "mtp": {"draft_k": 2, "accept_p": 0.9},
+        "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 50},
+                     "prompt": {"kind": "uniform", "lo": 3, "hi": 12},
+                     "output": {"kind": "uniform", "lo": 24, "hi": 32}, "n_requests": 4, "seed": 1}})
+    b = build(sc)
+    reqs = generate(sc.workload, sc.seed)
+    res, run = run_real(b, reqs, simulate=simulate, device="cpu", dtype="fp32", prefill_pages=64,
+                        decode_pages=64, tiny_cfg=cfg, seed=SEED, mtp_agree=0.9)
+    assert res.metrics["requests"]["done"] == len(reqs)
+    plain = ShardedMoeLM.random(cfg, Shard(), Comm(), seed=SEED, mtp_agree=0.9)
+    for r in reqs:
+        ref = _greedy(plain, [torch.tensor(run.prompt_ids[r.id])], r.output_tokens)[0]
+        assert run.generated[r.id] == ref
+    per_req: dict[int, list[int]] = {}
+    for rec in run.records:
+        if rec[1] == "mixed" and len(rec) == 6:
+            for rid, a in rec[5].items():
+                per_req.setdefault(rid, []).append(a)
+    drafted = [a for acc in per_req.values() for a in acc[1:]]     # a request's first step has no drafts
+    assert drafted and sum(drafted) / len(drafted) > 1.3, per_req
