@@ -255,7 +255,7 @@ class RealSection(_Strict):
     dtype: Literal["bf16", "fp32"] = "bf16"
     weights: str | None = None
     weights_seed: int = 0
-    mtp_agree: float | None = Field(None, ge=0.0, le=1.0)
+    mtp_agree: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     prefill_pages: int = Field(4096, ge=1)
     decode_pages: int = Field(4096, ge=1)
     kill: tuple[KillSection, ...] = ()
