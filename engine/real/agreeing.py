@@ -29,8 +29,12 @@ that:
 
 The layers' residual contributions perturb both paths; at DeepSeek-V3 width (``D = 7168``) the peak stands
 about 60 standard deviations of the other logits above them, so a measured rate is ``p`` up to the sampling
-of ``G`` along the tokens visited; tiny test models (``D = 128``) miss a few percent. Tied embeddings (lm
-head = embedding) cannot carry the two parts and are refused.
+of ``G`` along the tokens visited; tiny test models (``D = 128``) miss a few percent. On a CPU, in bf16, at
+DeepSeek-V3 width with 2 layers (one dense, one MoE of 8 experts) and a 16384-token vocabulary, the layers
+added an rms of 5.5 against the estimate's 7.9, the target's top logit stood 53 standard deviations above the
+mean, every greedy token followed ``pi``, and every step of 8 sequences x 12 steps accepted what ``G``
+predicts (0.74 of 156 drafts at p = 0.7). Tied embeddings (lm head = embedding) cannot carry the two parts and
+are refused.
 """
 
 from __future__ import annotations
