@@ -244,13 +244,18 @@ class RealSection(_Strict):
     """How ``rackbed real`` runs this scenario on local devices (ignored by the simulator).
 
     weights: a Hugging Face checkpoint directory (config.json + *.safetensors) or null for seeded random weights
-    with the model's real shapes. Pages are per rank, of ``decode.page_tokens`` tokens.
+    with the model's real shapes. Pages are per rank, of ``decode.page_tokens`` tokens. mtp_agree: p in
+    [0, 1] shapes the random weights so the MTP module's drafts are accepted with probability p each (given
+    the earlier ones were), the geometric acceptance ``mtp.accept_p`` states (``engine.real.agreeing``; a
+    model whose MTP module real mode runs, random weights only); null: plain random weights, whose drafts are
+    almost never accepted.
     """
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["bf16", "fp32"] = "bf16"
     weights: str | None = None
     weights_seed: int = 0
+    mtp_agree: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     prefill_pages: int = Field(4096, ge=1)
     decode_pages: int = Field(4096, ge=1)
     kill: tuple[KillSection, ...] = ()

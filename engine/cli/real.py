@@ -99,7 +99,7 @@ def _main(args: argparse.Namespace) -> int:
     res, run = run_real(b, reqs, simulate=simulate, device=args.device or rs.device, dtype=rs.dtype,
                         weights=rs.weights, seed=rs.weights_seed, prefill_pages=rs.prefill_pages,
                         decode_pages=rs.decode_pages, kill=[(k.at_s, k.gpu) for k in rs.kill], tiny_cfg=tiny,
-                        profile_plans=n_profile)
+                        profile_plans=n_profile, mtp_agree=rs.mtp_agree)
     write_all(res, out)
     rep = replay(b, reqs, run.records, simulate=simulate, seed=sc.seed, deaths=run.deaths)
     same = res.log.decisions() == rep.log.decisions()

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     specs = rank_specs(b, cfg, {g: g for g in range(world)}, world, use_cuda=use_cuda, dtype=rs.dtype,
                        seed=rs.weights_seed, weights=rs.weights, prefill_pages=rs.prefill_pages,
                        decode_pages=rs.decode_pages, backend="nccl" if use_cuda else "gloo",
-                       local_device=lambda g: f"cuda:{local}" if use_cuda else "cpu", requests=reqs)
+                       local_device=lambda g: f"cuda:{local}" if use_cuda else "cpu", requests=reqs,
+                       mtp_agree=rs.mtp_agree)
     any_spec = next(iter(specs.values()))
     # every process creates every group, then the KV group, in the same order
     groups, kv_group = make_groups(any_spec.all_groups, world)
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         try:
             res, run = run_real(b, reqs, simulate=simulate, device=device, dtype=rs.dtype, weights=rs.weights,
                                 seed=rs.weights_seed, prefill_pages=rs.prefill_pages, decode_pages=rs.decode_pages,
-                                pool=pool, profile_plans=rs.profile_plans)
+                                pool=pool, profile_plans=rs.profile_plans, mtp_agree=rs.mtp_agree)
         finally:
             pool.stop()
         t.join(timeout=60)

@@ -84,6 +84,7 @@ from rackbed.engine.core.plans import (
 from rackbed.engine.loop.simenv import SimEnv
 from rackbed.engine.real.rank_setup import (  # noqa: F401  (re-exported: callers import them from the driver)
     _cache_kw,
+    check_mtp_agree,
     deployment_groups,
     gdn_rank_budget,
     graph_pages,
@@ -483,7 +484,8 @@ class RealRun:
 
     def __init__(self, built, *, device: str, dtype: str, n_layers: int | None, seed: int, weights: str | None,
                  prefill_pages: int, decode_pages: int, tiny_cfg=None, pool: RankPool | None = None,
-                 requests=None, prefix_cache=None, follows=None, profile_plans: int = 0) -> None:
+                 requests=None, prefix_cache=None, follows=None, profile_plans: int = 0,
+                 mtp_agree: float | None = None) -> None:
         import torch
         import torch.multiprocessing as mp
 
@@ -492,6 +494,7 @@ class RealRun:
         self.built = built
         dep = built.deployment
         cfg = real_model_config(built, n_layers, tiny_cfg, weights)
+        check_mtp_agree(cfg, mtp_agree, weights)
         self.cfg = cfg
         self.draft_k = dep.mtp.draft_k if cfg.runs_mtp else 0     # drafts per decode step, run (engine.real.mtp)
         groups = deployment_groups(dep)
@@ -508,7 +511,7 @@ class RealRun:
                                weights=weights, prefill_pages=prefill_pages, decode_pages=decode_pages,
                                init_file=str(Path(self.tmp.name) / "rdzv"), backend="nccl" if use_cuda else "gloo",
                                local_device=lambda gpu: f"cuda:{gpu % n_cuda}" if use_cuda else "cpu",
-                               requests=requests, prefix_cache=prefix_cache)
+                               requests=requests, prefix_cache=prefix_cache, mtp_agree=mtp_agree)
             ctx = mp.get_context("spawn")
             res_qs = [ctx.Queue() for _ in range(world)]  # one per rank (RankPool)
             cmd_qs = [ctx.Queue() for _ in range(world)]
@@ -795,7 +798,7 @@ class RealRun:
 def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers=None, weights=None, seed=0,
              prefill_pages=4096, decode_pages=4096, kill=(), kill_after_steps=(), lose_kv=(), progress=False,
              tiny_cfg=None, pool=None, stall_s: float = STALL_S, prefix_cache=None, follows=None,
-             profile_plans: int = 0):
+             profile_plans: int = 0, mtp_agree: float | None = None):
     """Run ``built`` (``sim.scenario.build``) for real on ``requests`` through ``simulate`` (``sim.driver.simulate``,
     module docstring). Failure drills: ``kill`` ``[(at_s, gpu)]`` kills that GPU's rank process at clock time
     ``at_s``; ``kill_after_steps`` ``[(n, gpu)]`` kills it while its decoder's n-th step (with a non-empty batch) is
@@ -808,7 +811,8 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
     prompt and output followed by new tokens (a conversation). ``profile_plans`` N > 0: after the run, each
     rank re-runs up to N sampled plans of each kind of its worker under the profiler
     (:func:`profile_plans_of`, ``run.term_profile``; a failure there is kept in ``run.term_profile_error``,
-    the run's results stand).
+    the run's results stand). ``mtp_agree`` p (``real.mtp_agree``): random weights whose MTP drafts the target
+    accepts with probability p each (``engine.real.agreeing``).
     Returns ``(result of simulate, RealRun)``."""
     from rackbed.engine.core.metrics import Slo
 
@@ -818,7 +822,8 @@ def run_real(built, requests, *, simulate, device="auto", dtype="bf16", n_layers
                                      prefill_pages=prefill_pages, decode_pages=decode_pages)
     run = RealRun(built, device=device, dtype=dtype, n_layers=n_layers, seed=seed, weights=weights,
                   prefill_pages=prefill_pages, decode_pages=decode_pages, tiny_cfg=tiny_cfg, pool=pool,
-                  requests=requests, prefix_cache=spec, follows=follows, profile_plans=profile_plans)
+                  requests=requests, prefix_cache=spec, follows=follows, profile_plans=profile_plans,
+                  mtp_agree=mtp_agree)
     run.register(requests)
     # the scheduler plans with the ranks' real caches (less the prefix cache's pages and a Gated DeltaNet model's
     # state slots); a replay of the same ``built`` then does too

@@ -244,13 +244,24 @@ class ShardedMoeLM(ShardedQwen3Moe):
 
     @classmethod
     def random(cls, cfg, shard, comm, *, seed: int = 0, device="cpu", dtype=torch.float32,
-               mtp: bool = False) -> ShardedMoeLM:
-        """Seeded random weights; ``mtp``: the MTP module too (drawn like layer ``n_layers``)."""
+               mtp: bool = False, mtp_agree: float | None = None) -> ShardedMoeLM:
+        """Seeded random weights; ``mtp``: the MTP module too (drawn like layer ``n_layers``). ``mtp_agree``
+        p: the embedding, lm head and MTP ``eh_proj`` reshaped so the target's greedy tokens follow a fixed
+        permutation and the MTP module's drafts agree with them on a fraction p of tokens
+        (``engine.real.agreeing``); the target's weights depend on (seed, p) alone, with or without the
+        module."""
+        if mtp_agree is not None and not cfg.runs_mtp:
+            raise ValueError(f"mtp_agree: the {cfg.family} model has no MTP module the torch engine runs")
         cls._check_mtp(cfg, mtp)
         n = cfg.n_layers + (1 if mtp else 0)
         layers = [shard_layer(random_layer(cfg, i, seed, device, dtype), cfg, shard, i) for i in range(n)]
-        return cls(cfg, shard, comm, layers[:cfg.n_layers], random_global_weights(cfg, seed, device, dtype),
-                   mtp=layers[cfg.n_layers] if mtp else None)
+        glob = random_global_weights(cfg, seed, device, dtype)
+        module = layers[cfg.n_layers] if mtp else None
+        if mtp_agree is not None:
+            from rackbed.engine.real.agreeing import make_agreeing
+
+            make_agreeing(cfg, glob, module, mtp_agree, seed)
+        return cls(cfg, shard, comm, layers[:cfg.n_layers], glob, mtp=module)
 
     @classmethod
     def from_state_dict(cls, state, cfg, shard, comm, *, device="cpu", dtype=torch.float32,

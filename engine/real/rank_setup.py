@@ -156,13 +156,16 @@ def kv_rings(built, cfg, prefill_pages: int, decode_pages: int, requests=None) -
 
 def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bool, dtype: str, seed: int,
                weights: str | None, prefill_pages: int, decode_pages: int, init_file: str = "",
-               backend: str = "gloo", local_device=None, requests=None, prefix_cache=None) -> dict:
+               backend: str = "gloo", local_device=None, requests=None, prefix_cache=None,
+               mtp_agree: float | None = None) -> dict:
     """Every rank's ``RankSpec``, a pure function of the scenario and the GPU -> rank map (so each torchrun process
     computes the same table). ``local_device(gpu) -> str`` picks the device of a GPU's rank; ``requests`` (the
     run's) size the decode CUDA-graph buckets captured at warm-up; ``prefix_cache`` (None: ``built.prefix_cache``)
-    sizes the prefilling ranks' prefix caches."""
+    sizes the prefilling ranks' prefix caches; ``mtp_agree`` (``real.mtp_agree``): the random weights' draft
+    agreement (:func:`check_mtp_agree`)."""
     from rackbed.engine.real.worker import RankSpec
 
+    check_mtp_agree(cfg, mtp_agree, weights)
     check_gdn(built, cfg, prefix_cache)
     prefix_blocks, prefix_block_tokens = real_prefix_cache(
         prefix_cache if prefix_cache is not None else getattr(built, "prefix_cache", None))
@@ -208,7 +211,8 @@ def rank_specs(built, cfg, gpu_rank: dict[int, int], world: int, *, use_cuda: bo
                               chunk_tokens=chunk if role == "aggregated" else 0,
                               prefix_blocks=prefix_blocks if role != "decode" else 0,
                               prefix_block_tokens=prefix_block_tokens if role != "decode" else 0,
-                              state_slots=slots if role == "aggregated" else 0, draft_k=draft_k, **rings)
+                              state_slots=slots if role == "aggregated" else 0, draft_k=draft_k,
+                              mtp_agree=mtp_agree, **rings)
     return out
 
 
@@ -247,6 +251,22 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
         raise UserError(f"mtp.draft_k: {k} drafts, but the checkpoint {weights} holds no MTP module "
                         f"(model.layers.{cfg.n_layers}.eh_proj.weight); set mtp.draft_k: 0")
     return cfg
+
+
+def check_mtp_agree(cfg, mtp_agree: float | None, weights: str | None) -> None:
+    """``real.mtp_agree`` shapes seeded random weights of a model whose MTP module real mode runs, with an
+    untied lm head (``engine.real.agreeing``); anything else is refused in one line."""
+    if mtp_agree is None:
+        return
+    if weights:
+        raise UserError(f"real.mtp_agree: {mtp_agree} shapes random weights, but real.weights loads the "
+                        f"checkpoint {weights}; set one of them to null")
+    if not cfg.runs_mtp:
+        raise UserError(f"real.mtp_agree: {mtp_agree}, but the {cfg.family} model has no MTP module real "
+                        "mode runs; set real.mtp_agree: null")
+    if cfg.tie_embeddings:
+        raise UserError(f"real.mtp_agree: {mtp_agree} needs an lm head of its own; the model ties it to the "
+                        "embedding (tie_word_embeddings)")
 
 
 def _has_mtp_weights(path: Path, n_layers: int) -> bool:

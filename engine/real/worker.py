@@ -117,6 +117,8 @@ class RankSpec:
     # speculative decoding with the model's MTP module (``engine.real.mtp``): drafts per decode step (0 = off); every
     # rank of the run holds the module (a prefiller writes its KV, which the transfer ships with the other layers)
     draft_k: int = 0
+    # random weights whose drafts agree with the target on this fraction of tokens (``engine.real.agreeing``)
+    mtp_agree: float | None = None
 
 
 @dataclass
@@ -269,8 +271,9 @@ class Rank:
             self.model = cls.from_state_dict(_load_state(spec.weights), spec.cfg, shard, comm,
                                              device=dev, dtype=dt, mtp=spec.draft_k > 0)
         else:
+            agree = {} if spec.mtp_agree is None else {"mtp_agree": spec.mtp_agree}
             self.model = cls.random(spec.cfg, shard, comm, seed=spec.seed, device=dev, dtype=dt,
-                                    mtp=spec.draft_k > 0)
+                                    mtp=spec.draft_k > 0, **agree)
         self.linear = spec.cfg.has_linear
         cache_kw = {"ring_seqs": spec.n_rings or None} if any(spec.cfg.kv_windows) else {}
         if self.linear:
