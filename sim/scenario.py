@@ -159,7 +159,8 @@ class AutoscalerSection(_Strict):
 
 
 class FaultSection(_Strict):
-    """A GPU (``gpu:12``), a node (``node:3``) or a NIC/link (``nic:5``) goes down at ``at_s``."""
+    """A GPU (``gpu:12``), a node (``node:3``), a NIC/link (``nic:5``), a rack (``rack:1``: an NVLink domain) or
+    a rack's fabric links (``rack_link:1``) goes down at ``at_s``."""
 
     at_s: float = Field(ge=0)
     target: str
