@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -375,8 +376,12 @@ def place(
     shed_ttft_s: float | None = None,
     spare: str = "rest",
     name: str = "deployment",
+    prefill_gpus: Collection[int] | None = None,
+    decode_gpus: Collection[int] | None = None,
 ) -> Deployment:
     """Lay out ``n_prefillers`` and ``n_decoders`` groups on ``topo`` and return the :class:`Deployment`.
+    ``prefill_gpus`` / ``decode_gpus``: the GPUs a role's groups may use (whole NVLink domains of them: a pool
+    of one GPU kind in a joined topology); None: any.
 
     Two packings, the first that places every group wins:
 
@@ -398,8 +403,9 @@ def place(
     if spare not in ("rest", "none"):
         raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
     gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
-    wants = [_Want("prefiller", i, ptpl.n_gpus, "host") for i in range(n_prefillers)] + \
-            [_Want("decoder", i, dtpl.ep, "domain") for i in range(n_decoders)]
+    ponly, donly = _domains_within(prefill_gpus, gpu_domain), _domains_within(decode_gpus, gpu_domain)
+    wants = [_Want("prefiller", i, ptpl.n_gpus, "host", ponly) for i in range(n_prefillers)] + \
+            [_Want("decoder", i, dtpl.ep, "domain", donly) for i in range(n_decoders)]
     got = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
     if got is None:
         got = _pack(gpus, gpu_host, gpu_domain, wants)
@@ -424,6 +430,15 @@ def place(
         prefiller_template=ptpl, decoder_template=dtpl, name=name)
 
 
+def _domains_within(pool: Collection[int] | None, gpu_domain: dict[int, int]) -> frozenset[int] | None:
+    """The NVLink domains all of whose GPUs are in ``pool`` (None: no restriction)."""
+    if pool is None:
+        return None
+    pool = set(pool)
+    return frozenset(d for d in set(gpu_domain.values())
+                     if all(g in pool for g, e in gpu_domain.items() if e == d))
+
+
 def _topology_slice(topo: TopologyView):
     """``(gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain)``: what a :class:`Deployment` copies of the topology."""
     gpus = sorted(topo.gpu_ids)
@@ -441,12 +456,17 @@ def _topology_slice(topo: TopologyView):
 @dataclass(frozen=True)
 class _Want:
     """A group to place: ``width`` GPUs in one ``scope`` (``"host"``: one node; ``"domain"``: one NVLink
-    domain). ``role`` and ``index`` name it in errors (``decoder 27``)."""
+    domain), within the NVLink domains ``only`` (None: any). ``role`` and ``index`` name it in errors
+    (``decoder 27``)."""
 
     role: str
     index: int
     width: int
     scope: str
+    only: frozenset[int] | None = None
+
+    def may_use(self, domain: int) -> bool:
+        return self.only is None or domain in self.only
 
     def what(self) -> str:
         return f"{self.role} {self.index}"
@@ -465,7 +485,8 @@ def _pack_in_order(gpus, gpu_host, gpu_domain, wants: list[_Want]) -> dict[_Want
     out = {}
     for w in wants:
         pool = free[w.scope]
-        k = next((k for k in sorted(pool) if len(pool[k]) >= w.width), None)
+        k = next((k for k in sorted(pool) if len(pool[k]) >= w.width and w.may_use(gpu_domain[pool[k][0]])),
+                 None)
         if k is None:
             return None
         mine = out[w] = tuple(pool[k][: w.width])
@@ -496,9 +517,11 @@ class _Free:
         self.roles: dict[int, set[str]] = {d: set() for d in self.hosts}
         self.counts = {d: Counter(self.size[h] for h in hs) for d, hs in self.hosts.items()}  # free per node
 
-    def largest(self, scope: str) -> int:
-        """The most free GPUs of one node (``scope="host"``) or one NVLink domain."""
-        return max(map(len, self.free.values()) if scope == "host" else self.dom_free.values(), default=0)
+    def largest(self, w: _Want) -> int:
+        """The most free GPUs of one node (``w.scope == "host"``) or one NVLink domain ``w`` may use."""
+        if w.scope == "host":
+            return max((len(f) for h, f in self.free.items() if w.may_use(h[0])), default=0)
+        return max((n for d, n in self.dom_free.items() if w.may_use(d)), default=0)
 
     def _near(self, role: str) -> dict[int, tuple[int, int]]:
         """Per domain ``(0 if it holds a group of another role else 1, its distance to the nearest one)``:
@@ -517,16 +540,17 @@ class _Free:
         """Place ``w`` (see :func:`place`) and return its GPUs, or None when no node / domain holds it."""
         near = self._near(w.role)
         if w.scope == "host":  # the node with the fewest free GPUs that holds it, then by its domain
-            sizes = sorted({c for n in self.counts.values() for c, k in n.items() if k and c >= w.width})
+            sizes = sorted({c for d, n in self.counts.items() if w.may_use(d)
+                            for c, k in n.items() if k and c >= w.width})
             if not sizes:
                 return None
             c = sizes[0]
-            d = min((d for d, n in self.counts.items() if n[c]),
+            d = min((d for d, n in self.counts.items() if n[c] and w.may_use(d)),
                     key=lambda d: (*near[d], self.dom_free[d], d))
             h = next(h for h in self.hosts[d] if len(self.free[h]) == c)
             mine = self.free[h][: w.width]
         else:
-            fits = [d for d, n in self.dom_free.items() if n >= w.width]
+            fits = [d for d, n in self.dom_free.items() if n >= w.width and w.may_use(d)]
             if not fits:
                 return None
             d = min(fits, key=lambda d: (self.dom_free[d], *near[d], d))
@@ -619,7 +643,10 @@ def _no_fit(bad: _Want, gpus, gpu_host, gpu_domain, wants: list[_Want], ctx: str
             break
         free.take(w)
     head = f"deployment: {bad.what()} needs {bad.width} free GPUs in one {bad.where()}"
-    whole = max((free.size if bad.scope == "host" else free.dom_size).values(), default=0)
+    if bad.scope == "host":
+        whole = max((n for h, n in free.size.items() if bad.may_use(h[0])), default=0)
+    else:
+        whole = max((n for d, n in free.dom_size.items() if bad.may_use(d)), default=0)
     if bad.width > whole:
         return f"{head}; no {bad.where()} has more than {whole} GPUs ({ctx})"
 
@@ -638,17 +665,25 @@ def _no_fit(bad: _Want, gpus, gpu_host, gpu_domain, wants: list[_Want], ctx: str
     rest = [w for w in wants if w.role != bad.role]
     width = bad.width // 2
     while width >= 1:
-        narrow = [_Want(w.role, w.index, width, w.scope) for w in mine]
+        narrow = [_Want(w.role, w.index, width, w.scope, w.only) for w in mine]
         if narrower_ok(narrow[0]) and fits(rest + narrow):
             fixes.append(f"{bad.role}s of {width} GPU{'s' if width > 1 else ''}")
             break
         width //= 2
-    like = max(free.dom_size, key=lambda d: (free.dom_size[d], -d))
-    k = _fewest(lambda k: fits(wants, _with_domains(gpus, gpu_host, gpu_domain, like, k)), len(wants))
+    like = max((d for d in free.dom_size if bad.may_use(d)), key=lambda d: (free.dom_size[d], -d))
+    first = max(gpu_domain.values()) + 1  # the domains _with_domains adds are numbered from here
+
+    def more(k: int) -> bool:
+        new = frozenset(range(first, first + k))
+        ws = [w if w.only is None or like not in w.only else
+              _Want(w.role, w.index, w.width, w.scope, w.only | new) for w in wants]
+        return fits(ws, _with_domains(gpus, gpu_host, gpu_domain, like, k))
+
+    k = _fewest(more, len(wants))
     if k is not None:
         fixes.append(f"{k} more NVLink domain{'s' if k > 1 else ''} of {free.dom_size[like]} GPUs")
     tail = f" — fits with {', or '.join(fixes)}" if fixes else ""
-    return f"{head}; the largest free block is {free.largest(bad.scope)} ({ctx}){tail}"
+    return f"{head}; the largest free block is {free.largest(bad)} ({ctx}){tail}"
 
 
 def place_aggregated(topo: TopologyView, *, n_workers: int, kv_bytes_per_token: int, template: AggregatedTemplate,
