@@ -575,14 +575,13 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                               max_queue_requests=p.max_queue_requests)
     dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
     kv_view = _KvPathView(topo)
-    pools = {"prefill_gpus": role_gpus(topo, "prefill", p.gpu),
-             "decode_gpus": role_gpus(topo, "decode", d.gpu)}
+    pgpus, dgpus = role_gpus(topo, "prefill", p.gpu), role_gpus(topo, "decode", d.gpu)
     autoscaled = sc.autoscaler is not None and sc.autoscaler.enabled
     if autoscaled and (p.gpu or d.gpu):
         raise UserError("autoscaler: not with prefill.gpu / decode.gpu (one spare pool of every GPU kind)")
     dep0 = place(kv_view, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
                  kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win, prefiller=ptpl0, decoder=dtpl0,
-                 spare="none", name=sc.name, **pools)
+                 spare="none", name=sc.name, prefill_gpus=pgpus, decode_gpus=dgpus)
     pg, dg = dep0.prefillers[0], dep0.decoders[0]
     pplan = prefill_plan_for(sc, model, pg.gpus)
     dplan = decode_plan_for(sc, model, dg.gpus)
@@ -596,7 +595,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win,
                 prefiller=ptpl, decoder=dtpl, mtp=sc.mtp.spec(),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
-                spare="rest" if autoscaled else "none", name=sc.name, **pools)
+                spare="rest" if autoscaled else "none", name=sc.name, prefill_gpus=pgpus, decode_gpus=dgpus)
     one_gpu_kind(topo, dep)
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats

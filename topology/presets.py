@@ -218,10 +218,10 @@ def preset(name: str) -> Topology:
     for p, c in zip(parts, specs):
         if c.fabric is None:
             raise UserError(f"topology {name!r}: {p} has no scale-out network to join others with")
-    return build(specs[0], name=name.replace(" ", ""), more=specs[1:])
+    return build(specs[0], name=name.replace(" ", ""), more=tuple(specs[1:]))
 
 
-def build(c: ClusterSpec, *, name: str | None = None, more: list[ClusterSpec] = ()) -> Topology:
+def build(c: ClusterSpec, *, name: str | None = None, more: tuple[ClusterSpec, ...] = ()) -> Topology:
     """Expand a ClusterSpec into the graph described in ``topology.graph`` (numbering in the module doc).
     ``more``: further ClusterSpecs built after it (GPU, host and NIC numbers continuing), every NIC of all of
     them on one fabric of ``c``'s switches and links (a join, ``A+B``)."""

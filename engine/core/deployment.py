@@ -406,9 +406,8 @@ def place(
     ponly, donly = _domains_within(prefill_gpus, gpu_domain), _domains_within(decode_gpus, gpu_domain)
     wants = [_Want("prefiller", i, ptpl.n_gpus, "host", ponly) for i in range(n_prefillers)] + \
             [_Want("decoder", i, dtpl.ep, "domain", donly) for i in range(n_decoders)]
-    got = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
-    if got is None:
-        got = _pack(gpus, gpu_host, gpu_domain, wants)
+    in_order = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
+    got = in_order if in_order is not None else _pack(gpus, gpu_host, gpu_domain, wants)
     if isinstance(got, _Want):
         raise UserError(_no_fit(got, gpus, gpu_host, gpu_domain, wants,
                                 f"n_prefillers={n_prefillers}, n_decoders={n_decoders}, {len(gpus)} GPUs",
@@ -650,8 +649,9 @@ def _no_fit(bad: _Want, gpus, gpu_host, gpu_domain, wants: list[_Want], ctx: str
     if bad.width > whole:
         return f"{head}; no {bad.where()} has more than {whole} GPUs ({ctx})"
 
-    def fits(ws, topo=(gpus, gpu_host, gpu_domain)) -> bool:
-        return not isinstance(_pack(*topo, ws), _Want)
+    def fits(ws, topo=None) -> bool:
+        g, h, d = topo or (gpus, gpu_host, gpu_domain)
+        return not isinstance(_pack(g, h, d, ws), _Want)
 
     fixes = []
     roles = [bad.role] + sorted({w.role for w in wants} - {bad.role})
@@ -696,9 +696,8 @@ def place_aggregated(topo: TopologyView, *, n_workers: int, kv_bytes_per_token: 
     gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
     _need(n_workers >= 1, f"aggregated.workers: must be >= 1, got {n_workers}")
     wants = [_Want("aggregated worker", i, template.n_gpus, "domain") for i in range(n_workers)]
-    got = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
-    if got is None:
-        got = _pack(gpus, gpu_host, gpu_domain, wants)
+    in_order = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
+    got = in_order if in_order is not None else _pack(gpus, gpu_host, gpu_domain, wants)
     if isinstance(got, _Want):
         raise UserError(_no_fit(got, gpus, gpu_host, gpu_domain, wants,
                                 f"aggregated.workers={n_workers}, {len(gpus)} GPUs",
