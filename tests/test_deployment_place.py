@@ -199,3 +199,13 @@ def test_nvl72_racks_take_every_layout_that_fits_rack_by_rack(racks, log_wd, log
     dep = _place(topo, n_p, n_d, wp=wp, wd=wd)
     _check(dep, topo)
     assert (len(dep.prefillers), len(dep.decoders)) == (n_p, n_d)
+
+
+def test_the_shipped_ten_rack_scenario_builds_every_group():
+    from rackbed.sim.scenario import build, load_scenario
+
+    b = build(load_scenario(Path(__file__).parents[1] / "scenarios" / "nvl72x10-default.yaml"),
+              engine_calibration=False)
+    dep = b.deployment
+    _check(dep, b.topology)
+    assert (len(dep.prefillers), len(dep.decoders), dep.n_gpus) == (60, 30, 720)
