@@ -718,8 +718,9 @@ def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, 
     deployment whose group 0 of each role has these plans — the calibration the scenario selects for the GPU
     (:func:`_load_calibration`), wrapped in the engine calibration when one matches the GPU and the model. One of
     the plans may be None (a caller that prices one role only); the GPU is the prefill plan's, else the decode
-    plan's. ``rackbed search`` prices its options through this too, so its analytic stage and its simulations
-    share one cost model."""
+    plan's; with both plans on different GPU models (mixed pools) decode takes its own GPU's calibration and
+    no engine calibration applies. ``rackbed search`` prices its options through this too, so its analytic
+    stage and its simulations share one cost model."""
     gpu_name = topo.gpu_spec((prefill_plan or decode_plan).gpus[0]).name
     calib, note = _load_calibration(sc, gpu_name)
     dcalib, dgpu = calib, gpu_name

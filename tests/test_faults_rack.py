@@ -76,3 +76,25 @@ def test_a_rack_link_down_for_a_while_comes_back():
 def test_a_rack_the_deployment_lacks_is_a_one_line_error(target):
     with pytest.raises(UserError, match=f"faults: target '{target}' is not a GPU, node, NIC or rack"):
         _run([Fault(1.0, target)])
+
+
+def test_the_shipped_rack_failure_scenario_loses_no_request(tmp_path):
+    """``scenarios/nvl72x10-rack-failure.yaml``, shortened: rack 3 of ten fails; exactly its workers die (four
+    decoders, two prefillers) and every request still ends done."""
+    from pathlib import Path
+
+    from rackbed.sim.scenario import build, load_scenario, simulate_scenario
+
+    src = Path(__file__).parents[1] / "scenarios" / "nvl72x10-rack-failure.yaml"
+    p = tmp_path / "s.yaml"
+    p.write_text(src.read_text().replace("max_requests: 12000", "max_requests: 2500")
+                 .replace("at_s: 30.0", "at_s: 8.0"))
+    sc = load_scenario(p)
+    b = build(sc, engine_calibration=False)
+    on_rack = {g.id for g in (*b.deployment.prefillers, *b.deployment.decoders)
+               if b.deployment.gpu_domain[g.gpus[0]] == 3}
+    assert sum(i.startswith("D") for i in on_rack) == 4 and sum(i.startswith("P") for i in on_rack) == 2
+    _, res = simulate_scenario(sc, built=b)
+    m = res.metrics["requests"]
+    assert m["done"] == m["total"] == 2500 and m["requeued"] > 0
+    assert {w.split(".")[0] for w in _stopped(res, "dead")} == on_rack
