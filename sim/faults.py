@@ -1,8 +1,12 @@
-"""Fault injection: a GPU, a node or a link (a NIC's link to the fabric) goes down at a time, optionally for a while.
+"""Fault injection: a GPU, a node, a rack or a link (a NIC's link to the fabric, or all of a rack's) goes down
+at a time, optionally for a while.
 
 Targets use the topology's names: ``gpu:<i>`` (global GPU index), ``node:<h>`` (host index: all its GPUs and
-NICs), ``nic:<k>`` (the link of NIC ``k``). The driver calls ``scheduler.fail`` at ``at_s`` and, when
-``duration_s`` is set, ``scheduler.recover`` at ``at_s + duration_s``.
+NICs), ``nic:<k>`` (the link of NIC ``k``), ``rack:<d>`` (NVLink domain ``d``, numbered from the lowest GPU:
+all its GPUs and NICs — a whole GB200 NVL72; on HGX nodes one node) and ``rack_link:<d>`` (the fabric links
+of every NIC of domain ``d``: the rack cut off from the scale-out network, its GPUs still up). The driver
+calls ``scheduler.fail`` at ``at_s`` and, when ``duration_s`` is set, ``scheduler.recover`` at
+``at_s + duration_s``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from dataclasses import dataclass
 
 from rackbed.topology.errors import UserError
 
-_TARGET = re.compile(r"^(gpu|node|nic):\d+$")
+_TARGET = re.compile(r"^(gpu|node|nic|rack|rack_link):\d+$")
+TARGETS = "gpu:<i>, node:<host>, nic:<k>, rack:<domain> or rack_link:<domain>"
 
 
 @dataclass(frozen=True, order=True)
@@ -24,7 +29,7 @@ class Fault:
 
     def __post_init__(self) -> None:
         if not _TARGET.match(self.target):
-            raise UserError(f"faults: target {self.target!r} must be gpu:<i>, node:<host> or nic:<k>")
+            raise UserError(f"faults: target {self.target!r} must be {TARGETS}")
         if not self.at_s >= 0:
             raise UserError(f"faults: at_s must be >= 0, got {self.at_s} for {self.target}")
         if self.duration_s is not None and not self.duration_s > 0:

@@ -35,7 +35,8 @@ Overlap = Literal["none", "shared_expert", "two_batch"]
 class PrefillSection(_Strict):
     """Prefiller groups: ``max(tp, ep)`` GPUs in one node (TP attention + EP experts on the same GPUs;
     :mod:`sim.parallel`). ``overlap``: ``none`` or ``two_batch`` (two micro-batches, one's all-reduces under
-    the other's compute: :mod:`sim.costs.overlap`)."""
+    the other's compute: :mod:`sim.costs.overlap`). ``gpu``: the GPU model the groups are placed on (part of
+    its name, e.g. ``H200``; None: any — a joined topology of several kinds needs it)."""
 
     tp: int = Field(4, ge=1)
     ep: int = Field(4, ge=1)
@@ -45,6 +46,7 @@ class PrefillSection(_Strict):
     max_queue_requests: int | None = Field(None, ge=1)
     kv_replication: int | None = Field(None, ge=1)
     overlap: Overlap = "none"
+    gpu: str | None = None
 
     @field_validator("overlap")
     @classmethod
@@ -84,7 +86,8 @@ class DecodeSection(_Strict):
     ``expert_load`` / ``eplb``: skewed routing and its balancing (None: uniform routing, static placement).
 
     ``overlap``: ``none``, ``shared_expert`` (the shared expert alongside the dispatch) or ``two_batch`` (two
-    micro-batches, one's all-to-all under the other's compute): :mod:`sim.costs.overlap`."""
+    micro-batches, one's all-to-all under the other's compute): :mod:`sim.costs.overlap`. ``gpu``: as
+    :class:`PrefillSection`'s."""
 
     ep: int = Field(16, ge=1)
     tp: int = Field(1, ge=1)
@@ -95,6 +98,7 @@ class DecodeSection(_Strict):
     expert_load: ExpertLoadSection | None = None
     eplb: EplbSection | None = None
     overlap: Overlap = "none"
+    gpu: str | None = None
 
 
 class MtpDraft(_Strict):
@@ -159,7 +163,8 @@ class AutoscalerSection(_Strict):
 
 
 class FaultSection(_Strict):
-    """A GPU (``gpu:12``), a node (``node:3``) or a NIC/link (``nic:5``) goes down at ``at_s``."""
+    """A GPU (``gpu:12``), a node (``node:3``), a NIC/link (``nic:5``), a rack (``rack:1``: an NVLink domain) or
+    a rack's fabric links (``rack_link:1``) goes down at ``at_s``."""
 
     at_s: float = Field(ge=0)
     target: str
@@ -575,9 +580,13 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                               max_queue_requests=p.max_queue_requests)
     dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
     kv_view = _KvPathView(topo)
+    pgpus, dgpus = role_gpus(topo, "prefill", p.gpu), role_gpus(topo, "decode", d.gpu)
+    autoscaled = sc.autoscaler is not None and sc.autoscaler.enabled
+    if autoscaled and (p.gpu or d.gpu):
+        raise UserError("autoscaler: not with prefill.gpu / decode.gpu (one spare pool of every GPU kind)")
     dep0 = place(kv_view, n_prefillers=max(n_p, 1), n_decoders=max(n_d, 1),
                  kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win, prefiller=ptpl0, decoder=dtpl0,
-                 spare="none", name=sc.name)
+                 spare="none", name=sc.name, prefill_gpus=pgpus, decode_gpus=dgpus)
     pg, dg = dep0.prefillers[0], dep0.decoders[0]
     pplan = prefill_plan_for(sc, model, pg.gpus)
     dplan = decode_plan_for(sc, model, dg.gpus)
@@ -591,13 +600,43 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win,
                 prefiller=ptpl, decoder=dtpl, mtp=sc.mtp.spec(),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
-                spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
+                spare="rest" if autoscaled else "none", name=sc.name, prefill_gpus=pgpus, decode_gpus=dgpus)
+    one_gpu_kind(topo, dep)
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats
 
-    caveats = calibration_caveats(calib, topo, model, pplan, dplan) + budget_caveat(sc) + context
+    caveats = calibration_caveats(calib, topo, model, pplan, dplan)
+    if cm.decode_calib is not calib:
+        # decode on another GPU model, priced from its own calibration: each GPU's lines of its own role
+        caveats = [c for c in caveats if not c.startswith("decode")] + [
+            f"decode GPUs: {c}" for c in calibration_caveats(cm.decode_calib, topo, model, dplan, dplan)
+            if not c.startswith("prefill")]
+    caveats += budget_caveat(sc) + context
     return Built(sc, topo, model, dep, pplan, dplan, pbud, dbud, cm, calib, note, caveats,
                  prefix_cache_spec(sc, topo, model, dep))
+
+
+def role_gpus(topo, role: str, want: str | None) -> set[int] | None:
+    """The GPUs of the model ``want`` names (``prefill.gpu`` / ``decode.gpu``: part of a ``GpuSpec.name``, any
+    case; None: no restriction); a one-line UserError when it names none or several of the topology's."""
+    if want is None:
+        return None
+    kinds = sorted({topo.gpu_spec(g).name for g in topo.gpu_ids})
+    hit = [k for k in kinds if want.lower() in k.lower()]
+    if len(hit) != 1:
+        raise UserError(f"{role}.gpu: {want!r} names {'no' if not hit else 'several'} GPU model"
+                        f"{'s' if hit else ''} of {topo.name} ({', '.join(hit or kinds)})")
+    return {g for g in topo.gpu_ids if topo.gpu_spec(g).name == hit[0]}
+
+
+def one_gpu_kind(topo, dep) -> None:
+    """A role's groups share one GPU model (their plan, memory budget and calibration are group 0's); a
+    one-line UserError naming ``prefill.gpu`` / ``decode.gpu`` otherwise."""
+    for role, groups in (("prefill", dep.prefillers), ("decode", dep.decoders)):
+        kinds = sorted({topo.gpu_spec(g).name for grp in groups for g in grp.gpus})
+        if len(kinds) > 1:
+            raise UserError(f"{role}: the groups landed on {' and '.join(kinds)}; give {role}.gpu to place "
+                            "them on one GPU model")
 
 
 def prefix_cache_spec(sc: ServingScenario, topo, model, dep):
@@ -684,15 +723,22 @@ def cost_model_for(sc: ServingScenario, model, topo, prefill_plan, decode_plan, 
     deployment whose group 0 of each role has these plans — the calibration the scenario selects for the GPU
     (:func:`_load_calibration`), wrapped in the engine calibration when one matches the GPU and the model. One of
     the plans may be None (a caller that prices one role only); the GPU is the prefill plan's, else the decode
-    plan's. ``rackbed search`` prices its options through this too, so its analytic stage and its simulations
-    share one cost model."""
+    plan's; with both plans on different GPU models (mixed pools) decode takes its own GPU's calibration and
+    no engine calibration applies. ``rackbed search`` prices its options through this too, so its analytic
+    stage and its simulations share one cost model."""
     gpu_name = topo.gpu_spec((prefill_plan or decode_plan).gpus[0]).name
     calib, note = _load_calibration(sc, gpu_name)
+    dcalib, dgpu = calib, gpu_name
+    if prefill_plan is not None and decode_plan is not None:
+        dgpu = topo.gpu_spec(decode_plan.gpus[0]).name
+        if dgpu != gpu_name:  # prefill and decode on different GPU models: each role its own calibration
+            dcalib, dnote = _load_calibration(sc, dgpu)
+            note = f"prefill {note}; decode {dnote}"
     cm = ScenarioCostModel(model=model, topo=topo, prefill_plan=prefill_plan, decode_plan=decode_plan, calib=calib,
-                           draft={**draft_cost_kw(sc), **expert_load_kw(sc, model)})
+                           decode_calib=dcalib, draft={**draft_cost_kw(sc), **expert_load_kw(sc, model)})
     # the engine calibration describes this repository's engine: only for a run priced as the rackbed stack
     stack = (getattr(calib, "meta", None) or {}).get("stack") or "rackbed"
-    if engine_calibration and sc.calibration != "none" and stack == "rackbed":
+    if engine_calibration and sc.calibration != "none" and stack == "rackbed" and dgpu == gpu_name:
         from rackbed.sim.engine_calibration import EngineCalibratedCostModel, find_engine_calibration
 
         found = find_engine_calibration(gpu_name, model.name, mode=mode)

@@ -35,8 +35,11 @@ class ScenarioCostModel:
 
     CTX_BITS = 7  # decode memo resolution: contexts that agree in their top 7 bits share a step (<= 1.6 % apart)
 
-    def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None, draft: dict | None = None) -> None:
+    def __init__(self, *, model, topo, prefill_plan, decode_plan, calib=None, draft: dict | None = None,
+                 decode_calib=...) -> None:
         self.model, self.topo, self.calib = model, topo, calib
+        #: the decoders' calibration: ``calib`` unless decode runs on another GPU model (a joined topology)
+        self.decode_calib = calib if decode_calib is ... else decode_calib
         #: what drafts the tokens (:func:`draft_cost_kw`) and how routing loads the experts
         #: (:func:`expert_load_kw`): keywords passed to every decode step pricing
         self.draft = dict(draft or {})
@@ -109,7 +112,7 @@ class ScenarioCostModel:
         pl = self.dplan0 if group is None else self._plan_for(group)
         n = pl.dp
         return decode_step_breakdown(self.model, pl, self.topo, [max_batch] * n, [max_context_tokens] * n,
-                                     draft_k=draft_k, calib=self.calib, **self.draft)
+                                     draft_k=draft_k, calib=self.decode_calib, **self.draft)
 
     def _prefill_class(self, group) -> tuple[int] | tuple[str]:
         """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU
@@ -169,20 +172,20 @@ class ScenarioCostModel:
         dr = self.draft
         # a draft model, or overlap (the step is a critical path, not a sum of terms): direct evaluation
         if not self._split_ok or b == 0 or (k and "draft_model" in dr) or pl.overlap != "none":
-            return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k, calib=self.calib,
-                                    **dr)
+            return decode_step_time(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
+                                    calib=self.decode_calib, **dr)
         base = self._decode_base.get((group.id, b, k))
         if base is None:
             from rackbed.sim.costs.step import decode_step_breakdown
 
             bd = decode_step_breakdown(self.model, pl, self.topo, [b] * n, [ctx_q] * n, draft_k=k,
-                                       calib=self.calib, **dr)
+                                       calib=self.decode_calib, **dr)
             passes = k * dr.get("n_mtp_layers", self.model.n_mtp_layers or 1)
             base = (tuple(bd.terms.items()), _ctx_kinds(self.model), passes, self.topo.gpu_spec(pl.gpus[0]))
             # the split must reproduce the direct evaluation at another context too
             ctx2 = 2 * ctx_q + 4099
             if self._assemble(base, pl, b, ctx2, k) != decode_step_time(
-                    self.model, pl, self.topo, [b] * n, [ctx2] * n, draft_k=k, calib=self.calib, **dr):
+                    self.model, pl, self.topo, [b] * n, [ctx2] * n, draft_k=k, calib=self.decode_calib, **dr):
                 self._split_ok = False
             else:
                 self._decode_base[(group.id, b, k)] = base
@@ -194,7 +197,7 @@ class ScenarioCostModel:
 
         terms, kinds, passes, gpu = base
         kw = {"fmt": pl.weight_format, "kv_elem_bytes": pl.kv_elem_bytes, "page_tokens": pl.page_tokens,
-              "calib": self.calib, "tp": pl.tp}
+              "calib": self.decode_calib, "tp": pl.tp}
         over = {}
         for costs, nf in kinds:
             a = self._attn(costs, gpu, b, ctx_q, k + 1, kw)

@@ -162,7 +162,7 @@ def test_mtp_mean_tokens_per_step_end_to_end():
 def test_fault_validation():
     with pytest.raises(ValueError, match="target"):
         Fault(1.0, "switch:3")
-    with pytest.raises(ValueError, match="not a GPU, node or NIC"):
+    with pytest.raises(ValueError, match="not a GPU, node, NIC or rack"):
         _run(0, faults=[Fault(1.0, "gpu:99")])
     with pytest.raises(ValueError, match="unknown key"):
         parse_faults([{"at_s": 1, "target": "gpu:1", "when": 2}])

@@ -26,6 +26,10 @@ Presets (``topology.load(name)``):
   rate, 385 GB/s measured), one x86 CPU, no scale-out NIC.
 - ``NAME*N``: N copies of a preset's rack joined by its fabric (e.g. ``hgx-h200*2``, ``gb200-nvl72*2``). GPU
   ids run 0..N*g-1, hosts are numbered globally, fabric switches are rebuilt for all NICs.
+- ``A+B``: presets (each ``NAME``, ``NAME*N`` or ``NAME@G``) side by side, numbered in that order, every NIC
+  on one fabric of the first part's switches and links (e.g. ``hgx-h200*4+gb200-nvl72``: 4 H200 nodes, then
+  one GB200 NVL72 rack); every part needs NICs. A scenario places each role on one GPU kind with
+  ``prefill.gpu`` / ``decode.gpu``.
 - ``NAME@G``: a rack of several nodes populated with its first G GPUs (whole nodes; e.g. ``gb200-nvl72@16`` =
   4 compute trays on the rack's 18 NVLink switch ASICs). :func:`resized` picks ``NAME*N`` or ``NAME@G`` for a
   GPU count (``rackbed run --gpus``).
@@ -181,6 +185,8 @@ def _partial_rack(name: str, base: str, g: str) -> ClusterSpec:
 def resized(name: str, n_gpus: int) -> str:
     """The preset name with ``n_gpus`` GPUs built from ``name``'s rack: ``NAME`` (one rack), ``NAME*N`` (N racks)
     or ``NAME@G`` (part of a rack of several nodes). UserError (naming ``--gpus``) when no such layout exists."""
+    if "+" in name:
+        raise UserError(f"--gpus: the topology {name!r} joins presets; give each part's size in it instead")
     m = _MULTI.match(name.strip()) or _PART.match(name.strip())
     base = m.group("name") if m else name.strip()
     if base not in PRESETS:
@@ -202,12 +208,23 @@ def resized(name: str, n_gpus: int) -> str:
 
 
 def preset(name: str) -> Topology:
-    """Build a preset (or ``NAME*N``) topology."""
-    return build(cluster_spec(name))
+    """Build a preset (``NAME``, ``NAME*N``, ``NAME@G``) or a join of presets (``A+B``) topology."""
+    parts = [p.strip() for p in name.split("+")]
+    if len(parts) == 1:
+        return build(cluster_spec(name))
+    if not all(parts):
+        raise UserError(f"topology {name!r}: join presets with '+', e.g. hgx-h200*4+gb200-nvl72")
+    specs = [cluster_spec(p) for p in parts]
+    for p, c in zip(parts, specs):
+        if c.fabric is None:
+            raise UserError(f"topology {name!r}: {p} has no scale-out network to join others with")
+    return build(specs[0], name=name.replace(" ", ""), more=tuple(specs[1:]))
 
 
-def build(c: ClusterSpec) -> Topology:
-    """Expand a ClusterSpec into the graph described in ``topology.graph`` (numbering in the module doc)."""
+def build(c: ClusterSpec, *, name: str | None = None, more: tuple[ClusterSpec, ...] = ()) -> Topology:
+    """Expand a ClusterSpec into the graph described in ``topology.graph`` (numbering in the module doc).
+    ``more``: further ClusterSpecs built after it (GPU, host and NIC numbers continuing), every NIC of all of
+    them on one fabric of ``c``'s switches and links (a join, ``A+B``)."""
     g = nx.Graph()
     count = {"gpu": 0, "nvsw": 0, "cpu": 0, "nic": 0, "ibsw": 0}
 
@@ -217,9 +234,19 @@ def build(c: ClusterSpec) -> Topology:
         g.add_node(nid, kind=kind, spec=spec, host=host)
         return nid
 
-    rack, node = c.rack, c.rack.node
     nics: list[str] = []
     host = 0
+    for part in (c, *more):
+        host = _add_racks(g, part, add, nics, host)
+    if c.fabric is not None:
+        _add_fabric(g, c, nics, add)
+    return Topology(g, name or c.name)
+
+
+def _add_racks(g: nx.Graph, c: ClusterSpec, add, nics: list[str], host: int) -> int:
+    """The racks of ``c`` (nodes numbered from ``host``, their NICs appended to ``nics``); returns the next
+    host."""
+    rack, node = c.rack, c.rack.node
     for _ in range(c.n_racks):
         rack_gpus: list[str] = []
         for _ in range(rack.n_nodes):
@@ -249,9 +276,7 @@ def build(c: ClusterSpec) -> Topology:
             for gid in rack_gpus:
                 for sw in switches:
                     g.add_edge(gid, sw, link=rack.nvlink.bundle(rack.links_per_switch))
-    if c.fabric is not None:
-        _add_fabric(g, c, nics, add)
-    return Topology(g, c.name)
+    return host
 
 
 def _add_fabric(g: nx.Graph, c: ClusterSpec, nics: list[str], add) -> None:

@@ -23,6 +23,9 @@ the scheduler and network model need, copied so that ``engine.core`` stays free 
 
 from __future__ import annotations
 
+import bisect
+from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -373,46 +376,66 @@ def place(
     shed_ttft_s: float | None = None,
     spare: str = "rest",
     name: str = "deployment",
+    prefill_gpus: Collection[int] | None = None,
+    decode_gpus: Collection[int] | None = None,
 ) -> Deployment:
     """Lay out ``n_prefillers`` and ``n_decoders`` groups on ``topo`` and return the :class:`Deployment`.
+    ``prefill_gpus`` / ``decode_gpus``: the GPUs a role's groups may use (whole NVLink domains of them: a pool
+    of one GPU kind in a joined topology); None: any.
 
-    Prefillers take whole hosts first (lowest host index first, each group's GPUs on one host); decoders then
-    take the lowest free GPUs of one NVLink domain each. ``spare="rest"`` puts every GPU left into the spare
-    pool, ``spare="none"`` leaves it out. Raises a one-line ``UserError`` when the layout does not fit.
+    Two packings, the first that places every group wins:
+
+    1. *in order*: prefillers take whole hosts first (lowest host index first, each group's GPUs on one host);
+       decoders then take the lowest free GPUs of one NVLink domain each. A layout that fits so keeps it.
+    2. *widest first* (:func:`_pack`), when the in-order packing fragments the NVLink domains (many racks, the
+       prefillers spread over every one of them before the decoders come): the widest groups (the decoders, as
+       a rule) go first, each into the fullest domain that still holds it, then the narrower ones into the
+       fullest node that holds them, preferring the domains that already hold groups of the other role
+       (prefillers beside the decoders they feed) and else the nearest ones. With group widths that divide one
+       another (powers of two) it places every layout that fits at all.
+
+    ``spare="rest"`` puts every GPU left into the spare pool, ``spare="none"`` leaves it out. Raises a
+    one-line ``UserError`` naming the group that does not fit and the smallest change that fits (fewer groups,
+    narrower groups, another NVLink domain).
     """
     ptpl = prefiller or PrefillerTemplate()
     dtpl = decoder or DecoderTemplate()
-    gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
-    free = list(gpus)
-    hosts = sorted(set(gpu_host.values()))
-    pgroups = []
-    for i in range(n_prefillers):
-        for h in hosts:
-            cand = [g for g in free if gpu_host[g] == h]
-            if len(cand) >= ptpl.n_gpus:
-                mine = tuple(cand[: ptpl.n_gpus])
-                break
-        else:
-            raise UserError(
-                f"deployment: prefiller {i} needs {ptpl.n_gpus} free GPUs in one node; none left "
-                f"(n_prefillers={n_prefillers}, {len(gpus)} GPUs)")
-        free = [g for g in free if g not in mine]
-        nics = tuple(sorted({gpu_nic[g] for g in mine}))
-        pgroups.append(PrefillerGroup(id=f"P{i}", gpus=mine, host=gpu_host[mine[0]], nics=nics, template=ptpl))
-    dgroups = []
-    for i in range(n_decoders):
-        mine = _in_one_domain(free, gpu_domain, dtpl.ep, f"decoder {i}", f"n_decoders={n_decoders}, {len(gpus)} GPUs")
-        free = [g for g in free if g not in mine]
-        dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=dtpl.rank_nics(mine, gpu_nic), template=dtpl))
     if spare not in ("rest", "none"):
         raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
+    gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
+    ponly, donly = _domains_within(prefill_gpus, gpu_domain), _domains_within(decode_gpus, gpu_domain)
+    wants = [_Want("prefiller", i, ptpl.n_gpus, "host", ponly) for i in range(n_prefillers)] + \
+            [_Want("decoder", i, dtpl.ep, "domain", donly) for i in range(n_decoders)]
+    in_order = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
+    got = in_order if in_order is not None else _pack(gpus, gpu_host, gpu_domain, wants)
+    if isinstance(got, _Want):
+        raise UserError(_no_fit(got, gpus, gpu_host, gpu_domain, wants,
+                                f"n_prefillers={n_prefillers}, n_decoders={n_decoders}, {len(gpus)} GPUs",
+                                narrower_ok=lambda w: w.role == "decoder" and w.width % dtpl.tp == 0))
+    pgpus = sorted((got[w] for w in wants if w.role == "prefiller"), key=min)
+    dgpus = sorted((got[w] for w in wants if w.role == "decoder"), key=min)
+    used = {g for mine in got.values() for g in mine}
+    pgroups = [PrefillerGroup(id=f"P{i}", gpus=mine, host=gpu_host[mine[0]],
+                              nics=tuple(sorted({gpu_nic[g] for g in mine})), template=ptpl)
+               for i, mine in enumerate(pgpus)]
+    dgroups = [DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=dtpl.rank_nics(mine, gpu_nic), template=dtpl)
+               for i, mine in enumerate(dgpus)]
     return Deployment(
         prefillers=tuple(pgroups), decoders=tuple(dgroups), kv_bytes_per_token=int(kv_bytes_per_token),
         kv_window_bytes=tuple(kv_window_bytes),
         gpu_host=gpu_host, gpu_nic=gpu_nic, nic_GBps=nic_GBps, gpu_domain=gpu_domain, mtp=mtp or MtpSpec(),
         chunked_prefill=chunked_prefill, shed_ttft_s=shed_ttft_s,
-        spare_gpus=tuple(free) if spare == "rest" else (), prefiller_template=ptpl, decoder_template=dtpl,
-        name=name)
+        spare_gpus=tuple(g for g in gpus if g not in used) if spare == "rest" else (),
+        prefiller_template=ptpl, decoder_template=dtpl, name=name)
+
+
+def _domains_within(pool: Collection[int] | None, gpu_domain: dict[int, int]) -> frozenset[int] | None:
+    """The NVLink domains all of whose GPUs are in ``pool`` (None: no restriction)."""
+    if pool is None:
+        return None
+    pool = set(pool)
+    return frozenset(d for d in set(gpu_domain.values())
+                     if all(g in pool for g, e in gpu_domain.items() if e == d))
 
 
 def _topology_slice(topo: TopologyView):
@@ -429,31 +452,259 @@ def _topology_slice(topo: TopologyView):
     return gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain
 
 
-def _in_one_domain(free: list[int], gpu_domain: dict[int, int], n: int, what: str, ctx: str) -> tuple[int, ...]:
-    """The lowest ``n`` free GPUs of the first NVLink domain that has that many; a one-line UserError if none."""
-    for d in sorted(set(gpu_domain.values())):
-        cand = [g for g in free if gpu_domain[g] == d]
-        if len(cand) >= n:
-            return tuple(cand[:n])
-    raise UserError(f"deployment: {what} needs {n} free GPUs in one NVLink domain; none left ({ctx})")
+@dataclass(frozen=True)
+class _Want:
+    """A group to place: ``width`` GPUs in one ``scope`` (``"host"``: one node; ``"domain"``: one NVLink
+    domain), within the NVLink domains ``only`` (None: any). ``role`` and ``index`` name it in errors
+    (``decoder 27``)."""
+
+    role: str
+    index: int
+    width: int
+    scope: str
+    only: frozenset[int] | None = None
+
+    def may_use(self, domain: int) -> bool:
+        return self.only is None or domain in self.only
+
+    def what(self) -> str:
+        return f"{self.role} {self.index}"
+
+    def where(self) -> str:
+        return "node" if self.scope == "host" else "NVLink domain"
+
+
+def _pack_in_order(gpus, gpu_host, gpu_domain, wants: list[_Want]) -> dict[_Want, tuple[int, ...]] | None:
+    """The in-order packing of :func:`place`: each group in turn takes the lowest free GPUs of the lowest node
+    / NVLink domain with room for it; None when one finds none."""
+    free: dict[str, dict[int, list[int]]] = {"host": {}, "domain": {}}
+    for g in gpus:
+        free["host"].setdefault(gpu_host[g], []).append(g)
+        free["domain"].setdefault(gpu_domain[g], []).append(g)
+    out = {}
+    for w in wants:
+        pool = free[w.scope]
+        k = next((k for k in sorted(pool) if len(pool[k]) >= w.width and w.may_use(gpu_domain[pool[k][0]])),
+                 None)
+        if k is None:
+            return None
+        mine = out[w] = tuple(pool[k][: w.width])
+        taken = set(mine)
+        for h in {gpu_host[g] for g in mine}:
+            free["host"][h] = [g for g in free["host"][h] if g not in taken]
+        for d in {gpu_domain[g] for g in mine}:
+            free["domain"][d] = [g for g in free["domain"][d] if g not in taken]
+    return out
+
+
+class _Free:
+    """Free GPUs by node and NVLink domain, and the roles each domain holds already (for :func:`_pack`). A
+    node here is the GPUs of one host in one NVLink domain (a host whose GPUs share no NVLink is several)."""
+
+    def __init__(self, gpus, gpu_host, gpu_domain) -> None:
+        self.free: dict[tuple[int, int], list[int]] = {}
+        self.hosts: dict[int, list[tuple[int, int]]] = {}
+        self.node_of = {g: (gpu_domain[g], gpu_host[g]) for g in gpus}
+        for g in gpus:
+            h = self.node_of[g]
+            if h not in self.free:
+                self.hosts.setdefault(h[0], []).append(h)
+            self.free.setdefault(h, []).append(g)
+        self.size = {h: len(f) for h, f in self.free.items()}
+        self.dom_size = {d: sum(self.size[h] for h in hs) for d, hs in self.hosts.items()}
+        self.dom_free = dict(self.dom_size)
+        self.roles: dict[int, set[str]] = {d: set() for d in self.hosts}
+        self.counts = {d: Counter(self.size[h] for h in hs) for d, hs in self.hosts.items()}  # free per node
+
+    def largest(self, w: _Want) -> int:
+        """The most free GPUs of one node (``w.scope == "host"``) or one NVLink domain ``w`` may use."""
+        if w.scope == "host":
+            return max((len(f) for h, f in self.free.items() if w.may_use(h[0])), default=0)
+        return max((n for d, n in self.dom_free.items() if w.may_use(d)), default=0)
+
+    def _near(self, role: str) -> dict[int, tuple[int, int]]:
+        """Per domain ``(0 if it holds a group of another role else 1, its distance to the nearest one)``:
+        domains are numbered rack by rack along the fabric, so a nearer index is a nearer rack."""
+        others = sorted(e for e, rs in self.roles.items() if rs - {role})
+        if not others:
+            return {d: (0, 0) for d in self.hosts}
+        near = {}
+        for d in self.hosts:
+            i = bisect.bisect_left(others, d)
+            near[d] = (0 if i < len(others) and others[i] == d else 1,
+                       min(abs(d - others[j]) for j in (i - 1, i) if 0 <= j < len(others)))
+        return near
+
+    def take(self, w: _Want) -> tuple[int, ...] | None:
+        """Place ``w`` (see :func:`place`) and return its GPUs, or None when no node / domain holds it."""
+        near = self._near(w.role)
+        if w.scope == "host":  # the node with the fewest free GPUs that holds it, then by its domain
+            sizes = sorted({c for d, n in self.counts.items() if w.may_use(d)
+                            for c, k in n.items() if k and c >= w.width})
+            if not sizes:
+                return None
+            c = sizes[0]
+            d = min((d for d, n in self.counts.items() if n[c] and w.may_use(d)),
+                    key=lambda d: (*near[d], self.dom_free[d], d))
+            h = next(h for h in self.hosts[d] if len(self.free[h]) == c)
+            mine = self.free[h][: w.width]
+        else:
+            fits = [d for d, n in self.dom_free.items() if n >= w.width and w.may_use(d)]
+            if not fits:
+                return None
+            d = min(fits, key=lambda d: (self.dom_free[d], *near[d], d))
+            mine = self._in_domain(d, w.width)
+        taken = set(mine)
+        d = self.node_of[mine[0]][0]
+        for h in {self.node_of[g] for g in mine}:
+            self.counts[d][len(self.free[h])] -= 1
+            self.free[h] = [g for g in self.free[h] if g not in taken]
+            self.counts[d][len(self.free[h])] += 1
+        self.dom_free[d] -= len(mine)
+        self.roles[d].add(w.role)
+        return tuple(sorted(mine))
+
+    def _in_domain(self, d: int, n: int) -> list[int]:
+        """``n`` free GPUs of domain ``d``: whole free nodes first (the others stay whole for narrower
+        groups), the rest from the node that holds it most tightly, else from the fullest nodes."""
+        mine: list[int] = []
+        rest = []
+        for h in self.hosts[d]:
+            if len(self.free[h]) == self.size[h] and self.size[h] <= n - len(mine):
+                mine += self.free[h]
+            elif self.free[h]:
+                rest.append(h)
+        need = n - len(mine)
+        fit = [h for h in rest if len(self.free[h]) >= need]
+        if need and fit:
+            mine += self.free[min(fit, key=lambda h: (len(self.free[h]), h))][:need]
+        elif need:
+            for h in sorted(rest, key=lambda h: (len(self.free[h]), h)):
+                mine += self.free[h][: n - len(mine)]
+        return mine[:n]
+
+
+def _widest_first(w: _Want):
+    return -w.width, w.scope != "domain", w.role, w.index
+
+
+def _pack(gpus, gpu_host, gpu_domain, wants: list[_Want]) -> dict[_Want, tuple[int, ...]] | _Want:
+    """The widest-first packing of :func:`place`: groups by decreasing width (decoders before prefillers of
+    the same width, then by index), each where :meth:`_Free.take` puts it. Returns the GPUs of every group, or
+    the first group that finds no room."""
+    free = _Free(gpus, gpu_host, gpu_domain)
+    out = {}
+    for w in sorted(wants, key=_widest_first):
+        mine = free.take(w)
+        if mine is None:
+            return w
+        out[w] = mine
+    return out
+
+
+def _fewest(ok, hi: int) -> int | None:
+    """The least ``k`` in ``1..hi`` with ``ok(k)`` (``ok`` monotone), None when ``ok(hi)`` is false."""
+    if hi < 1 or not ok(hi):
+        return None
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _with_domains(gpus, gpu_host, gpu_domain, like: int, extra: int):
+    """``(gpus, gpu_host, gpu_domain)`` with ``extra`` more NVLink domains shaped like domain ``like``."""
+    src = [g for g in gpus if gpu_domain[g] == like]
+    more, host, dom = list(gpus), dict(gpu_host), dict(gpu_domain)
+    g0, h0, d0 = max(gpus) + 1, max(gpu_host.values()) + 1, max(gpu_domain.values()) + 1
+    hosts: dict[tuple[int, int], int] = {}
+    for k in range(extra):
+        for j, g in enumerate(src):
+            new = g0 + k * len(src) + j
+            more.append(new)
+            host[new] = hosts.setdefault((k, gpu_host[g]), h0 + len(hosts))
+            dom[new] = d0 + k
+    return more, host, dom
+
+
+def _no_fit(bad: _Want, gpus, gpu_host, gpu_domain, wants: list[_Want], ctx: str,
+            narrower_ok=lambda w: w.scope == "domain") -> str:
+    """The one-line error for ``bad`` not fitting: what it needs, the largest free block the packing had left
+    for it, and the smallest changes that fit — fewer groups of its role (or of the other role), narrower
+    groups of its role (halving the width while ``narrower_ok``), more NVLink domains like the largest one."""
+    free = _Free(gpus, gpu_host, gpu_domain)
+    for w in sorted(wants, key=_widest_first):
+        if w == bad:
+            break
+        free.take(w)
+    head = f"deployment: {bad.what()} needs {bad.width} free GPUs in one {bad.where()}"
+    if bad.scope == "host":
+        whole = max((n for h, n in free.size.items() if bad.may_use(h[0])), default=0)
+    else:
+        whole = max((n for d, n in free.dom_size.items() if bad.may_use(d)), default=0)
+    if bad.width > whole:
+        return f"{head}; no {bad.where()} has more than {whole} GPUs ({ctx})"
+
+    def fits(ws, topo=None) -> bool:
+        g, h, d = topo or (gpus, gpu_host, gpu_domain)
+        return not isinstance(_pack(g, h, d, ws), _Want)
+
+    fixes = []
+    roles = [bad.role] + sorted({w.role for w in wants} - {bad.role})
+    for role in roles:
+        mine = [w for w in wants if w.role == role]
+        rest = [w for w in wants if w.role != role]
+        k = _fewest(lambda k: fits(rest + mine[: len(mine) - k]), len(mine))
+        if k is not None:
+            fixes.append(f"{k} fewer {role}{'s' if k > 1 else ''}")
+    mine = [w for w in wants if w.role == bad.role]
+    rest = [w for w in wants if w.role != bad.role]
+    width = bad.width // 2
+    while width >= 1:
+        narrow = [_Want(w.role, w.index, width, w.scope, w.only) for w in mine]
+        if narrower_ok(narrow[0]) and fits(rest + narrow):
+            fixes.append(f"{bad.role}s of {width} GPU{'s' if width > 1 else ''}")
+            break
+        width //= 2
+    like = max((d for d in free.dom_size if bad.may_use(d)), key=lambda d: (free.dom_size[d], -d))
+    first = max(gpu_domain.values()) + 1  # the domains _with_domains adds are numbered from here
+
+    def more(k: int) -> bool:
+        new = frozenset(range(first, first + k))
+        ws = [w if w.only is None or like not in w.only else
+              _Want(w.role, w.index, w.width, w.scope, w.only | new) for w in wants]
+        return fits(ws, _with_domains(gpus, gpu_host, gpu_domain, like, k))
+
+    k = _fewest(more, len(wants))
+    if k is not None:
+        fixes.append(f"{k} more NVLink domain{'s' if k > 1 else ''} of {free.dom_size[like]} GPUs")
+    tail = f" — fits with {', or '.join(fixes)}" if fixes else ""
+    return f"{head}; the largest free block is {free.largest(bad)} ({ctx}){tail}"
 
 
 def place_aggregated(topo: TopologyView, *, n_workers: int, kv_bytes_per_token: int, template: AggregatedTemplate,
                      mtp: MtpSpec | None = None, shed_ttft_s: float | None = None,
                      name: str = "deployment") -> Deployment:
-    """Lay out ``n_workers`` aggregated workers (``A0``, ``A1``, ...) on ``topo``: each takes the lowest free GPUs
-    of one NVLink domain (its TP and EP collectives stay on NVLink). Raises a one-line ``UserError`` when they do
-    not fit."""
+    """Lay out ``n_workers`` aggregated workers (``A0``, ``A1``, ...) on ``topo``: each takes the lowest free
+    GPUs of one NVLink domain (its TP and EP collectives stay on NVLink; workers of one width fill domain
+    after domain without fragmenting them). Raises a one-line ``UserError`` when they do not fit, naming the
+    smallest change that does."""
     gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
     _need(n_workers >= 1, f"aggregated.workers: must be >= 1, got {n_workers}")
-    free = list(gpus)
-    groups = []
-    for i in range(n_workers):
-        mine = _in_one_domain(free, gpu_domain, template.n_gpus, f"aggregated worker {i}",
-                              f"aggregated.workers={n_workers}, {len(gpus)} GPUs")
-        free = [g for g in free if g not in mine]
-        groups.append(AggregatedGroup(id=f"A{i}", gpus=mine, template=template))
+    wants = [_Want("aggregated worker", i, template.n_gpus, "domain") for i in range(n_workers)]
+    in_order = _pack_in_order(gpus, gpu_host, gpu_domain, wants)
+    got = in_order if in_order is not None else _pack(gpus, gpu_host, gpu_domain, wants)
+    if isinstance(got, _Want):
+        raise UserError(_no_fit(got, gpus, gpu_host, gpu_domain, wants,
+                                f"aggregated.workers={n_workers}, {len(gpus)} GPUs",
+                                narrower_ok=lambda w: False))
+    groups = [AggregatedGroup(id=f"A{i}", gpus=mine, template=template)
+              for i, mine in enumerate(sorted(got.values(), key=min))]
     return Deployment(
-        prefillers=(), decoders=(), kv_bytes_per_token=int(kv_bytes_per_token), gpu_host=gpu_host, gpu_nic=gpu_nic,
-        nic_GBps=nic_GBps, gpu_domain=gpu_domain, mtp=mtp or MtpSpec(), shed_ttft_s=shed_ttft_s, name=name,
-        aggregated=tuple(groups))
+        prefillers=(), decoders=(), kv_bytes_per_token=int(kv_bytes_per_token), gpu_host=gpu_host,
+        gpu_nic=gpu_nic, nic_GBps=nic_GBps, gpu_domain=gpu_domain, mtp=mtp or MtpSpec(),
+        shed_ttft_s=shed_ttft_s, name=name, aggregated=tuple(groups))

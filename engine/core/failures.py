@@ -1,10 +1,12 @@
 """What the scheduler does when hardware fails or comes back (:meth:`FailureHandling.fail` / ``recover``).
 
 A GPU failure kills every group using the GPU; a NIC failure fails the KV transfers using it (they are retried
-from the prefiller's copy) and kills a prefiller whose NICs are all down for good. Work on a dead group is never
-dropped: queued and running prompts are routed again, requests whose KV was lost are prefilled again (prompt plus
-the tokens generated so far), KV in flight to a dead decoder is re-sent. :class:`engine.core.scheduler.Scheduler`
-inherits these methods; they change its state like every other scheduling call.
+from the prefiller's copy) and kills a prefiller whose NICs are all down for good. A node or a rack (an NVLink
+domain) fails as all its GPUs and NICs at once; a rack's fabric link (``rack_link``) as all its NICs. Work on
+a dead group is never dropped: queued and running prompts are routed again, requests whose KV was lost are
+prefilled again (prompt plus the tokens generated so far), KV in flight to a dead decoder is re-sent.
+:class:`engine.core.scheduler.Scheduler` inherits these methods; they change its state like every other
+scheduling call.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class FailureHandling(SchedulerBase):
     """Failure and recovery handling of the scheduler (a base class of ``Scheduler``: it uses its state)."""
 
     def fail(self, target: str, now_s: float, *, permanent: bool = True) -> list[str]:
-        """Take ``target`` down at ``now_s``: ``"gpu:<i>"``, ``"node:<host>"`` or ``"nic:<k>"`` (the NIC's link).
+        """Take ``target`` down at ``now_s``: ``"gpu:<i>"``, ``"node:<host>"``, ``"nic:<k>"`` (the NIC's
+        link), ``"rack:<domain>"`` (every GPU and NIC of NVLink domain ``domain``) or ``"rack_link:<domain>"``
+        (every NIC's link of the domain).
 
         Groups using a failed GPU die; their work is re-queued (see module docstring). A NIC going down fails the
         transfers using it (they are retried); a prefiller whose NICs are all permanently down dies too.
@@ -40,25 +44,18 @@ class FailureHandling(SchedulerBase):
         self.check_target(target)
         self.now_s = now_s
         self._add((now_s, "fault", "", -1, 0, 0, target))
-        kind, _, ident = target.partition(":")
         aborted: list[str] = []
-        if kind == "gpu":
-            self._fail_gpus([int(ident)], now_s, aborted)
-        elif kind == "node":
-            h = int(ident)
-            gpus = sorted(g for g, hh in self.dep.gpu_host.items() if hh == h)
+        gpus, nics = self._target_parts(target)
+        if gpus:
             self._fail_gpus(gpus, now_s, aborted)
-            for nic in sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic}):
-                self._fail_nic(nic, now_s, aborted, permanent)
-        elif kind == "nic":
-            self._fail_nic(target, now_s, aborted, permanent)
-        else:
-            raise ValueError(f"fault target {target!r}: expected gpu:<i>, node:<host> or nic:<k>")
+        for nic in nics:
+            self._fail_nic(nic, now_s, aborted, permanent)
         self._after_failure(now_s)
         return aborted
 
     def check_target(self, target: str) -> None:
-        """Raise a one-line ``UserError`` unless ``target`` names a GPU, host or NIC of this deployment."""
+        """Raise a one-line ``UserError`` unless ``target`` names a GPU, host, NIC or rack of the
+        deployment."""
         kind, _, ident = target.partition(":")
         ok = False
         if ident.isdigit():
@@ -68,26 +65,38 @@ class FailureHandling(SchedulerBase):
                 ok = int(ident) in set(self.dep.gpu_host.values())
             elif kind == "nic":
                 ok = target in self.dep.nic_GBps
+            elif kind in ("rack", "rack_link"):
+                ok = int(ident) in set(self.dep.gpu_domain.values())
         if not ok:
-            raise UserError(f"faults: target {target!r} is not a GPU, node or NIC of deployment {self.dep.name!r}")
+            raise UserError(f"faults: target {target!r} is not a GPU, node, NIC or rack of deployment "
+                            f"{self.dep.name!r}")
+
+    def _target_parts(self, target: str) -> tuple[list[int], list[str]]:
+        """``(GPUs, NICs)`` a fault target takes down (a checked target): a GPU itself; a node or a rack all
+        its GPUs and their NICs; a NIC itself; a rack's link every NIC of the rack."""
+        kind, _, ident = target.partition(":")
+        i = int(ident)
+        if kind == "gpu":
+            return [i], []
+        if kind == "nic":
+            return [], [target]
+        if kind == "node":
+            gpus = sorted(g for g, h in self.dep.gpu_host.items() if h == i)
+        elif kind in ("rack", "rack_link"):
+            gpus = sorted(g for g, d in self.dep.gpu_domain.items() if d == i)
+        else:
+            raise ValueError(f"fault target {target!r}: expected gpu:<i>, node:<host>, nic:<k>, "
+                             "rack:<domain> or rack_link:<domain>")
+        nics = sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic})
+        return ([] if kind == "rack_link" else gpus), nics
 
     def recover(self, target: str, now_s: float) -> None:
         """Bring ``target`` back: a NIC serves transfers again; GPUs return to the spare pool (dead groups stay
         dead — the autoscaler may build new ones)."""
         self.check_target(target)
         self.now_s = now_s
-        kind, _, ident = target.partition(":")
         self._add((now_s, "fault", "", -1, 1, 0, "recover " + target))
-        nics: list[str] = []
-        gpus: list[int] = []
-        if kind == "gpu":
-            gpus = [int(ident)]
-        elif kind == "node":
-            h = int(ident)
-            gpus = sorted(g for g, hh in self.dep.gpu_host.items() if hh == h)
-            nics = sorted({self.dep.gpu_nic[g] for g in gpus if g in self.dep.gpu_nic})
-        elif kind == "nic":
-            nics = [target]
+        gpus, nics = self._target_parts(target)
         for g in gpus:
             if g in self.failed_gpus:
                 self.failed_gpus.discard(g)
