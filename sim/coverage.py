@@ -67,7 +67,7 @@ def _a2a_gap(calib, gpu: str, ep: int, model, one_domain: bool = True) -> str | 
         return None
     if not one_domain:
         return (f"decode dispatch/combine (EP{ep}) spans NVLink domains: the tables were measured inside one, "
-                f"first-principles network model")
+                f"first-principles network model (DeepEP low-latency mode over the NICs)")
     where = calib.grid_position("a2a_us", gpu, op="dispatch", n_ranks=ep, payload="bf16")
     out = []
     if where:
