@@ -35,7 +35,9 @@ Overlap = Literal["none", "shared_expert", "two_batch"]
 class PrefillSection(_Strict):
     """Prefiller groups: ``max(tp, ep)`` GPUs in one node (TP attention + EP experts on the same GPUs;
     :mod:`sim.parallel`). ``overlap``: ``none`` or ``two_batch`` (two micro-batches, one's all-reduces under
-    the other's compute: :mod:`sim.costs.overlap`)."""
+    the other's compute: :mod:`sim.costs.overlap`). ``span_nodes``: the group takes ``max(tp, ep) / node size``
+    whole nodes; then ``tp < ep`` is allowed (``ep / tp`` DP attention ranks, the experts over all ``ep`` GPUs,
+    dispatch and combine in DeepEP normal mode across nodes: ``sim.costs.step.dp_prefill_step_breakdown``)."""
 
     tp: int = Field(4, ge=1)
     ep: int = Field(4, ge=1)
@@ -45,6 +47,7 @@ class PrefillSection(_Strict):
     max_queue_requests: int | None = Field(None, ge=1)
     kv_replication: int | None = Field(None, ge=1)
     overlap: Overlap = "none"
+    span_nodes: bool = False
 
     @field_validator("overlap")
     @classmethod
@@ -577,7 +580,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     kv_tok, kv_win = kv_transfer_sizes(model, kv_elem)
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
     ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
-                              max_queue_requests=p.max_queue_requests)
+                              max_queue_requests=p.max_queue_requests, span_nodes=p.span_nodes)
     dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens,
                             span_nodes=d.span_nodes)
     kv_view = _KvPathView(topo)
@@ -591,7 +594,8 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     dbud = draft_budget(sc, dplan.validate(model, topo), dplan, topo)
     ptpl = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens,
                              kv_capacity_tokens=max(p.max_batch_tokens, pbud.kv_capacity_tokens),
-                             max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
+                             max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams,
+                             span_nodes=p.span_nodes)
     dtpl = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank,
                            kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens,
                            span_nodes=d.span_nodes)

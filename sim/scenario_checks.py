@@ -22,8 +22,9 @@ def check_span(sc, topo) -> None:
     """A decoder or prefiller wider than one NVLink domain needs ``span_nodes`` (whole nodes, EP across them over
     the NICs); one line naming the field."""
     size = max(len(d) for d in topo.nvlink_domains())
-    for role, sec, n in (("decode", sc.decode, sc.decode.ep), ("prefill", sc.prefill, max(sc.prefill.tp, sc.prefill.ep))):
-        if n > size and not getattr(sec, "span_nodes", False):
+    for role, sec, n in (("decode", sc.decode, sc.decode.ep),
+                         ("prefill", sc.prefill, max(sc.prefill.tp, sc.prefill.ep))):
+        if n > size and not sec.span_nodes:
             raise UserError(f"{role}.ep: a group of {n} GPUs exceeds one {size}-GPU NVLink domain of {topo.name}; set "
                             f"{role}.span_nodes: true to place it on {-(-n // size)} whole nodes (EP across nodes over "
                             "the NICs)")

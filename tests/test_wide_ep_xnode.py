@@ -27,7 +27,7 @@ from rackbed.sim.costs.moe_comm import (
     ep_prefill_dispatch,
     ep_traffic,
 )
-from rackbed.sim.costs.step import decode_step_time
+from rackbed.sim.costs.step import deal_seqs, decode_step_time, prefill_step_breakdown
 from rackbed.sim.scenario import build, load_scenario, parse_scenario, simulate_scenario
 from rackbed.topology import load as load_topology
 from rackbed.topology.errors import UserError
@@ -111,7 +111,8 @@ SHAPES = st.sampled_from([(2, 8), (4, 8), (9, 8), (18, 8), (2, 4), (8, 1), (3, 2
 
 
 @settings(max_examples=200, deadline=None)
-@given(shape=SHAPES, per_gpu=st.integers(1, 8), k=st.integers(1, 8), b=st.floats(0.5, 4096), hidden=st.integers(64, 8192))
+@given(shape=SHAPES, per_gpu=st.integers(1, 8), k=st.integers(1, 8), b=st.floats(0.5, 4096),
+       hidden=st.integers(64, 8192))
 def test_normal_never_crosses_more_than_direct_or_low_latency(shape, per_gpu, k, b, hidden):
     """Across nodes, normal mode's records (once per node) <= every token once per destination GPU <= low-latency
     mode's (once per expert); combine records are equal in size in both modes, so its NIC bytes keep the order."""
@@ -207,7 +208,8 @@ def test_span_nodes_places_whole_nodes_with_own_nics(h800x4):
 
 def test_span_nodes_errors_are_one_line(h800x4):
     with pytest.raises(UserError, match=r"its 12 GPUs are not whole 8-GPU NVLink domains \(use a multiple of 8\)"):
-        place(h800x4, n_prefillers=0, n_decoders=1, kv_bytes_per_token=1, decoder=DecoderTemplate(ep=12, span_nodes=True))
+        place(h800x4, n_prefillers=0, n_decoders=1, kv_bytes_per_token=1,
+              decoder=DecoderTemplate(ep=12, span_nodes=True))
     with pytest.raises(UserError, match="decoder 1 needs 2 wholly free 8-GPU NVLink domains; 1 left"):
         place(h800x4, n_prefillers=1, n_decoders=2, kv_bytes_per_token=1, prefiller=PrefillerTemplate(tp=4, ep=4),
               decoder=DecoderTemplate(ep=16, span_nodes=True))
@@ -243,3 +245,52 @@ def test_shipped_wide_ep_scenario_runs():
     assert not set(d.gpus) & {g for p in b.deployment.prefillers for g in p.gpus}
     assert res.metrics["requests"]["done"] == 20
     assert math.isfinite(res.metrics["latency_s"]["tpot"]["p50"])
+
+
+# ------------------------------------------------------------------------------------------------ prefill across nodes
+
+
+def test_deal_seqs_longest_first_onto_the_lightest_rank():
+    # 9 -> rank 0; 5 -> rank 1; 4 -> rank 1 (5 < 9); 3 -> rank 0 (9 = 9, the lowest)
+    assert deal_seqs([(5, 0), (9, 0), (3, 0), (4, 1)], 2) == [[(9, 0), (3, 0)], [(5, 0), (4, 1)]]
+    assert deal_seqs([(7, 0)], 3) == [[(7, 0)], [], []]
+
+
+def test_dp_prefill_prices_the_busiest_rank_with_normal_mode(h800x4):
+    """EP32 prefiller of four TP8 ranks (one node each) on four H800 nodes: the busiest rank's tokens set the
+    attention, each of its GPUs dispatches ceil(t / 8) tokens in DeepEP normal mode, the GEMM sees the whole batch."""
+    plan = ParallelPlan(role="prefill", tp=8, ep=32, dp=4, gpus=tuple(range(32)), weight_format="fp8_block")
+    seqs = [(4096, 0)] * 4 + [(1024, 0)]
+    bd = prefill_step_breakdown(DSV3, plan, h800x4, seqs)
+    t = 4096 + 1024  # the rank that got the short prompt too
+    n_moe = DSV3.n_moe_layers
+    scale = sum(q for q, _ in seqs) / 32 / (t // 8)  # the mean GPU's tokens over the busiest GPU's
+    disp = ep_comm(h800x4, plan.gpus, t // 8, DSV3, "normal", "dispatch", "fp8_block", recv_scale=scale,
+                   copy_scale=scale)
+    assert bd.seconds()["moe_dispatch"] == pytest.approx(n_moe * disp.total_s)
+    assert "moe_combine_allreduce" not in bd.seconds() and "moe_allreduce" in bd.seconds()
+    # balanced batches are faster than one long prompt on one rank, at the same number of tokens
+    assert prefill_step_breakdown(DSV3, plan, h800x4, [(4096, 0)] * 4).total_s < \
+        prefill_step_breakdown(DSV3, plan, h800x4, [(16384, 0)]).total_s
+
+
+def test_dp_prefill_needs_span_nodes():
+    base = {"topology": "hgx-h800*4", "model": "deepseek-v3", "decode": {"ep": 8},
+            "workload": {"kind": "trace", "name": "mooncake", "max_requests": 4}}
+    with pytest.raises(UserError, match=r"prefill.span_nodes: true"):
+        build(parse_scenario({**base, "prefill": {"tp": 1, "ep": 8}}))
+    with pytest.raises(UserError, match=r"^prefill.ep: a group of 16 GPUs exceeds one 8-GPU NVLink domain"):
+        build(parse_scenario({**base, "prefill": {"tp": 16, "ep": 16}}))
+
+
+def test_shipped_h800_scenario_spans_nodes_in_both_roles():
+    """``scenarios/dsv3_h800_wide_ep.yaml``: EP32 prefiller (DP4 x TP8) and DP-EP32 decoder, four H800 nodes each."""
+    sc = load_scenario(scenarios.resolve("dsv3_h800_wide_ep"))
+    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"max_requests": 12})})
+    b, res = simulate_scenario(sc)
+    (p,), (d,) = b.deployment.prefillers, b.deployment.decoders
+    host = b.deployment.gpu_host
+    assert len({host[g] for g in p.gpus}) == 4 and len({host[g] for g in d.gpus}) == 4
+    assert b.prefill_plan.dp == 4 and b.prefill_plan.max_batch_tokens == 65536 // 4
+    assert any("DeepEP normal-mode" in c for c in b.caveats)
+    assert res.metrics["requests"]["done"] == 12
