@@ -25,9 +25,11 @@ from rackbed.sim.costs.moe_comm import (
     ep_comm,
     ep_prefill_combine,
     ep_prefill_dispatch,
+    ep_rdma_busy_s,
     ep_traffic,
 )
 from rackbed.sim.costs.step import deal_seqs, decode_step_time, prefill_step_breakdown
+from rackbed.sim.network import Network
 from rackbed.sim.scenario import build, load_scenario, parse_scenario, simulate_scenario
 from rackbed.topology import load as load_topology
 from rackbed.topology.errors import UserError
@@ -294,3 +296,52 @@ def test_shipped_h800_scenario_spans_nodes_in_both_roles():
     assert b.prefill_plan.dp == 4 and b.prefill_plan.max_batch_tokens == 65536 // 4
     assert any("DeepEP normal-mode" in c for c in b.caveats)
     assert res.metrics["requests"]["done"] == 12
+
+
+# ------------------------------------------------------------------------------------------------ NIC sharing
+
+
+def test_kv_flows_get_the_nic_rate_the_all_to_all_leaves():
+    """A NIC whose EP all-to-all takes a share ``s`` serves KV at ``(1 - s)`` of its rate, in both directions."""
+    net = Network({"nic:0": 50.0, "nic:1": 50.0, "nic:2": 50.0}, {"nic:1": 0.25})
+    assert net.reserve(0.0, [("nic:0", "nic:2", 10**9)]) == pytest.approx(0.02)  # no share: 1 GB at 50 GB/s
+    assert net.reserve(1.0, [("nic:0", "nic:1", 10**9)]) == pytest.approx(1.0 + 1 / 37.5)
+    assert net.reserve(2.0, [("nic:1", "nic:2", 10**9)]) == pytest.approx(2.0 + 1 / 37.5)
+    assert Network({"nic:0": 50.0}).nic_Bps == Network({"nic:0": 50.0}, {}).nic_Bps == {"nic:0": 50e9}
+
+
+def test_ep_nic_share_of_the_shipped_scenarios():
+    """The decoder spanning four nodes shares its 32 NICs with its all-to-all: the low-latency RDMA seconds of
+    the full-batch step over that step; a one-node deployment shares nothing; a DP-attention prefiller spanning
+    nodes shares its NICs too."""
+    b = build(load_scenario(scenarios.resolve("dsv3_h200_wide_ep")))
+    dep, cm = b.deployment, b.cost_model
+    share = cm.ep_nic_share(dep)
+    (d,) = dep.decoders
+    assert set(share) == {dep.gpu_nic[g] for g in d.gpus}
+    (s,) = set(share.values())
+    pl, k = b.decode_plan, dep.mtp.draft_k
+    busy = DSV3.n_moe_layers * ep_rdma_busy_s(b.topology, pl.gpus, 64 * (k + 1), DSV3, "low_latency", "fp8_block") \
+        + k * ep_rdma_busy_s(b.topology, pl.gpus, 64, DSV3, "low_latency", "fp8_block")
+    step = cm.decode_breakdown(64, d.template.kv_capacity_tokens_per_rank / 2, k, d).total_s
+    assert s == pytest.approx(busy / step) and 0.05 < s < 0.9
+    one = build(load_scenario(scenarios.resolve("dsv3_h200_ib")))
+    assert one.cost_model.ep_nic_share(one.deployment) == {}
+    h8 = build(load_scenario(scenarios.resolve("dsv3_h800_wide_ep")))
+    sh8 = h8.cost_model.ep_nic_share(h8.deployment)
+    assert len(sh8) == 64 and all(0 < v <= 0.9 for v in sh8.values())
+
+
+def test_autoscaler_grows_spanning_groups_on_whole_nodes():
+    import numpy as np
+
+    from rackbed.engine.core.scheduler import Scheduler
+
+    topo = load_topology("hgx-h800*6")
+    dep = place(topo, n_prefillers=1, n_decoders=1, kv_bytes_per_token=100, prefiller=PrefillerTemplate(tp=8, ep=8),
+                decoder=DecoderTemplate(ep=16, span_nodes=True), spare="rest")
+    assert dep.spare_gpus == tuple(range(24, 48))
+    s = Scheduler(dep, np.random.default_rng(0))
+    assert s._find_decoder_gpus() == tuple(range(24, 40))  # two whole nodes of the three spare
+    s._take_pool([24, 25, 40, 41])
+    assert s._find_decoder_gpus() is None  # 20 GPUs free, but only one node (32-39) wholly

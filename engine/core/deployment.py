@@ -435,7 +435,7 @@ def place_spanning(topo: TopologyView, *, n_prefillers: int, n_decoders: int, kv
                    decoder: DecoderTemplate, mtp: MtpSpec | None, chunked_prefill: bool, shed_ttft_s: float | None,
                    spare: str, name: str) -> Deployment:
     """:func:`place` for templates of which at least one has ``span_nodes``: prefillers first, then decoders; a
-    spanning group takes whole NVLink domains (:func:`_whole_domains`), any other the lowest free GPUs of one node
+    spanning group takes whole NVLink domains (:func:`whole_domains`), any other the lowest free GPUs of one node
     (prefiller) or one NVLink domain (decoder), as :func:`place` does. A group's GPUs keep their own NICs."""
     gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
     if spare not in ("rest", "none"):
@@ -445,7 +445,7 @@ def place_spanning(topo: TopologyView, *, n_prefillers: int, n_decoders: int, kv
     for i in range(n_prefillers):
         ctx = f"n_prefillers={n_prefillers}, {len(gpus)} GPUs"
         if prefiller.span_nodes:
-            mine = _whole_domains(free, gpu_domain, prefiller.n_gpus, f"prefiller {i}", ctx)
+            mine = whole_domains(free, gpu_domain, prefiller.n_gpus, f"prefiller {i}", ctx)
         else:
             mine = next((tuple(c[: prefiller.n_gpus]) for h in sorted(set(gpu_host.values()))
                          if len(c := [g for g in free if gpu_host[g] == h]) >= prefiller.n_gpus), ())
@@ -455,7 +455,7 @@ def place_spanning(topo: TopologyView, *, n_prefillers: int, n_decoders: int, kv
         pgroups.append(PrefillerGroup(id=f"P{i}", gpus=mine, host=gpu_host[mine[0]],
                                       nics=tuple(sorted({gpu_nic[g] for g in mine})), template=prefiller))
     for i in range(n_decoders):
-        pick = _whole_domains if decoder.span_nodes else _in_one_domain
+        pick = whole_domains if decoder.span_nodes else _in_one_domain
         mine = pick(free, gpu_domain, decoder.ep, f"decoder {i}", f"n_decoders={n_decoders}, {len(gpus)} GPUs")
         free = [g for g in free if g not in mine]
         dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=decoder.rank_nics(mine, gpu_nic),
@@ -468,7 +468,7 @@ def place_spanning(topo: TopologyView, *, n_prefillers: int, n_decoders: int, kv
         name=name)
 
 
-def _whole_domains(free: list[int], gpu_domain: dict[int, int], n: int, what: str, ctx: str) -> tuple[int, ...]:
+def whole_domains(free: list[int], gpu_domain: dict[int, int], n: int, what: str, ctx: str) -> tuple[int, ...]:
     """The GPUs of the lowest ``n / size`` wholly free NVLink domains (``size`` GPUs each); a one-line UserError
     when ``n`` is not a whole number of domains or too few are free."""
     members: dict[int, list[int]] = {}

@@ -528,3 +528,19 @@ def _ep_comm_cost(g, topo, gpus, tr: EpTraffic, tokens_per_gpu, model, bpe, cali
     kernels = 2 if (tr.mode == "normal" and tr.op == "dispatch") else 1  # normal mode: notify + dispatch
     fixed = (kernels * kernel_fixed_us(calib, g.gpu) + C.GRID_SYNC_US) * 1e-6
     return CommCost(fixed_s=fixed, sync_s=sync_us * 1e-6, transfer_s=max(rdma_s, nvl_s), local_s=local_s)
+
+
+def ep_rdma_busy_s(topo, gpus: Sequence[int], tokens_per_gpu: float, model, mode: str, fmt: str = "bf16") -> float:
+    """Seconds one dispatch plus one combine keep a GPU's NIC busy (the busier direction of its RDMA bytes at
+    ``NIC rate x EP_NIC_EFFICIENCY``) for an EP group spanning NVLink domains; 0 inside one domain. What the
+    simulator's network takes off the NICs' rate for KV transfers (``ScenarioCostModel.ep_nic_share``)."""
+    g = group_links(topo, gpus)
+    if g.one_domain or g.n_ranks < 2 or tokens_per_gpu <= 0 or not g.net_bw_GBps:
+        return 0.0
+    nodes, per_node, nics = group_shape(topo, gpus)
+    out = 0.0
+    for op, bpe in (("dispatch", _act_bpe(g.gpu, fmt)), ("combine", 2.0)):
+        tr = ep_traffic(mode, op, n_experts=model.n_experts, top_k=model.top_k, hidden=model.hidden, nodes=nodes,
+                        gpus_per_node=per_node, tokens_per_gpu=tokens_per_gpu, dispatch_bpe=bpe, nics_per_gpu=nics)
+        out += max(tr.rdma_send_bytes, tr.rdma_recv_bytes)
+    return out / (g.net_bw_GBps * 1e9 * C.EP_NIC_EFFICIENCY)
