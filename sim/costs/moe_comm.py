@@ -1,5 +1,5 @@
-"""MoE dispatch / combine time: EP prefill (replicated input, local select + all-reduce) and DP-EP decode
-(sparse all-to-all over NVLink, or NICs across NVLink domains).
+"""MoE dispatch / combine time: EP prefill (replicated input, local select + all-reduce), DP-EP decode (sparse
+all-to-all over NVLink) and EP groups spanning nodes (DeepEP's normal and low-latency kernels over each GPU's NIC).
 
 **EP prefill** (the write-up's prefillers, TP = EP inside one node): after the attention all-reduce every EP rank
 holds all ``T`` tokens, so
@@ -32,6 +32,37 @@ already summed over the destination's local experts. A calibration table (kinds 
 ``combine_us``, key n_ranks / hidden / phase, x = tokens per rank) replaces the estimate; an imported per-operator
 table (kind ``a2a_us``, key op / n_ranks / payload, x = payload bytes per rank) replaces the DP-EP decode kernels,
 priced at equal bytes when the table was measured at another hidden size.
+
+**Across nodes** (an EP group spanning NVLink domains: ``span_nodes`` groups on 8-GPU nodes). Dispatch and combine
+are priced as DeepEP's two kernel families do them, per GPU and its own NIC(s) (:func:`ep_traffic`,
+:func:`ep_comm`). With ``N`` nodes of ``G`` GPUs (``R = N G`` ranks), ``b`` tokens per GPU, ``top_k = k`` of ``E``
+experts spread evenly, ``D_node = expected_dest_ranks(E, k, N)`` and ``D_rank = expected_dest_ranks(E, k, R)``
+(distinct nodes / GPUs a token reaches under uniform routing):
+
+* *low-latency mode* (decode: a DP-EP decoder spanning nodes, ``dpep_decode_*`` without a ``send_matrix``): one
+  record per (token, expert), straight to the expert's GPU — ``b k (N-1)/N`` records over RDMA, ``b k (G-1)/R``
+  over NVLink to the other GPUs of the node, no forwarding;
+* *normal mode* (prefill with DP attention across nodes, ``sim.costs.step.dp_prefill_step_breakdown``): a token
+  crosses once to each other node holding one of its experts, to the GPU with its own local index there, which
+  forwards it over NVLink to every GPU of that node holding one of its experts — ``b (N-1)/N D_node`` records over
+  RDMA, ``b (G-1)/G D_rank`` over NVLink.
+
+A dispatch record is the hidden state in the activation format (FP8 with one fp32 scale per 128 channels: 1 + 4/128
+B per element) plus a 16 B header (low-latency) or 8 B of source metadata and ``k x 8`` B of expert ids and weights,
+padded to 16 B (normal); a combine record is the bf16 hidden state (normal mode: the node's partial sum, reduced
+on the relay GPU). The time on the busiest GPU is
+
+    fixed (kernel + grid barrier; normal-mode dispatch adds its layout-notify kernel)
+    + rounds x (network latency + signal + NIC_POST_US per NIC_PARALLEL_POSTS RDMA peers
+                [+ CPU_PROXY_US per peer without GPU-initiated RDMA, i.e. EFA])   (+ one NVLink hop in normal mode)
+    + max(RDMA bytes / (NIC line rate x EP_NIC_EFFICIENCY), NVLink bytes / NVLink rate)   (busier direction)
+    + local packing / accumulation bytes / HBM bandwidth.
+
+RDMA peers are the GPUs on other nodes (low-latency) or the same-index GPU of each other node (normal). Skewed
+routing scales the received side (``recv_scale`` / ``copy_scale``: in low-latency mode a GPU receives expert
+copies). Groups inside one NVLink domain, and any group given a ``send_matrix``, keep the model above.
+:func:`ep_rdma_busy_s` gives the NIC seconds of a dispatch + combine, the share of a NIC the simulator's network
+leaves to KV transfers less (``sim.network``).
 """
 
 from __future__ import annotations
