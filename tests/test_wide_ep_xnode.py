@@ -345,3 +345,11 @@ def test_autoscaler_grows_spanning_groups_on_whole_nodes():
     assert s._find_decoder_gpus() == tuple(range(24, 40))  # two whole nodes of the three spare
     s._take_pool([24, 25, 40, 41])
     assert s._find_decoder_gpus() is None  # 20 GPUs free, but only one node (32-39) wholly
+
+
+def test_real_mode_refuses_groups_spanning_nodes():
+    from rackbed.engine.real.rank_setup import real_model_config
+
+    b = build(load_scenario(scenarios.resolve("dsv3_h200_wide_ep")))
+    with pytest.raises(UserError, match=r"^decode.span_nodes: real mode runs every group on this machine's devices"):
+        real_model_config(b)
