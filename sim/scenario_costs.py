@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from math import ceil as _ceil
 from operator import itemgetter
+from typing import Any
 
 _N_START = itemgetter(2, 1)  # PrefillBatch item (request_id, start_token, n_tokens) -> (n_tokens, start_token)
 
@@ -132,7 +133,7 @@ class ScenarioCostModel:
             return out
         k = dep.mtp.draft_k
         for g in dep.decoders:
-            pl = self._plan_for(g)
+            pl: Any = self._plan_for(g)
             if group_links(self.topo, pl.gpus).one_domain:
                 continue
             b = g.template.max_batch_per_rank
