@@ -67,7 +67,7 @@ def _a2a_gap(calib, gpu: str, ep: int, model, one_domain: bool = True) -> str | 
         return None
     if not one_domain:
         return (f"decode dispatch/combine (EP{ep}) spans NVLink domains: the tables were measured inside one, "
-                f"first-principles network model")
+                f"first-principles network model (DeepEP low-latency mode over the NICs)")
     where = calib.grid_position("a2a_us", gpu, op="dispatch", n_ranks=ep, payload="bf16")
     out = []
     if where:
@@ -125,8 +125,14 @@ def _calibration_gaps(calib, topo, model, prefill_plan, decode_plan) -> list[str
                 out.append(gap)
     from rackbed.sim.costs.collective import group_links
 
-    for what, n, gpus in (("prefill TP", prefill_plan.tp, prefill_plan.tp_group(0)),
-                          ("prefill EP combine", prefill_plan.ep, prefill_plan.gpus)):
+    ar = [("prefill TP", prefill_plan.tp, prefill_plan.tp_group(0))]
+    if prefill_plan.dp == 1:
+        ar.append(("prefill EP combine", prefill_plan.ep, prefill_plan.gpus))
+    else:  # DP attention (a prefiller spanning nodes): DeepEP normal mode, no EP all-reduce
+        out.append(f"prefill dispatch/combine (EP{prefill_plan.ep}, DP attention over "
+                   f"{group_links(topo, prefill_plan.gpus).n_domains} NVLink domains): first-principles DeepEP "
+                   "normal-mode model over the NICs")
+    for what, n, gpus in ar:
         gap = _allreduce_gap(calib, name, n, what, group_links(topo, gpus).one_domain)
         if gap and gap not in out:
             out.append(gap)

@@ -156,7 +156,8 @@ def simulate(
     for f in fault_list:
         sched.check_target(f.target)
     env = env if env is not None else SimEnv()
-    net = Network(deployment.nic_GBps)
+    share = getattr(cost_model, "ep_nic_share", None)  # the EP all-to-all's share of NICs across nodes
+    net = Network(deployment.nic_GBps, share(deployment) if callable(share) else None)
     ex = (executor_factory or Executor)(cost_model, net, sched.group)
     if prefix_cache is not None:
         ex.load_s = lambda loads, g: prefix_cache.load_s(loads, len(g.gpus))

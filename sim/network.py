@@ -11,7 +11,11 @@ Timing assumptions:
   receiving NIC serialise there — a DP decoder rank receiving a TP=4 prefiller's KV through its one NIC takes
   ``total bytes / its rate``;
 - fixed costs (per-chunk overhead, path latency) come from the cost model's :class:`~sim.executor.TransferCost`
-  and are added once, after the last flow.
+  and are added once, after the last flow;
+- a NIC of a group whose expert-parallel all-to-all crosses nodes (``span_nodes``) also carries that traffic:
+  ``ep_share[nic]`` (``ScenarioCostModel.ep_nic_share``: the all-to-all's RDMA seconds over the step's, at the
+  group's full batch) is taken off its rate for KV flows, in both directions. The share is a steady-state
+  fraction, not a per-step reservation: the all-to-all's own time is in the step cost and is not slowed by KV.
 
 Instead of one SimPy process and event per flow, each direction keeps the time it becomes free (a reservation
 calendar, one small list per NIC): the answer is the same for FIFO service, and a transfer costs one SimPy
@@ -28,8 +32,10 @@ from math import inf
 class Network:
     """Reservation calendar of every NIC direction (see module docstring)."""
 
-    def __init__(self, nic_GBps: Mapping[str, float]) -> None:
-        self.nic_Bps = {nic: float(r) * 1e9 for nic, r in nic_GBps.items()}  # GB/s -> B/s
+    def __init__(self, nic_GBps: Mapping[str, float], ep_share: Mapping[str, float] | None = None) -> None:
+        share = ep_share or {}
+        # GB/s -> B/s, less the share an EP all-to-all across nodes keeps busy (module docstring)
+        self.nic_Bps = {nic: float(r) * 1e9 * (1.0 - share.get(nic, 0.0)) for nic, r in nic_GBps.items()}
         # per NIC that carried a flow: [tx free at, rx free at, tx busy s, rx busy s, bytes sent, rate B/s]
         # (one list per NIC: two dict look-ups per flow instead of a dozen)
         self._st: dict[str, list] = {}

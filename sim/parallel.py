@@ -2,7 +2,10 @@
 
 A **prefiller** is ``max(tp, ep)`` GPUs of one node: attention TP over ``tp`` of them, the experts over ``ep``
 (``tp > ep``: each expert's intermediate dimension split ``tp / ep`` ways, expert TP). ``tp < ep`` (attention DP
-groups inside a prefiller) is refused: the prefill cost model prices one TP group with a replicated batch. A **decoder** is ``ep`` GPUs of one NVLink domain:
+groups inside a prefiller) is refused there: the TP prefill cost model prices one TP group with a replicated batch.
+With ``span_nodes`` a prefiller or decoder is whole nodes instead (``max(tp, ep) / node size`` of them), and a
+spanning prefiller may have ``tp < ep``: ``ep / tp`` DP attention ranks, EP over all its GPUs across nodes
+(``sim.costs.step.dp_prefill_step_breakdown``). A **decoder** is ``ep`` GPUs of one NVLink domain:
 ``ep / tp`` DP attention ranks of ``tp`` GPUs each (attention TP x DP, TRT-LLM's and SGLang's "attention TP"
 inside "attention DP"), the experts over all ``ep`` GPUs — ``n_experts + redundant_experts`` expert slots, which
 ``ep`` must divide (wide EP: DeepSeek-V3's 256 experts over 72 GPUs need 32 redundant, 288 = 72 x 4). ``tp = 1`` (the default) is pure DP attention, one GPU
@@ -51,9 +54,12 @@ def check_parallel(sc, model) -> None:
     ]
     rules += [
         (d.ep % d.tp, f"decode.tp: {d.tp} does not divide the decoder's ep = {d.ep} GPUs (dp = ep / tp ranks)"),
-        (p.tp < p.ep, f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP GPUs "
-                      f"(ep < tp is expert TP; tp < ep would make ep / tp attention DP groups, which the prefill cost "
-                      f"model does not price): use ep <= tp, e.g. tp: {p.ep}, ep: {p.ep}"),
+        (p.tp < p.ep and not p.span_nodes,
+         f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP GPUs "
+         f"(ep < tp is expert TP; tp < ep makes ep / tp attention DP groups, priced only for a prefiller spanning "
+         f"nodes, prefill.span_nodes: true): use ep <= tp, e.g. tp: {p.ep}, ep: {p.ep}"),
+        (p.tp < p.ep and p.overlap != "none",
+         f"prefill.overlap: {p.overlap} is not priced for DP attention groups (tp = {p.tp} < ep = {p.ep}); use none"),
         (max(p.tp, p.ep) % min(p.tp, p.ep),
          f"prefill.tp: tp = {p.tp} and ep = {p.ep} must divide one another (the group is max(tp, ep) GPUs)"),
         (p.tp > p.ep and model.n_experts and model.moe_intermediate % (p.tp // p.ep),
@@ -75,9 +81,11 @@ def prefill_plan_for(sc, model, gpus):
 
     p = sc.prefill
     kv_rep = p.kv_replication or _kv_replication(model, p.tp)
-    return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=max(1, max(p.tp, p.ep) // p.tp), kv_replication=kv_rep,
+    dp = max(1, max(p.tp, p.ep) // p.tp)
+    # the group's token budget is dealt over its DP ranks (sim.costs.step.deal_seqs): a rank's share sizes its memory
+    return ParallelPlan(role="prefill", tp=p.tp, ep=p.ep, dp=dp, kv_replication=kv_rep,
                         gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
-                        page_tokens=sc.decode.page_tokens, max_batch_tokens=p.max_batch_tokens,
+                        page_tokens=sc.decode.page_tokens, max_batch_tokens=-(-p.max_batch_tokens // dp),
                         overlap=p.overlap)
 
 

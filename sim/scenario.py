@@ -36,7 +36,10 @@ class PrefillSection(_Strict):
     """Prefiller groups: ``max(tp, ep)`` GPUs in one node (TP attention + EP experts on the same GPUs;
     :mod:`sim.parallel`). ``overlap``: ``none`` or ``two_batch`` (two micro-batches, one's all-reduces under
     the other's compute: :mod:`sim.costs.overlap`). ``gpu``: the GPU model the groups are placed on (part of
-    its name, e.g. ``H200``; None: any — a joined topology of several kinds needs it)."""
+    its name, e.g. ``H200``; None: any — a joined topology of several kinds needs it). ``span_nodes``: the group
+    takes ``max(tp, ep) / node size`` whole nodes; then ``tp < ep`` is allowed (``ep / tp`` DP attention ranks, the
+    experts over all ``ep`` GPUs, dispatch and combine in DeepEP normal mode across nodes:
+    ``sim.costs.step.dp_prefill_step_breakdown``)."""
 
     tp: int = Field(4, ge=1)
     ep: int = Field(4, ge=1)
@@ -47,6 +50,7 @@ class PrefillSection(_Strict):
     kv_replication: int | None = Field(None, ge=1)
     overlap: Overlap = "none"
     gpu: str | None = None
+    span_nodes: bool = False
 
     @field_validator("overlap")
     @classmethod
@@ -82,7 +86,9 @@ class EplbSection(_Strict):
 
 
 class DecodeSection(_Strict):
-    """Decoder groups: ``ep`` GPUs of one NVLink domain, ``ep / tp`` DP attention ranks of ``tp`` GPUs each.
+    """Decoder groups: ``ep`` GPUs of one NVLink domain, ``ep / tp`` DP attention ranks of ``tp`` GPUs each;
+    with ``span_nodes`` ``ep / node size`` whole nodes (NVLink domains), the all-to-all crossing nodes over each
+    GPU's own NIC (DeepEP low-latency mode, :mod:`sim.costs.moe_comm`).
     ``expert_load`` / ``eplb``: skewed routing and its balancing (None: uniform routing, static placement).
 
     ``overlap``: ``none``, ``shared_expert`` (the shared expert alongside the dispatch) or ``two_batch`` (two
@@ -99,6 +105,7 @@ class DecodeSection(_Strict):
     eplb: EplbSection | None = None
     overlap: Overlap = "none"
     gpu: str | None = None
+    span_nodes: bool = False
 
 
 class MtpDraft(_Strict):
@@ -552,7 +559,13 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     """Validate the scenario against the hardware and the model, and lay out the deployment."""
     from rackbed import topology as topo_mod
     from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, kv_transfer_sizes, place
-    from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size, context_check
+    from rackbed.sim.scenario_checks import (
+        budget_caveat,
+        check_disaggregated,
+        check_run_size,
+        check_span,
+        context_check,
+    )
 
     check_run_size(sc)
     topo = topo_mod.load(sc.topology)
@@ -573,12 +586,14 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         raise UserError("prefill.replicas + decode.replicas: at least one group is needed")
     check_disaggregated(sc, n_p, n_d)
     check_parallel(sc, model)
+    check_span(sc, topo)
     kv_elem = 2 if sc.kv_dtype == "bf16" else 1
     kv_tok, kv_win = kv_transfer_sizes(model, kv_elem)
     # First a placement with default capacities, to learn which GPUs group 0 of each role gets.
     ptpl0 = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens, kv_streams=p.kv_streams,
-                              max_queue_requests=p.max_queue_requests)
-    dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens)
+                              max_queue_requests=p.max_queue_requests, span_nodes=p.span_nodes)
+    dtpl0 = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank, kv_page_tokens=d.page_tokens,
+                            span_nodes=d.span_nodes)
     kv_view = _KvPathView(topo)
     pgpus, dgpus = role_gpus(topo, "prefill", p.gpu), role_gpus(topo, "decode", d.gpu)
     autoscaled = sc.autoscaler is not None and sc.autoscaler.enabled
@@ -594,9 +609,11 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     dbud = draft_budget(sc, dplan.validate(model, topo), dplan, topo)
     ptpl = PrefillerTemplate(tp=p.tp, ep=p.ep, max_batch_tokens=p.max_batch_tokens,
                              kv_capacity_tokens=max(p.max_batch_tokens, pbud.kv_capacity_tokens),
-                             max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams)
+                             max_queue_requests=p.max_queue_requests, kv_streams=p.kv_streams,
+                             span_nodes=p.span_nodes)
     dtpl = DecoderTemplate(ep=d.ep, tp=d.tp, max_batch_per_rank=d.max_batch_per_rank,
-                           kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens)
+                           kv_capacity_tokens_per_rank=max(1, dbud.kv_capacity_tokens), kv_page_tokens=d.page_tokens,
+                           span_nodes=d.span_nodes)
     dep = place(kv_view, n_prefillers=n_p, n_decoders=n_d, kv_bytes_per_token=kv_tok, kv_window_bytes=kv_win,
                 prefiller=ptpl, decoder=dtpl, mtp=sc.mtp.spec(),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,

@@ -18,6 +18,18 @@ def check_disaggregated(sc, n_p: int, n_d: int) -> None:
                             f"(or an autoscaler with {floor} >= 1)")
 
 
+def check_span(sc, topo) -> None:
+    """A decoder or prefiller wider than one NVLink domain needs ``span_nodes`` (whole nodes, EP across them over
+    the NICs); one line naming the field."""
+    size = max(len(d) for d in topo.nvlink_domains())
+    for role, sec, n in (("decode", sc.decode, sc.decode.ep),
+                         ("prefill", sc.prefill, max(sc.prefill.tp, sc.prefill.ep))):
+        if n > size and not sec.span_nodes:
+            raise UserError(f"{role}.ep: a group of {n} GPUs exceeds one {size}-GPU NVLink domain of {topo.name}; set "
+                            f"{role}.span_nodes: true to place it on {-(-n // size)} whole nodes (EP across nodes over "
+                            "the NICs)")
+
+
 def budget_caveat(sc) -> list[str]:
     """A caveat when the prefill batch budget is below every prompt the workload can draw: the scheduler then
     admits each prompt alone and whole, past the budget (without chunked prefill), so the budget never batches —

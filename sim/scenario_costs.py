@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from math import ceil as _ceil
 from operator import itemgetter
+from typing import Any
 
 _N_START = itemgetter(2, 1)  # PrefillBatch item (request_id, start_token, n_tokens) -> (n_tokens, start_token)
 
@@ -113,6 +114,51 @@ class ScenarioCostModel:
         n = pl.dp
         return decode_step_breakdown(self.model, pl, self.topo, [max_batch] * n, [max_context_tokens] * n,
                                      draft_k=draft_k, calib=self.decode_calib, **self.draft)
+
+    #: the most of a NIC's rate the EP all-to-all is taken to hold (KV keeps at least a tenth)
+    EP_SHARE_CAP = 0.9
+
+    def ep_nic_share(self, dep) -> dict[str, float]:
+        """``{nic: share}``: the fraction of each NIC of a group spanning NVLink domains that its EP all-to-all keeps
+        busy, which the simulator's network takes off the NIC's rate for KV transfers (``sim.network.Network``).
+        A decoder is taken at its full batch (``max_batch_per_rank`` per rank, each rank's KV half full, the run's
+        MTP drafts): the RDMA seconds of every MoE layer's dispatch and combine (low-latency mode; verify pass and
+        draft passes) over that step's time. A prefiller with DP attention (``tp < ep``) is taken at a full budget
+        dealt evenly over its ranks (normal mode). Capped at ``EP_SHARE_CAP``; NICs of groups inside one domain
+        are not listed (their all-to-all stays on NVLink)."""
+        from rackbed.sim.costs.collective import group_links
+        from rackbed.sim.costs.moe_comm import ep_rdma_busy_s
+        from rackbed.sim.costs.step import layer_counts
+
+        out: dict[str, float] = {}
+        n_moe = layer_counts(self.model)[2]
+        if not n_moe:
+            return out
+        k = dep.mtp.draft_k
+        for g in dep.decoders:
+            pl: Any = self._plan_for(g)
+            if group_links(self.topo, pl.gpus).one_domain:
+                continue
+            b = g.template.max_batch_per_rank
+            verify = ep_rdma_busy_s(self.topo, pl.gpus, -(-b * (k + 1) // pl.tp), self.model, "low_latency",
+                                    pl.weight_format)
+            draft = ep_rdma_busy_s(self.topo, pl.gpus, -(-b // pl.tp), self.model, "low_latency", pl.weight_format)
+            n_draft = 0 if "draft_model" in self.draft else k * (self.draft.get("n_mtp_layers")
+                                                                 or self.model.n_mtp_layers or 1)
+            step = self.decode_breakdown(b, g.template.kv_capacity_tokens_per_rank / 2, k, g).total_s
+            share = min(self.EP_SHARE_CAP, (n_moe * verify + n_draft * draft) / step) if step > 0 else 0.0
+            out.update({nic: share for nic in {dep.gpu_nic[x] for x in g.gpus}})
+        for g in dep.prefillers:
+            pl = self._plan_for(g)
+            if pl.dp == 1 or group_links(self.topo, pl.gpus).one_domain:
+                continue
+            per_rank = pl.max_batch_tokens or g.template.max_batch_tokens // pl.dp
+            busy = n_moe * ep_rdma_busy_s(self.topo, pl.gpus, -(-per_rank // pl.tp), self.model, "normal",
+                                          pl.weight_format)
+            step = self.prefill_breakdown([(per_rank, 0)] * pl.dp, g).total_s
+            share = min(self.EP_SHARE_CAP, busy / step) if step > 0 else 0.0
+            out.update({nic: max(share, out.get(nic, 0.0)) for nic in {dep.gpu_nic[x] for x in g.gpus}})
+        return out
 
     def _prefill_class(self, group) -> tuple[int] | tuple[str]:
         """What ``sim.costs.step.prefill_step_breakdown`` reads of the topology for this group's plan: the GPU

@@ -21,10 +21,10 @@ Studies (the ``study`` field):
                     capacity is back and the backlog is drained, TTFT/TPOT before / during / after, the timeline.
 ==================  ===============================================================================================
 
-Decoders wider than one NVLink domain (H200 EP16 over two nodes) are not placed by ``sim.scenario.build``; the
-frontier builds them here (:func:`build_point`) by placing ``ep / domain`` domain-sized decoders and merging
-them into one DP-EP group, whose step cost ``sim.costs.step.decode_step_time`` prices with the all-to-all over
-the scale-out network (IB or EFA).
+Decoders wider than one NVLink domain (H200 EP16 over two nodes) are placed by ``sim.scenario.build`` only with
+``decode.span_nodes``; the frontier builds them here (:func:`build_point`) by placing ``ep / domain`` domain-sized
+decoders and merging them into one DP-EP group, whose step cost ``sim.costs.step.decode_step_time`` prices with
+the all-to-all over the scale-out network (IB or EFA; DeepEP low-latency mode, ``sim.costs.moe_comm``).
 """
 
 from __future__ import annotations

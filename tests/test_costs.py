@@ -398,8 +398,9 @@ def test_plan_shape_errors(gb200):
     dec = ParallelPlan(role="decode", tp=1, ep=8, dp=8, gpus=tuple(range(8)))
     with pytest.raises(UserError, match="one entry per rank"):
         decode_step_time(Q235, dec, gb200, [1] * 7, [10] * 8)
-    pre = ParallelPlan(role="prefill", tp=2, ep=4, dp=2, gpus=(0, 1, 2, 3))
-    with pytest.raises(UserError, match="dp=1"):
+    # dp > 1 (DP attention in a prefiller) is priced by the DP-EP prefill model, without overlap
+    pre = ParallelPlan(role="prefill", tp=2, ep=4, dp=2, gpus=(0, 1, 2, 3), overlap="two_batch")
+    with pytest.raises(UserError, match="without overlap"):
         prefill_step_time(Q235, pre, gb200, [(100, 0)])
 
 

@@ -14,7 +14,11 @@ A :class:`Deployment` is what the scheduler serves with. It carries no behaviour
 - an **aggregated worker** (a deployment of kind aggregated, instead of prefillers and decoders) is ``tp × dp``
   GPUs of one NVLink domain that prefill and decode together: ``dp`` ranks (DP attention, each with its own batch
   and KV cache; ``tp`` GPUs each) share the experts (EP over the worker's GPUs); every step runs the ranks' decode
-  batches plus prefill chunks up to a per-rank token budget, and KV never leaves the rank that prefilled it.
+  batches plus prefill chunks up to a per-rank token budget, and KV never leaves the rank that prefilled it;
+- a prefiller or decoder whose template says ``span_nodes`` (wide EP across nodes: DeepSeek-V3 served over many
+  8-GPU nodes) takes whole NVLink domains instead, ``n_gpus / domain size`` of them, the lowest wholly free ones
+  (:func:`place_spanning`); each GPU keeps its own NIC (``gpu_nic``), which carries its share of the EP
+  all-to-all and, for a decoder rank, the rank's KV.
 
 GPU ids are the topology's global ints; NIC ids its strings (``"nic:<k>"``). ``gpu_host``, ``gpu_nic``,
 ``gpu_domain`` (NVLink domain index) and ``nic_GBps`` (per direction, 1e9 B/s) are the slice of the topology
@@ -45,6 +49,7 @@ class PrefillerTemplate:
     kv_capacity_tokens: prompt KV the group can hold while it waits to be shipped (tokens).
     max_queue_requests: queued requests beyond which new arrivals are not routed here (None = unbounded).
     kv_streams:         concurrent KV transfers out of the node (each a worker ``P<i>.kv<j>``).
+    span_nodes:         the group takes whole NVLink domains (nodes) and may span several (module docstring).
     """
 
     tp: int = 4
@@ -53,6 +58,7 @@ class PrefillerTemplate:
     kv_capacity_tokens: int = 1_000_000
     max_queue_requests: int | None = None
     kv_streams: int = 1
+    span_nodes: bool = False
 
     @property
     def n_gpus(self) -> int:
@@ -70,13 +76,15 @@ class PrefillerTemplate:
 class DecoderTemplate:
     """Shape of one decoder group: ``ep`` GPUs forming ``ep / tp`` DP ranks of ``tp`` GPUs each (attention TP
     inside a rank), with a batch cap and a KV capacity per rank (``kv_capacity_tokens_per_rank``: tokens of the
-    whole sequence, every KV head, that the rank's TP group holds together)."""
+    whole sequence, every KV head, that the rank's TP group holds together). ``span_nodes``: the group takes whole
+    NVLink domains (nodes) and may span several (module docstring)."""
 
     ep: int = 16
     max_batch_per_rank: int = 64
     kv_capacity_tokens_per_rank: int = 400_000
     kv_page_tokens: int = 1
     tp: int = 1
+    span_nodes: bool = False
 
     @property
     def n_gpus(self) -> int:
@@ -159,7 +167,8 @@ class AggregatedGroup:
 
 @dataclass(frozen=True)
 class PrefillerGroup:
-    """One placed prefiller group. ``gpus`` are in one node (``host``); ``nics`` are that node's NICs used for KV."""
+    """One placed prefiller group. ``gpus`` are in one node (``host``; with ``span_nodes`` whole nodes, ``host``
+    the first); ``nics`` are its GPUs' NICs, used for KV."""
 
     id: str
     gpus: tuple[int, ...]
@@ -396,10 +405,18 @@ def place(
 
     ``spare="rest"`` puts every GPU left into the spare pool, ``spare="none"`` leaves it out. Raises a
     one-line ``UserError`` naming the group that does not fit and the smallest change that fits (fewer groups,
-    narrower groups, another NVLink domain).
+    narrower groups, another NVLink domain). Templates with ``span_nodes`` are laid out by :func:`place_spanning`.
     """
     ptpl = prefiller or PrefillerTemplate()
     dtpl = decoder or DecoderTemplate()
+    if ptpl.span_nodes or dtpl.span_nodes:
+        if prefill_gpus is not None or decode_gpus is not None:
+            raise UserError("deployment: span_nodes groups take any whole NVLink domains; not with prefill.gpu / "
+                            "decode.gpu pools")
+        return place_spanning(topo, n_prefillers=n_prefillers, n_decoders=n_decoders,
+                              kv_bytes_per_token=kv_bytes_per_token, kv_window_bytes=kv_window_bytes, prefiller=ptpl,
+                              decoder=dtpl, mtp=mtp, chunked_prefill=chunked_prefill, shed_ttft_s=shed_ttft_s,
+                              spare=spare, name=name)
     if spare not in ("rest", "none"):
         raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
     gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
@@ -436,6 +453,75 @@ def _domains_within(pool: Collection[int] | None, gpu_domain: dict[int, int]) ->
     pool = set(pool)
     return frozenset(d for d in set(gpu_domain.values())
                      if all(g in pool for g, e in gpu_domain.items() if e == d))
+
+
+def place_spanning(topo: TopologyView, *, n_prefillers: int, n_decoders: int, kv_bytes_per_token: int,
+                   kv_window_bytes: tuple[tuple[int, int], ...], prefiller: PrefillerTemplate,
+                   decoder: DecoderTemplate, mtp: MtpSpec | None, chunked_prefill: bool, shed_ttft_s: float | None,
+                   spare: str, name: str) -> Deployment:
+    """:func:`place` for templates of which at least one has ``span_nodes``: prefillers first, then decoders; a
+    spanning group takes whole NVLink domains (:func:`whole_domains`), any other the lowest free GPUs of one node
+    (prefiller) or one NVLink domain (decoder), as :func:`place` does. A group's GPUs keep their own NICs."""
+    gpus, gpu_host, gpu_nic, nic_GBps, gpu_domain = _topology_slice(topo)
+    if spare not in ("rest", "none"):
+        raise UserError(f"deployment.spare: must be 'rest' or 'none', got {spare!r}")
+    free = list(gpus)
+    pgroups, dgroups = [], []
+    for i in range(n_prefillers):
+        ctx = f"n_prefillers={n_prefillers}, {len(gpus)} GPUs"
+        if prefiller.span_nodes:
+            mine = whole_domains(free, gpu_domain, prefiller.n_gpus, f"prefiller {i}", ctx)
+        else:
+            mine = next((tuple(c[: prefiller.n_gpus]) for h in sorted(set(gpu_host.values()))
+                         if len(c := [g for g in free if gpu_host[g] == h]) >= prefiller.n_gpus), ())
+            _need(bool(mine), f"deployment: prefiller {i} needs {prefiller.n_gpus} free GPUs in one node; none "
+                              f"left ({ctx})")
+        free = [g for g in free if g not in mine]
+        pgroups.append(PrefillerGroup(id=f"P{i}", gpus=mine, host=gpu_host[mine[0]],
+                                      nics=tuple(sorted({gpu_nic[g] for g in mine})), template=prefiller))
+    for i in range(n_decoders):
+        pick = whole_domains if decoder.span_nodes else _in_one_domain
+        mine = pick(free, gpu_domain, decoder.ep, f"decoder {i}", f"n_decoders={n_decoders}, {len(gpus)} GPUs")
+        free = [g for g in free if g not in mine]
+        dgroups.append(DecoderGroup(id=f"D{i}", gpus=mine, rank_nics=decoder.rank_nics(mine, gpu_nic),
+                                    template=decoder))
+    return Deployment(
+        prefillers=tuple(pgroups), decoders=tuple(dgroups), kv_bytes_per_token=int(kv_bytes_per_token),
+        kv_window_bytes=tuple(kv_window_bytes), gpu_host=gpu_host, gpu_nic=gpu_nic, nic_GBps=nic_GBps,
+        gpu_domain=gpu_domain, mtp=mtp or MtpSpec(), chunked_prefill=chunked_prefill, shed_ttft_s=shed_ttft_s,
+        spare_gpus=tuple(free) if spare == "rest" else (), prefiller_template=prefiller, decoder_template=decoder,
+        name=name)
+
+
+def _in_one_domain(free: list[int], gpu_domain: dict[int, int], n: int, what: str, ctx: str) -> tuple[int, ...]:
+    """The lowest ``n`` free GPUs of the first NVLink domain that has that many; a one-line UserError if none."""
+    for d in sorted(set(gpu_domain.values())):
+        cand = [g for g in free if gpu_domain[g] == d]
+        if len(cand) >= n:
+            return tuple(cand[:n])
+    raise UserError(f"deployment: {what} needs {n} free GPUs in one NVLink domain; none left ({ctx})")
+
+
+def whole_domains(free: list[int], gpu_domain: dict[int, int], n: int, what: str, ctx: str) -> tuple[int, ...]:
+    """The GPUs of the lowest ``n / size`` wholly free NVLink domains (``size`` GPUs each); a one-line UserError
+    when ``n`` is not a whole number of domains or too few are free."""
+    members: dict[int, list[int]] = {}
+    for g, d in gpu_domain.items():
+        members.setdefault(d, []).append(g)
+    sizes = {len(m) for m in members.values()}
+    if len(sizes) != 1:
+        raise UserError(f"deployment: {what} spans nodes, which needs NVLink domains of one size; the topology's "
+                        f"are {sorted(sizes)} GPUs")
+    size = sizes.pop()
+    if n % size:
+        raise UserError(f"deployment: {what} spans nodes: its {n} GPUs are not whole {size}-GPU NVLink domains "
+                        f"(use a multiple of {size})")
+    free_set = set(free)
+    whole = [d for d in sorted(members) if all(g in free_set for g in members[d])]
+    if len(whole) < n // size:
+        raise UserError(f"deployment: {what} needs {n // size} wholly free {size}-GPU NVLink domains; "
+                        f"{len(whole)} left ({ctx})")
+    return tuple(sorted(g for d in whole[: n // size] for g in members[d]))
 
 
 def _topology_slice(topo: TopologyView):

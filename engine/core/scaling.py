@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rackbed.engine.core import autoscaler as autoscale
-from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate, PrefillerGroup
+from rackbed.engine.core.deployment import DecoderGroup, DecoderTemplate, PrefillerGroup, whole_domains
 from rackbed.engine.core.plans import WAIT_TIMER, Plan
 from rackbed.engine.core.scheduler_base import SchedulerBase
 from rackbed.engine.core.state import (
@@ -27,6 +27,7 @@ from rackbed.engine.core.state import (
     KvStreamState,
     PrefillerState,
 )
+from rackbed.topology.errors import UserError
 
 
 class WorkerPool(SchedulerBase):
@@ -160,6 +161,8 @@ class WorkerPool(SchedulerBase):
 
     def _find_prefiller_gpus(self) -> tuple[int, ...] | None:
         n = self.dep.prefiller_template.n_gpus
+        if self.dep.prefiller_template.span_nodes:
+            return self._pool_domains(n)
         host = self.dep.gpu_host
         by_host: dict[int, list[int]] = {}
         for g in self.pool:
@@ -169,8 +172,17 @@ class WorkerPool(SchedulerBase):
                 return tuple(by_host[h][:n])
         return None
 
+    def _pool_domains(self, n: int) -> tuple[int, ...] | None:
+        """A group that spans nodes (``span_nodes``) grows on whole NVLink domains of the pool, or not at all."""
+        try:
+            return whole_domains(self.pool, self.dep.gpu_domain, n, "a new group", "autoscaler")
+        except UserError:
+            return None
+
     def _find_decoder_gpus(self) -> tuple[int, ...] | None:
         n = self.dep.decoder_template.ep
+        if self.dep.decoder_template.span_nodes:
+            return self._pool_domains(n)
         dom = self.dep.gpu_domain
         by_dom: dict[int, list[int]] = {}
         dead_nic = self._permanent_nic_down

@@ -233,6 +233,10 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
     if dep.decoder_template.tp > 1 or any(g.template.tp > 1 for g in dep.decoders):
         raise UserError("decode.tp: real mode runs DP-attention decoders only (decode.tp: 1); attention TP in "
                         "decoders is simulated only")
+    for role, tpl in (("prefill", dep.prefiller_template), ("decode", dep.decoder_template)):
+        if tpl.span_nodes:
+            raise UserError(f"{role}.span_nodes: real mode runs every group on this machine's devices; groups "
+                            f"spanning nodes are simulated only (set {role}.span_nodes: false)")
     for role, plan in (("prefill", built.prefill_plan), ("decode", built.decode_plan)):
         if getattr(plan, "overlap", "none") != "none":
             raise UserError(f"{role}.overlap: real mode runs its steps without compute / communication "

@@ -187,6 +187,10 @@ OVERLAP_COMM_SMS: int = 20
 #: peak on CX-7 and EFA (arXiv 2510.27656) — we take 0.95 of line rate.
 KV_NIC_EFFICIENCY: float = 0.95
 
+#: Fraction of a NIC's line rate the EP all-to-all's RDMA traffic reaches across nodes (``sim.costs.moe_comm.
+#: ep_comm``): the same bulk-RDMA fraction as a KV stream. derived (as ``KV_NIC_EFFICIENCY``).
+EP_NIC_EFFICIENCY: float = KV_NIC_EFFICIENCY
+
 #: Per-chunk (per RDMA write) overhead by NIC kind: descriptor post and completion bookkeeping. ib: the NIC
 #: post overhead above; efa: plus the CPU proxy. derived / assumption.
 KV_CHUNK_OVERHEAD_US: dict[str, float] = {"ib": NIC_POST_US, "efa": NIC_POST_US + CPU_PROXY_US}

@@ -1,5 +1,5 @@
-"""MoE dispatch / combine time: EP prefill (replicated input, local select + all-reduce) and DP-EP decode
-(sparse all-to-all over NVLink, or NICs across NVLink domains).
+"""MoE dispatch / combine time: EP prefill (replicated input, local select + all-reduce), DP-EP decode (sparse
+all-to-all over NVLink) and EP groups spanning nodes (DeepEP's normal and low-latency kernels over each GPU's NIC).
 
 **EP prefill** (the write-up's prefillers, TP = EP inside one node): after the attention all-reduce every EP rank
 holds all ``T`` tokens, so
@@ -32,6 +32,37 @@ already summed over the destination's local experts. A calibration table (kinds 
 ``combine_us``, key n_ranks / hidden / phase, x = tokens per rank) replaces the estimate; an imported per-operator
 table (kind ``a2a_us``, key op / n_ranks / payload, x = payload bytes per rank) replaces the DP-EP decode kernels,
 priced at equal bytes when the table was measured at another hidden size.
+
+**Across nodes** (an EP group spanning NVLink domains: ``span_nodes`` groups on 8-GPU nodes). Dispatch and combine
+are priced as DeepEP's two kernel families do them, per GPU and its own NIC(s) (:func:`ep_traffic`,
+:func:`ep_comm`). With ``N`` nodes of ``G`` GPUs (``R = N G`` ranks), ``b`` tokens per GPU, ``top_k = k`` of ``E``
+experts spread evenly, ``D_node = expected_dest_ranks(E, k, N)`` and ``D_rank = expected_dest_ranks(E, k, R)``
+(distinct nodes / GPUs a token reaches under uniform routing):
+
+* *low-latency mode* (decode: a DP-EP decoder spanning nodes, ``dpep_decode_*`` without a ``send_matrix``): one
+  record per (token, expert), straight to the expert's GPU — ``b k (N-1)/N`` records over RDMA, ``b k (G-1)/R``
+  over NVLink to the other GPUs of the node, no forwarding;
+* *normal mode* (prefill with DP attention across nodes, ``sim.costs.step.dp_prefill_step_breakdown``): a token
+  crosses once to each other node holding one of its experts, to the GPU with its own local index there, which
+  forwards it over NVLink to every GPU of that node holding one of its experts — ``b (N-1)/N D_node`` records over
+  RDMA, ``b (G-1)/G D_rank`` over NVLink.
+
+A dispatch record is the hidden state in the activation format (FP8 with one fp32 scale per 128 channels: 1 + 4/128
+B per element) plus a 16 B header (low-latency) or 8 B of source metadata and ``k x 8`` B of expert ids and weights,
+padded to 16 B (normal); a combine record is the bf16 hidden state (normal mode: the node's partial sum, reduced
+on the relay GPU). The time on the busiest GPU is
+
+    fixed (kernel + grid barrier; normal-mode dispatch adds its layout-notify kernel)
+    + rounds x (network latency + signal + NIC_POST_US per NIC_PARALLEL_POSTS RDMA peers
+                [+ CPU_PROXY_US per peer without GPU-initiated RDMA, i.e. EFA])   (+ one NVLink hop in normal mode)
+    + max(RDMA bytes / (NIC line rate x EP_NIC_EFFICIENCY), NVLink bytes / NVLink rate)   (busier direction)
+    + local packing / accumulation bytes / HBM bandwidth.
+
+RDMA peers are the GPUs on other nodes (low-latency) or the same-index GPU of each other node (normal). Skewed
+routing scales the received side (``recv_scale`` / ``copy_scale``: in low-latency mode a GPU receives expert
+copies). Groups inside one NVLink domain, and any group given a ``send_matrix``, keep the model above.
+:func:`ep_rdma_busy_s` gives the NIC seconds of a dispatch + combine, the share of a NIC the simulator's network
+leaves to KV transfers less (``sim.network``).
 """
 
 from __future__ import annotations
@@ -293,6 +324,9 @@ def dpep_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, mode
 
 def _dispatch_model(g, topo, gpus, tokens_per_rank, model, fmt, send_matrix, calib, recv_scale,
                     copy_scale) -> CommCost:
+    if not g.one_domain and send_matrix is None:  # across nodes: DeepEP low-latency (module docstring)
+        return ep_comm(topo, gpus, tokens_per_rank, model, "low_latency", "dispatch", fmt, calib=calib,
+                       recv_scale=copy_scale, copy_scale=copy_scale)
     copy = model.hidden * _act_bpe(g.gpu, fmt) + model.top_k * 8 + META_BYTES_PER_COPY
     v_recv = tokens_per_rank * model.top_k  # expert assignments landing on a rank (expected)
     if copy_scale != 1.0:
@@ -337,6 +371,9 @@ def dpep_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model
 
 
 def _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, recv_scale, copy_scale) -> CommCost:
+    if not g.one_domain and send_matrix is None:  # across nodes: DeepEP low-latency (module docstring)
+        return ep_comm(topo, gpus, tokens_per_rank, model, "low_latency", "combine", calib=calib,
+                       recv_scale=copy_scale, copy_scale=copy_scale)
     copy = model.hidden * 2
     d = expected_dest_ranks(model.n_experts, model.top_k, g.n_ranks)
     acc = tokens_per_rank * model.top_k * model.hidden * 2  # local accumulation over local experts
@@ -344,3 +381,197 @@ def _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, re
         acc *= copy_scale
     local = acc + tokens_per_rank * d * model.hidden * 2 + tokens_per_rank * model.hidden * 2  # weighted sum
     return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 1, local, send_matrix, calib, recv_scale)
+
+
+# ------------------------------------------------------------------------------------------------ across nodes
+
+
+#: DeepEP's per-message header in low-latency mode (an ``int4``: the source token index and bookkeeping).
+LL_HEADER_BYTES = 16
+#: Normal-mode per-token metadata besides the hidden state and its scales: the source meta (8 B) and, per top-k
+#: slot, the expert id and the routing weight (4 + 4 B); a token's record is padded to ``RECORD_ALIGN`` bytes.
+NORMAL_META_BYTES = 8
+RECORD_ALIGN = 16
+
+MODES = ("normal", "low_latency")
+
+
+@dataclass(frozen=True, slots=True)
+class EpTraffic:
+    """Expected bytes one GPU moves in one dispatch or combine of an EP group spread over ``nodes`` NVLink domains
+    (``gpus_per_node`` GPUs of the group in each), by path and direction, under uniform routing (module section
+    "Across nodes"). ``rdma_*``: over the GPU's own NIC(s), ``nics_per_gpu`` of them sharing it evenly;
+    ``nvlink_*``: over NVLink inside the GPU's node. ``rdma_copies`` / ``nvlink_copies``: the token records
+    behind the bytes (per direction); ``rdma_peers``: GPUs on other nodes the GPU exchanges RDMA messages with."""
+
+    mode: str
+    op: str
+    nodes: int
+    gpus_per_node: int
+    record_bytes: float
+    rdma_copies: float
+    nvlink_copies: float
+    rdma_send_bytes: float
+    rdma_recv_bytes: float
+    nvlink_send_bytes: float
+    nvlink_recv_bytes: float
+    rdma_peers: int
+    nics_per_gpu: int = 1
+
+    @property
+    def nic_send_bytes(self) -> float:
+        """Bytes one NIC sends (the GPU's RDMA bytes over its NICs)."""
+        return self.rdma_send_bytes / self.nics_per_gpu
+
+    @property
+    def nic_recv_bytes(self) -> float:
+        """Bytes one NIC receives."""
+        return self.rdma_recv_bytes / self.nics_per_gpu
+
+    @property
+    def nic_bytes(self) -> float:
+        """The busier direction of one NIC."""
+        return max(self.nic_send_bytes, self.nic_recv_bytes)
+
+
+def _aligned(n: float) -> float:
+    return float(math.ceil(n / RECORD_ALIGN) * RECORD_ALIGN)
+
+
+def record_bytes(mode: str, op: str, hidden: int, top_k: int, dispatch_bpe: float) -> float:
+    """Bytes of one token record on the wire. Dispatch: the hidden state in the dispatch format (``dispatch_bpe``
+    bytes per element, block scales included: FP8 with one fp32 scale per 128 channels is 1 + 4/128), plus in
+    low-latency mode a ``LL_HEADER_BYTES`` header, in normal mode ``NORMAL_META_BYTES`` + ``top_k x 8`` B of
+    expert ids and weights, padded to ``RECORD_ALIGN``. Combine: the bf16 hidden state (``hidden x 2``)."""
+    if mode not in MODES:
+        raise UserError(f"EP all-to-all mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if op == "combine":
+        return float(hidden * 2)
+    if op != "dispatch":
+        raise UserError(f"EP all-to-all op must be dispatch or combine, got {op!r}")
+    if mode == "low_latency":
+        return LL_HEADER_BYTES + hidden * dispatch_bpe
+    return _aligned(hidden * dispatch_bpe + NORMAL_META_BYTES + top_k * 8)
+
+
+def ep_traffic(mode: str, op: str, *, n_experts: int, top_k: int, hidden: int, nodes: int, gpus_per_node: int,
+               tokens_per_gpu: float, dispatch_bpe: float = 2.0, nics_per_gpu: int = 1,
+               recv_scale: float = 1.0) -> EpTraffic:
+    """Expected per-GPU traffic of one DeepEP-style ``op`` (``dispatch`` / ``combine``) in ``mode`` for an EP group
+    of ``nodes x gpus_per_node`` GPUs, every GPU holding ``tokens_per_gpu`` tokens, the ``n_experts`` experts (or
+    expert slots) spread evenly, each token routed to ``top_k`` distinct experts uniformly at random.
+
+    With ``R = nodes x gpus_per_node`` ranks, ``N = nodes``, ``G = gpus_per_node``, ``b = tokens_per_gpu``:
+
+    * ``low_latency`` — every (token, expert) pair is one message, straight to the expert's GPU: ``b k (N-1)/N``
+      records over RDMA (the experts on other nodes), ``b k (G-1)/R`` over NVLink (other GPUs of the node);
+    * ``normal`` — a token crosses to each other node holding one of its experts once, over RDMA to the GPU with
+      its own local index there, which forwards it over NVLink to every GPU of that node holding one of its
+      experts: ``b (N-1)/N x D_node`` records over RDMA, ``b (G-1)/G x D_rank`` over NVLink, with
+      ``D_node = expected_dest_ranks(E, k, N)`` distinct nodes and ``D_rank = expected_dest_ranks(E, k, R)``
+      distinct GPUs a token reaches (:func:`expected_dest_ranks`; ``1 - (1 - 1/N)^k`` per node for ``k << E``).
+
+    Combine moves the same records back (normal mode: the node's partial sum, reduced on the relay GPU, crosses
+    once). Sent and received bytes are equal under uniform routing; ``recv_scale`` multiplies the received side
+    (the busiest GPU of a skewed routing)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise UserError(f"an EP group needs nodes >= 1 and gpus_per_node >= 1, got {nodes} x {gpus_per_node}")
+    rec = record_bytes(mode, op, hidden, top_k, dispatch_bpe)
+    r = nodes * gpus_per_node
+    b = max(0.0, float(tokens_per_gpu))
+    if mode == "low_latency":
+        rdma = b * top_k * (nodes - 1) / nodes
+        nvl = b * top_k * (gpus_per_node - 1) / r
+    else:
+        rdma = b * (nodes - 1) / nodes * expected_dest_ranks(n_experts, top_k, nodes)
+        nvl = b * (gpus_per_node - 1) / gpus_per_node * expected_dest_ranks(n_experts, top_k, r)
+    peers = r - gpus_per_node if mode == "low_latency" else nodes - 1
+    return EpTraffic(mode, op, nodes, gpus_per_node, rec, rdma, nvl, rdma * rec, rdma * rec * recv_scale,
+                     nvl * rec, nvl * rec * recv_scale, peers, max(1, int(nics_per_gpu)))
+
+
+def direct_rdma_copies(n_experts: int, top_k: int, nodes: int, gpus_per_node: int, tokens_per_gpu: float) -> float:
+    """Records a GPU would send over RDMA if every token went once to every GPU on another node holding one of its
+    experts (deduplicated per GPU, no NVLink forwarding): ``b x D_rank x (R - G) / R``; what normal mode's
+    forwarding saves against."""
+    r = nodes * gpus_per_node
+    return tokens_per_gpu * expected_dest_ranks(n_experts, top_k, r) * (r - gpus_per_node) / r
+
+
+def group_shape(topo, gpus: Sequence[int]) -> tuple[int, int, int]:
+    """``(nodes, gpus_per_node, nics_per_gpu)`` of an EP group: the NVLink domains it spans, the most of its GPUs
+    in one of them (the closed forms assume equal shares: placement gives whole nodes) and the NICs of its first
+    GPU."""
+    counts: dict[frozenset[int], int] = {}
+    for x in gpus:
+        d = topo.nvlink_domain(x)
+        counts[d] = counts.get(d, 0) + 1
+    nics = len(topo.nics_of_gpu(gpus[0])) if len(counts) > 1 else 1
+    return len(counts), max(counts.values()), max(1, nics)
+
+
+def _nvlink_latency_us(topo, gpus: Sequence[int]) -> float:
+    a = gpus[0]
+    dom = topo.nvlink_domain(a)
+    peer = next((x for x in gpus if x != a and x in dom), None)
+    return topo.p2p_latency_us(a, peer) if peer is not None else 0.0
+
+
+def ep_comm(topo, gpus: Sequence[int], tokens_per_gpu: float, model, mode: str, op: str, fmt: str = "bf16", *,
+            calib: CalibrationTable | None = None, recv_scale: float = 1.0, copy_scale: float = 1.0) -> CommCost:
+    """One DeepEP-style dispatch or combine on the busiest GPU of an EP group spanning NVLink domains (module
+    section "Across nodes"): ``transfer_s = max(RDMA bytes / (NIC rate x EP_NIC_EFFICIENCY), NVLink bytes /
+    NVLink rate)`` on the busier direction, ``sync_s`` the signalling rounds (dispatch: counts + done, combine:
+    done) each paying the network latency, a signal and the message posts (``NIC_POST_US`` per
+    ``NIC_PARALLEL_POSTS`` RDMA peers, ``CPU_PROXY_US`` per peer without GPU-initiated RDMA), plus one NVLink hop in
+    normal mode (the forward); ``local_s`` the HBM packing / accumulation. Dispatch carries activations in
+    ``fmt``'s activation format (scales included), combine bf16. ``recv_scale`` / ``copy_scale``: the busiest
+    GPU's received records / expert copies over the mean GPU's (skewed routing; 1 = uniform)."""
+    g = group_links(topo, gpus)
+    if g.n_ranks < 2 or tokens_per_gpu <= 0:
+        return CommCost()
+    nodes, per_node, nics = group_shape(topo, gpus)
+    bpe = _act_bpe(g.gpu, fmt) if op == "dispatch" else 2.0
+    tr = ep_traffic(mode, op, n_experts=model.n_experts, top_k=model.top_k,
+                    hidden=model.hidden, nodes=nodes, gpus_per_node=per_node, tokens_per_gpu=tokens_per_gpu,
+                    dispatch_bpe=bpe, nics_per_gpu=nics, recv_scale=recv_scale)
+    return _ep_comm_cost(g, topo, gpus, tr, tokens_per_gpu, model, bpe, calib, copy_scale)
+
+
+def _ep_comm_cost(g, topo, gpus, tr: EpTraffic, tokens_per_gpu, model, bpe, calib, copy_scale) -> CommCost:
+    rdma_s = max(tr.rdma_send_bytes, tr.rdma_recv_bytes) / (g.net_bw_GBps * 1e9 * C.EP_NIC_EFFICIENCY) \
+        if g.net_bw_GBps else 0.0
+    nvl_s = max(tr.nvlink_send_bytes, tr.nvlink_recv_bytes) / (g.nvlink_bw_GBps * 1e9)
+    rounds = 2 if tr.op == "dispatch" else 1
+    sig = C.SIGNAL_US[g.arch]
+    per_msg = C.NIC_POST_US * math.ceil(tr.rdma_peers / C.NIC_PARALLEL_POSTS) if tr.rdma_peers else 0.0
+    if not g.gpu_initiated:
+        per_msg += C.CPU_PROXY_US * tr.rdma_peers
+    sync_us = rounds * (g.net_latency_us + sig + per_msg) if tr.rdma_peers else 0.0
+    if tr.mode == "normal" and tr.gpus_per_node > 1:
+        sync_us += sig + _nvlink_latency_us(topo, gpus)  # the relay GPU's NVLink forward
+    copies = tokens_per_gpu * model.top_k * copy_scale  # expert copies landing on / leaving the GPU
+    if tr.op == "dispatch":
+        local = tokens_per_gpu * model.hidden * 2 + copies * model.hidden * bpe * 2  # quantise + unpack
+    else:
+        local = copies * model.hidden * 2 * 2  # read the expert outputs, accumulate them weighted
+    local_s = local / hbm_rate_Bps(g.gpu, local, calib)
+    kernels = 2 if (tr.mode == "normal" and tr.op == "dispatch") else 1  # normal mode: notify + dispatch
+    fixed = (kernels * kernel_fixed_us(calib, g.gpu) + C.GRID_SYNC_US) * 1e-6
+    return CommCost(fixed_s=fixed, sync_s=sync_us * 1e-6, transfer_s=max(rdma_s, nvl_s), local_s=local_s)
+
+
+def ep_rdma_busy_s(topo, gpus: Sequence[int], tokens_per_gpu: float, model, mode: str, fmt: str = "bf16") -> float:
+    """Seconds one dispatch plus one combine keep a GPU's NIC busy (the busier direction of its RDMA bytes at
+    ``NIC rate x EP_NIC_EFFICIENCY``) for an EP group spanning NVLink domains; 0 inside one domain. What the
+    simulator's network takes off the NICs' rate for KV transfers (``ScenarioCostModel.ep_nic_share``)."""
+    g = group_links(topo, gpus)
+    if g.one_domain or g.n_ranks < 2 or tokens_per_gpu <= 0 or not g.net_bw_GBps:
+        return 0.0
+    nodes, per_node, nics = group_shape(topo, gpus)
+    out = 0.0
+    for op, bpe in (("dispatch", _act_bpe(g.gpu, fmt)), ("combine", 2.0)):
+        tr = ep_traffic(mode, op, n_experts=model.n_experts, top_k=model.top_k, hidden=model.hidden, nodes=nodes,
+                        gpus_per_node=per_node, tokens_per_gpu=tokens_per_gpu, dispatch_bpe=bpe, nics_per_gpu=nics)
+        out += max(tr.rdma_send_bytes, tr.rdma_recv_bytes)
+    return out / (g.net_bw_GBps * 1e9 * C.EP_NIC_EFFICIENCY)

@@ -153,7 +153,7 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
     ``tokens_per_expert``: the busiest rank's per-local-expert token counts (e.g. from ``EpPrefillPlan.gemm_rows``);
     None = expected counts under uniform routing. ``allreduce_algo``: see ``collective.allreduce_time``."""
     if plan.dp != 1:
-        raise UserError(f"prefill cost model needs dp=1 (TP=EP prefillers with a replicated batch), got dp={plan.dp}")
+        return dp_prefill_step_breakdown(model, plan, topo, seqs, tokens_per_expert=tokens_per_expert, calib=calib)
     if getattr(plan, "overlap", "none") != "none":  # the same terms, scheduled with overlap
         from rackbed.sim.costs.overlap import overlapped_prefill
 
@@ -210,6 +210,77 @@ def prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *
     b.add("host", "other_s", host_step_s(calib, gpu, "prefill", n_seqs))
     if group_links(topo, tp_group).n_hosts > 1:
         b.add("cross_node_host", "other_s", C.CROSS_NODE_HOST_SYNC_US * US)
+    return b.build()
+
+
+def deal_seqs(seqs: Sequence[tuple[int, int]], ranks: int) -> list[list[tuple[int, int]]]:
+    """``seqs`` dealt to ``ranks`` DP ranks: longest first, each onto the rank with the fewest new tokens so far
+    (ties: the lowest rank)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for q, c in sorted(seqs, key=lambda x: -x[0]):
+        r = load.index(min(load))
+        out[r].append((q, c))
+        load[r] += q
+    return out
+
+
+def dp_prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]], *,
+                              tokens_per_expert: Sequence[int] | ExpertHistogram | None = None,
+                              calib: CalibrationTable | None = None) -> StepBreakdown:
+    """A prefill step with DP attention and EP over all the group's GPUs (``plan.dp > 1``: a prefiller spanning
+    nodes, DeepSeek-V3's prefill over several 8-GPU nodes). The batch's sequences are dealt to the ``dp`` ranks
+    (:func:`deal_seqs`); the step is priced on the rank with the most new tokens ``t``: its attention (TP ``tp``
+    inside the rank, with a TP all-reduce when ``tp > 1``); per MoE layer the router on the ``ceil(t / tp)`` tokens
+    each of its GPUs dispatches, a DeepEP normal-mode dispatch and combine over the EP group
+    (:func:`sim.costs.moe_comm.ep_comm`: once per node over RDMA, forwarded over NVLink; the busiest GPU sends
+    ``ceil(t / tp)`` tokens and receives the mean GPU's), the grouped GEMM over the GPU's local experts fed from the
+    whole batch (binomial counts, or a measured MoE block), the shared expert on the rank's tokens split ``tp``
+    ways; dense-MLP layers, norms, embeddings and the lm_head on the rank's tokens; the host step."""
+    if getattr(plan, "overlap", "none") != "none":
+        raise UserError("prefill.overlap: a DP-attention prefiller (tp < ep) is priced without overlap; use none")
+    gpu = _plan_gpu(plan, topo)
+    fmt, tp, dp = plan.weight_format, plan.tp, plan.dp
+    b = BreakdownBuilder()
+    n_tokens = sum(q for q, _ in seqs)
+    if n_tokens <= 0:
+        return b.build()
+    dealt = deal_seqs([(q, c) for q, c in seqs if q], dp)
+    mine = max(dealt, key=lambda r: sum(q for q, _ in r))
+    t = sum(q for q, _ in mine)
+    _, _, n_moe, n_dense = layer_counts(model)
+    for costs, n in mixer_counts(model):
+        _add_attention(b, costs.prefix, n, costs.prefill(gpu, model, mine, tp=tp, fmt=fmt, calib=calib))
+    _tp_allreduce(b, "attn_allreduce", model.n_layers, model, plan, topo, t, calib)
+    if n_moe:
+        from rackbed.sim.costs.moe_comm import ep_comm
+
+        t_gpu = -(-t // tp)
+        mean = n_tokens / (tp * dp)
+        b.add("router", "other_s", n_moe * gemm_time(gpu, t_gpu, model.n_experts, model.hidden, "bf16",
+                                                     calib=calib).total_s)
+        disp = ep_comm(topo, plan.gpus, t_gpu, model, "normal", "dispatch", fmt, calib=calib,
+                       recv_scale=mean / t_gpu, copy_scale=mean / t_gpu)
+        b.add("moe_dispatch", "a2a_s", n_moe * disp.total_s)
+        block = moe_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, n_tokens)
+        if block is None:
+            hist = tokens_per_expert if tokens_per_expert is not None else \
+                binomial_histogram(n_tokens, model.top_k / model.n_experts, model.n_experts // plan.ep)
+            block = expert_mlp_time(gpu, model.hidden, model.moe_intermediate // plan.expert_tp, hist, fmt,
+                                    calib=calib).total_s
+        b.add("moe_gemm", "moe_gemm_s", n_moe * block)
+        b.add("shared_expert", "moe_gemm_s", n_moe * _shared_expert_s(gpu, model, t, tp, fmt, calib))
+        comb = ep_comm(topo, plan.gpus, t_gpu, model, "normal", "combine", calib=calib, recv_scale=mean / t_gpu,
+                       copy_scale=mean / t_gpu)
+        b.add("moe_combine", "a2a_s", n_moe * comb.total_s)
+        _tp_allreduce(b, "moe_allreduce", n_moe, model, plan, topo, t, calib)
+    if n_dense:
+        b.add("dense_mlp", "moe_gemm_s", n_dense * _dense_mlp_s(gpu, model, t, tp, fmt, calib))
+        _tp_allreduce(b, "dense_allreduce", n_dense, model, plan, topo, t, calib)
+    b.add("norms", "other_s", model.n_layers * _norms_s(gpu, model, t, calib))
+    b.add("embed", "other_s", _embed_s(gpu, model, t, calib))
+    b.add("lm_head", "other_s", gemm_time(gpu, len(mine), model.vocab, model.hidden, "bf16", calib=calib).total_s)
+    b.add("host", "other_s", host_step_s(calib, gpu, "prefill", len(mine)))
     return b.build()
 
 
