@@ -284,7 +284,7 @@ def _row(p: dict, first: dict) -> str:
 def _racks_cli(args, rate: float) -> int:
     import sys
 
-    racks = parse_racks(args.racks or "1")
+    racks = parse_racks(args.racks if args.racks is not None else "1")
     out = run_racks(racks, args.sim_s, rate, args.baseline, log=lambda s: print(s, flush=True))
     text = json.dumps(out, indent=1)
     if args.out:
