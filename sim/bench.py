@@ -293,4 +293,44 @@ def _racks_cli(args, rate: float) -> int:
         write_text(args.out, text + "\n")
     else:
         print(text, file=sys.stderr if sys.stdout.isatty() else sys.stdout)
+    if args.figure:
+        plot_racks(out, args.figure)
     return 0
+
+
+def plot_racks(out: dict, path) -> None:
+    """The rack curve as a PNG: CPU seconds per simulated hour against racks (left) and µs per event (right),
+    this tree and, when measured, the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rackbed.topology.outputs import replacing
+
+    pts = out["points"]
+    n = [p["racks"] for p in pts]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8.0, 3.2), dpi=100)
+    series = [("this tree", pts, "o-")]
+    if "baseline" in out:
+        label = f"baseline {out['baseline']} ({out['baseline_commit'][:10]})"
+        series.insert(0, (label, [p["baseline"] for p in pts], "s--"))
+    for label, ps, style in series:
+        a.plot(n, [p["cpu_s_per_sim_hour"] for p in ps], style, label=label)
+        b.plot(n, [p["us_per_event"] for p in ps], style, label=label)
+    a.set_xlabel("GB200 NVL72 racks")
+    a.set_ylabel("CPU s per simulated hour")
+    b.set_xlabel("GB200 NVL72 racks")
+    b.set_ylabel("CPU µs per event")
+    a.set_ylim(bottom=0)
+    b.set_ylim(bottom=0)
+    for ax in (a, b):
+        ax.set_xticks(n)
+        ax.grid(True, lw=0.3, alpha=0.5)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"rackbed bench sim --racks ({out['sim_s']:g} simulated s per point, extrapolated to an hour)",
+                 fontsize=8)
+    fig.tight_layout()
+    with replacing(path, "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)

@@ -47,3 +47,14 @@ def test_two_racks_against_head(tmp_path):
     assert p["baseline"]["events"] == p["events"] and p["identical"] is True
     assert len(out["baseline_commit"]) == 40
     json.dumps(out)
+
+
+def test_figure_of_a_curve(tmp_path):
+    from rackbed.sim.bench import plot_racks
+
+    pt = {"cpu_s_per_sim_hour": 10.0, "us_per_event": 9.0}
+    out = {"sim_s": 300.0, "baseline": "HEAD~1", "baseline_commit": "0" * 40,
+           "points": [{"racks": n, **pt, "baseline": dict(pt)} for n in (1, 2, 5, 10)]}
+    f = tmp_path / "curve.png"
+    plot_racks(out, f)
+    assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -44,6 +44,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.out:  # before the benchmark, not after it
         prepare_file(args.out, force=args.force)
+    if getattr(args, "figure", None):
+        prepare_file(args.figure, force=args.force)
     return TARGETS[args.target][1](args)
 
 
@@ -72,6 +74,8 @@ def register(subparsers) -> None:
     g.add_argument("--baseline", metavar="REV", help="with --racks: measure git revision REV too (its tree "
                    "unpacked into a temporary folder), point by point, and report the speed-up and whether "
                    "results are identical")
+    g.add_argument("--figure", metavar="PNG", help="with --racks: plot the curve (CPU-s per simulated hour and us "
+                   "per event against racks) into PNG")
     p.add_argument("--out", help="write the results JSON here (e.g. results/h200x2/allreduce.json)")
     add_force(p, "replace an existing --out file")
     p.set_defaults(func=_run)
