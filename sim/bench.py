@@ -17,6 +17,12 @@ steps the driver advanced without one, see ``sim/driver.py``), ``events_per_s``,
 ``decode_steps_per_wall_s``, and what the run served (requests, utilisation, TTFT/TPOT p50) so that a faster
 simulator can be seen to simulate the same thing. The target is ``wall_s <= 10`` for one simulated hour
 on one core.
+
+The rack curve (:func:`run_racks`) scales that rack to ``gb200-nvl72*N`` (6N prefillers, 3N decoders, the rate
+times N; decoders that do not place are left out and the rate scaled by those kept) and measures each N in a
+fresh process, optionally against another git revision's tree with an identity check of the results:
+
+    rackbed bench sim --racks 1,2,5,10 [--sim-s 600] [--baseline REV] [--out x.json] [--figure x.png]
 """
 
 from __future__ import annotations
