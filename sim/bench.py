@@ -138,6 +138,7 @@ def _measure(spec: dict, sim_s: float) -> dict:
     import hashlib
     import json
     import time
+    from typing import Any
 
     from rackbed.engine.core.metrics import Slo
     from rackbed.engine.core.workload import iter_requests
@@ -160,10 +161,11 @@ def _measure(spec: dict, sim_s: float) -> dict:
     spec["workload"]["rate_per_s"] *= dec / want
     sc = parse_scenario(spec, source="sim/bench.py")
     b = build(sc)
+    dep: Any = b.deployment
     reqs = list(iter_requests(sc.workload, sc.seed))
     setup = time.process_time() - c0
     c0 = time.process_time()
-    res = simulate(b.deployment, reqs, b.cost_model, seed=sc.seed, until_s=sim_s, progress=False,
+    res = simulate(dep, reqs, b.cost_model, seed=sc.seed, until_s=sim_s, progress=False,
                    slo=Slo(ttft_s=sc.slo.ttft_s, tpot_s=sc.slo.tpot_s), kv_chunks=b.cost_model.kv_chunks,
                    decision_log=False)
     cpu = time.process_time() - c0
@@ -172,8 +174,8 @@ def _measure(spec: dict, sim_s: float) -> dict:
         h.update(repr(part).encode())
     h.update(json.dumps(res.metrics, sort_keys=True, default=repr).encode())
     events = res.perf["events"]
-    return {"topology": sc.topology, "prefillers": len(b.deployment.prefillers),
-            "decoders": len(b.deployment.decoders), "decoders_asked": want,
+    return {"topology": sc.topology, "prefillers": len(dep.prefillers),
+            "decoders": len(dep.decoders), "decoders_asked": want,
             "rate_per_s": spec["workload"]["rate_per_s"], "sim_s": sim_s, "cpu_s": cpu, "setup_cpu_s": setup,
             "cpu_s_per_sim_hour": cpu * 3600.0 / sim_s, "events": events,
             "decode_steps": res.perf["decode_steps"], "events_per_cpu_s": events / max(cpu, 1e-9),
@@ -256,7 +258,7 @@ def run_racks(racks: list[int], sim_s: float, rate_per_rack: float, baseline: st
             out["baseline_commit"] = _export(here, baseline, tmp)
         for n in racks:
             spec = rack_spec(n, sim_s, rate_per_rack)
-            point = {"racks": n}
+            point: dict = {"racks": n}
             if baseline is not None:
                 point["baseline"] = _child(tmp, json.loads(json.dumps(spec)), sim_s)
             point.update(_child(here, spec, sim_s))

@@ -613,7 +613,8 @@ def _bidirectional(adj: dict, fixed: frozenset[str], ends: set[str], source: str
             continue
         dd[v] = dist
         if v in dists[1 - direction]:
-            fwd, node = [], meetnode
+            fwd: list[str] = []
+            node = meetnode
             while node is not None:
                 fwd.append(node)
                 node = preds[0][node]
