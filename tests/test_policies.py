@@ -17,6 +17,7 @@ class _D:
         self.rank_nreq, self.rank_free_kv = nreq, free
         self.rank_up = up if up is not None else [True] * len(nreq)
         self.rank_key = [n * base - f for n, f in zip(nreq, free)]  # the scheduler's key: base > every free KV
+        self.rank_kmin = min(self.rank_key, default=0)
 
 
 class _P:

@@ -166,6 +166,7 @@ class Topology:
         self._nvcap = [{x: link.GBps_per_dir for x, link in e.items()} for e in self._nvlinks]
         self._index = {x: parse_id(x)[1] for x in self._kind}
         self._path_cache: dict[tuple[int, int, str], tuple[str, list[Hop]]] = {}
+        self._via_cache: dict[str, tuple[dict, frozenset[str]]] = {}
         self._bw_cache: dict[tuple[int, int, str], float] = {}
         self._structure: tuple | None = None
 
@@ -287,15 +288,30 @@ class Topology:
 
     def _allowed(self, via: str, a: int, b: int) -> tuple[set[str], set[str]]:
         """(transit-or-endpoint nodes, link kinds) usable for ``via`` between GPUs a and b."""
-        ends = {f"gpu:{a}", f"gpu:{b}"}
+        fixed, kinds = self._via_fixed(via)
+        return self._allowed_ends(via, a, b) | fixed, set(kinds)
+
+    def _via_fixed(self, via: str) -> tuple[frozenset[str], frozenset[str]]:
+        """(transit nodes every pair may use, link kinds) of route kind ``via``: NVSwitches and NVLink, IB
+        switches and the scale-out links, or no shared transit node and the host links."""
         if via == "nvlink":
-            return ends | {x for x, k in self._kind.items() if k == "nvsw"}, {"nvlink"}
+            return frozenset(x for x, k in self._kind.items() if k == "nvsw"), frozenset({"nvlink"})
         if via == "net":
-            return (ends | set(self._nics[a]) | set(self._nics[b])
-                    | {x for x, k in self._kind.items() if k == "ibsw"}), {"pcie", "ib", "efa", "ethernet"}
-        cpus = {x for x in self._g.neighbors(f"gpu:{a}") if self._kind[x] == "cpu"}
-        cpus &= {x for x in self._g.neighbors(f"gpu:{b}") if self._kind[x] == "cpu"}
-        return ends | cpus, {"pcie", "c2c"}
+            return (frozenset(x for x, k in self._kind.items() if k == "ibsw"),
+                    frozenset({"pcie", "ib", "efa", "ethernet"}))
+        return frozenset(), frozenset({"pcie", "c2c"})
+
+    def _allowed_ends(self, via: str, a: int, b: int) -> set[str]:
+        """The nodes :meth:`_allowed` adds for the pair: the two GPUs, their NICs (net) or the CPUs both hang
+        off (host)."""
+        nodes = {f"gpu:{a}", f"gpu:{b}"}
+        if via == "net":
+            nodes.update(self._nics[a], self._nics[b])
+        elif via == "host":
+            cpus = {x for x in self._g.neighbors(f"gpu:{a}") if self._kind[x] == "cpu"}
+            cpus &= {x for x in self._g.neighbors(f"gpu:{b}") if self._kind[x] == "cpu"}
+            nodes |= cpus
+        return nodes
 
     def _route(self, a: int, b: int, via: str | None) -> tuple[str, list[Hop]]:
         self._check_gpu(a)
@@ -352,19 +368,30 @@ class Topology:
         return [Hop(ga, best_via, la[best_via]), Hop(best_via, gb, lb[best_via])]
 
     def _dijkstra(self, via: str, a: int, b: int) -> list[Hop] | None:
-        nodes, kinds = self._allowed(via, a, b)
-        lat = self._node_latency_us
-
-        def weight(u, v, d):
-            if u not in nodes or v not in nodes or d["link"].kind not in kinds:
-                return None
-            return d["link"].latency_us + 0.5 * (lat(u) + lat(v))
-
-        try:
-            _, seq = nx.bidirectional_dijkstra(self._g, f"gpu:{a}", f"gpu:{b}", weight=weight)
-        except nx.NetworkXNoPath:
+        """Lowest-latency path over the nodes and link kinds ``via`` allows (:meth:`_allowed`), the path
+        ``nx.bidirectional_dijkstra`` returns with weight ``link latency + half of each end's node latency``:
+        :func:`_bidirectional` runs that search step for step on :meth:`_via_adjacency` (the graph's adjacency
+        order, the same weights, computed once per route kind) instead of calling a weight function per edge."""
+        adj, fixed = self._via_adjacency(via)
+        ends = self._allowed_ends(via, a, b)
+        seq = _bidirectional(adj, fixed, ends, f"gpu:{a}", f"gpu:{b}")
+        if seq is None:
             return None
         return [Hop(u, v, self._g[u][v]["link"]) for u, v in itertools.pairwise(seq)]
+
+    def _via_adjacency(self, via: str):
+        """``(adjacency, fixed)`` of route kind ``via``: per node, ``(neighbour, weight)`` over the links of the
+        kinds ``via`` may use, in the graph's adjacency order; ``fixed``: the transit nodes every pair may use
+        (NVSwitches for nvlink, IB switches for net, none for host)."""
+        hit = self._via_cache.get(via)
+        if hit is None:
+            fixed, kinds = self._via_fixed(via)
+            lat = self._node_latency_us
+            adj = {u: [(v, d["link"].latency_us + 0.5 * (lat(u) + lat(v))) for v, d in nbrs.items()
+                       if d["link"].kind in kinds]
+                   for u, nbrs in self._g.adj.items()}
+            hit = self._via_cache[via] = (adj, fixed)
+        return hit
 
     def path(self, a: int, b: int, via: str | None = None) -> list[Hop]:
         """Lowest-latency path GPU ``a`` → GPU ``b`` as hops. ``via``: "nvlink", "net" (scale-out network, e.g.
@@ -560,3 +587,56 @@ class Topology:
 def _key(nid: str) -> tuple[int, int]:
     kind, idx = parse_id(nid)
     return list(NODE_KINDS).index(kind), idx
+
+
+def _bidirectional(adj: dict, fixed: frozenset[str], ends: set[str], source: str, target: str) -> list[str] | None:
+    """``nx.bidirectional_dijkstra``'s search (networkx 3.x: alternating directions, heap entries
+    ``(distance, insertion count, node)``, a relaxation only when strictly shorter, the meeting node of the
+    shortest joined distance) over ``adj`` (``node -> [(neighbour, weight)]``, symmetric weights) and the nodes in
+    ``fixed`` or ``ends``; the node sequence source → target, or None when there is no path. A node outside both
+    sets is skipped where networkx's weight function would return None: the same pushes in the same order, so
+    the same path, ties included."""
+    from heapq import heappop, heappush
+
+    dists: tuple[dict, dict] = ({}, {})
+    preds: tuple[dict, dict] = ({source: None}, {target: None})
+    seen: tuple[dict, dict] = ({source: 0}, {target: 0})
+    fringe: tuple[list, list] = ([(0, 0, source)], [(0, 1, target)])
+    c = itertools.count(2)
+    finaldist = meetnode = None
+    direction = 1
+    while fringe[0] and fringe[1]:
+        direction = 1 - direction
+        dist, _, v = heappop(fringe[direction])
+        dd = dists[direction]
+        if v in dd:
+            continue
+        dd[v] = dist
+        if v in dists[1 - direction]:
+            fwd: list[str] = []
+            node = meetnode
+            while node is not None:
+                fwd.append(node)
+                node = preds[0][node]
+            fwd.reverse()
+            node = preds[1][meetnode]
+            while node is not None:
+                fwd.append(node)
+                node = preds[1][node]
+            return fwd
+        sd, so, pd, fr = seen[direction], seen[1 - direction], preds[direction], fringe[direction]
+        for w, cost in adj[v]:
+            if w not in fixed and w not in ends:
+                continue
+            vw = dist + cost
+            if w in dd:
+                continue
+            if w not in sd or vw < sd[w]:
+                sd[w] = vw
+                heappush(fr, (vw, next(c), w))
+                pd[w] = v
+                if w in so:
+                    fw = vw + so[w]
+                    if finaldist is None or finaldist > fw:
+                        finaldist, meetnode = fw, w
+    return None

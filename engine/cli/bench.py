@@ -2,6 +2,7 @@
 
     rackbed bench kernels [--suite allreduce] [--sizes 8K 1M 128M] [--dtypes bf16 fp32] [--out results/x.json]
     rackbed bench sim [--sim-s 3600] [--rate 20] [--out results/bench_sim.json]
+    rackbed bench sim --racks 1,2,5,10 [--sim-s 300] [--baseline REV] [--out results/x.json]
 
 ``kernels`` runs kernel suites (kernels/bench/suites.py) on the local GPUs, prints a table with the baseline ratios
 and writes a results JSON. ``sim`` times the simulator on a fully loaded GB200 NVL72 (sim/bench.py) and prints
@@ -43,6 +44,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.out:  # before the benchmark, not after it
         prepare_file(args.out, force=args.force)
+    if getattr(args, "figure", None):
+        prepare_file(args.figure, force=args.force)
     return TARGETS[args.target][1](args)
 
 
@@ -63,7 +66,16 @@ def register(subparsers) -> None:
     g = p.add_argument_group("sim")
     g.add_argument("--sim-s", type=float, default=3600.0, help="simulated seconds (default: one hour)")
     g.add_argument("--rate", type=float, default=None,
-                   help="requests/s of the looped Mooncake trace (default: sim.bench.DEFAULT_RATE_PER_S)")
+                   help="requests/s of the looped Mooncake trace (default: sim.bench.DEFAULT_RATE_PER_S); "
+                   "with --racks, per rack")
+    g.add_argument("--racks", help="rack curve: comma-separated rack counts, e.g. 1,2,5,10 (the one-rack "
+                   "layout and rate times N on gb200-nvl72*N, each point in a fresh process; CPU-s per "
+                   "simulated hour, events, us per event)")
+    g.add_argument("--baseline", metavar="REV", help="with --racks: measure git revision REV too (its tree "
+                   "unpacked into a temporary folder), point by point, and report the speed-up and whether "
+                   "results are identical")
+    g.add_argument("--figure", metavar="PNG", help="with --racks: plot the curve (CPU-s per simulated hour and us "
+                   "per event against racks) into PNG")
     p.add_argument("--out", help="write the results JSON here (e.g. results/h200x2/allreduce.json)")
     add_force(p, "replace an existing --out file")
     p.set_defaults(func=_run)

@@ -273,6 +273,7 @@ class FailureHandling(SchedulerBase):
         d.rank_nreq = [0] * d.ep
         d.rank_free_kv = [0] * d.ep
         d.rank_key = [0] * d.ep
+        d.rank_kmin = 0
         d.rank_batch = [0] * d.ep
         self._wake(d)
         for r in sorted(redo, key=lambda r: r.id):

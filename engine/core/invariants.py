@@ -97,6 +97,7 @@ def check_invariants(sched) -> None:
             assert 0 <= d.rank_free_kv[rank] < sched._key_base
             assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
         assert d.n_running == len(d.running)
+        assert d.rank_kmin == min(d.rank_key, default=0), f"{d.id}: rank_kmin {d.rank_kmin} != min(rank_key)"
     _check_caches(sched)
     missing = [rid for rid in sched.reqs if rid not in where]
     assert not missing, f"open requests in no place: {missing[:5]}"

@@ -47,6 +47,7 @@ class DecoderLoad(Protocol):
     # rank_nreq[r] * base - rank_free_kv[r], kept with them by the scheduler (one base for all groups, larger than
     # any rank's KV capacity): (requests, -free KV) as one int, in the same order
     rank_key: list[int]
+    rank_kmin: int             # min(rank_key) (0 when there are no ranks), kept with it by the scheduler
 
 
 class QueuedRequest(Protocol):
@@ -234,8 +235,8 @@ class FewestRequests:
     """Among ranks whose NIC is up and whose free KV covers the need: the fewest requests holding KV there, then
     the most free KV; ties → the earliest group, then the lowest rank.
 
-    Reads ``rank_key`` (``(requests, -free KV)`` as one int): a group's unconstrained minimum is one C-level
-    ``min`` + ``index`` (first index = lowest rank on ties); only when that rank lacks KV room or its NIC is down
+    Reads ``rank_key`` (``(requests, -free KV)`` as one int): a group's unconstrained minimum is ``rank_kmin``
+    (kept by the scheduler) and its rank one C-level ``index`` (first index = lowest rank on ties); only when that rank lacks KV room or its NIC is down
     are the group's ranks scanned. The scheduler asks once per KV transfer, and ranks mostly tie on requests
     (batches at their cap), which a scan of (requests, free KV) pairs would pay for in Python.
     ``tests/test_policies.py`` checks the choice against the rule written out."""
@@ -250,7 +251,7 @@ class FewestRequests:
             keys = g.rank_key
             if not keys:
                 continue
-            k = min(keys)
+            k = g.rank_kmin  # min(keys), kept by the scheduler: one attribute instead of a pass over the ranks
             if best is not None and k >= best_key:  # no rank of this group is strictly better
                 continue
             r = keys.index(k)

@@ -73,7 +73,9 @@ class WorkerPool(SchedulerBase):
             base = self._key_base = 1 << d.kv_cap.bit_length()
             for x in self.decoders:
                 x.rank_key = [n * base - f for n, f in zip(x.rank_nreq, x.rank_free_kv)]
+                x.rank_kmin = min(x.rank_key, default=0)
         d.rank_key = [n * base - f for n, f in zip(d.rank_nreq, d.rank_free_kv)]
+        d.rank_kmin = min(d.rank_key, default=0)
         self._order += 1
         self._n_dec_created += 1
         self.decoders.append(d)

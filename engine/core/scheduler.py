@@ -724,13 +724,21 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         """A request reserves ``tokens`` of KV on ``rank`` of ``d`` (the rank's counts and key move together)."""
         d.rank_free_kv[rank] -= tokens
         d.rank_nreq[rank] += 1
-        d.rank_key[rank] += self._key_base + tokens
+        keys = d.rank_key
+        old = keys[rank]
+        keys[rank] = old + self._key_base + tokens
+        if old == d.rank_kmin:  # the key grew: it may have been the only minimum
+            d.rank_kmin = min(keys)
 
     def _free_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
         """A request's reservation of ``tokens`` on ``rank`` of ``d`` is released."""
         d.rank_free_kv[rank] += tokens
         d.rank_nreq[rank] -= 1
-        d.rank_key[rank] -= self._key_base + tokens
+        keys = d.rank_key
+        v = keys[rank] - (self._key_base + tokens)
+        keys[rank] = v
+        if v < d.rank_kmin:
+            d.rank_kmin = v
 
     # ------------------------------------------------------------------ end of run, samples, checks
     def finalize(self, now_s: float, reason: str = "horizon") -> None:

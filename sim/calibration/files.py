@@ -85,13 +85,133 @@ STACKS = ("rackbed", "trtllm", "sglang", "vllm")
 
 
 def _read_meta(f: Path) -> dict:
-    """A calibration file's ``meta`` block, read cheaply (JSON files keep it at the top)."""
+    """A calibration file's ``meta`` block, read cheaply: only the start of the file up to the end of the block
+    when it is where the writers put it (:func:`_json_meta`, :func:`_yaml_meta`), else the whole file."""
     if is_json_name(f):
-        data = json.loads(read_text(f, "calibration file"))
+        meta = _json_meta(f)
+        if meta is None:
+            data = json.loads(read_text(f, "calibration file"))
+            meta = data.get("meta", {}) if isinstance(data, dict) else {}
     else:
-        data = yaml.load(f.read_text(), Loader=_YAML_LOADER) or {}
-    meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        text = f.read_text()
+        meta = _yaml_meta(text)
+        if meta is None:
+            data = yaml.load(text, Loader=_YAML_LOADER) or {}
+            meta = data.get("meta", {}) if isinstance(data, dict) else {}
     return meta if isinstance(meta, dict) else {}
+
+
+#: characters of a JSON calibration file read (decompressed) at a time while looking for its ``meta`` block
+META_CHUNK = 1 << 16
+
+
+def _json_meta(f: Path, chunk: int = META_CHUNK):
+    """The top-level ``meta`` value of a JSON (or ``.json.gz``) object, decoding its members in order and
+    reading the file ``chunk`` characters at a time until ``meta`` has been decoded; None when the file does not
+    start as an object whose members up to ``meta`` decode (then the caller parses the whole file, as before).
+    The calibration writers put ``meta`` before ``entries``, so a shipped table's few MB are not read to list
+    it. Of two ``meta`` members the first is taken (``json.loads`` keeps the last; no writer repeats a key)."""
+    import gzip
+    import zlib
+
+    dec = json.JSONDecoder()
+    ws = " \t\n\r"
+    try:
+        fh = gzip.open(f, "rt", encoding="utf-8") if f.name.lower().endswith(".gz") else \
+            open(f, encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError:
+        return None
+    with fh:
+        text, eof = "", False
+
+        def more() -> bool:
+            nonlocal text, eof
+            if eof:
+                return False
+            try:
+                part = fh.read(chunk)
+            except (OSError, EOFError, zlib.error, UnicodeDecodeError):
+                part = ""
+            eof = not part
+            text += part
+            return not eof
+
+        i = 0
+        while True:  # the opening brace
+            while i < len(text) and text[i] in ws:
+                i += 1
+            if i < len(text):
+                break
+            if not more():
+                return None
+        if text[i] != "{":
+            return None
+        i += 1
+        while True:  # members in order: "key" : value ,
+            try:
+                while True:
+                    j = i
+                    while j < len(text) and text[j] in ws:
+                        j += 1
+                    if j < len(text) and text[j] == "}":
+                        return None  # the object ended without meta: the whole-file path says what it holds
+                    try:
+                        key, j = dec.raw_decode(text, j)
+                        while j < len(text) and text[j] in ws:
+                            j += 1
+                        if j >= len(text) or text[j] != ":":
+                            raise json.JSONDecodeError("no colon yet", text, j)
+                        j += 1
+                        while j < len(text) and text[j] in ws:
+                            j += 1
+                        value, j = dec.raw_decode(text, j)
+                        while j < len(text) and text[j] in ws:
+                            j += 1
+                        if j >= len(text):
+                            raise json.JSONDecodeError("value may go on", text, j)  # a number cut by the chunk
+                        break
+                    except json.JSONDecodeError:
+                        if not more():
+                            return None
+            except RecursionError:
+                return None
+            if not isinstance(key, str):
+                return None
+            if key == "meta":
+                return value
+            if text[j] != ",":
+                return None
+            i = j + 1
+
+
+def _yaml_meta(text: str):
+    """The ``meta`` block of a YAML calibration file written in block style: the ``meta:`` line at column 0 and
+    the indented (or blank / comment) lines under it, parsed alone; None when there is no such line or a line
+    before it is not a plain ``key: scalar`` / comment / blank line (then the caller parses the whole file)."""
+    lines = text.splitlines()
+    start = None
+    for n, line in enumerate(lines):
+        if line.startswith("meta:"):
+            start = n
+            break
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line[0] in " \t-[{%&*!|>'\"?" or ":" not in line or line.rstrip().endswith(":") or "#" in line:
+            return None  # not a one-line top-level scalar: leave it to the whole-file parse
+    if start is None:
+        return None
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t#"):
+        end += 1
+    if end < len(lines) and lines[end].startswith(("...", "---")):
+        return None
+    try:
+        data = yaml.load("\n".join(lines[start:end]) + "\n", Loader=_YAML_LOADER)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(data, dict) or list(data) != ["meta"]:
+        return None
+    return data["meta"]
 
 
 def file_stack(meta: dict) -> str:

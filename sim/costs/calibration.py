@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from pathlib import Path
 from typing import Literal
 
@@ -116,6 +117,7 @@ from rackbed.topology.errors import UserError, from_validation
 
 #: libyaml's loader where PyYAML has it (the shipped H200 file loads ~8x faster), else the pure-Python one
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_X = operator.itemgetter(0)  # a curve point's x
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
                "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us", "step_us", "mla_prefill_tflops",
@@ -201,13 +203,13 @@ class CalibrationEntry(BaseModel):
     def interpolate(self, x: float, loglog: bool = False) -> float:
         """y at ``x``: piecewise linear in log(x) (``loglog``: in log(x) and log(y), a power law between
         neighbouring points), clamped to the end points."""
-        xs = [p[0] for p in self.points]
-        if x <= xs[0]:
-            return self.points[0][1]
-        if x >= xs[-1]:
-            return self.points[-1][1]
-        j = bisect.bisect_right(xs, x)
-        (x0, y0), (x1, y1) = self.points[j - 1], self.points[j]
+        pts = self.points
+        if x <= pts[0][0]:
+            return pts[0][1]
+        if x >= pts[-1][0]:
+            return pts[-1][1]
+        j = bisect.bisect_right(pts, x, key=_X)  # on the x values, without a list of them per call
+        (x0, y0), (x1, y1) = pts[j - 1], pts[j]
         t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
         if loglog:
             return y0 * (y1 / y0) ** t
@@ -307,14 +309,25 @@ class CalibrationTable(BaseModel):
     def _resolve(self, kind: str, gpu: str, key: dict) -> tuple[tuple[float, CalibrationEntry], ...] | None:
         """``((weight, entry), ...)`` whose weighted values are the lookup (one entry of weight 1 off the grid)."""
         mkey = (kind, gpu, tuple(sorted(key.items())))
+        memo = self._memo()
         try:
-            return self._resolved[mkey]
+            return memo[mkey]
         except KeyError:
             pass
         except TypeError:  # an unhashable key value: resolve without the memo
             return self._resolve_uncached(kind, gpu, key)
-        res = self._resolved[mkey] = self._resolve_uncached(kind, gpu, key)
+        res = memo[mkey] = self._resolve_uncached(kind, gpu, key)
         return res
+
+    def _memo(self) -> dict:
+        """``_resolved`` without pydantic's ``__getattr__`` (private attributes live in ``__pydantic_private__``;
+        reading one the ordinary way costs a Python-level call per lookup)."""
+        priv = self.__pydantic_private__
+        if priv is not None:
+            memo = priv.get("_resolved")
+            if memo is not None:
+                return memo
+        return self._resolved
 
     def _resolve_uncached(self, kind, gpu, key):
         key = canonical_key(kind, key)
