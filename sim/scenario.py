@@ -543,6 +543,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
     from rackbed import topology as topo_mod
     from rackbed.engine.core.deployment import DecoderTemplate, PrefillerTemplate, kv_transfer_sizes, place
     from rackbed.sim.scenario_checks import budget_caveat, check_disaggregated, check_run_size, context_check
+    from rackbed.topology.power import check_rack_power
 
     check_run_size(sc)
     topo = topo_mod.load(sc.topology)
@@ -553,6 +554,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
         b = build_aggregated(sc, topo, model, _KvPathView(topo), engine_calibration=engine_calibration)
         b.caveats.extend(context)
+        check_rack_power(b.deployment, topo)
         b.prefix_cache = prefix_cache_spec(sc, topo, model, b.deployment)
         return b
     p, d = sc.prefill, sc.decode
@@ -587,6 +589,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                 prefiller=ptpl, decoder=dtpl, mtp=sc.mtp.spec(),
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if (sc.autoscaler is not None and sc.autoscaler.enabled) else "none", name=sc.name)
+    check_rack_power(dep, topo)  # after placement: the rack power limit (topology.power)
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats
 
