@@ -144,6 +144,20 @@ class SloSection(_Strict):
     tpot_s: float | None = Field(None, gt=0)
 
 
+class EnergySection(_Strict):
+    """Prices and facility efficiency for the run's energy and cost (``sim.energy``: the whole pool for the whole
+    simulated time): ``usd_per_gpu_hour`` (0: energy cost only), ``usd_per_kwh``, ``pue`` (facility / IT power)."""
+
+    usd_per_gpu_hour: float = Field(0.0, ge=0)
+    usd_per_kwh: float = Field(0.10, ge=0)
+    pue: float = Field(1.2, ge=1)
+
+    def prices(self):
+        from rackbed.sim.energy import EnergyPrices
+
+        return EnergyPrices(self.usd_per_gpu_hour, self.usd_per_kwh, self.pue)
+
+
 class AutoscalerSection(_Strict):
     enabled: bool = True
     interval_s: float = Field(5.0, gt=0)
@@ -286,6 +300,7 @@ class ServingScenario(_Strict):
     mtp: MtpSection = MtpSection()
     workload: WorkloadSpec
     slo: SloSection = SloSection()
+    energy: EnergySection = EnergySection()
     autoscaler: AutoscalerSection | None = None
     faults: tuple[FaultSection, ...] = ()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
@@ -753,6 +768,9 @@ def run_serving(path: Path, out: Path, *, console, seed: int | None = None, prog
         where = f"{path} with {_flags(overrides)}" if overrides else str(path)
         raise UserError(msg if msg.startswith(str(path)) else f"{where}: {msg}") from None
     b, res = simulate_scenario(sc, progress=progress, built=b)
+    from rackbed.sim.energy import energy_report
+
+    res.metrics["energy"] = energy_report(b, res, sc.energy.prices())
     out.mkdir(parents=True, exist_ok=True)
     files = write_all(res, out)
     print_summary(console, b, res)
@@ -840,6 +858,10 @@ def print_summary(console, b: Built, res) -> None:
     for k, v in rows:
         t2.add_row(k, str(v))
     console.print(t2)
+    if "energy" in m:
+        from rackbed.sim.energy import summary_line
+
+        console.print(summary_line(m["energy"]))
     if sc.claim:
         console.print(f"[bold]write-up:[/bold] {sc.claim}")
 
