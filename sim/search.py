@@ -37,7 +37,8 @@ For a model, candidate hardware, a workload and SLOs, the search
    at the SLOs, ``TTFT SLO + (output - 1) x TPOT SLO``, or the workload's ``duration_s`` when longer (a workload
    given as a number of requests keeps it), so that the rate is judged in the queues' steady state, not while they
    build up;
-4. computes the **Pareto front** of the simulated points that meet the SLOs (TTFT and TPOT at the SLO percentile,
+4. computes the **Pareto front** (``objective: gpu``; with ``objective: kw`` tokens/s per kW of facility power,
+   the whole pool, :mod:`sim.energy`, replaces tokens/s per GPU) of the simulated points that meet the SLOs (TTFT and TPOT at the SLO percentile,
    every request completed) and **hold**: the latency of the 2nd and 3rd quarters' arrivals, continued at its
    trend for a run 4x as long, stays within the SLOs, or such a run, simulated when the trend is in doubt, meets
    them — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)
@@ -66,7 +67,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rackbed.engine.core.sharding import min_redundant_experts
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.pareto import pareto_layers
-from rackbed.sim.search_results import explain, front_of, meets_slo
+from rackbed.sim.search_results import OBJECTIVES, explain, front_of, meets_slo
 from rackbed.topology.errors import UserError, from_validation, one_line
 
 
@@ -176,6 +177,9 @@ class SearchSpec(_Strict):
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     mtp_accept_p: float = Field(0.8, ge=0, le=1)
     gpu_hour_usd: float | dict[str, float] = 0.0
+    #: what the front maximises against tokens/s per user: ``gpu`` (output tokens/s per GPU) or ``kw`` (output
+    #: tokens/s per kW of facility power, the whole pool: ``sim.energy``, priced by ``scenario.energy``)
+    objective: Literal["gpu", "kw"] = "gpu"
     space: SearchSpace = SearchSpace()
     prefill_headroom: float = Field(1.25, gt=0)
     max_simulations: int = Field(60, ge=0)
@@ -838,8 +842,9 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
                 if price[r["key"]] else None
     elig = [r for r in recs if r["holds"]] if window else \
         [r for r in recs if meets_slo(r, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)]
-    front = front_of(elig)
-    best = sorted(front, key=lambda r: -r["summary"]["tokens_per_s_per_gpu"])[: spec.top]
+    front = front_of(elig, spec.objective)
+    obj = OBJECTIVES[spec.objective]
+    best = sorted(front, key=lambda r: -r["summary"][obj])[: spec.top]
     expl = {}
     for r in best:
         try:
@@ -878,7 +883,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
                     prefix_cache: Mapping | None = None, max_gpus: int | None = None,
                     decode_overlap: Sequence[str] | None = None, decode_tp: Sequence[int] | None = None,
-                    kv_dtype: Sequence[str] | None = None) -> SearchSpec:
+                    kv_dtype: Sequence[str] | None = None, objective: str = "gpu") -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
@@ -886,7 +891,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
     ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
     GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only).
     ``decode_tp``: attention TP degrees of a decoder's DP ranks (None: 1); ``kv_dtype``: KV cache formats to try
-    (None: the spec's, bf16)."""
+    (None: the spec's, bf16); ``objective``: ``gpu`` or ``kw`` (:attr:`SearchSpec.objective`)."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k), ("decode_overlap", decode_overlap), ("decode_tp", decode_tp),
@@ -898,7 +903,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                          "prompt": {"kind": "fixed", "tokens": prompt_tokens},
                          "output": {"kind": "fixed", "tokens": output_tokens}, "duration_s": duration_s},
             "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s}, "gpu_hour_usd": gpu_hour_usd, "space": space,
-            "max_simulations": max_simulations, "top": top, "max_gpus": max_gpus}
+            "max_simulations": max_simulations, "top": top, "max_gpus": max_gpus, "objective": objective}
     if trace is not None:
         from rackbed.engine.core.traces import TRACE_FILES
 

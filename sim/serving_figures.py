@@ -537,7 +537,6 @@ def cost_compare_result(st: CostCompareStudy, runs: list[tuple]) -> StudyResult:
         if r["usd_per_m_good_output"] is None:
             raise UserError(f"{st.name}: run {r['run']}: no request met the SLO, so no cost per good token")
     ttft, tpot = next(iter(slos))
-    a = rows[0]
     parts = []
     for r in rows:
         parts.append(f"{r['run']}: ${r['usd_per_m_good_output']:.2f} per million output tokens within the SLO "
