@@ -42,7 +42,10 @@ For a model, candidate hardware, a workload and SLOs, the search
    every request completed) and **hold**: the latency of the 2nd and 3rd quarters' arrivals, continued at its
    trend for a run 4x as long, stays within the SLOs, or such a run, simulated when the trend is in doubt, meets
    them — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)
-   — and the **cost per million output tokens** ``$/GPU-hour / (3600 x tokens/s per GPU) x 1e6``;
+   — and the **cost per million output tokens** under the one accounting rule of :mod:`sim.energy` (the whole
+   pool for the whole run: ``$/GPU-hour x pool GPUs x hours + energy``, :func:`run_cost_per_mtok_usd`; the
+   analytic stage's estimate before simulation, ``$/GPU-hour / (3600 x estimated tokens/s per GPU) x 1e6``, counts
+   GPU-hours only);
 5. prints the best few with **why**: their prefill and decode ``StepBreakdown`` at the operating point (the
    simulated mean batch per rank), i.e. where the step time goes.
 
@@ -699,6 +702,20 @@ def cost_per_mtok_usd(gpu_hour_usd: float, tokens_per_s_per_gpu: float | None) -
     return gpu_hour_usd / (3600.0 * tokens_per_s_per_gpu) * 1e6
 
 
+def run_cost_per_mtok_usd(gpu_hour_usd: float, rec: Mapping) -> float | None:
+    """Dollars per million output tokens of a simulated point under the one accounting rule (``sim.energy``): the
+    whole pool for the whole run, GPU-hours at ``gpu_hour_usd`` plus the energy the record's ``energy`` section
+    priced (the scenario's ``energy.usd_per_kwh`` and PUE). A record without one (a GPU with no power figure)
+    counts GPU-hours of the GPUs in use only (:func:`cost_per_mtok_usd`)."""
+    e = (rec.get("metrics") or {}).get("energy")
+    if not e:
+        return cost_per_mtok_usd(gpu_hour_usd, rec["summary"].get("tokens_per_s_per_gpu"))
+    out = e.get("output_tokens") or 0
+    if out <= 0:
+        return None
+    return (gpu_hour_usd * e["pool_gpus"] * e["duration_s"] / 3600.0 + e["usd_energy"]) / (out / 1e6)
+
+
 def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     """Dotted scenario overrides of a candidate (the keys ``sim.sweep`` points use)."""
     p, d = c.prefill, c.decode
@@ -838,7 +855,7 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     price = {p.key: spec.price(p.scenario.get("topology", "")) for p in points}
     for r in recs:
         if r.get("status") == "ok":
-            r["summary"]["cost_per_mtok_usd"] = cost_per_mtok_usd(price[r["key"]], r["summary"]["tokens_per_s_per_gpu"]) \
+            r["summary"]["cost_per_mtok_usd"] = run_cost_per_mtok_usd(price[r["key"]], r) \
                 if price[r["key"]] else None
     elig = [r for r in recs if r["holds"]] if window else \
         [r for r in recs if meets_slo(r, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)]

@@ -777,6 +777,7 @@ def search_report_data(res):
         explanations=res.explanations, color_by=varied[0] if varied else None,
         tables=[knob, *option_tables(res), prune],
         notes=[("tokens/s per GPU counts every allocated GPU (prefill and decode); tokens/s per user is the p50 "
-                "of 1/TPOT; cost per million output tokens = $/GPU-hour / (3600 x tokens/s per GPU) x 1e6"),
+                "of 1/TPOT; cost per million output tokens = ($/GPU-hour x pool GPUs x hours + energy) / output "
+                "tokens x 1e6 (the whole pool for the whole run, sim/energy.py)"),
                "est = the analytic estimate the pruning used (replicas from the input-token rate and Little's law)",
                *res.notes])
