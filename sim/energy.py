@@ -1,32 +1,31 @@
 """Energy and money per token of a simulated run: GPU draw by step, node and rack overhead, PUE, $/M tokens.
 
-**Power of a GPU.** Every catalogue GPU carries three draws (``topology.specs.GpuPower``): ``idle_w`` (powered,
-weights resident, no kernel running), ``memory_bound_w`` and ``compute_bound_w`` (the board power limit). While a
-worker runs a step, each of its GPUs draws
+**Power of a GPU.** Every catalogue GPU carries three draws (``topology.specs.GpuPower``): ``idle_w``
+(powered, weights resident, no kernel running), ``memory_bound_w`` and ``compute_bound_w`` (the board power
+limit). While a worker runs a step, each of its GPUs draws
 
     P = P_mem + k * (P_compute - P_mem) * min(1, u / U_SAT)
 
 where ``k`` is the share of the step spent in kernels rather than in communication (from the cost model's
 ``StepTime``: ``1 - (a2a_s + allreduce_s) / total_s``, summed over the role's steps) — collectives draw the
 memory-bound figure — and ``u`` is the step's compute utilisation: the model's FLOPs for the tokens the step
-processes (``ModelSpec.flops_per_token``) over the GPUs' dense peak for the run's weight format during the kernel
-time. ``U_SAT`` (0.5, an assumption) is the utilisation at which a GPU reaches its power limit: GEMM-heavy
-prefill at half the dense peak already runs at the board's power cap. Between steps, and on GPUs of the pool no
-worker holds (spares, groups not started yet), a GPU draws ``idle_w``.
+processes (``ModelSpec.flops_per_token``) over the GPUs' dense peak for the run's weight format during the
+kernel time. ``U_SAT`` (0.5, an assumption) is the utilisation at which a GPU reaches its power limit:
+GEMM-heavy prefill at half the dense peak already runs at the board's power cap. Between steps, and on GPUs of
+the pool no worker holds (spares, groups not started yet), a GPU draws ``idle_w``.
 
 Prefill steps are priced one by one (each span carries its token count); decode and aggregated steps by their
-role's mean utilisation (a span carries no batch size). The draw is linear in ``u`` below ``U_SAT``, so the mean
-gives the sum over steps exactly there; decode runs far below it.
+role's mean utilisation (a span carries no batch size). The draw is linear in ``u`` below ``U_SAT``, so the
+mean gives the sum over steps exactly there; decode runs far below it.
 
-**Accounting rule** (one, used by every output and study): the deployment's whole pool — every GPU it reserves,
-spares included — for the whole simulated time. GPU energy is ``idle_w x pool x T`` plus, per step, its GPUs'
-draw above idle; to it come the overheads of the nodes holding pool GPUs (``NodeSpec.overhead_w``) and of the
-racks holding them (``RackSpec.overhead_w``) for the whole time: IT energy. Facility energy is IT energy x PUE.
-Cost is ``$/GPU-hour x pool x T / 3600`` (hardware, whatever the GPUs do) plus facility kWh x ``$/kWh``; per
-million output tokens of the requests done (``usd_per_m_output``) and of the requests that met the SLO
-(``usd_per_m_good_output``: what compares deployments at equal SLOs). A GPU-hour price that already includes
-power is given with ``usd_per_kwh: 0``.
-"""
+**Accounting rule** (one, used by every output and study): the deployment's whole pool — every GPU it
+reserves, spares included — for the whole simulated time. GPU energy is ``idle_w x pool x T`` plus, per step,
+its GPUs' draw above idle; to it come the overheads of the nodes holding pool GPUs (``NodeSpec.overhead_w``)
+and of the racks holding them (``RackSpec.overhead_w``) for the whole time: IT energy. Facility energy is IT
+energy x PUE. Cost is ``$/GPU-hour x pool x T / 3600`` (hardware, whatever the GPUs do) plus facility kWh x
+``$/kWh``; per million output tokens of the requests done (``usd_per_m_output``) and of the requests that met
+the SLO (``usd_per_m_good_output``: what compares deployments at equal SLOs). A GPU-hour price that already
+includes power is given with ``usd_per_kwh: 0``."""
 
 from __future__ import annotations
 
@@ -44,7 +43,8 @@ J_PER_KWH = 3.6e6
 
 @dataclass(frozen=True)
 class EnergyPrices:
-    """Prices and facility efficiency: ``usd_per_gpu_hour`` (0: no hardware cost), ``usd_per_kwh``, ``pue``."""
+    """Prices and facility efficiency: ``usd_per_gpu_hour`` (0: no hardware cost), ``usd_per_kwh``,
+    ``pue``."""
 
     usd_per_gpu_hour: float = 0.0
     usd_per_kwh: float = 0.10
@@ -82,7 +82,8 @@ def peak_tflops(gpu, weight_format: str) -> float:
 
 def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None:
     """``metrics["energy"]`` of a run (``Built``, ``SimResult``): energy per worker and in total, J per token,
-    kWh per simulated day, mean kW, $/M tokens (module docstring). None when a pool GPU has no power figure."""
+    kWh per simulated day, mean kW, $/M tokens (module docstring). None when a pool GPU has no power
+    figure."""
     from rackbed.engine.core.metrics import request_arrays
     from rackbed.sim.driver import SPAN_DECODE, SPAN_MIXED, SPAN_PREFILL
     from rackbed.topology.power import deployment_gpus
@@ -129,7 +130,8 @@ def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None
     if pre.any():
         tok = np.array([s[4] if s[1] == SPAN_PREFILL else 0 for s in spans], dtype=np.float64)
         kt = gpu_s * kf.get("prefill", 1.0)
-        u[pre] = np.divide(tok[pre] * f_prefill, peak * kt[pre], out=np.zeros(int(pre.sum())), where=kt[pre] > 0)
+        u[pre] = np.divide(tok[pre] * f_prefill, peak * kt[pre], out=np.zeros(int(pre.sum())),
+                           where=kt[pre] > 0)
     dm = res.metrics.get("decode", {})
     dec_tokens = float(dm.get("sequence_steps", 0)) * (1 + int(dm.get("draft_k", 0) or 0))
     for k, role, flops in ((SPAN_DECODE, "decode", dec_tokens * f_decode),
@@ -145,7 +147,8 @@ def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None
 
     workers: dict[str, dict] = {}
     for gid in n_gpus:
-        workers[gid] = {"role": role_of[gid], "gpus": n_gpus[gid], "busy_s": 0.0, "energy_J": 0.0, "_extra": 0.0}
+        workers[gid] = {"role": role_of[gid], "gpus": n_gpus[gid], "busy_s": 0.0, "energy_J": 0.0,
+                        "_extra": 0.0}
     for w, d, e in zip(wid, dur, extra_j):
         workers[w]["busy_s"] += float(d)
         workers[w]["_extra"] += float(e)
@@ -169,8 +172,10 @@ def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None
     usd_gpu = prices.usd_per_gpu_hour * len(pool) * T / 3600.0
     usd_energy = kwh * prices.usd_per_kwh
     usd = usd_gpu + usd_energy
-    per_m = (lambda x, tok: x / (tok / 1e6) if tok > 0 else None)
-    per = (lambda x, tok: x / tok if tok > 0 else None)
+
+    def per(x: float, tok: float, scale: float = 1.0) -> float | None:
+        return x / (tok / scale) if tok > 0 else None
+
     peak_w = sum(p.compute_bound_w for p in powers) + node_w + rack_w
     return {
         "rule": "whole pool for the whole simulated time",
@@ -187,9 +192,9 @@ def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None
         "output_tokens_per_s_per_kW": out_tok / T / (fac_j / T / 1e3) if T > 0 and fac_j > 0 else None,
         "usd_per_gpu_hour": prices.usd_per_gpu_hour, "usd_per_kwh": prices.usd_per_kwh,
         "usd_gpu": usd_gpu, "usd_energy": usd_energy, "usd": usd,
-        "usd_per_m_output": per_m(usd, out_tok),
-        "usd_per_m_good_output": per_m(usd, good),
-        "usd_per_m_tokens": per_m(usd, out_tok + in_tok),
+        "usd_per_m_output": per(usd, out_tok, 1e6),
+        "usd_per_m_good_output": per(usd, good, 1e6),
+        "usd_per_m_tokens": per(usd, out_tok + in_tok, 1e6),
         "utilisation_by_role": {r: _role_u(u, kind, gpu_s, k) for r, k in (("prefill", SPAN_PREFILL),
                                                                              ("decode", SPAN_DECODE),
                                                                              ("aggregated", SPAN_MIXED))
@@ -205,7 +210,8 @@ def _role_u(u, kind, gpu_s, k) -> float:
 
 
 def _good_output_tokens(a, done, metrics) -> float:
-    """Output tokens of the done requests that met the run's SLO (TTFT and TPOT), as the goodput counts them."""
+    """Output tokens of the done requests that met the run's SLO (TTFT and TPOT), as the goodput counts
+    them."""
     g = metrics.get("goodput", {})
     tps = g.get("tokens_per_s")
     dur = metrics.get("throughput", {}).get("duration_s")

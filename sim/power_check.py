@@ -7,17 +7,16 @@ timestamp,power.draw,utilization.gpu`` — and, optionally, the run's steps::
      "samples": [{"t": 0.0, "power_w": 312.5, "util": 87, "gpu": 0}, ...],
      "steps":   [{"start_s": 0.01, "dur_s": 0.02, "u": 0.03, "kernel_frac": 0.9}, ...]}
 
-``t`` in seconds (any origin, the steps' on the same clock), ``power_w`` the board draw, ``util`` (optional) the
-percentage of the sample period a kernel ran (nvidia-smi's ``utilization.gpu``), ``gpu`` (optional) which GPU.
-A step's ``u`` is its compute utilisation (FLOPs over the dense peak during kernels, ``sim.energy``; default 0:
-memory-bound) and ``kernel_frac`` the share not spent in communication (default 1).
+``t`` in seconds (any origin, the steps' on the same clock), ``power_w`` the board draw, ``util`` (optional)
+the percentage of the sample period a kernel ran (nvidia-smi's ``utilization.gpu``), ``gpu`` (optional) which
+GPU. A step's ``u`` is its compute utilisation (FLOPs over the dense peak during kernels, ``sim.energy``;
+default 0: memory-bound) and ``kernel_frac`` the share not spent in communication (default 1).
 
-The prediction uses ``sim.energy``'s draw: a GPU busy for a fraction ``f`` of a sample period draws
-``idle_w + f x (P_busy - idle_w)`` with ``P_busy = busy_power_w(power, u, kernel_frac)`` — ``u`` and
-``kernel_frac`` the steps' means weighted by duration. ``f`` is the sample's ``util`` / 100 when the samples carry
-it, else the share of the sampled window the steps cover. The check reports the measured and predicted mean
-draw per GPU over the samples and the relative error ``(predicted - measured) / measured``.
-"""
+The prediction uses ``sim.energy``'s draw: a GPU busy for a fraction ``f`` of a sample period draws ``idle_w +
+f x (P_busy - idle_w)`` with ``P_busy = busy_power_w(power, u, kernel_frac)`` — ``u`` and ``kernel_frac`` the
+steps' means weighted by duration. ``f`` is the sample's ``util`` / 100 when the samples carry it, else the
+share of the sampled window the steps cover. The check reports the measured and predicted mean draw per GPU
+over the samples and the relative error ``(predicted - measured) / measured``."""
 
 from __future__ import annotations
 
@@ -31,7 +30,8 @@ from rackbed.topology.errors import UserError
 
 
 def _num(x, where: str, lo: float | None = None) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or (lo is not None and x < lo):
+    bad = isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+    if bad or (lo is not None and x < lo):
         raise UserError(f"{where}: expected a finite number{'' if lo is None else f' >= {lo:g}'}, got {x!r}")
     return float(x)
 
@@ -103,7 +103,8 @@ def check_power(data: dict, gpu_spec) -> dict:
     elif steps:
         lo, hi = float(t.min()), float(t.max())
         if hi <= lo:
-            raise UserError("validate --power: the samples span no time and carry no util; cannot place the steps")
+            raise UserError("validate --power: the samples span no time and carry no util; cannot place the "
+                            "steps")
         busy = _covered([(s[0], s[0] + s[1]) for s in steps], lo, hi)
         f = np.full(len(t), busy / (hi - lo))
         source = "steps' share of the sampled window"
@@ -111,9 +112,10 @@ def check_power(data: dict, gpu_spec) -> dict:
         raise UserError("validate --power: give util in every sample or the run's steps (the busy share)")
     pred = pw.idle_w + f * (p_busy - pw.idle_w)
     meas_mean, pred_mean = float(p.mean()), float(pred.mean())
-    return {"gpu": gpu_spec.name, "samples": len(t), "window_s": float(t.max() - t.min()), "steps": len(steps),
-            "busy_fraction": float(f.mean()), "busy_from": source, "mean_u": u, "kernel_frac": kf,
-            "idle_w": pw.idle_w, "busy_w": p_busy, "measured_mean_w": meas_mean, "predicted_mean_w": pred_mean,
+    return {"gpu": gpu_spec.name, "samples": len(t), "window_s": float(t.max() - t.min()),
+            "steps": len(steps), "busy_fraction": float(f.mean()), "busy_from": source, "mean_u": u,
+            "kernel_frac": kf, "idle_w": pw.idle_w, "busy_w": p_busy, "measured_mean_w": meas_mean,
+            "predicted_mean_w": pred_mean,
             "rel_error": (pred_mean - meas_mean) / meas_mean if meas_mean > 0 else None}
 
 
@@ -130,7 +132,8 @@ def _covered(intervals, lo: float, hi: float) -> float:
 
 def power_line(r: dict) -> str:
     err = r["rel_error"]
-    return (f"power ({r['gpu']}, {r['samples']} samples over {r['window_s']:.1f} s, busy {r['busy_fraction']:.0%} "
-            f"from the {r['busy_from']}, compute utilisation {r['mean_u']:.3f}): measured {r['measured_mean_w']:.0f} W "
-            f"mean, model {r['predicted_mean_w']:.0f} W (idle {r['idle_w']:.0f} W, busy {r['busy_w']:.0f} W): "
+    return (f"power ({r['gpu']}, {r['samples']} samples over {r['window_s']:.1f} s, busy "
+            f"{r['busy_fraction']:.0%} from the {r['busy_from']}, compute utilisation {r['mean_u']:.3f}): "
+            f"measured {r['measured_mean_w']:.0f} W mean, model {r['predicted_mean_w']:.0f} W (idle "
+            f"{r['idle_w']:.0f} W, busy {r['busy_w']:.0f} W): "
             + ("error n/a" if err is None else f"error {err:+.1%}"))

@@ -1,4 +1,5 @@
-"""Energy and money per token (sim.energy): the draw model's bounds, the whole-pool accounting rule, prices."""
+"""Energy and money per token (sim.energy): the draw model's bounds, the whole-pool accounting rule,
+prices."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def test_report_adds_up(run):
 @settings(max_examples=30)
 @given(hs.data())
 def test_gpu_energy_between_idle_and_peak(run, data):
-    """Whatever the steps (none overlapping on one worker), the pool's GPU energy lies between all idle and all
-    at the power limit for the whole time."""
+    """Whatever the steps (none overlapping on one worker), the pool's GPU energy lies between all idle and
+    all at the power limit for the whole time."""
     b, res = run
     T = res.sim_end_s
     spans = []

@@ -11,19 +11,25 @@ from rackbed.sim.search_results import front_of
 
 
 def _rec(gpu, kw, user):
-    return {"summary": {"tokens_per_s_per_gpu": gpu, "tokens_per_s_per_kw": kw, "tokens_per_s_per_user": user}}
+    return {"summary": {"tokens_per_s_per_gpu": gpu, "tokens_per_s_per_kw": kw,
+                        "tokens_per_s_per_user": user}}
 
 
-@given(hs.lists(hs.tuples(hs.floats(1, 100), hs.floats(1, 100), hs.floats(1, 100)), min_size=1, max_size=12))
+def _kw_user(r):
+    return r["summary"]["tokens_per_s_per_kw"], r["summary"]["tokens_per_s_per_user"]
+
+
+POINT = hs.tuples(hs.floats(1, 100), hs.floats(1, 100), hs.floats(1, 100))
+
+
+@given(hs.lists(POINT, min_size=1, max_size=12))
 def test_kw_front_is_non_dominated_on_kw(pts):
     recs = [_rec(*p) for p in pts]
     front = front_of(recs, "kw")
     assert front
     for f in front:
-        fk, fu = f["summary"]["tokens_per_s_per_kw"], f["summary"]["tokens_per_s_per_user"]
-        assert not any(r["summary"]["tokens_per_s_per_kw"] >= fk and r["summary"]["tokens_per_s_per_user"] >= fu
-                       and (r["summary"]["tokens_per_s_per_kw"], r["summary"]["tokens_per_s_per_user"]) != (fk, fu)
-                       for r in recs)
+        fk, fu = _kw_user(f)
+        assert not any(k >= fk and u >= fu and (k, u) != (fk, fu) for k, u in map(_kw_user, recs))
 
 
 def test_records_without_power_are_off_the_kw_front():
@@ -34,8 +40,8 @@ def test_records_without_power_are_off_the_kw_front():
 def test_small_search_by_tokens_per_kw(tmp_path):
     data = {"name": "t", "model": "qwen3-235b-a22b", "objective": "kw",
             "workload": {"kind": "synthetic", "arrival": {"kind": "poisson", "rate_per_s": 6},
-                         "prompt": {"kind": "fixed", "tokens": 1500}, "output": {"kind": "fixed", "tokens": 40},
-                         "duration_s": 4},
+                         "prompt": {"kind": "fixed", "tokens": 1500},
+                         "output": {"kind": "fixed", "tokens": 40}, "duration_s": 4},
             "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
             "space": {"topology": ["gb200-nvl72"], "weight_format": ["mxfp8"], "prefill_tp": [4],
                       "decode_ep": [8, 16], "max_batch_per_rank": [16], "draft_k": [0]},

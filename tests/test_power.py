@@ -18,8 +18,9 @@ from rackbed.topology.specs import GPUS, GpuPower
 TOPO = """cluster:
   name: small-rack
   rack: {{name: test rack, n_nodes: 2, rack_power_kw: {kw}, overhead_w: 500,
-         node: {{name: n, gpu: H200-SXM, n_gpus: 8, nvlink: nvlink4, nvswitch: NVSwitch-3, links_per_switch: [5, 4, 4, 5],
-                nic: CX-7, nics_per_gpu: 1, nic_link: pcie5-x16, overhead_w: 2000}}}}
+         node: {{name: n, gpu: H200-SXM, n_gpus: 8, nvlink: nvlink4, nvswitch: NVSwitch-3,
+                links_per_switch: [5, 4, 4, 5], nic: CX-7, nics_per_gpu: 1, nic_link: pcie5-x16,
+                overhead_w: 2000}}}}
   fabric: {{switch: Quantum-2-QM9700, link: ib-ndr}}
 """
 SCENARIO = """kind: serving
@@ -35,8 +36,8 @@ workload: {{kind: synthetic, arrival: {{kind: poisson, rate_per_s: 2}}, prompt: 
 
 
 def _dep(gpus, spare=()):
-    return SimpleNamespace(name="d", prefillers=(SimpleNamespace(gpus=tuple(gpus)),), decoders=(), aggregated=(),
-                           spare_gpus=tuple(spare))
+    return SimpleNamespace(name="d", prefillers=(SimpleNamespace(gpus=tuple(gpus)),), decoders=(),
+                           aggregated=(), spare_gpus=tuple(spare))
 
 
 def test_every_catalogue_gpu_has_ordered_power():

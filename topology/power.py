@@ -32,7 +32,8 @@ def rack_peak_w(topo, gpus: Iterable[int]) -> list[tuple[object, int, float]]:
 
 def deployment_gpus(dep) -> list[int]:
     """Every GPU a deployment reserves: its groups' and its spare pool's."""
-    return [g for grp in (*dep.prefillers, *dep.decoders, *dep.aggregated) for g in grp.gpus] + list(dep.spare_gpus)
+    groups = (*dep.prefillers, *dep.decoders, *dep.aggregated)
+    return [g for grp in groups for g in grp.gpus] + list(dep.spare_gpus)
 
 
 def check_rack_power(dep, topo) -> None:
