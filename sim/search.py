@@ -37,8 +37,9 @@ For a model, candidate hardware, a workload and SLOs, the search
    at the SLOs, ``TTFT SLO + (output - 1) x TPOT SLO``, or the workload's ``duration_s`` when longer (a workload
    given as a number of requests keeps it), so that the rate is judged in the queues' steady state, not while they
    build up;
-4. computes the **Pareto front** (``objective: gpu``; with ``objective: kw`` tokens/s per kW of facility power,
-   the whole pool, :mod:`sim.energy`, replaces tokens/s per GPU) of the simulated points that meet the SLOs (TTFT and TPOT at the SLO percentile,
+4. computes the **Pareto front** (``objective: gpu``; with ``objective: kw`` tokens/s per kW of facility
+   power, the whole pool, :mod:`sim.energy`, replaces tokens/s per GPU) of the simulated points that meet the
+   SLOs (TTFT and TPOT at the SLO percentile,
    every request completed) and **hold**: the latency of the 2nd and 3rd quarters' arrivals, continued at its
    trend for a run 4x as long, stays within the SLOs, or such a run, simulated when the trend is in doubt, meets
    them — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)

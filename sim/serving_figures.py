@@ -531,30 +531,31 @@ def cost_compare_result(st: CostCompareStudy, runs: list[tuple]) -> StudyResult:
     slos = {(r["slo_ttft_s"], r["slo_tpot_s"]) for r in rows}
     if len(slos) != 1 or None in next(iter(slos)):
         got = ", ".join(f"{r['run']}: {r['slo_ttft_s']} s / {r['slo_tpot_s']} s" for r in rows)
-        raise UserError(f"{st.name}: runs: a cost comparison needs every run to state the same slo (ttft_s and "
-                        f"tpot_s); got {got}")
+        raise UserError(f"{st.name}: runs: a cost comparison needs every run to state the same slo "
+                        f"(ttft_s and tpot_s); got {got}")
     for r in rows:
         if r["usd_per_m_good_output"] is None:
             raise UserError(f"{st.name}: run {r['run']}: no request met the SLO, so no cost per good token")
     ttft, tpot = next(iter(slos))
     parts = []
     for r in rows:
-        parts.append(f"{r['run']}: ${r['usd_per_m_good_output']:.2f} per million output tokens within the SLO "
-                     f"(${r['usd_per_gpu_hour']:g}/GPU-hour x {r['pool_gpus']} GPUs + {r['mean_kW']:.0f} kW at "
-                     f"${r['usd_per_kwh']:g}/kWh), {r['J_per_output_token']:.0f} J/output token, goodput "
+        parts.append(f"{r['run']}: ${r['usd_per_m_good_output']:.2f} per million output tokens within the "
+                     f"SLO (${r['usd_per_gpu_hour']:g}/GPU-hour x {r['pool_gpus']} GPUs + {r['mean_kW']:.0f} kW "
+                     f"at ${r['usd_per_kwh']:g}/kWh), {r['J_per_output_token']:.0f} J/output token, goodput "
                      f"{r['goodput_fraction']:.0%}, TPOT p50 {r['tpot_p50_ms']:.1f} ms")
     best = min(rows, key=lambda r: r["usd_per_m_good_output"])
     other = [r for r in rows if r is not best]
-    verdict = (f"at the same SLO (TTFT <= {ttft:g} s, TPOT <= {tpot * 1e3:g} ms), counting the whole pool for the "
-               f"whole run with energy (PUE {st.pue:g}), {best['run']} is the cheaper: "
+    verdict = (f"at the same SLO (TTFT <= {ttft:g} s, TPOT <= {tpot * 1e3:g} ms), counting the whole pool for "
+               f"the whole run with energy (PUE {st.pue:g}), {best['run']} is the cheaper: "
                + ", ".join(f"x{r['usd_per_m_good_output'] / best['usd_per_m_good_output']:.2f} for {r['run']}"
                            for r in other))
     claims = [(st.claim, verdict + "; " + "; ".join(parts))]
-    summary = {r["run"]: {k: r[k] for k in ("usd_per_m_good_output", "usd_per_m_output", "J_per_output_token",
-                                            "mean_kW", "ttft_p50_s", "tpot_p50_ms", "mean_prefill_gpus",
-                                            "mean_decode_gpus", "goodput_fraction", "done", "total")} for r in rows}
-    summary["answer"] = {"cheaper": best["run"], "rule": "whole pool, whole run, energy included, output tokens "
-                         "within the SLO", "slo_ttft_s": ttft, "slo_tpot_s": tpot,
+    keys = ("usd_per_m_good_output", "usd_per_m_output", "J_per_output_token", "mean_kW", "ttft_p50_s",
+            "tpot_p50_ms", "mean_prefill_gpus", "mean_decode_gpus", "goodput_fraction", "done", "total")
+    summary = {r["run"]: {k: r[k] for k in keys} for r in rows}
+    summary["answer"] = {"cheaper": best["run"],
+                         "rule": "whole pool, whole run, energy included, output tokens within the SLO",
+                         "slo_ttft_s": ttft, "slo_tpot_s": tpot,
                          "usd_per_m_good_output": {r["run"]: r["usd_per_m_good_output"] for r in rows}}
     timelines = {r.label: {"t_s": [s.t_s for s in res.samples],
                            "prefill": [s.gpus_prefill for s in res.samples],

@@ -29,9 +29,9 @@ GOLD = {
     # h re-blessed (was 0.776 s / 7.09 ms / $9.88; HEAD gave 0.870 / 8.28): TRT-LLM's measured custom all-reduce now prices
     # the TP4 prefill all-reduces (slower than the NVLS estimate that priced them), so the autoscaler, which sizes
     # prefillers by their priced capacity, runs more of them (32-40 GPUs most of the time, was 28-36): less queueing
-    # usd_per_m_good_output: whole pool, whole run, energy at $0.10/kWh and PUE 1.2 (hi_cost_per_token's prices),
-    # per million output tokens of the requests within the SLO (was $/M output tokens of the allocated GPU-seconds,
-    # no energy: 10.22 for h, 11.33 for i)
+    # usd_per_m_good_output: whole pool, whole run, energy at $0.10/kWh and PUE 1.2 (hi_cost_per_token's
+    # prices), per million output tokens of the requests within the SLO (was $/M output tokens of the allocated
+    # GPU-seconds, no energy: 10.22 for h, 11.33 for i)
     "h": {"ttft_p50_s": 0.551, "tpot_p50_ms": 8.05, "usd_per_m_good_output": 15.04},
     # i re-blessed (was 0.894 s / 16.79 ms; HEAD gave 0.722 / 15.63): calibration/h200.yaml now carries the fitted
     # graph-replay kernel fixed cost, 0.87 µs instead of the assumed 2.5 (every fp8_block GEMM, norm, a2a kernel);
@@ -168,12 +168,14 @@ def test_cost_compare(runs):
         a = sf._arrays(runs[key][2])
         out_tok = a["output_tokens"][a["status"] == "done"].sum()
         # one rule: the whole pool for the whole run, GPU-hours plus energy
-        e = energy_report(runs[key][1], runs[key][2], EnergyPrices(run.usd_per_gpu_hour, st.usd_per_kwh, st.pue))
+        prices = EnergyPrices(run.usd_per_gpu_hour, st.usd_per_kwh, st.pue)
+        e = energy_report(runs[key][1], runs[key][2], prices)
         gpu_usd = run.usd_per_gpu_hour * runs[key][1].deployment.n_gpus * m["throughput"]["duration_s"] / 3600
         assert e["usd_gpu"] == pytest.approx(gpu_usd)
-        assert row["usd_per_m_output"] == pytest.approx((gpu_usd + e["usd_energy"]) / (out_tok / 1e6), rel=1e-3)
+        usd = gpu_usd + e["usd_energy"]
+        assert row["usd_per_m_output"] == pytest.approx(usd / (out_tok / 1e6), rel=1e-3)
         good = m["goodput"]["tokens_per_s"] * m["throughput"]["duration_s"]
-        assert row["usd_per_m_good_output"] == pytest.approx((gpu_usd + e["usd_energy"]) / (good / 1e6), rel=1e-3)
+        assert row["usd_per_m_good_output"] == pytest.approx(usd / (good / 1e6), rel=1e-3)
         assert row["usd_per_m_good_output"] >= row["usd_per_m_output"]
         assert _near(row["usd_per_m_good_output"], GOLD[key]["usd_per_m_good_output"])
     ans = res.summary["answer"]

@@ -127,7 +127,8 @@ PRESETS: dict[str, ClusterSpec] = {
     "gb200-nvl72": ClusterSpec(
         name="gb200-nvl72",
         rack=RackSpec(name="GB200 NVL72", node=GB200_TRAY, n_nodes=18, nvswitch=NVLINK_SWITCH5, n_nvswitches=18,
-                      links_per_switch=1, nvlink=NVLINK5, overhead_w=NVL72_RACK_OVERHEAD_W, rack_power_kw=132.0),
+                      links_per_switch=1, nvlink=NVLINK5, overhead_w=NVL72_RACK_OVERHEAD_W,
+                      rack_power_kw=132.0),
         fabric=IB_FABRIC,
     ),
     "hgx-h200": ClusterSpec(name="hgx-h200", rack=RackSpec(name="HGX H200", node=HGX_H200, n_nodes=1),
@@ -140,7 +141,8 @@ PRESETS: dict[str, ClusterSpec] = {
     "gb300-nvl72": ClusterSpec(
         name="gb300-nvl72",
         rack=RackSpec(name="GB300 NVL72", node=GB300_TRAY, n_nodes=18, nvswitch=NVLINK_SWITCH5, n_nvswitches=18,
-                      links_per_switch=1, nvlink=NVLINK5, overhead_w=NVL72_RACK_OVERHEAD_W, rack_power_kw=135.0),
+                      links_per_switch=1, nvlink=NVLINK5, overhead_w=NVL72_RACK_OVERHEAD_W,
+                      rack_power_kw=135.0),
         fabric=XDR_FABRIC,
     ),
     "hgx-b300": ClusterSpec(name="hgx-b300", rack=RackSpec(name="HGX B300", node=HGX_B300, n_nodes=1),
@@ -269,7 +271,8 @@ def build(c: ClusterSpec) -> Topology:
                 for sw in switches:
                     g.add_edge(gid, sw, link=rack.nvlink.bundle(rack.links_per_switch))
         racks.append(RackPower(name=f"{rack.name} #{r}" if c.n_racks > 1 else rack.name,
-                               gpus=tuple(int(x.split(":")[1]) for x in rack_gpus), hosts=tuple(range(host0, host)),
+                               gpus=tuple(int(x.split(":")[1]) for x in rack_gpus),
+                               hosts=tuple(range(host0, host)),
                                node_overhead_w=node.overhead_w, rack_overhead_w=rack.overhead_w,
                                limit_kw=rack.rack_power_kw))
     if c.fabric is not None:

@@ -118,9 +118,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-hour-usd", type=float, default=None,
                    help="price of one GPU-hour, for $/M tokens (with --rate); default 0 (none)")
     p.add_argument("--objective", choices=("gpu", "kw"), default=None,
-                   help="what the front maximises against tokens/s per user (with --rate): gpu = output tokens/s "
-                        "per GPU, kw = output tokens/s per kW of facility power (whole pool, sim/energy.py); "
-                        "default gpu")
+                   help="what the front maximises against tokens/s per user (with --rate): gpu = output "
+                        "tokens/s per GPU, kw = output tokens/s per kW of facility power (whole pool, "
+                        "sim/energy.py); default gpu")
     p.add_argument("--prefill-tp", type=_ints, default=None, help="prefill TP degrees (EP = TP); default 2,4,8")
     p.add_argument("--decode-ep", type=_ints, default=None, help="decode DP-EP degrees; default 4,8,16,32")
     p.add_argument("--batch-cap", type=_caps, default=None,

@@ -347,7 +347,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_power(args: argparse.Namespace) -> int:
-    """``--power FILE``: the GPU power model against measured draw (``sim.power_check``); nothing else runs."""
+    """``--power FILE``: the GPU power model against measured draw (``sim.power_check``); nothing else
+    runs."""
     from rackbed import topology
     from rackbed.sim.power_check import check_power, power_line, read_power_file
     from rackbed.topology.specs import GPUS
@@ -390,9 +391,10 @@ def register(subparsers) -> None:
                    "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "
                    "from index i, so every inner point is held out once (slow: K fits)")
     p.add_argument("--out", help="write the validation JSON here")
-    p.add_argument("--power", metavar="FILE", help="instead: the GPU power model against measured draw (a JSON or "
-                   "YAML file of samples {t, power_w, util?} and optional steps; sim/power_check.py), on the "
-                   "--topology's GPU unless the file names one")
+    p.add_argument("--power", metavar="FILE",
+                   help="instead: the GPU power model against measured draw (a JSON or YAML file of samples "
+                        "{t, power_w, util?} and optional steps; sim/power_check.py), on the --topology's GPU "
+                        "unless the file names one")
     add_force(p, "replace an existing --out or --write-engine-calibration file")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
