@@ -122,3 +122,22 @@ def test_run_writes_energy_and_refuses_bad_pue(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "energy.pue" in err[0]
     assert np.isfinite(e["kWh_per_day"])
+
+
+def test_one_prefill_step_by_hand(run):
+    """A single prefill step: its GPUs draw the memory-bound figure plus the kernel share of the way to the power
+    limit, in proportion to its compute utilisation (FLOPs over the dense FP8 peak during kernel time)."""
+    b, res = run
+    T = res.sim_end_s
+    pid = next(g[0] for g in res.groups if g[1] == "prefill")
+    tokens, dur = 16384, 0.5
+    r2 = dataclasses.replace(res, spans=[(pid, SPAN_PREFILL, 1.0, dur, tokens, False)])
+    e = energy_report(b, r2)
+    bd = res.breakdown_s["prefill"]
+    k = 1 - (bd["a2a_s"] + bd["allreduce_s"]) / sum(bd.values())
+    prompt = 2000  # the scenario's fixed prompt
+    u = tokens * b.model.flops_per_token("prefill", prompt) / (1979e12 * 8 * dur * k)
+    p = H200.memory_bound_w + k * (H200.compute_bound_w - H200.memory_bound_w) * min(1.0, u / 0.5)
+    assert e["gpu_J"] == pytest.approx(H200.idle_w * 16 * T + 8 * dur * (p - H200.idle_w))
+    assert e["workers"][pid]["busy_s"] == pytest.approx(dur)
+    assert e["utilisation_by_role"]["prefill"] == pytest.approx(u)
