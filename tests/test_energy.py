@@ -126,7 +126,8 @@ def test_run_writes_energy_and_refuses_bad_pue(tmp_path, capsys):
 
 def test_one_prefill_step_by_hand(run):
     """A single prefill step: its GPUs draw the memory-bound figure plus the kernel share of the way to the
-    power limit, in proportion to its compute utilisation (FLOPs over the dense FP8 peak during kernel time)."""
+    power limit, in proportion to its compute utilisation (FLOPs over the dense FP8 peak during kernel
+    time)."""
     b, res = run
     T = res.sim_end_s
     pid = next(g[0] for g in res.groups if g[1] == "prefill")
