@@ -66,17 +66,18 @@ def fmt(x: Any, digits: int = 4) -> str:
 
 
 def best_table(data: ReportData) -> Table:
-    """The best points: label, GPUs, tokens/s per GPU and per user, TTFT / TPOT p90, goodput, $/M tokens."""
+    """The best points: label, GPUs, tokens/s per GPU and per user, TTFT / TPOT p90, goodput, $/M tokens, tokens/s
+    per kW (whole pool, facility power: ``sim.energy``)."""
     rows = []
     for i, r in enumerate(data.best, 1):
         s = r["summary"]
         rows.append([i, r.get("candidate") or compact_label(r.get("label", "")), fmt(s.get("mean_gpus"), 3),
                      fmt(s.get("tokens_per_s_per_gpu")), fmt(s.get("tokens_per_s_per_user")),
                      fmt(_ms(s.get("ttft_p90_s"))), fmt(_ms(s.get("tpot_p90_s"))), fmt(s.get("goodput_fraction"), 3),
-                     fmt(s.get("cost_per_mtok_usd"), 3)])
-    return Table("Best points (on the Pareto front, by tokens/s per GPU)",
+                     fmt(s.get("cost_per_mtok_usd"), 3), fmt(s.get("tokens_per_s_per_kw"))])
+    return Table("Best points (on the Pareto front)",
                  ["#", "configuration", "GPUs", "tok/s/GPU", "tok/s/user (p50)", "TTFT p90 (ms)", "TPOT p90 (ms)",
-                  "goodput", "$/M tok"], rows)
+                  "goodput", "$/M tok", "tok/s/kW"], rows)
 
 
 _ABBREV = (("prefill.", "P."), ("decode.", "D."), ("workload.arrival.", "load."), ("workload.", "load."),

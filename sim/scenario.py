@@ -155,6 +155,20 @@ class SloSection(_Strict):
     tpot_s: float | None = Field(None, gt=0)
 
 
+class EnergySection(_Strict):
+    """Prices and facility efficiency for the run's energy and cost (``sim.energy``: the whole pool for the whole
+    simulated time): ``usd_per_gpu_hour`` (0: energy cost only), ``usd_per_kwh``, ``pue`` (facility / IT power)."""
+
+    usd_per_gpu_hour: float = Field(0.0, ge=0)
+    usd_per_kwh: float = Field(0.10, ge=0)
+    pue: float = Field(1.2, ge=1)
+
+    def prices(self):
+        from rackbed.sim.energy import EnergyPrices
+
+        return EnergyPrices(self.usd_per_gpu_hour, self.usd_per_kwh, self.pue)
+
+
 class AutoscalerSection(_Strict):
     enabled: bool = True
     interval_s: float = Field(5.0, gt=0)
@@ -303,6 +317,7 @@ class ServingScenario(_Strict):
     mtp: MtpSection = MtpSection()
     workload: WorkloadSpec
     slo: SloSection = SloSection()
+    energy: EnergySection = EnergySection()
     autoscaler: AutoscalerSection | None = None
     faults: tuple[FaultSection, ...] = ()
     prefix_cache: PrefixCacheSection = PrefixCacheSection()
@@ -566,6 +581,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
         check_span,
         context_check,
     )
+    from rackbed.topology.power import check_rack_power
 
     check_run_size(sc)
     topo = topo_mod.load(sc.topology)
@@ -576,6 +592,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
 
         b = build_aggregated(sc, topo, model, _KvPathView(topo), engine_calibration=engine_calibration)
         b.caveats.extend(context)
+        check_rack_power(b.deployment, topo)
         b.prefix_cache = prefix_cache_spec(sc, topo, model, b.deployment)
         return b
     p, d = sc.prefill, sc.decode
@@ -619,6 +636,7 @@ def build(sc: ServingScenario, *, engine_calibration: bool = True) -> Built:
                 chunked_prefill=sc.sim.chunked_prefill, shed_ttft_s=sc.sim.shed_ttft_s,
                 spare="rest" if autoscaled else "none", name=sc.name, prefill_gpus=pgpus, decode_gpus=dgpus)
     one_gpu_kind(topo, dep)
+    check_rack_power(dep, topo)  # after placement: the rack power limit (topology.power)
     cm, calib, note = cost_model_for(sc, model, topo, pplan, dplan, engine_calibration=engine_calibration)
     from rackbed.sim.coverage import calibration_caveats
 
@@ -818,6 +836,9 @@ def run_serving(path: Path, out: Path, *, console, seed: int | None = None, prog
         where = f"{path} with {_flags(overrides)}" if overrides else str(path)
         raise UserError(msg if msg.startswith(str(path)) else f"{where}: {msg}") from None
     b, res = simulate_scenario(sc, progress=progress, built=b)
+    from rackbed.sim.energy import energy_report
+
+    res.metrics["energy"] = energy_report(b, res, sc.energy.prices())
     out.mkdir(parents=True, exist_ok=True)
     files = write_all(res, out)
     print_summary(console, b, res)
@@ -905,6 +926,10 @@ def print_summary(console, b: Built, res) -> None:
     for k, v in rows:
         t2.add_row(k, str(v))
     console.print(t2)
+    if "energy" in m:
+        from rackbed.sim.energy import summary_line
+
+        console.print(summary_line(m["energy"]))
     if sc.claim:
         console.print(f"[bold]write-up:[/bold] {sc.claim}")
 

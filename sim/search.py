@@ -37,11 +37,16 @@ For a model, candidate hardware, a workload and SLOs, the search
    at the SLOs, ``TTFT SLO + (output - 1) x TPOT SLO``, or the workload's ``duration_s`` when longer (a workload
    given as a number of requests keeps it), so that the rate is judged in the queues' steady state, not while they
    build up;
-4. computes the **Pareto front** of the simulated points that meet the SLOs (TTFT and TPOT at the SLO percentile,
+4. computes the **Pareto front** (``objective: gpu``; with ``objective: kw`` tokens/s per kW of facility
+   power, the whole pool, :mod:`sim.energy`, replaces tokens/s per GPU) of the simulated points that meet the
+   SLOs (TTFT and TPOT at the SLO percentile,
    every request completed) and **hold**: the latency of the 2nd and 3rd quarters' arrivals, continued at its
    trend for a run 4x as long, stays within the SLOs, or such a run, simulated when the trend is in doubt, meets
    them — tokens/s per GPU (all GPUs, prefill included) vs tokens/s per user (p50 of 1/TPOT)
-   — and the **cost per million output tokens** ``$/GPU-hour / (3600 x tokens/s per GPU) x 1e6``;
+   — and the **cost per million output tokens** under the one accounting rule of :mod:`sim.energy` (the whole
+   pool for the whole run: ``$/GPU-hour x pool GPUs x hours + energy``, :func:`run_cost_per_mtok_usd`; the
+   analytic stage's estimate before simulation, ``$/GPU-hour / (3600 x estimated tokens/s per GPU) x 1e6``, counts
+   GPU-hours only);
 5. prints the best few with **why**: their prefill and decode ``StepBreakdown`` at the operating point (the
    simulated mean batch per rank), i.e. where the step time goes.
 
@@ -66,7 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rackbed.engine.core.sharding import min_redundant_experts
 from rackbed.engine.core.workload import WorkloadSpec
 from rackbed.sim.pareto import pareto_layers
-from rackbed.sim.search_results import explain, front_of, meets_slo
+from rackbed.sim.search_results import OBJECTIVES, explain, front_of, meets_slo
 from rackbed.topology.errors import UserError, from_validation, one_line
 
 
@@ -176,6 +181,9 @@ class SearchSpec(_Strict):
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     mtp_accept_p: float = Field(0.8, ge=0, le=1)
     gpu_hour_usd: float | dict[str, float] = 0.0
+    #: what the front maximises against tokens/s per user: ``gpu`` (output tokens/s per GPU) or ``kw`` (output
+    #: tokens/s per kW of facility power, the whole pool: ``sim.energy``, priced by ``scenario.energy``)
+    objective: Literal["gpu", "kw"] = "gpu"
     space: SearchSpace = SearchSpace()
     prefill_headroom: float = Field(1.25, gt=0)
     max_simulations: int = Field(60, ge=0)
@@ -695,6 +703,20 @@ def cost_per_mtok_usd(gpu_hour_usd: float, tokens_per_s_per_gpu: float | None) -
     return gpu_hour_usd / (3600.0 * tokens_per_s_per_gpu) * 1e6
 
 
+def run_cost_per_mtok_usd(gpu_hour_usd: float, rec: Mapping) -> float | None:
+    """Dollars per million output tokens of a simulated point under the one accounting rule (``sim.energy``): the
+    whole pool for the whole run, GPU-hours at ``gpu_hour_usd`` plus the energy the record's ``energy`` section
+    priced (the scenario's ``energy.usd_per_kwh`` and PUE). A record without one (a GPU with no power figure)
+    counts GPU-hours of the GPUs in use only (:func:`cost_per_mtok_usd`)."""
+    e = (rec.get("metrics") or {}).get("energy")
+    if not e:
+        return cost_per_mtok_usd(gpu_hour_usd, rec["summary"].get("tokens_per_s_per_gpu"))
+    out = e.get("output_tokens") or 0
+    if out <= 0:
+        return None
+    return (gpu_hour_usd * e["pool_gpus"] * e["duration_s"] / 3600.0 + e["usd_energy"]) / (out / 1e6)
+
+
 def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     """Dotted scenario overrides of a candidate (the keys ``sim.sweep`` points use)."""
     p, d = c.prefill, c.decode
@@ -834,12 +856,13 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, jobs: int = 1, ray_addr
     price = {p.key: spec.price(p.scenario.get("topology", "")) for p in points}
     for r in recs:
         if r.get("status") == "ok":
-            r["summary"]["cost_per_mtok_usd"] = cost_per_mtok_usd(price[r["key"]], r["summary"]["tokens_per_s_per_gpu"]) \
+            r["summary"]["cost_per_mtok_usd"] = run_cost_per_mtok_usd(price[r["key"]], r) \
                 if price[r["key"]] else None
     elig = [r for r in recs if r["holds"]] if window else \
         [r for r in recs if meets_slo(r, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)]
-    front = front_of(elig)
-    best = sorted(front, key=lambda r: -r["summary"]["tokens_per_s_per_gpu"])[: spec.top]
+    front = front_of(elig, spec.objective)
+    obj = OBJECTIVES[spec.objective]
+    best = sorted(front, key=lambda r: -r["summary"][obj])[: spec.top]
     expl = {}
     for r in best:
         try:
@@ -878,7 +901,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
                     prefix_cache: Mapping | None = None, max_gpus: int | None = None,
                     decode_overlap: Sequence[str] | None = None, decode_tp: Sequence[int] | None = None,
-                    kv_dtype: Sequence[str] | None = None) -> SearchSpec:
+                    kv_dtype: Sequence[str] | None = None, objective: str = "gpu") -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
@@ -886,7 +909,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
     ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
     GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only).
     ``decode_tp``: attention TP degrees of a decoder's DP ranks (None: 1); ``kv_dtype``: KV cache formats to try
-    (None: the spec's, bf16)."""
+    (None: the spec's, bf16); ``objective``: ``gpu`` or ``kw`` (:attr:`SearchSpec.objective`)."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k), ("decode_overlap", decode_overlap), ("decode_tp", decode_tp),
@@ -898,7 +921,7 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                          "prompt": {"kind": "fixed", "tokens": prompt_tokens},
                          "output": {"kind": "fixed", "tokens": output_tokens}, "duration_s": duration_s},
             "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s}, "gpu_hour_usd": gpu_hour_usd, "space": space,
-            "max_simulations": max_simulations, "top": top, "max_gpus": max_gpus}
+            "max_simulations": max_simulations, "top": top, "max_gpus": max_gpus, "objective": objective}
     if trace is not None:
         from rackbed.engine.core.traces import TRACE_FILES
 

@@ -36,9 +36,16 @@ def record_slo(rec: Mapping) -> tuple[float | None, float | None]:
     return g.get("slo_ttft_s"), g.get("slo_tpot_s")
 
 
-def front_of(records: Sequence[Mapping]) -> list[Mapping]:
-    """Records on the Pareto front of (tokens/s per GPU, tokens/s per user), both maximised."""
-    vals = [(r["summary"]["tokens_per_s_per_gpu"], r["summary"]["tokens_per_s_per_user"]) for r in records]
+#: search objectives: the summary field maximised against tokens/s per user
+OBJECTIVES = {"gpu": "tokens_per_s_per_gpu", "kw": "tokens_per_s_per_kw"}
+
+
+def front_of(records: Sequence[Mapping], objective: str = "gpu") -> list[Mapping]:
+    """Records on the Pareto front of (tokens/s per GPU — or per kW with ``objective="kw"`` —, tokens/s per
+    user), both maximised; records without the objective's figure (no power model) are left out."""
+    key = OBJECTIVES[objective]
+    records = [r for r in records if r["summary"].get(key) is not None]
+    vals = [(r["summary"][key], r["summary"]["tokens_per_s_per_user"]) for r in records]
     return [records[i] for i in pareto_indices(vals)]
 
 

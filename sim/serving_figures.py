@@ -14,9 +14,10 @@ Studies (the ``study`` field):
                     ``rate = b * ep * u(b) / (output_mean - 1)`` with ``u(b) = E[tokens/step] / step_s(b)``, and
                     the prefillers (TP=4, kept apart) are provisioned to keep up, so that the decoders alone set
                     the numbers. Measured in a steady window after a warm-up (see :func:`decode_window`).
-``cost_compare``    (h)+(i) the same load on different deployments: latency percentiles, the GPU split, and the
-                    cost per million tokens at a given $/GPU-hour — *allocated* (GPU-seconds of the groups that
-                    ran, starting ones included) and *provisioned* (every GPU of the pool for the whole run).
+``cost_compare``    (h)+(i) the same load on different deployments, judged against the same SLO: latency
+                    percentiles, the GPU split, energy (:mod:`sim.energy`) and the cost per million output tokens
+                    at a given $/GPU-hour and $/kWh under one rule — every GPU of the pool for the whole run,
+                    energy included — per million output tokens of the requests that met the SLO.
 ``fault_drill``     (j) a serving scenario with faults: request accounting (nothing lost), the time until decode
                     capacity is back and the backlog is drained, TTFT/TPOT before / during / after, the timeline.
 ==================  ===============================================================================================
@@ -145,6 +146,8 @@ class CompareRun(_S):
 class CostCompareStudy(_Base):
     study: Literal["cost_compare"]
     runs: tuple[CompareRun, ...] = Field(min_length=2)
+    usd_per_kwh: float = Field(0.10, ge=0, description="energy price, every run")
+    pue: float = Field(1.2, ge=1, description="facility power / IT power, every run")
 
     @model_validator(mode="after")
     def _labels(self):
@@ -485,55 +488,75 @@ def frontier_result(st: DecodeFrontierStudy, rows: list[dict]) -> StudyResult:
 # ------------------------------------------------------------------------------------------------ (h) + (i)
 
 
-def cost_row(label: str, usd_per_gpu_hour: float, built, res) -> dict:
-    """Latency, GPU split and cost per million tokens of one run (see the module docstring)."""
+def cost_row(label: str, usd_per_gpu_hour: float, built, res, *, usd_per_kwh: float = 0.10,
+             pue: float = 1.2) -> dict:
+    """Latency, GPU split, energy and cost per million output tokens of one run (see the module docstring): the
+    whole pool for the whole run (:func:`sim.energy.energy_report`)."""
+    from rackbed.sim.energy import EnergyPrices, energy_report
+
     m = res.metrics
     dur = m["throughput"]["duration_s"]
-    a = _arrays(res)
-    done = a["status"] == "done"
-    out_tok = float(a["output_tokens"][done].sum())
-    in_tok = float(a["prompt_tokens"][done].sum())
     gs = m["gpu_seconds"]
-    alloc_s = gs["prefill"] + gs["decode"]
-    pool = built.deployment.n_gpus
-    usd_alloc = usd_per_gpu_hour * alloc_s / 3600.0
-    usd_prov = usd_per_gpu_hour * pool * dur / 3600.0
     lat = m["latency_s"]
-    per_m = lambda usd, tok: usd / (tok / 1e6) if tok > 0 else None
+    e = energy_report(built, res, EnergyPrices(usd_per_gpu_hour, usd_per_kwh, pue))
+    if e is None:
+        raise UserError(f"{label}: a GPU of {built.scenario.topology} has no power figure; cost needs energy")
     return {
         "run": label, "topology": built.scenario.topology, "weight_format": built.scenario.weight_format,
-        "pool_gpus": pool, "duration_s": _r(dur, 2), "done": m["requests"]["done"], "total": m["requests"]["total"],
-        "rejected": m["requests"]["rejected"],
+        "pool_gpus": e["pool_gpus"], "duration_s": _r(dur, 2), "done": m["requests"]["done"],
+        "total": m["requests"]["total"], "rejected": m["requests"]["rejected"],
         "ttft_p50_s": _r(lat["ttft"]["p50"]), "ttft_p90_s": _r(lat["ttft"]["p90"]), "ttft_p99_s": _r(lat["ttft"]["p99"]),
         "tpot_p50_ms": _r((lat["tpot"]["p50"] or math.nan) * 1e3, 2),
         "tpot_p90_ms": _r((lat["tpot"]["p90"] or math.nan) * 1e3, 2),
         "tpot_p99_ms": _r((lat["tpot"]["p99"] or math.nan) * 1e3, 2),
+        "slo_ttft_s": m["goodput"]["slo_ttft_s"], "slo_tpot_s": m["goodput"]["slo_tpot_s"],
         "goodput_fraction": _r(m["goodput"]["fraction"]),
         "mean_prefill_gpus": _r(gs["prefill"] / dur, 2), "mean_decode_gpus": _r(gs["decode"] / dur, 2),
         "output_tokens_per_s": _r(m["throughput"]["output_tokens_per_s"], 1),
-        "usd_per_gpu_hour": usd_per_gpu_hour,
-        "usd_per_m_output_allocated": _r(per_m(usd_alloc, out_tok), 3),
-        "usd_per_m_output_provisioned": _r(per_m(usd_prov, out_tok), 3),
-        "usd_per_m_tokens_allocated": _r(per_m(usd_alloc, out_tok + in_tok), 4),
+        "usd_per_gpu_hour": usd_per_gpu_hour, "usd_per_kwh": usd_per_kwh, "pue": pue,
+        "mean_kW": _r(e["mean_kW"], 2), "kWh_per_day": _r(e["kWh_per_day"], 1),
+        "J_per_output_token": _r(e["J_per_output_token"], 2),
+        "output_tokens_per_s_per_kW": _r(e["output_tokens_per_s_per_kW"], 2),
+        "usd_gpu": _r(e["usd_gpu"], 4), "usd_energy": _r(e["usd_energy"], 4),
+        "usd_per_m_output": _r(e["usd_per_m_output"], 3),
+        "usd_per_m_good_output": _r(e["usd_per_m_good_output"], 3),
     }
 
 
 def cost_compare_result(st: CostCompareStudy, runs: list[tuple]) -> StudyResult:
-    """``runs``: ``(CompareRun, Built, SimResult)`` per run, in the study's order."""
-    rows = [cost_row(r.label, r.usd_per_gpu_hour, b, res) for r, b, res in runs]
-    a = rows[0]
+    """``runs``: ``(CompareRun, Built, SimResult)`` per run, in the study's order. The runs must share one SLO
+    (TTFT and TPOT bounds): the answer is the cost per million output tokens that met it."""
+    rows = [cost_row(r.label, r.usd_per_gpu_hour, b, res, usd_per_kwh=st.usd_per_kwh, pue=st.pue)
+            for r, b, res in runs]
+    slos = {(r["slo_ttft_s"], r["slo_tpot_s"]) for r in rows}
+    if len(slos) != 1 or None in next(iter(slos)):
+        got = ", ".join(f"{r['run']}: {r['slo_ttft_s']} s / {r['slo_tpot_s']} s" for r in rows)
+        raise UserError(f"{st.name}: runs: a cost comparison needs every run to state the same slo "
+                        f"(ttft_s and tpot_s); got {got}")
+    for r in rows:
+        if r["usd_per_m_good_output"] is None:
+            raise UserError(f"{st.name}: run {r['run']}: no request met the SLO, so no cost per good token")
+    ttft, tpot = next(iter(slos))
     parts = []
     for r in rows:
-        rel = "" if r is a else (f" (x{r['usd_per_m_output_allocated'] / a['usd_per_m_output_allocated']:.2f} "
-                                 f"{a['run']})")
-        parts.append(f"{r['run']}: ${r['usd_per_m_output_allocated']:.2f}/M output tokens allocated, "
-                     f"${r['usd_per_m_output_provisioned']:.2f} provisioned{rel}; TTFT p50 {r['ttft_p50_s']:.2f} s, "
-                     f"TPOT p50 {r['tpot_p50_ms']:.1f} ms, {r['mean_prefill_gpus']:.0f}+{r['mean_decode_gpus']:.0f} "
-                     f"GPUs prefill+decode of {r['pool_gpus']}, {r['done']}/{r['total']} done")
-    claims = [(st.claim, "; ".join(parts))]
-    summary = {r["run"]: {k: r[k] for k in ("usd_per_m_output_allocated", "usd_per_m_output_provisioned",
-                                            "ttft_p50_s", "tpot_p50_ms", "mean_prefill_gpus", "mean_decode_gpus",
-                                            "goodput_fraction", "done", "total")} for r in rows}
+        parts.append(f"{r['run']}: ${r['usd_per_m_good_output']:.2f} per million output tokens within the "
+                     f"SLO (${r['usd_per_gpu_hour']:g}/GPU-hour x {r['pool_gpus']} GPUs + {r['mean_kW']:.0f} kW "
+                     f"at ${r['usd_per_kwh']:g}/kWh), {r['J_per_output_token']:.0f} J/output token, goodput "
+                     f"{r['goodput_fraction']:.0%}, TPOT p50 {r['tpot_p50_ms']:.1f} ms")
+    best = min(rows, key=lambda r: r["usd_per_m_good_output"])
+    other = [r for r in rows if r is not best]
+    verdict = (f"at the same SLO (TTFT <= {ttft:g} s, TPOT <= {tpot * 1e3:g} ms), counting the whole pool for "
+               f"the whole run with energy (PUE {st.pue:g}), {best['run']} is the cheaper: "
+               + ", ".join(f"x{r['usd_per_m_good_output'] / best['usd_per_m_good_output']:.2f} for {r['run']}"
+                           for r in other))
+    claims = [(st.claim, verdict + "; " + "; ".join(parts))]
+    keys = ("usd_per_m_good_output", "usd_per_m_output", "J_per_output_token", "mean_kW", "ttft_p50_s",
+            "tpot_p50_ms", "mean_prefill_gpus", "mean_decode_gpus", "goodput_fraction", "done", "total")
+    summary = {r["run"]: {k: r[k] for k in keys} for r in rows}
+    summary["answer"] = {"cheaper": best["run"],
+                         "rule": "whole pool, whole run, energy included, output tokens within the SLO",
+                         "slo_ttft_s": ttft, "slo_tpot_s": tpot,
+                         "usd_per_m_good_output": {r["run"]: r["usd_per_m_good_output"] for r in rows}}
     timelines = {r.label: {"t_s": [s.t_s for s in res.samples],
                            "prefill": [s.gpus_prefill for s in res.samples],
                            "decode": [s.gpus_decode for s in res.samples]} for r, _b, res in runs}
@@ -541,10 +564,12 @@ def cost_compare_result(st: CostCompareStudy, runs: list[tuple]) -> StudyResult:
     def plot(fig):
         ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
         x = np.arange(len(rows))
-        ax1.bar(x - 0.2, [r["usd_per_m_output_allocated"] for r in rows], 0.4, label="allocated GPUs")
-        ax1.bar(x + 0.2, [r["usd_per_m_output_provisioned"] for r in rows], 0.4, label="whole pool")
+        gpu = [r["usd_per_m_good_output"] - _energy_share(r) for r in rows]
+        en = [_energy_share(r) for r in rows]
+        ax1.bar(x, gpu, 0.5, label="GPU-hours")
+        ax1.bar(x, en, 0.5, bottom=gpu, label="energy")
         ax1.set_xticks(x, [r["run"] for r in rows], fontsize=7)
-        ax1.set_ylabel("$ per million output tokens")
+        ax1.set_ylabel("$ per million output tokens within the SLO\n(whole pool, whole run)")
         ax1.legend(fontsize=7)
         for i, (k, tl) in enumerate(timelines.items()):
             ax2.step(tl["t_s"], tl["prefill"], where="post", color=f"C{i}", label=f"{k} prefill")
@@ -554,9 +579,15 @@ def cost_compare_result(st: CostCompareStudy, runs: list[tuple]) -> StudyResult:
         ax2.legend(fontsize=7)
 
     cols = ["run", "pool_gpus", "done", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms",
-            "goodput_fraction", "mean_prefill_gpus", "mean_decode_gpus", "usd_per_gpu_hour",
-            "usd_per_m_output_allocated", "usd_per_m_output_provisioned"]  # the JSON rows hold every field
+            "goodput_fraction", "mean_prefill_gpus", "mean_decode_gpus", "mean_kW", "J_per_output_token",
+            "usd_per_gpu_hour", "usd_per_m_output", "usd_per_m_good_output"]  # the JSON rows hold every field
     return StudyResult(cols, rows, claims, plot, summary, {"timelines": timelines})
+
+
+def _energy_share(r: dict) -> float:
+    """The energy part of a row's $ per million good output tokens."""
+    tot = r["usd_gpu"] + r["usd_energy"]
+    return r["usd_per_m_good_output"] * r["usd_energy"] / tot if tot > 0 else 0.0
 
 
 # ------------------------------------------------------------------------------------------------ (j)

@@ -353,7 +353,9 @@ def summarize_metrics(m: Mapping) -> dict:
     """The flat per-point summary stored with each record (None where the run produced no sample).
 
     tokens_per_s_per_gpu: output tokens/s of completed requests per allocated GPU (all roles);
-    tokens_per_s_per_user: p50 over requests of 1/TPOT; ttft/tpot at p50/p90/p99 (seconds); with a prefix cache,
+    tokens_per_s_per_user: p50 over requests of 1/TPOT; ttft/tpot at p50/p90/p99 (seconds); with an energy section
+    (``sim.energy``), tokens_per_s_per_kw (output tokens/s per kW of facility power, the whole pool), mean_kw and
+    j_per_output_token; with a prefix cache,
     prefix_hit_rate (of prompt tokens, all tiers), prefix_hbm_hit_rate, prefix_tokens_saved and prefix_load_wait_s
     (absent without one, so summaries of runs without a cache are as before)."""
     th, lat, req = m.get("throughput", {}), m.get("latency_s", {}), m.get("requests", {})
@@ -380,6 +382,10 @@ def summarize_metrics(m: Mapping) -> dict:
         "util_prefill": ut.get("prefill"), "util_decode": ut.get("decode"),
         "decode_steps": dec.get("steps"), "decode_sequence_steps": dec.get("sequence_steps"),
     }
+    en = m.get("energy")
+    if en:
+        out.update(tokens_per_s_per_kw=en.get("output_tokens_per_s_per_kW"), mean_kw=en.get("mean_kW"),
+                   j_per_output_token=en.get("J_per_output_token"))
     pc = m.get("prefix_cache")
     if pc:
         out.update(prefix_hit_rate=pc.get("hit_rate_tokens"),
@@ -433,6 +439,7 @@ def run_point(payload: Mapping) -> dict:
             b = build(sc)
             _reuse_cost_model(b)
             _, res = simulate_scenario(sc, built=b)
+            res.metrics["energy"] = _energy(b, res, sc)
         m = clean(res.metrics)
         rec.update(status="ok", reason="", summary=summarize_metrics(m), metrics=m,
                    quarters=arrival_quarters(res, getattr(sc.workload, "duration_s", None)))
@@ -447,6 +454,16 @@ def run_point(payload: Mapping) -> dict:
     rec["cpu_s"] = round(time.process_time() - c0, 6)  # this process's CPU time: wall_s >> cpu_s = contention
     rec["pid"] = os.getpid()
     return rec
+
+
+def _energy(b, res, sc) -> dict | None:
+    """The run's energy section (``sim.energy``) without its per-worker table (records stay small)."""
+    from rackbed.sim.energy import energy_report
+
+    e = energy_report(b, res, sc.energy.prices())
+    if e is not None:
+        e.pop("workers", None)
+    return e
 
 
 class PointTimeout(BaseException):

@@ -36,13 +36,14 @@ def test_bad_baseline_one_line(capsys):
 
 
 def test_two_racks_against_head(tmp_path):
-    """Two racks: 12 prefillers leave room for 5 decoders of 16 GPUs, not 6 (the rate follows the decoders kept);
-    HEAD's tree simulates the same thing (the working tree's simulator changes are behind identity tests)."""
+    """Two racks: 12 TP4 prefillers and 6 decoders of 16 GPUs place (the widest-first packing keeps the racks
+    whole for the decoders); HEAD's tree simulates the same thing (the working tree's simulator changes are behind
+    identity tests)."""
     out = run_racks([2], 2.0, 20.0, baseline="HEAD")
     (p,) = out["points"]
     assert p["topology"] == "gb200-nvl72*2" and p["prefillers"] == 12
-    assert p["decoders"] == 5 and p["decoders_asked"] == 6
-    assert p["rate_per_s"] == pytest.approx(40.0 * 5 / 6)
+    assert p["decoders"] == 6 and p["decoders_asked"] == 6
+    assert p["rate_per_s"] == pytest.approx(40.0)
     assert p["events"] > 0 and p["cpu_s"] > 0 and p["us_per_event"] == pytest.approx(p["cpu_s"] / p["events"] * 1e6)
     assert p["baseline"]["events"] == p["events"] and p["identical"] is True
     assert len(out["baseline_commit"]) == 40

@@ -164,7 +164,11 @@ def test_small_search_end_to_end(tmp_path):
     assert gpus == sorted(gpus, reverse=True)
     for r in res.best:
         s = r["summary"]
-        assert s["cost_per_mtok_usd"] == pytest.approx(6.0 / (3600 * s["tokens_per_s_per_gpu"]) * 1e6)
+        # one rule (sim.energy): the whole pool for the whole run, GPU-hours plus energy
+        e = r["metrics"]["energy"]
+        want = (6.0 * e["pool_gpus"] * e["duration_s"] / 3600 + e["usd_energy"]) / (e["output_tokens"] / 1e6)
+        assert s["cost_per_mtok_usd"] == pytest.approx(want)
+        assert s["cost_per_mtok_usd"] > 6.0 / (3600 * s["tokens_per_s_per_gpu"]) * 1e6 * (1 - 1e-9)
         ex = res.explanations[r["key"]]
         for role in ("prefill", "decode"):
             assert sum(ex[role]["by_category"].values()) == pytest.approx(ex[role]["total_s"])

@@ -19,7 +19,9 @@ from hypothesis import strategies as hs
 
 from rackbed import scenarios
 from rackbed.sim import serving_figures as sf
+from rackbed.sim.energy import EnergyPrices, energy_report
 from rackbed.sim.scenario import load_scenario, simulate_scenario
+from rackbed.topology.errors import UserError
 
 # ------------------------------------------------------------------------------------------------ goldens
 # Recorded from the shipped scenarios (seed 0).
@@ -27,13 +29,16 @@ GOLD = {
     # h re-blessed (was 0.776 s / 7.09 ms / $9.88; HEAD gave 0.870 / 8.28): TRT-LLM's measured custom all-reduce now prices
     # the TP4 prefill all-reduces (slower than the NVLS estimate that priced them), so the autoscaler, which sizes
     # prefillers by their priced capacity, runs more of them (32-40 GPUs most of the time, was 28-36): less queueing
-    "h": {"ttft_p50_s": 0.551, "tpot_p50_ms": 8.05, "usd_per_m_output_allocated": 10.22},
+    # usd_per_m_good_output: whole pool, whole run, energy at $0.10/kWh and PUE 1.2 (hi_cost_per_token's
+    # prices), per million output tokens of the requests within the SLO (was $/M output tokens of the allocated
+    # GPU-seconds, no energy: 10.22 for h, 11.33 for i)
+    "h": {"ttft_p50_s": 0.551, "tpot_p50_ms": 8.05, "usd_per_m_good_output": 15.04},
     # i re-blessed (was 0.894 s / 16.79 ms; HEAD gave 0.722 / 15.63): calibration/h200.yaml now carries the fitted
     # graph-replay kernel fixed cost, 0.87 µs instead of the assumed 2.5 (every fp8_block GEMM, norm, a2a kernel);
     # again (was 0.645 s / 14.01 ms / $9.66): the file now prices fp8_block GEMMs as measured on H200 (torch's
     # cuBLASLt block-scaled kernels, one GEMM per expert: ~14 µs per gate+up expert GEMM at decode sizes, 600 TFLOP/s
     # at 375 tokens per expert, against the datasheet x 0.72 before) and the router GEMM (5.7 µs, was 0.4)
-    "i": {"ttft_p50_s": 1.262, "tpot_p50_ms": 35.16, "usd_per_m_output_allocated": 11.33},
+    "i": {"ttft_p50_s": 1.262, "tpot_p50_ms": 35.16, "usd_per_m_good_output": 21.88},
     "j": {"requeued": 76, "recovery_s": 20.0},
 }
 REL = 0.20
@@ -162,14 +167,32 @@ def test_cost_compare(runs):
         m = runs[key][2].metrics
         a = sf._arrays(runs[key][2])
         out_tok = a["output_tokens"][a["status"] == "done"].sum()
-        gpu_s = m["gpu_seconds"]["prefill"] + m["gpu_seconds"]["decode"]
-        want = run.usd_per_gpu_hour * gpu_s / 3600 / (out_tok / 1e6)
-        assert row["usd_per_m_output_allocated"] == pytest.approx(want, rel=1e-3)
-        prov = run.usd_per_gpu_hour * runs[key][1].deployment.n_gpus * m["throughput"]["duration_s"] / 3600
-        assert row["usd_per_m_output_provisioned"] == pytest.approx(prov / (out_tok / 1e6), rel=1e-3)
-        assert row["usd_per_m_output_provisioned"] >= row["usd_per_m_output_allocated"]
-        assert _near(row["usd_per_m_output_allocated"], GOLD[key]["usd_per_m_output_allocated"])
+        # one rule: the whole pool for the whole run, GPU-hours plus energy
+        prices = EnergyPrices(run.usd_per_gpu_hour, st.usd_per_kwh, st.pue)
+        e = energy_report(runs[key][1], runs[key][2], prices)
+        gpu_usd = run.usd_per_gpu_hour * runs[key][1].deployment.n_gpus * m["throughput"]["duration_s"] / 3600
+        assert e["usd_gpu"] == pytest.approx(gpu_usd)
+        usd = gpu_usd + e["usd_energy"]
+        assert row["usd_per_m_output"] == pytest.approx(usd / (out_tok / 1e6), rel=1e-3)
+        good = m["goodput"]["tokens_per_s"] * m["throughput"]["duration_s"]
+        assert row["usd_per_m_good_output"] == pytest.approx(usd / (good / 1e6), rel=1e-3)
+        assert row["usd_per_m_good_output"] >= row["usd_per_m_output"]
+        assert _near(row["usd_per_m_good_output"], GOLD[key]["usd_per_m_good_output"])
+    ans = res.summary["answer"]
+    assert ans["cheaper"] == min(rows, key=lambda k: rows[k]["usd_per_m_good_output"])
+    assert "at the same SLO" in res.claims[0][1] and f"{ans['cheaper']} is the cheaper" in res.claims[0][1]
     assert "GB200 NVL72: $" in res.claims[0][1]
+
+
+@pytest.mark.slow
+def test_cost_compare_needs_one_slo(runs):
+    st = sf.load_study(scenarios.resolve("hi_cost_per_token"))
+    _, bi, ri = runs["i"]
+    other = dict(ri.metrics, goodput=dict(ri.metrics["goodput"], slo_tpot_s=0.1))
+    ri2 = SimpleNamespace(**{f: getattr(ri, f) for f in ri.__dataclass_fields__})
+    ri2.metrics = other
+    with pytest.raises(UserError, match="same slo"):
+        sf.cost_compare_result(st, [(st.runs[0], runs["h"][1], runs["h"][2]), (st.runs[1], bi, ri2)])
 
 
 # ------------------------------------------------------------------------------------------------ (j)

@@ -54,6 +54,20 @@ class Hop:
     link: LinkSpec
 
 
+@dataclass(frozen=True)
+class RackPower:
+    """The power layout of one rack, for energy accounting and the rack power limit (``topology.power``):
+    its GPUs and hosts, the draw of each host apart from its GPUs (``NodeSpec.overhead_w``), the rack's own
+    (``RackSpec.overhead_w``) and its limit (``RackSpec.rack_power_kw``; None: none)."""
+
+    name: str
+    gpus: tuple[int, ...]
+    hosts: tuple[int, ...]
+    node_overhead_w: float = 0.0
+    rack_overhead_w: float = 0.0
+    limit_kw: float | None = None
+
+
 def node_id(kind: str, index: int) -> str:
     return f"{kind}:{index}"
 
@@ -132,11 +146,16 @@ class Topology:
 
     Construct from a graph following the module schema (``Topology(graph, name)``), from a preset or file with
     ``topology.load``. Instances are treated as immutable: the graph is frozen on construction.
+
+    ``racks``: the power layout (:class:`RackPower` per rack) when the topology was built from racks (presets,
+    the cluster form of a file); () for the graph form, which knows no racks — energy then counts the GPUs only.
+    It is not part of the structure (``==`` compares graphs).
     """
 
     def __init__(self, graph: nx.Graph, name: str = "topology", *, locate=lambda nid: nid,
-                 locate_edge=lambda u, v: f"link {u}–{v}"):
+                 locate_edge=lambda u, v: f"link {u}–{v}", racks: tuple[RackPower, ...] = ()):
         validate_graph(graph, locate, locate_edge)
+        self.racks: tuple[RackPower, ...] = tuple(racks)
         self._name = str(name)
         self._g = nx.freeze(graph)
         self._kind = {n: d["kind"] for n, d in graph.nodes(data=True)}

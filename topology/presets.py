@@ -47,7 +47,7 @@ import re
 import networkx as nx
 
 from rackbed.topology.errors import UserError
-from rackbed.topology.graph import Topology
+from rackbed.topology.graph import RackPower, Topology
 from rackbed.topology.specs import (
     B200_HGX,
     B300_HGX,
@@ -82,23 +82,40 @@ from rackbed.topology.specs import (
 )
 
 IB_FABRIC = FabricSpec(switch=QUANTUM2, link=IB_NDR)
+
+# Power apart from the GPUs (NodeSpec.overhead_w, RackSpec.overhead_w, RackSpec.rack_power_kw). All overheads are
+# assumptions for a node at typical load, bounded by the vendors' system maxima:
+# - HGX H100/H200/H800 node: 2.0 kW (two Xeons, four NVSwitches, 8 + 2 NICs, fans, drives). NVIDIA DGX H100 /
+#   DGX H200 datasheet: 10.2 kW maximum system power, i.e. at most 4.6 kW beside 8 x 700 W of GPUs.
+# - HGX B200 / B300 node: 2.5 kW. NVIDIA DGX B200 datasheet: 14.3 kW maximum, at most 6.3 kW beside the GPUs.
+# - GB200 / GB300 compute tray: 600 W beside the four GPUs' figures, which already hold the Grace CPUs (NICs,
+#   BlueField DPU, drives, fans). NVL72 rack: 14 kW for the nine NVLink switch trays, power shelves and
+#   management. Rack limit: NVIDIA GB200 NVL72 material puts the rack at ~120 kW and integrators' specifications
+#   at up to 132 kW; 132 kW is used (72 x 1200 + 18 x 600 + 14000 W = 111 kW peak fits). GB300 NVL72: ~135 kW
+#   published rack figures (72 x 1400 + 18 x 600 + 14000 W = 126 kW peak fits).
+# - An HGX preset's "rack" is one node: no rack limit (a topology file sets rack_power_kw to model one).
+# - h200x2 lab box: 800 W (one Xeon, fans, drives; assumption).
+HGX_HOPPER_OVERHEAD_W = 2000.0
+HGX_BLACKWELL_OVERHEAD_W = 2500.0
+NVL72_TRAY_OVERHEAD_W = 600.0
+NVL72_RACK_OVERHEAD_W = 14000.0
 EFA_NET = FabricSpec(switch=EFA_FABRIC, link=EFA_200)
 XDR_FABRIC = FabricSpec(switch=QUANTUM_X800, link=IB_XDR)
 
 GB200_TRAY = NodeSpec(
     name="GB200 compute tray", gpu=GB200_GPU, n_gpus=4, cpu=GRACE, n_cpus=2, cpu_link=C2C,
-    nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
+    nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16, overhead_w=NVL72_TRAY_OVERHEAD_W,
 )
 HGX_H200 = NodeSpec(
     name="HGX H200", gpu=H200_SXM, n_gpus=8, cpu=XEON_8480C, n_cpus=2, cpu_link=PCIE5_X16,
     nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
-    nvlink=NVLINK4, nvswitch=NVSWITCH3, links_per_switch=(5, 4, 4, 5),
+    nvlink=NVLINK4, nvswitch=NVSWITCH3, links_per_switch=(5, 4, 4, 5), overhead_w=HGX_HOPPER_OVERHEAD_W,
 )
 HGX_H200_EFA = HGX_H200.model_copy(update={"name": "HGX H200 (p5en, EFA)", "nic": EFA_P5EN, "nics_per_gpu": 2})
 HGX_B200 = NodeSpec(
     name="HGX B200", gpu=B200_HGX, n_gpus=8, cpu=XEON_8480C, n_cpus=2, cpu_link=PCIE5_X16,
     nic=CX7_IB, nics_per_gpu=1, nic_link=PCIE5_X16,
-    nvlink=NVLINK5, nvswitch=NVLINK_SWITCH5, links_per_switch=(9, 9),
+    nvlink=NVLINK5, nvswitch=NVLINK_SWITCH5, links_per_switch=(9, 9), overhead_w=HGX_BLACKWELL_OVERHEAD_W,
 )
 GB300_TRAY = GB200_TRAY.model_copy(update={"name": "GB300 compute tray", "gpu": GB300_GPU, "nic": CX8_IB,
                                             "nic_link": PCIE6_X16})
@@ -107,14 +124,15 @@ HGX_H100 = HGX_H200.model_copy(update={"name": "HGX H100", "gpu": H100_SXM})
 HGX_H800 = HGX_H200.model_copy(update={"name": "HGX H800", "gpu": H800_SXM, "links_per_switch": (2, 2, 2, 2)})
 H200X2_BOX = NodeSpec(
     name="h200x2 lab box", gpu=H200_SXM, n_gpus=2, cpu=XEON_8480C, n_cpus=1, cpu_link=PCIE5_X16,
-    nvlink=NVLINK4_DIRECT, direct_links=18,
+    nvlink=NVLINK4_DIRECT, direct_links=18, overhead_w=800.0,
 )
 
 PRESETS: dict[str, ClusterSpec] = {
     "gb200-nvl72": ClusterSpec(
         name="gb200-nvl72",
         rack=RackSpec(name="GB200 NVL72", node=GB200_TRAY, n_nodes=18, nvswitch=NVLINK_SWITCH5, n_nvswitches=18,
-                      links_per_switch=1, nvlink=NVLINK5),
+                      links_per_switch=1, nvlink=NVLINK5, overhead_w=NVL72_RACK_OVERHEAD_W,
+                      rack_power_kw=132.0),
         fabric=IB_FABRIC,
     ),
     "hgx-h200": ClusterSpec(name="hgx-h200", rack=RackSpec(name="HGX H200", node=HGX_H200, n_nodes=1),
@@ -127,7 +145,8 @@ PRESETS: dict[str, ClusterSpec] = {
     "gb300-nvl72": ClusterSpec(
         name="gb300-nvl72",
         rack=RackSpec(name="GB300 NVL72", node=GB300_TRAY, n_nodes=18, nvswitch=NVLINK_SWITCH5, n_nvswitches=18,
-                      links_per_switch=1, nvlink=NVLINK5),
+                      links_per_switch=1, nvlink=NVLINK5, overhead_w=NVL72_RACK_OVERHEAD_W,
+                      rack_power_kw=135.0),
         fabric=XDR_FABRIC,
     ),
     "hgx-b300": ClusterSpec(name="hgx-b300", rack=RackSpec(name="HGX B300", node=HGX_B300, n_nodes=1),
@@ -236,19 +255,22 @@ def build(c: ClusterSpec, *, name: str | None = None, more: tuple[ClusterSpec, .
 
     nics: list[str] = []
     host = 0
+    racks: list[RackPower] = []
     for part in (c, *more):
-        host = _add_racks(g, part, add, nics, host)
+        host = _add_racks(g, part, add, nics, host, racks, joined=bool(more))
     if c.fabric is not None:
         _add_fabric(g, c, nics, add)
-    return Topology(g, name or c.name)
+    return Topology(g, name or c.name, racks=tuple(racks))
 
 
-def _add_racks(g: nx.Graph, c: ClusterSpec, add, nics: list[str], host: int) -> int:
-    """The racks of ``c`` (nodes numbered from ``host``, their NICs appended to ``nics``); returns the next
-    host."""
+def _add_racks(g: nx.Graph, c: ClusterSpec, add, nics: list[str], host: int, racks: list[RackPower], *,
+               joined: bool = False) -> int:
+    """The racks of ``c`` (nodes numbered from ``host``, their NICs appended to ``nics``, each rack's power
+    domain appended to ``racks``); returns the next host."""
     rack, node = c.rack, c.rack.node
-    for _ in range(c.n_racks):
+    for r in range(c.n_racks):
         rack_gpus: list[str] = []
+        host0 = host
         for _ in range(rack.n_nodes):
             gpus = [add("gpu", node.gpu, host) for _ in range(node.n_gpus)]
             cpus = [add("cpu", node.cpu, host) for _ in range(node.n_cpus)]
@@ -276,6 +298,11 @@ def _add_racks(g: nx.Graph, c: ClusterSpec, add, nics: list[str], host: int) -> 
             for gid in rack_gpus:
                 for sw in switches:
                     g.add_edge(gid, sw, link=rack.nvlink.bundle(rack.links_per_switch))
+        racks.append(RackPower(name=f"{rack.name} #{len(racks)}" if c.n_racks > 1 or joined else rack.name,
+                               gpus=tuple(int(x.split(":")[1]) for x in rack_gpus),
+                               hosts=tuple(range(host0, host)),
+                               node_overhead_w=node.overhead_w, rack_overhead_w=rack.overhead_w,
+                               limit_kw=rack.rack_power_kw))
     return host
 
 

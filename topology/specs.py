@@ -57,9 +57,31 @@ class FormatRates(_Spec):
         return getattr(self, fmt)
 
 
+class GpuPower(_Spec):
+    """Electrical draw of one GPU, watts, at three anchor points (``sim.energy`` interpolates between them):
+
+    idle_w:           powered on, holding its weights and KV, running nothing (between steps, spare GPUs);
+    memory_bound_w:   running memory-bound kernels (decode GEMVs, attention over the KV cache, collectives);
+    compute_bound_w:  running compute-bound kernels at the power limit (large prefill GEMMs) — the board's TDP,
+                      and the draw a rack must be able to supply for the GPU.
+    """
+
+    idle_w: PositiveFloat
+    memory_bound_w: PositiveFloat
+    compute_bound_w: PositiveFloat
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GpuPower:
+        if not self.idle_w <= self.memory_bound_w <= self.compute_bound_w:
+            raise ValueError(f"power: need idle_w <= memory_bound_w <= compute_bound_w, got {self.idle_w}, "
+                             f"{self.memory_bound_w}, {self.compute_bound_w}")
+        return self
+
+
 class GpuSpec(_Spec):
     """One GPU. ``nvlink_GBps_per_dir`` is the line rate over all ``nvlink_links`` links in one direction;
-    ``nvlink_effective_GBps_per_dir`` is what NCCL's topology model assumes (links × per-link effective rate)."""
+    ``nvlink_effective_GBps_per_dir`` is what NCCL's topology model assumes (links × per-link effective rate).
+    ``power``: its draw (:class:`GpuPower`; None: unknown, the simulator then reports no energy)."""
 
     name: str
     arch: Literal["hopper", "blackwell"]
@@ -72,6 +94,7 @@ class GpuSpec(_Spec):
     nvlink_links: NonNegInt
     nvlink_GBps_per_dir: NonNegFloat
     nvlink_effective_GBps_per_dir: NonNegFloat
+    power: GpuPower | None = None
 
     @model_validator(mode="after")
     def _effective_below_line_rate(self) -> GpuSpec:
@@ -151,6 +174,24 @@ class NicSpec(_Spec):
 
 # ----------------------------------------------------------------------------------------------- catalogue
 
+# Power draw (GpuPower). compute_bound_w is the board power limit the vendor publishes; idle_w and
+# memory_bound_w are assumptions (no datasheet gives them), placed where nvidia-smi readings of such boards
+# usually sit: idle with weights resident ~10 % of TDP (60-100 W on Hopper), memory-bound decode ~65-75 % of
+# TDP. The lab's measured draw (``rackbed validate --power``) checks the H200 figures.
+# - H100 SXM5 and H800 SXM5: 700 W max TDP (NVIDIA H100 datasheet; H800 the same board power).
+# - H200 SXM: 700 W max TDP (NVIDIA H200 datasheet).
+# - B200 in HGX B200: 1000 W per GPU (NVIDIA HGX B200 datasheet / DGX B200 datasheet, 14.3 kW per 8-GPU system).
+# - B300 in HGX B300: 1100 W per GPU (NVIDIA HGX B300 material; 1100-1200 W are the published figures).
+# - GB200: ~1200 W per GPU including its half of a Grace (NVIDIA GB200 NVL72 material: a GB200 superchip, two
+#   GPUs and one Grace, is rated up to ~2.7 kW; 2 x 1200 W + ~300 W Grace).
+# - GB300: ~1400 W per GPU including its half of a Grace (NVIDIA GB300 NVL72 material gives 1.4 kW per Blackwell
+#   Ultra GPU; assumption that the Grace share fits in it).
+HOPPER_700W = GpuPower(idle_w=75.0, memory_bound_w=480.0, compute_bound_w=700.0)
+B200_POWER = GpuPower(idle_w=120.0, memory_bound_w=700.0, compute_bound_w=1000.0)
+B300_POWER = GpuPower(idle_w=130.0, memory_bound_w=770.0, compute_bound_w=1100.0)
+GB200_POWER = GpuPower(idle_w=150.0, memory_bound_w=840.0, compute_bound_w=1200.0)
+GB300_POWER = GpuPower(idle_w=170.0, memory_bound_w=980.0, compute_bound_w=1400.0)
+
 # H200 SXM. Sources: NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, dense BF16 989 / FP8 1979 TFLOP/s — the
 # datasheet's 1979 / 3958 figures are with sparsity), Hopper whitepaper (132 SMs on SXM5, 50 MB L2, NVLink-4:
 # 18 links, 900 GB/s bidirectional = 450 GB/s per direction); NCCL src/graph/topo.h SM90_NVLINK_BW = 20.6 GB/s
@@ -167,6 +208,7 @@ H200_SXM = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=450.0,
     nvlink_effective_GBps_per_dir=370.8,  # 18 × 20.6
+    power=HOPPER_700W,
 )
 
 # GB200 (the Blackwell GPU of a GB200 NVL72 tray). Sources: NVIDIA GB200 NVL72 datasheet (186 GB HBM3e per
@@ -189,6 +231,7 @@ GB200_GPU = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=900.0,
     nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1
+    power=GB200_POWER,
 )
 
 # B200 in an HGX B200 board. Sources: NVIDIA HGX B200 datasheet (180 GB HBM3e, 8 TB/s; dense BF16 2.25, FP8 4.5,
@@ -207,6 +250,7 @@ B200_HGX = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=900.0,
     nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1
+    power=B200_POWER,
 )
 
 # H100 SXM5 (HGX H100). Sources: NVIDIA H100 datasheet (80 GB HBM3 at 3.35 TB/s; dense BF16 989 / FP8 1979
@@ -225,6 +269,7 @@ H100_SXM = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=450.0,
     nvlink_effective_GBps_per_dir=370.8,  # 18 × 20.6
+    power=HOPPER_700W,
 )
 
 # H800 SXM5: the export variant of H100 SXM5. Same die, SM count, clocks, HBM (80 GB, 3.35 TB/s) and tensor-core
@@ -257,6 +302,7 @@ GB300_GPU = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=900.0,
     nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1, as Blackwell
+    power=GB300_POWER,
 )
 
 # B300 in an HGX B300 board. Sources: NVIDIA HGX B300 datasheet (8 GPUs: up to 2.3 TB HBM3e = 288 GB per GPU,
@@ -278,6 +324,7 @@ B300_HGX = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=900.0,
     nvlink_effective_GBps_per_dir=721.8,  # 18 × 40.1, as Blackwell
+    power=B300_POWER,
 )
 
 # Grace (one of the 2 per GB200 compute tray). Source: NVIDIA GB200 NVL72 / Grace datasheets: 72 Arm Neoverse V2
@@ -411,6 +458,9 @@ class NodeSpec(_Spec):
     ``links_per_switch[j]`` links from every GPU to switch ``j`` (HGX H200: 5/4/4/5), or, without a switch,
     ``direct_links`` links between every pair of GPUs (h200x2: NV18). A GB200 tray has neither: its NVLink
     switches sit at rack level (:class:`RackSpec`).
+
+    ``overhead_w``: the node's draw apart from its GPUs (CPUs, NICs, in-node switches, fans, drives, power
+    conversion) in watts, counted as constant while the node is in a deployment's pool.
     """
 
     name: str
@@ -426,6 +476,7 @@ class NodeSpec(_Spec):
     nvswitch: SwitchRef | None = None
     links_per_switch: tuple[PositiveInt, ...] = ()
     direct_links: NonNegInt = 0
+    overhead_w: NonNegFloat = 0.0
 
     @model_validator(mode="after")
     def _consistent(self) -> NodeSpec:
@@ -458,7 +509,13 @@ class NodeSpec(_Spec):
 
 class RackSpec(_Spec):
     """``n_nodes`` nodes; with ``nvswitch`` the rack is one NVLink domain: ``n_nvswitches`` switch ASICs and
-    ``links_per_switch`` links from every GPU of every node to each of them (GB200 NVL72: 18 ASICs, 1 link)."""
+    ``links_per_switch`` links from every GPU of every node to each of them (GB200 NVL72: 18 ASICs, 1 link).
+
+    ``overhead_w``: rack-level draw outside the nodes (NVLink switch trays, power shelves, management), watts,
+    constant while any of its GPUs is in a deployment's pool. ``rack_power_kw``: the power the rack can be fed
+    (None: no limit); a deployment whose peak draw in one rack — its GPUs at ``compute_bound_w``, their nodes'
+    and the rack's overhead — exceeds it is refused (``topology.power.check_rack_power``).
+    """
 
     name: str
     node: NodeSpec
@@ -467,6 +524,8 @@ class RackSpec(_Spec):
     n_nvswitches: NonNegInt = 0
     links_per_switch: NonNegInt = 0
     nvlink: LinkRef | None = None
+    overhead_w: NonNegFloat = 0.0
+    rack_power_kw: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RackSpec:

@@ -117,6 +117,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tpot", type=float, default=None, help="TPOT SLO, seconds (p90); default 0.05")
     p.add_argument("--gpu-hour-usd", type=float, default=None,
                    help="price of one GPU-hour, for $/M tokens (with --rate); default 0 (none)")
+    p.add_argument("--objective", choices=("gpu", "kw"), default=None,
+                   help="what the front maximises against tokens/s per user (with --rate): gpu = output "
+                        "tokens/s per GPU, kw = output tokens/s per kW of facility power (whole pool, "
+                        "sim/energy.py); default gpu")
     p.add_argument("--prefill-tp", type=_ints, default=None, help="prefill TP degrees (EP = TP); default 2,4,8")
     p.add_argument("--decode-ep", type=_ints, default=None, help="decode DP-EP degrees; default 4,8,16,32")
     p.add_argument("--batch-cap", type=_caps, default=None,
@@ -174,7 +178,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 # does not use it can be told from its default).
 DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_format": ["fp8"],
             "kind": ["disaggregated", "aggregated"], "duration": 30.0, "ttft": 2.0, "tpot": 0.05,
-            "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05}
+            "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05, "objective": "gpu"}
 
 # What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid and TP2 attention
 # ranks in the decoders, next to the defaults.
@@ -187,7 +191,7 @@ _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", 
              "force", "jobs", "no_report", "wide"}
 USED = {
     "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
-    "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address"},
+    "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address", "objective"},
     "spec": {"spec", "prefix_cache", "prefix_cache_gb", "no_host_tier", "max_simulations", "top", "emit",
              "emit_out", "out", "force", "jobs", "ray_address", "no_report"},
     "max-rate": {"max_rate", "rate", "duration", "ttft", "tpot"},
@@ -232,6 +236,8 @@ def _unused(args: argparse.Namespace, mode: str) -> None:
                    "deployments for that load")
         elif dest == "gpu_hour_usd":
             why = "only with --rate (the budget search --gpus N reports no cost per token)"
+        elif dest == "objective":
+            why = "only with --rate (a spec sets objective: itself; the budget search --gpus N ranks by GPU)"
         elif dest == "top":
             why = "only with --rate or a spec (the budget search --gpus N prints every front point)"
         elif dest == "ray_address":
@@ -365,7 +371,7 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
                               decode_overlap=args.decode_overlap, decode_tp=args.decode_tp,
-                              kv_dtype=args.kv_dtype,
+                              kv_dtype=args.kv_dtype, objective=args.objective,
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
                               trace=args.trace, prefix_cache=_prefix_cache(args),
                               max_gpus=args.gpus if args.rate is not None else None)
@@ -653,11 +659,12 @@ def print_search(console, res) -> None:
         rows.append([str(i), r.get("candidate", r.get("label", "")), fmt(s["mean_gpus"], 3),
                      fmt(s["tokens_per_s_per_gpu"]), fmt(s["tokens_per_s_per_user"]),
                      fmt((s.get("ttft_p90_s") or 0) * 1e3), fmt((s.get("tpot_p90_s") or 0) * 1e3),
-                     fmt(s.get("cost_per_mtok_usd"), 3), fmt(e.get("tokens_per_s_per_gpu")),
-                     fmt(e.get("tokens_per_s_per_user"))])
-    print_table(console, "best points (Pareto front of tokens/s per GPU vs tokens/s per user)",
+                     fmt(s.get("cost_per_mtok_usd"), 3), fmt(s.get("tokens_per_s_per_kw")),
+                     fmt(e.get("tokens_per_s_per_gpu")), fmt(e.get("tokens_per_s_per_user"))])
+    per = "kW" if sp.objective == "kw" else "GPU"
+    print_table(console, f"best points (Pareto front of tokens/s per {per} vs tokens/s per user)",
                 ("#", "configuration", "GPUs", "tok/s/GPU", "tok/s/user", "TTFT p90 ms", "TPOT p90 ms", "$/M tok",
-                 "est tok/s/GPU", "est tok/s/user"), rows, left=("configuration",), key=2)
+                 "tok/s/kW", "est tok/s/GPU", "est tok/s/user"), rows, left=("configuration",), key=2)
     for i, r in enumerate(res.best, 1):
         ex = res.explanations.get(r["key"]) or {}
         if "prefill" in ex:
@@ -770,6 +777,7 @@ def search_report_data(res):
         explanations=res.explanations, color_by=varied[0] if varied else None,
         tables=[knob, *option_tables(res), prune],
         notes=[("tokens/s per GPU counts every allocated GPU (prefill and decode); tokens/s per user is the p50 "
-                "of 1/TPOT; cost per million output tokens = $/GPU-hour / (3600 x tokens/s per GPU) x 1e6"),
+                "of 1/TPOT; cost per million output tokens = ($/GPU-hour x pool GPUs x hours + energy) / output "
+                "tokens x 1e6 (the whole pool for the whole run, sim/energy.py)"),
                "est = the analytic estimate the pruning used (replicas from the input-token rate and Little's law)",
                *res.notes])

@@ -2,6 +2,10 @@
 
     rackbed validate [--measurements FILE] [--calibration FILE] [--topology h200x2] [--all]
                      [--out results/h200x2/validation_kernels.json]
+    rackbed validate --power FILE [--topology h200x2] [--out FILE]
+
+**Power** (``--power FILE``, :mod:`sim.power_check`): the GPU power model's predicted mean draw for a measured run's
+utilisation against the measured mean (nvidia-smi samples), with the relative error.
 
 **Kernel level** (:func:`validate_kernels`): for every measured row of ``kernels/bench/measure.py`` that the
 calibration did *not* fit (its ``meta.holdout`` ids: every third point of each curve, whole held-out GEMM
@@ -300,6 +304,8 @@ def _run(args: argparse.Namespace) -> int:
         measurement_paths,
     )
 
+    if getattr(args, "power", None):
+        return _run_power(args)
     wec = getattr(args, "write_engine_calibration", None)
     th = getattr(args, "attribution_threshold", None)
     if th is not None and not 0 < th < 1:
@@ -340,6 +346,29 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_power(args: argparse.Namespace) -> int:
+    """``--power FILE``: the GPU power model against measured draw (``sim.power_check``); nothing else
+    runs."""
+    from rackbed import topology
+    from rackbed.sim.power_check import check_power, power_line, read_power_file
+    from rackbed.topology.specs import GPUS
+
+    if args.out:
+        prepare_file(args.out, force=args.force, flag="--out")
+    data = read_power_file(args.power)
+    if data["gpu"] is not None:
+        if data["gpu"] not in GPUS:
+            raise UserError(f"{args.power}: gpu: unknown GPU {data['gpu']!r} (known: {', '.join(GPUS)})")
+        spec = GPUS[data["gpu"]]
+    else:
+        topo = topology.load(args.topology)
+        spec = topo.gpu_spec(topo.gpu_ids[0])
+    res = check_power(data, spec)
+    print(power_line(res))
+    _write_out(args, {"schema": "rackbed.validation/1", "power_file": str(args.power), "power": res})
+    return 0
+
+
 def _write_out(args, doc: dict) -> None:
     """The validation JSON to ``--out``, if given (an existing file only with ``--force``; atomically)."""
     if args.out:
@@ -362,6 +391,10 @@ def register(subparsers) -> None:
                    "own hold-outs: refit K times from the measurements, fold i holding out every K-th inner point "
                    "from index i, so every inner point is held out once (slow: K fits)")
     p.add_argument("--out", help="write the validation JSON here")
+    p.add_argument("--power", metavar="FILE",
+                   help="instead: the GPU power model against measured draw (a JSON or YAML file of samples "
+                        "{t, power_w, util?} and optional steps; sim/power_check.py), on the --topology's GPU "
+                        "unless the file names one")
     add_force(p, "replace an existing --out or --write-engine-calibration file")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")

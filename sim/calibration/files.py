@@ -167,8 +167,9 @@ def _json_meta(f: Path, chunk: int = META_CHUNK):
                         value, j = dec.raw_decode(text, j)
                         while j < len(text) and text[j] in ws:
                             j += 1
-                        if j >= len(text):
-                            raise json.JSONDecodeError("value may go on", text, j)  # a number cut by the chunk
+                        if j >= len(text) or text[j] not in ",}":
+                            # a number cut by the chunk ("0" of "0.5", "0." of "0.5e3") decodes as a shorter one
+                            raise json.JSONDecodeError("value may go on", text, j)
                         break
                     except json.JSONDecodeError:
                         if not more():
