@@ -83,12 +83,13 @@ class EngineCalibration(BaseModel):
     @field_validator("mixed_s")
     @classmethod
     def _mixed(cls, v):
-        if v and set(v) != set(MIXED_TERMS):
-            raise ValueError(f"mixed_s: one coefficient per term {', '.join(MIXED_TERMS)}; got {', '.join(v)}")
+        if v and not set(MIXED_TERMS) - set(MTP_TERMS) <= set(v) <= set(MIXED_TERMS):
+            raise ValueError(f"mixed_s: one coefficient per term {', '.join(MIXED_TERMS)} (the MTP terms may be "
+                             f"left out); got {', '.join(v)}")
         bad = [k for k, x in v.items() if not (math.isfinite(x) and x >= 0)]
         if bad:
             raise ValueError(f"mixed_s.{bad[0]}: must be finite and >= 0 (seconds per unit)")
-        return v
+        return {k: v.get(k, 0.0) for k in MIXED_TERMS} if v else v
 
     @field_validator("decode_step_s", "prefill_s", "prefill_attn_s", "kv_transfer_s")
     @classmethod
@@ -145,8 +146,14 @@ def find_engine_calibration(gpu: str, model: str, directory: Path | None = None,
 #: touches per layer, ``E (1 - (1 - k/E)^B)`` for B sequences routed to k of E experts each (their weights are read
 #: once: the MoE's cost saturates with the batch); the decode sequences; the KV tokens they attend over; the prefill
 #: tokens and query-key pairs the engine computes for its chunks (padded to its CUDA-graph shapes,
-#: ``engine.core.graph_shapes.prefill_padded``); and the chunks (each one forward, reading every expert's weights)
-MIXED_TERMS = ("step", "touched_experts", "seqs", "context", "prefill_tokens", "pairs", "chunks")
+#: ``engine.core.graph_shapes.prefill_padded``); the chunks (each one forward, reading every expert's weights); and,
+#: with MTP (k drafts a step), the draft forwards (``drafts`` = k: each runs the MTP module and its LM head once)
+#: and the drafted tokens (``draft_tokens`` = B k: the verify forward's extra tokens and the drafts' own), the
+#: verify's touched experts counted for its ``B (1 + k)`` tokens. A calibration fitted without MTP runs prices
+#: the two MTP terms at 0 (files written before they existed hold no coefficient for them).
+MIXED_TERMS = ("step", "touched_experts", "seqs", "context", "prefill_tokens", "pairs", "chunks", "drafts",
+               "draft_tokens")
+MTP_TERMS = ("drafts", "draft_tokens")
 
 
 def touched_experts(batch: float, n_experts: int, top_k: int) -> float:
@@ -170,11 +177,13 @@ def mixed_shape(plan, model, page_tokens: int, prefill_graphs: bool = True) -> d
     from rackbed.engine.core.graph_shapes import prefill_padded
 
     b = float(sum(plan.rank_batch))
+    k = float(plan.draft_k) if b else 0.0
     padded = [prefill_padded(s, n, page_tokens) if prefill_graphs else (n, n * s + n * (n + 1) // 2)
               for _, _, s, n in plan.prefill]
-    return {"step": 1.0, "touched_experts": touched_experts(b, model.n_experts, model.top_k), "seqs": b,
-            "context": float(sum(plan.rank_context_tokens)), "prefill_tokens": float(sum(t for t, _ in padded)),
-            "pairs": float(sum(q for _, q in padded)), "chunks": float(len(plan.prefill))}
+    return {"step": 1.0, "touched_experts": touched_experts(b * (1.0 + k), model.n_experts, model.top_k),
+            "seqs": b, "context": float(sum(plan.rank_context_tokens)),
+            "prefill_tokens": float(sum(t for t, _ in padded)), "pairs": float(sum(q for _, q in padded)),
+            "chunks": float(len(plan.prefill)), "drafts": k, "draft_tokens": b * k}
 
 
 class EngineCalibratedCostModel:
@@ -447,6 +456,24 @@ def _lstsq_nonneg(cols, ys) -> tuple[float, ...]:
     return tuple(float(v) for v in nnls(X[keep] / scale, y[keep])[0] / scale)
 
 
+def _nonneg_through_origin(cols, ys) -> tuple[float, ...]:
+    """Robust non-negative least squares ``y ~ sum(c_i * col_i)`` with no intercept (the MTP terms of a mixed
+    step: what the steps with drafts take beyond the fitted terms of every step); points beyond 3 MADs of the
+    residuals are dropped once."""
+    from scipy.optimize import nnls
+
+    X, y = np.column_stack([np.asarray(c, float) for c in cols]), np.asarray(ys, float)
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    c = nnls(X / scale, y)[0] / scale
+    r = y - X @ c
+    mad = float(np.median(np.abs(r - np.median(r)))) or 1e-12
+    keep = np.abs(r - np.median(r)) <= 3 * 1.4826 * mad
+    if keep.sum() >= X.shape[1] + 2:
+        c = nnls(X[keep] / scale, y[keep])[0] / scale
+    return tuple(float(v) for v in c)
+
+
 def fit_engine(run_dir: str | Path, *, gpu: str, model: str, holdout_every: int = 3,
                kv_bytes_per_token: int | None = None, built=None,
                more_runs: tuple = ()) -> tuple[EngineCalibration, list[dict]]:
@@ -532,11 +559,24 @@ def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every, spec) -> 
     graphs = all(p.get("prefill_graphs", True) for p in pts)
     if any(p.get("prefill_graphs", True) != graphs for p in pts):
         raise UserError(f"{run_dir}: some runs replayed prefill as CUDA graphs and some did not; fit them apart")
-    if len(pts) < 2 * len(MIXED_TERMS):
+    if len(pts) < 2 * (len(MIXED_TERMS) - len(MTP_TERMS)):
         raise UserError(f"{run_dir}: {len(pts)} measured mixed steps to fit; an aggregated run needs at least "
-                        f"{2 * len(MIXED_TERMS)}")
-    coef = dict(zip(MIXED_TERMS, _lstsq_nonneg([[p["shape"][k] for p in pts] for k in MIXED_TERMS],
-                                              [p["measured_s"] for p in pts])))
+                        f"{2 * (len(MIXED_TERMS) - len(MTP_TERMS))}")
+    # the terms of every step from the steps without drafts when there are enough of them (MTP runs beside plain
+    # ones: the plain runs' fit stays what it is), then the MTP terms from what those leave in the steps with drafts
+    coef = dict.fromkeys(MIXED_TERMS, 0.0)
+    base = [k for k in MIXED_TERMS if k not in MTP_TERMS]
+    plain = [p for p in pts if not p["shape"]["drafts"]]
+    drafted = [p for p in pts if p["shape"]["drafts"]]
+    first = plain if len(plain) >= 2 * len(base) else pts
+    terms = [k for k in (base if drafted and first is plain else MIXED_TERMS)
+             if k == "step" or any(p["shape"][k] for p in first)]  # a term no step has is priced 0, not fitted
+    coef.update(zip(terms, _lstsq_nonneg([[p["shape"][k] for p in first] for k in terms],
+                                         [p["measured_s"] for p in first])))
+    if drafted and first is plain:
+        rest = [p["measured_s"] - sum(coef[k] * p["shape"][k] for k in base) for p in drafted]
+        coef.update(zip(MTP_TERMS, _nonneg_through_origin([[p["shape"][k] for p in drafted] for k in MTP_TERMS],
+                                                          rest)))
     # the pure-decode and pure-prefill cuts, for readers of the file (the simulator prices mixed steps whole)
     dec = [p["shape"] for p in pts if p["shape"]["prefill_tokens"] == 0 and p["shape"]["seqs"] > 0]
     ctx = statistics.mean(s["context"] / s["seqs"] for s in dec) if dec else 0.0
@@ -545,7 +585,7 @@ def _fit_mixed(run_dir, real, fit, hold, *, gpu, model, holdout_every, spec) -> 
                             kv_transfer_s=(0.0, 0.0), mode="aggregated", mixed_s=coef)
     decode = tuple((float(b), cut.mixed({"step": 1.0, "touched_experts": touched_experts(b, spec.n_experts, spec.top_k),
                                          "seqs": b, "context": ctx * b, "prefill_tokens": 0.0, "pairs": 0.0,
-                                         "chunks": 0.0}))
+                                         "chunks": 0.0, "drafts": 0.0, "draft_tokens": 0.0}))
                    for b in batches)
     cal = EngineCalibration(gpu=gpu, model=model, mode="aggregated", source=str(run_dir), prefill_graphs=graphs,
                             date=real.get("versions", {}).get("date", ""), holdout_every=holdout_every,

@@ -83,8 +83,25 @@ class Shard:
 # Weights
 
 
+_RANDN_WHOLE = 1 << 31  # elements drawn in one call; a larger tensor is drawn in slices of its first dimension
+
+
 def _randn(shape, gen: torch.Generator, std: float, device, dtype) -> torch.Tensor:
-    return (torch.randn(shape, generator=gen, device=gen.device, dtype=torch.float32) * std).to(device, dtype)
+    """``N(0, std)`` in ``dtype``, drawn in fp32 from ``gen``. Tensors over 2^31 elements (DeepSeek-V3's 256
+    experts of a layer: 7.5 G) are drawn a slice of the first dimension at a time into the output, so the fp32
+    draw never needs 30 GB beside the weights already made (values differ from one whole draw; a given shape is
+    always drawn the same way)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if n <= _RANDN_WHOLE or len(shape) < 2 or shape[0] < 2:
+        return (torch.randn(shape, generator=gen, device=gen.device, dtype=torch.float32) * std).to(device, dtype)
+    out = torch.empty(shape, device=device, dtype=dtype)
+    rows = max(1, (_RANDN_WHOLE // 8) // (n // shape[0]))
+    for i in range(0, shape[0], rows):
+        part = out[i:i + rows]
+        part.copy_(torch.randn(part.shape, generator=gen, device=gen.device, dtype=torch.float32) * std)
+    return out
 
 
 def random_layer_weights(cfg: TorchModelConfig, layer: int, seed: int, device, dtype) -> dict[str, torch.Tensor]:

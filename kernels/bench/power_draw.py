@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 
 from rackbed.topology.outputs import add_force, entry_file, write_text
@@ -30,37 +29,40 @@ FIELDS = "timestamp,power.draw,utilization.gpu,utilization.memory,clocks.sm,cloc
 
 
 class Sampler:
-    """``nvidia-smi`` sampling the board power every ``period_ms`` into a file until :meth:`stop`."""
+    """``nvidia-smi`` sampling the board power every ``period_ms`` (kept in memory) until :meth:`stop`."""
 
     def __init__(self, period_ms: int = 100, gpu: int = 0) -> None:
-        self.path = tempfile.mktemp(suffix=".csv")
-        self.f = open(self.path, "w")
+        self.lines: list[str] = []
         self.t0 = time.time()
         self.proc = subprocess.Popen(["nvidia-smi", "-i", str(gpu), f"--query-gpu={FIELDS}",
-                                      "--format=csv,noheader,nounits", f"-lms={period_ms}"], stdout=self.f,
-                                     stderr=subprocess.DEVNULL)
+                                      "--format=csv,noheader,nounits", f"-lms={period_ms}"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # kept in memory: ~60 bytes a sample
+            self.lines.append(line)
 
     def stop(self) -> list[dict]:
         """Stop sampling -> ``[{"t": seconds since start (host clock at read), "power_w", "util", "util_mem",
         "sm_mhz", "mem_mhz", "temp_c"}]``."""
         self.proc.terminate()
         self.proc.wait()
-        self.f.close()
+        self.reader.join(timeout=5)
         out = []
-        with open(self.path) as f:
-            for line in f:
-                p = [x.strip() for x in line.split(",")]
-                if len(p) < 7:
-                    continue
-                try:
-                    ts = time.mktime(time.strptime(p[0].split(".")[0], "%Y/%m/%d %H:%M:%S")) + \
-                        float("0." + p[0].split(".")[1]) if "." in p[0] else 0.0
-                    out.append({"t": round(ts - self.t0, 3), "power_w": float(p[1]), "util": float(p[2]),
-                                "util_mem": float(p[3]), "sm_mhz": float(p[4]), "mem_mhz": float(p[5]),
-                                "temp_c": float(p[6])})
-                except ValueError:
-                    continue
-        os.unlink(self.path)
+        for line in list(self.lines):
+            p = [x.strip() for x in line.split(",")]
+            if len(p) < 7:
+                continue
+            try:
+                ts = time.mktime(time.strptime(p[0].split(".")[0], "%Y/%m/%d %H:%M:%S")) + \
+                    float("0." + p[0].split(".")[1]) if "." in p[0] else 0.0
+                out.append({"t": round(ts - self.t0, 3), "power_w": float(p[1]), "util": float(p[2]),
+                            "util_mem": float(p[3]), "sm_mhz": float(p[4]), "mem_mhz": float(p[5]),
+                            "temp_c": float(p[6])})
+            except ValueError:
+                continue
         return out
 
 
