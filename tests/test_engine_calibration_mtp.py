@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rackbed.sim.engine_calibration import MIXED_TERMS, MTP_TERMS, EngineCalibration, _fit_mixed, touched_experts
+from rackbed.sim.engine_calibration import (
+    MIXED_TERMS,
+    MTP_TERMS,
+    EngineCalibration,
+    _fit_mixed,
+    touched_experts,
+)
 
 SPEC = SimpleNamespace(n_experts=256, top_k=8)
 
