@@ -2,8 +2,10 @@
 
 ``run_figure(path, out_dir, console=...)`` validates the YAML (:data:`FigureScenario`, one-line errors naming the
 file and field), computes a table from ``sim.costs``, prints it, writes ``<out_dir>/<name>.json`` and
-``<out_dir>/<name>.png`` (matplotlib Agg), and prints the write-up's claim next to what the simulation shows.
-Nothing is fitted to the write-up: the claims are printed for comparison only.
+``<out_dir>/<name>.png`` (matplotlib Agg), and prints the write-up's claim next to what the simulation shows,
+then the verdict against the criterion the scenario states (``verdict``: :mod:`sim.verdicts`), ``reproduced`` or
+``not reproduced`` with every check, also written to the JSON. Nothing is fitted to the write-up or to the
+criterion.
 
 Figure types (the ``figure`` field):
 
