@@ -2,8 +2,10 @@
 
 ``run_figure(path, out_dir, console=...)`` validates the YAML (:data:`FigureScenario`, one-line errors naming the
 file and field), computes a table from ``sim.costs``, prints it, writes ``<out_dir>/<name>.json`` and
-``<out_dir>/<name>.png`` (matplotlib Agg), and prints the write-up's claim next to what the simulation shows.
-Nothing is fitted to the write-up: the claims are printed for comparison only.
+``<out_dir>/<name>.png`` (matplotlib Agg), and prints the write-up's claim next to what the simulation shows,
+then the verdict against the criterion the scenario states (``verdict``: :mod:`sim.verdicts`), ``reproduced`` or
+``not reproduced`` with every check, also written to the JSON. Nothing is fitted to the write-up or to the
+criterion.
 
 Figure types (the ``figure`` field):
 
@@ -50,6 +52,7 @@ from pydantic import (
 )
 
 from rackbed.sim.scenario import EplbSection, ExpertLoadSection
+from rackbed.sim.verdicts import Verdict, figure_measures, judge
 from rackbed.topology.errors import UserError, from_validation
 from rackbed.topology.outputs import replacing, safe_name, write_text
 
@@ -77,6 +80,8 @@ class _Base(_F):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     title: str = ""
     claim: str = Field(min_length=1, description="the write-up's claim, printed beside the simulated result")
+    #: the claim made precise (:mod:`sim.verdicts`): the figure prints ``reproduced`` or ``not reproduced``
+    verdict: Verdict | None = None
     model: str = "qwen3-235b-a22b"
 
 
@@ -315,6 +320,8 @@ class Result:
         self.layout = layout
         #: the JSON writes each row (and each row of a list in ``extra``) on one line
         self.compact = compact
+        #: the verdict against the scenario's criterion (set by :func:`compute_figure`)
+        self.verdict: dict | None = None
 
 
 # ------------------------------------------------------------------------------------------------ (a)
@@ -981,8 +988,32 @@ _BUILDERS: dict[type, Callable] = {
 
 
 def compute_figure(sc) -> Result:
-    """The table, claims and plot of a validated figure scenario (no I/O)."""
-    return _BUILDERS[type(sc)](sc)
+    """The table, claims, plot and verdict (``Result.verdict``: :func:`sim.verdicts.judge`, None when the
+    scenario states no criterion) of a validated figure scenario (no I/O)."""
+    res = _BUILDERS[type(sc)](sc)
+    res.verdict = figure_verdict(sc, res.rows, res.extra)
+    return res
+
+
+def figure_verdict(sc, rows: list[dict], extra: dict) -> dict | None:
+    """The verdict of figure scenario ``sc`` on its rows and extra tables, computed or read back from its JSON
+    (None when ``sc`` has no ``verdict``)."""
+    if sc.verdict is None:
+        return None
+    return judge(sc.verdict, figure_measures(sc.figure, rows, extra), f"{sc.name}: verdict")
+
+
+def verdict_lines(v: dict | None) -> list[str]:
+    """The printed verdict: one line with the verdict and the criterion, then one per check."""
+    if v is None:
+        return ["verdict: none (the scenario states no criterion)"]
+    out = [f"verdict: {v['verdict']} (criterion: {v['criterion']})"]
+    for c in v["checks"]:
+        val = "not a number" if c["value"] is None else f"{c['value']:.4g}"
+        band = (f"{c['min']:g} to {c['max']:g}" if c["min"] is not None and c["max"] is not None
+                else f">= {c['min']:g}" if c["min"] is not None else f"<= {c['max']:g}")
+        out.append(f"  {'met   ' if c['met'] else 'missed'} {c['check']} = {val} (want {band})")
+    return out
 
 
 def _fmt(v) -> str:
@@ -1016,6 +1047,8 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
     for claim, sim in res.claims:
         console.print(f"[bold]{said}:[/bold] {claim}")
         console.print(f"[bold]simulated:[/bold] {sim}")
+    for line in verdict_lines(res.verdict):
+        console.print(line, markup=False, highlight=False)
 
     png = out_dir / f"{safe_name(sc.name)}.png"
     import matplotlib
@@ -1040,8 +1073,8 @@ def run_figure(path: Path, out_dir: Path, *, console=None) -> dict:
 
     doc = {"name": sc.name, "figure": sc.figure, "title": sc.title, "scenario": str(path),
            "scenario_config": json.loads(sc.model_dump_json()), "columns": res.columns, "rows": res.rows,
-           "claims": [{"write_up": c, "simulated": s} for c, s in res.claims], "summary": res.summary,
-           **res.extra}
+           "claims": [{"write_up": c, "simulated": s} for c, s in res.claims], "verdict": res.verdict,
+           "summary": res.summary, **res.extra}
     text = _dumps_compact(doc) if res.compact else json.dumps(doc, indent=1, default=_json_default)
     js = write_text(out_dir / f"{safe_name(sc.name)}.json", text + "\n")
     console.print(f"wrote {js} and {png}")
