@@ -16,7 +16,13 @@ The prediction uses ``sim.energy``'s draw: a GPU busy for a fraction ``f`` of a 
 f x (P_busy - idle_w)`` with ``P_busy = busy_power_w(power, u, kernel_frac)`` — ``u`` and ``kernel_frac`` the
 steps' means weighted by duration. ``f`` is the sample's ``util`` / 100 when the samples carry it, else the
 share of the sampled window the steps cover. The check reports the measured and predicted mean draw per GPU
-over the samples and the relative error ``(predicted - measured) / measured``."""
+over the samples and the relative error ``(predicted - measured) / measured``.
+
+A ``.csv`` file is read as ``nvidia-smi --query-gpu=timestamp,power.draw,utilization.gpu[,...] --format=csv,
+noheader,nounits -lms=100`` output (what ``results/h200/fidelity/record.sh`` writes beside every run);
+``run_window`` (a ``rackbed real`` output folder) keeps the samples of its serving window only — from the
+run's end (``real.json`` ``versions.date``) back by its measured duration — leaving out start-up, weight
+initialisation and graph capture."""
 
 from __future__ import annotations
 
@@ -36,11 +42,51 @@ def _num(x, where: str, lo: float | None = None) -> float:
     return float(x)
 
 
-def read_power_file(path: str | Path) -> dict:
+def read_smi_csv(path: str | Path, run_window: str | Path | None = None) -> dict:
+    """Power samples ``{t, power_w, util}`` from an ``nvidia-smi`` CSV (module docstring), ``t`` in epoch seconds
+    (the timestamps read as UTC, the recorder's clock); with ``run_window``, those of that run's serving window."""
+    import datetime
+    import json
+
+    from rackbed.topology.yamlio import read_text
+
+    samples = []
+    for n, line in enumerate(read_text(Path(path), "power file").splitlines(), 1):
+        p = [x.strip() for x in line.split(",")]
+        if not line.strip() or p[0].lower().startswith("timestamp"):
+            continue
+        try:
+            t = datetime.datetime.strptime(p[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc)
+            samples.append({"t": t.timestamp(), "power_w": float(p[1]), "util": float(p[2])})
+        except (ValueError, IndexError):
+            raise UserError(f"{path}:{n}: expected nvidia-smi CSV 'timestamp, power.draw, utilization.gpu, ...' "
+                            f"(--format=csv,noheader,nounits), got {line.strip()[:60]!r}") from None
+    if run_window is not None:
+        real = Path(run_window) / "real.json"
+        try:
+            r = json.loads(read_text(real, "run"))
+            end = datetime.datetime.fromisoformat(r["versions"]["date"]).timestamp()
+            dur = float(r["metrics"]["throughput"]["duration_s"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{real}: a `rackbed real` result with versions.date and metrics.throughput."
+                            "duration_s") from None
+        samples = [s for s in samples if end - dur <= s["t"] <= end]
+        if not samples:
+            raise UserError(f"{path}: no sample inside {run_window}'s serving window ({dur:.1f} s before "
+                            f"{r['versions']['date']})")
+    return {"samples": samples}
+
+
+def read_power_file(path: str | Path, run_window: str | Path | None = None) -> dict:
     """Parse and check a power file (module docstring); one-line UserError naming the file and the entry."""
     from rackbed.topology.yamlio import load_data
 
-    data = load_data(Path(path), "power file")
+    if str(path).lower().endswith((".csv", ".csv.gz")):
+        data = read_smi_csv(path, run_window)
+    elif run_window is not None:
+        raise UserError(f"--power-run: windows an nvidia-smi .csv power file; {path} is not one")
+    else:
+        data = load_data(Path(path), "power file")
     if not isinstance(data, Mapping):
         raise UserError(f"{path}: a power file is a mapping with samples (and optionally steps, gpu)")
     unknown = set(data) - {"samples", "steps", "gpu", "note"}

@@ -79,3 +79,36 @@ def test_cli(tmp_path, capsys):
     assert main(["validate", "--power", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "util" in err[0]
+
+
+def test_nvidia_smi_csv_and_run_window(tmp_path, capsys):
+    """An nvidia-smi CSV read as samples; --power-run keeps the serving window of a `rackbed real` folder (its end
+    from versions.date, back by its duration); a malformed line or an empty window fails in one line."""
+    from rackbed.sim.power_check import read_smi_csv
+
+    lines = [f"2026/12/04 05:33:{s:02d}.{ms:03d}, {100 + s}.0, {s}, 5, 1980, 3201"
+             for s in range(0, 40) for ms in (0, 500)]
+    csv = tmp_path / "p.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "real.json").write_text(json.dumps({"versions": {"date": "2026-12-04T05:33:30+00:00"},
+                                               "metrics": {"throughput": {"duration_s": 10.0}}}))
+    whole = read_smi_csv(csv)["samples"]
+    assert len(whole) == 80 and whole[1]["t"] - whole[0]["t"] == pytest.approx(0.5)
+    win = read_smi_csv(csv, run)["samples"]
+    assert len(win) == 21 and {s["power_w"] for s in win} == {100.0 + s for s in range(20, 31)}
+    out = tmp_path / "v.json"
+    assert main(["validate", "--power", str(csv), "--power-run", str(run), "--topology", "hgx-h200",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["power"]["samples"] == 21 and doc["power"]["measured_mean_w"] == pytest.approx(125.0, abs=0.3)
+    capsys.readouterr()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("2026/12/04 05:33:00.000, 100.0, 5\nnot a sample line\n")
+    (run / "real.json").write_text(json.dumps({"versions": {"date": "2027-01-01T00:00:00+00:00"},
+                                               "metrics": {"throughput": {"duration_s": 1.0}}}))
+    for f, extra, needle in ((bad, [], "bad.csv:2"), (csv, ["--power-run", str(run)], "no sample inside")):
+        assert main(["validate", "--power", str(f), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err

@@ -174,10 +174,12 @@ class NicSpec(_Spec):
 
 # ----------------------------------------------------------------------------------------------- catalogue
 
-# Power draw (GpuPower). compute_bound_w is the board power limit the vendor publishes; idle_w and
-# memory_bound_w are assumptions (no datasheet gives them), placed where nvidia-smi readings of such boards
-# usually sit: idle with weights resident ~10 % of TDP (60-100 W on Hopper), memory-bound decode ~65-75 % of
-# TDP. The lab's measured draw (``rackbed validate --power``) checks the H200 figures.
+# Power draw (GpuPower). compute_bound_w is the board power limit the vendor publishes. idle_w and
+# memory_bound_w are measured on one H200 SXM (results/h200/power/power_draw_h200.json, nvidia-smi every 100 ms
+# for 12 s per phase: idle with the driver loaded 80.7 W; a device-to-device copy at 4.25 TB/s 578 W; a bf16
+# GEMM at 654 TFLOP/s 692 W against the 700 W limit). No datasheet gives idle or memory-bound draw, so the other
+# GPUs take the H200's measured shares of its board limit (idle 11.5 %, memory-bound 82.6 %): an assumption
+# until they are measured. The serving runs' check: docs/FIDELITY.md ("GPU power").
 # - H100 SXM5 and H800 SXM5: 700 W max TDP (NVIDIA H100 datasheet; H800 the same board power).
 # - H200 SXM: 700 W max TDP (NVIDIA H200 datasheet).
 # - B200 in HGX B200: 1000 W per GPU (NVIDIA HGX B200 datasheet / DGX B200 datasheet, 14.3 kW per 8-GPU system).
@@ -186,11 +188,20 @@ class NicSpec(_Spec):
 #   GPUs and one Grace, is rated up to ~2.7 kW; 2 x 1200 W + ~300 W Grace).
 # - GB300: ~1400 W per GPU including its half of a Grace (NVIDIA GB300 NVL72 material gives 1.4 kW per Blackwell
 #   Ultra GPU; assumption that the Grace share fits in it).
-HOPPER_700W = GpuPower(idle_w=75.0, memory_bound_w=480.0, compute_bound_w=700.0)
-B200_POWER = GpuPower(idle_w=120.0, memory_bound_w=700.0, compute_bound_w=1000.0)
-B300_POWER = GpuPower(idle_w=130.0, memory_bound_w=770.0, compute_bound_w=1100.0)
-GB200_POWER = GpuPower(idle_w=150.0, memory_bound_w=840.0, compute_bound_w=1200.0)
-GB300_POWER = GpuPower(idle_w=170.0, memory_bound_w=980.0, compute_bound_w=1400.0)
+H200_POWER = GpuPower(idle_w=80.7, memory_bound_w=578.0, compute_bound_w=700.0)
+
+
+def _h200_shares(board_w: float) -> GpuPower:
+    """A board of ``board_w`` W drawing the measured H200's shares of its limit idle and memory-bound."""
+    return GpuPower(idle_w=round(board_w * H200_POWER.idle_w / 700.0, 1),
+                    memory_bound_w=round(board_w * H200_POWER.memory_bound_w / 700.0, 1), compute_bound_w=board_w)
+
+
+HOPPER_700W = _h200_shares(700.0)
+B200_POWER = _h200_shares(1000.0)
+B300_POWER = _h200_shares(1100.0)
+GB200_POWER = _h200_shares(1200.0)
+GB300_POWER = _h200_shares(1400.0)
 
 # H200 SXM. Sources: NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, dense BF16 989 / FP8 1979 TFLOP/s — the
 # datasheet's 1979 / 3958 figures are with sparsity), Hopper whitepaper (132 SMs on SXM5, 50 MB L2, NVLink-4:
@@ -208,7 +219,7 @@ H200_SXM = GpuSpec(
     nvlink_links=18,
     nvlink_GBps_per_dir=450.0,
     nvlink_effective_GBps_per_dir=370.8,  # 18 × 20.6
-    power=HOPPER_700W,
+    power=H200_POWER,
 )
 
 # GB200 (the Blackwell GPU of a GB200 NVL72 tray). Sources: NVIDIA GB200 NVL72 datasheet (186 GB HBM3e per

@@ -2,7 +2,7 @@
 
     rackbed validate [--measurements FILE] [--calibration FILE] [--topology h200x2] [--all]
                      [--out results/h200x2/validation_kernels.json]
-    rackbed validate --power FILE [--topology h200x2] [--out FILE]
+    rackbed validate --power FILE [--power-run RUN_DIR] [--topology h200x2] [--out FILE]
 
 **Power** (``--power FILE``, :mod:`sim.power_check`): the GPU power model's predicted mean draw for a measured run's
 utilisation against the measured mean (nvidia-smi samples), with the relative error.
@@ -355,7 +355,7 @@ def _run_power(args: argparse.Namespace) -> int:
 
     if args.out:
         prepare_file(args.out, force=args.force, flag="--out")
-    data = read_power_file(args.power)
+    data = read_power_file(args.power, args.power_run)
     if data["gpu"] is not None:
         if data["gpu"] not in GPUS:
             raise UserError(f"{args.power}: gpu: unknown GPU {data['gpu']!r} (known: {', '.join(GPUS)})")
@@ -395,6 +395,8 @@ def register(subparsers) -> None:
                    help="instead: the GPU power model against measured draw (a JSON or YAML file of samples "
                         "{t, power_w, util?} and optional steps; sim/power_check.py), on the --topology's GPU "
                         "unless the file names one")
+    p.add_argument("--power-run", metavar="DIR", help="with an nvidia-smi .csv(.gz) --power file: only the samples of "
+                   "this `rackbed real` output folder's serving window")
     add_force(p, "replace an existing --out or --write-engine-calibration file")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
