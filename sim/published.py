@@ -143,7 +143,7 @@ def load_suite(path: str | Path) -> tuple[Suite, dict]:
     seen: set[str] = set()
     scenarios = {}
     for i, case in enumerate(suite.cases):
-        where = f"{path}: cases.{i} ({case.name})"
+        where = f"{path}: cases[{i}] ({case.name})"
         if case.name in seen:
             raise UserError(f"{where}: name: {case.name!r} appears twice")
         seen.add(case.name)
@@ -227,6 +227,10 @@ def measure(case: Case, b, res) -> dict:
     elif m.kind == "decode_output":
         d = _decode_figure(res, m.full)
         d["value"] = d["tokens_per_s_per_gpu"] * _scale(m)
+        ranks = sum(g.template.ep // g.template.tp for g in b.deployment.decoders)
+        t = b.deployment.decoders[0].template
+        d.update(batch_per_rank=d["mean_decoding"] / ranks, max_batch_per_rank=t.max_batch_per_rank,
+                 kv_capacity_tokens_per_rank=t.kv_capacity_tokens_per_rank)
     else:
         th = res.metrics["throughput"]
         d = {"tokens_per_s_per_gpu": th["output_tokens_per_s_per_gpu"], "duration_s": th["duration_s"],
