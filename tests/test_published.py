@@ -174,3 +174,19 @@ def test_decode_window_counts_every_token_once(requests, counts):
     assert whole["tokens_per_s_per_gpu"] * end * 4 == pytest.approx(total, rel=1e-9)
     part = _decode_figure(_res(requests, samples, end), full=0.9)
     assert part["tokens_per_s_per_gpu"] * part["window_s"] * 4 <= total * (1 + 1e-9)
+
+
+def test_prefill_figure_and_cached_share():
+    """A prefiller's tokens over its busy span, per GPU; a figure that counts cache hits divides by the
+    computed share."""
+    from rackbed.sim.driver import SPAN_PREFILL
+    from rackbed.sim.published import measure
+
+    spans = [("P0", SPAN_PREFILL, 1.0, 2.0, 8000, False), ("P0", SPAN_PREFILL, 3.0, 2.0, 8000, False),
+             ("P0", SPAN_PREFILL, 5.0, 1.0, 9999, True),          # a failed batch computes nothing
+             ("P0.kv0", 1, 2.0, 1.0, 7, False)]
+    res = SimpleNamespace(spans=spans, groups=[("P0", "prefill", 8, 0.0, float("nan"), "active")])
+    case = next(c for c in _SUITE.cases if c.name == "deepseek-h800-prefill")
+    fig = measure(case, None, res)
+    assert fig["tokens_per_s_per_gpu"] == pytest.approx(16000 / 4.0 / 8)
+    assert fig["value"] == pytest.approx(16000 / 4.0 / 8 / 0.437 * 8)   # per node of 8, cache hits counted
