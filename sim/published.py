@@ -345,7 +345,9 @@ def run_suite(path: str | Path | None = None, *, cases: list[str] | None = None,
         rows.append(row)
         if echo is not None:
             echo(row)
-    return {"schema": "rackbed.published/1", "suite": str(path), "tolerance": TOLERANCE, "cases": rows}
+    root = DEFAULT_SUITE.parent.parent.parent
+    shown = path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
+    return {"schema": "rackbed.published/1", "suite": str(shown), "tolerance": TOLERANCE, "cases": rows}
 
 
 def fmt_value(x: float | None) -> str:
