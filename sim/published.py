@@ -63,12 +63,14 @@ def _iso(v):
 
 
 class Source(_Strict):
-    """Where a figure was published: ``title``, ``url``, ``date`` (YYYY-MM-DD) and who published it."""
+    """Where a figure was published: ``title``, ``url``, ``date`` (YYYY-MM-DD or YYYY-MM) and who published
+    it; ``note``: which version of a living page was read, and how its date is known."""
 
     title: str = Field(min_length=1)
     url: str = Field(pattern=r"^https://\S+$")
     date: Annotated[str, BeforeValidator(_iso), Field(pattern=r"^\d{4}-\d{2}(-\d{2})?$")]
     publisher: str = Field(min_length=1)
+    note: str = ""
 
 
 class PublishedConfig(_Strict):
@@ -300,7 +302,8 @@ def run_case(case: Case, sc) -> dict:
     from rackbed.sim.scenario import build, simulate_scenario
 
     row = {"case": case.name, "source": case.source.title, "url": case.source.url, "date": case.source.date,
-           "publisher": case.source.publisher, "unit": case.measured.unit, "measured": case.measured.value,
+           "publisher": case.source.publisher, "source_note": case.source.note,
+           "unit": case.measured.unit, "measured": case.measured.value,
            "metric": case.metric.model_dump(), "rackbed": None, "error": None, "term": None, "why": None,
            "refused": None}
     t0 = time.perf_counter()
