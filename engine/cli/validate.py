@@ -3,6 +3,13 @@
     rackbed validate [--measurements FILE] [--calibration FILE] [--topology h200x2] [--all]
                      [--out results/h200x2/validation_kernels.json]
     rackbed validate --power FILE [--power-run RUN_DIR] [--topology h200x2] [--out FILE]
+    rackbed validate --published [FILE] [--case NAME ...] [--out FILE]
+
+**Published deployments** (``--published [FILE]``, :mod:`sim.published`): every case of a suite of public,
+measured serving results (default ``scenarios/published/suite.yaml``) simulated from its scenario, rackbed's
+figure taken the way the source measured its own (per GPU or per node, prompt or output tokens, at the
+source's batch or concurrency), printed as a table of case, source, measured, rackbed, error and, beyond
+±25 %, the cost-model term behind the miss with the suite's explanation; ``--case`` runs the named cases only.
 
 **Power** (``--power FILE``, :mod:`sim.power_check`): the GPU power model's predicted mean draw for a measured run's
 utilisation against the measured mean (nvidia-smi samples), with the relative error.
@@ -306,6 +313,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if getattr(args, "power", None):
         return _run_power(args)
+    if getattr(args, "published", None):
+        return _run_published(args)
+    if getattr(args, "case", None):
+        raise UserError("--case: selects cases of --published; give --published too")
     wec = getattr(args, "write_engine_calibration", None)
     th = getattr(args, "attribution_threshold", None)
     if th is not None and not 0 < th < 1:
@@ -369,6 +380,39 @@ def _run_power(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_published(args: argparse.Namespace) -> int:
+    """``--published [FILE]``: the suite of published deployments (``sim.published``); nothing else runs."""
+    from rackbed.sim.published import DEFAULT_SUITE, TOLERANCE, run_suite, table_rows
+
+    if args.out:
+        prepare_file(args.out, force=args.force, flag="--out")
+    path = DEFAULT_SUITE if args.published == "-" else Path(args.published)
+    head = ("case", "source", "measured", "rackbed", "error", "term")
+    rows: list[tuple[str, ...]] = []
+
+    def echo(row: dict) -> None:
+        r = table_rows({"cases": [row]})[0]
+        rows.append(r)
+        print(f"  {r[0]}: measured {r[2]}, rackbed {r[3]} ({r[4]})", flush=True)
+
+    doc = run_suite(path, cases=args.case, echo=echo)
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    print()
+    for r in [head, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    within = [r for r in doc["cases"] if r["error"] is not None and abs(r["error"]) <= TOLERANCE]
+    ran = [r for r in doc["cases"] if r["error"] is not None]
+    print(f"\n{len(within)} of {len(ran)} simulated cases within ±{TOLERANCE * 100:.0f} %; "
+          f"{len(doc['cases']) - len(ran)} refused by rackbed")
+    for r in doc["cases"]:
+        if r["refused"]:
+            print(f"  {r['case']} (refused: {r['refused']}): {r['why']}")
+        elif r["why"]:
+            print(f"  {r['case']} ({r['term']}): {r['why']}")
+    _write_out(args, doc)
+    return 0
+
+
 def _write_out(args, doc: dict) -> None:
     """The validation JSON to ``--out``, if given (an existing file only with ``--force``; atomically)."""
     if args.out:
@@ -397,6 +441,11 @@ def register(subparsers) -> None:
                         "unless the file names one")
     p.add_argument("--power-run", metavar="DIR", help="with an nvidia-smi .csv(.gz) --power file: only the samples of "
                    "this `rackbed real` output folder's serving window")
+    p.add_argument("--published", nargs="?", const="-", metavar="FILE",
+                   help="instead: rackbed against published serving results, every case of a suite file "
+                        "(default scenarios/published/suite.yaml; sim/published.py)")
+    p.add_argument("--case", action="append", metavar="NAME",
+                   help="with --published: run this case only (repeat for several)")
     add_force(p, "replace an existing --out or --write-engine-calibration file")
     p.add_argument("--engine", metavar="DIR", help="also validate at engine level from a `rackbed real` output folder")
     p.add_argument("--holdout-every", type=int, default=3, help="engine level: hold out every N-th plan of each kind")
