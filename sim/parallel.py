@@ -58,8 +58,9 @@ def check_parallel(sc, model) -> None:
          f"prefill.ep: {p.ep} exceeds prefill.tp: {p.tp}; a prefiller runs its experts over its TP GPUs "
          f"(ep < tp is expert TP; tp < ep makes ep / tp attention DP groups, priced only for a prefiller spanning "
          f"nodes, prefill.span_nodes: true): use ep <= tp, e.g. tp: {p.ep}, ep: {p.ep}"),
-        (p.tp < p.ep and p.overlap != "none",
-         f"prefill.overlap: {p.overlap} is not priced for DP attention groups (tp = {p.tp} < ep = {p.ep}); use none"),
+        (p.tp < p.ep and p.overlap not in ("none", "two_batch"),
+         f"prefill.overlap: {p.overlap} is not priced for DP attention groups (tp = {p.tp} < ep = {p.ep}); use "
+         "two_batch or none"),
         (max(p.tp, p.ep) % min(p.tp, p.ep),
          f"prefill.tp: tp = {p.tp} and ep = {p.ep} must divide one another (the group is max(tp, ep) GPUs)"),
         (p.tp > p.ep and model.n_experts and model.moe_intermediate % (p.tp // p.ep),

@@ -398,10 +398,26 @@ def test_plan_shape_errors(gb200):
     dec = ParallelPlan(role="decode", tp=1, ep=8, dp=8, gpus=tuple(range(8)))
     with pytest.raises(UserError, match="one entry per rank"):
         decode_step_time(Q235, dec, gb200, [1] * 7, [10] * 8)
-    # dp > 1 (DP attention in a prefiller) is priced by the DP-EP prefill model, without overlap
-    pre = ParallelPlan(role="prefill", tp=2, ep=4, dp=2, gpus=(0, 1, 2, 3), overlap="two_batch")
-    with pytest.raises(UserError, match="without overlap"):
-        prefill_step_time(Q235, pre, gb200, [(100, 0)])
+
+
+@given(n=st.integers(64, 40_000), seqs=st.integers(1, 8))
+@settings(max_examples=15, deadline=None)
+def test_dp_prefill_two_batch_hides_at_most_its_communication(gb200, n, seqs):
+    """dp > 1 (DP attention in a prefiller, the DP-EP prefill model) with two micro-batches: never slower than
+    the two micro-batches run one after the other, and never faster than the whole batch's step less all of its
+    dispatch, combine and all-reduce time."""
+    from rackbed.sim.costs.overlap import split_prefill
+
+    plain = ParallelPlan(role="prefill", tp=2, ep=4, dp=2, gpus=(0, 1, 2, 3))
+    ovl = ParallelPlan(role="prefill", tp=2, ep=4, dp=2, gpus=(0, 1, 2, 3), overlap="two_batch")
+    batch = [(n // seqs + (1 if i < n % seqs else 0), 0) for i in range(seqs)]
+    full = prefill_step_breakdown(Q235, plain, gb200, batch)
+    both = prefill_step_breakdown(Q235, ovl, gb200, batch)
+    comm = sum(s for name, (cat, s) in full.terms.items() if cat in ("a2a_s", "allreduce_s"))
+    assert both.total_s >= full.total_s - comm - 1e-12
+    serial = sum(prefill_step_breakdown(Q235, plain, gb200, part).total_s for part in split_prefill(batch) if part)
+    assert both.total_s <= serial + 1e-12
+    assert both.hidden  # something of the communication is hidden
 
 
 # ------------------------------------------------------------------------------------------------ calibration

@@ -58,7 +58,11 @@ group, activations in BF16:
             + 2 * R * (2*hidden + 3*moe_intermediate/expert_tp)          # MoE dispatch buffer + expert GEMMs
             + 4 * L * vocab                                               # fp32 logits
     R = dp * T * min(top_k, n_experts/ep)    # worst-case token copies received by one EP rank (buffers are
-                                              # sized for the worst case, as DeepEP's are)
+                                              # sized for the worst case, as DeepEP's low-latency ones are)
+    R = min(R, NORMAL_MODE_HEADROOM * dp * T * top_k * slots_per_rank / slots)
+                                              # prefill with DP attention (dp > 1): DeepEP's normal-mode
+                                              # dispatch allocates the receive tensors at the counts a batch
+                                              # routes, reserved here at twice the uniform share
     L = S (prefill: the last token of each sequence) or T (decode: every token, MTP drafts included)
 
 A plan *fits* when ``weights + reserve + min_kv_tokens * kv_bytes_per_token_per_rank +
@@ -73,6 +77,7 @@ max_batch_seqs=64`` (two tokens per sequence with one MTP draft).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +95,9 @@ REPLICATED_BYTES_PER_PARAM = 2  # embeddings, lm_head, norms, routers stay BF16
 # CUDA context + cuBLAS/NCCL workspaces + CUDA graphs; vLLM's profiler typically attributes 1-3 GB of
 # "non-torch" memory per GPU on Hopper/Blackwell. A round 2 GB is used.
 RUNTIME_OVERHEAD_BYTES = 2_000_000_000
+#: a DP-attention prefiller's MoE receive rows over the uniform share (DeepEP normal mode sizes them per batch;
+#: routing skew puts the busiest rank at up to about twice the mean for DeepSeek-V3's top-8 of 256)
+NORMAL_MODE_HEADROOM = 2.0
 ROLE_DEFAULTS = {
     "prefill": {"max_batch_tokens": 16384, "max_batch_seqs": 4},
     "decode": {"max_batch_tokens": 128, "max_batch_seqs": 64},
@@ -440,6 +448,9 @@ class ParallelPlan(NoBoolNumbers):
         if model.n_experts:
             per_rank = self.slots_per_rank(model)
             rows = self.dp * T * min(model.top_k, per_rank)
+            if self.role == "prefill" and self.dp > 1:
+                slots = self.expert_slots(model)
+                rows = min(rows, math.ceil(NORMAL_MODE_HEADROOM * self.dp * T * model.top_k * per_rank / slots))
             moe = ACT_BYTES * rows * (2 * h + 3 * model.moe_intermediate // self.expert_tp)
         logit_rows = S if self.role == "prefill" else T
         logits = 4 * logit_rows * model.vocab

@@ -69,6 +69,10 @@ COMM_TERMS: dict[str, frozenset[str]] = {
     "decode": frozenset({"attn_allreduce", "moe_dispatch", "moe_combine", "moe_allreduce",
                          "dense_allreduce"}),
     "prefill": frozenset({"attn_allreduce", "moe_combine", "moe_combine_allreduce", "dense_allreduce"}),
+    # a DP-attention prefiller: its dispatch is a DeepEP normal-mode all-to-all too (a TP = EP prefiller's is a
+    # local copy of its own tokens, compute)
+    "prefill_dp": frozenset({"attn_allreduce", "moe_dispatch", "moe_combine", "moe_combine_allreduce",
+                             "dense_allreduce"}),
 }
 
 
@@ -420,11 +424,13 @@ def overlapped_decode(step_fn: Callable[..., StepBreakdown], model, plan, topo, 
 
 
 def overlapped_prefill(step_fn: Callable[..., StepBreakdown], model, plan, topo,
-                       seqs: Sequence[tuple[int, int]], *, share: float | None = None, **kw) -> StepBreakdown:
+                       seqs: Sequence[tuple[int, int]], *, share: float | None = None, role: str = "prefill",
+                       **kw) -> StepBreakdown:
     """``plan.overlap``'s prefill step: ``two_batch`` only (module docstring; in a TP = EP prefiller the
     shared expert's partial sums ride in the combine all-reduce, so it has nothing to run under). ``step_fn``:
-    ``sim.costs.step.prefill_step_breakdown``; a given ``tokens_per_expert`` is scaled by each micro-batch's
-    share of the tokens."""
+    ``sim.costs.step.prefill_step_breakdown`` (``role="prefill"``) or ``dp_prefill_step_breakdown``
+    (``role="prefill_dp"``: the dispatch is communication too); a given ``tokens_per_expert`` is scaled by each
+    micro-batch's share of the tokens."""
     mode = plan.overlap
     if mode != "two_batch":
         raise UserError(f"prefill overlap {mode!r}: a TP=EP prefiller can only overlap two micro-batches "
@@ -441,4 +447,4 @@ def overlapped_prefill(step_fn: Callable[..., StepBreakdown], model, plan, topo,
             f = sum(q for q, _ in part) / total if total else 0.0
             mkw["tokens_per_expert"] = _scale_tokens_per_expert(kw["tokens_per_expert"], f)
         micro.append(step_fn(model, base, topo, part, **mkw))
-    return overlapped("prefill", mode, model, full, micro, share)
+    return overlapped(role, mode, model, full, micro, share)

@@ -237,8 +237,11 @@ def dp_prefill_step_breakdown(model, plan, topo, seqs: Sequence[tuple[int, int]]
     ``ceil(t / tp)`` tokens and receives the mean GPU's), the grouped GEMM over the GPU's local experts fed from the
     whole batch (binomial counts, or a measured MoE block), the shared expert on the rank's tokens split ``tp``
     ways; dense-MLP layers, norms, embeddings and the lm_head on the rank's tokens; the host step."""
-    if getattr(plan, "overlap", "none") != "none":
-        raise UserError("prefill.overlap: a DP-attention prefiller (tp < ep) is priced without overlap; use none")
+    if getattr(plan, "overlap", "none") != "none":  # two micro-batches, one's dispatch / combine under the other's
+        from rackbed.sim.costs.overlap import overlapped_prefill
+
+        return overlapped_prefill(dp_prefill_step_breakdown, model, plan, topo, seqs, role="prefill_dp",
+                                  tokens_per_expert=tokens_per_expert, calib=calib)
     gpu = _plan_gpu(plan, topo)
     fmt, tp, dp = plan.weight_format, plan.tp, plan.dp
     b = BreakdownBuilder()
