@@ -72,14 +72,15 @@ def test_set_path_and_spec_errors_are_one_line():
 
 
 def test_invalid_points_are_recorded_not_crashed_on(tmp_path):
-    # ep=0 fails the schema (parsed in the parent); ep=128 fails placement (in the worker); ep=8 runs
+    # ep=0 fails the schema (parsed in the parent); ep=128 fails the build (wider than the NVLink domain, in the
+    # worker); ep=8 runs
     s = spec({"decode.ep": [0, 128, 8]})
     run = sw.run_points(sw.expand(s), tmp_path / "r.jsonl", jobs=1, progress=False)
     st = [r["status"] for r in run.records]
     assert st == ["invalid", "invalid", "ok"], run.records
     r0, r1, r2 = run.records
     assert "decode.ep" in r0["reason"] and "greater than or equal to 1" in r0["reason"]
-    assert "needs 128 free GPUs" in r1["reason"]
+    assert "group of 128 GPUs exceeds one 72-GPU NVLink domain" in r1["reason"]
     assert all("\n" not in r["reason"] for r in (r0, r1))
     s2 = r2["summary"]
     assert s2["done"] == s2["requests"] > 0 and s2["tokens_per_s_per_gpu"] > 0
