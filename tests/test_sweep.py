@@ -169,7 +169,7 @@ def test_cli_sweep_writes_results_and_report(tmp_path, capsys):
     assert main(["sweep", str(spec_path), "--out", str(out), "--jobs", "1", "--no-progress"]) == 0
     assert len(sw.read_results(out / "results.jsonl")) == 2
     html = (out / "report.html").read_text()
-    assert "data:image/png;base64," in html and "needs 128 free GPUs" in html
+    assert "data:image/png;base64," in html and "exceeds one 72-GPU NVLink domain" in html
     md = (out / "report.md").read_text()
     assert "pareto.png" in md and "where the step time goes" in md
     assert main(["sweep", str(tmp_path / "missing.yaml")]) == 2
