@@ -137,9 +137,9 @@ def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None
     for k, role, flops in ((SPAN_DECODE, "decode", dec_tokens * f_decode),
                            (SPAN_MIXED, "aggregated", dec_tokens * f_decode + in_tok * f_prefill)):
         m = kind == k
-        kt = float(gpu_s[m].sum()) * kf.get(role, 1.0)
-        if m.any() and kt > 0:
-            u[m] = flops / (peak * kt)
+        kt_role = float(gpu_s[m].sum()) * kf.get(role, 1.0)
+        if m.any() and kt_role > 0:
+            u[m] = flops / (peak * kt_role)
     kfs = np.array([kf.get({SPAN_PREFILL: "prefill", SPAN_DECODE: "decode"}.get(int(k), "aggregated"), 1.0)
                     for k in kind]) if len(spans) else np.zeros(0)
     p_busy = busy_power_w(pw, u, kfs) if len(spans) else np.zeros(0)

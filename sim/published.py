@@ -361,7 +361,7 @@ def fmt_value(x: float | None) -> str:
 
 def table_rows(doc: dict) -> list[tuple[str, ...]]:
     """``(case, source, measured, rackbed, error, term)`` per row, formatted."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for r in doc["cases"]:
         err = "-" if r["error"] is None else f"{r['error'] * 100:+.1f}%"
         term = r["term"] or ""

@@ -256,7 +256,7 @@ class SimSection(_Strict):
     decision_log: bool = True
     chunked_prefill: bool = False
     shed_ttft_s: float | None = Field(None, gt=0)
-    policies: PoliciesSection = PoliciesSection()
+    policies: PoliciesSection = Field(default_factory=PoliciesSection)
 
 
 class KillSection(_Strict):
@@ -312,17 +312,17 @@ class ServingScenario(_Strict):
     #: prefill and decode on the same GPUs (``aggregated``, :mod:`sim.aggregated`)
     deployment: Literal["disaggregated", "aggregated"] = "disaggregated"
     aggregated: AggregatedSection | None = None
-    prefill: PrefillSection = PrefillSection()
-    decode: DecodeSection = DecodeSection()
-    mtp: MtpSection = MtpSection()
+    prefill: PrefillSection = Field(default_factory=PrefillSection)
+    decode: DecodeSection = Field(default_factory=DecodeSection)
+    mtp: MtpSection = Field(default_factory=MtpSection)
     workload: WorkloadSpec
-    slo: SloSection = SloSection()
-    energy: EnergySection = EnergySection()
+    slo: SloSection = Field(default_factory=SloSection)
+    energy: EnergySection = Field(default_factory=EnergySection)
     autoscaler: AutoscalerSection | None = None
     faults: tuple[FaultSection, ...] = ()
-    prefix_cache: PrefixCacheSection = PrefixCacheSection()
-    sim: SimSection = SimSection()
-    real: RealSection = RealSection()
+    prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
+    sim: SimSection = Field(default_factory=SimSection)
+    real: RealSection = Field(default_factory=RealSection)
 
     @field_validator("weight_format")
     @classmethod

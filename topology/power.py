@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rackbed.topology.errors import UserError
+from rackbed.topology.graph import RackPower
 
 
-def rack_peak_w(topo, gpus: Iterable[int]) -> list[tuple[object, int, float]]:
+def rack_peak_w(topo, gpus: Iterable[int]) -> list[tuple[RackPower, int, float]]:
     """``(RackPower, GPUs held there, peak watts)`` for every rack of ``topo`` that holds one of ``gpus``
     (empty when the topology has no rack layout). GPUs without a power figure count 0 W."""
     held = set(gpus)

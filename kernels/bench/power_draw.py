@@ -41,6 +41,7 @@ class Sampler:
         self.reader.start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for line in self.proc.stdout:  # kept in memory: ~60 bytes a sample
             self.lines.append(line)
 
