@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from greedy_ref import greedy, page_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_families import TINY
@@ -47,9 +48,7 @@ def cfg():
                                      "num_nextn_predict_layers": 1})
 
 
-def _table(pts):
-    width = max(len(p) for p in pts)
-    return torch.tensor([p + [p[0]] * (width - len(p)) for p in pts])
+_table = page_table
 
 
 @settings(max_examples=40, deadline=None)
@@ -69,20 +68,8 @@ def test_the_maps_are_permutations_that_agree_exactly_on_the_chosen_tokens(vocab
     assert all(torch.equal(a, b) for a, b in zip((pi, rho, agree), again))
 
 
-@torch.inference_mode()
 def _greedy(model, prompts, n):
-    cache = model.new_cache(256, PAGE)
-    pts = [cache.alloc(len(p)) for p in prompts]
-    toks = [[t] for t in model.forward_prefill(prompts, cache, pts).argmax(-1).tolist()]
-    pos = [len(p) for p in prompts]
-    for _ in range(n - 1):
-        for i, pt in enumerate(pts):
-            cache.grow(pt, pos[i] + 1)
-        lo = model.forward_decode(torch.tensor([t[-1] for t in toks]), torch.tensor(pos), cache, _table(pts))
-        for i, t in enumerate(lo.argmax(-1).tolist()):
-            toks[i].append(t)
-            pos[i] += 1
-    return toks
+    return greedy(model, prompts, n, page=PAGE, n_pages=256)
 
 
 @torch.inference_mode()

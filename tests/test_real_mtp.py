@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from greedy_ref import greedy, page_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_families import TINY
@@ -52,26 +53,11 @@ def models(cfg):
             ShardedMoeLM.random(cfg, Shard(), Comm(), seed=SEED, mtp=True))
 
 
-def _table(pts):
-    width = max(len(p) for p in pts)
-    return torch.tensor([p + [p[0]] * (width - len(p)) for p in pts])
+_table = page_table
 
 
-@torch.inference_mode()
 def _greedy(model, prompts, n):
-    """Plain greedy decoding: the first token of the prefill, then n - 1 decode steps."""
-    cache = model.new_cache(64, PAGE)
-    pts = [cache.alloc(len(p)) for p in prompts]
-    toks = [[t] for t in model.forward_prefill(prompts, cache, pts).argmax(-1).tolist()]
-    pos = [len(p) for p in prompts]
-    for _ in range(n - 1):
-        for i, pt in enumerate(pts):
-            cache.grow(pt, pos[i] + 1)
-        lo = model.forward_decode(torch.tensor([t[-1] for t in toks]), torch.tensor(pos), cache, _table(pts))
-        for i, t in enumerate(lo.argmax(-1).tolist()):
-            toks[i].append(t)
-            pos[i] += 1
-    return toks
+    return greedy(model, prompts, n, page=PAGE, n_pages=64)
 
 
 @torch.inference_mode()
