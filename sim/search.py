@@ -271,6 +271,7 @@ class PrefillOption:
     capacity_at: Callable[[float], float] | None = field(default=None, repr=False)  # capacity at a hit rate
     overlap: str = "none"            # prefill.overlap (sim.costs.overlap)
     kv_dtype: str | None = None      # the scenario's kv_dtype (None: the base scenario's, not overridden)
+    gpu: str | None = None           # prefill.gpu: the GPU model of a mixed topology it runs on (None: any)
 
 
 @dataclass
@@ -294,6 +295,7 @@ class DecodeOption:
     redundant_experts: int = 0        # extra expert slots: the fewest that make ep divide them (wide EP)
     overlap: str = "none"             # decode.overlap (sim.costs.overlap)
     kv_dtype: str | None = None       # the scenario's kv_dtype (None: the base scenario's, not overridden)
+    gpu: str | None = None            # decode.gpu: the GPU model of a mixed topology it runs on (None: any)
 
     @property
     def ranks(self) -> int:
@@ -315,6 +317,12 @@ def _kv_override(kv_dtype: str | None) -> dict:
 
 def _kv_label(kv_dtype: str | None) -> str:
     return f" kv {kv_dtype}" if kv_dtype is not None else ""
+
+
+def gpu_override(role: str, gpu: str | None) -> dict:
+    """``prefill.gpu`` / ``decode.gpu`` (``role``) for a scenario override, left out when the option runs on
+    any GPU (None: a topology of one GPU model)."""
+    return {f"{role}.gpu": gpu} if gpu is not None else {}
 
 
 def _prefill_overlap_override(overlap: str) -> dict:
@@ -348,14 +356,22 @@ class Candidate:
                 f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}{_kv_label(d.kv_dtype)}")
 
 
-def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
-    """The lowest ``n`` GPUs — what the first group of a role gets when it fits one node (prefill) or one NVLink
-    domain (decode). Wider groups span nodes / domains: the analytic model prices them (cross-node host sync,
-    all-to-all over the network), while the simulator's placement refuses them, so such candidates end up as
-    invalid simulation points with the placement's reason."""
-    if n > topo.n_gpus:
-        raise UserError(f"{role} group of {n} GPUs exceeds the topology's {topo.n_gpus} GPUs")
-    return tuple(sorted(topo.gpu_ids)[:n])
+def _plan_gpus(topo, n: int, role: str, gpu: str | None = None) -> tuple[int, ...]:
+    """The lowest ``n`` GPUs — of the GPU model ``gpu`` names on a mixed topology
+    (``sim.scenario.role_gpus``) — what the first group of a role gets when it fits one node (prefill) or
+    one NVLink domain (decode). Wider groups span nodes / domains: the analytic model prices them (cross-node
+    host sync, all-to-all over the network), while the simulator's placement refuses them, so such candidates
+    end up as invalid simulation points with the placement's reason."""
+    if gpu is None:
+        if n > topo.n_gpus:
+            raise UserError(f"{role} group of {n} GPUs exceeds the topology's {topo.n_gpus} GPUs")
+        return tuple(sorted(topo.gpu_ids)[:n])
+    from rackbed.sim.scenario import role_gpus
+
+    ids = sorted(role_gpus(topo, role.split()[0], gpu))
+    if n > len(ids):
+        raise UserError(f"{role} group of {n} GPUs exceeds the topology's {len(ids)} {gpu} GPUs")
+    return tuple(ids[:n])
 
 
 def _cache_get(cache: dict, name: str, fn):
@@ -388,8 +404,10 @@ def prefill_alone_s(cm, prompt: int, max_batch_tokens: int, chunked: bool) -> fl
                for done in range(0, prompt, max_batch_tokens))
 
 
-def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[PrefillOption]:
-    """Prefill options with their analytic figures, pruned ones included (``pruned`` says why)."""
+def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping, gpu: str | None = None
+                    ) -> list[PrefillOption]:
+    """Prefill options with their analytic figures, pruned ones included (``pruned`` says why); ``gpu``: on
+    that GPU model of a mixed topology (``prefill.gpu``), priced by its own calibration."""
     from rackbed.sim.scenario import cost_model_for, prefill_plan_for
 
     sp = spec.space
@@ -405,13 +423,14 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                 for ep in (sp.prefill_ep or (tp,)):
                     for mbt, pov, kv in itertools.product(sp.prefill_max_batch_tokens, sp.prefill_overlap,
                                                           sp.kv_dtype or (None,)):
-                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov, kv_dtype=kv)
+                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov, kv_dtype=kv, gpu=gpu)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "prefill.tp": tp,
                                                   "prefill.ep": ep, "prefill.max_batch_tokens": mbt,
-                                                  **_prefill_overlap_override(pov), **_kv_override(kv)})
-                            plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill"))
+                                                  **_prefill_overlap_override(pov), **_kv_override(kv),
+                                                  **gpu_override("prefill", gpu)})
+                            plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill", gpu))
                             plan.validate(model, topo)
                             cm = cost_model_for(sc, model, topo, plan, None)[0]
                             floor = prefill_alone_s(cm, p90, mbt, chunked)
@@ -421,7 +440,8 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                                             f"SLO {spec.slo.ttft_s * 1e3:.0f} ms")
                                 continue
                             each = min(prompt, mbt) if chunked else prompt
-                            _size_prefill(o, spec, load, cm, each, cache_blocks_of(sc, model, topo, max(tp, ep)))
+                            _size_prefill(o, spec, load, cm, each,
+                                          cache_blocks_of(sc, model, topo, max(tp, ep), gpu=gpu))
                             o.capacity_at = functools.partial(_capacity_at, cm, mbt, each)
                         except (ValueError, FileNotFoundError) as exc:
                             o.pruned = one_line(exc)
@@ -489,7 +509,7 @@ def assumed_hit_rate(requests: Sequence, cache_blocks: int, replicas: int) -> fl
     return lru_reuse(requests, cache_blocks, max(1, replicas))
 
 
-def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill") -> int:
+def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill", gpu: str | None = None) -> int:
     """Prefix-cache capacity of one prefill replica (or aggregated worker: ``role``) of ``n_gpus`` GPUs in
     512-token blocks (the ids' block), HBM
     and host tiers together, as the simulator sizes it (``sim.scenario.prefix_cache_spec``); a shared storage
@@ -501,14 +521,17 @@ def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill") -> int:
     from rackbed.engine.core.prefix_reuse import BLOCK
     from rackbed.sim.scenario import prefix_cache_spec
 
-    dep = SimpleNamespace(aggregated=None, prefillers=[SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, role))])
+    group = SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, role, gpu))
+    dep = SimpleNamespace(aggregated=None, prefillers=[group])
     pcs = prefix_cache_spec(sc, topo, model, dep)
     blocks = pcs.hbm_blocks + sum(t.capacity_blocks for t in pcs.lower)
     return max(1, blocks * pcs.block_tokens // BLOCK)
 
 
-def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
-    """Decode options with their analytic figures (module docstring), pruned ones included."""
+def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping, gpu: str | None = None
+                   ) -> list[DecodeOption]:
+    """Decode options with their analytic figures (module docstring), pruned ones included; ``gpu``: on that
+    GPU model of a mixed topology (``decode.gpu``)."""
     from rackbed.sim.scenario import cost_model_for, decode_plan_for
 
     sp = spec.space
@@ -523,13 +546,14 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
                     for k, dov, kv in itertools.product(sp.draft_k, sp.decode_overlap, sp.kv_dtype or (None,)):
                         red = min_redundant_experts(model.n_experts, ep) + (extra * ep if model.n_experts else 0)
                         o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp,
-                                         redundant_experts=red, overlap=dov, kv_dtype=kv)
+                                         redundant_experts=red, overlap=dov, kv_dtype=kv, gpu=gpu)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
                                                   "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
-                                                  **_decode_tp_override(dtp, red, dov), **_kv_override(kv)})
-                            plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
+                                                  **_decode_tp_override(dtp, red, dov), **_kv_override(kv),
+                                                  **gpu_override("decode", gpu)})
+                            plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode", gpu))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
                             o.b_max = min(cap, int(bud.kv_capacity_tokens // max(1.0, ctx)))
@@ -594,14 +618,16 @@ def kv_transfer_s(built, tokens: int) -> float:
 def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, tokens: int) -> float | None:
     """:func:`kv_transfer_s` for one prefiller and one decoder of these options (memoised on what the KV path
     depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
-    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts, d.kv_dtype)
+    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts,
+           d.kv_dtype, p.gpu, d.gpu)
     if key not in cache:
         from rackbed.sim.scenario import build
 
         ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
               "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
               "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k,
-              **_decode_tp_override(d.tp, d.redundant_experts), **_kv_override(d.kv_dtype)}
+              **_decode_tp_override(d.tp, d.redundant_experts), **_kv_override(d.kv_dtype),
+              **gpu_override("prefill", p.gpu), **gpu_override("decode", d.gpu)}
         try:
             cache[key] = kv_transfer_s(build(_scenario(base, ov)), tokens)
         except (ValueError, FileNotFoundError):
