@@ -392,7 +392,7 @@ def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.Decod
 
     sc = se._scenario(base, {"topology": d.topology, "weight_format": d.weight_format, "decode.ep": d.ep,
                              "decode.max_batch_per_rank": d.max_batch_per_rank, "mtp.draft_k": d.draft_k,
-                             **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+                             **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap, d.moe_comm),
                              **se._kv_override(d.kv_dtype), **se.gpu_override("decode", d.gpu)})
     plan = decode_plan_for(sc, model, se._plan_gpus(topo, d.ep, "decode", d.gpu))
     cm = cost_model_for(sc, model, topo, None, plan)[0]
@@ -477,11 +477,13 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                   "prefill.tp": p.tp, "prefill.ep": p.ep, "prefill.max_batch_tokens": p.max_batch_tokens,
                   "prefill.replicas": n_p, "decode.ep": d.ep,
                   "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": n_d,
-                  "mtp.draft_k": d.draft_k, **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+                  "mtp.draft_k": d.draft_k,
+                  **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap, d.moe_comm),
                   **se._prefill_overlap_override(p.overlap), **se._kv_override(d.kv_dtype),
                   **se.gpu_override("prefill", kp), **se.gpu_override("decode", kd)}
             c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill{on_p} + {n_d} x "
-                                f"{f'TP{d.tp}/' if d.tp > 1 else ''}DP-EP{d.ep} decode{on_d}, batch <= "
+                                f"{f'TP{d.tp}/' if d.tp > 1 else ''}DP-EP{d.ep}"
+                                f"{se.moe_comm_label(d.moe_comm)} decode{on_d}, batch <= "
                                 f"{d.max_batch_per_rank}, MTP k={d.draft_k}{se._kv_label(d.kv_dtype)}", ov,
                                 n, rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,
                                 est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t,

@@ -104,6 +104,8 @@ class SearchSpace(_Strict):
     #: KV cache formats tried (the scenario's ``kv_dtype``: KV capacity and attention reads follow it); None: the
     #: spec's ``kv_dtype`` only, as an untouched base scenario field
     kv_dtype: tuple[Literal["bf16", "fp8"], ...] | None = Field(None, min_length=1)
+    #: how a decoder moves tokens to its experts (``decode.moe_comm``: ``a2a``, ``allgather``)
+    decode_moe_comm: tuple[Literal["a2a", "allgather"], ...] = Field(("a2a",), min_length=1)
 
     @field_validator("max_batch_per_rank", mode="before")
     @classmethod
@@ -296,18 +298,26 @@ class DecodeOption:
     overlap: str = "none"             # decode.overlap (sim.costs.overlap)
     kv_dtype: str | None = None       # the scenario's kv_dtype (None: the base scenario's, not overridden)
     gpu: str | None = None            # decode.gpu: the GPU model of a mixed topology it runs on (None: any)
+    moe_comm: str = "a2a"             # decode.moe_comm (sim.costs.moe_comm)
 
     @property
     def ranks(self) -> int:
         return max(1, self.ep // self.tp)
 
 
-def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "none") -> dict:
-    """``decode.tp``, ``decode.redundant_experts`` and ``decode.overlap`` for a scenario override, each left
-    out at its default (1, 0, none) so that such scenarios stay as they were."""
+def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "none",
+                        moe_comm: str = "a2a") -> dict:
+    """``decode.tp``, ``decode.redundant_experts``, ``decode.overlap`` and ``decode.moe_comm`` for a scenario
+    override, each left out at its default (1, 0, none, a2a) so that such scenarios stay as they were."""
     return ({"decode.tp": tp} if tp != 1 else {}) | (
         {"decode.redundant_experts": redundant_experts} if redundant_experts else {}) | (
-        {"decode.overlap": overlap} if overlap != "none" else {})
+        {"decode.overlap": overlap} if overlap != "none" else {}) | (
+        {"decode.moe_comm": moe_comm} if moe_comm != "a2a" else {})
+
+
+def moe_comm_label(moe_comm: str) -> str:
+    """A candidate label's mark of ``decode.moe_comm``: nothing for the default all-to-all."""
+    return " allgather" if moe_comm == "allgather" else ""
 
 
 def _kv_override(kv_dtype: str | None) -> dict:
@@ -353,7 +363,8 @@ class Candidate:
         return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep}{_OVERLAP_LABEL[p.overlap]} "
                 f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep}"
                 f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} "
-                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}{_kv_label(d.kv_dtype)}")
+                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}{moe_comm_label(d.moe_comm)}"
+                f"{_kv_label(d.kv_dtype)}")
 
 
 def _plan_gpus(topo, n: int, role: str, gpu: str | None = None) -> tuple[int, ...]:
@@ -543,15 +554,18 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping, gpu: str
         for fmt in sp.weight_format:
             for ep, dtp, extra in itertools.product(sp.decode_ep, sp.decode_tp, sp.decode_extra_slots_per_rank):
                 for cap in sp.max_batch_per_rank:
-                    for k, dov, kv in itertools.product(sp.draft_k, sp.decode_overlap, sp.kv_dtype or (None,)):
+                    for k, dov, kv, mc in itertools.product(sp.draft_k, sp.decode_overlap,
+                                                            sp.kv_dtype or (None,), sp.decode_moe_comm):
                         red = min_redundant_experts(model.n_experts, ep) + (extra * ep if model.n_experts else 0)
                         o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp,
-                                         redundant_experts=red, overlap=dov, kv_dtype=kv, gpu=gpu)
+                                         redundant_experts=red, overlap=dov, kv_dtype=kv, gpu=gpu,
+                                         moe_comm=mc)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
                                                   "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
-                                                  **_decode_tp_override(dtp, red, dov), **_kv_override(kv),
+                                                  **_decode_tp_override(dtp, red, dov, mc),
+                                                  **_kv_override(kv),
                                                   **gpu_override("decode", gpu)})
                             plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode", gpu))
                             bud = plan.validate(model, topo)
@@ -749,7 +763,7 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     return {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
             "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
             "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
-            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts, d.overlap, d.moe_comm),
             **_prefill_overlap_override(p.overlap), **_kv_override(d.kv_dtype)}
 
 
@@ -927,7 +941,8 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
                     prefix_cache: Mapping | None = None, max_gpus: int | None = None,
                     decode_overlap: Sequence[str] | None = None, decode_tp: Sequence[int] | None = None,
-                    kv_dtype: Sequence[str] | None = None, objective: str = "gpu") -> SearchSpec:
+                    kv_dtype: Sequence[str] | None = None, objective: str = "gpu",
+                    decode_moe_comm: Sequence[str] | None = None) -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
@@ -935,11 +950,12 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
     ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
     GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only).
     ``decode_tp``: attention TP degrees of a decoder's DP ranks (None: 1); ``kv_dtype``: KV cache formats to try
-    (None: the spec's, bf16); ``objective``: ``gpu`` or ``kw`` (:attr:`SearchSpec.objective`)."""
+    (None: the spec's, bf16); ``objective``: ``gpu`` or ``kw`` (:attr:`SearchSpec.objective`);
+    ``decode_moe_comm``: the decoders' MoE communication modes to try (None: a2a only)."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k), ("decode_overlap", decode_overlap), ("decode_tp", decode_tp),
-                 ("kv_dtype", kv_dtype)):
+                 ("kv_dtype", kv_dtype), ("decode_moe_comm", decode_moe_comm)):
         if v is not None:
             space[k] = tuple(v)
     data = {"name": name, "model": model,

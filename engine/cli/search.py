@@ -162,6 +162,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-overlap", type=_strs, default=None,
                    help="decode compute / communication overlap modes to try: none, shared_expert, two_batch "
                         "(sim/costs/overlap.py); default none")
+    p.add_argument("--decode-moe-comm", type=_strs, default=None,
+                   help="how decoders move tokens to their experts, modes to try: a2a (sparse all-to-all), "
+                        "allgather (all-gather the tokens, reduce-scatter the outputs; "
+                        "sim/costs/moe_comm.py); default a2a")
     p.add_argument("--mtp-layers", type=int, default=None,
                    help="draft with N MTP layers of the model's width (mtp.draft: {kind: mtp, layers: N}); needed "
                         "for draft_k > 0 with a model without MTP layers (a trained MTP head, e.g. Qwen3-235B); "
@@ -203,15 +207,16 @@ DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_for
             "kind": ["disaggregated", "aggregated"], "duration": 30.0, "ttft": 2.0, "tpot": 0.05,
             "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05, "objective": "gpu"}
 
-# What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid and TP2 attention
-# ranks in the decoders, next to the defaults.
-WIDE_FLAGS = {"kv_dtype": "bf16,fp8", "batch_cap": "8:256:x1.25", "decode_tp": "1,2"}
+# What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid, TP2 attention
+# ranks in the decoders and their all-gather MoE communication, next to the defaults.
+WIDE_FLAGS = {"kv_dtype": "bf16,fp8", "batch_cap": "8:256:x1.25", "decode_tp": "1,2",
+              "decode_moe_comm": "a2a,allgather"}
 
 # The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
 _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
              "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
-             "mtp_layers", "decode_overlap", "decode_tp", "kv_dtype", "max_simulations", "emit", "emit_out", "out",
-             "force", "jobs", "no_report", "wide"}
+             "mtp_layers", "decode_overlap", "decode_tp", "kv_dtype", "decode_moe_comm", "max_simulations",
+             "emit", "emit_out", "out", "force", "jobs", "no_report", "wide"}
 USED = {
     "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance", "gpu_hour_usd"},
     "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address", "objective"},
@@ -283,7 +288,8 @@ def check_flags(args: argparse.Namespace) -> str:
     if getattr(args, "wide", False) and mode in ("budget", "rate"):
         for k, v in WIDE_FLAGS.items():
             if getattr(args, k) is None:
-                setattr(args, k, {"kv_dtype": _strs, "batch_cap": _caps, "decode_tp": _ints}[k](v))
+                setattr(args, k, {"kv_dtype": _strs, "batch_cap": _caps, "decode_tp": _ints,
+                                  "decode_moe_comm": _strs}[k](v))
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -340,6 +346,11 @@ def check_flags(args: argparse.Namespace) -> str:
             bad("--decode-overlap", m, "one of none, shared_expert, two_batch")
     if args.decode_overlap is not None and not args.decode_overlap:
         bad("--decode-overlap", "''", "give a mode")
+    for m in args.decode_moe_comm or ():
+        if m not in ("a2a", "allgather"):
+            bad("--decode-moe-comm", m, "one of a2a, allgather")
+    if args.decode_moe_comm is not None and not args.decode_moe_comm:
+        bad("--decode-moe-comm", "''", "give a mode")
     if mode == "budget" and len(args.topology) != 1:
         bad("--topology", ",".join(args.topology), "with --gpus give one topology")
     if mode == "budget" and len(args.weight_format) != 1:
@@ -421,6 +432,7 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
                               decode_overlap=args.decode_overlap, decode_tp=args.decode_tp,
+                              decode_moe_comm=args.decode_moe_comm,
                               kv_dtype=args.kv_dtype, objective=args.objective,
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
                               trace=args.trace, prefix_cache=_prefix_cache(args),
@@ -446,6 +458,8 @@ def identity(spec, mode: str, **budget) -> dict:
             del body["space"][knob]
     if body["space"].get("kv_dtype", 0) is None:  # not varied: likewise
         del body["space"]["kv_dtype"]
+    if body["space"].get("decode_moe_comm") == ["a2a"]:  # all-to-all only: likewise
+        del body["space"]["decode_moe_comm"]
     return json.loads(json.dumps({"mode": mode, "spec": body, **budget}))
 
 
