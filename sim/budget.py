@@ -321,8 +321,9 @@ def pick_best(confirmed: Sequence[dict], gpus: int, tolerance: float, objective:
     near = [r for r in confirmed if r["summary"][key] >= (1.0 - tolerance) * top]
 
     def by_budget(r):
-        use = r["use"] if objective == "usd" else budget_use(r, gpus)
-        return (use["tokens_per_s_per_budget_gpu"], r["summary"][key])
+        if objective == "usd":  # equal totals (to rounding: the same arrivals) go to the cheaper deployment
+            return (round(r["use"]["tokens_per_s_per_budget_gpu"], 6), r["summary"][key])
+        return (budget_use(r, gpus)["tokens_per_s_per_budget_gpu"], r["summary"][key])
 
     return max(near, key=by_budget), max(confirmed, key=by_budget)
 
