@@ -158,9 +158,9 @@ def test_wide_ep_decoder_emits_its_redundant_experts():
 
 
 def test_an_allgather_decoder_emits_no_all_to_all_backend():
-    """``decode.moe_comm: allgather``: SGLang's decode servers run DP attention without an all-to-all MoE backend
-    (they gather and scatter the ranks' tokens), and a decode overlap that needs the all-to-all is not switched
-    on (and said); with ``a2a`` they keep DeepEP's low-latency kernels."""
+    """``decode.moe_comm: allgather``: SGLang's decode servers run DP attention without an all-to-all MoE
+    backend (they gather and scatter the ranks' tokens), and a decode overlap that needs the all-to-all is not
+    switched on; with ``a2a`` they keep DeepEP's low-latency kernels."""
     sc = load_scenario(scenarios.resolve("nvl72-default"))
     for comm, backend in (("a2a", "deepep"), ("allgather", "none")):
         d = sc.decode.model_copy(update={"moe_comm": comm, "overlap": "two_batch"})
