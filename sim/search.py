@@ -172,7 +172,9 @@ class SearchSlo(_Strict):
 class SearchSpec(_Strict):
     """What to plan for (module docstring). ``scenario`` holds extra scenario fields applied to every simulated
     point (e.g. ``sim``, ``calibration``, ``decode.page_tokens``); ``gpu_hour_usd`` is one price or a price per
-    topology name; ``max_gpus`` caps a candidate's GPUs below its topology's (None: the topology's)."""
+    topology name (the budget search on a topology of several GPU models: a price per GPU model,
+    ``sim.budget.kind_prices``); ``max_gpus`` caps a candidate's GPUs below its topology's (None: the
+    topology's)."""
 
     kind: Literal["search"] = "search"
     name: str = "search"
