@@ -67,12 +67,12 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    **best on the whole budget** (the most tokens/s per budget GPU whatever its efficiency) is reported too.
 
 **Mixed pools** (a joined topology of several GPU models, ``A+B``): the disaggregated candidates are every
-pool — prefill on one model and decode on another, either way round, and each model alone — each role's options
-priced on its own model (:func:`disaggregated_candidates` with ``prices``), bounded by each model's GPUs; a
-candidate costs the sum of its GPUs' prices per hour (``--gpu-hour-usd MODEL=USD``, required:
+pool — prefill on one model and decode on another, either way round, and each model alone — each role's
+options priced on its own model (:func:`disaggregated_candidates` with ``prices``), bounded by each model's
+GPUs; a candidate costs the sum of its GPUs' prices per hour (``--gpu-hour-usd MODEL=USD``, required:
 :func:`kind_prices`), and the analytic fronts, the fronts of the simulated points and the best rank output
-tokens/s per $ per hour (:attr:`BudgetCandidate.value`, :func:`priced`) in place of tokens/s per GPU. Aggregated
-workers are not searched there.
+tokens/s per $ per hour (:attr:`BudgetCandidate.value`, :func:`priced`) in place of tokens/s per GPU.
+Aggregated workers are not searched there.
 
 :func:`max_rate` answers the fixed-deployment question (``rackbed search --max-rate SCENARIO``): the highest rate a
 given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated, with the
