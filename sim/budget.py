@@ -66,6 +66,14 @@ input: every candidate deployment that fits the budget is evaluated at the load 
    tokens/s per budget GPU — a configuration that uses the budget is preferred at a near-equal efficiency; the
    **best on the whole budget** (the most tokens/s per budget GPU whatever its efficiency) is reported too.
 
+**Mixed pools** (a joined topology of several GPU models, ``A+B``): the disaggregated candidates are every
+pool — prefill on one model and decode on another, either way round, and each model alone — each role's
+options priced on its own model (:func:`disaggregated_candidates` with ``prices``), bounded by each model's
+GPUs; a candidate costs the sum of its GPUs' prices per hour (``--gpu-hour-usd MODEL=USD``, required:
+:func:`kind_prices`), and the analytic fronts, the fronts of the simulated points and the best rank output
+tokens/s per $ per hour (:attr:`BudgetCandidate.value`, :func:`priced`) in place of tokens/s per GPU.
+Aggregated workers are not searched there.
+
 :func:`max_rate` answers the fixed-deployment question (``rackbed search --max-rate SCENARIO``): the highest rate a
 given scenario's deployment sustains under the SLOs (doubling, then bisection, every step simulated, with the
 window rule and the steady-state check of step 2).
@@ -83,7 +91,7 @@ from pathlib import Path
 
 from rackbed.sim import search as se
 from rackbed.sim.pareto import pareto_indices
-from rackbed.sim.search_results import front_of, meets_slo
+from rackbed.sim.search_results import OBJECTIVES, front_of, meets_slo
 from rackbed.topology.errors import UserError, one_line
 
 KINDS = ("disaggregated", "aggregated")
@@ -123,15 +131,43 @@ class BudgetCandidate:
     pruned: str | None = None
     budget: int = 0                     # N, the GPU budget (for the replicas that fill it)
     est_hit_rate: float | None = None   # prefix-cache hit rate the estimate assumes (None: no cache)
+    # mixed pools (a topology of several GPU models): GPUs used per model, $ per hour of those GPUs, and
+    # the GPUs of each model the topology has; None on a topology of one GPU model
+    gpus_by_kind: dict[str, int] | None = None
+    usd_per_hour: float | None = None
+    room: dict[str, int] | None = None
+    usd_budget: float | None = None     # $ per hour of every GPU of the topology (the whole budget)
 
     @property
     def replicas(self) -> int:
-        """Copies of this deployment that fit the budget (at least one)."""
-        return max(1, self.budget // self.n_gpus) if self.n_gpus else 1
+        """Copies of this deployment that fit the budget (at least one; on a mixed topology, also the GPUs of
+        each model)."""
+        if not self.n_gpus:
+            return 1
+        n = self.budget // self.n_gpus
+        if self.gpus_by_kind and self.room:
+            n = min([n, *(self.room[k] // u for k, u in self.gpus_by_kind.items() if u)])
+        return max(1, n)
 
     @property
     def est_tokens_per_s_per_budget_gpu(self) -> float:
         return self.est_tokens_per_s_per_gpu * self.replicas * self.n_gpus / self.budget if self.budget else math.nan
+
+    @property
+    def value(self) -> float:
+        """What the search maximises against tokens/s per user: estimated tokens/s per GPU, or on a mixed
+        topology tokens/s per $ per hour (GPUs of different models cost different prices)."""
+        if self.usd_per_hour:
+            return self.est_tokens_per_s_per_gpu * self.n_gpus / self.usd_per_hour
+        return self.est_tokens_per_s_per_gpu
+
+    @property
+    def budget_value(self) -> float:
+        """:attr:`value` with the copies that fill the budget: tokens/s per budget GPU, or on a mixed topology
+        the copies' tokens/s per $ per hour of every GPU of the topology."""
+        if self.usd_per_hour and self.usd_budget:
+            return self.est_tokens_per_s_per_gpu * self.n_gpus * self.replicas / self.usd_budget
+        return self.est_tokens_per_s_per_budget_gpu
 
 
 @dataclass
@@ -151,24 +187,31 @@ class BudgetResult:
     best_total: dict | None = None      # the most tokens/s per budget GPU (replicas included)
     stack: str = "auto"                 # the serving stack asked for (scenario field stack)
     calibration: str = ""               # the one line that says what priced the candidates
+    prices: dict[str, float] | None = None  # mixed pools: $ per GPU-hour of each GPU model (None: one model)
+    room: dict[str, int] | None = None      # mixed pools: GPUs of each model in the topology
+
+    @property
+    def objective(self) -> str:
+        """The record figure the fronts and the best maximise (``sim.search_results.OBJECTIVES``): tokens/s
+        per GPU, or per $ per hour on a mixed topology."""
+        return "usd" if self.prices else "gpu"
 
     def analytic_front(self, kind: str) -> list[BudgetCandidate]:
         seen: dict[tuple, BudgetCandidate] = {}
         for c in self.candidates:  # alike estimates (a knob that does not bind): the one using the most GPUs
             if c.kind == kind and c.pruned is None:
-                k = (round(c.est_tokens_per_s_per_gpu, 6), round(c.est_tokens_per_s_per_user, 6))
+                k = (round(c.value, 6), round(c.est_tokens_per_s_per_user, 6))
                 if k not in seen or c.n_gpus > seen[k].n_gpus:
                     seen[k] = c
         alive = list(seen.values())
-        idx = pareto_indices([(c.est_tokens_per_s_per_gpu, c.est_tokens_per_s_per_user) for c in alive])
-        return sorted((alive[i] for i in idx), key=lambda c: -c.est_tokens_per_s_per_gpu)
+        idx = pareto_indices([(c.value, c.est_tokens_per_s_per_user) for c in alive])
+        return sorted((alive[i] for i in idx), key=lambda c: -c.value)
 
     def budget_pick(self, kind: str) -> BudgetCandidate | None:
         """The surviving candidate of ``kind`` with the most estimated tokens/s per budget GPU (replicas
         included); ties: the most tokens/s per user."""
         alive = [c for c in self.candidates if c.kind == kind and c.pruned is None]
-        return max(alive, key=lambda c: (round(c.est_tokens_per_s_per_budget_gpu, 6), c.est_tokens_per_s_per_user),
-                   default=None)
+        return max(alive, key=lambda c: (round(c.budget_value, 6), c.est_tokens_per_s_per_user), default=None)
 
 
 def request_life_s(spec: se.SearchSpec, output_tokens: float) -> float:
@@ -244,6 +287,21 @@ def sustained(rec: dict, gpus: int, window_s: float | None) -> dict:
                                "tokens_per_s_per_gpu_with_drain": s.get("tokens_per_s_per_gpu")}}
 
 
+def priced(rec: dict, gpus: int, usd_per_hour: float, gpus_by_kind: Mapping[str, int]) -> dict:
+    """``rec`` with its deployment's cost (mixed pools): ``usd_per_hour`` and ``gpus_by_kind`` on the record,
+    and in its summary ``usd_per_hour``, ``tokens_per_s_per_usd_hour`` (output tokens/s at the sustained rate
+    per $ per hour) and ``usd_per_mtok`` ($ per million output tokens, GPU-hours only)."""
+    rec = {**rec, "usd_per_hour": usd_per_hour, "gpus_by_kind": dict(gpus_by_kind)}
+    s = rec.get("summary")
+    per_gpu = (s or {}).get("tokens_per_s_per_gpu")
+    if per_gpu is None:
+        return rec
+    tps = per_gpu * gpus
+    rec["summary"] = {**s, "usd_per_hour": usd_per_hour, "tokens_per_s_per_usd_hour": tps / usd_per_hour,
+                      "usd_per_mtok": se.cost_per_mtok_usd(usd_per_hour / gpus, per_gpu)}
+    return rec
+
+
 def budget_use(rec: Mapping, gpus: int, replicas: int | None = None) -> dict:
     """How a simulated deployment (``rec``: its record) fills a budget of ``gpus`` GPUs with whole copies
     (module docstring, step 4): replicas (default ``gpus // its GPUs``), GPUs used, total output tokens/s,
@@ -252,19 +310,28 @@ def budget_use(rec: Mapping, gpus: int, replicas: int | None = None) -> dict:
     per_gpu = (rec.get("summary") or {}).get("tokens_per_s_per_gpu") or 0.0
     reps = replicas or max(1, gpus // n)
     total = per_gpu * n * reps
-    return {"replicas": reps, "gpus_used": reps * n, "gpus": gpus, "tokens_per_s": total,
-            "tokens_per_s_per_used_gpu": per_gpu, "tokens_per_s_per_budget_gpu": total / gpus}
+    out = {"replicas": reps, "gpus_used": reps * n, "gpus": gpus, "tokens_per_s": total,
+           "tokens_per_s_per_used_gpu": per_gpu, "tokens_per_s_per_budget_gpu": total / gpus}
+    if rec.get("usd_per_hour"):  # mixed pools (:func:`priced`): what the copies cost
+        out["usd_per_hour"] = reps * rec["usd_per_hour"]
+    return out
 
 
-def pick_best(confirmed: Sequence[dict], gpus: int, tolerance: float) -> tuple[dict | None, dict | None]:
-    """``(best, best on the whole budget)`` of the confirmed records (module docstring, step 4)."""
+def pick_best(confirmed: Sequence[dict], gpus: int, tolerance: float, objective: str = "gpu"
+              ) -> tuple[dict | None, dict | None]:
+    """``(best, best on the whole budget)`` of the confirmed records (module docstring, step 4). ``objective``
+    ``usd`` (mixed pools): tokens/s per $ per hour in place of tokens/s per used GPU, and the copies each
+    record's ``use`` says fit (the GPUs of each model bound them)."""
     if not confirmed:
         return None, None
-    top = max(r["summary"]["tokens_per_s_per_gpu"] for r in confirmed)
-    near = [r for r in confirmed if r["summary"]["tokens_per_s_per_gpu"] >= (1.0 - tolerance) * top]
+    key = OBJECTIVES[objective]
+    top = max(r["summary"][key] for r in confirmed)
+    near = [r for r in confirmed if r["summary"][key] >= (1.0 - tolerance) * top]
 
     def by_budget(r):
-        return (budget_use(r, gpus)["tokens_per_s_per_budget_gpu"], r["summary"]["tokens_per_s_per_gpu"])
+        if objective == "usd":  # equal totals (to rounding: the same arrivals) go to the cheaper deployment
+            return (round(r["use"]["tokens_per_s_per_budget_gpu"], 6), r["summary"][key])
+        return (budget_use(r, gpus)["tokens_per_s_per_budget_gpu"], r["summary"][key])
 
     return max(near, key=by_budget), max(confirmed, key=by_budget)
 
@@ -277,9 +344,9 @@ def budget_topology(name: str, gpus: int) -> str:
 
     m = _MULTI.match(name.strip()) or _PART.match(name.strip())
     base = m.group("name") if m else name.strip()
-    if base in PRESETS:
+    if base in PRESETS and "+" not in name:
         return resized(name, gpus)
-    n = topology.load(name).n_gpus
+    n = topology.load(name).n_gpus  # a joined topology (A+B) keeps its parts' sizes: the budget caps them
     if gpus > n:
         raise UserError(f"--gpus {gpus}: the topology {name} has {n} GPUs")
     return name
@@ -334,9 +401,9 @@ def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.Decod
 
     sc = se._scenario(base, {"topology": d.topology, "weight_format": d.weight_format, "decode.ep": d.ep,
                              "decode.max_batch_per_rank": d.max_batch_per_rank, "mtp.draft_k": d.draft_k,
-                             **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap),
-                             **se._kv_override(d.kv_dtype)})
-    plan = decode_plan_for(sc, model, se._plan_gpus(topo, d.ep, "decode"))
+                             **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap, d.moe_comm),
+                             **se._kv_override(d.kv_dtype), **se.gpu_override("decode", d.gpu)})
+    plan = decode_plan_for(sc, model, se._plan_gpus(topo, d.ep, "decode", d.gpu))
     cm = cost_model_for(sc, model, topo, None, plan)[0]
     e = expected_tokens_per_step(d.draft_k, sc.mtp.accept_p)
 
@@ -348,75 +415,136 @@ def _decode_tpot_fn(spec: se.SearchSpec, base: Mapping, model, topo, d: se.Decod
 
 
 def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gpus: int,
-                             hits: HitRates | None = None) -> list[BudgetCandidate]:
+                             hits: HitRates | None = None, prices: Mapping[str, float] | None = None
+                             ) -> list[BudgetCandidate]:
     """Every (prefill option x decode option x decoder count) that fits ``gpus`` (module docstring). With a
     prefix cache (``hits``; the prefill option's ``cache_blocks``) a prefiller's capacity is priced at the hit
-    rate of the prefiller count that carries the decoders' rate (:func:`_prefillers_for`)."""
+    rate of the prefiller count that carries the decoders' rate (:func:`_prefillers_for`). ``prices`` ($ per
+    GPU-hour of each GPU model, :func:`gpu_kinds`' names) on a topology of several GPU models: every pool —
+    prefill on one model and decode on another, either way round, or both on one — each role's options priced
+    on its own model's GPUs and calibration, the pair's KV transfer over the fabric that joins them, and each
+    candidate's $ per hour; the GPUs of each model the topology has bound each pool."""
     topos = {spec.space.topology[0]: topo}
-    pre = se.prefill_options(spec, load, model, topos)
-    dec = se.decode_options(spec, load, model, topos)
+    room = gpu_kinds(topo) if prices else {None: gpus}
+    kinds = list(room)
+    pre_by = {k: se.prefill_options(spec, load, model, topos, gpu=k) for k in kinds}
+    dec_by = {k: se.decode_options(spec, load, model, topos, gpu=k) for k in kinds}
     base = se.base_scenario(spec)
     kv_cache: dict = {}
     prompt, out_tok = max(1, round(load.prompt_mean)), load.output_mean
     slo = spec.slo
     h = spec.prefill_headroom
+    usd_budget = sum(room[k] * prices[k] for k in kinds) if prices else None
     out: list[BudgetCandidate] = []
-    for o in (*pre, *dec):  # the options' own pruning, one candidate each so that the reasons are counted
-        if o.pruned is not None:
-            role = "prefill" if isinstance(o, se.PrefillOption) else "decode"
-            out.append(BudgetCandidate("disaggregated", f"{role} option", {}, 0, pruned=o.pruned))
+    for k in kinds:  # the options' own pruning, one candidate each so that the reasons are counted
+        for o in (*pre_by[k], *dec_by[k]):
+            if o.pruned is not None:
+                role = "prefill" if isinstance(o, se.PrefillOption) else "decode"
+                out.append(BudgetCandidate("disaggregated", f"{role} option", {}, 0, pruned=o.pruned))
     tpots = {}
-    for p in (p for p in pre if p.pruned is None):
+    pairs = [(kp, kd, p, d) for kp, kd in itertools.product(kinds, kinds)
+             for p in pre_by[kp] if p.pruned is None
+             for d in dec_by[kd] if d.pruned is None and d.kv_dtype == p.kv_dtype]
+    for kp, kd, p, d in pairs:
+        on_p, on_d = (f" on {kp}", f" on {kd}") if prices else ("", "")
         gp = max(p.tp, p.ep)
-        for d in (d for d in dec if d.pruned is None and d.kv_dtype == p.kv_dtype):
-            kv = se._pair_kv_s(base, kv_cache, p, d, prompt)
-            if kv is None:
-                out.append(BudgetCandidate("disaggregated", "pair", {}, 0,
-                                           pruned=f"prefill TP{p.tp}/EP{p.ep} and decode EP{d.ep}: the simulator's "
-                                                  "placement refuses the pair"))
-                continue
-            kv_tok = kv / (out_tok - 1) if out_tok > 1 else 0.0
-            key = id(d)
-            if key not in tpots:
-                tpots[key] = _decode_tpot_fn(spec, base, model, topo, d)
-            tpot = tpots[key]
-            rate_d1 = d.ranks * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
-            rate_p1 = p.capacity_tokens_per_s / (prompt * h)        # one prefiller at 1/headroom utilisation
-            for n_d in range(1, (gpus - gp) // d.ep + 1):
-                p_max = (gpus - n_d * d.ep) // gp
-                hit = None
-                if hits is not None and p.cache_blocks > 0:
-                    n_p, rate, hit = _prefillers_for(p, hits, n_d * rate_d1, p_max, prompt * h)
-                else:
-                    rate = min(p_max * rate_p1, n_d * rate_d1)
-                    n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
-                b = float(d.b_max)
-                for _ in range(12):  # b = rate x output x TPOT(b) / (D x DP ranks), from above
-                    nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ranks))
-                    done = abs(nb - b) < 0.05
-                    b = nb
-                    if done:
-                        break
-                t = tpot(b) + kv_tok
-                n = n_p * gp + n_d * d.ep
-                ov = {"topology": p.topology, "weight_format": p.weight_format, "deployment": "disaggregated",
-                      "prefill.tp": p.tp, "prefill.ep": p.ep, "prefill.max_batch_tokens": p.max_batch_tokens,
-                      "prefill.replicas": n_p, "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank,
-                      "decode.replicas": n_d, "mtp.draft_k": d.draft_k,
-                      **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap),
-                      **se._prefill_overlap_override(p.overlap), **se._kv_override(d.kv_dtype)}
-                c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill + {n_d} x "
-                                    f"{f'TP{d.tp}/' if d.tp > 1 else ''}DP-EP{d.ep} decode, batch <= "
-                                    f"{d.max_batch_per_rank}, MTP k={d.draft_k}{se._kv_label(d.kv_dtype)}", ov, n,
-                                    rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,
-                                    est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t,
-                                    est_hit_rate=hit)
-                if t > slo.tpot_s:
-                    c.pruned = (f"TPOT {t * 1e3:.1f} ms at batch {b:.0f}/rank with the KV transfer > SLO "
-                                f"{slo.tpot_s * 1e3:.1f} ms")
-                out.append(c)
+        kv = se._pair_kv_s(base, kv_cache, p, d, prompt)
+        if kv is None:
+            out.append(BudgetCandidate("disaggregated", "pair", {}, 0,
+                                       pruned=f"prefill TP{p.tp}/EP{p.ep}{on_p} and decode EP{d.ep}{on_d}: "
+                                              "the simulator's placement refuses the pair"))
+            continue
+        kv_tok = kv / (out_tok - 1) if out_tok > 1 else 0.0
+        key = id(d)
+        if key not in tpots:
+            tpots[key] = _decode_tpot_fn(spec, base, model, topo, d)
+        tpot = tpots[key]
+        rate_d1 = d.ranks * d.b_max / (out_tok * d.tpot_at_cap_s)  # one decoder at its batch cap
+        rate_p1 = p.capacity_tokens_per_s / (prompt * h)        # one prefiller at 1/headroom utilisation
+        same = kp == kd
+        d_room = min(room[kd] - (gp if same else 0), gpus - gp)
+        for n_d in range(1, d_room // d.ep + 1):
+            p_max = min(room[kp] - (n_d * d.ep if same else 0), gpus - n_d * d.ep) // gp
+            if p_max < 1:
+                break
+            hit = None
+            if hits is not None and p.cache_blocks > 0:
+                n_p, rate, hit = _prefillers_for(p, hits, n_d * rate_d1, p_max, prompt * h)
+            else:
+                rate = min(p_max * rate_p1, n_d * rate_d1)
+                n_p = min(p_max, max(1, math.ceil(rate / rate_p1 - 1e-9)))
+            b = float(d.b_max)
+            for _ in range(12):  # b = rate x output x TPOT(b) / (D x DP ranks), from above
+                nb = min(float(d.b_max), rate * out_tok * tpot(b) / (n_d * d.ranks))
+                done = abs(nb - b) < 0.05
+                b = nb
+                if done:
+                    break
+            t = tpot(b) + kv_tok
+            n = n_p * gp + n_d * d.ep
+            ov = {"topology": p.topology, "weight_format": p.weight_format, "deployment": "disaggregated",
+                  "prefill.tp": p.tp, "prefill.ep": p.ep, "prefill.max_batch_tokens": p.max_batch_tokens,
+                  "prefill.replicas": n_p, "decode.ep": d.ep,
+                  "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": n_d,
+                  "mtp.draft_k": d.draft_k,
+                  **se._decode_tp_override(d.tp, d.redundant_experts, d.overlap, d.moe_comm),
+                  **se._prefill_overlap_override(p.overlap), **se._kv_override(d.kv_dtype),
+                  **se.gpu_override("prefill", kp), **se.gpu_override("decode", kd)}
+            c = BudgetCandidate("disaggregated", f"{n_p} x TP{p.tp}/EP{p.ep} prefill{on_p} + {n_d} x "
+                                f"{f'TP{d.tp}/' if d.tp > 1 else ''}DP-EP{d.ep}"
+                                f"{se.moe_comm_label(d.moe_comm)} decode{on_d}, batch <= "
+                                f"{d.max_batch_per_rank}, MTP k={d.draft_k}{se._kv_label(d.kv_dtype)}", ov,
+                                n, rate_per_s=rate, est_tokens_per_s_per_gpu=rate * out_tok / n,
+                                est_tokens_per_s_per_user=1.0 / t, est_ttft_s=p.ttft_floor_s, est_tpot_s=t,
+                                est_hit_rate=hit)
+            if prices:
+                used: dict[str, int] = {}
+                for kind, g in ((kp, n_p * gp), (kd, n_d * d.ep)):
+                    used[kind] = used.get(kind, 0) + g
+                c.gpus_by_kind, c.room, c.usd_budget = used, dict(room), usd_budget
+                c.usd_per_hour = sum(g * prices[kind] for kind, g in used.items())
+            if t > slo.tpot_s:
+                c.pruned = (f"TPOT {t * 1e3:.1f} ms at batch {b:.0f}/rank with the KV transfer > SLO "
+                            f"{slo.tpot_s * 1e3:.1f} ms")
+            out.append(c)
     return out
 
+
+def gpu_kinds(topo) -> dict[str, int]:
+    """The topology's GPU models (``GpuSpec.name``, in the order of their first GPU) and how many GPUs of each
+    it has; more than one: a mixed topology (``A+B``), whose roles the search may place on different
+    models."""
+    out: dict[str, int] = {}
+    for g in sorted(topo.gpu_ids):
+        name = topo.gpu_spec(g).name
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def kind_prices(given, kinds: Sequence[str]) -> dict[str, float]:
+    """$ per GPU-hour of each GPU model of a mixed topology from ``--gpu-hour-usd`` (the spec's
+    ``gpu_hour_usd``): a mapping whose keys name the models as ``prefill.gpu`` does (part of the name, any
+    case), every model priced once and above 0. A one-line UserError otherwise (the prices decide the pool:
+    they must be stated)."""
+    shown = ", ".join(kinds)
+    if not isinstance(given, Mapping) or not given:
+        raise UserError(f"--gpu-hour-usd: the topology has several GPU models ({shown}); give each its price "
+                        f"per GPU-hour: --gpu-hour-usd {','.join(f'{k}=USD' for k in kinds)}")
+    out: dict[str, float] = {}
+    for key, usd in given.items():
+        hit = [k for k in kinds if str(key).lower() in k.lower()]
+        if len(hit) != 1:
+            raise UserError(f"--gpu-hour-usd {key}={usd}: {key!r} names {'no' if not hit else 'several'} GPU "
+                            f"model{'s' if hit else ''} of the topology ({', '.join(hit) or shown})")
+        if hit[0] in out:
+            raise UserError(f"--gpu-hour-usd {key}={usd}: {hit[0]} is priced twice")
+        if not float(usd) > 0:
+            raise UserError(f"--gpu-hour-usd {key}={usd}: a price must be above 0")
+        out[hit[0]] = float(usd)
+    missing = [k for k in kinds if k not in out]
+    if missing:
+        raise UserError(f"--gpu-hour-usd: no price for {', '.join(missing)} (the topology has {shown})")
+    return out
 
 def _prefillers_for(p: se.PrefillOption, hits: HitRates, target: float, p_max: int,
                     tokens_per_request: float) -> tuple[int, float, float]:
@@ -549,7 +677,13 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     tname = budget_topology(spec.space.topology[0], gpus)
     spec = spec.model_copy(update={"space": spec.space.model_copy(update={"topology": (tname,)})})
     topo = topo_mod.load(tname)
-    stack, calib_line = _stack_of(spec, topo)
+    room = gpu_kinds(topo)
+    prices = kind_prices(spec.gpu_hour_usd, list(room)) if len(room) > 1 else None
+    if prices is None and spec.gpu_hour_usd:
+        raise UserError(f"--gpu-hour-usd: with --gpus N only on a topology of several GPU models (A+B), "
+                        f"where the prices choose the pool; {tname} has one ({next(iter(room))}), ranked by "
+                        "tokens/s per GPU")
+    stack, calib_line = _stack_of(spec, topo, list(room) if prices else None)
     model = scenario_model(parse_scenario(se.base_scenario(spec), f"search {spec.name}"))
     spec, note = se.without_unasked_mtp(spec, model)
     load = estimate_load(spec)
@@ -569,15 +703,26 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
                      "of its prefillers' (aggregated: workers') LRU caches, HBM and host tiers, with the requests "
                      "a simulation at its rate sees dealt in turn (column est hit; kv_aware routing does better, "
                      "sim hit is measured)")
+    if prices:
+        if "disaggregated" not in kinds:
+            raise UserError(f"--kind {','.join(kinds)}: on a topology of several GPU models ({tname}) the "
+                            "search places prefill and decode pools (--kind disaggregated)")
+        if "aggregated" in kinds:
+            notes.append("aggregated workers are not searched on a topology of several GPU models: a "
+                         "worker's prefill and decode share its GPUs")
+        kinds = ("disaggregated",)
+        at = ", ".join(f"${v:g}/GPU-hour {k}" for k, v in prices.items())
+        notes.append(f"mixed pools: prefill and decode each on {' or '.join(room)}, ranked by output "
+                     f"tokens/s per $ per hour at {at}")
     cands: list[BudgetCandidate] = []
     if "disaggregated" in kinds:
-        cands += disaggregated_candidates(spec, load, model, topo, gpus, hits)
+        cands += disaggregated_candidates(spec, load, model, topo, gpus, hits, prices)
     if "aggregated" in kinds:
         cands += aggregated_candidates(spec, load, model, topo, gpus, hits)
     for c in cands:
         c.budget = gpus
     res = BudgetResult(spec, gpus, tname, load, cands, [], [], {k: [] for k in kinds}, None, notes=notes,
-                       stack=stack, calibration=calib_line)
+                       stack=stack, calibration=calib_line, prices=prices, room=room if prices else None)
     if not any(c.pruned is None for c in cands):
         raise UserError(infeasible_hint(res))
     base = se.base_scenario(spec)
@@ -606,6 +751,8 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
             w = round(f * window, 4) if f > 1 else window
             rec = sustained(dict(by_key.get(p.key, {"key": p.key, "status": "missing", "label": p.label})),
                             c.n_gpus, w)
+            if c.usd_per_hour:
+                rec = priced(rec, c.n_gpus, c.usd_per_hour, c.gpus_by_kind)
             rec["steady"] = steady(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile, window_s=w,
                                    output_tokens=load.output_mean)
             met = meets_slo(rec, spec.slo.ttft_s, spec.slo.tpot_s, spec.slo.percentile)
@@ -635,11 +782,15 @@ def run_budget_search(spec: se.SearchSpec, gpus: int, out_dir: str | Path, *, ki
     res.confirmed = list(best_ok.values())
     for kind in kinds:
         el = [r for r in res.confirmed if r["kind"] == kind]
-        res.fronts[kind] = sorted(front_of(el), key=lambda r: -r["summary"]["tokens_per_s_per_gpu"]) if el else []
+        key = OBJECTIVES[res.objective]
+        res.fronts[kind] = sorted(front_of(el, res.objective), key=lambda r: -r["summary"][key]) if el else []
     res.scenarios = scen
     for r in res.confirmed:
         r["use"] = budget_use(r, gpus, _placeable_copies(res, r))
-    res.best, res.best_total = pick_best(res.confirmed, gpus, fill_tolerance)
+    if prices:
+        res.best, res.best_total = pick_best(res.confirmed, gpus, fill_tolerance, res.objective)
+    else:
+        res.best, res.best_total = pick_best(res.confirmed, gpus, fill_tolerance)
     if n_sim >= max_simulations and pending:
         notes.append(f"stopped at {max_simulations} simulations (--max-simulations)")
     res.wall_s = time.perf_counter() - t0
@@ -651,7 +802,10 @@ def _placeable_copies(res: BudgetResult, rec: dict) -> int:
     (a group must stay within its NVLink domain, so GPUs left over in several nodes may not take one more)."""
     from rackbed.sim.scenario import build
 
-    for k in range(max(1, res.gpus // int(rec["gpus"])), 1, -1):
+    top = res.gpus // int(rec["gpus"])
+    if getattr(res, "room", None) and rec.get("gpus_by_kind"):  # mixed pools: each model's GPUs bound it
+        top = min([top, *(res.room[k] // u for k, u in rec["gpus_by_kind"].items() if u)])
+    for k in range(max(1, top), 1, -1):
         try:
             build(scenario_of(res, {**rec, "use": {"replicas": k}}, on_budget=True), engine_calibration=False)
             return k
@@ -660,23 +814,32 @@ def _placeable_copies(res: BudgetResult, rec: dict) -> int:
     return 1
 
 
-def _stack_of(spec: se.SearchSpec, topo) -> tuple[str, str]:
-    """``(stack asked for, the line that says what prices the candidates)`` (:func:`check_stack`)."""
+def _stack_of(spec: se.SearchSpec, topo, kinds: Sequence[str] | None = None) -> tuple[str, str]:
+    """``(stack asked for, the line that says what prices the candidates)`` (:func:`check_stack`; on a mixed
+    topology, ``kinds``, one line per GPU model joined by "; ")."""
     stack = str(se.base_scenario(spec).get("stack", "auto"))
+    if kinds:
+        return stack, "; ".join(check_stack(stack, topo, k) for k in kinds)
     return stack, check_stack(stack, topo)
 
 
-def check_stack(stack: str, topo) -> str:
-    """The line that says what prices a run on ``topo`` (a Topology or its name) by ``stack``; a stack with no
-    shipped calibration for its GPU is a UserError naming ``--stack`` and the stacks shipped (before any
-    candidate is priced, so that it is not a pruning reason)."""
+def check_stack(stack: str, topo, gpu: str | None = None) -> str:
+    """The line that says what prices a run on ``topo`` (a Topology or its name) by ``stack`` — on its GPU
+    model ``gpu`` when given (a mixed topology); a stack with no shipped calibration for its GPU is a
+    UserError naming ``--stack`` and the stacks shipped (before any candidate is priced, so that it is not a
+    pruning reason)."""
     from rackbed import topology as topo_mod
     from rackbed.sim.calibrate import calibration_for_topology, describe_calibration
 
     if isinstance(topo, str):
         topo = topo_mod.load(topo)
     try:
-        table = calibration_for_topology(topo, stack=stack)
+        if gpu is not None:
+            from rackbed.sim.calibration.files import default_calibration_for
+
+            table = default_calibration_for(gpu, None, stack)
+        else:
+            table = calibration_for_topology(topo, stack=stack)
     except UserError as e:
         raise UserError(f"--stack {stack}: {str(e).removeprefix('stack: ')}") from None
     return describe_calibration(table)
@@ -722,7 +885,10 @@ def summary(res: BudgetResult) -> dict:
                 "tokens_per_s_per_user": s.get("tokens_per_s_per_user"), "ttft_p90_s": s.get("ttft_p90_s"),
                 "tpot_p90_s": s.get("tpot_p90_s"), "prefix_hit_rate": s.get("prefix_hit_rate"), "est": r["est"],
                 "overrides": r.get("overrides"),
-                "reason": r.get("reason") or None}
+                "reason": r.get("reason") or None,
+                **({"gpus_by_kind": r.get("gpus_by_kind"), "usd_per_hour": r.get("usd_per_hour"),
+                    "tokens_per_s_per_usd_hour": s.get("tokens_per_s_per_usd_hour"),
+                    "usd_per_mtok": s.get("usd_per_mtok")} if res.prices else {})}
 
     return {"model": res.spec.model, "gpus": res.gpus, "topology": res.topology,
             "weight_format": res.spec.space.weight_format[0],
@@ -730,6 +896,7 @@ def summary(res: BudgetResult) -> dict:
             "slo": res.spec.slo.model_dump(), "window_s": getattr(res.spec.workload, "duration_s", None),
             "wall_s": res.wall_s, "notes": res.notes, "stack": res.stack,
             "calibration": res.calibration, "workload": res.spec.workload.kind,
+            **({"gpu_hour_usd": res.prices, "gpus_by_kind": res.room} if res.prices else {}),
             "prefix_cache": se.base_scenario(res.spec).get("prefix_cache"),
             "candidates": len(res.candidates), "analytic_survivors": sum(c.pruned is None for c in res.candidates),
             "fronts": {k: [pt(r) for r in v] for k, v in res.fronts.items()},
@@ -739,7 +906,9 @@ def summary(res: BudgetResult) -> dict:
                                      "tokens_per_s_per_gpu": c.est_tokens_per_s_per_gpu,
                                      "tokens_per_s_per_user": c.est_tokens_per_s_per_user,
                                      "prefix_hit_rate": c.est_hit_rate, "replicas": c.replicas,
-                                     "tokens_per_s_per_budget_gpu": c.est_tokens_per_s_per_budget_gpu}
+                                     "tokens_per_s_per_budget_gpu": c.est_tokens_per_s_per_budget_gpu,
+                                     **({"gpus_by_kind": c.gpus_by_kind, "usd_per_hour": c.usd_per_hour,
+                                         "tokens_per_s_per_usd_hour": c.value} if res.prices else {})}
                                     for c in res.analytic_front(k)] for k in res.fronts}}
 
 

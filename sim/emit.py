@@ -135,6 +135,7 @@ class Plan:
     decode_redundant_experts: int = 0   # decode.redundant_experts: extra expert slots (wide EP)
     prefill_overlap: str = "none"       # prefill.overlap / decode.overlap (sim.costs.overlap)
     decode_overlap: str = "none"
+    decode_moe_comm: str = "a2a"        # decode.moe_comm (sim.costs.moe_comm)
 
     @property
     def is_aggregated(self) -> bool:
@@ -175,7 +176,7 @@ def plan_of(sc) -> Plan:
                 tuple(group(g, "decode", d.tp, d.ep) for g in dep.decoders),
                 p.max_batch_tokens, d.max_batch_per_rank, d.page_tokens, sc.mtp.draft_k, bool(b.model.n_mtp_layers),
                 kind, dmodel, n_experts=b.model.n_experts, decode_redundant_experts=d.redundant_experts,
-                prefill_overlap=p.overlap, decode_overlap=d.overlap)
+                prefill_overlap=p.overlap, decode_overlap=d.overlap, decode_moe_comm=d.moe_comm)
 
 
 def model_path_of(sc, model) -> str:
@@ -311,7 +312,7 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
     if g.dp > 1:  # attention data parallelism: g.dp ranks of attention TP g.tp
         a += ["--attn-dp-size", str(g.dp)]
     if g.ep > 1:
-        a += ["--ep-size", str(g.ep), *sglang_moe_a2a(g)]
+        a += ["--ep-size", str(g.ep), *sglang_moe_a2a(g, pl.decode_moe_comm)]
     if g.role == "decode" and pl.decode_redundant_experts:
         # wide EP: the redundant expert slots (EPLB places and rebalances them)
         a += ["--ep-num-redundant-experts", str(pl.decode_redundant_experts), "--enable-eplb"]
@@ -338,12 +339,16 @@ def sglang_args(pl: Plan, g: Group) -> list[str]:
     return a
 
 
-def sglang_moe_a2a(g: Group) -> list[str]:
+def sglang_moe_a2a(g: Group, decode_moe_comm: str = "a2a") -> list[str]:
     """The MoE token exchange rackbed priced for an EP group, as SGLang's flags: DP-attention ranks (decoders,
     aggregated DP ranks) exchange tokens by a sparse all-to-all (``sim.costs.moe_comm``: DP-EP dispatch /
     combine, DeepEP-style; ``low_latency`` kernels for decode, ``auto`` for mixed prefill + decode steps); a TP
     group (prefillers, an aggregated TP worker) holds every token on every rank, selects its experts' tokens
-    locally and all-reduces the outputs: no all-to-all (``none``)."""
+    locally and all-reduces the outputs: no all-to-all (``none``). A decoder priced with ``decode.moe_comm:
+    allgather`` gathers its DP ranks' tokens and scatters the outputs back, as SGLang's DP attention does
+    without an all-to-all backend (``none``)."""
+    if g.role == "decode" and decode_moe_comm == "allgather":
+        return ["--moe-a2a-backend", "none"]
     if g.dp > 1:
         return ["--moe-a2a-backend", "deepep", "--deepep-mode", "low_latency" if g.role == "decode" else "auto"]
     return ["--moe-a2a-backend", "none"]
@@ -362,7 +367,7 @@ def sglang_overlap(pl: Plan, g: Group) -> list[str]:
     overlap the all-to-all, so SGLang takes them only with an all-to-all MoE backend (DeepEP: DP-attention
     groups); a group without one (a TP=EP prefiller) gets nothing and :func:`unmapped` says so."""
     mode = _overlap_of(pl, g)
-    if mode == "none" or g.dp <= 1 or g.ep <= 1:
+    if mode == "none" or g.dp <= 1 or g.ep <= 1 or sglang_moe_a2a(g, pl.decode_moe_comm)[1] == "none":
         return []
     return [SGLANG_OVERLAP[mode]]
 

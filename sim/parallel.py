@@ -100,4 +100,4 @@ def decode_plan_for(sc, model, gpus):
     return ParallelPlan(role="decode", tp=d.tp, ep=d.ep, dp=d.ep // d.tp, kv_replication=_kv_replication(model, d.tp),
                         gpus=tuple(gpus), weight_format=sc.weight_format, kv_dtype=sc.kv_dtype,
                         page_tokens=d.page_tokens, max_batch_seqs=d.max_batch_per_rank,
-                        redundant_experts=d.redundant_experts, overlap=d.overlap)
+                        redundant_experts=d.redundant_experts, overlap=d.overlap, moe_comm=d.moe_comm)

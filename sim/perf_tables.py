@@ -26,6 +26,9 @@ custom_allreduce_perf``   two_shot, n_ranks)                itself): the same cu
 ``comm/trtllm/*/trtllm_   ``a2a_us`` (dispatch | combine,   DP-EP decode dispatch / combine, x = payload bytes per
 alltoall_perf``,          n_ranks, payload)                 rank (tokens x hidden x element bytes)
 ``comm/*/moe_a2a_perf``
+``comm/nccl/*/nccl_perf`` ``allgather_us`` /                NCCL all-gather / reduce-scatter (the DP-EP
+                          ``reducescatter_us`` (n_ranks,    decode's ``decode.moe_comm: allgather``), x =
+                          payload)                          bytes of the whole buffer (every rank's part)
 ========================  ================================  =====================================================
 
 Attention tables (``attention/*/{context,generation}_attention_perf``) become ``flash_tflops`` and
@@ -284,6 +287,50 @@ def import_allreduce(root: Path, system: str, backend: str, gpu: str) -> Importe
     return out
 
 
+#: NCCL data types of the all-gather / reduce-scatter rows read, as rackbed payloads (element bytes)
+GATHER_DTYPES = {"half": ("bf16", 2.0), "int8": ("fp8", 1.0)}
+
+
+def import_gather_scatter(root: Path, system: str, backend: str, gpu: str) -> Imported:
+    """NCCL all-gather and reduce-scatter of the newest NCCL table: ``allgather_us`` / ``reducescatter_us``
+    (n_ranks, payload: ``bf16`` from fp16 rows, ``fp8`` from int8 rows), x = bytes of the whole buffer (the
+    table's element count x element bytes), y = µs."""
+    out = Imported(grid={"allgather_us": ("n_ranks",), "reducescatter_us": ("n_ranks",)})
+    kinds = {"all_gather": "allgather_us", "reduce_scatter": "reducescatter_us"}
+    nccl = find_tables(root, system, "comm", "nccl", "nccl_perf.parquet")
+    nccl = [t for t in nccl if {"op_name", "nccl_dtype"} <= set(_columns(t))]
+    if nccl:
+        t = nccl[-1]
+        rows = read_rows(t, ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"))
+        curves: dict[tuple, Curve] = {}
+        used = 0
+        for r in rows:
+            kind = kinds.get(str(r["op_name"]))
+            if kind is None or str(r["nccl_dtype"]) not in GATHER_DTYPES:
+                continue
+            pay, bpe = GATHER_DTYPES[str(r["nccl_dtype"])]
+            n = int(r["num_gpus"])
+            c = curves.get((kind, n, pay))
+            if c is None:
+                c = curves[(kind, n, pay)] = Curve(kind, {"n_ranks": n, "payload": pay},
+                                                   _source(t) + f" (NCCL, {r['nccl_dtype']})", envelope=True)
+            s = r["latency"] * latency_s(t)
+            c.add(_sig(int(r["message_size"]) * bpe), _sig(s * 1e6), s)
+            used += 1
+        out.curves = [curves[k] for k in sorted(curves)]
+        out.tables.append(_table_meta(t, len(rows), used, framework=f"NCCL {t.version}"))
+        out.notes.append(f"NCCL all-gather / reduce-scatter measured at "
+                         f"{', '.join(map(str, sorted({k[1] for k in curves})))} GPUs")
+    else:
+        out.notes.append(f"no all-gather / reduce-scatter table for {system}")
+
+    def predict(calib, c: Curve, x: float) -> float:
+        return calib.lookup(c.kind, gpu, x, **c.key) * 1e-6
+
+    out.predict["allgather_us"] = out.predict["reducescatter_us"] = predict
+    return out
+
+
 def _a2a_row(curves: dict, extra: tuple, t: Table, kernel: str, op: str, n: int, dtype: str, r: dict) -> None:
     """Add one all-to-all row to the curve of (op, EP size, payload) (+ ``extra`` key parts): x = payload bytes
     per rank, y = µs."""
@@ -366,7 +413,7 @@ def import_alltoall(root: Path, system: str, backend: str, gpu: str) -> Imported
 IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, import_allreduce, import_alltoall,
                                                  *ptm.IMPORTERS)
 #: the importers of collective tables (measured on the system's own NVLink; a DERIVED system scales their curves)
-COMM_IMPORTERS = (import_allreduce, import_alltoall)
+COMM_IMPORTERS = (import_allreduce, import_alltoall, import_gather_scatter)
 
 
 def scale_collectives(part: Imported, measured_on: str, runs_on: str) -> None:
@@ -388,6 +435,8 @@ def scale_collectives(part: Imported, measured_on: str, runs_on: str) -> None:
         gpus = list(range(n))
         if c.kind == "allreduce_us":
             return collective.allreduce_time(topo, gpus, x, algo=c.key["algo"]).total_s
+        if c.kind in ("allgather_us", "reducescatter_us"):  # half an all-reduce's traffic: the same ratio
+            return collective.allreduce_time(topo, gpus, x).total_s
         tokens = x / (model.hidden * 2)
         if c.key["op"] == "dispatch":
             return moe_comm.dpep_decode_dispatch(topo, gpus, tokens, model, "bf16").total_s
@@ -423,7 +472,7 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         raise UserError(f"{PACKAGE} has no tables for system {folder!r} (looked in {root})")
     say = progress or (lambda s: None)
     parts: list[Imported] = []
-    for imp in IMPORTERS + _attention_importers():
+    for imp in IMPORTERS + _attention_importers() + (import_gather_scatter,):
         say(f"reading {imp.__name__.removeprefix('import_')} tables")
         part = imp(root, folder, backend, gpu)
         if derived and imp in COMM_IMPORTERS:

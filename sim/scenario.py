@@ -93,7 +93,10 @@ class DecodeSection(_Strict):
 
     ``overlap``: ``none``, ``shared_expert`` (the shared expert alongside the dispatch) or ``two_batch`` (two
     micro-batches, one's all-to-all under the other's compute): :mod:`sim.costs.overlap`. ``gpu``: as
-    :class:`PrefillSection`'s."""
+    :class:`PrefillSection`'s. ``moe_comm``: ``a2a`` (tokens to their experts' GPUs by a sparse all-to-all) or
+    ``allgather`` (every GPU gathers every GPU's tokens and a reduce-scatter returns the expert outputs:
+    TensorRT-LLM's MoE communication inside one NVLink domain without its all-to-all kernels):
+    :mod:`sim.costs.moe_comm`."""
 
     ep: int = Field(16, ge=1)
     tp: int = Field(1, ge=1)
@@ -106,6 +109,7 @@ class DecodeSection(_Strict):
     overlap: Overlap = "none"
     gpu: str | None = None
     span_nodes: bool = False
+    moe_comm: Literal["a2a", "allgather"] = "a2a"
 
 
 class MtpDraft(_Strict):

@@ -104,6 +104,8 @@ class SearchSpace(_Strict):
     #: KV cache formats tried (the scenario's ``kv_dtype``: KV capacity and attention reads follow it); None: the
     #: spec's ``kv_dtype`` only, as an untouched base scenario field
     kv_dtype: tuple[Literal["bf16", "fp8"], ...] | None = Field(None, min_length=1)
+    #: how a decoder moves tokens to its experts (``decode.moe_comm``: ``a2a``, ``allgather``)
+    decode_moe_comm: tuple[Literal["a2a", "allgather"], ...] = Field(("a2a",), min_length=1)
 
     @field_validator("max_batch_per_rank", mode="before")
     @classmethod
@@ -170,7 +172,9 @@ class SearchSlo(_Strict):
 class SearchSpec(_Strict):
     """What to plan for (module docstring). ``scenario`` holds extra scenario fields applied to every simulated
     point (e.g. ``sim``, ``calibration``, ``decode.page_tokens``); ``gpu_hour_usd`` is one price or a price per
-    topology name; ``max_gpus`` caps a candidate's GPUs below its topology's (None: the topology's)."""
+    topology name (the budget search on a topology of several GPU models: a price per GPU model,
+    ``sim.budget.kind_prices``); ``max_gpus`` caps a candidate's GPUs below its topology's (None: the
+    topology's)."""
 
     kind: Literal["search"] = "search"
     name: str = "search"
@@ -271,6 +275,7 @@ class PrefillOption:
     capacity_at: Callable[[float], float] | None = field(default=None, repr=False)  # capacity at a hit rate
     overlap: str = "none"            # prefill.overlap (sim.costs.overlap)
     kv_dtype: str | None = None      # the scenario's kv_dtype (None: the base scenario's, not overridden)
+    gpu: str | None = None           # prefill.gpu: the GPU model of a mixed topology it runs on (None: any)
 
 
 @dataclass
@@ -294,18 +299,27 @@ class DecodeOption:
     redundant_experts: int = 0        # extra expert slots: the fewest that make ep divide them (wide EP)
     overlap: str = "none"             # decode.overlap (sim.costs.overlap)
     kv_dtype: str | None = None       # the scenario's kv_dtype (None: the base scenario's, not overridden)
+    gpu: str | None = None            # decode.gpu: the GPU model of a mixed topology it runs on (None: any)
+    moe_comm: str = "a2a"             # decode.moe_comm (sim.costs.moe_comm)
 
     @property
     def ranks(self) -> int:
         return max(1, self.ep // self.tp)
 
 
-def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "none") -> dict:
-    """``decode.tp``, ``decode.redundant_experts`` and ``decode.overlap`` for a scenario override, each left
-    out at its default (1, 0, none) so that such scenarios stay as they were."""
+def _decode_tp_override(tp: int, redundant_experts: int = 0, overlap: str = "none",
+                        moe_comm: str = "a2a") -> dict:
+    """``decode.tp``, ``decode.redundant_experts``, ``decode.overlap`` and ``decode.moe_comm`` for a scenario
+    override, each left out at its default (1, 0, none, a2a) so that such scenarios stay as they were."""
     return ({"decode.tp": tp} if tp != 1 else {}) | (
         {"decode.redundant_experts": redundant_experts} if redundant_experts else {}) | (
-        {"decode.overlap": overlap} if overlap != "none" else {})
+        {"decode.overlap": overlap} if overlap != "none" else {}) | (
+        {"decode.moe_comm": moe_comm} if moe_comm != "a2a" else {})
+
+
+def moe_comm_label(moe_comm: str) -> str:
+    """A candidate label's mark of ``decode.moe_comm``: nothing for the default all-to-all."""
+    return " allgather" if moe_comm == "allgather" else ""
 
 
 def _kv_override(kv_dtype: str | None) -> dict:
@@ -315,6 +329,12 @@ def _kv_override(kv_dtype: str | None) -> dict:
 
 def _kv_label(kv_dtype: str | None) -> str:
     return f" kv {kv_dtype}" if kv_dtype is not None else ""
+
+
+def gpu_override(role: str, gpu: str | None) -> dict:
+    """``prefill.gpu`` / ``decode.gpu`` (``role``) for a scenario override, left out when the option runs on
+    any GPU (None: a topology of one GPU model)."""
+    return {f"{role}.gpu": gpu} if gpu is not None else {}
 
 
 def _prefill_overlap_override(overlap: str) -> dict:
@@ -345,17 +365,26 @@ class Candidate:
         return (f"{p.topology} {p.weight_format} P{p.replicas}xTP{p.tp}/EP{p.ep}{_OVERLAP_LABEL[p.overlap]} "
                 f"D{d.replicas}x{f'TP{d.tp}/' if d.tp > 1 else ''}EP{d.ep}"
                 f"{f'+{d.redundant_experts}r' if d.redundant_experts else ''} b<={d.max_batch_per_rank} "
-                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}{_kv_label(d.kv_dtype)}")
+                f"k={d.draft_k}{_OVERLAP_LABEL[d.overlap]}{moe_comm_label(d.moe_comm)}"
+                f"{_kv_label(d.kv_dtype)}")
 
 
-def _plan_gpus(topo, n: int, role: str) -> tuple[int, ...]:
-    """The lowest ``n`` GPUs — what the first group of a role gets when it fits one node (prefill) or one NVLink
-    domain (decode). Wider groups span nodes / domains: the analytic model prices them (cross-node host sync,
-    all-to-all over the network), while the simulator's placement refuses them, so such candidates end up as
-    invalid simulation points with the placement's reason."""
-    if n > topo.n_gpus:
-        raise UserError(f"{role} group of {n} GPUs exceeds the topology's {topo.n_gpus} GPUs")
-    return tuple(sorted(topo.gpu_ids)[:n])
+def _plan_gpus(topo, n: int, role: str, gpu: str | None = None) -> tuple[int, ...]:
+    """The lowest ``n`` GPUs — of the GPU model ``gpu`` names on a mixed topology
+    (``sim.scenario.role_gpus``) — what the first group of a role gets when it fits one node (prefill) or
+    one NVLink domain (decode). Wider groups span nodes / domains: the analytic model prices them (cross-node
+    host sync, all-to-all over the network), while the simulator's placement refuses them, so such candidates
+    end up as invalid simulation points with the placement's reason."""
+    if gpu is None:
+        if n > topo.n_gpus:
+            raise UserError(f"{role} group of {n} GPUs exceeds the topology's {topo.n_gpus} GPUs")
+        return tuple(sorted(topo.gpu_ids)[:n])
+    from rackbed.sim.scenario import role_gpus
+
+    ids = sorted(role_gpus(topo, role.split()[0], gpu))
+    if n > len(ids):
+        raise UserError(f"{role} group of {n} GPUs exceeds the topology's {len(ids)} {gpu} GPUs")
+    return tuple(ids[:n])
 
 
 def _cache_get(cache: dict, name: str, fn):
@@ -388,8 +417,10 @@ def prefill_alone_s(cm, prompt: int, max_batch_tokens: int, chunked: bool) -> fl
                for done in range(0, prompt, max_batch_tokens))
 
 
-def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[PrefillOption]:
-    """Prefill options with their analytic figures, pruned ones included (``pruned`` says why)."""
+def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping, gpu: str | None = None
+                    ) -> list[PrefillOption]:
+    """Prefill options with their analytic figures, pruned ones included (``pruned`` says why); ``gpu``: on
+    that GPU model of a mixed topology (``prefill.gpu``), priced by its own calibration."""
     from rackbed.sim.scenario import cost_model_for, prefill_plan_for
 
     sp = spec.space
@@ -405,13 +436,14 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                 for ep in (sp.prefill_ep or (tp,)):
                     for mbt, pov, kv in itertools.product(sp.prefill_max_batch_tokens, sp.prefill_overlap,
                                                           sp.kv_dtype or (None,)):
-                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov, kv_dtype=kv)
+                        o = PrefillOption(tname, fmt, tp, ep, mbt, overlap=pov, kv_dtype=kv, gpu=gpu)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "prefill.tp": tp,
                                                   "prefill.ep": ep, "prefill.max_batch_tokens": mbt,
-                                                  **_prefill_overlap_override(pov), **_kv_override(kv)})
-                            plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill"))
+                                                  **_prefill_overlap_override(pov), **_kv_override(kv),
+                                                  **gpu_override("prefill", gpu)})
+                            plan = prefill_plan_for(sc, model, _plan_gpus(topo, max(tp, ep), "prefill", gpu))
                             plan.validate(model, topo)
                             cm = cost_model_for(sc, model, topo, plan, None)[0]
                             floor = prefill_alone_s(cm, p90, mbt, chunked)
@@ -421,7 +453,8 @@ def prefill_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list
                                             f"SLO {spec.slo.ttft_s * 1e3:.0f} ms")
                                 continue
                             each = min(prompt, mbt) if chunked else prompt
-                            _size_prefill(o, spec, load, cm, each, cache_blocks_of(sc, model, topo, max(tp, ep)))
+                            _size_prefill(o, spec, load, cm, each,
+                                          cache_blocks_of(sc, model, topo, max(tp, ep), gpu=gpu))
                             o.capacity_at = functools.partial(_capacity_at, cm, mbt, each)
                         except (ValueError, FileNotFoundError) as exc:
                             o.pruned = one_line(exc)
@@ -489,7 +522,7 @@ def assumed_hit_rate(requests: Sequence, cache_blocks: int, replicas: int) -> fl
     return lru_reuse(requests, cache_blocks, max(1, replicas))
 
 
-def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill") -> int:
+def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill", gpu: str | None = None) -> int:
     """Prefix-cache capacity of one prefill replica (or aggregated worker: ``role``) of ``n_gpus`` GPUs in
     512-token blocks (the ids' block), HBM
     and host tiers together, as the simulator sizes it (``sim.scenario.prefix_cache_spec``); a shared storage
@@ -501,14 +534,17 @@ def cache_blocks_of(sc, model, topo, n_gpus: int, role: str = "prefill") -> int:
     from rackbed.engine.core.prefix_reuse import BLOCK
     from rackbed.sim.scenario import prefix_cache_spec
 
-    dep = SimpleNamespace(aggregated=None, prefillers=[SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, role))])
+    group = SimpleNamespace(gpus=_plan_gpus(topo, n_gpus, role, gpu))
+    dep = SimpleNamespace(aggregated=None, prefillers=[group])
     pcs = prefix_cache_spec(sc, topo, model, dep)
     blocks = pcs.hbm_blocks + sum(t.capacity_blocks for t in pcs.lower)
     return max(1, blocks * pcs.block_tokens // BLOCK)
 
 
-def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[DecodeOption]:
-    """Decode options with their analytic figures (module docstring), pruned ones included."""
+def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping, gpu: str | None = None
+                   ) -> list[DecodeOption]:
+    """Decode options with their analytic figures (module docstring), pruned ones included; ``gpu``: on that
+    GPU model of a mixed topology (``decode.gpu``)."""
     from rackbed.sim.scenario import cost_model_for, decode_plan_for
 
     sp = spec.space
@@ -520,16 +556,20 @@ def decode_options(spec: SearchSpec, load: Load, model, topos: Mapping) -> list[
         for fmt in sp.weight_format:
             for ep, dtp, extra in itertools.product(sp.decode_ep, sp.decode_tp, sp.decode_extra_slots_per_rank):
                 for cap in sp.max_batch_per_rank:
-                    for k, dov, kv in itertools.product(sp.draft_k, sp.decode_overlap, sp.kv_dtype or (None,)):
+                    for k, dov, kv, mc in itertools.product(sp.draft_k, sp.decode_overlap,
+                                                            sp.kv_dtype or (None,), sp.decode_moe_comm):
                         red = min_redundant_experts(model.n_experts, ep) + (extra * ep if model.n_experts else 0)
                         o = DecodeOption(tname, fmt, ep, cap, k, context_tokens=ctx, tp=dtp,
-                                         redundant_experts=red, overlap=dov, kv_dtype=kv)
+                                         redundant_experts=red, overlap=dov, kv_dtype=kv, gpu=gpu,
+                                         moe_comm=mc)
                         out.append(o)
                         try:
                             sc = _scenario(base, {"topology": tname, "weight_format": fmt, "decode.ep": ep,
                                                   "decode.max_batch_per_rank": cap, "mtp.draft_k": k,
-                                                  **_decode_tp_override(dtp, red, dov), **_kv_override(kv)})
-                            plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode"))
+                                                  **_decode_tp_override(dtp, red, dov, mc),
+                                                  **_kv_override(kv),
+                                                  **gpu_override("decode", gpu)})
+                            plan = decode_plan_for(sc, model, _plan_gpus(topo, ep, "decode", gpu))
                             bud = plan.validate(model, topo)
                             o.kv_capacity_tokens = bud.kv_capacity_tokens
                             o.b_max = min(cap, int(bud.kv_capacity_tokens // max(1.0, ctx)))
@@ -594,14 +634,16 @@ def kv_transfer_s(built, tokens: int) -> float:
 def _pair_kv_s(base: Mapping, cache: dict, p: PrefillOption, d: DecodeOption, tokens: int) -> float | None:
     """:func:`kv_transfer_s` for one prefiller and one decoder of these options (memoised on what the KV path
     depends on); None when the simulator's placement refuses the pair (the simulation records why)."""
-    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts, d.kv_dtype)
+    key = (p.topology, p.weight_format, p.tp, p.ep, p.max_batch_tokens, d.ep, d.tp, d.redundant_experts,
+           d.kv_dtype, p.gpu, d.gpu)
     if key not in cache:
         from rackbed.sim.scenario import build
 
         ov = {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
               "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": 1, "decode.ep": d.ep,
               "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": 1, "mtp.draft_k": d.draft_k,
-              **_decode_tp_override(d.tp, d.redundant_experts), **_kv_override(d.kv_dtype)}
+              **_decode_tp_override(d.tp, d.redundant_experts), **_kv_override(d.kv_dtype),
+              **gpu_override("prefill", p.gpu), **gpu_override("decode", d.gpu)}
         try:
             cache[key] = kv_transfer_s(build(_scenario(base, ov)), tokens)
         except (ValueError, FileNotFoundError):
@@ -723,7 +765,7 @@ def scenario_overrides(spec: SearchSpec, c: Candidate) -> dict:
     return {"topology": p.topology, "weight_format": p.weight_format, "prefill.tp": p.tp, "prefill.ep": p.ep,
             "prefill.max_batch_tokens": p.max_batch_tokens, "prefill.replicas": p.replicas,
             "decode.ep": d.ep, "decode.max_batch_per_rank": d.max_batch_per_rank, "decode.replicas": d.replicas,
-            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts, d.overlap),
+            "mtp.draft_k": d.draft_k, **_decode_tp_override(d.tp, d.redundant_experts, d.overlap, d.moe_comm),
             **_prefill_overlap_override(p.overlap), **_kv_override(d.kv_dtype)}
 
 
@@ -901,7 +943,8 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
                     name: str = "search", mtp_layers: int | None = None, trace: str | None = None,
                     prefix_cache: Mapping | None = None, max_gpus: int | None = None,
                     decode_overlap: Sequence[str] | None = None, decode_tp: Sequence[int] | None = None,
-                    kv_dtype: Sequence[str] | None = None, objective: str = "gpu") -> SearchSpec:
+                    kv_dtype: Sequence[str] | None = None, objective: str = "gpu",
+                    decode_moe_comm: Sequence[str] | None = None) -> SearchSpec:
     """A SearchSpec from command-line flags (Poisson arrivals, fixed prompt / output lengths). ``mtp_layers``:
     the scenarios' ``mtp.draft`` (``{kind: mtp, layers: N}``), needed to draft with a model without MTP layers.
     ``trace``: replay this trace (a shipped name or a path) at ``rate_per_s`` instead, looped so that a high rate
@@ -909,11 +952,12 @@ def spec_from_flags(*, model: str, topology: Sequence[str], weight_format: Seque
     ``prefix_cache``: the scenarios' ``prefix_cache`` section. ``max_gpus``: candidates of at most this many
     GPUs. ``decode_overlap``: the decode overlap modes to try (``sim.costs.overlap``; None: none only).
     ``decode_tp``: attention TP degrees of a decoder's DP ranks (None: 1); ``kv_dtype``: KV cache formats to try
-    (None: the spec's, bf16); ``objective``: ``gpu`` or ``kw`` (:attr:`SearchSpec.objective`)."""
+    (None: the spec's, bf16); ``objective``: ``gpu`` or ``kw`` (:attr:`SearchSpec.objective`);
+    ``decode_moe_comm``: the decoders' MoE communication modes to try (None: a2a only)."""
     space: dict[str, Any] = {"topology": tuple(topology), "weight_format": tuple(weight_format)}
     for k, v in (("prefill_tp", prefill_tp), ("decode_ep", decode_ep), ("max_batch_per_rank", max_batch_per_rank),
                  ("draft_k", draft_k), ("decode_overlap", decode_overlap), ("decode_tp", decode_tp),
-                 ("kv_dtype", kv_dtype)):
+                 ("kv_dtype", kv_dtype), ("decode_moe_comm", decode_moe_comm)):
         if v is not None:
             space[k] = tuple(v)
     data = {"name": name, "model": model,

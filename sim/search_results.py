@@ -37,7 +37,9 @@ def record_slo(rec: Mapping) -> tuple[float | None, float | None]:
 
 
 #: search objectives: the summary field maximised against tokens/s per user
-OBJECTIVES = {"gpu": "tokens_per_s_per_gpu", "kw": "tokens_per_s_per_kw"}
+#: the record figure each objective maximises; ``usd``: output tokens/s per $ per hour, the budget search's
+#: on a topology of several GPU models (``sim.budget.priced``)
+OBJECTIVES = {"gpu": "tokens_per_s_per_gpu", "kw": "tokens_per_s_per_kw", "usd": "tokens_per_s_per_usd_hour"}
 
 
 def front_of(records: Sequence[Mapping], objective: str = "gpu") -> list[Mapping]:

@@ -155,3 +155,16 @@ def test_wide_ep_decoder_emits_its_redundant_experts():
     tr = emit_files(sc, "trtllm")
     gen, ctx = yaml.safe_load(tr["gen.yaml"]), yaml.safe_load(tr["ctx.yaml"])
     assert gen["moe_config"]["load_balancer"]["num_slots"] == 256 + 32 and "moe_config" not in ctx
+
+
+def test_an_allgather_decoder_emits_no_all_to_all_backend():
+    """``decode.moe_comm: allgather``: SGLang's decode servers run DP attention without an all-to-all MoE
+    backend (they gather and scatter the ranks' tokens), and a decode overlap that needs the all-to-all is not
+    switched on; with ``a2a`` they keep DeepEP's low-latency kernels."""
+    sc = load_scenario(scenarios.resolve("nvl72-default"))
+    for comm, backend in (("a2a", "deepep"), ("allgather", "none")):
+        d = sc.decode.model_copy(update={"moe_comm": comm, "overlap": "two_batch"})
+        files = emit_files(sc.model_copy(update={"decode": d}), "sglang")
+        dec = _worker_flags(_commands(files["launch.sh"]), "decode")
+        assert dec and all(f["--moe-a2a-backend"] == [backend] for f in dec)
+        assert all(("--enable-two-batch-overlap" in f) == (comm == "a2a") for f in dec)

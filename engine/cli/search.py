@@ -53,6 +53,27 @@ def _strs(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
 
+def _prices(s: str) -> float | dict[str, float]:
+    """``--gpu-hour-usd``: one price, or ``MODEL=USD`` pairs (comma-separated) naming a mixed topology's GPU
+    models as ``prefill.gpu`` does."""
+    if "=" not in s:
+        try:
+            return float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a price or MODEL=USD pairs, got {s!r}") from None
+    out: dict[str, float] = {}
+    bad = argparse.ArgumentTypeError(f"expected MODEL=USD pairs (H200=3.5,GB200=6), got {s!r}")
+    for part in _strs(s):
+        k, _, v = part.partition("=")
+        try:
+            out[k.strip()] = float(v)
+        except ValueError:
+            raise bad from None
+        if not k.strip():
+            raise bad
+    return out
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's default in its help; flags whose default is "not given" say in their help what applies."""
 
@@ -115,8 +136,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals simulated per point; default 30")
     p.add_argument("--ttft", type=float, default=None, help="TTFT SLO, seconds (p90); default 2")
     p.add_argument("--tpot", type=float, default=None, help="TPOT SLO, seconds (p90); default 0.05")
-    p.add_argument("--gpu-hour-usd", type=float, default=None,
-                   help="price of one GPU-hour, for $/M tokens (with --rate); default 0 (none)")
+    p.add_argument("--gpu-hour-usd", type=_prices, default=None,
+                   help="price of one GPU-hour, for $/M tokens (with --rate); with --gpus N on a "
+                   "topology of several GPU models (A+B), each model's: MODEL=USD pairs (H200=3.5,GB200=6), "
+                   "which rank the mixed pools by tokens/s per $ per hour; default 0 (none)")
     p.add_argument("--objective", choices=("gpu", "kw"), default=None,
                    help="what the front maximises against tokens/s per user (with --rate): gpu = output "
                         "tokens/s per GPU, kw = output tokens/s per kW of facility power (whole pool, "
@@ -139,6 +162,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-overlap", type=_strs, default=None,
                    help="decode compute / communication overlap modes to try: none, shared_expert, two_batch "
                         "(sim/costs/overlap.py); default none")
+    p.add_argument("--decode-moe-comm", type=_strs, default=None,
+                   help="how decoders move tokens to their experts, modes to try: a2a (sparse all-to-all), "
+                        "allgather (all-gather the tokens, reduce-scatter the outputs; "
+                        "sim/costs/moe_comm.py); default a2a")
     p.add_argument("--mtp-layers", type=int, default=None,
                    help="draft with N MTP layers of the model's width (mtp.draft: {kind: mtp, layers: N}); needed "
                         "for draft_k > 0 with a model without MTP layers (a trained MTP head, e.g. Qwen3-235B); "
@@ -180,17 +207,18 @@ DEFAULTS = {"model": "qwen3-235b-a22b", "topology": ["gb200-nvl72"], "weight_for
             "kind": ["disaggregated", "aggregated"], "duration": 30.0, "ttft": 2.0, "tpot": 0.05,
             "gpu_hour_usd": 0.0, "per_front": 3, "fill_tolerance": 0.05, "objective": "gpu"}
 
-# What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid and TP2 attention
-# ranks in the decoders, next to the defaults.
-WIDE_FLAGS = {"kv_dtype": "bf16,fp8", "batch_cap": "8:256:x1.25", "decode_tp": "1,2"}
+# What --wide sets where the flag is not given: the KV cache format, a geometric batch-cap grid, TP2 attention
+# ranks in the decoders and their all-gather MoE communication, next to the defaults.
+WIDE_FLAGS = {"kv_dtype": "bf16,fp8", "batch_cap": "8:256:x1.25", "decode_tp": "1,2",
+              "decode_moe_comm": "a2a,allgather"}
 
 # The flags each search reads (argparse dests); --stack and --no-progress apply to every one.
 _WORKLOAD = {"model", "topology", "weight_format", "prompt", "output", "trace", "prefix_cache", "prefix_cache_gb",
              "no_host_tier", "duration", "ttft", "tpot", "prefill_tp", "decode_ep", "batch_cap", "draft_k",
-             "mtp_layers", "decode_overlap", "decode_tp", "kv_dtype", "max_simulations", "emit", "emit_out", "out",
-             "force", "jobs", "no_report", "wide"}
+             "mtp_layers", "decode_overlap", "decode_tp", "kv_dtype", "decode_moe_comm", "max_simulations",
+             "emit", "emit_out", "out", "force", "jobs", "no_report", "wide"}
 USED = {
-    "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance"},
+    "budget": {"gpus", *_WORKLOAD, "kind", "per_front", "fill_tolerance", "gpu_hour_usd"},
     "rate": {"gpus", "rate", *_WORKLOAD, "gpu_hour_usd", "top", "ray_address", "objective"},
     "spec": {"spec", "prefix_cache", "prefix_cache_gb", "no_host_tier", "max_simulations", "top", "emit",
              "emit_out", "out", "force", "jobs", "ray_address", "no_report"},
@@ -234,8 +262,6 @@ def _unused(args: argparse.Namespace, mode: str) -> None:
         elif dest in ("kind", "per_front", "fill_tolerance"):
             why = ("only with --gpus N and no --rate (the budget search); the --rate search enumerates disaggregated "
                    "deployments for that load")
-        elif dest == "gpu_hour_usd":
-            why = "only with --rate (the budget search --gpus N reports no cost per token)"
         elif dest == "objective":
             why = "only with --rate (a spec sets objective: itself; the budget search --gpus N ranks by GPU)"
         elif dest == "top":
@@ -262,7 +288,8 @@ def check_flags(args: argparse.Namespace) -> str:
     if getattr(args, "wide", False) and mode in ("budget", "rate"):
         for k, v in WIDE_FLAGS.items():
             if getattr(args, k) is None:
-                setattr(args, k, {"kv_dtype": _strs, "batch_cap": _caps, "decode_tp": _ints}[k](v))
+                setattr(args, k, {"kv_dtype": _strs, "batch_cap": _caps, "decode_tp": _ints,
+                                  "decode_moe_comm": _strs}[k](v))
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -278,8 +305,15 @@ def check_flags(args: argparse.Namespace) -> str:
         bad("--max-simulations", args.max_simulations, "must be >= 0")
     if not 0 <= args.fill_tolerance < 1:
         bad("--fill-tolerance", args.fill_tolerance, "must be in [0, 1)")
-    if args.gpu_hour_usd < 0:
+    if isinstance(args.gpu_hour_usd, dict):
+        if mode != "budget":
+            bad("--gpu-hour-usd", ",".join(f"{k}={v:g}" for k, v in args.gpu_hour_usd.items()),
+                "prices per GPU model only with --gpus N on a topology of several GPU models (A+B); with "
+                "--rate give one price")
+    elif args.gpu_hour_usd < 0:
         bad("--gpu-hour-usd", args.gpu_hour_usd, "must be >= 0")
+    if mode == "budget" and len(args.topology) == 1:
+        _check_budget_prices(args.topology[0], given.gpu_hour_usd)
     for f in args.weight_format:
         if f not in FORMAT_NAMES:
             bad("--format", f, f"unknown format; one of {', '.join(FORMAT_NAMES)}")
@@ -312,6 +346,11 @@ def check_flags(args: argparse.Namespace) -> str:
             bad("--decode-overlap", m, "one of none, shared_expert, two_batch")
     if args.decode_overlap is not None and not args.decode_overlap:
         bad("--decode-overlap", "''", "give a mode")
+    for m in args.decode_moe_comm or ():
+        if m not in ("a2a", "allgather"):
+            bad("--decode-moe-comm", m, "one of a2a, allgather")
+    if args.decode_moe_comm is not None and not args.decode_moe_comm:
+        bad("--decode-moe-comm", "''", "give a mode")
     if mode == "budget" and len(args.topology) != 1:
         bad("--topology", ",".join(args.topology), "with --gpus give one topology")
     if mode == "budget" and len(args.weight_format) != 1:
@@ -321,6 +360,28 @@ def check_flags(args: argparse.Namespace) -> str:
     _check_cache_flags(args, bad)
     _unused(given, mode)
     return mode
+
+
+def _check_budget_prices(name: str, given) -> None:
+    """``--gpu-hour-usd`` with ``--gpus N``: prices for each GPU model of a mixed topology (``sim.budget.
+    kind_prices``); on a topology of one model (ranked by tokens/s per GPU) it is refused. One-line UserErrors
+    before any work."""
+    from rackbed import topology
+    from rackbed.sim.budget import gpu_kinds, kind_prices
+    from rackbed.topology.errors import UserError
+
+    try:
+        kinds = list(gpu_kinds(topology.load(name)))
+    except (UserError, ValueError, OSError):
+        return  # the search names what is wrong with the topology itself
+    if len(kinds) == 1 and given is None:
+        return
+    if len(kinds) == 1 and given is not None:
+        raise UserError(f"--gpu-hour-usd: with --gpus N only on a topology of several GPU models (A+B), "
+                        f"where the prices choose the pool; {name} has one ({kinds[0]}), ranked by tokens/s "
+                        "per GPU")
+    if len(kinds) > 1:
+        kind_prices(given, kinds)
 
 
 def _check_cache_flags(args: argparse.Namespace, bad) -> None:
@@ -371,6 +432,7 @@ def _flags_spec(args: argparse.Namespace, rate: float, max_simulations: int, top
                               gpu_hour_usd=args.gpu_hour_usd, prefill_tp=args.prefill_tp, decode_ep=args.decode_ep,
                               max_batch_per_rank=args.batch_cap, draft_k=args.draft_k,
                               decode_overlap=args.decode_overlap, decode_tp=args.decode_tp,
+                              decode_moe_comm=args.decode_moe_comm,
                               kv_dtype=args.kv_dtype, objective=args.objective,
                               max_simulations=max_simulations, top=args.top or 5, mtp_layers=args.mtp_layers,
                               trace=args.trace, prefix_cache=_prefix_cache(args),
@@ -396,6 +458,8 @@ def identity(spec, mode: str, **budget) -> dict:
             del body["space"][knob]
     if body["space"].get("kv_dtype", 0) is None:  # not varied: likewise
         del body["space"]["kv_dtype"]
+    if body["space"].get("decode_moe_comm") == ["a2a"]:  # all-to-all only: likewise
+        del body["space"]["decode_moe_comm"]
     return json.loads(json.dumps({"mode": mode, "spec": body, **budget}))
 
 
@@ -566,9 +630,11 @@ def print_budget(console, res) -> None:
     for note in res.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     cached = bool((se_base(res).get("prefix_cache") or {}).get("enabled"))
+    usd = bool(res.prices)  # mixed pools: what each deployment costs and its tokens per dollar
     heads = ("kind", "configuration", "GPUs", "rate req/s", "tok/s/GPU", "tok/s/user", "TTFT p90 s", "TPOT p90 ms",
              "copies", "tok/s/budget GPU", "est rate", "est tok/s/GPU", "est tok/s/user",
-             *(("est hit", "sim hit") if cached else ()))
+             *(("est hit", "sim hit") if cached else ()),
+             *(("$/h", "tok/s per $/h", "$/M tok") if usd else ()))
     rows = []
     for kind, front in res.fronts.items():
         if not front:
@@ -580,11 +646,15 @@ def print_budget(console, res) -> None:
                          fmt((s.get("tpot_p90_s") or 0) * 1e3, 3), str(r["use"]["replicas"]),
                          fmt(r["use"]["tokens_per_s_per_budget_gpu"]), fmt(e["rate_per_s"]),
                          fmt(e["tokens_per_s_per_gpu"]), fmt(e["tokens_per_s_per_user"]),
-                         *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate"))) if cached else ())])
-    print_table(console, "Pareto fronts: tokens/s per used GPU (output tokens of the window's arrivals / window) vs "
-                "tokens/s per user, each deployment at the highest simulated rate meeting the SLOs; copies on the "
-                "budget", heads, rows, text=("configuration",), left=("kind", "configuration"), key=2,
-                min_width={"configuration": 36})
+                         *((_pct(e.get("prefix_hit_rate")), _pct(s.get("prefix_hit_rate")))
+                           if cached else ()),
+                         *((fmt(s.get("usd_per_hour")), fmt(s.get("tokens_per_s_per_usd_hour")),
+                            fmt(s.get("usd_per_mtok"), 3)) if usd else ())])
+    per = "$ per hour" if usd else "used GPU"
+    print_table(console, f"Pareto fronts: tokens/s per {per} (output tokens of the window's arrivals / "
+                "window) vs tokens/s per user, each deployment at the highest simulated rate meeting the "
+                "SLOs; copies on the budget", heads, rows, text=("configuration",),
+                left=("kind", "configuration"), key=2, min_width={"configuration": 36})
     for title, b in (("best", res.best), ("best on the whole budget", res.best_total)):
         if b is None or (title != "best" and b is res.best):
             continue
@@ -595,6 +665,9 @@ def print_budget(console, res) -> None:
                       f"{s['tpot_p90_s'] * 1e3:.3g} ms); on the budget: {u['replicas']} x = {u['gpus_used']} of "
                       f"{u['gpus']} GPUs, {u['tokens_per_s']:.5g} tokens/s in total, "
                       f"{u['tokens_per_s_per_budget_gpu']:.4g} tokens/s per budget GPU"
+                      + (f"; ${s['usd_per_hour']:.4g}/h a copy, "
+                         f"{s['tokens_per_s_per_usd_hour']:.4g} tokens/s per $/h, "
+                         f"${s['usd_per_mtok']:.3g} per million output tokens" if usd else "")
                       + (f"; prefix-cache hit rate {_pct(s.get('prefix_hit_rate'))} of prompt tokens (assumed "
                          f"{_pct(b['est'].get('prefix_hit_rate'))})" if cached else ""))
 

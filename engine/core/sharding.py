@@ -248,6 +248,9 @@ class ParallelPlan(NoBoolNumbers):
                               (single-batch: the shared expert alongside the dispatch) or ``two_batch`` (two
                               micro-batches, one's communication under the other's compute); priced by
                               ``sim.costs.overlap``.
+    moe_comm:                 how a DP-EP group moves tokens to its experts and back: ``a2a`` (a sparse
+                              all-to-all) or ``allgather`` (all-gather every rank's tokens, reduce-scatter the
+                              expert outputs); priced by ``sim.costs.moe_comm``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -267,6 +270,7 @@ class ParallelPlan(NoBoolNumbers):
     min_kv_tokens: int | None = Field(None, ge=0)
     redundant_experts: int = Field(0, ge=0)
     overlap: Literal["none", "shared_expert", "two_batch"] = "none"
+    moe_comm: Literal["a2a", "allgather"] = "a2a"
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -237,6 +237,9 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
         if tpl.span_nodes:
             raise UserError(f"{role}.span_nodes: real mode runs every group on this machine's devices; groups "
                             f"spanning nodes are simulated only (set {role}.span_nodes: false)")
+    if getattr(built.decode_plan, "moe_comm", "a2a") != "a2a":
+        raise UserError("decode.moe_comm: real mode moves a decoder's tokens by all-to-all; allgather is "
+                        "simulated only (set decode.moe_comm: a2a)")
     for role, plan in (("prefill", built.prefill_plan), ("decode", built.decode_plan)):
         if getattr(plan, "overlap", "none") != "none":
             raise UserError(f"{role}.overlap: real mode runs its steps without compute / communication "

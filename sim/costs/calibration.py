@@ -32,6 +32,8 @@ kind                    x                                 y                     
 ``mla_decode_GBps``     context tokens per sequence       latent bytes / time, GB/s  dims, n_heads, seqs, kv
 ``mla_bmm_us``          tokens                            µs                         dims, op (pre | post),
                                                                                      n_heads, fmt
+``allgather_us``        bytes of the whole buffer         µs                         n_ranks, payload
+``reducescatter_us``    bytes of the whole buffer         µs                         n_ranks, payload
 ======================  ================================  =========================  ================================
 
 The ``mla_*`` kinds are the MLA kernels (``sim.costs.mla``): ``dims`` = ``"kv_lora+rope/nope/v"``, ``n_heads``
@@ -121,7 +123,7 @@ _X = operator.itemgetter(0)  # a curve point's x
 
 Kind = Literal["gemm_tflops", "flash_tflops", "hbm_GBps", "decode_attn_GBps", "allreduce_us", "dispatch_us",
                "combine_us", "nic_GBps", "p2p_us", "moe_us", "a2a_us", "step_us", "mla_prefill_tflops",
-               "mla_decode_GBps", "mla_bmm_us"]
+               "mla_decode_GBps", "mla_bmm_us", "allgather_us", "reducescatter_us"]
 
 #: kind -> the key fields an entry may pin (anything else is a user error).
 KINDS: dict[str, tuple[str, ...]] = {
@@ -140,6 +142,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "mla_prefill_tflops": ("dims", "n_heads", "seqs", "kv"),
     "mla_decode_GBps": ("dims", "n_heads", "seqs", "kv"),
     "mla_bmm_us": ("dims", "op", "n_heads", "fmt"),
+    "allgather_us": ("n_ranks", "payload"),
+    "reducescatter_us": ("n_ranks", "payload"),
 }
 
 #: (kind, key field) -> {other spelling: the value rackbed's cost functions query}. Entries are stored with the

@@ -383,6 +383,54 @@ def _combine_model(g, topo, gpus, tokens_per_rank, model, send_matrix, calib, re
     return _a2a(topo, gpus, tokens_per_rank, model, copy, copy, 1, local, send_matrix, calib, recv_scale)
 
 
+# ------------------------------------------------------------------------------- all-gather / reduce-scatter
+
+#: ``decode.moe_comm``: how a DP-EP decoder moves tokens to its experts and back — ``a2a`` (the sparse
+#: all-to-all above) or ``allgather`` (every GPU gathers every GPU's tokens, runs its experts on all of them,
+#: and a reduce-scatter returns each GPU the sums for its own tokens: TensorRT-LLM's MoE communication inside
+#: one NVLink domain when its all-to-all kernels are not enabled)
+MOE_COMMS = ("a2a", "allgather")
+
+
+def _gather_scatter(kind: str, topo, gpus: Sequence[int], buffer_bytes: float, pay: str, calib) -> CommCost:
+    """An NCCL all-gather (``kind`` ``allgather_us``) or reduce-scatter (``reducescatter_us``) of a buffer of
+    ``buffer_bytes`` over ``gpus``: the calibration's measured curve for the group size and payload (one
+    NVLink domain), else the model — half an all-reduce of the buffer (``collective.allreduce_time``): an
+    all-reduce is a reduce-scatter followed by an all-gather, each moving ``(n - 1) / n`` of the buffer per
+    GPU."""
+    g = group_links(topo, gpus)
+    if g.n_ranks < 2 or buffer_bytes <= 0:
+        return CommCost()
+    if calib is not None and g.one_domain:
+        us = calib.lookup(kind, g.gpu.name, buffer_bytes, n_ranks=g.n_ranks, payload=pay)
+        if us is not None:
+            return CommCost(calibrated_s=us * 1e-6)
+    ar = allreduce_time(topo, list(gpus), buffer_bytes, calib=calib)
+    return CommCost(allreduce_s=0.5 * ar.total_s, allreduce=ar)
+
+
+def allgather_decode_dispatch(topo, gpus: Sequence[int], tokens_per_rank: float, model, fmt: str = "bf16", *,
+                              calib: CalibrationTable | None = None) -> CommCost:
+    """``decode.moe_comm: allgather`` dispatch: every GPU of the EP group gathers the ``tokens_per_rank``
+    tokens of every GPU — their hidden states in the activation format of ``fmt`` and their routing (``top_k``
+    x (4 B id + 4 B weight)) — a buffer of ``n x tokens_per_rank x (hidden x act bytes + top_k x 8)``
+    bytes."""
+    g = group_links(topo, gpus)
+    bpe = _act_bpe(g.gpu, fmt)
+    buf = g.n_ranks * tokens_per_rank * (model.hidden * bpe + model.top_k * 8)
+    return _gather_scatter("allgather_us", topo, gpus, buf, "bf16" if bpe >= 2 else "fp8", calib)
+
+
+def reducescatter_decode_combine(topo, gpus: Sequence[int], tokens_per_rank: float, model, *,
+                                 calib: CalibrationTable | None = None) -> CommCost:
+    """``decode.moe_comm: allgather`` combine: each GPU holds its experts' weighted bf16 outputs for every
+    gathered token; a reduce-scatter of ``n x tokens_per_rank x hidden x 2`` bytes sums them and leaves each
+    GPU its own tokens'."""
+    g = group_links(topo, gpus)
+    return _gather_scatter("reducescatter_us", topo, gpus, g.n_ranks * tokens_per_rank * model.hidden * 2,
+                           "bf16", calib)
+
+
 # ------------------------------------------------------------------------------------------------ across nodes
 
 

@@ -61,10 +61,12 @@ from rackbed.sim.costs.gemm import (
 )
 from rackbed.sim.costs.moe_block import moe_block_s
 from rackbed.sim.costs.moe_comm import (
+    allgather_decode_dispatch,
     dpep_decode_combine,
     dpep_decode_dispatch,
     ep_prefill_combine,
     ep_prefill_dispatch,
+    reducescatter_decode_combine,
 )
 from rackbed.topology.errors import UserError
 
@@ -317,9 +319,15 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
     slots = model.n_experts + getattr(plan, "redundant_experts", 0)
     busy = None if load is None or tokens_per_expert is not None or send_matrix is not None else \
         load.busiest(model, plan, t_all, n_layers if prefix == "" else 1)
+    gather = getattr(plan, "moe_comm", "a2a") == "allgather"  # every token to every GPU, whatever its routing
+    if gather:
+        disp = allgather_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, calib=calib)
+        comb = reducescatter_decode_combine(topo, plan.gpus, t_gpu, model, calib=calib)
     if busy is None:
-        disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix, calib=calib)
-        comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
+        if not gather:
+            disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, send_matrix=send_matrix,
+                                        calib=calib)
+            comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, send_matrix=send_matrix, calib=calib)
         b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
         block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all)
         if block is None:
@@ -329,10 +337,11 @@ def _moe_decode_layer(b: BreakdownBuilder, prefix: str, n_layers: int, gpu, mode
             block = expert_mlp_time(gpu, model.hidden, inter, hist, fmt, calib=calib).total_s
     else:
         msgs = busy.message_scale(model.top_k, plan.ep)
-        disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, calib=calib, recv_scale=msgs,
-                                    copy_scale=busy.scale)
-        comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, calib=calib, recv_scale=msgs,
-                                   copy_scale=busy.scale)
+        if not gather:
+            disp = dpep_decode_dispatch(topo, plan.gpus, t_gpu, model, fmt, calib=calib, recv_scale=msgs,
+                                        copy_scale=busy.scale)
+            comb = dpep_decode_combine(topo, plan.gpus, t_gpu, model, calib=calib, recv_scale=msgs,
+                                       copy_scale=busy.scale)
         b.add(f"{prefix}moe_dispatch", "a2a_s", n_layers * disp.total_s)
         block = _routed_block_s(calib, gpu, model, fmt, plan.expert_tp, plan.ep, slots, t_all * busy.scale)
         if block is None:
