@@ -340,6 +340,7 @@ class Rank:
             if self.graphs is not None:
                 self.graphs(*args, torch.tensor([pages[:1]], device=self.dev),
                             slots=torch.tensor(slot, device=self.dev) if slot else None)
+                self.graphs.n_captured_late = 0  # that capture is this throw-away step's, before any measured one
         self.cache.free(pages)
         if slot:
             self.cache.states.free(slot[0])
