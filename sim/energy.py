@@ -131,7 +131,7 @@ def energy_report(built, res, prices: EnergyPrices | None = None) -> dict | None
         tok = np.array([s[4] if s[1] == SPAN_PREFILL else 0 for s in spans], dtype=np.float64)
         kt = gpu_s * kf.get("prefill", 1.0)
         u[pre] = np.divide(tok[pre] * f_prefill, peak * kt[pre], out=np.zeros(int(pre.sum())),
-                           where=kt[pre] > 0)
+                           where=kt[pre] > 1e-12)  # a span of ~no GPU time has no utilisation
     dm = res.metrics.get("decode", {})
     dec_tokens = float(dm.get("sequence_steps", 0)) * (1 + int(dm.get("draft_k", 0) or 0))
     for k, role, flops in ((SPAN_DECODE, "decode", dec_tokens * f_decode),
