@@ -145,14 +145,14 @@ _HF_BOUND = 1 << 24  # any other size (vocab, hidden, intermediate, heads, head_
 _ROPE_STRETCH = ("yarn", "linear", "dynamic")
 
 
-def _hf_max_context(cfg: dict[str, Any], max_pos: int, path: Path) -> int:
+def _hf_max_context(cfg: dict[str, Any], get, max_pos: int, path: Path) -> int:
     """The longest sequence a config serves: ``max_position_embeddings``, or, when ``rope_scaling`` (transformers
     5: ``rope_parameters``) names a stretching type with a ``factor``, the base times the factor -- for YaRN the
     base is ``original_max_position_embeddings`` when given (Qwen3 with YaRN enabled: ``{rope_type: yarn,
     factor: 4.0, original_max_position_embeddings: 32768}`` -> 131,072; without it: 40,960). vLLM derives its
     ``max_model_len`` the same way."""
     key = "rope_scaling" if isinstance(cfg.get("rope_scaling"), dict) else "rope_parameters"
-    rope = cfg.get(key)
+    rope = cfg.get(key) or get("rope_parameters")     # none stated: the family's default (gpt-oss: YaRN)
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if kind not in _ROPE_STRETCH or rope.get("factor") is None:
         return max_pos
@@ -227,7 +227,7 @@ def _hf_to_spec_kwargs(cfg: dict[str, Any], mtype: str, get, get_int, path: Path
     head_dim = get_int("head_dim") if get("head_dim") is not None else (hidden // n_q if n_q > 0 else 0)
     n_experts = get_int("num_experts")
     kw: dict[str, Any] = dict(
-        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+        max_context=_hf_max_context(cfg, get, get_int("max_position_embeddings"), path),
         hidden=hidden, n_layers=n_layers, n_q_heads=n_q, n_kv_heads=get_int("num_key_value_heads"),
         head_dim=head_dim, qk_norm=True, vocab=get_int("vocab_size"),
         tie_embeddings=bool(get("tie_word_embeddings")),
@@ -331,7 +331,7 @@ def _hf_deepseek_v3(cfg: dict[str, Any], get, get_int, path: Path) -> dict[str, 
         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=get_int("v_head_dim"),
         dense_layers=dense, dense_intermediate=get_int("intermediate_size") if dense else 0,
         n_mtp_layers=get_int("num_nextn_predict_layers"),
-        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+        max_context=_hf_max_context(cfg, get, get_int("max_position_embeddings"), path),
     )
     return kw
 
@@ -356,7 +356,7 @@ def _hf_gpt_oss(cfg: dict[str, Any], get, get_int, path: Path) -> dict[str, Any]
         sliding_window=get_int("sliding_window"),
         n_experts=get_int("num_local_experts"), top_k=get_int("num_experts_per_tok"),
         moe_intermediate=get_int("intermediate_size"), router_bias=True, expert_bias=True,
-        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+        max_context=_hf_max_context(cfg, get, get_int("max_position_embeddings"), path),
     )
     return kw
 
@@ -374,7 +374,7 @@ def _hf_glm4_moe(cfg: dict[str, Any], get, get_int, path: Path) -> dict[str, Any
         qk_norm=bool(get("use_qk_norm")), attn_qkv_bias=bool(get("attention_bias")),
         dense_layers=dense, dense_intermediate=get_int("intermediate_size") if dense else 0,
         n_mtp_layers=get_int("num_nextn_predict_layers"),
-        max_context=_hf_max_context(cfg, get_int("max_position_embeddings"), path),
+        max_context=_hf_max_context(cfg, get, get_int("max_position_embeddings"), path),
     )
     return kw
 

@@ -1,7 +1,7 @@
 """What the torch engine needs to know about a model: ``TorchModelConfig``, built from a ModelSpec (random weights)
-or a Hugging Face config (a checkpoint's config.json, or a transformers config object). A Hugging Face config is
-read by the core reader (``engine.core.model_hf.read_hf_config``, whose table holds every family's defaults) and
-derived through ``from_spec``: there is no second parse here.
+or a Hugging Face config (a checkpoint's config.json, or a transformers config object). A Hugging Face config
+is read by the core reader (``engine.core.model_hf.read_hf_config``, whose table holds every family's
+defaults) and derived through ``from_spec``: there is no second parse here.
 
 Five families run: ``qwen3_moe`` (GQA with qk-norm in every layer, softmax top-k routing), ``deepseek_v3``
 (Kimi-K2 too: MLA, dense first layers, sigmoid group-limited routing with a correction bias and a scaling factor, an
