@@ -57,6 +57,7 @@ def test_kimi_k2_reads_as_deepseek_v3():
                                                                       b.routed_scaling)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(TINY_ALL))
 @given(data=st.data())
 def test_omitted_keys_read_as_transformers_fills_them(family, data):
@@ -81,7 +82,8 @@ def test_omitted_keys_read_as_transformers_fills_them(family, data):
 
 
 def _outcome(f, x):
-    """``f(x)``, or the error it raises (a default can make a tiny model all dense, which the engine refuses)."""
+    """``f(x)``, or the error it raises (a default can make a tiny model all dense, which the engine
+    refuses)."""
     try:
         return f(x)
     except ValueError as e:

@@ -37,6 +37,7 @@ def _random(cfg: TorchModelConfig, li: int) -> dict:
 FAMILIES = sorted(TINY_ALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_weight_of_both_paths_has_an_entry_and_both_paths_agree(family):
     """The random path and the state-dict path give layer weights of the same names and shapes, and the table
