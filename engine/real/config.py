@@ -31,6 +31,18 @@ FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5_moe")
 ROUTING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid_group", "glm4_moe": "sigmoid_group",
            "gpt_oss": "topk_softmax", "qwen3_5_moe": "softmax"}
 
+#: what a ModelSpec (a preset) does not state, per family: the published models' values, which
+#: ``TorchModelConfig.from_spec`` applies (a Hugging Face config's own values replace them in ``from_hf``;
+#: its omitted keys take ``engine.core.model_hf.HF_DEFAULTS``, transformers' defaults). Qwen3-MoE keeps the
+#: field defaults (theta 1e6).
+PUBLISHED_NUMERICS: dict[str, dict[str, object]] = {
+    "qwen3_moe": {},
+    "deepseek_v3": dict(rope_theta=10000.0, routed_scaling=2.5, rope_interleave=True),
+    "glm4_moe": dict(rope_theta=1e6, partial_rotary=0.5, routed_scaling=2.5),
+    "gpt_oss": dict(rope_theta=150000.0, swiglu_limit=7.0),
+    "qwen3_5_moe": dict(rope_theta=10_000_000.0, partial_rotary=0.25),   # a quarter of the head rotates
+}
+
 
 @dataclass(frozen=True)
 class TorchModelConfig:
@@ -212,8 +224,8 @@ class TorchModelConfig:
                   **overrides) -> TorchModelConfig:
         """From a ModelSpec. The family, unless given, follows from the spec's layer kinds (MLA ->
         deepseek_v3; sliding windows or sinks -> gpt_oss; an ungated shared expert -> glm4_moe; else
-        qwen3_moe); routing details a ModelSpec does not state take the published models' values (DeepSeek-V3:
-        8 groups, top 4, scaling 2.5; GLM-4.5: one group, scaling 2.5; gpt-oss: SwiGLU limit 7), and
+        qwen3_moe); the numerics a ModelSpec does not state take the published models' values
+        (``PUBLISHED_NUMERICS``; DeepSeek-V3's 8 routing groups, top 4, where its experts split so), and
         ``overrides`` replace any field (``from_hf`` passes a config's own values). ``n_layers`` truncates
         (keeping the dense first layers)."""
         kinds = [x.attention.kind for x in spec.layers]
@@ -234,20 +246,16 @@ class TorchModelConfig:
             kw.update(layer_kinds=tuple(kinds[:n]), dense_layers=dense, dense_intermediate=spec.dense_intermediate,
                       shared_intermediate=moe.n_shared * moe.shared_intermediate, qk_norm=spec.qk_norm,
                       qkv_bias=spec.attn_qkv_bias, o_bias=spec.attn_o_bias, sinks=spec.attn_sinks,
-                      sliding_window=spec.sliding_window, rope_theta=10000.0 if fam != "glm4_moe" else 1e6,
-                      max_position=spec.max_context or 4096, mtp_layers=spec.n_mtp_layers)
+                      sliding_window=spec.sliding_window, max_position=spec.max_context or 4096,
+                      mtp_layers=spec.n_mtp_layers)
+        kw.update(PUBLISHED_NUMERICS[fam])
         if fam == "deepseek_v3":
             groups = 8 if moe.n_experts % 8 == 0 and moe.n_experts // 8 >= 2 else 1
             kw.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
-                      v_head_dim=spec.v_head_dim, n_group=groups, topk_group=max(1, groups // 2), routed_scaling=2.5,
-                      rope_interleave=True)
-        elif fam == "glm4_moe":
-            kw.update(partial_rotary=0.5, routed_scaling=2.5)
-        elif fam == "gpt_oss":
-            kw.update(swiglu_limit=7.0, rope_theta=150000.0)
-        elif fam == "qwen3_5_moe":     # Qwen3.5's published rotary: a quarter of the head, theta 1e7
-            kw.update(partial_rotary=0.25, rope_theta=10_000_000.0, gated_attn=spec.gated_attn,
+                      v_head_dim=spec.v_head_dim, n_group=groups, topk_group=max(1, groups // 2))
+        elif fam == "qwen3_5_moe":
+            kw.update(gated_attn=spec.gated_attn,
                       shared_gate=bool(moe.n_shared and moe.shared_gate), lin_k_heads=spec.linear_n_k_heads,
                       lin_v_heads=spec.linear_n_v_heads, lin_k_dim=spec.linear_head_dim,
                       lin_v_dim=spec.linear_head_dim, lin_conv=spec.linear_conv)
