@@ -95,7 +95,7 @@ def test_bad_runtime_values_are_one_line_user_errors():
     for over, key in (({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}, "rope_theta"),
                       ({"rms_norm_eps": -1.0}, "rms_norm_eps"), ({"routed_scaling_factor": "x"},
                                                                  "routed_scaling_factor"),
-                      ({"rope_parameters": [1]}, "rope_parameters")):
+                      ({"rope_parameters": [1]}, "rope_parameters"), ({"n_group": "4"}, "n_group")):
         with pytest.raises(UserError, match=f"c.json: {key}") as e:
             read_hf_config({**base, **over}, "c.json")
         assert "\n" not in str(e.value)

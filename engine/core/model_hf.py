@@ -418,7 +418,7 @@ def _hf_runtime(cfg: dict[str, Any], mtype: str, get, get_int, path: Path) -> di
         scaling = get("routed_scaling_factor")
         if isinstance(scaling, bool) or not isinstance(scaling, _NUMBER):
             raise UserError(f"{path}: routed_scaling_factor must be a number, got {scaling!r}")
-        out.update(n_group=get("n_group") or 1, topk_group=get("topk_group") or 1,
+        out.update(n_group=get_int("n_group") or 1, topk_group=get_int("topk_group") or 1,
                    routed_scaling=float(scaling))
     if mtype in ("deepseek_v3", "kimi_k2"):
         out["rope_interleave"] = bool(get("rope_interleave"))
