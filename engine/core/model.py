@@ -466,32 +466,32 @@ class ModelSpec(BaseModel):
 
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
-        """Read a Hugging Face ``config.json`` (model_type qwen3_moe, qwen3_next or qwen3_5_moe; Qwen3.5
-        keeps the text model under ``text_config``). Defaults for absent keys are those of transformers'
-        config classes (``save_pretrained`` omits keys equal to them); bad values, unsupported features and
-        other model types raise a one-line ValueError naming the file and key. ``name`` defaults to the
-        directory holding config.json (the file stem otherwise)."""
+        """Read a Hugging Face ``config.json`` (``SUPPORTED_HF_MODEL_TYPES``; Qwen3.5 keeps the text model
+        under ``text_config``) through ``model_hf.read_hf_config``. Defaults for absent keys are those of
+        transformers' config classes (``save_pretrained`` omits keys equal to them); bad values, unsupported
+        features and other model types raise a one-line ValueError naming the file and key. ``name`` defaults
+        to the directory holding config.json (the file stem otherwise)."""
         path = Path(path)
         from rackbed.topology.yamlio import parse_json, read_text
 
         raw = parse_json(read_text(path, "config.json"), path)
         if not isinstance(raw, dict):
             raise UserError(f"{path}: expected a JSON object")
-        cfg = raw
-        mtype = raw.get("model_type")
-        if mtype == "qwen3_5_moe" and isinstance(raw.get("text_config"), dict):
-            cfg = {**raw["text_config"]}
-            cfg.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-        elif mtype == "qwen3_5_moe_text":
-            mtype = "qwen3_5_moe"
-        if mtype not in SUPPORTED_HF_MODEL_TYPES:
-            raise UserError(f"{path}: model_type {mtype!r} is not supported; supported: "
-                            f"{', '.join(SUPPORTED_HF_MODEL_TYPES)}")
+        from rackbed.engine.core.model_hf import read_hf_config
+
+        hf = read_hf_config(raw, path)
+        k_dim, v_dim = hf.spec.get("linear_head_dim", 0), hf.linear_value_head_dim
+        if k_dim != v_dim:
+            raise UserError(f"{path}: linear_key_head_dim ({k_dim}) != linear_value_head_dim ({v_dim}) "
+                            "is not supported")
         if name is None:
             name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
-        from rackbed.engine.core.model_hf import _hf_to_spec_kwargs
+        return cls.from_hf_model(hf, name, path)
 
-        spec_kwargs = _hf_to_spec_kwargs(cfg, mtype, path)
+    @classmethod
+    def from_hf_model(cls, hf, name: str, path: str | Path) -> ModelSpec:
+        """The ModelSpec of a config read by ``model_hf.read_hf_config`` (``path`` names it in errors)."""
+        mtype, spec_kwargs = hf.model_type, hf.spec
         try:
             return cls(name=name, source=f"{path} (model_type {mtype})", **spec_kwargs)
         except ValidationError as exc:

@@ -1,5 +1,7 @@
 """What the torch engine needs to know about a model: ``TorchModelConfig``, built from a ModelSpec (random weights)
-or a Hugging Face config (a checkpoint's config.json, or a transformers config object).
+or a Hugging Face config (a checkpoint's config.json, or a transformers config object). A Hugging Face config
+is read by the core reader (``engine.core.model_hf.read_hf_config``, whose table holds every family's
+defaults) and derived through ``from_spec``: there is no second parse here.
 
 Five families run: ``qwen3_moe`` (GQA with qk-norm in every layer, softmax top-k routing), ``deepseek_v3``
 (Kimi-K2 too: MLA, dense first layers, sigmoid group-limited routing with a correction bias and a scaling factor, an
@@ -28,6 +30,18 @@ FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_5_moe")
 #: over those k)
 ROUTING = {"qwen3_moe": "softmax", "deepseek_v3": "sigmoid_group", "glm4_moe": "sigmoid_group",
            "gpt_oss": "topk_softmax", "qwen3_5_moe": "softmax"}
+
+#: what a ModelSpec (a preset) does not state, per family: the published models' values, which
+#: ``TorchModelConfig.from_spec`` applies (a Hugging Face config's own values replace them in ``from_hf``;
+#: its omitted keys take ``engine.core.model_hf.HF_DEFAULTS``, transformers' defaults). Qwen3-MoE keeps the
+#: field defaults (theta 1e6).
+PUBLISHED_NUMERICS: dict[str, dict[str, object]] = {
+    "qwen3_moe": {},
+    "deepseek_v3": dict(rope_theta=10000.0, routed_scaling=2.5, rope_interleave=True),
+    "glm4_moe": dict(rope_theta=1e6, partial_rotary=0.5, routed_scaling=2.5),
+    "gpt_oss": dict(rope_theta=150000.0, swiglu_limit=7.0),
+    "qwen3_5_moe": dict(rope_theta=10_000_000.0, partial_rotary=0.25),   # a quarter of the head rotates
+}
 
 
 @dataclass(frozen=True)
@@ -206,19 +220,22 @@ class TorchModelConfig:
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
-    def from_spec(cls, spec, n_layers: int | None = None, **overrides) -> TorchModelConfig:
-        """From a ModelSpec. The family follows from the spec's layer kinds (MLA -> deepseek_v3; sliding windows
-        or sinks -> gpt_oss; an ungated shared expert -> glm4_moe; else qwen3_moe); routing details a ModelSpec
-        does not state take the published models' values (DeepSeek-V3: 8 groups, top 4, scaling 2.5; GLM-4.5: one
-        group, scaling 2.5; gpt-oss: SwiGLU limit 7). ``n_layers`` truncates (keeping the dense first layers)."""
+    def from_spec(cls, spec, n_layers: int | None = None, family: str | None = None,
+                  **overrides) -> TorchModelConfig:
+        """From a ModelSpec. The family, unless given, follows from the spec's layer kinds (MLA ->
+        deepseek_v3; sliding windows or sinks -> gpt_oss; an ungated shared expert -> glm4_moe; else
+        qwen3_moe); the numerics a ModelSpec does not state take the published models' values
+        (``PUBLISHED_NUMERICS``; DeepSeek-V3's 8 routing groups, top 4, where its experts split so), and
+        ``overrides`` replace any field (``from_hf`` passes a config's own values). ``n_layers`` truncates
+        (keeping the dense first layers)."""
         kinds = [x.attention.kind for x in spec.layers]
         n = n_layers or spec.n_layers
         moe = next((x.ffn for x in spec.layers if x.ffn.kind == "moe"), None)
         if moe is None:
             raise ValueError(f"model {spec.name}: the torch engine runs MoE models")
-        fam = ("qwen3_5_moe" if "linear" in kinds else "deepseek_v3" if "mla" in kinds else
-               "gpt_oss" if ("sliding" in kinds or spec.attn_sinks) else
-               "glm4_moe" if moe.n_shared and not moe.shared_gate else "qwen3_moe")
+        fam = family or ("qwen3_5_moe" if "linear" in kinds else "deepseek_v3" if "mla" in kinds else
+                         "gpt_oss" if ("sliding" in kinds or spec.attn_sinks) else
+                         "glm4_moe" if moe.n_shared and not moe.shared_gate else "qwen3_moe")
         if fam == "qwen3_moe" and moe.n_shared:
             raise ValueError(f"model {spec.name}: gated shared experts are not supported by the torch engine")
         kw = dict(hidden=spec.hidden, n_layers=n, n_q_heads=spec.n_q_heads, n_kv_heads=spec.n_kv_heads,
@@ -229,20 +246,16 @@ class TorchModelConfig:
             kw.update(layer_kinds=tuple(kinds[:n]), dense_layers=dense, dense_intermediate=spec.dense_intermediate,
                       shared_intermediate=moe.n_shared * moe.shared_intermediate, qk_norm=spec.qk_norm,
                       qkv_bias=spec.attn_qkv_bias, o_bias=spec.attn_o_bias, sinks=spec.attn_sinks,
-                      sliding_window=spec.sliding_window, rope_theta=10000.0 if fam != "glm4_moe" else 1e6,
-                      max_position=spec.max_context or 4096, mtp_layers=spec.n_mtp_layers)
+                      sliding_window=spec.sliding_window, max_position=spec.max_context or 4096,
+                      mtp_layers=spec.n_mtp_layers)
+        kw.update(PUBLISHED_NUMERICS[fam])
         if fam == "deepseek_v3":
             groups = 8 if moe.n_experts % 8 == 0 and moe.n_experts // 8 >= 2 else 1
             kw.update(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
-                      v_head_dim=spec.v_head_dim, n_group=groups, topk_group=max(1, groups // 2), routed_scaling=2.5,
-                      rope_interleave=True)
-        elif fam == "glm4_moe":
-            kw.update(partial_rotary=0.5, routed_scaling=2.5)
-        elif fam == "gpt_oss":
-            kw.update(swiglu_limit=7.0, rope_theta=150000.0)
-        elif fam == "qwen3_5_moe":     # Qwen3.5's published rotary: a quarter of the head, theta 1e7
-            kw.update(partial_rotary=0.25, rope_theta=10_000_000.0, gated_attn=spec.gated_attn,
+                      v_head_dim=spec.v_head_dim, n_group=groups, topk_group=max(1, groups // 2))
+        elif fam == "qwen3_5_moe":
+            kw.update(gated_attn=spec.gated_attn,
                       shared_gate=bool(moe.n_shared and moe.shared_gate), lin_k_heads=spec.linear_n_k_heads,
                       lin_v_heads=spec.linear_n_v_heads, lin_k_dim=spec.linear_head_dim,
                       lin_v_dim=spec.linear_head_dim, lin_conv=spec.linear_conv)
@@ -250,90 +263,28 @@ class TorchModelConfig:
         return cls(**kw)
 
     @classmethod
-    def from_hf(cls, hf_config) -> TorchModelConfig:
-        """From a transformers config of a supported family (object or config.json dict; keys a saved config
-        omits take transformers' defaults when transformers is installed)."""
-        mtype = hf_config.get("model_type", "qwen3_moe") if isinstance(hf_config, dict) else getattr(
-            hf_config, "model_type", "qwen3_moe")
-        mtype = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}.get(mtype, mtype)
-        if mtype == "qwen3_5_moe":     # the multimodal config's text half (or the text config itself)
-            text = hf_config.get("text_config") if isinstance(hf_config, dict) else getattr(
-                hf_config, "text_config", None)
-            if text is not None:
-                hf_config = text
-            mtype_hf = "qwen3_5_moe_text"
-        else:
-            mtype_hf = mtype
-        if mtype not in FAMILIES:
-            raise ValueError(f"model_type {mtype!r}: the torch engine runs {', '.join(FAMILIES)}")
-        if isinstance(hf_config, dict):
-            try:
-                from transformers import AutoConfig
+    def from_hf(cls, hf_config, source: str = "config.json") -> TorchModelConfig:
+        """From a Hugging Face config of a supported family: a transformers config object or a config.json
+        dict (no ``model_type``: qwen3_moe), read once by ``engine.core.model_hf.read_hf_config`` (keys a
+        saved config omits take transformers' defaults from its table) and derived through ``from_spec`` with
+        the config's own numerics. ``source`` names the config in errors. The Qwen3-MoE path runs plain RoPE
+        at ``rope_theta`` (no scaling, no partial rotary); a Qwen3.5 checkpoint's MTP module is not loaded."""
+        from rackbed.engine.core.model import ModelSpec
+        from rackbed.engine.core.model_hf import read_hf_config
 
-                hf_config = AutoConfig.for_model(mtype_hf, **{k: v for k, v in hf_config.items()
-                                                              if k != "model_type"})
-            except (ImportError, ValueError):
-                hf_config = {**hf_config, "num_experts": hf_config.get(
-                    "num_experts", hf_config.get("num_local_experts", hf_config.get("n_routed_experts")))}
-        get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, dict) else (
-            lambda k, d=None: getattr(hf_config, k, d))
-        return _from_hf_get(cls, mtype, get)
-
-
-def _from_hf_get(cls, fam: str, get) -> TorchModelConfig:
-    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", None) or get("rope_theta", 1_000_000.0))
-    partial = float(rope.pop("partial_rotary_factor", None) or get("partial_rotary_factor", 1.0) or 1.0)
-    n = get("num_hidden_layers")
-    heads = get("num_attention_heads")
-    kw = dict(hidden=get("hidden_size"), n_layers=n, n_q_heads=heads,
-              n_kv_heads=get("num_key_value_heads") or heads,
-              head_dim=get("head_dim") or get("hidden_size") // heads,
-              n_experts=get("num_experts") or get("num_local_experts") or get("n_routed_experts"),
-              top_k=get("num_experts_per_tok"), moe_intermediate=get("moe_intermediate_size") or get(
-                  "intermediate_size"), vocab=get("vocab_size"), rope_theta=theta, rms_eps=get("rms_norm_eps", 1e-6),
-              norm_topk_prob=bool(get("norm_topk_prob", True)), tie_embeddings=bool(get("tie_word_embeddings", False)),
-              family=fam)
-    if fam == "qwen3_moe":
-        return cls(**kw)
-    kw.update(rope_scaling=tuple(sorted(rope.items())) if rope.get("rope_type", "default") != "default" else (),
-              max_position=get("max_position_embeddings", 4096), partial_rotary=partial,
-              mtp_layers=int(get("num_nextn_predict_layers", 0) or 0))
-    if fam == "qwen3_5_moe":
-        types = get("layer_types") or ["linear_attention" if (i + 1) % (get("full_attention_interval") or 4) else
-                                       "full_attention" for i in range(n)]
-        bad = [t for t in types if t not in ("linear_attention", "full_attention")]
-        if bad:
-            raise ValueError(f"qwen3_5_moe layer_types: {bad[0]!r} is neither linear_attention nor full_attention")
-        if get("attention_bias", False):
-            raise ValueError("qwen3_5_moe with attention_bias=true is not supported by the torch engine")
-        kw.update(layer_kinds=tuple("linear" if t == "linear_attention" else "full" for t in types), qk_norm=True,
-                  gated_attn=True, norm_topk_prob=True, shared_intermediate=get("shared_expert_intermediate_size") or 0,
-                  shared_gate=bool(get("shared_expert_intermediate_size")), lin_k_heads=get("linear_num_key_heads"),
-                  lin_v_heads=get("linear_num_value_heads"), lin_k_dim=get("linear_key_head_dim"),
-                  lin_v_dim=get("linear_value_head_dim"), lin_conv=get("linear_conv_kernel_dim"))
-        return cls(**kw)
-    if fam in ("deepseek_v3", "glm4_moe"):
-        k = get("first_k_dense_replace", 0) or 0
-        kw.update(dense_layers=tuple(range(min(k, n))), dense_intermediate=get("intermediate_size") if k else 0,
-                  shared_intermediate=get("moe_intermediate_size") * (get("n_shared_experts") or 0),
-                  n_group=get("n_group") or 1, topk_group=get("topk_group") or 1,
-                  routed_scaling=float(get("routed_scaling_factor", 1.0)))
-    if fam == "deepseek_v3":
-        nope, rp = get("qk_nope_head_dim"), get("qk_rope_head_dim")
-        kw.update(layer_kinds=("mla",) * n, n_kv_heads=heads, head_dim=nope + rp, qk_norm=False,
-                  q_lora_rank=get("q_lora_rank") or 0, kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=nope,
-                  qk_rope_head_dim=rp, v_head_dim=get("v_head_dim"), rope_interleave=bool(get("rope_interleave", True)),
-                  qkv_bias=bool(get("attention_bias", False)))
-        if kw["qkv_bias"]:
-            raise ValueError("deepseek_v3 with attention_bias=true is not supported by the torch engine")
-    elif fam == "glm4_moe":
-        kw.update(layer_kinds=("full",) * n, qk_norm=bool(get("use_qk_norm", False)),
-                  qkv_bias=bool(get("attention_bias", False)))
-    else:  # gpt_oss
-        types = get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-        kw.update(layer_kinds=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
-                  qk_norm=False, qkv_bias=bool(get("attention_bias", True)), o_bias=bool(get("attention_bias", True)),
-                  sinks=True, sliding_window=get("sliding_window") or 0, swiglu_limit=float(get("swiglu_limit", 7.0)),
-                  swiglu_alpha=float(get("swiglu_alpha", 1.702)))
-    return cls(**kw)
+        raw = dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
+        raw["model_type"] = raw.get("model_type") or "qwen3_moe"
+        hf = read_hf_config(raw, source)
+        if hf.family not in FAMILIES:
+            raise ValueError(f"model_type {hf.model_type!r}: the torch engine runs {', '.join(FAMILIES)}")
+        spec = ModelSpec.from_hf_model(hf, "hf", source)
+        over: dict = dict(rope_theta=hf.rope_theta, rms_eps=hf.rms_eps, norm_topk_prob=hf.norm_topk_prob)
+        if hf.family != "qwen3_moe":
+            over.update(rope_scaling=hf.rope_scaling, max_position=hf.max_position,
+                        partial_rotary=hf.partial_rotary, n_group=hf.n_group, topk_group=hf.topk_group,
+                        routed_scaling=hf.routed_scaling, rope_interleave=hf.rope_interleave,
+                        swiglu_limit=hf.swiglu_limit, swiglu_alpha=hf.swiglu_alpha,
+                        mtp_layers=spec.n_mtp_layers if hf.family in ("deepseek_v3", "glm4_moe") else 0)
+        if hf.family == "qwen3_5_moe":
+            over["lin_v_dim"] = hf.linear_value_head_dim
+        return cls.from_spec(spec, family=hf.family, **over)

@@ -41,6 +41,7 @@ from rackbed.engine.real.model import (
 )
 from rackbed.engine.real.profiling import scoped
 from rackbed.engine.real.rope import rope_of
+from rackbed.engine.real.weight_splits import shard_weights
 
 
 def layer_shapes(cfg: TorchModelConfig, li: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -183,41 +184,9 @@ def hf_layer(state: dict[str, torch.Tensor], cfg: TorchModelConfig, li: int) -> 
 
 
 def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard, li: int) -> dict[str, torch.Tensor]:
-    """Slice layer ``li``'s full weights to what ``shard`` holds: heads of its TP place, the dense MLP and shared
-    expert's F slice (prefill TP), its experts."""
-    q = shard.q_heads(cfg)
-    if cfg.kind(li) == "linear":
-        if shard.attn_tp != 1:
-            raise ValueError(f"Gated DeltaNet layers run on one attention rank (attn_tp={shard.attn_tp})")
-        out = {k: full[k] for k in layers_gdn.shapes(cfg)}
-    elif cfg.kind(li) == "mla":
-        out = layers_mla.shard(full, cfg, q)
-    else:
-        Dh, kv = cfg.head_dim, shard.kv_heads(cfg)
-        qs, ks = slice(q.start * Dh, q.stop * Dh), slice(kv.start * Dh, kv.stop * Dh)
-        out = {"q_proj": full["q_proj"][qs].clone(), "k_proj": full["k_proj"][ks].clone(),
-               "v_proj": full["v_proj"][ks].clone(), "o_proj": full["o_proj"][:, qs].clone()}
-        if "gate_proj" in full:
-            out["gate_proj"] = full["gate_proj"][qs].clone()
-        for k, s in (("q_bias", qs), ("k_bias", ks), ("v_bias", ks)):
-            if k in full:
-                out[k] = full[k][s].clone()
-        if "sinks" in full:
-            out["sinks"] = full["sinks"][q.start:q.stop].clone()
-        out |= {k: full[k] for k in ("o_bias", "q_norm", "k_norm") if k in full}
-    out |= {k: full[k] for k in ("input_norm", "post_norm", "router", "router_bias", "e_bias", "shared_gate", "enorm",
-                                 "hnorm", "eh_proj", "head_norm") if k in full}
-    tp, r = shard.attn_tp, shard.attn_rank
-    for pre in ("mlp", "shared"):
-        if pre + "_gate_up" in full:
-            out[pre + "_gate_up"], out[pre + "_down"] = layers_moe.tp_slice_mlp(full[pre + "_gate_up"],
-                                                                                full[pre + "_down"], tp, r)
-    if "gate_up" in full:
-        ex = shard.experts(cfg)
-        for k in ("gate_up", "down", "gate_up_bias", "down_bias"):
-            if k in full:
-                out[k] = full[k][ex.start:ex.stop].clone()
-    return out
+    """Slice layer ``li``'s full weights to what ``shard`` holds (``weight_splits.SPLITS``): heads of its TP
+    place, the dense MLP and shared expert's F slice (prefill TP), its experts."""
+    return shard_weights(full, cfg, shard, li)
 
 
 class ShardedMoeLM(ShardedQwen3Moe):

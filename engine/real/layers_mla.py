@@ -13,9 +13,9 @@ into the query, ``q_lat = q_nope W_UK``, so each head scores the cached rows dir
 The latent is read once for all heads. The softmax scale is ``1/sqrt(qk_head_dim)`` times YaRN's mscale^2
 (``TorchModelConfig.softmax_scale``).
 
-Weights of one layer (full; ``shard`` slices the heads): ``q_a [q_lora, D]``, ``q_a_norm [q_lora]``, ``q_b
-[H*(nope+rope), q_lora]`` (or ``q_proj [H*(nope+rope), D]`` without q_lora), ``kv_a [kv_lora+rope, D]``,
-``kv_a_norm [kv_lora]``, ``kv_b [H*(nope+v), kv_lora]``, ``o_proj [D, H*v]``.
+Weights of one layer (full; ``weight_splits.SPLITS`` says how heads split them): ``q_a [q_lora, D]``,
+``q_a_norm [q_lora]``, ``q_b [H*(nope+rope), q_lora]`` (or ``q_proj [H*(nope+rope), D]`` without q_lora),
+``kv_a [kv_lora+rope, D]``, ``kv_a_norm [kv_lora]``, ``kv_b [H*(nope+v), kv_lora]``, ``o_proj [D, H*v]``.
 """
 
 from __future__ import annotations
@@ -52,18 +52,6 @@ class LatentKvCache(PagedKvCache):
         S = self.page_tokens
         idx = torch.as_tensor(list(pages)[:-(-n_tokens // S)], device=self.storage.device)
         return self.storage[layer][idx].reshape(-1, self.head_dim)[:n_tokens]
-
-
-def shard(full: dict[str, torch.Tensor], cfg, heads: range) -> dict[str, torch.Tensor]:
-    """The MLA weights of the heads ``heads`` (q_a, kv_a and their norms whole: every rank needs the latent)."""
-    qk, nv, v = cfg.head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
-    a, b = heads.start, heads.stop
-    out = {k: full[k] for k in ("q_a", "q_a_norm", "kv_a", "kv_a_norm") if k in full}
-    qname = "q_b" if "q_b" in full else "q_proj"
-    out[qname] = full[qname][a * qk:b * qk].clone()
-    out["kv_b"] = full["kv_b"][a * nv:b * nv].clone()
-    out["o_proj"] = full["o_proj"][:, a * v:b * v].clone()
-    return out
 
 
 def project(w, h: torch.Tensor, pos: torch.Tensor, cfg, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -104,11 +104,3 @@ def mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
     gu = h @ gate_up.T
     return (F_.silu(gu[:, :F]) * gu[:, F:]) @ down.T
 
-
-def tp_slice_mlp(gate_up: torch.Tensor, down: torch.Tensor, tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s F slice of a dense SwiGLU under TP ``tp`` (its output is a partial sum)."""
-    F = down.shape[-1]
-    if F % tp:
-        raise ValueError(f"tp={tp} does not divide the MLP width {F}")
-    a, b = rank * F // tp, (rank + 1) * F // tp
-    return torch.cat((gate_up[a:b], gate_up[F + a:F + b])).clone(), down[:, a:b].clone()

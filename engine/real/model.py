@@ -37,6 +37,7 @@ from rackbed.engine.core.graph_shapes import (
 from rackbed.engine.real.comm import Comm
 from rackbed.engine.real.config import TorchModelConfig
 from rackbed.engine.real.profiling import scope, scoped
+from rackbed.engine.real.weight_splits import shard_weights
 from rackbed.kernels.moe_block import moe_block, route
 
 
@@ -176,20 +177,9 @@ def hf_global_weights(state: dict[str, torch.Tensor], cfg: TorchModelConfig) -> 
 
 
 def shard_layer(full: dict[str, torch.Tensor], cfg: TorchModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
-    """Slice a layer's full weights to what ``shard`` holds (copies, so the full tensors can be freed)."""
-    Dh = cfg.head_dim
-    q, kv, ex = shard.q_heads(cfg), shard.kv_heads(cfg), shard.experts(cfg)
-    return {
-        "q_proj": full["q_proj"][q.start * Dh:q.stop * Dh].clone(),
-        "k_proj": full["k_proj"][kv.start * Dh:kv.stop * Dh].clone(),
-        "v_proj": full["v_proj"][kv.start * Dh:kv.stop * Dh].clone(),
-        "o_proj": full["o_proj"][:, q.start * Dh:q.stop * Dh].clone(),
-        "q_norm": full["q_norm"], "k_norm": full["k_norm"],
-        "input_norm": full["input_norm"], "post_norm": full["post_norm"],
-        "router": full["router"],
-        "gate_up": full["gate_up"][ex.start:ex.stop].clone(),
-        "down": full["down"][ex.start:ex.stop].clone(),
-    }
+    """Slice a layer's full weights to what ``shard`` holds (``weight_splits.SPLITS``; copies, so the full
+    tensors can be freed)."""
+    return shard_weights(full, cfg, shard, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

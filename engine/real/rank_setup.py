@@ -248,7 +248,7 @@ def real_model_config(built, n_layers=None, tiny_cfg=None, weights: str | None =
         cfg_path = Path(weights) / "config.json"
         if not cfg_path.exists():
             raise FileNotFoundError(f"{cfg_path}: real.weights needs a Hugging Face checkpoint directory")
-        tiny_cfg = TorchModelConfig.from_hf(json.loads(cfg_path.read_text()))
+        tiny_cfg = TorchModelConfig.from_hf(json.loads(cfg_path.read_text()), source=str(cfg_path))
     cfg = tiny_cfg or TorchModelConfig.from_spec(built.model, n_layers=n_layers)
     k = dep.mtp.draft_k
     if k > 0 and not cfg.runs_mtp:
