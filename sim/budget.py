@@ -88,6 +88,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rackbed.sim import search as se
 from rackbed.sim.pareto import pareto_indices
@@ -292,8 +293,8 @@ def priced(rec: dict, gpus: int, usd_per_hour: float, gpus_by_kind: Mapping[str,
     and in its summary ``usd_per_hour``, ``tokens_per_s_per_usd_hour`` (output tokens/s at the sustained rate
     per $ per hour) and ``usd_per_mtok`` ($ per million output tokens, GPU-hours only)."""
     rec = {**rec, "usd_per_hour": usd_per_hour, "gpus_by_kind": dict(gpus_by_kind)}
-    s = rec.get("summary")
-    per_gpu = (s or {}).get("tokens_per_s_per_gpu")
+    s = rec.get("summary") or {}
+    per_gpu = s.get("tokens_per_s_per_gpu")
     if per_gpu is None:
         return rec
     tps = per_gpu * gpus
@@ -425,16 +426,18 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
     on its own model's GPUs and calibration, the pair's KV transfer over the fabric that joins them, and each
     candidate's $ per hour; the GPUs of each model the topology has bound each pool."""
     topos = {spec.space.topology[0]: topo}
-    room = gpu_kinds(topo) if prices else {None: gpus}
-    kinds = list(room)
-    pre_by = {k: se.prefill_options(spec, load, model, topos, gpu=k) for k in kinds}
-    dec_by = {k: se.decode_options(spec, load, model, topos, gpu=k) for k in kinds}
+    # one pool per GPU model with prices, else one pool of every GPU (key None)
+    room: dict[Any, int] = dict(gpu_kinds(topo)) if prices else {None: gpus}
+    kinds: list[Any] = list(room)
+    price: Mapping[Any, float] = prices or {}
+    pre_by: dict[Any, list[Any]] = {k: list(se.prefill_options(spec, load, model, topos, gpu=k)) for k in kinds}
+    dec_by: dict[Any, list[Any]] = {k: list(se.decode_options(spec, load, model, topos, gpu=k)) for k in kinds}
     base = se.base_scenario(spec)
     kv_cache: dict = {}
     prompt, out_tok = max(1, round(load.prompt_mean)), load.output_mean
     slo = spec.slo
     h = spec.prefill_headroom
-    usd_budget = sum(room[k] * prices[k] for k in kinds) if prices else None
+    usd_budget = sum(room[k] * price[k] for k in kinds) if prices else None
     out: list[BudgetCandidate] = []
     for k in kinds:  # the options' own pruning, one candidate each so that the reasons are counted
         for o in (*pre_by[k], *dec_by[k]):
@@ -502,7 +505,7 @@ def disaggregated_candidates(spec: se.SearchSpec, load: se.Load, model, topo, gp
                 for kind, g in ((kp, n_p * gp), (kd, n_d * d.ep)):
                     used[kind] = used.get(kind, 0) + g
                 c.gpus_by_kind, c.room, c.usd_budget = used, dict(room), usd_budget
-                c.usd_per_hour = sum(g * prices[kind] for kind, g in used.items())
+                c.usd_per_hour = sum(g * price[kind] for kind, g in used.items())
             if t > slo.tpot_s:
                 c.pruned = (f"TPOT {t * 1e3:.1f} ms at batch {b:.0f}/rank with the KV transfer > SLO "
                             f"{slo.tpot_s * 1e3:.1f} ms")
@@ -803,8 +806,9 @@ def _placeable_copies(res: BudgetResult, rec: dict) -> int:
     from rackbed.sim.scenario import build
 
     top = res.gpus // int(rec["gpus"])
-    if getattr(res, "room", None) and rec.get("gpus_by_kind"):  # mixed pools: each model's GPUs bound it
-        top = min([top, *(res.room[k] // u for k, u in rec["gpus_by_kind"].items() if u)])
+    room = getattr(res, "room", None)
+    if room and rec.get("gpus_by_kind"):  # mixed pools: each model's GPUs bound it
+        top = min([top, *(room[k] // u for k, u in rec["gpus_by_kind"].items() if u)])
     for k in range(max(1, top), 1, -1):
         try:
             build(scenario_of(res, {**rec, "use": {"replicas": k}}, on_budget=True), engine_calibration=False)

@@ -188,7 +188,7 @@ class SearchSpec(_Strict):
     #: what the front maximises against tokens/s per user: ``gpu`` (output tokens/s per GPU) or ``kw`` (output
     #: tokens/s per kW of facility power, the whole pool: ``sim.energy``, priced by ``scenario.energy``)
     objective: Literal["gpu", "kw"] = "gpu"
-    space: SearchSpace = SearchSpace()
+    space: SearchSpace = Field(default_factory=SearchSpace)
     prefill_headroom: float = Field(1.25, gt=0)
     max_simulations: int = Field(60, ge=0)
     top: int = Field(5, ge=1)
@@ -381,7 +381,7 @@ def _plan_gpus(topo, n: int, role: str, gpu: str | None = None) -> tuple[int, ..
         return tuple(sorted(topo.gpu_ids)[:n])
     from rackbed.sim.scenario import role_gpus
 
-    ids = sorted(role_gpus(topo, role.split()[0], gpu))
+    ids = sorted(role_gpus(topo, role.split()[0], gpu) or topo.gpu_ids)
     if n > len(ids):
         raise UserError(f"{role} group of {n} GPUs exceeds the topology's {len(ids)} {gpu} GPUs")
     return tuple(ids[:n])
