@@ -274,6 +274,8 @@ class FailureHandling(SchedulerBase):
         d.rank_free_kv = [0] * d.ep
         d.rank_key = [0] * d.ep
         d.rank_kmin = 0
+        if d.route_i >= 0:
+            self._route_dk[d.route_i] = 0
         d.rank_batch = [0] * d.ep
         self._wake(d)
         for r in sorted(redo, key=lambda r: r.id):

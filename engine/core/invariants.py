@@ -98,6 +98,9 @@ def check_invariants(sched) -> None:
             assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
         assert d.n_running == len(d.running)
         assert d.rank_kmin == min(d.rank_key, default=0), f"{d.id}: rank_kmin {d.rank_kmin} != min(rank_key)"
+    # the routable decoders' minima, in their order, for the rank choice (Scheduler._route_dk)
+    assert sched._route_dk == [d.rank_kmin for d in sched._route_d], "_route_dk != the routable decoders' rank_kmin"
+    assert all(d.route_i == (sched._route_d.index(d) if d in sched._route_d else -1) for d in sched.decoders)
     _check_caches(sched)
     missing = [rid for rid in sched.reqs if rid not in where]
     assert not missing, f"open requests in no place: {missing[:5]}"

@@ -267,6 +267,22 @@ class FewestRequests:
             return None
         return best, best_rank
 
+    def choose_indexed(self, candidates: Sequence[D], kmins: Sequence[int], need_tokens: int
+                       ) -> tuple[D, int] | None:
+        """:meth:`choose`, given ``kmins[i] == candidates[i].rank_kmin`` (the scheduler keeps its routable
+        decoders' minima in a list of their own): the least minimum and the first group holding it in C-level
+        calls, and its first rank with that key — the choice itself when that rank qualifies (no rank anywhere
+        has a smaller key, and ties go to the earliest group and lowest rank), :meth:`choose` otherwise."""
+        if kmins:
+            k = min(kmins)
+            g = candidates[kmins.index(k)]
+            keys = g.rank_key
+            if keys:
+                r = keys.index(k)
+                if g.rank_free_kv[r] >= need_tokens and g.rank_up[r]:
+                    return g, r
+        return self.choose(candidates, need_tokens)
+
 
 class FifoAdmission:
     """First come (first KV arrived on the rank), first admitted, while the rank's batch has room."""

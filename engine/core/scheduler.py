@@ -169,6 +169,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.policies = policies = policies if policies is not None else Policies()
         self._choose_prefiller = policies.prefiller.choose
         self._choose_rank = policies.rank.choose
+        # the rank choice given each routable decoder's least rank key too (_route_dk), when the policy takes it
+        self._choose_rank_indexed = getattr(policies.rank, "choose_indexed", None)
         self._choose_worker = policies.worker.choose
         self._take_admitted = policies.admission.take
         self.pcache = prefix_cache
@@ -191,6 +193,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.agg = bool(deployment.aggregated)
         self._route_p = []  # routable prefillers (starting/active), creation order
         self._route_d = []  # routable decoders (active), creation order
+        self._route_dk = []  # their rank_kmin, in that order (DecoderState.route_i: a decoder's place there)
         self._order = 0
         self._n_pf_created = 0
         self._n_dec_created = 0
@@ -626,7 +629,11 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                 self._wake(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k
-            pick = self._choose_rank(self._route_d, need_probe)
+            indexed = self._choose_rank_indexed
+            if indexed is not None:
+                pick = indexed(self._route_d, self._route_dk, need_probe)
+            else:
+                pick = self._choose_rank(self._route_d, need_probe)
             if pick is not None:
                 d, rank = pick
                 need = -(-need_probe // d.page) * d.page  # _reserve_tokens(r.ctx0, remaining, d)
@@ -728,7 +735,9 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         old = keys[rank]
         keys[rank] = old + self._key_base + tokens
         if old == d.rank_kmin:  # the key grew: it may have been the only minimum
-            d.rank_kmin = min(keys)
+            d.rank_kmin = k = min(keys)
+            if d.route_i >= 0:
+                self._route_dk[d.route_i] = k
 
     def _free_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
         """A request's reservation of ``tokens`` on ``rank`` of ``d`` is released."""
@@ -739,6 +748,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         keys[rank] = v
         if v < d.rank_kmin:
             d.rank_kmin = v
+            if d.route_i >= 0:
+                self._route_dk[d.route_i] = v
 
     # ------------------------------------------------------------------ end of run, samples, checks
     def finalize(self, now_s: float, reason: str = "horizon") -> None:

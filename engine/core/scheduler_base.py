@@ -59,6 +59,7 @@ class SchedulerBase:
     policies: Policies
     _choose_prefiller: Callable
     _choose_rank: Callable
+    _choose_rank_indexed: Callable | None
     _choose_worker: Callable
     _take_admitted: Callable
     pcache: PrefixCacheSpec | None
@@ -80,6 +81,7 @@ class SchedulerBase:
     agg: bool
     _route_p: list[PrefillerState]
     _route_d: list[DecoderState]
+    _route_dk: list[int]
     _order: int
     _n_pf_created: int
     _n_dec_created: int

@@ -189,6 +189,7 @@ class DecoderState(_GroupState):
         # (requests, -free KV) order as one int, for engine.core.policies.FewestRequests; set by Scheduler._add_decoder
         self.rank_key: list[int] = []
         self.rank_kmin = 0  # min(rank_key), kept with it (Scheduler._hold_kv / _free_kv and where keys are set)
+        self.route_i = -1   # its place in Scheduler._route_d (-1: not routable), set with that list
         self.rank_batch = [0] * ep       # decoding
         self.rank_queue: list[deque[RequestState]] = [deque() for _ in range(ep)]
         self.rank_rate = [0] * ep        # sum of fixed-point growth rates
