@@ -149,3 +149,13 @@ def test_indexed_rank_choice_by_hand():
     g0, g1 = _D([1, 1], [7, 7]), _D([1], [7])  # ties: the earliest group, the lowest rank
     assert FewestRequests().choose_indexed([g0, g1], [g0.rank_kmin, g1.rank_kmin], 1) == (g0, 0)
     assert FewestRequests().choose_indexed([], [], 1) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 3), st.sampled_from([None, 1, 2, 3]),
+                          st.integers(0, 5)), max_size=6), st.booleans())
+def test_indexed_prefiller_choice_is_the_prefiller_choice(ps, requeue):
+    cands = [_P(q, n, m, off) for q, n, m, off in ps]
+    p = LeastQueuedTokens()
+    assert p.choose_indexed(cands, [c.queued_tokens + c.offset_tokens for c in cands], requeue) is p.choose(
+        cands, requeue)

@@ -98,7 +98,10 @@ def check_invariants(sched) -> None:
             assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
         assert d.n_running == len(d.running)
         assert d.rank_kmin == min(d.rank_key, default=0), f"{d.id}: rank_kmin {d.rank_kmin} != min(rank_key)"
-    # the routable decoders' minima, in their order, for the rank choice (Scheduler._route_dk)
+    # the routable prefillers' loads and decoders' minima, in their order, for the choices (Scheduler._route_pl,
+    # _route_dk)
+    assert sched._route_pl == [p.queued_tokens + p.offset_tokens for p in sched._route_p], "_route_pl is stale"
+    assert all(p.route_pi == (sched._route_p.index(p) if p in sched._route_p else -1) for p in sched.prefillers)
     assert sched._route_dk == [d.rank_kmin for d in sched._route_d], "_route_dk != the routable decoders' rank_kmin"
     assert all(d.route_i == (sched._route_d.index(d) if d in sched._route_d else -1) for d in sched.decoders)
     _check_caches(sched)

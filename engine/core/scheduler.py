@@ -168,6 +168,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.asc = autoscaler
         self.policies = policies = policies if policies is not None else Policies()
         self._choose_prefiller = policies.prefiller.choose
+        # the prefiller choice given each routable prefiller's load too (_route_pl), when the policy takes it
+        self._choose_prefiller_indexed = getattr(policies.prefiller, "choose_indexed", None)
         self._choose_rank = policies.rank.choose
         # the rank choice given each routable decoder's least rank key too (_route_dk), when the policy takes it
         self._choose_rank_indexed = getattr(policies.rank, "choose_indexed", None)
@@ -192,6 +194,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self._aggs = []  # the aggregated workers
         self.agg = bool(deployment.aggregated)
         self._route_p = []  # routable prefillers (starting/active), creation order
+        self._route_pl = []  # their queued_tokens + offset_tokens, in that order (PrefillerState.route_pi)
         self._route_d = []  # routable decoders (active), creation order
         self._route_dk = []  # their rank_kmin, in that order (DecoderState.route_i: a decoder's place there)
         self._order = 0
@@ -332,7 +335,11 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if not cands and self.asc is not None:
             self._scale_up_prefiller(now)  # emergency: nothing can take it right now
             cands = self._route_p
-        pf = self._choose_prefiller(cands, requeue, r)
+        indexed = self._choose_prefiller_indexed
+        if indexed is not None and cands is self._route_p:
+            pf = indexed(cands, self._route_pl, requeue, r)
+        else:
+            pf = self._choose_prefiller(cands, requeue, r)
         if pf is None:
             return self._reject(r, now, "queue_full" if cands else "no_prefiller")
         if not requeue and self.shed_ttft_s is not None and pf.cap_tps > 0:
@@ -355,6 +362,13 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         q.queue.append(r)
         q.n_queued += 1
         q.queued_tokens += r.ctx0
+        if q.route_pi >= 0:
+            self._route_pl[q.route_pi] = q.queued_tokens + q.offset_tokens
+
+    def _load_changed(self, w) -> None:
+        """``w``'s ``queued_tokens`` or ``offset_tokens`` changed: its entry in ``_route_pl``, if it has one."""
+        if w.route_pi >= 0:
+            self._route_pl[w.route_pi] = w.queued_tokens + w.offset_tokens
 
     def _reject(self, r: RequestState, now: float, reason: str) -> None:
         r.state = REJECTED
@@ -430,6 +444,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                 return self._idle(pf, now, WAIT_READY, pf.ready_at)
             self._set_status(pf, ACTIVE)
             pf.offset_tokens = 0
+            self._load_changed(pf)
             for s in pf.streams:
                 self._wake(s)
         elif st in (DEAD, RETIRED):
@@ -531,6 +546,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
             pf.pending.append(r)
             n_new += 1
         pf.running = []
+        if pf.route_pi >= 0:
+            self._route_pl[pf.route_pi] = pf.queued_tokens + pf.offset_tokens
         for r in reversed(partial):
             pf.queue.appendleft(r)
             pf.n_queued += 1
@@ -553,6 +570,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if c:
             r.pf_done = c
             w.queued_tokens -= c
+            self._load_changed(w)
             if w.kind == "prefill":
                 w.kv_held += c
             per_block = pin.block_tokens * self.kv_bytes_per_token

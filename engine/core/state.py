@@ -103,6 +103,9 @@ class RequestState:
 class _GroupState:
     """What every worker group's state holds: the group, its place in creation order, its status and its life."""
 
+    #: its place in ``Scheduler._route_p`` (-1: none; only a prefiller's is ever set)
+    route_pi = -1
+
     def _init_group(self, g, order: int, status: int, ready_at: float, created_s: float) -> None:
         self.g = g
         self.id = g.id
