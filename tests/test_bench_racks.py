@@ -59,6 +59,9 @@ def test_figure_of_a_curve(tmp_path):
     f = tmp_path / "curve.png"
     plot_racks(out, f)
     assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out["points"] = [{"racks": n, **pt, "baseline": dict(pt)} for n in (1, 10, 100)]  # log axes
+    plot_racks(out, f)
+    assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_rack_groups_split_evenly():
