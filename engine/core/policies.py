@@ -131,11 +131,12 @@ class LeastQueuedTokens:
             best, best_load = p, load
         return best
 
-    def choose_indexed(self, candidates: Sequence[P], loads: Sequence[int], requeue: bool, req=None) -> P | None:
-        """:meth:`choose`, given ``loads[i] == candidates[i].queued_tokens + candidates[i].offset_tokens`` (the
-        scheduler keeps its routable prefillers' loads in a list of their own): the first least loaded in C-level
-        calls — the choice itself when its queue has room (or the request is re-routed), :meth:`choose`
-        otherwise."""
+    def choose_indexed(self, candidates: Sequence[P], loads: Sequence[int], requeue: bool,
+                       req=None) -> P | None:
+        """:meth:`choose`, given ``loads[i] == candidates[i].queued_tokens + candidates[i].offset_tokens``
+        (the scheduler keeps its routable prefillers' loads in a list of their own): the first least loaded in
+        C-level calls — the choice itself when its queue has room (or the request is re-routed),
+        :meth:`choose` otherwise."""
         if loads:
             p = candidates[loads.index(min(loads))]
             if requeue or p.max_queue is None or p.n_queued < p.max_queue:

@@ -171,7 +171,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         # the prefiller choice given each routable prefiller's load too (_route_pl), when the policy takes it
         self._choose_prefiller_indexed = getattr(policies.prefiller, "choose_indexed", None)
         self._choose_rank = policies.rank.choose
-        # the rank choice given each routable decoder's least rank key too (_route_dk), when the policy takes it
+        # the rank choice given each routable decoder's least rank key too (_route_dk), if the policy takes it
         self._choose_rank_indexed = getattr(policies.rank, "choose_indexed", None)
         self._choose_worker = policies.worker.choose
         self._take_admitted = policies.admission.take
@@ -366,7 +366,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
             self._route_pl[q.route_pi] = q.queued_tokens + q.offset_tokens
 
     def _load_changed(self, w) -> None:
-        """``w``'s ``queued_tokens`` or ``offset_tokens`` changed: its entry in ``_route_pl``, if it has one."""
+        """``w``'s ``queued_tokens`` or ``offset_tokens`` changed: its entry in ``_route_pl`` (if any)."""
         if w.route_pi >= 0:
             self._route_pl[w.route_pi] = w.queued_tokens + w.offset_tokens
 
