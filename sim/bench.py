@@ -23,6 +23,11 @@ times N; decoders that do not place are left out and the rate scaled by those ke
 fresh process, optionally against another git revision's tree with an identity check of the results:
 
     rackbed bench sim --racks 1,2,5,10 [--sim-s 600] [--baseline REV] [--out x.json] [--figure x.png]
+
+A point of more racks than ``--group-racks`` (default 10) runs as independent groups of at most that many
+racks (:func:`rack_groups`: 100 racks are ten ten-rack deployments, group ``i`` with seed ``i``), ``--jobs``
+processes at a time, and reports the groups' CPU seconds, events and workers summed: one scale-out fabric of
+these racks' switches joins at most 28 racks, so a hundred racks are several deployments side by side.
 """
 
 from __future__ import annotations
@@ -115,12 +120,18 @@ def run_cli(args) -> int:
 RACK_PREFILLERS, RACK_DECODERS = 6, 3
 
 
-def rack_spec(racks: int, sim_s: float, rate_per_rack: float) -> dict:
+#: racks one simulated deployment spans at most in the rack curve; more are split into independent groups
+#: (:func:`rack_groups`)
+GROUP_RACKS = 10
+
+
+def rack_spec(racks: int, sim_s: float, rate_per_rack: float, seed: int = 0) -> dict:
     """The benchmark scenario scaled to ``racks`` GB200 NVL72 racks (``gb200-nvl72*N``): ``6 N``
     prefillers, ``3 N`` decoders and ``rate_per_rack * N`` requests/s (:func:`_measure` takes decoders off
-    when they do not place)."""
+    when they do not place); ``seed``: the scenario's seed (0, as the one-rack benchmark, unless a group of a
+    larger point)."""
     spec = bench_scenario(sim_s, rate_per_rack).model_dump(mode="json", exclude_unset=True)
-    spec.update(name=f"bench-sim-nvl72x{racks}",
+    spec.update(name=f"bench-sim-nvl72x{racks}", seed=seed,
                 topology="gb200-nvl72" if racks == 1 else f"gb200-nvl72*{racks}")
     spec["prefill"]["replicas"] = RACK_PREFILLERS * racks
     spec["decode"]["replicas"] = RACK_DECODERS * racks
@@ -204,6 +215,43 @@ def _child(tree, spec: dict, sim_s: float) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def rack_groups(racks: int, group_racks: int = GROUP_RACKS) -> list[int]:
+    """Racks per independent group of an N-rack point: one group up to ``group_racks``, else
+    ``ceil(N / group_racks)`` groups as even as possible (100 racks in groups of 10: ten of 10). A group is
+    a deployment of its own (its own scale-out fabric, scheduler and arrivals, ``rate_per_rack`` times its
+    racks): a two-level fat tree of the GB200 racks' 64-port switches joins at most 28 racks (2,048 NICs), so
+    a point beyond that is several fabrics whatever the scheduler does."""
+    n = -(-racks // group_racks)
+    return [racks // n + (1 if i < racks % n else 0) for i in range(n)]
+
+
+def _run_groups(tree, specs: list[dict], sim_s: float, jobs: int) -> dict:
+    """:func:`_child` of every group's spec in ``tree``, ``jobs`` processes at a time; one group's figures as
+    they are, several summed (CPU seconds, events, workers, rate, requests) with a digest of their digests and
+    the groups' own figures under ``groups``. ``wall_s``: the whole point's wall time."""
+    import hashlib
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(specs)))) as pool:
+        res = list(pool.map(lambda sp: _child(tree, sp, sim_s), specs))
+    wall = time.perf_counter() - t0
+    if len(res) == 1:
+        return {**res[0], "wall_s": wall}
+    tops = ", ".join(sorted({r["topology"] for r in res}))
+    out: dict = {"topology": f"{len(res)} x ({tops})", "sim_s": sim_s}
+    for k in ("prefillers", "decoders", "decoders_asked", "rate_per_s", "cpu_s", "setup_cpu_s", "events",
+              "decode_steps", "requests_done"):
+        out[k] = sum(r[k] for r in res)
+    cpu = out["cpu_s"]
+    out.update(cpu_s_per_sim_hour=cpu * 3600.0 / sim_s, events_per_cpu_s=out["events"] / max(cpu, 1e-9),
+               us_per_event=cpu / max(out["events"], 1) * 1e6, wall_s=wall, jobs=jobs,
+               digest=hashlib.sha256(" ".join(r["digest"] for r in res).encode()).hexdigest()[:16],
+               groups=res)
+    return out
+
+
 def parse_racks(text: str) -> list[int]:
     """``--racks 1,2,5,10`` -> ``[1, 2, 5, 10]`` (one-line error otherwise)."""
     from rackbed.topology.errors import UserError
@@ -239,29 +287,33 @@ def _export(repo, rev: str, dest) -> str:
 
 
 def run_racks(racks: list[int], sim_s: float, rate_per_rack: float, baseline: str | None = None,
-              log=None) -> dict:
+              log=None, group_racks: int = GROUP_RACKS, jobs: int = 1) -> dict:
     """The rack curve: for each N of ``racks``, :func:`_measure` of :func:`rack_spec` in a fresh process of
     this tree and, with ``baseline`` (a git revision), of that revision's tree (unpacked into a temporary
     folder), the two runs of one N back to back. Per point: the layout run, CPU seconds of ``simulate`` and
     per simulated hour (``sim_s`` extrapolated), events, events per CPU second, µs per event, its ratio to the
     first point's, and with a baseline the CPU ratio baseline / current and whether the results are identical (a
-    digest of the request rows, groups, breakdown and metrics)."""
+    digest of the request rows, groups, breakdown and metrics). A point of more than ``group_racks`` racks
+    runs as independent groups (:func:`rack_groups`; group ``i`` with seed ``i``), ``jobs`` processes at a
+    time, and reports their sums (:func:`_run_groups`)."""
     import tempfile
     from pathlib import Path
 
     here = Path(__file__).resolve().parents[1]
     out: dict = {"sim_s": sim_s, "rate_per_rack": rate_per_rack, "python": platform.python_version(),
-                 "machine": platform.processor() or platform.machine(), "points": []}
+                 "machine": platform.processor() or platform.machine(), "group_racks": group_racks,
+                 "jobs": jobs, "points": []}
     with tempfile.TemporaryDirectory(prefix="rackbed-baseline-") as tmp:
         if baseline is not None:
             out["baseline"] = baseline
             out["baseline_commit"] = _export(here, baseline, tmp)
         for n in racks:
-            spec = rack_spec(n, sim_s, rate_per_rack)
+            sizes = rack_groups(n, group_racks)
+            specs = [rack_spec(k, sim_s, rate_per_rack, seed=i) for i, k in enumerate(sizes)]
             point: dict = {"racks": n}
             if baseline is not None:
-                point["baseline"] = _child(tmp, json.loads(json.dumps(spec)), sim_s)
-            point.update(_child(here, spec, sim_s))
+                point["baseline"] = _run_groups(tmp, json.loads(json.dumps(specs)), sim_s, jobs)
+            point.update(_run_groups(here, specs, sim_s, jobs))
             if baseline is not None:
                 bl = point["baseline"]
                 point["speedup"] = bl["cpu_s"] / max(point["cpu_s"], 1e-9)
@@ -286,14 +338,25 @@ def _row(p: dict, first: dict) -> str:
               f"{'identical' if p['identical'] else 'RESULTS DIFFER'}")
     if p["decoders"] < p["decoders_asked"]:
         s += f"  ({p['decoders_asked']} decoders do not place: {p['decoders']} kept, rate scaled)"
+    if "groups" in p:
+        s += f"  [{p['topology']}: independent groups, {p['jobs']} at a time, {p['wall_s']:.0f} s wall]"
     return s
 
 
 def _racks_cli(args, rate: float) -> int:
+    import os
     import sys
 
+    from rackbed.topology.errors import UserError
+
     racks = parse_racks(args.racks if args.racks is not None else "1")
-    out = run_racks(racks, args.sim_s, rate, args.baseline, log=lambda s: print(s, flush=True))
+    group = args.group_racks if args.group_racks is not None else GROUP_RACKS
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    for name, v in (("--group-racks", group), ("--jobs", jobs)):
+        if v < 1:
+            raise UserError(f"{name}: must be >= 1, got {v}")
+    out = run_racks(racks, args.sim_s, rate, args.baseline, log=lambda s: print(s, flush=True),
+                    group_racks=group, jobs=jobs)
     text = json.dumps(out, indent=1)
     if args.out:
         from rackbed.topology.outputs import write_text
@@ -308,7 +371,8 @@ def _racks_cli(args, rate: float) -> int:
 
 def plot_racks(out: dict, path) -> None:
     """The rack curve as a PNG: CPU seconds per simulated hour against racks (left) and µs per event (right),
-    this tree and, when measured, the baseline."""
+    this tree and, when measured, the baseline; logarithmic rack (and CPU second) axes when the racks span
+    more than a factor of ten (1 .. 100)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -330,10 +394,17 @@ def plot_racks(out: dict, path) -> None:
     a.set_ylabel("CPU s per simulated hour")
     b.set_xlabel("GB200 NVL72 racks")
     b.set_ylabel("CPU µs per event")
-    a.set_ylim(bottom=0)
+    wide = max(n) > 10 * min(n)
+    if wide:
+        a.set_yscale("log")
+    else:
+        a.set_ylim(bottom=0)
     b.set_ylim(bottom=0)
     for ax in (a, b):
-        ax.set_xticks(n)
+        if wide:
+            ax.set_xscale("log")
+            ax.minorticks_off()
+        ax.set_xticks(n, [str(x) for x in n])
         ax.grid(True, lw=0.3, alpha=0.5)
         ax.legend(fontsize=7)
     fig.suptitle(f"rackbed bench sim --racks ({out['sim_s']:g} simulated s per point, extrapolated to an hour)",

@@ -59,3 +59,40 @@ def test_figure_of_a_curve(tmp_path):
     f = tmp_path / "curve.png"
     plot_racks(out, f)
     assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out["points"] = [{"racks": n, **pt, "baseline": dict(pt)} for n in (1, 10, 100)]  # log axes
+    plot_racks(out, f)
+    assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rack_groups_split_evenly():
+    from rackbed.sim.bench import rack_groups
+
+    assert rack_groups(10) == [10] and rack_groups(1) == [1]
+    assert rack_groups(100) == [10] * 10
+    assert rack_groups(25, 10) == [9, 8, 8]
+    for n in range(1, 60):
+        for g in (1, 3, 10, 28):
+            got = rack_groups(n, g)
+            assert sum(got) == n and max(got) <= g and max(got) - min(got) <= 1
+
+
+def test_a_point_in_independent_groups():
+    """Two racks as two one-rack groups in two processes: the groups' figures summed, each group its own seed
+    (so not copies of one another), the point's digest made of theirs."""
+    out = run_racks([2], 1.0, 20.0, group_racks=1, jobs=2)
+    (p,) = out["points"]
+    g0, g1 = p["groups"]
+    assert (p["prefillers"], p["decoders"]) == (12, 6) and p["rate_per_s"] == pytest.approx(40.0)
+    assert g0["topology"] == g1["topology"] == "gb200-nvl72" and p["topology"] == "2 x (gb200-nvl72)"
+    assert p["events"] == g0["events"] + g1["events"]
+    assert p["cpu_s"] == pytest.approx(g0["cpu_s"] + g1["cpu_s"])
+    assert g0["digest"] != g1["digest"] and p["digest"] not in (g0["digest"], g1["digest"])
+    assert p["wall_s"] > 0 and out["group_racks"] == 1
+    json.dumps(out)
+
+
+@pytest.mark.parametrize("flag", ["--group-racks", "--jobs"])
+def test_bad_group_options_one_line(flag, capsys):
+    assert cli_main(["bench", "sim", "--racks", "1", "--sim-s", "1", flag, "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and flag in err

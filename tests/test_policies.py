@@ -125,3 +125,37 @@ def test_scenarios_name_their_policies():
     assert type(sc.sim.policies.build().admission) is FifoAdmission
     with pytest.raises(UserError, match=r"^x.yaml: sim.policies.admission: .*unknown policy 'nope'; one of fifo"):
         parse_scenario({**base, "sim": {"policies": {"admission": "nope"}}}, source="x.yaml")
+
+
+def _check_rank_indexed(ds, need):
+    """choose_indexed (the minima handed in, as the scheduler keeps them) chooses what choose does."""
+    p = FewestRequests()
+    got = p.choose_indexed(ds, [d.rank_kmin for d in ds], need)
+    want = p.choose(ds, need)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got[0] is want[0] and got[1] == want[1]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(_rank, min_size=0, max_size=6), min_size=0, max_size=5), st.integers(0, 10))
+def test_indexed_rank_choice_is_the_rank_choice(groups, need):
+    _check_rank_indexed([_D([x[0] for x in g], [x[1] for x in g], [x[2] for x in g]) for g in groups], need)
+
+
+def test_indexed_rank_choice_by_hand():
+    g0, g1 = _D([1, 0], [5, 2], [True, False]), _D([0, 0], [3, 9])  # the least key is down: the scan decides
+    assert FewestRequests().choose_indexed([g0, g1], [g0.rank_kmin, g1.rank_kmin], 1) == (g1, 1)
+    g0, g1 = _D([1, 1], [7, 7]), _D([1], [7])  # ties: the earliest group, the lowest rank
+    assert FewestRequests().choose_indexed([g0, g1], [g0.rank_kmin, g1.rank_kmin], 1) == (g0, 0)
+    assert FewestRequests().choose_indexed([], [], 1) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 3), st.sampled_from([None, 1, 2, 3]),
+                          st.integers(0, 5)), max_size=6), st.booleans())
+def test_indexed_prefiller_choice_is_the_prefiller_choice(ps, requeue):
+    cands = [_P(q, n, m, off) for q, n, m, off in ps]
+    p = LeastQueuedTokens()
+    assert p.choose_indexed(cands, [c.queued_tokens + c.offset_tokens for c in cands], requeue) is p.choose(
+        cands, requeue)

@@ -2,7 +2,8 @@
 
     rackbed bench kernels [--suite allreduce] [--sizes 8K 1M 128M] [--dtypes bf16 fp32] [--out results/x.json]
     rackbed bench sim [--sim-s 3600] [--rate 20] [--out results/bench_sim.json]
-    rackbed bench sim --racks 1,2,5,10 [--sim-s 300] [--baseline REV] [--out results/x.json]
+    rackbed bench sim --racks 1,2,5,10,100 [--sim-s 300] [--baseline REV] [--group-racks 10] [--jobs 2]
+        [--out results/x.json] [--figure x.png]
 
 ``kernels`` runs kernel suites (kernels/bench/suites.py) on the local GPUs, prints a table with the baseline ratios
 and writes a results JSON. ``sim`` times the simulator on a fully loaded GB200 NVL72 (sim/bench.py) and prints
@@ -74,6 +75,11 @@ def register(subparsers) -> None:
     g.add_argument("--baseline", metavar="REV", help="with --racks: measure git revision REV too (its tree "
                    "unpacked into a temporary folder), point by point, and report the speed-up and whether "
                    "results are identical")
+    g.add_argument("--group-racks", type=int, metavar="G",
+                   help="with --racks: a point of more than G racks (default 10) runs as independent groups "
+                   "of at most G racks (each its own deployment, fabric and arrivals), reported summed")
+    g.add_argument("--jobs", type=int, metavar="J",
+                   help="with --racks: groups of one point run J processes at a time (default: CPU count)")
     g.add_argument("--figure", metavar="PNG", help="with --racks: plot the curve (CPU-s per simulated hour and us "
                    "per event against racks) into PNG")
     p.add_argument("--out", help="write the results JSON here (e.g. results/h200x2/allreduce.json)")

@@ -217,6 +217,7 @@ class FailureHandling(SchedulerBase):
         pf.pending.clear()
         pf.n_queued = 0
         pf.queued_tokens = 0
+        self._load_changed(pf)
         pf.kv_held = 0
         pf.loads.clear()
         if pf.cache is not None:
@@ -274,6 +275,8 @@ class FailureHandling(SchedulerBase):
         d.rank_free_kv = [0] * d.ep
         d.rank_key = [0] * d.ep
         d.rank_kmin = 0
+        if d.route_i >= 0:
+            self._route_dk[d.route_i] = 0
         d.rank_batch = [0] * d.ep
         self._wake(d)
         for r in sorted(redo, key=lambda r: r.id):
@@ -324,6 +327,7 @@ class FailureHandling(SchedulerBase):
                     pf.queue.remove(r)
                     pf.n_queued -= 1
                     pf.queued_tokens -= r.ctx0 - r.pf_done
+                    self._load_changed(pf)
                     pf.kv_held -= r.pf_done
                     self._unpin(r)
                 self._reject(r, now, "no_prefiller")

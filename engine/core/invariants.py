@@ -98,6 +98,13 @@ def check_invariants(sched) -> None:
             assert d.rank_batch[rank] == batch[rank] <= d.cap, f"{d.id} rank {rank}: batch {batch[rank]}"
         assert d.n_running == len(d.running)
         assert d.rank_kmin == min(d.rank_key, default=0), f"{d.id}: rank_kmin {d.rank_kmin} != min(rank_key)"
+    # the routable prefillers' loads and decoders' minima, in their order, for the choices
+    # (Scheduler._route_pl, _route_dk)
+    route_p, route_d = sched._route_p, sched._route_d
+    assert sched._route_pl == [p.queued_tokens + p.offset_tokens for p in route_p], "_route_pl is stale"
+    assert all(p.route_pi == (route_p.index(p) if p in route_p else -1) for p in sched.prefillers)
+    assert sched._route_dk == [d.rank_kmin for d in route_d], "_route_dk != the routable decoders' rank_kmin"
+    assert all(d.route_i == (route_d.index(d) if d in route_d else -1) for d in sched.decoders)
     _check_caches(sched)
     missing = [rid for rid in sched.reqs if rid not in where]
     assert not missing, f"open requests in no place: {missing[:5]}"

@@ -131,6 +131,18 @@ class LeastQueuedTokens:
             best, best_load = p, load
         return best
 
+    def choose_indexed(self, candidates: Sequence[P], loads: Sequence[int], requeue: bool,
+                       req=None) -> P | None:
+        """:meth:`choose`, given ``loads[i] == candidates[i].queued_tokens + candidates[i].offset_tokens``
+        (the scheduler keeps its routable prefillers' loads in a list of their own): the first least loaded in
+        C-level calls — the choice itself when its queue has room (or the request is re-routed),
+        :meth:`choose` otherwise."""
+        if loads:
+            p = candidates[loads.index(min(loads))]
+            if requeue or p.max_queue is None or p.n_queued < p.max_queue:
+                return p
+        return self.choose(candidates, requeue, req)
+
 
 class LeastRequests:
     """The aggregated worker with the fewest requests routed to it and not finished (queued, prefilling, decoding),
@@ -266,6 +278,22 @@ class FewestRequests:
         if best is None:
             return None
         return best, best_rank
+
+    def choose_indexed(self, candidates: Sequence[D], kmins: Sequence[int], need_tokens: int
+                       ) -> tuple[D, int] | None:
+        """:meth:`choose`, given ``kmins[i] == candidates[i].rank_kmin`` (the scheduler keeps its routable
+        decoders' minima in a list of their own): the least minimum and the first group holding it in C-level
+        calls, and its first rank with that key — the choice itself when that rank qualifies (no rank anywhere
+        has a smaller key, and ties go to the earliest group and lowest rank), :meth:`choose` otherwise."""
+        if kmins:
+            k = min(kmins)
+            g = candidates[kmins.index(k)]
+            keys = g.rank_key
+            if keys:
+                r = keys.index(k)
+                if g.rank_free_kv[r] >= need_tokens and g.rank_up[r]:
+                    return g, r
+        return self.choose(candidates, need_tokens)
 
 
 class FifoAdmission:

@@ -90,8 +90,19 @@ class WorkerPool(SchedulerBase):
     def _reroute_lists(self) -> None:
         for p in self.prefillers:  # called after every change of a NIC's state
             p.up_nics = [n for n, u in zip(p.nics, p.nic_up) if u]
-        self._route_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE) and any(p.nic_up)]
-        self._route_d = [d for d in self.decoders if d.status == ACTIVE]
+        route_p = [p for p in self.prefillers if p.status in (STARTING, ACTIVE) and any(p.nic_up)]
+        self._route_p = route_p
+        for p in self.prefillers:
+            p.route_pi = -1
+        for i, p in enumerate(route_p):
+            p.route_pi = i
+        self._route_pl = [p.queued_tokens + p.offset_tokens for p in route_p]
+        self._route_d = route_d = [d for d in self.decoders if d.status == ACTIVE]
+        for d in self.decoders:
+            d.route_i = -1
+        for i, d in enumerate(route_d):
+            d.route_i = i
+        self._route_dk = [d.rank_kmin for d in route_d]
         if self._blocked and not self._route_d and not self._decoders_possible():
             # no decoder now and none can come (none starting, no GPUs for the autoscaler): KV streams that wait
             # for decoder room would wait for good; woken, they reject what they hold (unreachable / no_decoder)

@@ -168,7 +168,11 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self.asc = autoscaler
         self.policies = policies = policies if policies is not None else Policies()
         self._choose_prefiller = policies.prefiller.choose
+        # the prefiller choice given each routable prefiller's load too (_route_pl), when the policy takes it
+        self._choose_prefiller_indexed = getattr(policies.prefiller, "choose_indexed", None)
         self._choose_rank = policies.rank.choose
+        # the rank choice given each routable decoder's least rank key too (_route_dk), if the policy takes it
+        self._choose_rank_indexed = getattr(policies.rank, "choose_indexed", None)
         self._choose_worker = policies.worker.choose
         self._take_admitted = policies.admission.take
         self.pcache = prefix_cache
@@ -190,7 +194,9 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         self._aggs = []  # the aggregated workers
         self.agg = bool(deployment.aggregated)
         self._route_p = []  # routable prefillers (starting/active), creation order
+        self._route_pl = []  # their queued_tokens + offset_tokens, in that order (PrefillerState.route_pi)
         self._route_d = []  # routable decoders (active), creation order
+        self._route_dk = []  # their rank_kmin, in that order (DecoderState.route_i: a decoder's place there)
         self._order = 0
         self._n_pf_created = 0
         self._n_dec_created = 0
@@ -329,7 +335,11 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if not cands and self.asc is not None:
             self._scale_up_prefiller(now)  # emergency: nothing can take it right now
             cands = self._route_p
-        pf = self._choose_prefiller(cands, requeue, r)
+        indexed = self._choose_prefiller_indexed
+        if indexed is not None and cands is self._route_p:
+            pf = indexed(cands, self._route_pl, requeue, r)
+        else:
+            pf = self._choose_prefiller(cands, requeue, r)
         if pf is None:
             return self._reject(r, now, "queue_full" if cands else "no_prefiller")
         if not requeue and self.shed_ttft_s is not None and pf.cap_tps > 0:
@@ -352,6 +362,13 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         q.queue.append(r)
         q.n_queued += 1
         q.queued_tokens += r.ctx0
+        if q.route_pi >= 0:
+            self._route_pl[q.route_pi] = q.queued_tokens + q.offset_tokens
+
+    def _load_changed(self, w) -> None:
+        """``w``'s ``queued_tokens`` or ``offset_tokens`` changed: its entry in ``_route_pl`` (if any)."""
+        if w.route_pi >= 0:
+            self._route_pl[w.route_pi] = w.queued_tokens + w.offset_tokens
 
     def _reject(self, r: RequestState, now: float, reason: str) -> None:
         r.state = REJECTED
@@ -427,6 +444,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                 return self._idle(pf, now, WAIT_READY, pf.ready_at)
             self._set_status(pf, ACTIVE)
             pf.offset_tokens = 0
+            self._load_changed(pf)
             for s in pf.streams:
                 self._wake(s)
         elif st in (DEAD, RETIRED):
@@ -528,6 +546,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
             pf.pending.append(r)
             n_new += 1
         pf.running = []
+        if pf.route_pi >= 0:
+            self._route_pl[pf.route_pi] = pf.queued_tokens + pf.offset_tokens
         for r in reversed(partial):
             pf.queue.appendleft(r)
             pf.n_queued += 1
@@ -550,6 +570,7 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         if c:
             r.pf_done = c
             w.queued_tokens -= c
+            self._load_changed(w)
             if w.kind == "prefill":
                 w.kv_held += c
             per_block = pin.block_tokens * self.kv_bytes_per_token
@@ -626,7 +647,11 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
                 self._wake(pf)
                 continue
             need_probe = r.ctx0 + remaining + self.k
-            pick = self._choose_rank(self._route_d, need_probe)
+            indexed = self._choose_rank_indexed
+            if indexed is not None:
+                pick = indexed(self._route_d, self._route_dk, need_probe)
+            else:
+                pick = self._choose_rank(self._route_d, need_probe)
             if pick is not None:
                 d, rank = pick
                 need = -(-need_probe // d.page) * d.page  # _reserve_tokens(r.ctx0, remaining, d)
@@ -728,7 +753,9 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         old = keys[rank]
         keys[rank] = old + self._key_base + tokens
         if old == d.rank_kmin:  # the key grew: it may have been the only minimum
-            d.rank_kmin = min(keys)
+            d.rank_kmin = k = min(keys)
+            if d.route_i >= 0:
+                self._route_dk[d.route_i] = k
 
     def _free_kv(self, d: DecoderState, rank: int, tokens: int) -> None:
         """A request's reservation of ``tokens`` on ``rank`` of ``d`` is released."""
@@ -739,6 +766,8 @@ class Scheduler(Decoding, WorkerPool, FailureHandling, AggregatedServing):
         keys[rank] = v
         if v < d.rank_kmin:
             d.rank_kmin = v
+            if d.route_i >= 0:
+                self._route_dk[d.route_i] = v
 
     # ------------------------------------------------------------------ end of run, samples, checks
     def finalize(self, now_s: float, reason: str = "horizon") -> None:

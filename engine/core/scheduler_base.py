@@ -59,6 +59,8 @@ class SchedulerBase:
     policies: Policies
     _choose_prefiller: Callable
     _choose_rank: Callable
+    _choose_rank_indexed: Callable | None
+    _choose_prefiller_indexed: Callable | None
     _choose_worker: Callable
     _take_admitted: Callable
     pcache: PrefixCacheSpec | None
@@ -80,6 +82,8 @@ class SchedulerBase:
     agg: bool
     _route_p: list[PrefillerState]
     _route_d: list[DecoderState]
+    _route_dk: list[int]
+    _route_pl: list[int]
     _order: int
     _n_pf_created: int
     _n_dec_created: int
@@ -114,6 +118,7 @@ class SchedulerBase:
     if TYPE_CHECKING:
         # defined by Scheduler
         def _wake(self, w) -> None: ...
+        def _load_changed(self, w) -> None: ...
         def _wake_blocked_streams(self) -> None: ...
         def _maybe_finish(self, now_s: float) -> None: ...
         def _reserve_tokens(self, ctx: int, remaining: int, d: DecoderState | None) -> int: ...

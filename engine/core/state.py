@@ -103,6 +103,9 @@ class RequestState:
 class _GroupState:
     """What every worker group's state holds: the group, its place in creation order, its status and its life."""
 
+    #: its place in ``Scheduler._route_p`` (-1: none; only a prefiller's is ever set)
+    route_pi = -1
+
     def _init_group(self, g, order: int, status: int, ready_at: float, created_s: float) -> None:
         self.g = g
         self.id = g.id
@@ -189,6 +192,7 @@ class DecoderState(_GroupState):
         # (requests, -free KV) order as one int, for engine.core.policies.FewestRequests; set by Scheduler._add_decoder
         self.rank_key: list[int] = []
         self.rank_kmin = 0  # min(rank_key), kept with it (Scheduler._hold_kv / _free_kv and where keys are set)
+        self.route_i = -1   # its place in Scheduler._route_d (-1: not routable), set with that list
         self.rank_batch = [0] * ep       # decoding
         self.rank_queue: list[deque[RequestState]] = [deque() for _ in range(ep)]
         self.rank_rate = [0] * ep        # sum of fixed-point growth rates
