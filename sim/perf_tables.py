@@ -414,6 +414,8 @@ IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gemm, import_moe, impor
                                                  *ptm.IMPORTERS)
 #: the importers of collective tables (measured on the system's own NVLink; a DERIVED system scales their curves)
 COMM_IMPORTERS = (import_allreduce, import_alltoall, import_gather_scatter)
+#: importers whose curves go after the attention ones (added later: the earlier curves keep their order)
+LATE_IMPORTERS: tuple[Callable[..., Imported], ...] = (import_gather_scatter,)
 
 
 def scale_collectives(part: Imported, measured_on: str, runs_on: str) -> None:
@@ -472,7 +474,7 @@ def build_calibration(system: str, backend: str = "trtllm", *, root: Path | None
         raise UserError(f"{PACKAGE} has no tables for system {folder!r} (looked in {root})")
     say = progress or (lambda s: None)
     parts: list[Imported] = []
-    for imp in IMPORTERS + _attention_importers() + (import_gather_scatter,):
+    for imp in IMPORTERS + _attention_importers() + LATE_IMPORTERS:
         say(f"reading {imp.__name__.removeprefix('import_')} tables")
         part = imp(root, folder, backend, gpu)
         if derived and imp in COMM_IMPORTERS:

@@ -162,6 +162,12 @@ def _p2p(calib, e, x):
     return c.total_s * 1e6 if c.calibrated else None
 
 
+def _gather_scatter(calib, e, x):
+    topo = _topology(e.gpu)
+    c = moe_comm._gather_scatter(e.kind, topo, list(range(e.key["n_ranks"])), x, e.key["payload"], calib)
+    return None if c.calibrated_s is None else c.calibrated_s * 1e6
+
+
 def _step(calib, e, x):
     return host_step_s(calib, _topology(e.gpu).gpu_spec(0), e.key["phase"], x) * 1e6
 
@@ -170,6 +176,7 @@ DRIVERS = {
     "gemm_tflops": _gemm, "moe_us": _moe, "allreduce_us": _allreduce, "a2a_us": _a2a, "flash_tflops": _flash,
     "decode_attn_GBps": _decode_attn, "mla_prefill_tflops": _mla_prefill, "mla_decode_GBps": _mla_decode,
     "mla_bmm_us": _mla_bmm, "hbm_GBps": _hbm, "p2p_us": _p2p, "step_us": _step,
+    "allgather_us": _gather_scatter, "reducescatter_us": _gather_scatter,
 }
 
 

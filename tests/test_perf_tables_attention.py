@@ -40,6 +40,7 @@ def h200_doc():
     """The H200 TRT-LLM calibration built by the real pipeline from the attention importers alone."""
     mp = pytest.MonkeyPatch()
     mp.setattr(pt, "IMPORTERS", ())
+    mp.setattr(pt, "LATE_IMPORTERS", ())
     try:
         yield pt.build_calibration("h200", "trtllm")
     finally:
