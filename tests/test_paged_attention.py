@@ -216,3 +216,21 @@ def test_engine_decode_steps_equal_with_and_without_the_kernel(family, monkeypat
         assert paged_kernel_on(torch.device("cpu"), 16, 16) == (mode == "interpret")
         got[mode] = _decode_logits(m, m.new_cache(48, 16), prompts, steps=4)
     assert torch.allclose(got["interpret"], got["torch"], atol=2e-5), (got["interpret"] - got["torch"]).abs().max()
+
+
+def test_mla_sweep_rows_check_each_config_and_record_the_ones_that_do_not_build(monkeypatch, capsys):
+    """The GPU sweep's loop on the CPU (interpreter, fp32, one page of context, a fake timer): a good config of
+    each variant is checked against the torch path, a config the kernel refuses is an error row, not a crash."""
+    from rackbed.engine.bench import paged_attention as bench
+
+    monkeypatch.setattr(bench, "_graph_time", lambda fn, reps: (fn(), 1e-3)[1])
+    configs = (("default", 1, 64, 64, 4, None), ("split_v", 4, 64, 32, 4, 2), ("split_v", 64, 64, 64, 4, 2))
+    rows = bench._mla_sweep([1], 40, 1, None, 1e9, configs=configs, dev=torch.device("cpu"), dt=torch.float32)
+    assert [r["config"] for r in rows] == ["default_v1_h64_t64_w4_sd", "split_v_v4_h64_t32_w4_s2",
+                                           "split_v_v64_h64_t64_w4_s2"]
+    assert all(r["ok"] and r["max_rel_err"] < 1e-5 for r in rows[:2]), rows
+    assert rows[2]["error"].startswith("ValueError: mla_decode: v_split 64"), rows[2]
+    assert "best b=   1: " in capsys.readouterr().out
+    skipped = bench._mla_sweep([1], 40, 1, None, -1.0, configs=configs[:1], dev=torch.device("cpu"),
+                               dt=torch.float32)
+    assert skipped == [{"config": "default_v1_h64_t64_w4_sd", "skipped": "past --max-seconds -1"}]
