@@ -219,8 +219,9 @@ def test_engine_decode_steps_equal_with_and_without_the_kernel(family, monkeypat
 
 
 def test_mla_sweep_rows_check_each_config_and_record_the_ones_that_do_not_build(monkeypatch, capsys):
-    """The GPU sweep's loop on the CPU (interpreter, fp32, one page of context, a fake timer): a good config of
-    each variant is checked against the torch path, a config the kernel refuses is an error row, not a crash."""
+    """The GPU sweep's loop on the CPU (interpreter, fp32, one page of context, a fake timer): a good config
+    of each variant is checked against the torch path, a config the kernel refuses is an error row, not a
+    crash."""
     from rackbed.engine.bench import paged_attention as bench
 
     monkeypatch.setattr(bench, "_graph_time", lambda fn, reps: (fn(), 1e-3)[1])
