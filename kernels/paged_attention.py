@@ -196,9 +196,11 @@ def _kernels():
     def mla_split_v_kernel(q_ptr, kv_ptr, tab_ptr, pos_ptr, mo_ptr, mm_ptr, ml_ptr,
                            sq_b, sq_h, s_n, s_s, s_tb, n_split, scale, H,
                            BH: tl.constexpr, L: tl.constexpr, LV: tl.constexpr, VS: tl.constexpr,
-                           RD: tl.constexpr, S: tl.constexpr, BN: tl.constexpr):
+                           RD: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, QC: tl.constexpr):
         # VS programs per block of heads: each recomputes the block's scores over the full row and accumulates
         # only its LV = L / VS columns of the latent output (an [BH, LV] accumulator instead of [BH, L]).
+        # QC > 0: the scores' latent part is summed over L / QC chunks of QC columns, the query chunk reloaded
+        # (from cache) for each, instead of holding the whole [BH, L] query for the loop.
         hv = tl.program_id(0)         # head block * VS + latent chunk: the chunks of one block are neighbours
         hb = hv // VS
         vs = hv % VS
@@ -217,7 +219,8 @@ def _kernels():
         r = tl.arange(0, RD)
         n = tl.arange(0, BN)
         qrow = q_ptr + b * sq_b + hh[:, None] * sq_h
-        q_lat = tl.load(qrow + c[None, :], mask=hm[:, None], other=0.0)
+        if QC == 0:
+            q_lat = tl.load(qrow + c[None, :], mask=hm[:, None], other=0.0)
         q_pe = tl.load(qrow + L + r[None, :], mask=hm[:, None], other=0.0)
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BH], tl.float32)
@@ -226,10 +229,17 @@ def _kernels():
             page = tl.load(tab_ptr + b * s_tb + t0 // S).to(tl.int64)
             t = t0 + n
             rows = kv_ptr + page * s_n + ((t0 % S) + n)[:, None] * s_s
-            kc = tl.load(rows + c[None, :])
             kr = tl.load(rows + L + r[None, :])
             vc = tl.load(rows + cv[None, :])
-            s = (tl.dot(q_lat, tl.trans(kc)) + tl.dot(q_pe, tl.trans(kr))) * scale
+            s = tl.dot(q_pe, tl.trans(kr))
+            if QC == 0:
+                s = tl.dot(q_lat, tl.trans(tl.load(rows + c[None, :])), s)
+            else:
+                for j in tl.static_range(L // QC):
+                    cq = j * QC + tl.arange(0, QC)
+                    qj = tl.load(qrow + cq[None, :], mask=hm[:, None], other=0.0)
+                    s = tl.dot(qj, tl.trans(tl.load(rows + cq[None, :])), s)
+            s = s * scale
             s = tl.where((t <= pos)[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -316,7 +326,7 @@ MLA_VARIANTS = ("default", "split_v")
 
 def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, block_heads: int = 64,
                block_tokens: int = 64, num_warps: int = 8, splits: int | None = None,
-               variant: str = "default", v_split: int = 2, num_stages: int | None = None):
+               variant: str = "default", v_split: int = 2, num_stages: int | None = None, qk_chunk: int = 0):
     """Absorbed MLA decode of ``q [B, H, kv_lora + rope]`` over the latent pages ``storage [N, S, kv_lora +
     rope]`` -> ``[B, H, kv_lora]`` in ``q``'s dtype (module docstring). Tiling default: 64 heads x 64 tokens per
     step, 8 warps -- the fastest of six tilings measured on an H200 at DeepSeek-V3 width (128 heads, context 4096,
@@ -326,9 +336,12 @@ def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, bloc
     ``variant="split_v"``: ``v_split`` programs per block of heads, each owning ``kv_lora / v_split`` columns
     of the output and its accumulator (``[block_heads, kv_lora / v_split]`` fp32 instead of ``[block_heads,
     kv_lora]``), each recomputing the block's scores (the QK^T part, 576 of the 1088 FLOPs per key and head at
-    DeepSeek-V3 width, is done ``v_split`` times). Same merge, same result. ``num_stages`` (either variant) is
-    passed to Triton's launch (None: Triton's default). Which variant and tiling is fastest is measured by
-    ``python -m rackbed.engine.bench.paged_attention --mla-sweep``; the engine calls the default."""
+    DeepSeek-V3 width, is done ``v_split`` times). Same merge, same result. ``qk_chunk`` > 0 (split_v only):
+    the latent part of the scores is summed over chunks of that many columns, reloading the query chunk for
+    each key block, instead of keeping the whole ``[block_heads, kv_lora]`` query in registers.
+    ``num_stages`` (either variant) is passed to Triton's launch (None: Triton's default). Which variant and
+    tiling is fastest is measured by ``python -m rackbed.engine.bench.paged_attention --mla-sweep``; the
+    engine calls the default."""
     import torch
 
     B, H, W = q.shape
@@ -343,6 +356,10 @@ def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, bloc
     if vs < 1 or kv_lora % vs or kv_lora // vs < 16 or _next_pow2(kv_lora // vs) != kv_lora // vs:
         raise ValueError(f"mla_decode: v_split {v_split} must split kv_lora {kv_lora} into power-of-two "
                          "chunks of at least 16")
+    if qk_chunk and (variant != "split_v" or qk_chunk < 16 or kv_lora % qk_chunk or
+                     _next_pow2(qk_chunk) != qk_chunk):
+        raise ValueError(f"mla_decode: qk_chunk {qk_chunk} needs variant='split_v' and a power-of-two "
+                         f"divisor of kv_lora {kv_lora} of at least 16")
     P = table.shape[1]
     BN = min(S, block_tokens)
     out = torch.empty(B, H, kv_lora, dtype=q.dtype, device=q.device)
@@ -362,7 +379,7 @@ def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, bloc
             H)
     if variant == "split_v":
         _kernels()[3][(nhb * vs, B, ns)](*args, BH=block_heads, L=kv_lora, LV=kv_lora // vs, VS=vs, RD=RD,
-                                        S=S, BN=BN, **launch)
+                                        S=S, BN=BN, QC=qk_chunk, **launch)
     else:
         _kernels()[1][(nhb, B, ns)](*args, BH=block_heads, L=kv_lora, RD=RD, S=S, BN=BN, **launch)
     _merge(mo, mm, ml, None, out, ns, H, kv_lora)

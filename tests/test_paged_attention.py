@@ -108,14 +108,17 @@ def _mla_case(seed, B, H, S, L, R, N, P):
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), H=st.integers(1, 20), splits=st.integers(1, 4),
-       v_split=st.sampled_from([1, 2, 4]), block=st.sampled_from([16, 32]), tokens=st.sampled_from([16, 32]))
-def test_mla_split_v_equals_the_torch_path_and_the_default_kernel(seed, H, splits, v_split, block, tokens):
+       v_split=st.sampled_from([1, 2, 4]), block=st.sampled_from([16, 32]), tokens=st.sampled_from([16, 32]),
+       qk_chunk=st.sampled_from([0, 16, 32]))
+def test_mla_split_v_equals_the_torch_path_and_the_default_kernel(seed, H, splits, v_split, block, tokens,
+                                                                   qk_chunk):
     """The latent-split variant: each of ``v_split`` programs owns a quarter/half/all of the output columns
-    and recomputes the scores; head counts off the block, positions off the page, 1..4 splits of the pages."""
+    and recomputes the scores (whole query or in ``qk_chunk`` columns); head counts off the block, positions
+    off the page, 1..4 splits of the pages."""
     L = 64
     q, latent, table, pos, ref = _mla_case(seed, B=2, H=H, S=32, L=L, R=16, N=8, P=3)
     out = pa.mla_decode(q, latent, table, pos, 0.2, L, block_heads=block, block_tokens=tokens, splits=splits,
-                        variant="split_v", v_split=v_split)
+                        variant="split_v", v_split=v_split, qk_chunk=qk_chunk)
     assert torch.allclose(out, ref, atol=2e-6), (out - ref).abs().max()
     base = pa.mla_decode(q, latent, table, pos, 0.2, L, block_heads=block, block_tokens=tokens, splits=splits)
     assert torch.allclose(out, base, atol=2e-6), (out - base).abs().max()
@@ -143,6 +146,9 @@ def test_mla_variant_and_v_split_errors_name_the_bad_value():
     for bad in (0, 3, 4):  # 32 / 4 = 8 is under a 16-wide tile
         with pytest.raises(ValueError, match=f"v_split {bad} must split kv_lora 32"):
             pa.mla_decode(q, latent, table, pos, 0.2, 32, variant="split_v", v_split=bad)
+    for bad, variant in ((8, "split_v"), (24, "split_v"), (64, "split_v"), (16, "default")):
+        with pytest.raises(ValueError, match=f"qk_chunk {bad} needs variant='split_v'"):
+            pa.mla_decode(q, latent, table, pos, 0.2, 32, variant=variant, qk_chunk=bad)
 
 
 def test_a_position_past_the_table_reads_nothing_beyond_it_and_empty_splits_merge_to_the_same_answer():
@@ -225,9 +231,10 @@ def test_mla_sweep_rows_check_each_config_and_record_the_ones_that_do_not_build(
     from rackbed.engine.bench import paged_attention as bench
 
     monkeypatch.setattr(bench, "_graph_time", lambda fn, reps: (fn(), 1e-3)[1])
-    configs = (("default", 1, 64, 64, 4, None), ("split_v", 4, 64, 32, 4, 2), ("split_v", 64, 64, 64, 4, 2))
+    configs = (("default", 1, 64, 64, 4, None, 0), ("split_v", 4, 64, 32, 4, 2, 128),
+               ("split_v", 64, 64, 64, 4, 2, 0))
     rows = bench._mla_sweep([1], 40, 1, None, 1e9, configs=configs, dev=torch.device("cpu"), dt=torch.float32)
-    assert [r["config"] for r in rows] == ["default_v1_h64_t64_w4_sd", "split_v_v4_h64_t32_w4_s2",
+    assert [r["config"] for r in rows] == ["default_v1_h64_t64_w4_sd", "split_v_v4_h64_t32_w4_s2_c128",
                                            "split_v_v64_h64_t64_w4_s2"]
     assert all(r["ok"] and r["max_rel_err"] < 1e-5 for r in rows[:2]), rows
     assert rows[2]["error"].startswith("ValueError: mla_decode: v_split 64"), rows[2]

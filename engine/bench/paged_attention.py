@@ -26,13 +26,16 @@ import torch
 from rackbed.topology.outputs import add_force, entry_file, write_text
 
 MLA_VARIANTS = ((16, 32, 4), (32, 32, 8), (64, 32, 8), (64, 16, 8), (32, 64, 8), (64, 64, 8))
-# --mla-sweep: (variant, v_split, heads per program, tokens per block, warps, stages (None: Triton's default))
+# --mla-sweep: (variant, v_split, heads per program, tokens per block, warps, stages (None: Triton's default),
+# qk_chunk (0: the whole query held))
 MLA_SWEEP = (
-    ("default", 1, 64, 64, 8, None), ("default", 1, 64, 32, 8, None), ("default", 1, 64, 64, 8, 1),
-    ("default", 1, 64, 64, 8, 3),
-    *(("split_v", vs, 64, bn, nw, ns) for vs in (2, 4) for bn in (32, 64) for nw in (4, 8) for ns in (2, 3)),
-    ("split_v", 2, 32, 64, 4, 2), ("split_v", 2, 64, 64, 8, 1), ("split_v", 4, 64, 64, 8, 1),
-    ("split_v", 8, 64, 64, 4, 2),
+    ("default", 1, 64, 64, 8, None, 0), ("default", 1, 64, 32, 8, None, 0), ("default", 1, 64, 64, 8, 1, 0),
+    ("default", 1, 64, 64, 8, 3, 0),
+    *(("split_v", vs, 64, bn, nw, ns, 0)
+      for vs in (2, 4) for bn in (32, 64) for nw in (4, 8) for ns in (2, 3)),
+    ("split_v", 2, 32, 64, 4, 2, 0), ("split_v", 2, 64, 64, 8, 1, 0), ("split_v", 4, 64, 64, 8, 1, 0),
+    ("split_v", 8, 64, 64, 4, 2, 0),
+    *(("split_v", vs, 64, 64, nw, 2, qc) for vs in (2, 4) for nw in (4, 8) for qc in (64, 128)),
 )
 MLA_TOLERANCE = 2e-2  # largest |kernel - torch path| / max |torch path| accepted (bf16 on both paths)
 
@@ -91,8 +94,8 @@ def _mla_sweep(batches, context: int, reps: int, only, max_seconds: float, confi
             mq, lst, table, pos, ref_fn = _mla_inputs(b, context, dev, dt, S)
             data[b] = (mq, lst, table, pos, ref_fn().float(), _graph_time(ref_fn, reps))
             print(f"torch path b={b:4d} {data[b][5] * 1e6:9.1f} us", flush=True)
-    for variant, vs, bh, bn, nw, stages in configs:
-        name = f"{variant}_v{vs}_h{bh}_t{bn}_w{nw}_s{stages or 'd'}"
+    for variant, vs, bh, bn, nw, stages, qc in configs:
+        name = f"{variant}_v{vs}_h{bh}_t{bn}_w{nw}_s{stages or 'd'}" + (f"_c{qc}" if qc else "")
         if only and not name.startswith(only):
             continue
         if time.monotonic() - t_start > max_seconds:
@@ -101,9 +104,10 @@ def _mla_sweep(batches, context: int, reps: int, only, max_seconds: float, confi
         for b, (mq, lst, table, pos, ref, t_ref) in data.items():
             def fn(mq=mq, lst=lst, table=table, pos=pos):
                 return pa.mla_decode(mq, lst, table, pos, 0.1, 512, block_heads=bh, block_tokens=bn,
-                                     num_warps=nw, variant=variant, v_split=vs, num_stages=stages)
+                                     num_warps=nw, variant=variant, v_split=vs, num_stages=stages,
+                                     qk_chunk=qc)
             row = {"config": name, "variant": variant, "v_split": vs, "block_heads": bh, "block_tokens": bn,
-                   "num_warps": nw, "num_stages": stages, "batch": b, "context": context}
+                   "num_warps": nw, "num_stages": stages, "qk_chunk": qc, "batch": b, "context": context}
             try:
                 with torch.inference_mode():
                     err = ((fn().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
