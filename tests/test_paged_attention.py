@@ -106,6 +106,7 @@ def _mla_case(seed, B, H, S, L, R, N, P):
     return q, latent, table, pos, torch.softmax(s, -1) @ ctx[..., :L]
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), H=st.integers(1, 20), splits=st.integers(1, 4),
        v_split=st.sampled_from([1, 2, 4]), block=st.sampled_from([16, 32]), tokens=st.sampled_from([16, 32]),
@@ -224,6 +225,7 @@ def test_engine_decode_steps_equal_with_and_without_the_kernel(family, monkeypat
     assert torch.allclose(got["interpret"], got["torch"], atol=2e-5), (got["interpret"] - got["torch"]).abs().max()
 
 
+@pytest.mark.slow
 def test_mla_sweep_rows_check_each_config_and_record_the_ones_that_do_not_build(monkeypatch, capsys):
     """The GPU sweep's loop on the CPU (interpreter, fp32, one page of context, a fake timer): a good config
     of each variant is checked against the torch path, a config the kernel refuses is an error row, not a
