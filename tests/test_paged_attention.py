@@ -244,3 +244,12 @@ def test_mla_sweep_rows_check_each_config_and_record_the_ones_that_do_not_build(
     skipped = bench._mla_sweep([1], 40, 1, None, -1.0, configs=configs[:1], dev=torch.device("cpu"),
                                dt=torch.float32)
     assert skipped == [{"config": "default_v1_h64_t64_w4_sd", "skipped": "past --max-seconds -1"}]
+
+
+def test_the_bench_says_in_one_line_that_it_needs_a_gpu(capsys):
+    from rackbed.engine.bench import paged_attention as bench
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert bench.main(["--mla-sweep"]) == 2
+    assert capsys.readouterr().err == "paged_attention bench: needs a CUDA GPU (none is visible)\n"

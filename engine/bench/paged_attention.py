@@ -189,6 +189,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.out:
         entry_file(a.out, force=a.force)
+    if not torch.cuda.is_available():
+        print("paged_attention bench: needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    if any(b < 1 for b in a.batches or ()) or (a.context is not None and a.context < 0):
+        print("paged_attention bench: --batches must be >= 1 and --context >= 0", file=sys.stderr)
+        return 2
     a.batches = a.batches or ([32, 64, 128, 256] if a.mla_sweep else [1, 8, 32, 64, 128, 256])
     a.context = a.context if a.context is not None else (4096 if a.mla_sweep else 2048)
     if a.mla_sweep:
