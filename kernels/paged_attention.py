@@ -193,68 +193,6 @@ def _kernels():
         tl.store(ml_ptr + row, l_i, mask=hm)
 
     @triton.jit
-    def mla_split_v_kernel(q_ptr, kv_ptr, tab_ptr, pos_ptr, mo_ptr, mm_ptr, ml_ptr,
-                           sq_b, sq_h, s_n, s_s, s_tb, n_split, scale, H,
-                           BH: tl.constexpr, L: tl.constexpr, LV: tl.constexpr, VS: tl.constexpr,
-                           RD: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, QC: tl.constexpr):
-        # VS programs per block of heads: each recomputes the block's scores over the full row and accumulates
-        # only its LV = L / VS columns of the latent output (an [BH, LV] accumulator instead of [BH, L]).
-        # QC > 0: the scores' latent part is summed over L / QC chunks of QC columns, the query chunk reloaded
-        # (from cache) for each, instead of holding the whole [BH, L] query for the loop.
-        hv = tl.program_id(0)         # head block * VS + latent chunk: the chunks of one block are neighbours
-        hb = hv // VS
-        vs = hv % VS
-        b = tl.program_id(1)
-        sp = tl.program_id(2)
-        pos = tl.load(pos_ptr + b).to(tl.int32)
-        hi = pos + 1
-        n_blk = tl.cdiv(hi, BN)
-        per = tl.cdiv(n_blk, n_split)
-        b0 = sp * per * BN
-        b1 = tl.minimum(b0 + per * BN, hi)
-        hh = hb * BH + tl.arange(0, BH)
-        hm = hh < H
-        c = tl.arange(0, L)
-        cv = vs * LV + tl.arange(0, LV)
-        r = tl.arange(0, RD)
-        n = tl.arange(0, BN)
-        qrow = q_ptr + b * sq_b + hh[:, None] * sq_h
-        if QC == 0:
-            q_lat = tl.load(qrow + c[None, :], mask=hm[:, None], other=0.0)
-        q_pe = tl.load(qrow + L + r[None, :], mask=hm[:, None], other=0.0)
-        m_i = tl.full([BH], float("-inf"), tl.float32)
-        l_i = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, LV], tl.float32)
-        for t0 in range(b0, b1, BN):
-            page = tl.load(tab_ptr + b * s_tb + t0 // S).to(tl.int64)
-            t = t0 + n
-            rows = kv_ptr + page * s_n + ((t0 % S) + n)[:, None] * s_s
-            kr = tl.load(rows + L + r[None, :])
-            vc = tl.load(rows + cv[None, :])
-            s = tl.dot(q_pe, tl.trans(kr))
-            if QC == 0:
-                s = tl.dot(q_lat, tl.trans(tl.load(rows + c[None, :])), s)
-            else:
-                for j in tl.static_range(L // QC):
-                    cq = j * QC + tl.arange(0, QC)
-                    qj = tl.load(qrow + cq[None, :], mask=hm[:, None], other=0.0)
-                    s = tl.dot(qj, tl.trans(tl.load(rows + cq[None, :])), s)
-            s = s * scale
-            s = tl.where((t <= pos)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc)
-            m_i = m_new
-        row = (b * H + hh) * n_split + sp
-        tl.store(mo_ptr + row[:, None] * L + cv[None, :], acc, mask=hm[:, None])
-        if vs == 0:                   # every chunk has the same max and sum; one writes them
-            tl.store(mm_ptr + row, m_i, mask=hm)
-            tl.store(ml_ptr + row, l_i, mask=hm)
-
-    @triton.jit
     def merge_kernel(mo_ptr, mm_ptr, ml_ptr, sink_ptr, out_ptr, n_split, Hq,
                      D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr):
         row = tl.program_id(0)        # b * Hq + head
@@ -276,7 +214,7 @@ def _kernels():
         o = tl.sum(o * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
         tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
 
-    return gqa_split_kernel, mla_split_kernel, merge_kernel, mla_split_v_kernel
+    return gqa_split_kernel, mla_split_kernel, merge_kernel
 
 
 def _merge(mo, mm, ml, sinks, out, n_split: int, Hq: int, D: int) -> None:
@@ -321,27 +259,13 @@ def gqa_decode(q, storage, table, positions, scale: float, *, window: int = 0, r
     return out.view(B, Hq * D)
 
 
-MLA_VARIANTS = ("default", "split_v")
-
-
 def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, block_heads: int = 64,
-               block_tokens: int = 64, num_warps: int = 8, splits: int | None = None,
-               variant: str = "default", v_split: int = 2, num_stages: int | None = None, qk_chunk: int = 0):
+               block_tokens: int = 64, num_warps: int = 8, splits: int | None = None):
     """Absorbed MLA decode of ``q [B, H, kv_lora + rope]`` over the latent pages ``storage [N, S, kv_lora +
     rope]`` -> ``[B, H, kv_lora]`` in ``q``'s dtype (module docstring). Tiling default: 64 heads x 64 tokens per
     step, 8 warps -- the fastest of six tilings measured on an H200 at DeepSeek-V3 width (128 heads, context 4096,
     batch 32-256: 1.9-2.7x the torch path; ``engine.bench.paged_attention``); the block is compute-bound there
-    (~225 TFLOP/s at batch 256), which a 64-row tensor-core tile serves best.
-
-    ``variant="split_v"``: ``v_split`` programs per block of heads, each owning ``kv_lora / v_split`` columns
-    of the output and its accumulator (``[block_heads, kv_lora / v_split]`` fp32 instead of ``[block_heads,
-    kv_lora]``), each recomputing the block's scores (the QK^T part, 576 of the 1088 FLOPs per key and head at
-    DeepSeek-V3 width, is done ``v_split`` times). Same merge, same result. ``qk_chunk`` > 0 (split_v only):
-    the latent part of the scores is summed over chunks of that many columns, reloading the query chunk for
-    each key block, instead of keeping the whole ``[block_heads, kv_lora]`` query in registers.
-    ``num_stages`` (either variant) is passed to Triton's launch (None: Triton's default). Which variant and
-    tiling is fastest is measured by ``python -m rackbed.engine.bench.paged_attention --mla-sweep``; the
-    engine calls the default."""
+    (~225 TFLOP/s at batch 256), which a 64-row tensor-core tile serves best."""
     import torch
 
     B, H, W = q.shape
@@ -350,16 +274,6 @@ def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, bloc
     if W2 != W or RD <= 0 or _next_pow2(kv_lora) != kv_lora or _next_pow2(RD) != RD:
         raise ValueError(f"mla_decode: q {tuple(q.shape)}, storage {tuple(storage.shape)}, kv_lora {kv_lora}: "
                          "needs matching row widths and power-of-two latent and rope widths")
-    if variant not in MLA_VARIANTS:
-        raise ValueError(f"mla_decode: variant {variant!r} is not one of {', '.join(MLA_VARIANTS)}")
-    vs = v_split if variant == "split_v" else 1
-    if vs < 1 or kv_lora % vs or kv_lora // vs < 16 or _next_pow2(kv_lora // vs) != kv_lora // vs:
-        raise ValueError(f"mla_decode: v_split {v_split} must split kv_lora {kv_lora} into power-of-two "
-                         "chunks of at least 16")
-    if qk_chunk and (variant != "split_v" or qk_chunk < 16 or kv_lora % qk_chunk or
-                     _next_pow2(qk_chunk) != qk_chunk):
-        raise ValueError(f"mla_decode: qk_chunk {qk_chunk} needs variant='split_v' and a power-of-two "
-                         f"divisor of kv_lora {kv_lora} of at least 16")
     P = table.shape[1]
     BN = min(S, block_tokens)
     out = torch.empty(B, H, kv_lora, dtype=q.dtype, device=q.device)
@@ -369,18 +283,13 @@ def mla_decode(q, storage, table, positions, scale: float, kv_lora: int, *, bloc
         q = q.contiguous()
     table = table.contiguous()
     nhb = -(-H // block_heads)
-    ns = splits or n_splits(nhb * vs * B, P * S // BN)
+    ns = splits or n_splits(nhb * B, P * S // BN)
     mo = torch.empty(B * H * ns, kv_lora, dtype=torch.float32, device=q.device)
     mm = torch.empty(B * H * ns, dtype=torch.float32, device=q.device)
     ml = torch.empty_like(mm)
-    launch = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
-    args = (q, storage, table, positions, mo, mm, ml,
-            q.stride(0), q.stride(1), storage.stride(0), storage.stride(1), table.stride(0), ns, float(scale),
-            H)
-    if variant == "split_v":
-        _kernels()[3][(nhb * vs, B, ns)](*args, BH=block_heads, L=kv_lora, LV=kv_lora // vs, VS=vs, RD=RD,
-                                        S=S, BN=BN, QC=qk_chunk, **launch)
-    else:
-        _kernels()[1][(nhb, B, ns)](*args, BH=block_heads, L=kv_lora, RD=RD, S=S, BN=BN, **launch)
+    _kernels()[1][(nhb, B, ns)](
+        q, storage, table, positions, mo, mm, ml,
+        q.stride(0), q.stride(1), storage.stride(0), storage.stride(1), table.stride(0), ns, float(scale), H,
+        BH=block_heads, L=kv_lora, RD=RD, S=S, BN=BN, num_warps=num_warps)
     _merge(mo, mm, ml, None, out, ns, H, kv_lora)
     return out

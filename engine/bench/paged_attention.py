@@ -5,12 +5,6 @@ Shapes of the served models at full width (one layer, bf16, pages of 64): Qwen3-
 dim 128), gpt-oss sliding layer on its ring (64 / 8 heads, dim 64, window 128, sinks), DeepSeek-V3 MLA absorbed
 (128 heads, latent 512 + rope 64). For each batch: median time of each path over CUDA-graph replays, the KV bytes
 the step must read (the sequences' own tokens) over that time, and the largest difference of the outputs.
-
-``--mla-sweep``: the MLA decode kernel's variants and tilings (:data:`MLA_SWEEP`: the default kernel and
-``split_v``, which splits the 512-wide latent output across programs) at DeepSeek-V3 width, context 4096 and
-batch 32-256 unless told otherwise, each timed and checked against the torch path; a config that does not
-build (e.g. out of shared memory) is recorded with its error, and configs past ``--max-seconds`` are listed as
-skipped.
 """
 
 from __future__ import annotations
@@ -26,18 +20,6 @@ import torch
 from rackbed.topology.outputs import add_force, entry_file, write_text
 
 MLA_VARIANTS = ((16, 32, 4), (32, 32, 8), (64, 32, 8), (64, 16, 8), (32, 64, 8), (64, 64, 8))
-# --mla-sweep: (variant, v_split, heads per program, tokens per block, warps, stages (None: Triton's default),
-# qk_chunk (0: the whole query held))
-MLA_SWEEP = (
-    ("default", 1, 64, 64, 8, None, 0), ("default", 1, 64, 32, 8, None, 0), ("default", 1, 64, 64, 8, 1, 0),
-    ("default", 1, 64, 64, 8, 3, 0),
-    *(("split_v", vs, 64, bn, nw, ns, 0)
-      for vs in (2, 4) for bn in (32, 64) for nw in (4, 8) for ns in (2, 3)),
-    ("split_v", 2, 32, 64, 4, 2, 0), ("split_v", 2, 64, 64, 8, 1, 0), ("split_v", 4, 64, 64, 8, 1, 0),
-    ("split_v", 8, 64, 64, 4, 2, 0),
-    *(("split_v", vs, 64, 64, nw, 2, qc) for vs in (2, 4) for nw in (4, 8) for qc in (64, 128)),
-)
-MLA_TOLERANCE = 2e-2  # largest |kernel - torch path| / max |torch path| accepted (bf16 on both paths)
 
 
 def _graph_time(fn, reps: int) -> float:
@@ -63,76 +45,6 @@ def _graph_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _mla_inputs(b: int, context: int, dev, dt, S: int):
-    """DeepSeek-V3 MLA absorbed at batch ``b`` (the latent part; the W_UK / W_UV einsums are the same on both
-    paths): queries ``[b, 128, 576]``, latent pages, table, positions and the torch gather path."""
-    P = -(-(context + 1) // S)
-    pos = torch.full((b,), context, device=dev)
-    table = torch.arange(b * P, device=dev).view(b, P)
-    mask = torch.arange(P * S, device=dev)[None, :] <= pos[:, None]
-    lst = torch.randn(b * P, S, 576, device=dev, dtype=dt)
-    mq = torch.randn(b, 128, 576, device=dev, dtype=dt)
-
-    def mla_torch():
-        ctx = lst[table].reshape(b, P * S, 576)
-        s = torch.matmul(mq, ctx.transpose(1, 2)).float() * 0.1
-        s = s.masked_fill(~mask[:, None, :], float("-inf"))
-        return torch.matmul(torch.softmax(s, -1).to(dt), ctx[..., :512])
-    return mq, lst, table, pos, mla_torch
-
-
-def _mla_sweep(batches, context: int, reps: int, only, max_seconds: float, configs=MLA_SWEEP, dev=None,
-               dt=torch.bfloat16) -> list:
-    """Rows of ``configs`` x ``batches``: time, TFLOP/s, GB/s and error against the torch path."""
-    from rackbed.kernels import paged_attention as pa
-
-    dev, S = dev or torch.device("cuda"), 64
-    t_start = time.monotonic()
-    data, rows = {}, []
-    with torch.inference_mode():
-        for b in batches:
-            mq, lst, table, pos, ref_fn = _mla_inputs(b, context, dev, dt, S)
-            data[b] = (mq, lst, table, pos, ref_fn().float(), _graph_time(ref_fn, reps))
-            print(f"torch path b={b:4d} {data[b][5] * 1e6:9.1f} us", flush=True)
-    for variant, vs, bh, bn, nw, stages, qc in configs:
-        name = f"{variant}_v{vs}_h{bh}_t{bn}_w{nw}_s{stages or 'd'}" + (f"_c{qc}" if qc else "")
-        if only and not name.startswith(only):
-            continue
-        if time.monotonic() - t_start > max_seconds:
-            rows.append({"config": name, "skipped": f"past --max-seconds {max_seconds:g}"})
-            continue
-        for b, (mq, lst, table, pos, ref, t_ref) in data.items():
-            def fn(mq=mq, lst=lst, table=table, pos=pos):
-                return pa.mla_decode(mq, lst, table, pos, 0.1, 512, block_heads=bh, block_tokens=bn,
-                                     num_warps=nw, variant=variant, v_split=vs, num_stages=stages,
-                                     qk_chunk=qc)
-            row = {"config": name, "variant": variant, "v_split": vs, "block_heads": bh, "block_tokens": bn,
-                   "num_warps": nw, "num_stages": stages, "qk_chunk": qc, "batch": b, "context": context}
-            try:
-                with torch.inference_mode():
-                    err = ((fn().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                    t = _graph_time(fn, reps)
-            except Exception as exc:  # a tiling that does not build or launch on this GPU is a result too
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                rows.append(row)
-                print(f"{name:36s} b={b:4d} error {row['error']}", flush=True)
-                break
-            kv_bytes = b * (context + 1) * 576 * 2
-            flops = 2 * b * 128 * (context + 1) * (576 + 512)
-            row |= {"us": t * 1e6, "torch_us": t_ref * 1e6, "speedup": t_ref / t, "TFLOPs": flops / t / 1e12,
-                    "GBps": kv_bytes / t / 1e9, "max_rel_err": err, "ok": err < MLA_TOLERANCE}
-            rows.append(row)
-            print(f"{name:36s} b={b:4d} {t * 1e6:9.1f} us  x{t_ref / t:5.2f}  "
-                  f"{flops / t / 1e12:6.1f} TFLOP/s  {kv_bytes / t / 1e9:6.0f} GB/s  err {err:.1e}"
-                  f"{'' if row['ok'] else '  WRONG'}", flush=True)
-    for b in batches:
-        done = [r for r in rows if r.get("batch") == b and r.get("ok")]
-        if done:
-            best = min(done, key=lambda r: r["us"])
-            print(f"best b={b:4d}: {best['config']} {best['us']:.1f} us", flush=True)
-    return rows
-
-
 def _cases(b: int, context: int, dev, dt, S: int) -> dict:
     """name -> (torch path, kernel, KV bytes the step must read) at batch ``b``."""
     from rackbed.engine.real import layers_gqa
@@ -148,6 +60,7 @@ def _cases(b: int, context: int, dev, dt, S: int) -> dict:
 
     class C:
         head_dim = 128
+    mask = torch.arange(P * S, device=dev)[None, :] <= pos[:, None]
     cases["qwen3_gqa"] = (lambda: layers_gqa.decode({}, q.transpose(0, 1), st[table], pos, 0, C),
                           lambda: pa.gqa_decode(q, st, table, pos, 128 ** -0.5),
                           b * (context + 1) * 2 * 4 * 128 * 2)
@@ -163,25 +76,28 @@ def _cases(b: int, context: int, dev, dt, S: int) -> dict:
         lambda: layers_gqa.decode_ring({"sinks": sinks}, rq.transpose(0, 1), rst[rings], pos, 128, C2),
         lambda: pa.gqa_decode(rq, rst, rings, pos, 64 ** -0.5, window=128, ring=True, sinks=sinks),
         b * 128 * 2 * 8 * 64 * 2)
-    mq, lst, mtable, mpos, mla_torch = _mla_inputs(b, context, dev, dt, S)
+    # DeepSeek-V3 MLA absorbed (the latent part; W_UK / W_UV einsums are the same on both paths)
+    lst = torch.randn(b * P, S, 576, device=dev, dtype=dt)
+    mq = torch.randn(b, 128, 576, device=dev, dtype=dt)
+
+    def mla_torch():
+        ctx = lst[table].reshape(b, P * S, 576)
+        s = torch.matmul(mq, ctx.transpose(1, 2)).float() * 0.1
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+        return torch.matmul(torch.softmax(s, -1).to(dt), ctx[..., :512])
     # heads per program (the latent is read H / bh times, from L2 when they run together), tokens per block, warps
     for bh, bn, nw in MLA_VARIANTS:
         cases[f"dsv3_mla_h{bh}_t{bn}_w{nw}"] = (
-            mla_torch, lambda bh=bh, bn=bn, nw=nw: pa.mla_decode(
-                mq, lst, mtable, mpos, 0.1, 512, block_heads=bh, block_tokens=bn, num_warps=nw),
+            mla_torch, lambda bh=bh, bn=bn, nw=nw: pa.mla_decode(mq, lst, table, pos, 0.1, 512, block_heads=bh,
+                                                                 block_tokens=bn, num_warps=nw),
             b * (context + 1) * 576 * 2)
     return cases
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=None,
-                    help="default 1 8 32 64 128 256; with --mla-sweep 32 64 128 256")
-    ap.add_argument("--context", type=int, default=None, help="default 2048; with --mla-sweep 4096")
-    ap.add_argument("--mla-sweep", action="store_true",
-                    help="time the MLA kernel's variants and tilings instead")
-    ap.add_argument("--max-seconds", type=float, default=150.0,
-                    help="--mla-sweep: start no further config after this many seconds")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", default=None, help="run only the cases whose name starts with this")
     ap.add_argument("--out", default=None)
@@ -189,17 +105,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.out:
         entry_file(a.out, force=a.force)
-    if not torch.cuda.is_available():
-        print("paged_attention bench: needs a CUDA GPU (none is visible)", file=sys.stderr)
-        return 2
-    if any(b < 1 for b in a.batches or ()) or (a.context is not None and a.context < 0):
-        print("paged_attention bench: --batches must be >= 1 and --context >= 0", file=sys.stderr)
-        return 2
-    a.batches = a.batches or ([32, 64, 128, 256] if a.mla_sweep else [1, 8, 32, 64, 128, 256])
-    a.context = a.context if a.context is not None else (4096 if a.mla_sweep else 2048)
-    if a.mla_sweep:
-        rows = _mla_sweep(a.batches, a.context, a.reps, a.only, a.max_seconds)
-        return _write(a, argv, "paged_attention_mla_sweep", rows)
     dev, dt, S = torch.device("cuda"), torch.bfloat16, 64
     rows = []
     for b in a.batches:
@@ -219,11 +124,7 @@ def main(argv=None) -> int:
                   f"x{t_ref / t_ker:5.2f}  {kv_bytes / t_ker / 1e9:7.0f} GB/s  err {err:.1e}", flush=True)
         del cases
         torch.cuda.empty_cache()
-    return _write(a, argv, "paged_attention", rows)
-
-
-def _write(a, argv, bench: str, rows: list) -> int:
-    doc = {"bench": bench, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    doc = {"bench": "paged_attention", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join([sys.executable, "-m", "rackbed.engine.bench.paged_attention", *(argv or sys.argv[1:])]),
